@@ -1,0 +1,109 @@
+"""The pipeline in one place: capture -> rules -> cost -> solve -> rewrite -> load."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from autotp.cost_models import load_topology
+from autotp.passes.capture import capture, fingerprint
+from autotp.passes.prepare import fused_block_hints, merge_aliases, split_bias
+from autotp.passes.rewrite import rewrite
+from autotp.passes.rules import RULES
+from autotp.passes.solve import planned_collectives, solve
+from autotp.passes.strategies import Context, Strategy, enumerate_strategies
+
+from .collectives import gather_full
+from .hf import default_inputs, no_kv_cache
+from .plan import Plan, PlanMismatch
+
+
+def _graph(model: torch.nn.Module, args, kwargs) -> torch.fx.GraphModule:
+    if args is None and kwargs is None:
+        args = default_inputs(model)
+    with no_kv_cache(model):
+        gm = capture(model, tuple(args or ()), kwargs)
+    merge_aliases(gm)
+    split_bias(gm)
+    return gm
+
+
+def _solve(gm: torch.fx.GraphModule, world_size: int, topology, memory_slack: float, training: bool) -> Plan:
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    topo = load_topology(topology)
+    ctx = Context(world=world_size)
+    ctx.hints = fused_block_hints(gm, ctx)
+    enumerate_strategies(gm, ctx, RULES)
+    solution = solve(gm, ctx, topo, memory_slack=memory_slack, training=training)
+    choice = solution.choice
+    return Plan(
+        world_size=world_size,
+        fingerprint=fingerprint(gm),
+        topology=topo.name,
+        nodes={n.name: Plan.encode(s) for n, s in choice.items()},
+        params={n.target: str(s.output) for n, s in choice.items() if n.op == "get_attr"},
+        collectives=planned_collectives(gm, choice, world_size, topo),
+        cost={"seconds": solution.seconds, "param_bytes_per_device": solution.param_bytes},
+    )
+
+
+def plan(model: torch.nn.Module, args=None, kwargs=None, *, world_size: int, topology=None,
+         memory_slack: float = 0.02, training: bool = True) -> Plan:
+    """Find a sharding plan without any process group (the model may be on the meta device)."""
+    return _solve(_graph(model, args, kwargs), world_size, topology, memory_slack, training)
+
+
+def parallelize(model: torch.nn.Module, args=None, kwargs=None, *, plan: Plan | None = None, topology=None,
+                group=None, memory_slack: float = 0.02, training: bool = True) -> torch.nn.Module:
+    """This rank's tensor-parallel copy of ``model``: same signature, full outputs on every rank.
+
+    Rank 0 solves and broadcasts the plan, so every rank runs the same program.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("autotp.parallelize needs torch.distributed: call dist.init_process_group(...) first "
+                           "(launch with torchrun), or use autotp.plan(...) to inspect a plan without one")
+    group = group or dist.group.WORLD
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    gm = _graph(model, args, kwargs)
+    if plan is None:
+        plan = _broadcast_plan(lambda: _solve(gm, world, topology, memory_slack, training), group)
+    plan.check(fingerprint(gm), world)
+    choice = {}
+    for node in gm.graph.nodes:
+        if node.name in plan.nodes:
+            inputs, output = plan.strategy(node.name)
+            choice[node] = Strategy(tuple(inputs), output)
+    sharded = rewrite(gm, choice, rank, world, group.group_name)
+    sharded.autotp_plan = plan
+    sharded.autotp_group = group
+    return sharded
+
+
+def _broadcast_plan(make, group) -> Plan:
+    """Rank 0 plans; the others wait for its plan or its error (no rank is left waiting)."""
+    payload = [None]
+    if dist.get_rank(group) == 0:
+        try:
+            payload = [("ok", make().to_json())]
+        except Exception as exc:  # noqa: BLE001 - forwarded to every rank, then re-raised
+            payload = [("error", f"{type(exc).__name__}: {exc}")]
+            dist.broadcast_object_list(payload, src=dist.get_global_rank(group, 0), group=group)
+            raise
+    dist.broadcast_object_list(payload, src=dist.get_global_rank(group, 0), group=group)
+    kind, body = payload[0]
+    if kind == "error":
+        raise PlanMismatch(f"planning failed on rank 0: {body}")
+    return Plan.from_json(body)
+
+
+def full_state_dict(sharded: torch.nn.Module, grads: bool = False) -> dict:
+    """Full (unsharded) parameters, or their gradients, by original name, on every rank (a collective)."""
+    plan: Plan = sharded.autotp_plan
+    group = sharded.autotp_group
+    placements = {id(p): plan.placement(n) for n, p in sharded.named_parameters(remove_duplicate=False)
+                  if n in plan.params}
+    out = {}
+    for name, param in sharded.named_parameters():
+        tensor = param.grad if grads else param.detach()
+        out[name] = None if tensor is None else gather_full(tensor, placements.get(id(param)), group)
+    return out

@@ -1,0 +1,76 @@
+"""The sharding plan: plain data, saved as versioned JSON, applied by the rewriter.
+
+Placements are stored per mesh dimension (``mesh`` names them); today the mesh is one
+tensor-parallel dimension, and a data- or pipeline-parallel dimension can be added later
+without changing the format of the existing entries.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .placement import dump, parse
+
+SCHEMA_VERSION = 1
+
+
+class PlanMismatch(ValueError):
+    pass
+
+
+@dataclass
+class Plan:
+    world_size: int
+    fingerprint: str                     # graph structure + parameter shapes it was made for
+    topology: str
+    nodes: dict                          # node name -> {"in": [...], "out": ...} placements as strings
+    params: dict                         # parameter name -> placement string
+    collectives: list = field(default_factory=list)   # what the rewriter will insert, for reports
+    cost: dict = field(default_factory=dict)
+    mesh: dict = field(default_factory=lambda: {"tp": None})
+    version: int = SCHEMA_VERSION
+
+    def __post_init__(self):
+        if self.mesh.get("tp") is None:
+            self.mesh = {**self.mesh, "tp": self.world_size}
+
+    def placement(self, param: str):
+        return parse(self.params[param])
+
+    def strategy(self, node_name: str):
+        entry = self.nodes[node_name]
+        return [parse(p) for p in entry["in"]], parse(entry["out"])
+
+    def check(self, fingerprint: str, world_size: int) -> None:
+        if self.version != SCHEMA_VERSION:
+            raise PlanMismatch(f"plan schema version {self.version}, this autotp reads version {SCHEMA_VERSION}: "
+                               "re-plan with this version")
+        if self.world_size != world_size:
+            raise PlanMismatch(f"plan is for world size {self.world_size}, the process group has {world_size} "
+                               f"ranks: launch {self.world_size} ranks or re-plan with world_size={world_size}")
+        if self.fingerprint != fingerprint:
+            raise PlanMismatch(f"plan was made for another model (graph fingerprint {self.fingerprint}, this model "
+                               f"gives {fingerprint}): re-plan for this model")
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        try:
+            raw = json.loads(text)
+            return cls(**raw)
+        except (json.JSONDecodeError, TypeError) as exc:
+            raise PlanMismatch(f"not an autotp plan: {exc}") from exc
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Plan":
+        return cls.from_json(Path(path).read_text())
+
+    @staticmethod
+    def encode(strategy) -> dict:
+        return {"in": [dump(p) for p in strategy.inputs], "out": dump(strategy.output)}

@@ -1,0 +1,1 @@
+"""Graph passes (installed as autotp.passes): capture -> strategies -> solve -> rewrite."""

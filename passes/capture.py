@@ -1,0 +1,68 @@
+"""Capture: torch.export (non-strict) to an ATen-level fx graph with dynamic sizes."""
+from __future__ import annotations
+
+import hashlib
+import inspect
+
+import torch
+from torch.export import Dim
+from torch.utils._pytree import tree_map
+
+
+class CaptureError(RuntimeError):
+    pass
+
+
+def _dynamic_shapes(model: torch.nn.Module, args: tuple, kwargs: dict) -> dict:
+    """Every dim of every tensor input is AUTO: dynamic unless the trace pins it (hidden sizes)."""
+    bound = inspect.signature(model.forward).bind(*args, **kwargs)
+
+    def spec(x):
+        return {i: Dim.AUTO for i in range(x.dim())} if isinstance(x, torch.Tensor) else None
+
+    return {name: tree_map(spec, value) for name, value in bound.arguments.items()}
+
+
+def _on_model_device(model: torch.nn.Module, tree):
+    device = next((p.device for p in model.parameters()), None)
+    if device is None or device.type != "meta":
+        return tree
+    return tree_map(lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x, tree)
+
+
+def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> torch.fx.GraphModule:
+    """An fx GraphModule of ATen ops with the model's parameter names; works on meta models."""
+    kwargs = dict(kwargs or {})
+    args, kwargs = _on_model_device(model, (tuple(args), kwargs))
+    was_training = model.training
+    model.eval()  # dropout must be deterministic: every rank computes the same replicated values
+    try:
+        program = torch.export.export(
+            model, args, kwargs, dynamic_shapes=_dynamic_shapes(model, args, kwargs), strict=False
+        )
+    except Exception as exc:  # noqa: BLE001 - torch.export raises many kinds
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CaptureError(
+            f"torch.export could not capture {type(model).__name__}: {first}\n"
+            "autotp needs a graph it can trace: remove data-dependent Python control flow on tensor values, "
+            "or pass example inputs that match the model's forward() signature."
+        ) from exc
+    finally:
+        model.train(was_training)
+    return program.module()
+
+
+def fingerprint(gm: torch.fx.GraphModule) -> str:
+    """A hash of the graph's structure and parameter shapes: plans are only valid for this graph."""
+    h = hashlib.sha256()
+    for node in gm.graph.nodes:
+        h.update(f"{node.op}:{node.name}:{node.target}:{[str(a) for a in node.all_input_nodes]};".encode())
+    for name, p in gm.named_parameters():
+        h.update(f"{name}:{tuple(p.shape)}:{p.dtype};".encode())
+    return h.hexdigest()[:16]
+
+
+def module_path(node: torch.fx.Node) -> str:
+    """The innermost module that produced this node, for reports (never for decisions)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    return list(stack.values())[-1][0] if stack else ""

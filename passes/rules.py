@@ -1,0 +1,312 @@
+"""Sharding rules: one small function per op family, looked up in RULES by ATen op.
+
+A rule returns the sharded strategies it is sure of; the all-replicated one is
+always added by the caller.  An op missing from RULES is computed replicated,
+which is always correct.  Nothing here looks at module or model names.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch.fx import Node
+
+from autotp.placement import P, R, Shard
+
+from .strategies import Context, Strategy, input_slots, is_placed
+from .views import map_view_dim
+
+aten = torch.ops.aten
+
+
+def _tensor_inputs(node: Node) -> list[Node]:
+    return [s for s in input_slots(node) if is_placed(s)]
+
+
+def _dim(d: int, ndim: int) -> int:
+    return d + ndim if d < 0 else d
+
+
+# ---- elementwise ---------------------------------------------------------------------------
+
+def pointwise(node: Node, ctx: Context) -> list[Strategy]:
+    """Shard any output dim; each input shards the aligned dim, or stays R where it broadcasts."""
+    out = ctx.shape(node)
+    found = []
+    for d in range(len(out)):
+        for shard in ctx.shard_options(node, d):
+            placements = {}
+            for a in _tensor_inputs(node):
+                shape = ctx.shape(a)
+                ad = d - (len(out) - len(shape))
+                same = ad >= 0 and ctx.static(shape[ad]) and shape[ad] == out[d]
+                placements[a] = Shard(ad, shard.chunks) if same else R
+            found.append(Strategy(ctx.fill(node, placements), shard))
+    return found + _partial(node, ctx)
+
+
+def _same_dtype(node: Node) -> bool:
+    src = node.args[0].meta.get("val")
+    return src is not None and src.dtype == node.meta["val"].dtype
+
+
+# Ops linear in their partial operand(s): sum_r f(p_r) == f(sum_r p_r).
+_LINEAR_UNARY = {aten.neg.default, aten.clone.default, aten.contiguous.default, aten.alias.default,
+                 aten.detach.default}
+_CASTS = {aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default}
+_ADDITIVE = {aten.add.Tensor, aten.sub.Tensor}
+_SCALING = {aten.mul.Tensor: (0, 1), aten.div.Tensor: (0,), aten.mul.Scalar: (0,)}  # which operand may be the partial one
+
+
+def _partial(node: Node, ctx: Context) -> list[Strategy]:
+    tensors = _tensor_inputs(node)
+    target = node.target
+    if target in _LINEAR_UNARY or (target in _CASTS and _same_dtype(node)):
+        return [Strategy(ctx.fill(node, {tensors[0]: P}), P)]
+    if target == aten.dropout.default and node.args[2] is False:
+        return [Strategy(ctx.fill(node, {tensors[0]: P}), P)]
+    if target in _ADDITIVE and len(tensors) == len(node.args[:2]) and len(set(tensors)) == len(tensors):
+        return [Strategy(ctx.fill(node, {t: P for t in tensors}), P)]
+    if target in _SCALING:
+        found = []
+        for i in _SCALING[target]:
+            a = node.args[i]
+            if isinstance(a, Node) and is_placed(a) and tensors.count(a) == 1:
+                found.append(Strategy(ctx.fill(node, {a: P}), P))
+        return found
+    return []
+
+
+# ---- matrix products -----------------------------------------------------------------------
+
+def linear(node: Node, ctx: Context) -> list[Strategy]:
+    """Megatron's column split (weight rows) and row split (weight columns -> partial sums)."""
+    x, w = node.args[0], node.args[1]
+    assert len(node.args) < 3 or node.args[2] is None, "bias is split off by passes.decompose"
+    out = ctx.shape(node)
+    last, xlast = len(out) - 1, len(ctx.shape(x)) - 1
+    found = [Strategy(ctx.fill(node, {w: Shard(0, s.chunks)}), Shard(last, s.chunks))
+             for s in ctx.shard_options(node, last)]
+    if Shard(1) in ctx.shard_options(w, 1):
+        found.append(Strategy(ctx.fill(node, {x: Shard(xlast), w: Shard(1)}), P))
+    found.append(Strategy(ctx.fill(node, {x: P}), P))
+    for d in range(last):
+        found += [Strategy(ctx.fill(node, {x: s}), s) for s in ctx.shard_options(node, d) if s.chunks is None]
+    return found
+
+
+def matmul(node: Node, ctx: Context) -> list[Strategy]:
+    """mm / bmm / matmul: batch dims, columns of b, rows of a, or the contraction (partial)."""
+    a, b = node.args[0], node.args[1]
+    out, sa, sb = ctx.shape(node), ctx.shape(a), ctx.shape(b)
+    n = len(out)
+    if len(sa) < 2 or len(sb) < 2:
+        return []
+    found = [Strategy(ctx.fill(node, {b: Shard(len(sb) - 1, s.chunks)}), Shard(n - 1, s.chunks))
+             for s in ctx.shard_options(node, n - 1)]
+    found += [Strategy(ctx.fill(node, {a: Shard(len(sa) - 2)}), s)
+              for s in ctx.shard_options(node, n - 2) if s.chunks is None]
+    k = sa[-1]
+    if ctx.static(k) and k % ctx.world == 0:
+        found.append(Strategy(ctx.fill(node, {a: Shard(len(sa) - 1), b: Shard(len(sb) - 2)}), P))
+    found += [Strategy(ctx.fill(node, {a: P}), P), Strategy(ctx.fill(node, {b: P}), P)]
+    for d in range(n - 2):  # batch dims, right-aligned against each operand
+        for s in ctx.shard_options(node, d):
+            if s.chunks is None:
+                placements = {}
+                for t, shape in ((a, sa), (b, sb)):
+                    td = d - (n - len(shape))
+                    same = td >= 0 and td < len(shape) - 2 and shape[td] == out[d]
+                    placements[t] = Shard(td) if same else R
+                found.append(Strategy(ctx.fill(node, placements), s))
+    return found
+
+
+def attention(node: Node, ctx: Context) -> list[Strategy]:
+    """scaled_dot_product_attention split by heads (dim 1); GQA needs both head counts divisible."""
+    q, k, v = node.args[:3]
+    mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+    if not (ctx.shard_options(k, 1) and ctx.shard_options(v, 1)):
+        return []
+    found = []
+    for s in ctx.shard_options(node, 1):
+        if s.chunks is None:
+            placements = {q: Shard(1), k: Shard(1), v: Shard(1)}
+            if isinstance(mask, Node):
+                mshape = ctx.shape(mask)
+                placements[mask] = Shard(1) if len(mshape) == 4 and mshape[1] == ctx.shape(q)[1] else R
+            found.append(Strategy(ctx.fill(node, placements), s))
+    return found
+
+
+def embedding(node: Node, ctx: Context) -> list[Strategy]:
+    """Split the hidden dim of the table: every rank looks up its slice of every row."""
+    weight = node.args[0]
+    last = len(ctx.shape(node)) - 1
+    return [Strategy(ctx.fill(node, {weight: Shard(1)}), s) for s in ctx.shard_options(node, last) if s.chunks is None]
+
+
+# ---- layout ops ----------------------------------------------------------------------------
+
+def _mapped(node: Node, ctx: Context, dim_map) -> list[Strategy]:
+    """Single-input layout ops, from a function input dim -> output dim (None: may not be sharded)."""
+    x = node.args[0]
+    found = [Strategy(ctx.fill(node, {x: P}), P)]
+    for d, size in enumerate(ctx.shape(x)):
+        od = dim_map(d)
+        if od is not None and ctx.shape(node)[od] == size:
+            found += [Strategy(ctx.fill(node, {x: s}), Shard(od, s.chunks)) for s in ctx.shard_options(x, d)]
+    return found
+
+
+def view(node: Node, ctx: Context) -> list[Strategy]:
+    x = node.args[0]
+    src = [ctx.probe(s) for s in ctx.shape(x)]
+    dst = [ctx.probe(s) for s in ctx.shape(node)]
+    found = [Strategy(ctx.fill(node, {x: P}), P)]
+    for d in range(len(src)):
+        for s in ctx.shard_options(x, d):
+            mapped = map_view_dim(src, dst, d, ctx.world)
+            if mapped is None or (s.chunks is not None and not mapped[1]):
+                continue
+            if ctx.static(ctx.shape(node)[mapped[0]]):
+                found.append(Strategy(ctx.fill(node, {x: s}), Shard(mapped[0], s.chunks)))
+    return found
+
+
+def expand(node: Node, ctx: Context) -> list[Strategy]:
+    offset = len(ctx.shape(node)) - len(ctx.shape(node.args[0]))
+    return _mapped(node, ctx, lambda d: d + offset)
+
+
+def transpose(node: Node, ctx: Context) -> list[Strategy]:
+    n = len(ctx.shape(node))
+    a, b = _dim(node.args[1], n), _dim(node.args[2], n)
+    return _mapped(node, ctx, lambda d: {a: b, b: a}.get(d, d))
+
+
+def permute(node: Node, ctx: Context) -> list[Strategy]:
+    n = len(ctx.shape(node))
+    order = [_dim(d, n) for d in node.args[1]]
+    return _mapped(node, ctx, lambda d: order.index(d))
+
+
+def t(node: Node, ctx: Context) -> list[Strategy]:
+    return _mapped(node, ctx, lambda d: 1 - d if len(ctx.shape(node)) == 2 else d)
+
+
+def unsqueeze(node: Node, ctx: Context) -> list[Strategy]:
+    at = _dim(node.args[1], len(ctx.shape(node)))
+    return _mapped(node, ctx, lambda d: d if d < at else d + 1)
+
+
+def slice_(node: Node, ctx: Context) -> list[Strategy]:
+    """Slicing along an unsharded dim; select drops that dim."""
+    n = len(ctx.shape(node.args[0]))
+    at = _dim(node.args[1] if len(node.args) > 1 else 0, n)
+    drop = node.target == aten.select.int
+    return _mapped(node, ctx, lambda d: None if d == at else (d - 1 if drop and d > at else d))
+
+
+def reduction(node: Node, ctx: Context) -> list[Strategy]:
+    """sum/mean over dims: other dims keep their shard; a summed sharded dim gives a partial sum."""
+    x = node.args[0]
+    n = len(ctx.shape(x))
+    dims = node.args[1] if len(node.args) > 1 and node.args[1] is not None else list(range(n))
+    dims = sorted(_dim(d, n) for d in dims)
+    keep = bool(node.args[2]) if len(node.args) > 2 else bool(node.kwargs.get("keepdim", False))
+    found = [Strategy(ctx.fill(node, {x: P}), P)]
+    for d in range(n):
+        for s in ctx.shard_options(x, d):
+            if d not in dims:
+                od = d if keep else d - sum(1 for r in dims if r < d)
+                found.append(Strategy(ctx.fill(node, {x: s}), Shard(od, s.chunks)))
+            elif node.target == aten.sum.dim_IntList:
+                found.append(Strategy(ctx.fill(node, {x: s}), P))
+    return found
+
+
+def normalize(node: Node, ctx: Context) -> list[Strategy]:
+    """softmax / layer_norm: any dim outside the normalized ones may stay sharded."""
+    x = node.args[0]
+    n = len(ctx.shape(x))
+    if node.target == aten.layer_norm.default:
+        normed = set(range(n - len(node.args[1]), n))
+    else:
+        normed = {_dim(node.args[1], n)}
+    found = []
+    for d in range(n):
+        if d not in normed:
+            found += [Strategy(ctx.fill(node, {x: s}), s) for s in ctx.shard_options(x, d)]
+    return found
+
+
+def split(node: Node, ctx: Context) -> list[Strategy]:
+    """split / split_with_sizes / chunk: a fused dim sharded block by block gives plain shards."""
+    x = node.args[0]
+    n = len(ctx.shape(x))
+    at = _dim(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0), n)
+    sizes = tuple(o.shape[at] for o in node.meta["val"])
+    k = len(sizes)
+    found = [Strategy(ctx.fill(node, {x: P}), (P,) * k)]
+    for d in range(n):
+        for s in ctx.shard_options(x, d):
+            if d != at and s.chunks is None:
+                found.append(Strategy(ctx.fill(node, {x: s}), (s,) * k))
+            elif d == at and (s.chunks == sizes or (k == 1 and s.chunks is None)):
+                found.append(Strategy(ctx.fill(node, {x: s}), (Shard(at),) * k))
+    return found
+
+
+def getitem(node: Node, ctx: Context) -> list[Strategy]:
+    """Pick one output of a multi-output op; it follows whatever its producer chose."""
+    source, index = node.args
+    return [Strategy(ctx.fill(node, {source: option}), option[index])
+            for option in ctx.output_options(source) if isinstance(option, tuple)]
+
+
+def cat(node: Node, ctx: Context) -> list[Strategy]:
+    parts = node.args[0]
+    n = len(ctx.shape(node))
+    at = _dim(node.args[1] if len(node.args) > 1 else 0, n)
+    found = []
+    if all(isinstance(p, Node) for p in parts) and len(set(parts)) == len(parts):
+        found.append(Strategy(ctx.fill(node, {p: P for p in parts}), P))
+        for d in range(n):
+            if d != at:
+                found += [Strategy(ctx.fill(node, {p: s for p in parts}), s)
+                          for s in ctx.shard_options(node, d) if s.chunks is None]
+    return found
+
+
+_POINTWISE = [
+    aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.neg.default, aten.pow.Tensor_Scalar,
+    aten.rsqrt.default, aten.sqrt.default, aten.exp.default, aten.tanh.default, aten.sigmoid.default,
+    aten.silu.default, aten.gelu.default, aten.relu.default, aten.erf.default, aten.abs.default,
+    aten.cos.default, aten.sin.default, aten.clone.default, aten.contiguous.default, aten.alias.default,
+    aten.detach.default, aten.dropout.default, aten.where.self, aten.masked_fill.Scalar, aten.eq.Tensor,
+    aten.ne.Tensor, aten.lt.Tensor, aten.gt.Tensor, aten.le.Tensor, aten.ge.Tensor, aten.mul.Scalar,
+    aten.add.Scalar, *_CASTS,
+]
+
+RULES = {
+    **dict.fromkeys(_POINTWISE, pointwise),
+    aten.linear.default: linear,
+    **dict.fromkeys([aten.mm.default, aten.bmm.default, aten.matmul.default], matmul),
+    aten.scaled_dot_product_attention.default: attention,
+    aten.embedding.default: embedding,
+    **dict.fromkeys([aten.view.default, aten.reshape.default, aten._unsafe_view.default], view),
+    aten.expand.default: expand,
+    aten.transpose.int: transpose,
+    aten.permute.default: permute,
+    aten.t.default: t,
+    aten.unsqueeze.default: unsqueeze,
+    **dict.fromkeys([aten.slice.Tensor, aten.select.int], slice_),
+    **dict.fromkeys([aten.sum.dim_IntList, aten.mean.dim], reduction),
+    **dict.fromkeys([aten._softmax.default, aten.softmax.int, aten._log_softmax.default,
+                     aten.log_softmax.int, aten.layer_norm.default], normalize),
+    **dict.fromkeys([aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default], split),
+    operator.getitem: getitem,
+    aten.cat.default: cat,
+}
+

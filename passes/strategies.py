@@ -1,0 +1,137 @@
+"""Candidate strategies per node: what each op can do with sharded inputs.
+
+A Strategy fixes the placement of every tensor input slot and of the output.
+Rules (passes/rules.py) propose the sharded ones; every node also gets the
+all-replicated strategy, which is always correct.  The solver picks one each.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import sympy
+import torch
+from torch.fx import Node
+from torch.fx.node import map_arg
+
+from autotp.placement import R, Replicate, Shard
+
+# Symbolic sizes are compared by evaluating them at distinct large primes:
+# two monomials in batch/sequence symbols agree iff their products agree.
+_PRIMES = (1000003, 1000033, 1000037, 1000039, 1000081, 1000099, 1000117, 1000121)
+
+
+@dataclass(frozen=True)
+class Strategy:
+    inputs: tuple          # one placement per input slot (None for non-tensor slots)
+    output: object         # Placement, tuple of Placements (multi-output op), or None
+
+    @property
+    def replicated(self) -> bool:
+        def rep(p):
+            return p is None or isinstance(p, Replicate) or (isinstance(p, tuple) and all(map(rep, p)))
+        return rep(self.output) and all(map(rep, self.inputs))
+
+
+def input_slots(node: Node) -> list[Node]:
+    """The node's inputs in the order map_arg visits them; the rewriter relies on the same order."""
+    slots: list[Node] = []
+    map_arg((node.args, node.kwargs), lambda n: slots.append(n) or n)
+    return slots
+
+
+def value(node: Node):
+    return node.meta.get("val")
+
+
+def is_placed(node: Node) -> bool:
+    """Tensors (and lists of tensors) have placements; sizes, flags and None do not."""
+    v = value(node)
+    if isinstance(v, (list, tuple)):
+        return len(v) > 0 and all(isinstance(x, torch.Tensor) for x in v)
+    return isinstance(v, torch.Tensor)
+
+
+def replicated_like(node: Node):
+    v = value(node)
+    if not is_placed(node):
+        return None
+    return tuple(R for _ in v) if isinstance(v, (list, tuple)) else R
+
+
+@dataclass
+class Context:
+    """What rules may ask about the graph: shapes, the world size, fused-block hints."""
+    world: int
+    hints: dict = field(default_factory=dict)        # (node, dim) -> set of chunk tuples
+    strategies: dict = field(default_factory=dict)   # node -> list[Strategy], filled in order
+    _probes: dict = field(default_factory=dict)
+
+    def shape(self, node) -> tuple:
+        v = value(node) if isinstance(node, Node) else None
+        return tuple(v.shape) if isinstance(v, torch.Tensor) else ()
+
+    def static(self, size) -> bool:
+        return isinstance(size, int)
+
+    def probe(self, size) -> int:
+        """A number that identifies a (possibly symbolic) size for equality tests."""
+        if isinstance(size, int):
+            return size
+        expr = size.node.expr
+        subs = {}
+        for sym in sorted(expr.free_symbols, key=str):
+            subs[sym] = self._probes.setdefault(str(sym), _PRIMES[len(self._probes) % len(_PRIMES)])
+        return int(sympy.sympify(expr).subs(subs))
+
+    def shard_options(self, node: Node, dim: int) -> list[Shard]:
+        """Ways to shard ``dim`` of ``node``'s output: whole, or block by block for fused outputs."""
+        shape = self.shape(node)
+        size = shape[dim] if dim < len(shape) else None
+        if not self.static(size) or size < self.world:
+            return []  # dynamic dims (batch, sequence) are never sharded
+        options = [Shard(dim)] if size % self.world == 0 else []
+        for chunks in sorted(self.hints.get((node, dim), ())):
+            if all(c % self.world == 0 for c in chunks):
+                options.append(Shard(dim, chunks))
+        return options
+
+    def fill(self, node: Node, placements: dict) -> tuple:
+        """Input placements by slot: given ones from ``placements``, R for other tensors."""
+        return tuple(placements.get(s, replicated_like(s)) if is_placed(s) else None for s in input_slots(node))
+
+    def output_options(self, node: Node) -> list:
+        return list(dict.fromkeys(s.output for s in self.strategies.get(node, [])))
+
+
+def is_observer(node: Node) -> bool:
+    """Ops that only read metadata of unsharded dims: they adopt any placement and need no choice."""
+    return node.op == "call_module" or node.target in (
+        torch.ops.aten.sym_size.int, torch.ops.aten._assert_tensor_metadata.default,
+    )
+
+
+def enumerate_strategies(gm: torch.fx.GraphModule, ctx: Context, rules: dict) -> Context:
+    for node in gm.graph.nodes:
+        if node.op == "output" or is_observer(node) or not is_placed(node):
+            continue
+        all_r = Strategy(ctx.fill(node, {}), replicated_like(node))
+        found = [all_r]
+        if node.op == "call_function" and node.target in rules:
+            found += [s for s in rules[node.target](node, ctx) if s not in found]
+        ctx.strategies[node] = found
+    _add_parameter_options(gm, ctx)
+    return ctx
+
+
+def _add_parameter_options(gm: torch.fx.GraphModule, ctx: Context) -> None:
+    """A parameter is stored in whatever placement one of its users asks for (or R)."""
+    for node in gm.graph.nodes:
+        if node.op != "get_attr" or node not in ctx.strategies:
+            continue
+        wanted = {R}
+        for user in node.users:
+            for strategy in ctx.strategies.get(user, []):
+                for slot, placement in zip(input_slots(user), strategy.inputs):
+                    if slot is node and isinstance(placement, (Replicate, Shard)):
+                        wanted.add(placement)
+        ctx.strategies[node] = [Strategy((), p) for p in sorted(wanted, key=str)]

@@ -15,6 +15,7 @@ from autotp.passes.strategies import Context, Strategy, enumerate_strategies
 from .collectives import gather_full
 from .hf import default_inputs, no_kv_cache
 from .plan import Plan, PlanMismatch
+from .report import param_styles
 
 
 def _graph(model: torch.nn.Module, args, kwargs) -> torch.fx.GraphModule:
@@ -43,6 +44,7 @@ def _solve(gm: torch.fx.GraphModule, world_size: int, topology, memory_slack: fl
         nodes={n.name: Plan.encode(s) for n, s in choice.items()},
         params={n.target: str(s.output) for n, s in choice.items() if n.op == "get_attr"},
         collectives=planned_collectives(gm, choice, world_size, topo),
+        styles=param_styles(gm, choice),
         cost={"seconds": solution.seconds, "param_bytes_per_device": solution.param_bytes},
     )
 
@@ -85,7 +87,7 @@ def _broadcast_plan(make, group) -> Plan:
     if dist.get_rank(group) == 0:
         try:
             payload = [("ok", make().to_json())]
-        except Exception as exc:  # noqa: BLE001 - forwarded to every rank, then re-raised
+        except Exception as exc:
             payload = [("error", f"{type(exc).__name__}: {exc}")]
             dist.broadcast_object_list(payload, src=dist.get_global_rank(group, 0), group=group)
             raise

@@ -1,6 +1,7 @@
 """Placement changes at run time, as autograd functions (Megatron's conjugate pairs).
 
   P -> R   all-reduce forward,  identity backward     (Megatron's g)
+  P -> S   reduce-scatter forward, all-gather backward
   R -> R*  identity forward,    all-reduce backward   (f: a replicated input of a sharded op)
   S -> R   all-gather forward,  local slice backward
   R -> S   local slice forward, all-gather backward
@@ -24,6 +25,25 @@ def _all_gather(x: torch.Tensor, shard: Shard, world: int, group: str) -> torch.
     gathered = _c10d.wait_tensor(_c10d.all_gather_into_tensor(moved, world, group))
     full = assemble(list(gathered.chunk(world, 0)), Shard(0, shard.chunks))
     return full.movedim(0, shard.dim)
+
+
+def _reduce_scatter(x: torch.Tensor, shard: Shard, world: int, group: str) -> torch.Tensor:
+    moved = x.movedim(shard.dim, 0)
+    if shard.chunks is not None:  # make each rank's blocks contiguous, in rank order
+        moved = torch.cat([take_local(moved, Shard(0, shard.chunks), r, world) for r in range(world)], 0)
+    out = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(moved.contiguous(), "sum", world, group))
+    return out.movedim(0, shard.dim)
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, shard, world, group):
+        ctx.args = (shard, world, group)
+        return _reduce_scatter(x, shard, world, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, *ctx.args), None, None, None
 
 
 class _ReduceForward(torch.autograd.Function):
@@ -74,6 +94,10 @@ def all_reduce(x, group):
     return _ReduceForward.apply(x, group)
 
 
+def reduce_scatter(x, dim, chunks, world, group):
+    return _ReduceScatter.apply(x, Shard(dim, chunks), world, group)
+
+
 def reduce_grad(x, group):
     return _ReduceBackward.apply(x, group)
 
@@ -91,6 +115,8 @@ def conversion_steps(src, dst, rank: int, world: int, group: str) -> list[tuple]
     steps: list[tuple] = []
     if src == dst:
         return steps
+    if isinstance(src, Partial) and isinstance(dst, Shard):
+        return [(reduce_scatter, (dst.dim, dst.chunks, world, group))]
     if isinstance(src, Partial):
         steps.append((all_reduce, (group,)))
     elif isinstance(src, Shard):

@@ -27,6 +27,7 @@ class Plan:
     nodes: dict                          # node name -> {"in": [...], "out": ...} placements as strings
     params: dict                         # parameter name -> placement string
     collectives: list = field(default_factory=list)   # what the rewriter will insert, for reports
+    styles: dict = field(default_factory=dict)        # parameter name -> "column", "row", "replicate", ...
     cost: dict = field(default_factory=dict)
     mesh: dict = field(default_factory=lambda: {"tp": None})
     version: int = SCHEMA_VERSION
@@ -57,7 +58,7 @@ class Plan:
         return json.dumps(asdict(self), indent=1, sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> "Plan":
+    def from_json(cls, text: str) -> Plan:
         try:
             raw = json.loads(text)
             return cls(**raw)
@@ -68,7 +69,7 @@ class Plan:
         Path(path).write_text(self.to_json())
 
     @classmethod
-    def load(cls, path: str | Path) -> "Plan":
+    def load(cls, path: str | Path) -> Plan:
         return cls.from_json(Path(path).read_text())
 
     @staticmethod

@@ -30,8 +30,7 @@ def reshard_collective(src, dst) -> str | None:
     if src == dst:
         return ""
     if isinstance(src, Partial):
-        # P -> S is an all-reduce followed by a local slice (gloo has no reduce-scatter).
-        return "all_reduce" if isinstance(dst, (Replicate, Shard)) else None
+        return {Replicate: "all_reduce", Shard: "reduce_scatter"}.get(type(dst))
     if isinstance(src, Replicate):
         return "" if isinstance(dst, Shard) else None
     if isinstance(src, Shard) and isinstance(dst, (Replicate, Shard)):

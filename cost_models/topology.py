@@ -20,7 +20,7 @@ class Topology:
     memory_bytes: float        # per device
 
 
-def load_topology(spec: "str | Path | Topology | None" = None) -> Topology:
+def load_topology(spec: str | Path | Topology | None = None) -> Topology:
     """A profile by name (``dgx-h100``), by path to a JSON file, or the default."""
     if isinstance(spec, Topology):
         return spec
@@ -32,4 +32,5 @@ def load_topology(spec: "str | Path | Topology | None" = None) -> Topology:
     try:
         return Topology(name=raw["name"], **{k: float(v["value"]) for k, v in raw["figures"].items()})
     except (KeyError, TypeError) as exc:
-        raise ValueError(f"malformed topology file {path}: {exc!r}; every figure needs a 'value' and a 'source'") from exc
+        raise ValueError(f"malformed topology file {path}: {exc!r}; "
+                         "every figure needs a 'value' and a 'source'") from exc

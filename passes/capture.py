@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import warnings
 
 import torch
 from torch.export import Dim
@@ -18,7 +19,7 @@ def _dynamic_shapes(model: torch.nn.Module, args: tuple, kwargs: dict) -> dict:
     bound = inspect.signature(model.forward).bind(*args, **kwargs)
 
     def spec(x):
-        return {i: Dim.AUTO for i in range(x.dim())} if isinstance(x, torch.Tensor) else None
+        return dict.fromkeys(range(x.dim()), Dim.AUTO) if isinstance(x, torch.Tensor) else None
 
     return {name: tree_map(spec, value) for name, value in bound.arguments.items()}
 
@@ -40,7 +41,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> 
         program = torch.export.export(
             model, args, kwargs, dynamic_shapes=_dynamic_shapes(model, args, kwargs), strict=False
         )
-    except Exception as exc:  # noqa: BLE001 - torch.export raises many kinds
+    except Exception as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CaptureError(
             f"torch.export could not capture {type(model).__name__}: {first}\n"
@@ -49,7 +50,13 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> 
         ) from exc
     finally:
         model.train(was_training)
-    return program.module()
+    gm = program.module()
+    dropouts = [n for n in gm.graph.nodes if n.target == torch.ops.aten.dropout.default and n.args[1] > 0]
+    if was_training and dropouts:
+        warnings.warn(f"{type(model).__name__} is in training mode: its {len(dropouts)} dropout layers are captured "
+                      "in eval mode and do not drop in the sharded model (set dropout to 0 to silence this)",
+                      stacklevel=3)
+    return gm
 
 
 def fingerprint(gm: torch.fx.GraphModule) -> str:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import torch
-from torch.fx import Node
 
 from .rules import RULES, pointwise, split, view
 from .strategies import Context, is_placed

@@ -10,7 +10,7 @@ from autotp import collectives
 from autotp.placement import R, Replicate, Shard, take_local
 
 from .solve import needs_grad
-from .strategies import input_slots, is_observer
+from .strategies import is_observer
 
 aten = torch.ops.aten
 
@@ -94,14 +94,14 @@ def rewrite(gm: torch.fx.GraphModule, choice: dict, rank: int, world: int, group
         elif node.op == "placeholder" and node in choice:
             placed[node] = R
         elif node.op == "output":
-            node.args = map_arg(node.args, lambda n: convert(n, R, node, False)
+            node.args = map_arg(node.args, lambda n, out=node: convert(n, R, out, False)
                                 if n in placed and not isinstance(placed[n], tuple) else n)
         elif node in choice:
             strategy = choice[node]
-            wants = iter(zip(input_slots(node), strategy.inputs))
+            wants = iter(strategy.inputs)
 
-            def swap(n: Node) -> Node:
-                _, want = next(wants)
+            def swap(n: Node, node=node, strategy=strategy, wants=wants) -> Node:
+                want = next(wants)
                 if n not in placed or want is None:
                     return n
                 f = isinstance(want, Replicate) and not strategy.replicated and n in grad
@@ -113,7 +113,8 @@ def rewrite(gm: torch.fx.GraphModule, choice: dict, rank: int, world: int, group
         elif is_observer(node) and node.target == aten.sym_size.int:
             src, dim = node.args
             p = placed.get(src)
-            assert not (isinstance(p, Shard) and p.dim == dim % src.meta["val"].dim()), "size of a sharded dim"
+            if isinstance(p, Shard) and p.dim == dim % src.meta["val"].dim():
+                raise RuntimeError(f"{node.name} reads the size of sharded dim {dim}: rules must not allow this")
     graph.lint()
     shard_parameters(gm, params, rank, world)
     gm.recompile()

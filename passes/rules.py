@@ -55,7 +55,8 @@ _LINEAR_UNARY = {aten.neg.default, aten.clone.default, aten.contiguous.default, 
                  aten.detach.default}
 _CASTS = {aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default}
 _ADDITIVE = {aten.add.Tensor, aten.sub.Tensor}
-_SCALING = {aten.mul.Tensor: (0, 1), aten.div.Tensor: (0,), aten.mul.Scalar: (0,)}  # which operand may be the partial one
+# which operand may be the partial one
+_SCALING = {aten.mul.Tensor: (0, 1), aten.div.Tensor: (0,), aten.mul.Scalar: (0,)}
 
 
 def _partial(node: Node, ctx: Context) -> list[Strategy]:
@@ -66,7 +67,7 @@ def _partial(node: Node, ctx: Context) -> list[Strategy]:
     if target == aten.dropout.default and node.args[2] is False:
         return [Strategy(ctx.fill(node, {tensors[0]: P}), P)]
     if target in _ADDITIVE and len(tensors) == len(node.args[:2]) and len(set(tensors)) == len(tensors):
-        return [Strategy(ctx.fill(node, {t: P for t in tensors}), P)]
+        return [Strategy(ctx.fill(node, dict.fromkeys(tensors, P)), P)]
     if target in _SCALING:
         found = []
         for i in _SCALING[target]:
@@ -271,10 +272,10 @@ def cat(node: Node, ctx: Context) -> list[Strategy]:
     at = _dim(node.args[1] if len(node.args) > 1 else 0, n)
     found = []
     if all(isinstance(p, Node) for p in parts) and len(set(parts)) == len(parts):
-        found.append(Strategy(ctx.fill(node, {p: P for p in parts}), P))
+        found.append(Strategy(ctx.fill(node, dict.fromkeys(parts, P)), P))
         for d in range(n):
             if d != at:
-                found += [Strategy(ctx.fill(node, {p: s for p in parts}), s)
+                found += [Strategy(ctx.fill(node, dict.fromkeys(parts, s)), s)
                           for s in ctx.shard_options(node, d) if s.chunks is None]
     return found
 

@@ -10,6 +10,7 @@ they are stored in the placement their users compute with.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import pulp
@@ -76,17 +77,18 @@ def solve(gm: torch.fx.GraphModule, ctx: Context, topology: Topology, *, memory_
     costs = []
     x = {}
     for i, (node, options) in enumerate(ctx.strategies.items()):
-        x[node] = [pulp.LpVariable(f"x{i}_{k}", cat="Binary") for k in range(len(options))]
+        x[node] = [problem.add_variable(f"x{i}_{k}", cat="Binary") for k in range(len(options))]
         problem += pulp.lpSum(x[node]) == 1
         work = flops(node) / topology.peak_flops
-        for var, s in zip(x[node], options):
+        for var, s in zip(x[node], options, strict=True):
             costs.append(var * (work if s.replicated else work / t))
 
     trainable = dict(gm.named_parameters(remove_duplicate=False))  # buffers are derived constants: not counted
     param_bytes = {n: nbytes(n) for n in ctx.strategies if n.op == "get_attr" and n.target in trainable}
     total = sum(param_bytes.values())
     memory = pulp.lpSum(var * (size if isinstance(s.output, Replicate) else size / t)
-                        for node, size in param_bytes.items() for var, s in zip(x[node], ctx.strategies[node]))
+                        for node, size in param_bytes.items()
+                        for var, s in zip(x[node], ctx.strategies[node], strict=True))
 
     grad = needs_grad(gm) if training else set()
     need: dict = {}        # (tensor, from, to) -> indicator that this reshard happens
@@ -95,21 +97,21 @@ def solve(gm: torch.fx.GraphModule, ctx: Context, topology: Topology, *, memory_
     for node, options in ctx.strategies.items():
         for slot_i, src in enumerate(input_slots(node)):
             if src in ctx.strategies:
-                edges.append((src, [(v, s.inputs[slot_i]) for v, s in zip(x[node], options)]))
-                bad = [v for v, s in zip(x[node], options) if s.inputs[slot_i] == R and not s.replicated]
+                edges.append((src, [(v, s.inputs[slot_i]) for v, s in zip(x[node], options, strict=True)]))
+                bad = [v for v, s in zip(x[node], options, strict=True) if s.inputs[slot_i] == R and not s.replicated]
                 if src in grad and bad:
-                    g = grad_reduce.setdefault(src, pulp.LpVariable(f"g{len(grad_reduce)}", lowBound=0))
+                    g = grad_reduce.setdefault(src, problem.add_variable(f"g{len(grad_reduce)}", lowBound=0))
                     problem += g >= pulp.lpSum(bad)
     output = next(n for n in gm.graph.nodes if n.op == "output")
     edges += [(src, [(1, R)]) for src in input_slots(output)   # returned full on every rank
               if src in ctx.strategies and not isinstance(src.meta.get("val"), (list, tuple))]
     for e, (src, wanted) in enumerate(edges):
-        produced = [(v, s.output) for v, s in zip(x[src], ctx.strategies[src])]
+        produced = [(v, s.output) for v, s in zip(x[src], ctx.strategies[src], strict=True)]
         for (p, q), z in _link(problem, produced, wanted, lambda p, q, s=src: _reshard_ok(s, p, q, t, topology),
                                f"z{e}_").items():
             if p != q:
                 key = (src, p, q)
-                need.setdefault(key, pulp.LpVariable(f"n{len(need)}", lowBound=0))
+                need.setdefault(key, problem.add_variable(f"n{len(need)}", lowBound=0))
                 problem += need[key] >= z
     for (src, p, q), var in need.items():
         costs.append(var * reshard_time(p, q, nbytes(src), t, topology, backward=src in grad))
@@ -126,7 +128,9 @@ def solve(gm: torch.fx.GraphModule, ctx: Context, topology: Topology, *, memory_
 
 def _run(problem: pulp.LpProblem, objective) -> float:
     problem.setObjective(objective)
-    problem.solve(pulp.PULP_CBC_CMD(msg=False))
+    with warnings.catch_warnings():  # PuLP 3 warns that 4.0 will stop bundling CBC; pyproject pins <4
+        warnings.simplefilter("ignore", DeprecationWarning)
+        problem.solve(pulp.PULP_CBC_CMD(msg=False))
     status = pulp.LpStatus[problem.status]
     if status != "Optimal":
         raise PlanningError(f"the sharding ILP ended {status}; this is a bug in autotp's rules, please report it")
@@ -141,7 +145,7 @@ def _link(problem, produced, wanted, ok, tag) -> dict:
     """
     outs = list(dict.fromkeys(p for _, p in produced))
     ins = list(dict.fromkeys(q for _, q in wanted))
-    z = {(p, q): pulp.LpVariable(f"{tag}{k}", lowBound=0)
+    z = {(p, q): problem.add_variable(f"{tag}{k}", lowBound=0)
          for k, (p, q) in enumerate((p, q) for p in outs for q in ins if ok(p, q))}
     for side, choices, key in ((0, produced, outs), (1, wanted, ins)):
         for placement in key:
@@ -161,6 +165,7 @@ def _reshard_ok(src: Node, p, q, world: int, topology: Topology) -> bool:
 def planned_collectives(gm: torch.fx.GraphModule, choice: dict, world: int, topology: Topology) -> list[dict]:
     """The collectives the rewriter will insert for ``choice`` (one per tensor and target placement)."""
     from autotp.cost_models.collectives import backward_collective, reshard_collective
+
     from .capture import module_path
 
     grad = needs_grad(gm)
@@ -170,7 +175,7 @@ def planned_collectives(gm: torch.fx.GraphModule, choice: dict, world: int, topo
         wants = strategy.inputs if strategy is not None else [R] * len(input_slots(node))
         if node.op != "output" and strategy is None:
             continue
-        for src, want in zip(input_slots(node), wants):
+        for src, want in zip(input_slots(node), wants, strict=True):
             if src not in choice or want is None or isinstance(choice[src].output, tuple):
                 continue
             have = choice[src].output

@@ -87,7 +87,7 @@ class Context:
         """Ways to shard ``dim`` of ``node``'s output: whole, or block by block for fused outputs."""
         shape = self.shape(node)
         size = shape[dim] if dim < len(shape) else None
-        if not self.static(size) or size < self.world:
+        if self.world < 2 or not self.static(size) or size < self.world:
             return []  # dynamic dims (batch, sequence) are never sharded
         options = [Shard(dim)] if size % self.world == 0 else []
         for chunks in sorted(self.hints.get((node, dim), ())):
@@ -131,7 +131,7 @@ def _add_parameter_options(gm: torch.fx.GraphModule, ctx: Context) -> None:
         wanted = {R}
         for user in node.users:
             for strategy in ctx.strategies.get(user, []):
-                for slot, placement in zip(input_slots(user), strategy.inputs):
+                for slot, placement in zip(input_slots(user), strategy.inputs, strict=True):
                     if slot is node and isinstance(placement, (Replicate, Shard)):
                         wanted.add(placement)
         ctx.strategies[node] = [Strategy((), p) for p in sorted(wanted, key=str)]

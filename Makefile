@@ -1,0 +1,29 @@
+# Quickstart targets: each creates ./.venv and installs what it needs on first use.
+# torch comes from TORCH_SPEC: the CPU wheel pinned here; GPU users override it,
+# e.g. `make test TORCH_SPEC=torch==2.13.0 PIP_EXTRA="--index-url https://download.pytorch.org/whl/cu128"`.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+PIP_EXTRA ?=
+BIN := $(VENV)/bin
+export OMP_NUM_THREADS ?= 1
+
+.PHONY: demo test lint clean
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)" $(PIP_EXTRA)
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $@
+
+demo: $(VENV)/.installed
+	$(BIN)/autotp demo
+
+test: $(VENV)/.installed
+	$(BIN)/python -m pytest -q
+
+lint: $(VENV)/.installed
+	$(BIN)/ruff check autotp passes cost_models examples tests
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -1,0 +1,44 @@
+"""Tiny models for tests: random weights from configs, no network."""
+from __future__ import annotations
+
+import torch
+
+from examples import mlp, nanogpt
+
+BLOCKS = 2
+
+
+def build(kind: str, device: str = "cpu"):
+    """(model, example args, number of transformer blocks) with a fixed seed."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        if kind == "mlp":
+            model, args = mlp.build(hidden=32, ffn=128)
+            return model.eval(), args, 0
+        if kind == "nanogpt":
+            model, args = nanogpt.build(n_layer=BLOCKS, n_head=4, n_embd=32)
+            return model.eval(), args, BLOCKS
+        if kind == "llama":
+            from transformers import LlamaConfig, LlamaForCausalLM
+            config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=BLOCKS,
+                                 num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64,
+                                 use_cache=False)
+            model = LlamaForCausalLM(config)
+        elif kind == "gpt2":
+            from transformers import GPT2Config, GPT2LMHeadModel
+            config = GPT2Config(vocab_size=128, n_embd=64, n_layer=BLOCKS, n_head=4, n_positions=64, use_cache=False,
+                                bos_token_id=0, eos_token_id=0)
+            model = GPT2LMHeadModel(config)
+        else:
+            raise ValueError(kind)
+    return model.eval(), (torch.randint(0, 128, (2, 8)),), BLOCKS
+
+
+def logits(out):
+    return getattr(out, "logits", out)
+
+
+def example_input(kind: str, batch: int, seq: int) -> torch.Tensor:
+    if kind == "mlp":
+        return torch.randn(batch, seq, 32)
+    return torch.randint(0, 96, (batch, seq))

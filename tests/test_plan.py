@@ -1,0 +1,98 @@
+"""Planning without a process group: decisions, the plan file, and clear errors."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autotp
+from autotp.placement import Shard, parse
+from autotp.plan import PlanMismatch
+from models import build
+
+MEGATRON = {  # parameter-name suffix -> expected placement, per architecture (checked, never used to plan)
+    "llama": {"q_proj.weight": "S(0)", "k_proj.weight": "S(0)", "v_proj.weight": "S(0)", "o_proj.weight": "S(1)",
+              "gate_proj.weight": "S(0)", "up_proj.weight": "S(0)", "down_proj.weight": "S(1)"},
+    "gpt2": {"c_attn.weight": "S(1|64,64,64)", "c_attn.bias": "S(0|64,64,64)", "attn.c_proj.weight": "S(0)",
+             "c_fc.weight": "S(1)", "mlp.c_proj.weight": "S(0)"},
+    "nanogpt": {"c_attn.weight": "S(0|32,32,32)", "c_proj.weight": "S(1)", "mlp.0.weight": "S(0)",
+                "mlp.2.weight": "S(1)"},
+}
+
+
+@pytest.mark.parametrize("kind", list(MEGATRON))
+def test_plan_on_meta_device_is_megatron(kind):
+    model, args, blocks = build(kind, device="meta")
+    plan = autotp.plan(model, args, world_size=4)
+    for suffix, expected in MEGATRON[kind].items():
+        matches = [n for n in plan.params if (n.endswith(suffix) and ".0." in n) or (n.endswith(suffix) and ".1." in n)]
+        assert len(matches) == blocks, (suffix, matches)
+        for name in matches:
+            assert plan.params[name] == expected, (name, plan.params[name])
+
+
+def test_fused_qkv_slices_are_matching_heads():
+    """Each rank's slice of a fused [q|k|v] weight holds the same heads of q, k and v."""
+    from autotp.placement import assemble, take_local
+    full = torch.arange(3 * 8).view(3 * 8, 1)  # rows: q0..q7 | k0..k7 | v0..v7
+    shard = Shard(0, (8, 8, 8))
+    parts = [take_local(full, shard, r, 4) for r in range(4)]
+    assert parts[1].flatten().tolist() == [2, 3, 10, 11, 18, 19]
+    assert torch.equal(assemble(parts, shard), full)
+
+
+def test_plan_json_round_trip_and_mismatches(tmp_path):
+    model, args, _ = build("llama", device="meta")
+    plan = autotp.plan(model, args, world_size=2)
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    again = autotp.Plan.load(path)
+    assert again == plan
+    assert again.mesh == {"tp": 2}
+    assert isinstance(parse(again.params["model.layers.0.self_attn.q_proj.weight"]), Shard)
+    with pytest.raises(PlanMismatch, match="world size 2"):
+        again.check(plan.fingerprint, 4)
+    with pytest.raises(PlanMismatch, match="another model"):
+        again.check("0" * 16, 2)
+    path.write_text("{not json")
+    with pytest.raises(PlanMismatch, match="not an autotp plan"):
+        autotp.Plan.load(path)
+
+
+def test_plan_predicts_forward_collectives():
+    model, args, blocks = build("llama", device="meta")
+    plan = autotp.plan(model, args, world_size=2)
+    forward = [c for c in plan.collectives if c["phase"] == "forward" and c["op"] == "all_reduce"]
+    in_blocks = [c for c in forward if ".layers." in c["module"]]
+    assert len(in_blocks) == 2 * blocks
+    assert all(c["seconds"] > 1e-6 for c in plan.collectives)  # small messages cost microseconds, not zero
+
+
+def test_missing_inputs_for_a_plain_module_is_a_clear_error():
+    model, _, _ = build("mlp")
+    with pytest.raises(TypeError, match="pass them"):
+        autotp.plan(model, world_size=2)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.0])
+def test_bad_world_size(bad):
+    model, args, _ = build("mlp")
+    with pytest.raises(ValueError, match="world_size"):
+        autotp.plan(model, args, world_size=bad)
+
+
+def test_parallelize_without_process_group_says_what_to_do():
+    model, args, _ = build("mlp")
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        autotp.parallelize(model, args)
+
+
+def test_hf_model_needs_no_example_inputs():
+    model, _, _ = build("llama", device="meta")
+    plan = autotp.plan(model, world_size=2)
+    assert plan.params["model.layers.0.mlp.down_proj.weight"] == "S(1)"
+
+
+def test_world_size_one_is_replicated():
+    model, args, _ = build("mlp")
+    plan = autotp.plan(model, args, world_size=1)
+    assert plan.collectives == []

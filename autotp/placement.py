@@ -74,14 +74,6 @@ def dump(placement):
     return str(placement)
 
 
-def divisible(shard: Shard, size: int, world: int) -> bool:
-    return all(b % world == 0 and b > 0 for b in shard.blocks(size)) and sum(shard.blocks(size)) == size
-
-
-def local_size(shard: Shard, size: int, world: int) -> int:
-    return size // world
-
-
 def take_local(full: torch.Tensor, shard: Shard, rank: int, world: int) -> torch.Tensor:
     """This rank's slice of a full tensor (block by block for fused dims)."""
     pieces, start = [], 0

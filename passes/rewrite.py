@@ -7,7 +7,7 @@ from torch.fx import Node
 from torch.fx.node import map_arg
 
 from autotp import collectives
-from autotp.placement import R, Replicate, Shard, take_local
+from autotp.placement import Partial, R, Replicate, Shard, take_local
 
 from .solve import needs_grad
 from .strategies import is_observer
@@ -95,7 +95,7 @@ def rewrite(gm: torch.fx.GraphModule, choice: dict, rank: int, world: int, group
             placed[node] = R
         elif node.op == "output":
             node.args = map_arg(node.args, lambda n, out=node: convert(n, R, out, False)
-                                if n in placed and not isinstance(placed[n], tuple) else n)
+                                if n in placed and isinstance(placed[n], (Replicate, Partial, Shard)) else n)
         elif node in choice:
             strategy = choice[node]
             wants = iter(strategy.inputs)

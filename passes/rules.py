@@ -117,7 +117,7 @@ def matmul(node: Node, ctx: Context) -> list[Strategy]:
                 placements = {}
                 for t, shape in ((a, sa), (b, sb)):
                     td = d - (n - len(shape))
-                    same = td >= 0 and td < len(shape) - 2 and shape[td] == out[d]
+                    same = 0 <= td < len(shape) - 2 and ctx.static(shape[td]) and shape[td] == out[d]
                     placements[t] = Shard(td) if same else R
                 found.append(Strategy(ctx.fill(node, placements), s))
     return found
@@ -127,7 +127,7 @@ def attention(node: Node, ctx: Context) -> list[Strategy]:
     """scaled_dot_product_attention split by heads (dim 1); GQA needs both head counts divisible."""
     q, k, v = node.args[:3]
     mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
-    if not (ctx.shard_options(k, 1) and ctx.shard_options(v, 1)):
+    if not (Shard(1) in ctx.shard_options(k, 1) and Shard(1) in ctx.shard_options(v, 1)):
         return []
     found = []
     for s in ctx.shard_options(node, 1):
@@ -249,12 +249,14 @@ def split(node: Node, ctx: Context) -> list[Strategy]:
     at = _dim(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0), n)
     sizes = tuple(o.shape[at] for o in node.meta["val"])
     k = len(sizes)
+    # chunk(n) recomputes piece sizes from the local size: only equal pieces stay aligned
+    split_dim_ok = node.target != aten.chunk.default or len(set(sizes)) == 1
     found = [Strategy(ctx.fill(node, {x: P}), (P,) * k)]
     for d in range(n):
         for s in ctx.shard_options(x, d):
             if d != at and s.chunks is None:
                 found.append(Strategy(ctx.fill(node, {x: s}), (s,) * k))
-            elif d == at and (s.chunks == sizes or (k == 1 and s.chunks is None)):
+            elif d == at and split_dim_ok and (s.chunks == sizes or (k == 1 and s.chunks is None)):
                 found.append(Strategy(ctx.fill(node, {x: s}), (Shard(at),) * k))
     return found
 

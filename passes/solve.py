@@ -21,7 +21,7 @@ from autotp.cost_models import collective_time, reshard_time
 from autotp.cost_models.topology import Topology
 from autotp.placement import R, Replicate, Shard
 
-from .strategies import Context, input_slots
+from .strategies import Context, input_slots, is_placed
 
 _MATMULS = {torch.ops.aten.linear.default, torch.ops.aten.mm.default, torch.ops.aten.bmm.default,
             torch.ops.aten.matmul.default, torch.ops.aten.scaled_dot_product_attention.default}
@@ -96,7 +96,7 @@ def solve(gm: torch.fx.GraphModule, ctx: Context, topology: Topology, *, memory_
     edges = []             # (producer, consumer choices [(var or 1, required placement)])
     for node, options in ctx.strategies.items():
         for slot_i, src in enumerate(input_slots(node)):
-            if src in ctx.strategies:
+            if src in ctx.strategies and is_placed(src):
                 edges.append((src, [(v, s.inputs[slot_i]) for v, s in zip(x[node], options, strict=True)]))
                 bad = [v for v, s in zip(x[node], options, strict=True) if s.inputs[slot_i] == R and not s.replicated]
                 if src in grad and bad:
@@ -104,7 +104,7 @@ def solve(gm: torch.fx.GraphModule, ctx: Context, topology: Topology, *, memory_
                     problem += g >= pulp.lpSum(bad)
     output = next(n for n in gm.graph.nodes if n.op == "output")
     edges += [(src, [(1, R)]) for src in input_slots(output)   # returned full on every rank
-              if src in ctx.strategies and not isinstance(src.meta.get("val"), (list, tuple))]
+              if src in ctx.strategies and is_placed(src) and not isinstance(src.meta.get("val"), (list, tuple))]
     for e, (src, wanted) in enumerate(edges):
         produced = [(v, s.output) for v, s in zip(x[src], ctx.strategies[src], strict=True)]
         for (p, q), z in _link(problem, produced, wanted, lambda p, q, s=src: _reshard_ok(s, p, q, t, topology),

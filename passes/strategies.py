@@ -112,7 +112,11 @@ def is_observer(node: Node) -> bool:
 
 def enumerate_strategies(gm: torch.fx.GraphModule, ctx: Context, rules: dict) -> Context:
     for node in gm.graph.nodes:
-        if node.op == "output" or is_observer(node) or not is_placed(node):
+        if node.op == "output" or is_observer(node):
+            continue
+        if not is_placed(node):
+            if node.op == "call_function":  # e.g. item(), mixed tuples: computed from full inputs
+                ctx.strategies[node] = [Strategy(ctx.fill(node, {}), None)]
             continue
         all_r = Strategy(ctx.fill(node, {}), replicated_like(node))
         found = [all_r]

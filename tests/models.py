@@ -8,6 +8,21 @@ from examples import mlp, nanogpt
 BLOCKS = 2
 
 
+class Unruly(torch.nn.Module):
+    """Ops without sharding rules (max with indices, cumsum along the hidden dim) between matmuls."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(32, 128)
+        self.down = torch.nn.Linear(128, 32)
+
+    def forward(self, x):
+        h = self.up(x)
+        top, where = h.max(dim=-1, keepdim=True)
+        h = torch.cumsum(h - top, dim=-1) / 128
+        return self.down(h.relu()) + where.float() / 128
+
+
 def build(kind: str, device: str = "cpu"):
     """(model, example args, number of transformer blocks) with a fixed seed."""
     torch.manual_seed(0)
@@ -15,6 +30,8 @@ def build(kind: str, device: str = "cpu"):
         if kind == "mlp":
             model, args = mlp.build(hidden=32, ffn=128)
             return model.eval(), args, 0
+        if kind == "unruly":
+            return Unruly().eval(), (torch.randn(2, 8, 32),), 0
         if kind == "nanogpt":
             model, args = nanogpt.build(n_layer=BLOCKS, n_head=4, n_embd=32)
             return model.eval(), args, BLOCKS
@@ -39,6 +56,6 @@ def logits(out):
 
 
 def example_input(kind: str, batch: int, seq: int) -> torch.Tensor:
-    if kind == "mlp":
+    if kind in ("mlp", "unruly"):
         return torch.randn(batch, seq, 32)
     return torch.randint(0, 96, (batch, seq))

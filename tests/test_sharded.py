@@ -80,6 +80,10 @@ def test_sharded_matches_single_process(kind, world):
     run_ranks(world, _check, kind)
 
 
+def test_ops_without_rules_see_full_tensors():
+    run_ranks(2, _check, "unruly")
+
+
 def _train_step(rank: int, world: int) -> None:
     """An optimizer with name-based param groups trains the sharded model like the original.
 

@@ -28,14 +28,14 @@ def _graph(model: torch.nn.Module, args, kwargs) -> torch.fx.GraphModule:
     return gm
 
 
-def _solve(gm: torch.fx.GraphModule, world_size: int, topology, memory_slack: float, training: bool) -> Plan:
+def _solve(gm: torch.fx.GraphModule, world_size: int, topology, min_shard_fraction: float, training: bool) -> Plan:
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
     topo = load_topology(topology)
-    ctx = Context(world=world_size)
+    ctx = Context(world=world_size, min_shard_fraction=min_shard_fraction)
     ctx.hints = fused_block_hints(gm, ctx)
     enumerate_strategies(gm, ctx, RULES)
-    solution = solve(gm, ctx, topo, memory_slack=memory_slack, training=training)
+    solution = solve(gm, ctx, topo, training=training)
     choice = solution.choice
     return Plan(
         world_size=world_size,
@@ -50,13 +50,13 @@ def _solve(gm: torch.fx.GraphModule, world_size: int, topology, memory_slack: fl
 
 
 def plan(model: torch.nn.Module, args=None, kwargs=None, *, world_size: int, topology=None,
-         memory_slack: float = 0.02, training: bool = True) -> Plan:
+         min_shard_fraction: float = 0.02, training: bool = True) -> Plan:
     """Find a sharding plan without any process group (the model may be on the meta device)."""
-    return _solve(_graph(model, args, kwargs), world_size, topology, memory_slack, training)
+    return _solve(_graph(model, args, kwargs), world_size, topology, min_shard_fraction, training)
 
 
 def parallelize(model: torch.nn.Module, args=None, kwargs=None, *, plan: Plan | None = None, topology=None,
-                group=None, memory_slack: float = 0.02, training: bool = True) -> torch.nn.Module:
+                group=None, min_shard_fraction: float = 0.02, training: bool = True) -> torch.nn.Module:
     """This rank's tensor-parallel copy of ``model``: same signature, full outputs on every rank.
 
     Rank 0 solves and broadcasts the plan, so every rank runs the same program.
@@ -68,7 +68,7 @@ def parallelize(model: torch.nn.Module, args=None, kwargs=None, *, plan: Plan | 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     gm = _graph(model, args, kwargs)
     if plan is None:
-        plan = _broadcast_plan(lambda: _solve(gm, world, topology, memory_slack, training), group)
+        plan = _broadcast_plan(lambda: _solve(gm, world, topology, min_shard_fraction, training), group)
     plan.check(fingerprint(gm), world)
     choice = {}
     for node in gm.graph.nodes:

@@ -64,6 +64,7 @@ class Context:
     world: int
     hints: dict = field(default_factory=dict)        # (node, dim) -> set of chunk tuples
     strategies: dict = field(default_factory=dict)   # node -> list[Strategy], filled in order
+    min_shard_fraction: float = 0.02                 # parameters this large (vs the largest) must shard
     _probes: dict = field(default_factory=dict)
 
     def shape(self, node) -> tuple:
@@ -128,14 +129,24 @@ def enumerate_strategies(gm: torch.fx.GraphModule, ctx: Context, rules: dict) ->
 
 
 def _add_parameter_options(gm: torch.fx.GraphModule, ctx: Context) -> None:
-    """A parameter is stored in whatever placement one of its users asks for (or R)."""
-    for node in gm.graph.nodes:
-        if node.op != "get_attr" or node not in ctx.strategies:
-            continue
-        wanted = {R}
+    """A parameter is stored in a placement its users compute with (parameters are never gathered).
+
+    Large parameters (at least ``ctx.min_shard_fraction`` of the largest) must be sharded whenever
+    one shard layout suits every user: holding them whole would defeat tensor parallelism.  Small
+    ones (norm weights, output biases) are left to the cost model.
+    """
+    trainable = dict(gm.named_parameters(remove_duplicate=False))
+    nodes = [n for n in gm.graph.nodes if n.op == "get_attr" and n in ctx.strategies]
+    sizes = {n: value(n).numel() * value(n).element_size() for n in nodes}
+    largest = max((sizes[n] for n in nodes if n.target in trainable), default=0)
+    for node in nodes:
+        per_user = []
         for user in node.users:
-            for strategy in ctx.strategies.get(user, []):
-                for slot, placement in zip(input_slots(user), strategy.inputs, strict=True):
-                    if slot is node and isinstance(placement, (Replicate, Shard)):
-                        wanted.add(placement)
-        ctx.strategies[node] = [Strategy((), p) for p in sorted(wanted, key=str)]
+            per_user.append({p for strategy in ctx.strategies.get(user, [])
+                             for slot, p in zip(input_slots(user), strategy.inputs, strict=True) if slot is node})
+        wanted = {R}.union(*per_user)
+        options = {p for p in wanted if isinstance(p, (Replicate, Shard))}
+        suits_all = {p for p in options if isinstance(p, Shard) and all(p in u for u in per_user)}
+        if node.target in trainable and suits_all and sizes[node] >= ctx.min_shard_fraction * largest:
+            options = suits_all
+        ctx.strategies[node] = [Strategy((), p) for p in sorted(options, key=str)]

@@ -9,7 +9,7 @@ from autotp.passes.capture import capture, fingerprint
 from autotp.passes.prepare import fused_block_hints, merge_aliases, split_bias
 from autotp.passes.rewrite import rewrite
 from autotp.passes.rules import RULES
-from autotp.passes.solve import planned_collectives, solve
+from autotp.passes.solve import Sizes, planned_collectives, solve
 from autotp.passes.strategies import Context, Strategy, enumerate_strategies
 
 from .collectives import gather_full
@@ -28,14 +28,15 @@ def _graph(model: torch.nn.Module, args, kwargs) -> torch.fx.GraphModule:
     return gm
 
 
-def _solve(gm: torch.fx.GraphModule, world_size: int, topology, min_shard_fraction: float, training: bool) -> Plan:
+def _solve(gm: torch.fx.GraphModule, world_size: int, topology, min_shard_fraction: float = 0.02,
+           training: bool = True, memory_limit: float | None = None, sizes: Sizes | None = None) -> Plan:
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
     topo = load_topology(topology)
     ctx = Context(world=world_size, min_shard_fraction=min_shard_fraction)
     ctx.hints = fused_block_hints(gm, ctx)
     enumerate_strategies(gm, ctx, RULES)
-    solution = solve(gm, ctx, topo, training=training)
+    solution = solve(gm, ctx, topo, training=training, memory_limit=memory_limit, sizes=sizes)
     choice = solution.choice
     return Plan(
         world_size=world_size,
@@ -43,20 +44,25 @@ def _solve(gm: torch.fx.GraphModule, world_size: int, topology, min_shard_fracti
         topology=topo.name,
         nodes={n.name: Plan.encode(s) for n, s in choice.items()},
         params={n.target: str(s.output) for n, s in choice.items() if n.op == "get_attr"},
-        collectives=planned_collectives(gm, choice, world_size, topo),
+        collectives=planned_collectives(gm, choice, world_size, topo, sizes),
         styles=param_styles(gm, choice),
-        cost={"seconds": solution.seconds, "param_bytes_per_device": solution.param_bytes},
+        cost={"seconds": solution.seconds, "memory": solution.memory, "training": training},
     )
 
 
 def plan(model: torch.nn.Module, args=None, kwargs=None, *, world_size: int, topology=None,
-         min_shard_fraction: float = 0.02, training: bool = True) -> Plan:
-    """Find a sharding plan without any process group (the model may be on the meta device)."""
-    return _solve(_graph(model, args, kwargs), world_size, topology, min_shard_fraction, training)
+         min_shard_fraction: float = 0.02, training: bool = True, memory_limit: float | None = None) -> Plan:
+    """Find a sharding plan without any process group (the model may be on the meta device).
+
+    Costs are estimated at the example inputs' sizes: pass realistic ones (on the meta device
+    they cost nothing).  ``memory_limit``: bytes per device (default 90% of the topology's).
+    """
+    return _solve(_graph(model, args, kwargs), world_size, topology, min_shard_fraction, training, memory_limit)
 
 
 def parallelize(model: torch.nn.Module, args=None, kwargs=None, *, plan: Plan | None = None, topology=None,
-                group=None, min_shard_fraction: float = 0.02, training: bool = True) -> torch.nn.Module:
+                group=None, min_shard_fraction: float = 0.02, training: bool = True,
+                memory_limit: float | None = None) -> torch.nn.Module:
     """This rank's tensor-parallel copy of ``model``: same signature, full outputs on every rank.
 
     Rank 0 solves and broadcasts the plan, so every rank runs the same program.
@@ -68,7 +74,7 @@ def parallelize(model: torch.nn.Module, args=None, kwargs=None, *, plan: Plan | 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     gm = _graph(model, args, kwargs)
     if plan is None:
-        plan = _broadcast_plan(lambda: _solve(gm, world, topology, min_shard_fraction, training), group)
+        plan = _broadcast_plan(lambda: _solve(gm, world, topology, min_shard_fraction, training, memory_limit), group)
     plan.check(fingerprint(gm), world)
     choice = {}
     for node in gm.graph.nodes:

@@ -30,7 +30,14 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--topology", default=None)
     plan.add_argument("--out", help="write the plan JSON here")
     plan.add_argument("--json", action="store_true", help="print the plan JSON instead of tables")
+    cal = sub.add_parser("calibrate", help="measure collectives on this machine's process group, write a topology")
+    cal.add_argument("--out", default="calibrated.json", help="where to write the topology profile")
+    cal.add_argument("--nproc", type=int, default=2, help="local gloo ranks to spawn when not under torchrun")
     args = parser.parse_args(argv)
+
+    if args.command == "calibrate":
+        from .calibrate_cli import main as calibrate
+        return calibrate(args.out, args.nproc)
 
     if args.command == "demo":
         from .demo import main as demo

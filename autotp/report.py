@@ -1,8 +1,6 @@
 """Human-readable views of a plan (rich tables); decisions are described from the graph."""
 from __future__ import annotations
 
-import math
-
 import torch
 from rich.console import Console
 from rich.table import Table
@@ -77,7 +75,15 @@ def print_plan(plan: Plan, shapes: dict | None = None, console: Console | None =
     console = console or Console(width=140)
     console.print(plan_table(plan, shapes))
     console.print(collectives_table(plan))
-    total = sum(math.prod(s) for s in (shapes or {}).values())
-    held = plan.cost.get("param_bytes_per_device", 0)
-    console.print(f"estimated step time {plan.cost.get('seconds', 0) * 1e6:.1f} µs; parameter bytes per device "
-                  f"{held:.0f}" + (f" of {total * 4:.0f} (fp32)" if total else ""))
+    console.print(memory_table(plan))
+    console.print(f"estimated {'training step' if plan.cost.get('training') else 'forward'} time "
+                  f"{plan.cost.get('seconds', 0) * 1e6:.1f} µs per device")
+
+
+def memory_table(plan: Plan) -> Table:
+    table = Table(title="memory per device (estimated)")
+    table.add_column("kind")
+    table.add_column("MB", justify="right")
+    for kind, held in plan.cost.get("memory", {}).items():
+        table.add_row(kind, f"{held / 1e6:.3f}")
+    return table

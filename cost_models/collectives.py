@@ -1,28 +1,77 @@
-"""Alpha-beta (latency + bytes/bandwidth) times for ring collectives and resharding."""
+"""Collective and resharding times: latency + bytes / bandwidth, the best of the algorithms the
+hardware offers (ring; tree across nodes; in-switch reduction inside a node), hierarchical
+(inside the nodes, then across them) when a group spans nodes.
+
+``nbytes`` is always the full logical tensor: the reduced tensor for all-reduce, the gathered
+output for all-gather, the input for reduce-scatter, all data for all-to-all, the broadcast tensor.
+"""
 from __future__ import annotations
+
+import math
 
 from autotp.placement import Partial, Replicate, Shard
 
 from .topology import Topology
 
-# (number of latency steps, fraction of the bytes each rank sends) for a ring over n ranks
-_RING = {
-    "all_reduce": lambda n: (2 * (n - 1), 2 * (n - 1) / n),
-    "all_gather": lambda n: (n - 1, (n - 1) / n),
-    "reduce_scatter": lambda n: (n - 1, (n - 1) / n),
-    "all_to_all": lambda n: (n - 1, (n - 1) / n),
-    "broadcast": lambda n: (n - 1, 1.0),
-}
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
+
+
+def _ring(op: str, n: int) -> tuple[int, float]:
+    """(latency steps, bus-bandwidth factor) of a ring over n ranks (nccl-tests PERFORMANCE.md)."""
+    if op == "all_reduce":
+        return 2 * (n - 1), 2 * (n - 1) / n
+    if op == "broadcast":
+        return n - 1, 1.0
+    return n - 1, (n - 1) / n
+
+
+def _intra(op: str, nbytes: float, n: int, topo: Topology) -> float:
+    if n <= 1:
+        return 0.0
+    steps, factor = _ring(op, n)
+    ring = topo.intra_base_latency_s + steps * topo.intra_step_latency_s + factor * nbytes / topo.intra_busbw
+    if op == "all_reduce" and topo.intra_busbw_nvls:
+        nvls = topo.intra_base_latency_s + 2 * topo.intra_step_latency_s + factor * nbytes / topo.intra_busbw_nvls
+        return min(ring, nvls)
+    return ring
+
+
+def _inter(op: str, nbytes: float, m: int, topo: Topology) -> float:
+    """The across-node phase among m nodes; each node's NICs carry its share of nbytes."""
+    if m <= 1:
+        return 0.0
+    if not topo.nics_per_node:
+        raise ValueError(f"topology {topo.name} has {topo.nodes} nodes but no NICs (nics_per_node)")
+    bandwidth = topo.nic_bandwidth * topo.nics_per_node
+    steps, factor = _ring(op, m)
+    if op == "all_to_all":
+        nbytes /= m  # only the part leaving each node crosses its NICs
+    ring = topo.inter_base_latency_s + steps * topo.inter_step_latency_s
+    tree = topo.inter_base_latency_s + 2 * math.ceil(math.log2(m)) * topo.inter_step_latency_s
+    latency = min(ring, tree) if op in ("all_reduce", "broadcast") else ring
+    return latency + factor * nbytes / bandwidth
 
 
 def collective_time(op: str, nbytes: float, group_size: int, topology: Topology) -> float:
-    """Seconds for one collective on ``nbytes`` (the full tensor) over ``group_size`` ranks."""
-    if op not in _RING:
-        raise ValueError(f"unknown collective {op!r}; one of {sorted(_RING)}")
+    """Seconds for one collective over ``group_size`` consecutive ranks (filling nodes in order)."""
+    if op not in OPS:
+        raise ValueError(f"unknown collective {op!r}; one of {', '.join(OPS)}")
     if group_size <= 1:
         return 0.0
-    steps, share = _RING[op](group_size)
-    return topology.base_latency_s + steps * topology.link_latency_s + share * nbytes / topology.link_bandwidth
+    measured = topology.measured.get(op)
+    if measured:  # a calibrated profile: the line fitted to this collective on the measured group
+        return measured["latency_s"] + _ring(op, group_size)[1] * nbytes / measured["busbw"]
+    per_node = min(group_size, topology.gpus_per_node)
+    nodes = math.ceil(group_size / per_node)
+    if nodes > topology.nodes:
+        raise ValueError(f"a group of {group_size} ranks does not fit topology {topology.name} "
+                         f"({topology.nodes} x {topology.gpus_per_node} devices)")
+    if nodes == 1:
+        return _intra(op, nbytes, group_size, topology)
+    if op == "all_reduce":  # reduce-scatter inside, all-reduce of 1/g across, all-gather inside
+        return (_intra("reduce_scatter", nbytes, per_node, topology) + _inter("all_reduce", nbytes, nodes, topology)
+                + _intra("all_gather", nbytes, per_node, topology))
+    return _intra(op, nbytes, per_node, topology) + _inter(op, nbytes, nodes, topology)
 
 
 def reshard_collective(src, dst) -> str | None:
@@ -51,6 +100,6 @@ def reshard_time(src, dst, nbytes: float, group_size: int, topology: Topology, b
         return None
     seconds = collective_time(op, nbytes, group_size, topology) if op else 0.0
     if op == "" and src != dst:
-        seconds = nbytes / group_size / topology.hbm_bandwidth  # a local slice
+        seconds = nbytes / group_size / (topology.hbm_bandwidth * topology.memory_efficiency)  # a local slice
     back = backward_collective(src, dst) if backward else ""
     return seconds + (collective_time(back, nbytes, group_size, topology) if back else 0.0)

@@ -1,8 +1,14 @@
-"""Hardware profiles are data: JSON files with a source next to every figure."""
+"""Hardware profiles are data: JSON files in topologies/, a source next to every figure.
+
+A profile describes one node type (its GPUs, their NVLink/PCIe fabric, its NICs) and how many
+nodes there are.  ``"extends": "dgx-h100"`` reuses another profile and overrides some figures,
+which is how ``2x-dgx-h100`` is two DGX H100s.  Calibrated profiles (``autotp calibrate``) add
+measured per-collective figures under ``measured``.
+"""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 PROFILES = Path(__file__).parent / "topologies"
@@ -12,25 +18,79 @@ DEFAULT = "dgx-h100"
 @dataclass(frozen=True)
 class Topology:
     name: str
-    link_latency_s: float      # per ring step inside a node
-    link_bandwidth: float      # bytes/s one way per GPU inside a node
-    base_latency_s: float      # fixed cost of launching one collective
-    peak_flops: float          # dense bf16/fp16 FLOP/s per device
-    hbm_bandwidth: float       # bytes/s per device
-    memory_bytes: float        # per device
+    nodes: int
+    gpus_per_node: int
+    memory_bytes: float          # per device
+    hbm_bandwidth: float         # bytes/s per device
+    peak_flops: float            # dense bf16/fp16 FLOP/s per device
+    matmul_efficiency: float     # achievable fraction of peak_flops
+    memory_efficiency: float     # achievable fraction of hbm_bandwidth
+    intra_base_latency_s: float  # launch latency of one collective inside a node
+    intra_step_latency_s: float  # per ring step over NVLink / PCIe
+    intra_busbw: float           # ring bus bandwidth inside a node, bytes/s
+    intra_busbw_nvls: float = 0.0    # in-switch reduction (NVLS) all-reduce bus bandwidth; 0 if none
+    inter_base_latency_s: float = 0.0
+    inter_step_latency_s: float = 0.0
+    nic_bandwidth: float = 0.0       # bytes/s achieved per NIC
+    nics_per_node: int = 0
+    measured: dict = field(default_factory=dict)  # op -> {"latency_s", "busbw"} from calibration
+
+    @property
+    def devices(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+def _figures(raw: dict, path: Path) -> dict:
+    """{"key": {"value": v, "source": "..."}} -> {"key": v}; a figure without a source is refused."""
+    out = {}
+    for key, entry in raw.items():
+        if not isinstance(entry, dict) or "value" not in entry or not entry.get("source"):
+            raise ValueError(f"malformed topology file {path}: figure {key!r} needs a 'value' and a 'source'")
+        out[key] = entry["value"]
+    return out
+
+
+def _read(path: Path, seen: tuple = ()) -> dict:
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read topology file {path}: {exc}") from exc
+    if not isinstance(raw, dict) or not isinstance(raw.get("figures", {}), dict):
+        raise ValueError(f"malformed topology file {path}: expected an object with 'name' and 'figures'")
+    base: dict = {}
+    if "extends" in raw:
+        parent = _resolve(raw["extends"])
+        if parent in seen:
+            raise ValueError(f"topology file {path} extends itself through {parent}")
+        base = _read(parent, (*seen, path))
+    figures = {**base.get("figures", {}), **_figures(raw.get("figures", {}), path)}
+    return {"name": raw.get("name", path.stem), "figures": figures, "measured": raw.get("measured", {})}
+
+
+def _resolve(spec: str | Path) -> Path:
+    path = Path(spec)
+    if path.suffix == ".json":
+        if not path.exists():
+            raise FileNotFoundError(f"topology file {path} does not exist")
+        return path
+    path = PROFILES / f"{spec}.json"
+    if not path.exists():
+        known = ", ".join(sorted(p.stem for p in PROFILES.glob("*.json")))
+        raise FileNotFoundError(f"unknown topology {spec!r}: give one of {known} or a path to a .json profile")
+    return path
 
 
 def load_topology(spec: str | Path | Topology | None = None) -> Topology:
     """A profile by name (``dgx-h100``), by path to a JSON file, or the default."""
     if isinstance(spec, Topology):
         return spec
-    path = Path(spec) if spec is not None and Path(spec).suffix == ".json" else PROFILES / f"{spec or DEFAULT}.json"
-    if not path.exists():
-        known = ", ".join(sorted(p.stem for p in PROFILES.glob("*.json")))
-        raise FileNotFoundError(f"unknown topology {spec!r}: give one of {known} or a path to a .json profile")
-    raw = json.loads(path.read_text())
+    path = _resolve(spec or DEFAULT)
+    raw = _read(path)
     try:
-        return Topology(name=raw["name"], **{k: float(v["value"]) for k, v in raw["figures"].items()})
-    except (KeyError, TypeError) as exc:
-        raise ValueError(f"malformed topology file {path}: {exc!r}; "
-                         "every figure needs a 'value' and a 'source'") from exc
+        return Topology(name=raw["name"], measured=raw["measured"], **raw["figures"])
+    except TypeError as exc:
+        raise ValueError(f"malformed topology file {path}: {exc}") from exc
+
+
+def profile_names() -> list[str]:
+    return sorted(p.stem for p in PROFILES.glob("*.json"))

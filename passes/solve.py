@@ -4,11 +4,13 @@ The objective is estimated time per training step: compute (divided by N when sh
 resharding collectives (each (tensor, target placement) paid once, however many users share it) +
 the backward all-reduce that a replicated input of a sharded op needs (Megatron's ``f``).
 Memory enters through the parameter options (strategies.py): large parameters are only offered
-sharded, so no global memory constraint couples the blocks and CBC stays fast.
+sharded, so no global constraint couples the blocks and CBC stays fast; the per-device capacity
+constraint is added only when the fastest plan does not fit.
 """
 from __future__ import annotations
 
 import math
+import operator
 import warnings
 from dataclasses import dataclass
 
@@ -17,6 +19,8 @@ import torch
 from torch.fx import Node
 
 from autotp.cost_models import collective_time, reshard_time
+from autotp.cost_models.compute import op_time
+from autotp.cost_models.memory import breakdown, smallest_fitting_world, state_factor
 from autotp.cost_models.topology import Topology
 from autotp.placement import R, Replicate, Shard
 
@@ -24,6 +28,11 @@ from .strategies import Context, input_slots, is_placed
 
 _MATMULS = {torch.ops.aten.linear.default, torch.ops.aten.mm.default, torch.ops.aten.bmm.default,
             torch.ops.aten.matmul.default, torch.ops.aten.scaled_dot_product_attention.default}
+# outputs that alias their input: no memory of their own is kept for backward
+_VIEWS = {getattr(torch.ops.aten, name).default for name in
+          ("view", "reshape", "_unsafe_view", "permute", "t", "expand", "unsqueeze", "alias", "detach")} | {
+    torch.ops.aten.transpose.int, torch.ops.aten.slice.Tensor, torch.ops.aten.select.int,
+    torch.ops.aten.split.Tensor, torch.ops.aten.chunk.default, operator.getitem}
 
 
 class PlanningError(RuntimeError):
@@ -34,29 +43,37 @@ class PlanningError(RuntimeError):
 class Solution:
     choice: dict          # node -> Strategy
     seconds: float        # estimated step time of the chosen plan
-    param_bytes: float    # parameter bytes held per device
+    memory: dict          # estimated bytes per device by kind (cost_models.memory.breakdown)
 
 
-def concrete(size) -> int:
-    return size if isinstance(size, int) else int(size.node.hint or 1)
+class Sizes:
+    """Concrete sizes to price the graph at: the example inputs' sizes (pass realistic ones on the
+    meta device), with some symbols overridden (``{"s0": 4}``: e.g. the batch of one replica)."""
 
+    def __init__(self, overrides: dict | None = None):
+        self.overrides = overrides or {}
 
-def nbytes(node: Node) -> float:
-    v = node.meta.get("val")
-    vals = v if isinstance(v, (list, tuple)) else [v]
-    return float(sum(math.prod(concrete(s) for s in t.shape) * t.element_size()
-                     for t in vals if isinstance(t, torch.Tensor)))
+    def __call__(self, size) -> int:
+        if isinstance(size, int):
+            return size
+        expr = size.node.expr
+        hints = size.node.shape_env.backed_var_to_val
+        return int(expr.xreplace({sym: self.overrides.get(str(sym), hints[sym]) for sym in expr.free_symbols}))
 
+    def nbytes(self, node: Node) -> float:
+        v = node.meta.get("val")
+        vals = v if isinstance(v, (list, tuple)) else [v]
+        return float(sum(math.prod(self(s) for s in t.shape) * t.element_size()
+                         for t in vals if isinstance(t, torch.Tensor)))
 
-def flops(node: Node) -> float:
-    out = node.meta.get("val")
-    if not isinstance(out, torch.Tensor):
-        return 0.0
-    numel = math.prod(concrete(s) for s in out.shape)
-    if node.target in _MATMULS:
-        a = node.args[0].meta["val"]
-        return 2.0 * numel * concrete(a.shape[-1])
-    return float(numel)
+    def flops(self, node: Node) -> float:
+        out = node.meta.get("val")
+        if not isinstance(out, torch.Tensor):
+            return 0.0
+        numel = math.prod(self(s) for s in out.shape)
+        if node.target in _MATMULS:
+            return 2.0 * numel * self(node.args[0].meta["val"].shape[-1])
+        return float(numel)
 
 
 def needs_grad(gm: torch.fx.GraphModule) -> set:
@@ -69,23 +86,52 @@ def needs_grad(gm: torch.fx.GraphModule) -> set:
     return grad
 
 
-def solve(gm: torch.fx.GraphModule, ctx: Context, topology: Topology, *, training: bool = True) -> Solution:
+def _local(size: float, placement, world: int) -> float:
+    return size / world if isinstance(placement, Shard) else size
+
+
+def _compute_time(node: Node, strategy, sizes: Sizes, world: int, topology: Topology, training: bool) -> float:
+    moved = sizes.nbytes(node) + sum(sizes.nbytes(a) for a in node.all_input_nodes if is_placed(a))
+    seconds = op_time(sizes.flops(node), moved, topology) if node.op == "call_function" else 0.0
+    seconds = seconds if strategy.replicated else seconds / world
+    return 3 * seconds if training else seconds  # backward costs about twice the forward
+
+
+def _memory(node: Node, strategy, sizes: Sizes, world: int, trainable: dict, training: bool) -> dict:
+    """Bytes this node keeps on a device under ``strategy``, by kind."""
+    if node.op == "get_attr":
+        held = _local(sizes.nbytes(node), strategy.output, world)
+        if node.target not in trainable:
+            return {"buffers": held}
+        state = held * state_factor(node.meta["val"].element_size(), training) - held
+        return {"params": held, "grads": held if training else 0.0, "optimizer": state - (held if training else 0)}
+    if node.target == torch.ops.aten.scaled_dot_product_attention.default and not training:
+        kv = zip(node.args[1:3], strategy.inputs[1:3], strict=True)
+        return {"kv_cache": sum(_local(sizes.nbytes(a), p, world) for a, p in kv)}
+    if training and node.op == "call_function" and node.target not in _VIEWS and is_placed(node):
+        return {"activations": _local(sizes.nbytes(node), strategy.output, world)}
+    return {}
+
+
+def solve(gm: torch.fx.GraphModule, ctx: Context, topology: Topology, *, training: bool = True,
+          memory_limit: float | None = None, sizes: Sizes | None = None) -> Solution:
+    """The fastest plan whose estimated memory per device fits ``memory_limit`` (default 90% of the
+    device's memory: CUDA context and fragmentation take the rest)."""
     t = ctx.world
+    sizes = sizes or Sizes()
     problem = pulp.LpProblem("autotp", pulp.LpMinimize)
-    costs = []
+    trainable = dict(gm.named_parameters(remove_duplicate=False))
+    costs, memory, kinds = [], [], {}
     x = {}
     for i, (node, options) in enumerate(ctx.strategies.items()):
         x[node] = [problem.add_variable(f"x{i}_{k}", cat="Binary") for k in range(len(options))]
         problem += pulp.lpSum(x[node]) == 1
-        work = flops(node) / topology.peak_flops
         for var, s in zip(x[node], options, strict=True):
-            costs.append(var * (work if s.replicated else work / t))
-
-    trainable = dict(gm.named_parameters(remove_duplicate=False))  # buffers are derived constants: not counted
-    param_bytes = {n: nbytes(n) for n in ctx.strategies if n.op == "get_attr" and n.target in trainable}
-    memory = pulp.lpSum(var * (size if isinstance(s.output, Replicate) else size / t)
-                        for node, size in param_bytes.items()
-                        for var, s in zip(x[node], ctx.strategies[node], strict=True))
+            costs.append(var * _compute_time(node, s, sizes, t, topology, training))
+            for kind, held in _memory(node, s, sizes, t, trainable, training).items():
+                if held:
+                    memory.append(var * held)
+                    kinds.setdefault(kind, []).append(var * held)
 
     grad = needs_grad(gm) if training else set()
     need: dict = {}        # (tensor, from, to) -> indicator that this reshard happens
@@ -95,7 +141,8 @@ def solve(gm: torch.fx.GraphModule, ctx: Context, topology: Topology, *, trainin
         for slot_i, src in enumerate(input_slots(node)):
             if src in ctx.strategies and is_placed(src):
                 edges.append((src, [(v, s.inputs[slot_i]) for v, s in zip(x[node], options, strict=True)]))
-                bad = [v for v, s in zip(x[node], options, strict=True) if s.inputs[slot_i] == R and not s.replicated]
+                bad = [v for v, s in zip(x[node], options, strict=True)
+                       if s.inputs[slot_i] == R and not s.replicated]
                 if src in grad and bad:
                     g = grad_reduce.setdefault(src, problem.add_variable(f"g{len(grad_reduce)}", lowBound=0))
                     problem += g >= pulp.lpSum(bad)
@@ -111,14 +158,24 @@ def solve(gm: torch.fx.GraphModule, ctx: Context, topology: Topology, *, trainin
                 need.setdefault(key, problem.add_variable(f"n{len(need)}", lowBound=0))
                 problem += need[key] >= z
     for (src, p, q), var in need.items():
-        costs.append(var * reshard_time(p, q, nbytes(src), t, topology, backward=src in grad))
+        costs.append(var * reshard_time(p, q, sizes.nbytes(src), t, topology, backward=src in grad))
     for src, g in grad_reduce.items():
-        costs.append(g * collective_time("all_reduce", nbytes(src), t, topology))
+        costs.append(g * collective_time("all_reduce", sizes.nbytes(src), t, topology))
 
-    _run(problem, pulp.lpSum(costs))
+    limit = memory_limit if memory_limit is not None else 0.9 * topology.memory_bytes
+    total_memory = pulp.lpSum(memory)
+    seconds = _run(problem, pulp.lpSum(costs))
+    if pulp.value(total_memory) > limit:
+        hint = _fit_hint(ctx, x, sizes, limit, trainable, training)
+        problem += total_memory <= limit, "memory_limit"
+        try:
+            seconds = _run(problem, pulp.lpSum(costs))
+        except PlanningError:
+            raise PlanningError(f"no plan fits {limit / 1e9:.1f} GB per device at world size {t}: {hint}") from None
     choice = {node: options[max(range(len(options)), key=lambda k: x[node][k].value() or 0)]
               for node, options in ctx.strategies.items()}
-    return Solution(choice, float(pulp.value(problem.objective)), float(pulp.value(memory) or 0.0))
+    by_kind = {kind: float(pulp.value(pulp.lpSum(terms)) or 0.0) for kind, terms in kinds.items()}
+    return Solution(choice, seconds, breakdown(by_kind))
 
 
 def _run(problem: pulp.LpProblem, objective) -> float:
@@ -128,8 +185,24 @@ def _run(problem: pulp.LpProblem, objective) -> float:
         problem.solve(pulp.PULP_CBC_CMD(msg=False))
     status = pulp.LpStatus[problem.status]
     if status != "Optimal":
-        raise PlanningError(f"the sharding ILP ended {status}; this is a bug in autotp's rules, please report it")
+        raise PlanningError(f"the sharding ILP ended {status}")
     return float(pulp.value(objective))
+
+
+def _fit_hint(ctx: Context, x: dict, sizes: Sizes, limit: float, trainable: dict, training: bool) -> str:
+    """What would fit: the smallest world size for the current plan's memory, or the memory it needs."""
+    replicated = sharded = 0.0
+    for node, options in ctx.strategies.items():
+        for var, s in zip(x[node], options, strict=True):
+            if (var.value() or 0) > 0.5:
+                held = sum(_memory(node, s, sizes, ctx.world, trainable, training).values())
+                split = isinstance(s.output, Shard) or (node.op != "get_attr" and not s.replicated)
+                replicated += 0 if split else held
+                sharded += held * ctx.world if split else 0
+    need = replicated + sharded / ctx.world
+    fits = smallest_fitting_world(replicated, sharded, limit, [2 ** k for k in range(1, 11)])
+    advice = f"try world size {fits}" if fits else "no world size helps: its replicated part alone is too large"
+    return f"the best plan needs about {need / 1e9:.1f} GB per device; {advice}, or use devices with more memory"
 
 
 def _link(problem, produced, wanted, ok, tag) -> dict:
@@ -157,7 +230,8 @@ def _reshard_ok(src: Node, p, q, world: int, topology: Topology) -> bool:
     return reshard_time(p, q, 1.0, world, topology) is not None
 
 
-def planned_collectives(gm: torch.fx.GraphModule, choice: dict, world: int, topology: Topology) -> list[dict]:
+def planned_collectives(gm: torch.fx.GraphModule, choice: dict, world: int, topology: Topology,
+                        sizes: Sizes | None = None) -> list[dict]:
     """The collectives the rewriter will insert for ``choice`` (one per tensor and target placement)."""
     from autotp.cost_models.collectives import backward_collective, reshard_collective
 
@@ -182,6 +256,7 @@ def planned_collectives(gm: torch.fx.GraphModule, choice: dict, world: int, topo
                 found.setdefault((src, have, want, "back"), ("backward", back))
             if strategy is not None and isinstance(want, Replicate) and not strategy.replicated and src in grad:
                 found.setdefault((src, want, "grad"), ("backward", "all_reduce"))
-    return [{"op": op, "phase": phase, "tensor": src.name, "module": module_path(src), "bytes": nbytes(src),
-             "seconds": collective_time(op, nbytes(src), world, topology)}
+    sizes = sizes or Sizes()
+    return [{"op": op, "phase": phase, "tensor": src.name, "module": module_path(src), "bytes": sizes.nbytes(src),
+             "seconds": collective_time(op, sizes.nbytes(src), world, topology)}
             for (src, *_), (phase, op) in found.items()]

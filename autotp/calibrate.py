@@ -1,0 +1,134 @@
+"""`autotp calibrate`: measure collectives on the current process group, fit latency + bytes/busbw
+per collective, and write a topology profile that prices plans with the measured figures."""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from autotp.cost_models import collective_time, load_topology
+from autotp.cost_models.collectives import _ring
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter")
+SIZES = tuple(4096 * 4 ** k for k in range(8))  # 4 KiB .. 64 MiB
+
+
+def _run_once(op: str, nbytes: int, world: int, device) -> None:
+    numel = nbytes // 4
+    if op == "all_reduce":
+        dist.all_reduce(torch.ones(numel, device=device))
+    elif op == "all_gather":
+        dist.all_gather_into_tensor(torch.empty(numel, device=device), torch.ones(numel // world, device=device))
+    else:
+        dist.reduce_scatter_tensor(torch.empty(numel // world, device=device), torch.ones(numel, device=device))
+
+
+def measure(repeats: int = 25, device=None) -> dict:
+    """op -> {bytes: seconds}: the fastest of ``repeats`` samples, each timing a burst of
+    back-to-back collectives (small ones repeated so that a sample lasts about a millisecond) on
+    the slowest rank, after a warm-up.  The minimum, not the median: on a shared or virtual
+    machine the scheduler adds noise in one direction only."""
+    world = dist.get_world_size()
+    device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu")
+    results: dict = {}
+    for op in OPS:
+        results[op] = {}
+        for nbytes in SIZES:
+            burst = max(1, 2 ** 20 // nbytes)
+            _run_once(op, nbytes, world, device)
+            samples = []
+            for _ in range(repeats):
+                dist.barrier()
+                start = time.perf_counter()
+                for _ in range(burst):
+                    _run_once(op, nbytes, world, device)
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                elapsed = torch.tensor([(time.perf_counter() - start) / burst], dtype=torch.float64)
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                samples.append(elapsed.item())
+            results[op][nbytes] = min(samples)
+    return results
+
+
+def fit(op: str, samples: dict, world: int) -> dict:
+    """t = latency + factor * bytes / busbw, by least median of relative errors (Rousseeuw's LMedS):
+    the line through the pair of measured sizes that leaves the smallest median error over all
+    sizes.  Robust against the few sizes where caches or the scheduler bend the curve."""
+    factor = _ring(op, world)[1]
+    points = sorted((factor * b, t) for b, t in samples.items())
+    best = None
+    for i, (c1, t1) in enumerate(points):
+        for c2, t2 in points[i + 1:]:
+            inverse_bw = max((t2 - t1) / (c2 - c1), 1e-15)
+            latency = max(t1 - inverse_bw * c1, 0.0)
+            errors = sorted(abs(latency + inverse_bw * c - t) / t for c, t in points)
+            score = (statistics.median(errors), sum(errors))
+            if best is None or score < best[0]:
+                best = (score, latency, inverse_bw)
+    _, latency, inverse_bw = best
+    return {"latency_s": latency, "busbw": 1 / inverse_bw}
+
+
+def _device_figures(device) -> dict:
+    """Peak matmul FLOP/s and copy bandwidth of this device, measured, and its memory."""
+    a = torch.randn(1024, 1024, device=device)
+    big = torch.empty(16 * 2 ** 20, device=device)
+    for fn in (lambda: a @ a, big.clone):
+        fn()
+    start = time.perf_counter()
+    for _ in range(5):
+        a @ a
+    flops = 5 * 2 * 1024 ** 3 / (time.perf_counter() - start)
+    start = time.perf_counter()
+    for _ in range(5):
+        big.clone()
+    bandwidth = 5 * 2 * big.numel() * 4 / (time.perf_counter() - start)
+    if torch.cuda.is_available():
+        memory = torch.cuda.get_device_properties(device).total_memory
+    else:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return {"peak_flops": flops, "hbm_bandwidth": bandwidth, "memory_bytes": float(memory)}
+
+
+def profile(measured: dict, world: int, device) -> dict:
+    host = socket.gethostname()
+    source = f"measured by autotp calibrate on {host}, {datetime.date.today()}, {world} ranks"
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    fitted = {op: fit(op, samples, world) for op, samples in measured.items()}
+    figures = {**_device_figures(device), "nodes": world // local, "gpus_per_node": local,
+               "matmul_efficiency": 1.0, "memory_efficiency": 1.0,
+               "intra_base_latency_s": fitted["all_reduce"]["latency_s"], "intra_step_latency_s": 0.0,
+               "intra_busbw": fitted["all_reduce"]["busbw"]}
+    return {"name": f"calibrated-{host}-{world}", "description": f"{world} ranks of {dist.get_backend()} on {host}",
+            "figures": {k: {"value": v, "source": source} for k, v in figures.items()},
+            "measured": fitted, "samples": {op: {str(b): t for b, t in s.items()} for op, s in measured.items()}}
+
+
+def comparison(path: Path) -> tuple[list[tuple], float]:
+    """(op, bytes, measured s, predicted s, relative error) rows and their median error."""
+    raw = json.loads(Path(path).read_text())
+    topo = load_topology(path)
+    world = topo.devices
+    rows = [(op, int(b), t, collective_time(op, int(b), world, topo)) for op, s in raw["samples"].items()
+            for b, t in s.items()]
+    rows = [(op, b, t, p, abs(p - t) / t) for op, b, t, p in rows]
+    return rows, statistics.median(r[4] for r in rows)
+
+
+def calibrate(out: str | Path, device=None) -> Path | None:
+    """Collective on the current process group; rank 0 writes the profile."""
+    device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu")
+    measured = measure(device=device)
+    if dist.get_rank() != 0:
+        return None
+    path = Path(out)
+    path.write_text(json.dumps(profile(measured, dist.get_world_size(), device), indent=1))
+    return path

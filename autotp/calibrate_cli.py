@@ -1,0 +1,56 @@
+"""`autotp calibrate`: under torchrun it uses that process group; otherwise it spawns local gloo ranks."""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from rich.console import Console
+from rich.table import Table
+
+from .calibrate import calibrate, comparison
+
+
+def _spawned(rank: int, world: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
+    try:
+        calibrate(out)
+    finally:
+        dist.destroy_process_group()
+
+
+def print_comparison(path: Path, console: Console) -> float:
+    rows, median = comparison(path)
+    table = Table(title=f"predicted vs measured on {path}")
+    for column in ("op", "bytes", "measured µs", "predicted µs", "error"):
+        table.add_column(column, justify="right")
+    for op, nbytes, measured, predicted, error in rows:
+        table.add_row(op, str(nbytes), f"{measured * 1e6:.1f}", f"{predicted * 1e6:.1f}", f"{error:.0%}")
+    console.print(table)
+    console.print(f"median error {median:.1%}")
+    return median
+
+
+def main(out: str, nproc: int) -> int:
+    if "WORLD_SIZE" in os.environ:  # launched by torchrun: calibrate that group
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        written = calibrate(out)
+        dist.destroy_process_group()
+    else:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        mp.start_processes(_spawned, args=(nproc, port, out), nprocs=nproc, join=True, start_method="spawn")
+        written = Path(out)
+    if written is not None:
+        print_comparison(Path(written), Console(width=120))
+        print(f"wrote {written}: use it as --topology {written} or topology='{written}'")
+    return 0

@@ -1,0 +1,31 @@
+"""Bytes per device: parameters with their training state, activations kept for backward, KV cache."""
+from __future__ import annotations
+
+
+def state_factor(element_size: int, training: bool) -> float:
+    """Bytes held per byte of parameter: weights, plus gradients and Adam state when training.
+
+    Mixed precision (2-byte weights): weights 2 + grads 2 + fp32 master, m, v 12 = 16 bytes a
+    parameter (ZeRO paper); fp32 weights: 4 + 4 + m, v 8 = 16 bytes as well.
+    """
+    if not training:
+        return 1.0
+    optimizer = 12 if element_size < 4 else 8
+    return (2 * element_size + optimizer) / element_size
+
+
+KINDS = ("params", "grads", "optimizer", "buffers", "activations", "kv_cache")
+
+
+def breakdown(by_kind: dict) -> dict:
+    """Per-device bytes by kind, with every kind present and their total."""
+    parts = {kind: float(by_kind.get(kind, 0.0)) for kind in KINDS}
+    return {**parts, "total": sum(parts.values())}
+
+
+def smallest_fitting_world(replicated: float, sharded_full: float, limit: float, candidates) -> int | None:
+    """The smallest world size at which replicated + sharded/N bytes fit in ``limit``, if any."""
+    for n in sorted(candidates):
+        if replicated + sharded_full / n <= limit:
+            return n
+    return None

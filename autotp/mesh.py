@@ -44,9 +44,15 @@ def choose_mesh(model: torch.nn.Module, args=None, kwargs=None, *, devices: int 
                 training: bool = True, memory_limit: float | None = None) -> list[Candidate]:
     """Every TP size that divides ``devices`` (TP groups on consecutive ranks, filling nodes first),
     priced with the example inputs as the global batch; best (fitting, fastest) first."""
+    return choose_mesh_for_graph(_graph(model, args, kwargs), devices=devices, topology=topology, training=training,
+                                 memory_limit=memory_limit)
+
+
+def choose_mesh_for_graph(gm: torch.fx.GraphModule, *, devices: int | None = None, topology=None,
+                          training: bool = True, memory_limit: float | None = None) -> list[Candidate]:
+    """choose_mesh on an already captured graph (capture once, price many meshes)."""
     topo = load_topology(topology)
     devices = devices or topo.devices
-    gm = _graph(model, args, kwargs)
     batch = _batch_symbol(gm)
     limit = memory_limit if memory_limit is not None else 0.9 * topo.memory_bytes
     weights = {id(p): p for p in gm.parameters()}.values()

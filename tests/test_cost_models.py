@@ -1,0 +1,110 @@
+"""Cost model: figures with sources, collective times against published measurements, memory,
+Megatron's traffic formula, and clear errors."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import autotp
+from autotp.cost_models import collective_time, load_topology
+from autotp.cost_models.collectives import OPS
+from autotp.cost_models.compute import op_time
+from autotp.cost_models.memory import state_factor
+from autotp.cost_models.topology import PROFILES, profile_names
+from autotp.passes.solve import PlanningError
+from models import build
+
+GiB = 2 ** 30
+
+
+def test_profiles_cover_the_common_machines_and_every_figure_has_a_source():
+    assert {"dgx-a100", "dgx-h100", "dgx-h200", "dgx-b200", "pcie-a100", "2x-dgx-h100"} <= set(profile_names())
+    for name in profile_names():
+        raw = json.loads((PROFILES / f"{name}.json").read_text())
+        assert all(entry["source"] for entry in raw["figures"].values()), name
+        topo = load_topology(name)
+        assert topo.memory_bytes > 0 and topo.peak_flops > 0 and topo.hbm_bandwidth > 0
+
+
+def test_user_profile_by_path_and_malformed_files(tmp_path):
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps({"name": "mine", "extends": "dgx-h100",
+                                "figures": {"memory_bytes": {"value": 40e9, "source": "my card"}}}))
+    mine = load_topology(path)
+    assert mine.memory_bytes == 40e9 and mine.intra_busbw == load_topology("dgx-h100").intra_busbw
+    path.write_text(json.dumps({"name": "bad", "figures": {"memory_bytes": {"value": 1}}}))
+    with pytest.raises(ValueError, match="needs a 'value' and a 'source'"):
+        load_topology(path)
+    path.write_text("{oops")
+    with pytest.raises(ValueError, match="cannot read topology"):
+        load_topology(path)
+    with pytest.raises(FileNotFoundError, match="dgx-h100"):
+        load_topology("no-such-machine")
+
+
+def test_one_gib_all_reduce_on_eight_h100s_matches_measurements():
+    seconds = collective_time("all_reduce", GiB, 8, load_topology("dgx-h100"))
+    assert 3.5e-3 <= seconds <= 5.5e-3  # ~4-5 ms measured (nccl-tests#212, nccl#1455)
+
+
+def test_across_nodes_costs_more():
+    two_nodes = load_topology("2x-dgx-h100")
+    inside = collective_time("all_reduce", GiB, 8, two_nodes)
+    across = collective_time("all_reduce", GiB, 16, two_nodes)
+    assert across >= 1.5 * inside
+    small_inside = collective_time("all_reduce", 32 * 1024, 8, two_nodes)
+    small_across = collective_time("all_reduce", 32 * 1024, 16, two_nodes)
+    assert 20e-6 <= small_across and small_across >= 3 * small_inside  # ~45 us across nodes (nccl#1244)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_small_messages_cost_microseconds_and_time_grows_with_bytes(op):
+    topo = load_topology("dgx-h100")
+    small = collective_time(op, 4096, 8, topo)
+    assert 1e-6 <= small <= 50e-6
+    assert collective_time(op, 64 * 2 ** 20, 8, topo) > small
+    assert collective_time(op, GiB, 1, topo) == 0.0
+
+
+def test_collective_errors():
+    with pytest.raises(ValueError, match="unknown collective"):
+        collective_time("all_sum", 1, 2, load_topology())
+    with pytest.raises(ValueError, match="does not fit"):
+        collective_time("all_reduce", 1, 16, load_topology("dgx-h100"))
+
+
+def test_roofline_compute():
+    topo = load_topology("dgx-h100")
+    big_matmul = op_time(2 * 8192 ** 3, 3 * 8192 ** 2 * 2, topo)
+    assert big_matmul == pytest.approx(2 * 8192 ** 3 / (topo.peak_flops * topo.matmul_efficiency))
+    copy = op_time(1e6, 1e9, topo)
+    assert copy == pytest.approx(1e9 / (topo.hbm_bandwidth * topo.memory_efficiency))
+
+
+def test_training_state_is_sixteen_bytes_a_parameter():
+    assert state_factor(2, True) * 2 == 16  # ZeRO paper: mixed-precision Adam
+    assert state_factor(4, True) * 4 == 16
+    assert state_factor(2, False) == 1
+
+
+def test_per_layer_traffic_is_megatrons():
+    """Forward + backward all-reduce traffic of one block is 8·b·s·h·(t−1)/t elements a device."""
+    model, args, _ = build("gpt2", device="meta")
+    world = 4
+    plan = autotp.plan(model, args, world_size=world)
+    b, s = args[0].shape
+    h = model.config.n_embd
+    elements = sum(2 * (world - 1) / world * c["bytes"] / 4 for c in plan.collectives
+                   if c["op"] == "all_reduce" and ".h.0." in c["module"])
+    assert elements == pytest.approx(8 * b * s * h * (world - 1) / world)
+
+
+def test_memory_limit_infeasible_says_what_fits():
+    model, args, _ = build("llama", device="meta")
+    free = autotp.plan(model, args, world_size=2)
+    need = free.cost["memory"]["total"]
+    with pytest.raises(PlanningError, match="try world size"):
+        autotp.plan(model, args, world_size=2, memory_limit=need * 0.6)
+    inference = autotp.plan(model, args, world_size=2, training=False)
+    assert inference.cost["memory"]["optimizer"] == 0 and inference.cost["memory"]["kv_cache"] > 0

@@ -1,0 +1,40 @@
+"""A LLaMA-3-70B configuration on the meta device: memory per device and the choice of mesh.
+
+Capturing 80 layers takes about a minute on 2 cores, so one capture serves every test here."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autotp.api import _graph, _solve
+from autotp.mesh import choose_mesh_for_graph
+
+H, FFN, LAYERS, HEADS, KV, VOCAB = 8192, 28672, 80, 64, 8, 128256
+
+
+@pytest.fixture(scope="module")
+def llama70b():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=H, intermediate_size=FFN, num_hidden_layers=LAYERS,
+                         num_attention_heads=HEADS, num_key_value_heads=KV, use_cache=False)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    ids = torch.zeros(8, 2048, dtype=torch.long, device="meta")  # the global batch the costs are priced at
+    return _graph(model, (ids,), None)
+
+
+def test_parameter_bytes_at_tp8_match_the_analytic_figure(llama70b):
+    plan = _solve(llama70b, 8, "dgx-h100", training=False)
+    kv_width = KV * (H // HEADS)
+    sharded = 2 * VOCAB * H + LAYERS * (2 * H * H + 2 * H * kv_width + 3 * H * FFN)
+    replicated = (2 * LAYERS + 1) * H  # RMSNorm weights
+    analytic = 2 * (sharded / 8 + replicated)  # bf16
+    assert plan.cost["memory"]["params"] == pytest.approx(analytic, rel=0.02)
+
+
+def test_tp_inside_the_node_beats_tp_across_nodes(llama70b):
+    candidates = {c.tp: c for c in choose_mesh_for_graph(llama70b, devices=16, topology="2x-dgx-h100",
+                                                         training=False)}
+    assert candidates[8].seconds is not None and candidates[16].seconds is not None
+    assert candidates[8].seconds < candidates[16].seconds
+    assert candidates[1].seconds is None and "memory" in candidates[1].note  # 140 GB of weights on one GPU

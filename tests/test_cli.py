@@ -42,3 +42,31 @@ def test_plan_bad_model_spec_is_a_clear_error():
     result = _autotp("plan", "no_such_module:build", "--world-size", "2")
     assert result.returncode != 0
     assert "cannot load 'no_such_module:build'" in result.stderr
+
+
+def _tiny_llama_dir(tmp_path: Path) -> Path:
+    from transformers import LlamaConfig
+    LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+                num_key_value_heads=4).save_pretrained(tmp_path)
+    return tmp_path
+
+
+def test_plan_from_a_config_with_a_topology(tmp_path):
+    model_dir = _tiny_llama_dir(tmp_path)
+    result = _autotp("plan", str(model_dir / "config.json"), "--world-size", "4", "--topology", "dgx-a100",
+                     "--seq", "64", "--json")
+    assert result.returncode == 0, result.stderr[-3000:]
+    plan = json.loads(result.stdout)
+    assert plan["topology"] == "dgx-a100" and plan["world_size"] == 4
+    assert plan["params"]["model.layers.1.mlp.down_proj.weight"] == "S(1)"
+    assert plan["cost"]["memory"]["optimizer"] > 0
+
+
+def test_mesh_prices_every_split(tmp_path):
+    model_dir = _tiny_llama_dir(tmp_path)
+    result = _autotp("mesh", str(model_dir), "--topology", "2x-dgx-h100", "--devices", "16", "--batch", "16",
+                     "--seq", "32")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line.split("│")[1:3] for line in result.stdout.splitlines() if line.count("│") >= 5]
+    assert sorted(int(tp) for tp, _ in rows) == [1, 2, 4, 8, 16]
+    assert "best: TP" in result.stdout

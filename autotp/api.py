@@ -5,12 +5,13 @@ import torch
 import torch.distributed as dist
 
 from autotp.cost_models import load_topology
-from autotp.passes.capture import capture, fingerprint
+from autotp.passes.accounting import alternatives, planned_collectives
+from autotp.passes.capture import capture, fingerprint, module_path
 from autotp.passes.prepare import fused_block_hints, merge_aliases, split_bias
 from autotp.passes.rewrite import rewrite
 from autotp.passes.rules import RULES
-from autotp.passes.solve import Sizes, planned_collectives, solve
-from autotp.passes.strategies import Context, Strategy, enumerate_strategies
+from autotp.passes.solve import Sizes, solve
+from autotp.passes.strategies import Context, Strategy, enumerate_strategies, input_slots
 
 from .collectives import gather_full
 from .hf import default_inputs, no_kv_cache
@@ -29,11 +30,12 @@ def _graph(model: torch.nn.Module, args, kwargs) -> torch.fx.GraphModule:
 
 
 def _solve(gm: torch.fx.GraphModule, world_size: int, topology, min_shard_fraction: float = 0.02,
-           training: bool = True, memory_limit: float | None = None, sizes: Sizes | None = None) -> Plan:
+           training: bool = True, memory_limit: float | None = None, sizes: Sizes | None = None,
+           fixed: dict | None = None) -> Plan:
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
     topo = load_topology(topology)
-    ctx = Context(world=world_size, min_shard_fraction=min_shard_fraction)
+    ctx = Context(world=world_size, min_shard_fraction=min_shard_fraction, fixed=fixed or {})
     ctx.hints = fused_block_hints(gm, ctx)
     enumerate_strategies(gm, ctx, RULES)
     solution = solve(gm, ctx, topo, training=training, memory_limit=memory_limit, sizes=sizes)
@@ -42,10 +44,13 @@ def _solve(gm: torch.fx.GraphModule, world_size: int, topology, min_shard_fracti
         world_size=world_size,
         fingerprint=fingerprint(gm),
         topology=topo.name,
-        nodes={n.name: Plan.encode(s) for n, s in choice.items()},
+        nodes={n.name: {**Plan.encode(s), "module": module_path(n), "op": str(n.target),
+                        "args": [a.name for a in input_slots(n)]} for n, s in choice.items()},
         params={n.target: str(s.output) for n, s in choice.items() if n.op == "get_attr"},
         collectives=planned_collectives(gm, choice, world_size, topo, sizes),
         styles=param_styles(gm, choice),
+        shapes={n.target: list(n.meta["val"].shape) for n in choice if n.op == "get_attr"},
+        alternatives=alternatives(gm, ctx, choice, topo, training, sizes),
         cost={"seconds": solution.seconds, "memory": solution.memory, "training": training},
     )
 

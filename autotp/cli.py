@@ -37,41 +37,111 @@ def load_model(spec: str, batch: int, seq: int):
         return factory()
 
 
+def _console():
+    from rich.console import Console
+    return Console(width=140, stderr=True)
+
+
 def _plan(args) -> int:
     import autotp
 
     from .report import print_plan, tensor_shapes
-    model, example = load_model(args.model, args.batch, args.seq)
-    result = autotp.plan(model, example, world_size=args.world_size, topology=args.topology,
-                         training=not args.inference)
+    with _console().status("building the model on the meta device, capturing, solving ..."):
+        model, example = load_model(args.model, args.batch, args.seq)
+        result = autotp.plan(model, example, world_size=args.world_size, topology=args.topology,
+                             training=not args.inference)
     if args.out:
         result.save(args.out)
     if args.json:
         print(result.to_json())
-    else:
-        print_plan(result, tensor_shapes(model))
+        return 0
+    print_plan(result, tensor_shapes(model))
+    if args.devices:
+        from rich.console import Console
+
+        from .mesh import choose_mesh
+        from .report import mesh_table
+        with _console().status(f"pricing every TP x DP split of {args.devices} devices ..."):
+            candidates = choose_mesh(model, example, devices=args.devices, topology=args.topology,
+                                     training=not args.inference)
+        for part in mesh_table(candidates, args.topology):
+            Console(width=140).print(part)
     return 0
 
 
 def _mesh(args) -> int:
     from rich.console import Console
-    from rich.table import Table
 
     from .mesh import choose_mesh
-    model, example = load_model(args.model, args.batch, args.seq)
-    candidates = choose_mesh(model, example, devices=args.devices, topology=args.topology,
-                             training=not args.inference)
-    table = Table(title=f"mesh candidates on {args.topology or 'the default topology'}")
-    for column in ("TP", "DP", "est. step ms", "memory/device GB", "note"):
-        table.add_column(column)
-    for c in candidates:
-        table.add_row(str(c.tp), str(c.dp), "-" if c.seconds is None else f"{c.seconds * 1e3:.2f}",
-                      "-" if c.memory is None else f"{c.memory / 1e9:.2f}", c.note)
+    from .report import mesh_table
+    with _console().status("capturing once, solving every TP size ..."):
+        model, example = load_model(args.model, args.batch, args.seq)
+        candidates = choose_mesh(model, example, devices=args.devices, topology=args.topology,
+                                 training=not args.inference)
+    for part in mesh_table(candidates, args.topology):
+        Console(width=140).print(part)
+    return 0 if candidates[0].seconds is not None else 1
+
+
+def _load_plan(path: str):
+    from .plan import Plan, PlanMismatch
+    try:
+        return Plan.load(path)
+    except (OSError, PlanMismatch) as exc:
+        raise SystemExit(f"autotp: {path}: {exc}") from exc
+
+
+def _show(args) -> int:
+    from .report import print_plan
+    print_plan(_load_plan(args.plan))
+    return 0
+
+
+def _diff(args) -> int:
+    from rich.console import Console
+
+    from .report import diff_tables
     console = Console(width=140)
-    console.print(table)
-    best = candidates[0]
-    console.print(f"best: TP {best.tp} x DP {best.dp}" if best.seconds is not None else "nothing fits")
-    return 0 if best.seconds is not None else 1
+    for part in diff_tables(_load_plan(args.a), _load_plan(args.b)):
+        console.print(part)
+    return 0
+
+
+def _explain(args) -> int:
+    from rich.console import Console
+
+    from .report import explain_table
+    try:
+        Console(width=160).print(explain_table(_load_plan(args.plan), args.node))
+    except KeyError as exc:
+        raise SystemExit(f"autotp: {exc.args[0]}") from exc
+    return 0
+
+
+def _compare(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from .compare import compare
+    with _console().status("pricing Hugging Face's tp_plan and autotp's plan ..."):
+        model, example = load_model(args.model, args.batch, args.seq)
+        result = compare(model, example, world_size=args.world_size, topology=args.topology,
+                         training=not args.inference)
+    if result["hf"] is None:
+        print(f"{type(model).__name__} has no Hugging Face tp_plan to compare with")
+        return 1
+    table = Table(title=f"{type(model).__name__} at TP {args.world_size}: HF tp_plan vs autotp (same cost model)")
+    for column in ("", "HF tp_plan", "autotp"):
+        table.add_column(column, justify="right")
+    hf, ours = result["hf"], result["autotp"]
+    table.add_row("est. step µs", f"{hf['seconds'] * 1e6:.1f}", f"{ours['seconds'] * 1e6:.1f}")
+    for phase in ("forward", "backward"):
+        for op in sorted(set(hf[phase]) | set(ours[phase])):
+            table.add_row(f"{phase} {op}", str(hf[phase].get(op, 0)), str(ours[phase].get(op, 0)))
+    table.add_row("parameter MB/device", f"{hf['param_bytes'] / 1e6:.3f}", f"{ours['param_bytes'] / 1e6:.3f}")
+    table.add_row("memory MB/device", f"{hf['memory'] / 1e6:.3f}", f"{ours['memory'] / 1e6:.3f}")
+    Console(width=140).print(table)
+    return 0
 
 
 def _demo(args) -> int:
@@ -102,14 +172,28 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--world-size", type=int, required=True)
     plan.add_argument("--out", help="write the plan JSON here")
     plan.add_argument("--json", action="store_true", help="print the plan JSON instead of tables")
+    plan.add_argument("--devices", type=int, default=None, help="also price every TP x DP split of this many devices")
     mesh = sub.add_parser("mesh", help="price every TP x DP split of a number of devices and pick the fastest")
     _model_arguments(mesh)
     mesh.add_argument("--devices", type=int, default=None, help="how many devices (default: all of the topology)")
+    show = sub.add_parser("show", help="print a saved plan")
+    show.add_argument("plan")
+    diff = sub.add_parser("diff", help="what changed between two plans, and the cost difference")
+    diff.add_argument("a")
+    diff.add_argument("b")
+    explain = sub.add_parser("explain", help="the solver's alternatives for one op and their costs")
+    explain.add_argument("plan")
+    explain.add_argument("node", help="a node name, module path or parameter name")
+    compare = sub.add_parser("compare", help="price transformers' own tp_plan beside autotp's plan")
+    _model_arguments(compare)
+    compare.add_argument("--world-size", type=int, required=True)
     cal = sub.add_parser("calibrate", help="measure collectives on this machine's process group, write a topology")
     cal.add_argument("--out", default="calibrated.json", help="where to write the topology profile")
     cal.add_argument("--nproc", type=int, default=2, help="local gloo ranks to spawn when not under torchrun")
     args = parser.parse_args(argv)
-    return {"plan": _plan, "mesh": _mesh, "demo": _demo, "calibrate": _calibrate}[args.command](args)
+    commands = {"plan": _plan, "mesh": _mesh, "show": _show, "diff": _diff, "explain": _explain, "compare": _compare,
+                "demo": _demo, "calibrate": _calibrate}
+    return commands[args.command](args)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ without changing the format of the existing entries.
 """
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -13,6 +14,13 @@ from pathlib import Path
 from .placement import dump, parse
 
 SCHEMA_VERSION = 1
+SCHEMA = Path(__file__).with_name("plan.schema.json")
+
+
+@functools.cache
+def _validator():
+    import jsonschema
+    return jsonschema.Draft202012Validator(json.loads(SCHEMA.read_text()))
 
 
 class PlanMismatch(ValueError):
@@ -28,6 +36,8 @@ class Plan:
     params: dict                         # parameter name -> placement string
     collectives: list = field(default_factory=list)   # what the rewriter will insert, for reports
     styles: dict = field(default_factory=dict)        # parameter name -> "column", "row", "replicate", ...
+    alternatives: dict = field(default_factory=dict)  # node name -> the solver's options, priced
+    shapes: dict = field(default_factory=dict)        # parameter name -> full shape
     cost: dict = field(default_factory=dict)
     mesh: dict = field(default_factory=lambda: {"tp": None})
     version: int = SCHEMA_VERSION
@@ -71,6 +81,16 @@ class Plan:
     @classmethod
     def load(cls, path: str | Path) -> Plan:
         return cls.from_json(Path(path).read_text())
+
+    def to_dtensor_plan(self) -> tuple[dict, dict]:
+        """({module: DTensor ParallelStyle}, {module: why not expressible}); see autotp.interop."""
+        from .interop import to_dtensor_plan
+        return to_dtensor_plan(self)
+
+    def to_hf_tp_plan(self) -> tuple[dict, dict]:
+        """({module pattern: HF tp_plan style}, {module: why not expressible}); see autotp.interop."""
+        from .interop import to_hf_tp_plan
+        return to_hf_tp_plan(self)
 
     @staticmethod
     def encode(strategy) -> dict:

@@ -1,6 +1,9 @@
 """Human-readable views of a plan (rich tables); decisions are described from the graph."""
 from __future__ import annotations
 
+import re
+from collections import Counter
+
 import torch
 from rich.console import Console
 from rich.table import Table
@@ -62,18 +65,84 @@ def plan_table(plan: Plan, shapes: dict | None = None) -> Table:
     return table
 
 
+_ORDER = ["params", "grads", "optimizer", "buffers", "activations", "kv_cache", "total"]
+
+
+def _block(module: str) -> str:
+    """The enclosing repeated block of a module path (``model.layers.3``), for grouping in reports."""
+    found = re.match(r"(.*?\.\d+)(\.|$)", module)
+    return found.group(1) if found else (module or "(top level)")
+
+
 def collectives_table(plan: Plan) -> Table:
-    table = Table(title="collectives per step")
-    for column in ("phase", "op", "after module", "bytes", "est. µs"):
+    """Collectives per block: how many of each kind, bytes and estimated time per step."""
+    table = Table(title="collectives per step, by block")
+    for column in ("block", "forward", "backward", "bytes", "est. µs"):
         table.add_column(column)
+    blocks: dict = {}
     for c in plan.collectives:
-        table.add_row(c["phase"], c["op"], c["module"] or c["tensor"], f"{c['bytes']:.0f}", f"{c['seconds'] * 1e6:.1f}")
+        fresh = {"forward": Counter(), "backward": Counter(), "b": 0.0, "s": 0.0}
+        entry = blocks.setdefault(_block(c["module"]), fresh)
+        entry[c["phase"]][c["op"]] += 1
+        entry["b"] += c["bytes"]
+        entry["s"] += c["seconds"]
+    for block, e in blocks.items():
+        table.add_row(block, _counts(e["forward"]), _counts(e["backward"]), f"{e['b']:.0f}", f"{e['s'] * 1e6:.1f}")
+    return table
+
+
+def _counts(counter: Counter) -> str:
+    return ", ".join(f"{n} {op}" for op, n in sorted(counter.items())) or "-"
+
+
+def diff_tables(a: Plan, b: Plan) -> list:
+    """What changed between two plans: parameter decisions and the estimated cost."""
+    changed = Table(title="parameters placed differently")
+    for column in ("parameter", "a", "b"):
+        changed.add_column(column)
+    for name in sorted(set(a.params) | set(b.params)):
+        if a.params.get(name) != b.params.get(name):
+            changed.add_row(name, f"{a.params.get(name, '-')} {a.styles.get(name, '')}",
+                            f"{b.params.get(name, '-')} {b.styles.get(name, '')}")
+    cost = Table(title="estimated cost")
+    for column in ("", "a", "b", "b - a"):
+        cost.add_column(column, justify="right")
+    rows = [("world size", a.world_size, b.world_size), ("topology", a.topology, b.topology),
+            ("step µs", a.cost.get("seconds", 0) * 1e6, b.cost.get("seconds", 0) * 1e6),
+            ("memory/device MB", a.cost.get("memory", {}).get("total", 0) / 1e6,
+             b.cost.get("memory", {}).get("total", 0) / 1e6),
+            ("forward collectives", sum(c["phase"] == "forward" for c in a.collectives),
+             sum(c["phase"] == "forward" for c in b.collectives))]
+    for label, x, y in rows:
+        delta = f"{y - x:+.4g}" if isinstance(x, (int, float)) and isinstance(y, (int, float)) else ""
+        cost.add_row(label, f"{x:.2f}" if isinstance(x, float) else str(x),
+                     f"{y:.2f}" if isinstance(y, float) else str(y), delta)
+    same = "same model" if a.fingerprint == b.fingerprint else "DIFFERENT models (fingerprints differ)"
+    return [changed if changed.row_count else "no parameter is placed differently", cost, same]
+
+
+def explain_table(plan: Plan, target: str) -> Table:
+    """The solver's options for the ops matching ``target`` (a node, module or parameter name)."""
+    module = target.removesuffix(".weight").removesuffix(".bias")
+    names = [n for n, e in plan.nodes.items() if target in (n, e.get("module")) or module == e.get("module")]
+    names = [n for n in names if n in plan.alternatives] or names
+    if not names:
+        raise KeyError(f"no op named {target!r} in this plan; give a node name (see --json) or a module path")
+    table = Table(title=f"alternatives for {target} (each priced with its neighbours' choices fixed)")
+    for column in ("op", "inputs", "output", "est. µs", ""):
+        table.add_column(column)
+    for name in names:
+        options = plan.alternatives.get(name) or [{**plan.nodes[name], "seconds": None, "chosen": True}]
+        for option in options:
+            seconds = "impossible" if option["seconds"] is None else f"{option['seconds'] * 1e6:.2f}"
+            table.add_row(f"{name} ({plan.nodes[name].get('op', '')})", ", ".join(map(str, option["in"])),
+                          str(option["out"]), seconds, "chosen" if option.get("chosen") else "")
     return table
 
 
 def print_plan(plan: Plan, shapes: dict | None = None, console: Console | None = None) -> None:
     console = console or Console(width=140)
-    console.print(plan_table(plan, shapes))
+    console.print(plan_table(plan, shapes or plan.shapes))
     console.print(collectives_table(plan))
     console.print(memory_table(plan))
     console.print(f"estimated {'training step' if plan.cost.get('training') else 'forward'} time "
@@ -84,6 +153,19 @@ def memory_table(plan: Plan) -> Table:
     table = Table(title="memory per device (estimated)")
     table.add_column("kind")
     table.add_column("MB", justify="right")
-    for kind, held in plan.cost.get("memory", {}).items():
-        table.add_row(kind, f"{held / 1e6:.3f}")
+    memory = plan.cost.get("memory", {})
+    for kind in sorted(memory, key=lambda k: _ORDER.index(k) if k in _ORDER else len(_ORDER)):
+        table.add_row(kind, f"{memory[kind] / 1e6:.3f}")
     return table
+
+
+def mesh_table(candidates: list, topology: str | None) -> list:
+    """The TP x DP candidates of autotp.mesh.choose_mesh, best first, and the choice."""
+    table = Table(title=f"mesh candidates on {topology or 'the default topology'}")
+    for column in ("TP", "DP", "est. step ms", "memory/device GB", "note"):
+        table.add_column(column)
+    for c in candidates:
+        table.add_row(str(c.tp), str(c.dp), "-" if c.seconds is None else f"{c.seconds * 1e3:.2f}",
+                      "-" if c.memory is None else f"{c.memory / 1e9:.2f}", c.note)
+    best = candidates[0]
+    return [table, f"mesh choice: TP {best.tp} x DP {best.dp}" if best.seconds is not None else "nothing fits"]

@@ -228,35 +228,3 @@ def _reshard_ok(src: Node, p, q, world: int, topology: Topology) -> bool:
     if src.op == "get_attr" and not (isinstance(p, Replicate) and isinstance(q, Shard)):
         return False  # parameters are stored as used; never gathered at run time
     return reshard_time(p, q, 1.0, world, topology) is not None
-
-
-def planned_collectives(gm: torch.fx.GraphModule, choice: dict, world: int, topology: Topology,
-                        sizes: Sizes | None = None) -> list[dict]:
-    """The collectives the rewriter will insert for ``choice`` (one per tensor and target placement)."""
-    from autotp.cost_models.collectives import backward_collective, reshard_collective
-
-    from .capture import module_path
-
-    grad = needs_grad(gm)
-    found: dict = {}
-    for node in gm.graph.nodes:
-        strategy = choice.get(node)
-        wants = strategy.inputs if strategy is not None else [R] * len(input_slots(node))
-        if node.op != "output" and strategy is None:
-            continue
-        for src, want in zip(input_slots(node), wants, strict=True):
-            if src not in choice or want is None or isinstance(choice[src].output, tuple):
-                continue
-            have = choice[src].output
-            op = reshard_collective(have, want)
-            if op:
-                found.setdefault((src, have, want), ("forward", op))
-            back = backward_collective(have, want)
-            if back and src in grad:
-                found.setdefault((src, have, want, "back"), ("backward", back))
-            if strategy is not None and isinstance(want, Replicate) and not strategy.replicated and src in grad:
-                found.setdefault((src, want, "grad"), ("backward", "all_reduce"))
-    sizes = sizes or Sizes()
-    return [{"op": op, "phase": phase, "tensor": src.name, "module": module_path(src), "bytes": sizes.nbytes(src),
-             "seconds": collective_time(op, sizes.nbytes(src), world, topology)}
-            for (src, *_), (phase, op) in found.items()]

@@ -65,6 +65,7 @@ class Context:
     hints: dict = field(default_factory=dict)        # (node, dim) -> set of chunk tuples
     strategies: dict = field(default_factory=dict)   # node -> list[Strategy], filled in order
     min_shard_fraction: float = 0.02                 # parameters this large (vs the largest) must shard
+    fixed: dict = field(default_factory=dict)        # parameter name -> placement imposed (to price other plans)
     _probes: dict = field(default_factory=dict)
 
     def shape(self, node) -> tuple:
@@ -149,4 +150,6 @@ def _add_parameter_options(gm: torch.fx.GraphModule, ctx: Context) -> None:
         suits_all = {p for p in options if isinstance(p, Shard) and all(p in u for u in per_user)}
         if node.target in trainable and suits_all and sizes[node] >= ctx.min_shard_fraction * largest:
             options = suits_all
+        if node.target in ctx.fixed:
+            options = {ctx.fixed[node.target]}
         ctx.strategies[node] = [Strategy((), p) for p in sorted(options, key=str)]

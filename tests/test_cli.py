@@ -69,4 +69,45 @@ def test_mesh_prices_every_split(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [line.split("│")[1:3] for line in result.stdout.splitlines() if line.count("│") >= 5]
     assert sorted(int(tp) for tp, _ in rows) == [1, 2, 4, 8, 16]
-    assert "best: TP" in result.stdout
+    assert "mesh choice: TP" in result.stdout
+
+
+def test_show_diff_and_explain_a_saved_plan(tmp_path):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    for path, world in ((a, "2"), (b, "4")):
+        result = _autotp("plan", "examples.nanogpt:build", "--world-size", world, "--out", str(path))
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "collectives per step, by block" in result.stdout and "h.0" in result.stdout
+    shown = _autotp("show", str(a))
+    assert shown.returncode == 0 and "column (fused 3 blocks)" in shown.stdout and "memory per device" in shown.stdout
+    diff = _autotp("diff", str(a), str(b))
+    assert diff.returncode == 0 and "same model" in diff.stdout
+    assert re.search(r"world size\s*│\s*2\s*│\s*4", diff.stdout)
+    explain = _autotp("explain", str(a), "h.0.mlp.2")
+    assert explain.returncode == 0, explain.stderr
+    rows = [line for line in explain.stdout.splitlines() if "aten.linear.default" in line]
+    assert len(rows) >= 3 and sum("chosen" in r for r in rows) == 1
+    assert "S(1)" in next(r for r in rows if "chosen" in r)  # the row split was chosen
+    missing = _autotp("explain", str(a), "no.such.module")
+    assert missing.returncode != 0 and "no op named" in missing.stderr
+    (tmp_path / "bad.json").write_text('{"version": 1, "world_size": "two"}')
+    bad = _autotp("show", str(tmp_path / "bad.json"))
+    assert bad.returncode != 0 and "not an autotp plan" in bad.stderr
+
+
+def test_compare_with_transformers_plans(tmp_path):
+    from transformers import Phi3Config
+    llama = _tiny_llama_dir(tmp_path / "llama")
+    phi3 = tmp_path / "phi3"
+    Phi3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+               num_key_value_heads=4, pad_token_id=0).save_pretrained(phi3)
+    for model_dir in (llama, phi3):
+        result = _autotp("compare", str(model_dir), "--world-size", "2", "--seq", "64")
+        assert result.returncode == 0, result.stderr[-3000:]
+        rows = {cells[0]: cells[1:] for line in result.stdout.splitlines()
+                if len(cells := [c.strip() for c in line.split("│")[1:-1]]) == 3}
+        assert all(float(v) > 0 for v in rows["est. step µs"] + rows["parameter MB/device"])
+        forward = [sum(int(v[i]) for k, v in rows.items() if k.startswith("forward")) for i in (0, 1)]
+        assert forward[1] <= forward[0], rows  # autotp never needs more forward collectives than HF's plan
+        if model_dir == phi3:  # HF gathers the fused qkv and gate_up outputs: two all-gathers a layer
+            assert int(rows["forward all_gather"][0]) >= 4, rows

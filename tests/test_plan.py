@@ -1,6 +1,9 @@
 """Planning without a process group: decisions, the plan file, and clear errors."""
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 import torch
 
@@ -54,8 +57,16 @@ def test_plan_json_round_trip_and_mismatches(tmp_path):
     with pytest.raises(PlanMismatch, match="another model"):
         again.check("0" * 16, 2)
     path.write_text("{not json")
-    with pytest.raises(PlanMismatch, match="not an autotp plan"):
+    with pytest.raises(PlanMismatch, match="corrupt JSON"):
         autotp.Plan.load(path)
+    raw = json.loads(plan.to_json())
+    for broken, message in [({**raw, "version": 7}, "schema version 7"),
+                            ({k: v for k, v in raw.items() if k != "params"}, "'params' is a required property"),
+                            ({**raw, "params": {"w": "S(x)"}}, "at params/w"),
+                            ({**raw, "world_size": 0}, "at world_size")]:
+        path.write_text(json.dumps(broken))
+        with pytest.raises(PlanMismatch, match=re.escape(message)):
+            autotp.Plan.load(path)
 
 
 def test_plan_predicts_forward_collectives():

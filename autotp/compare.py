@@ -1,0 +1,28 @@
+"""`autotp compare`: Hugging Face's hand-written tp_plan for the architecture, priced with autotp's
+cost model (its parameter placements imposed, everything else solved), beside autotp's own plan."""
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from .api import _graph, _solve
+from .interop import hf_parameter_placements
+from .plan import Plan
+
+
+def summary(plan: Plan) -> dict:
+    forward = Counter(c["op"] for c in plan.collectives if c["phase"] == "forward")
+    backward = Counter(c["op"] for c in plan.collectives if c["phase"] == "backward")
+    return {"seconds": plan.cost["seconds"], "forward": dict(forward), "backward": dict(backward),
+            "param_bytes": plan.cost["memory"]["params"], "memory": plan.cost["memory"]["total"]}
+
+
+def compare(model: torch.nn.Module, args=None, kwargs=None, *, world_size: int, topology=None,
+            training: bool = True) -> dict:
+    """{"autotp": summary, "hf": summary or None (no tp_plan for this architecture)}."""
+    gm = _graph(model, args, kwargs)
+    ours = summary(_solve(gm, world_size, topology, training=training))
+    fixed = hf_parameter_placements(model)
+    theirs = summary(_solve(gm, world_size, topology, training=training, fixed=fixed)) if fixed else None
+    return {"autotp": ours, "hf": theirs}

@@ -1,0 +1,115 @@
+"""Plans in other systems' words: DTensor ``parallelize_module`` styles and HF ``tp_plan`` strings,
+and Hugging Face's own per-architecture plans as parameter placements (for ``autotp compare``)."""
+from __future__ import annotations
+
+import re
+
+from .placement import R, Replicate, Shard, parse
+from .plan import Plan
+
+_LINEAR = "aten.linear.default"
+_EMBEDDING = "aten.embedding.default"
+
+
+def _matmul_nodes(plan: Plan) -> dict:
+    """module path -> (node name, entry) of the single linear/embedding op that uses its weight."""
+    found: dict = {}
+    for name, entry in plan.nodes.items():
+        if entry.get("op") in (_LINEAR, _EMBEDDING) and entry.get("module"):
+            found.setdefault(entry["module"], []).append((name, entry))
+    return {module: nodes[0] for module, nodes in found.items() if len(nodes) == 1}
+
+
+def _gathered(plan: Plan, module: str) -> bool:
+    return any(c["phase"] == "forward" and c["op"] == "all_gather" and c["module"] == module
+               for c in plan.collectives)
+
+
+def _styles(plan: Plan) -> tuple[dict, dict]:
+    """module -> (kind, input replicated?, output replicated?) and module -> why not expressible."""
+    styles, unsupported = {}, {}
+    for module, (_, entry) in _matmul_nodes(plan).items():
+        weight = plan.params.get(f"{module}.weight")
+        if weight is None:
+            continue
+        placement = parse(weight)
+        if isinstance(placement, Replicate):
+            continue
+        if placement.chunks:
+            unsupported[module] = f"fused weight split block by block ({weight}): no DTensor placement interleaves"
+            continue
+        if entry["op"] == _EMBEDDING:
+            if placement.dim == 1:
+                styles[module] = ("column", False, True)
+            else:
+                unsupported[module] = "vocabulary-split embedding"
+            continue
+        if placement.dim == 0:
+            styles[module] = ("column", False, _gathered(plan, module))
+        else:
+            producer = plan.nodes.get(entry.get("args", [""])[0], {})
+            styles[module] = ("row", parse(producer.get("out")) == R, True)
+    return styles, unsupported
+
+
+def to_dtensor_plan(plan: Plan) -> tuple[dict, dict]:
+    """({module path: ParallelStyle}, {module path: why it cannot be expressed}).
+
+    Use the first with ``torch.distributed.tensor.parallel.parallelize_module(model, mesh, styles)``
+    where the second is empty; modules listed there need autotp's own rewriter.
+    """
+    from torch.distributed.tensor import Replicate as DReplicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    out = {}
+    styles, unsupported = _styles(plan)
+    for module, (kind, replicated_in, replicated_out) in styles.items():
+        if kind == "column":
+            out[module] = ColwiseParallel(output_layouts=DReplicate()) if replicated_out else ColwiseParallel()
+        else:
+            out[module] = RowwiseParallel(input_layouts=DReplicate()) if replicated_in else RowwiseParallel()
+    return out, unsupported
+
+
+def to_hf_tp_plan(plan: Plan) -> tuple[dict, dict]:
+    """({module pattern: HF style}, unsupported), layer indices folded into ``*`` where layers agree."""
+    styles, unsupported = _styles(plan)
+    words = {}
+    for module, (kind, replicated_in, replicated_out) in styles.items():
+        if kind == "column":
+            words[module] = "colwise_gather_output" if replicated_out else "colwise"
+        else:
+            words[module] = "rowwise_split_input" if replicated_in else "rowwise"
+    folded: dict = {}
+    for module, word in words.items():
+        folded.setdefault(re.sub(r"\.\d+\.", ".*.", module), set()).add(word)
+    out = {}
+    for pattern, found in folded.items():
+        if len(found) == 1:
+            out[pattern] = found.pop()
+        else:  # layers disagree: keep them apart
+            out.update({m: w for m, w in words.items() if re.sub(r"\.\d+\.", ".*.", m) == pattern})
+    return out, unsupported
+
+
+_HF_WEIGHT = {"colwise": Shard(0), "colwise_gather_output": Shard(0), "local_colwise": Shard(0),
+              "rowwise": Shard(1), "rowwise_split_input": Shard(1), "local_rowwise": Shard(1)}
+
+
+def hf_parameter_placements(model) -> dict:
+    """Hugging Face's hand-written plan for this architecture, as parameter placements."""
+    config = getattr(model, "config", None)
+    rules = {}
+    prefix = getattr(model, "base_model_prefix", "")
+    for pattern, style in (getattr(config, "base_model_tp_plan", None) or {}).items():
+        rules[f"{prefix}.{pattern}" if prefix else pattern] = style
+    rules.update(getattr(type(model), "_tp_plan", None) or {})
+    placements = {}
+    for name, _ in model.named_parameters(remove_duplicate=False):
+        module, _, attr = name.rpartition(".")
+        for pattern, style in rules.items():
+            if re.fullmatch(pattern.replace(".", r"\.").replace("*", r"\d+"), module) and style in _HF_WEIGHT:
+                weight = _HF_WEIGHT[style]
+                placements[name] = weight if attr == "weight" or weight.dim == 0 else R
+                break
+    return placements

@@ -1,0 +1,77 @@
+"""What a chosen plan costs, for reports: the collectives it inserts, and for every op the
+alternatives the solver had, each priced with its neighbours' choices fixed."""
+from __future__ import annotations
+
+import torch
+
+from autotp.cost_models import collective_time, reshard_time
+from autotp.cost_models.collectives import backward_collective, reshard_collective
+from autotp.cost_models.topology import Topology
+from autotp.placement import R, Replicate, dump
+
+from .capture import module_path
+from .solve import Sizes, _compute_time, needs_grad
+from .strategies import Context, input_slots, is_placed
+
+
+def planned_collectives(gm: torch.fx.GraphModule, choice: dict, world: int, topology: Topology,
+                        sizes: Sizes | None = None) -> list[dict]:
+    """The collectives the rewriter will insert for ``choice`` (one per tensor and target placement)."""
+    grad = needs_grad(gm)
+    found: dict = {}
+    for node in gm.graph.nodes:
+        strategy = choice.get(node)
+        wants = strategy.inputs if strategy is not None else [R] * len(input_slots(node))
+        if node.op != "output" and strategy is None:
+            continue
+        for src, want in zip(input_slots(node), wants, strict=True):
+            if src not in choice or want is None or isinstance(choice[src].output, tuple):
+                continue
+            have = choice[src].output
+            op = reshard_collective(have, want)
+            if op:
+                found.setdefault((src, have, want), ("forward", op))
+            back = backward_collective(have, want)
+            if back and src in grad:
+                found.setdefault((src, have, want, "back"), ("backward", back))
+            if strategy is not None and isinstance(want, Replicate) and not strategy.replicated and src in grad:
+                found.setdefault((src, want, "grad"), ("backward", "all_reduce"))
+    sizes = sizes or Sizes()
+    return [{"op": op, "phase": phase, "tensor": src.name, "module": module_path(src), "bytes": sizes.nbytes(src),
+             "seconds": collective_time(op, sizes.nbytes(src), world, topology)}
+            for (src, *_), (phase, op) in found.items()]
+
+
+def alternatives(gm: torch.fx.GraphModule, ctx: Context, choice: dict, topology: Topology, training: bool,
+                 sizes: Sizes | None = None) -> dict:
+    """node name -> [{"in", "out", "seconds", "chosen"}] for ops that had a choice, cheapest first.
+
+    Each alternative is priced as if only this op changed: its compute plus the conversions from its
+    producers' chosen placements and into its users' chosen ones (None where impossible).
+    """
+    sizes = sizes or Sizes()
+    world = ctx.world
+    users_of: dict = {}
+    for node in gm.graph.nodes:
+        wants = choice[node].inputs if node in choice else [R] * len(input_slots(node))
+        if node in choice or node.op == "output":
+            for src, want in zip(input_slots(node), wants, strict=True):
+                if src in choice and is_placed(src) and want is not None:
+                    users_of.setdefault(src, []).append(want)
+    out = {}
+    for node, options in ctx.strategies.items():
+        if len(options) < 2:
+            continue
+        priced = []
+        for s in options:
+            total = _compute_time(node, s, sizes, world, topology, training)
+            moves = [(choice[src].output, want, src) for src, want in zip(input_slots(node), s.inputs, strict=True)
+                     if src in choice and is_placed(src) and want is not None]
+            moves += [(s.output, want, node) for want in users_of.get(node, [])]
+            for have, want, tensor in moves:
+                t = reshard_time(have, want, sizes.nbytes(tensor), world, topology)
+                total = None if t is None or total is None else total + t
+            priced.append({"in": [dump(p) for p in s.inputs], "out": dump(s.output), "seconds": total,
+                           "chosen": s == choice[node]})
+        out[node.name] = sorted(priced, key=lambda a: (a["seconds"] is None, a["seconds"] or 0.0))
+    return out

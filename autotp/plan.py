@@ -69,11 +69,19 @@ class Plan:
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
+        """Parse and validate against plan.schema.json; say what is wrong and where."""
         try:
             raw = json.loads(text)
-            return cls(**raw)
-        except (json.JSONDecodeError, TypeError) as exc:
-            raise PlanMismatch(f"not an autotp plan: {exc}") from exc
+        except json.JSONDecodeError as exc:
+            raise PlanMismatch(f"not an autotp plan: corrupt JSON ({exc})") from exc
+        if isinstance(raw, dict) and raw.get("version") not in (None, SCHEMA_VERSION):
+            raise PlanMismatch(f"plan schema version {raw.get('version')}, this autotp reads version "
+                               f"{SCHEMA_VERSION}: re-plan with this version")
+        error = next(iter(sorted(_validator().iter_errors(raw), key=lambda e: list(map(str, e.path)))), None)
+        if error is not None:
+            where = "/".join(map(str, error.path)) or "the top level"
+            raise PlanMismatch(f"not an autotp plan: at {where}: {error.message}")
+        return cls(**raw)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_json())

@@ -1,7 +1,9 @@
 """autotp: automatic tensor parallelism for PyTorch models, derived from the graph."""
-from .api import full_state_dict, parallelize, plan
+from .api import from_pretrained, full_state_dict, parallelize, plan
+from .checkpoint import CheckpointError, save_pretrained
 from .mesh import choose_mesh
 from .plan import Plan, PlanMismatch
 
-__all__ = ["Plan", "PlanMismatch", "choose_mesh", "full_state_dict", "parallelize", "plan"]
+__all__ = ["CheckpointError", "Plan", "PlanMismatch", "choose_mesh", "from_pretrained", "full_state_dict",
+           "parallelize", "plan", "save_pretrained"]
 __version__ = "0.1.0"

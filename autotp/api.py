@@ -7,12 +7,13 @@ import torch.distributed as dist
 from autotp.cost_models import load_topology
 from autotp.passes.accounting import alternatives, planned_collectives
 from autotp.passes.capture import capture, fingerprint, module_path
-from autotp.passes.prepare import fused_block_hints, merge_aliases, split_bias
+from autotp.passes.prepare import fused_block_hints, merge_aliases, retarget_device, split_bias
 from autotp.passes.rewrite import rewrite
 from autotp.passes.rules import RULES
 from autotp.passes.solve import Sizes, solve
 from autotp.passes.strategies import Context, Strategy, enumerate_strategies, input_slots
 
+from .checkpoint import Checkpoint
 from .collectives import gather_full
 from .hf import default_inputs, no_kv_cache
 from .plan import Plan, PlanMismatch
@@ -66,11 +67,13 @@ def plan(model: torch.nn.Module, args=None, kwargs=None, *, world_size: int, top
 
 
 def parallelize(model: torch.nn.Module, args=None, kwargs=None, *, plan: Plan | None = None, topology=None,
-                group=None, min_shard_fraction: float = 0.02, training: bool = True,
+                group=None, checkpoint=None, min_shard_fraction: float = 0.02, training: bool = True,
                 memory_limit: float | None = None) -> torch.nn.Module:
     """This rank's tensor-parallel copy of ``model``: same signature, full outputs on every rank.
 
-    Rank 0 solves and broadcasts the plan, so every rank runs the same program.
+    Rank 0 solves and broadcasts the plan, so every rank runs the same program.  With
+    ``checkpoint=DIR`` (safetensors, Hugging Face layout) the model may live on the meta device and
+    each rank reads only its own slices.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("autotp.parallelize needs torch.distributed: call dist.init_process_group(...) first "
@@ -86,10 +89,40 @@ def parallelize(model: torch.nn.Module, args=None, kwargs=None, *, plan: Plan | 
         if node.name in plan.nodes:
             inputs, output = plan.strategy(node.name)
             choice[node] = Strategy(tuple(inputs), output)
-    sharded = rewrite(gm, choice, rank, world, group.group_name)
+    source = Checkpoint(checkpoint) if checkpoint is not None else None
+    device = _device_of(group)
+    if source is not None:
+        retarget_device(gm, device)
+    sharded = rewrite(gm, choice, rank, world, group.group_name, source, device)
     sharded.autotp_plan = plan
     sharded.autotp_group = group
+    sharded.autotp_config = getattr(model, "config", None)
     return sharded
+
+
+def from_pretrained(directory, *, dtype: torch.dtype | None = None, **options) -> torch.nn.Module:
+    """A Hugging Face causal LM directory, sharded: built on the meta device, each rank reading only
+    its own slices of the safetensors files.  ``options`` go to ``parallelize``."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+    config = AutoConfig.from_pretrained(directory)
+    with init_empty_weights(include_buffers=False):  # computed buffers (rotary tables) stay real
+        model = AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
+    model.tie_weights()  # transformers ties input/output embeddings only when asked, on empty weights
+    return parallelize(model.eval(), checkpoint=directory, **options)
+
+
+def _device_of(group) -> torch.device:
+    """Where this rank's shards live: its GPU under NCCL, the CPU otherwise."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _placements_by_id(sharded: torch.nn.Module) -> dict:
+    plan: Plan = sharded.autotp_plan
+    named = [*sharded.named_parameters(remove_duplicate=False), *sharded.named_buffers(remove_duplicate=False)]
+    return {id(t): plan.placement(n) for n, t in named if n in plan.params}
 
 
 def _broadcast_plan(make, group) -> Plan:
@@ -111,10 +144,8 @@ def _broadcast_plan(make, group) -> Plan:
 
 def full_state_dict(sharded: torch.nn.Module, grads: bool = False) -> dict:
     """Full (unsharded) parameters, or their gradients, by original name, on every rank (a collective)."""
-    plan: Plan = sharded.autotp_plan
     group = sharded.autotp_group
-    placements = {id(p): plan.placement(n) for n, p in sharded.named_parameters(remove_duplicate=False)
-                  if n in plan.params}
+    placements = _placements_by_id(sharded)
     out = {}
     for name, param in sharded.named_parameters():
         tensor = param.grad if grads else param.detach()

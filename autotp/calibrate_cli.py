@@ -23,6 +23,7 @@ def _spawned(rank: int, world: int, port: int, out: str) -> None:
         calibrate(out)
     finally:
         dist.destroy_process_group()
+    os._exit(0)  # no interpreter teardown: gloo's threads can abort it after the work is done
 
 
 def print_comparison(path: Path, console: Console) -> float:

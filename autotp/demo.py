@@ -4,6 +4,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import sys
 
 import torch
 import torch.distributed as dist
@@ -39,6 +40,12 @@ def _rank(rank: int, port: int, queue) -> None:
         queue.put((rank, match, error, local, full))
     finally:
         dist.destroy_process_group()
+    # gloo's threads can abort a process during interpreter teardown ("terminate called without an
+    # active exception") after all work is done: hand over the result and leave without teardown
+    queue.close()
+    queue.join_thread()
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def main() -> int:

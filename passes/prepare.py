@@ -99,3 +99,21 @@ def fused_block_hints(gm: torch.fx.GraphModule, ctx: Context) -> dict:
     return hints
 
 
+
+
+def retarget_device(gm: torch.fx.GraphModule, device: torch.device) -> None:
+    """A graph captured on the meta device names that device in its factory calls and checks
+    (arange(device=meta), _assert_tensor_metadata(device=meta)): point them at the real one."""
+    meta = torch.device("meta")
+
+    def swap(value):
+        if isinstance(value, torch.device) and value == meta:
+            return device
+        if isinstance(value, (list, tuple)):
+            return type(value)(swap(v) for v in value)
+        return value
+
+    for node in gm.graph.nodes:
+        node.args = swap(node.args)
+        node.kwargs = {k: swap(v) for k, v in node.kwargs.items()}
+    gm.recompile()

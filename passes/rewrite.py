@@ -42,22 +42,43 @@ def _localize(node: Node, strategy, world: int) -> None:
             node.args = (node.args[0], local, *node.args[2:])
 
 
-def shard_parameters(gm: torch.fx.GraphModule, placements: dict, rank: int, world: int) -> None:
+def shard_parameters(gm: torch.fx.GraphModule, placements: dict, rank: int, world: int, checkpoint=None,
+                     device: torch.device | None = None) -> None:
     """Give the module its own copy of every parameter and buffer, sharded as planned.
 
-    Copies (never views) so that the user's model is untouched; tied tensors stay tied.
+    From ``checkpoint`` (autotp.checkpoint.Checkpoint) each rank reads only its slices; otherwise
+    from the captured model's tensors, copied (never views) so that the user's model is untouched.
+    Tied tensors stay tied.
     """
-    done: dict = {}
+    from autotp.checkpoint import CheckpointError, check_names
+
     tensors = [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]
+    aliases: dict = {}
+    for name, tensor in tensors:
+        aliases.setdefault(id(tensor), []).append(name)
     by_id = {id(tensor): placements[name] for name, tensor in tensors if name in placements}
+    if checkpoint is not None:
+        persistent = {id(t): (aliases[id(t)], t.shape) for n, t in tensors if _persistent(gm, n, t)}
+        optional = {n for n, t in tensors if id(t) not in persistent}
+        check_names(checkpoint, persistent, optional)
+    done: dict = {}
     for name, tensor in tensors:
         owner_name, _, attr = name.rpartition(".")
         owner = gm.get_submodule(owner_name)
         if id(tensor) not in done:
             placement = by_id.get(id(tensor), R)
-            data = tensor.detach()
-            local = take_local(data, placement, rank, world) if isinstance(placement, Shard) else data
-            local = local.clone()
+            stored = [n for n in aliases[id(tensor)] if checkpoint is not None and n in checkpoint.files]
+            if stored:
+                # copy: own memory, not pages of the mapped file (the optimizer writes into parameters)
+                piece = checkpoint.read(stored[0], placement, rank, world)
+                local = piece.to(device=device, dtype=tensor.dtype, copy=True)
+            elif tensor.is_meta:
+                raise CheckpointError(f"{name} is on the meta device and no checkpoint provides it: pass "
+                                      "checkpoint=DIR, or build the model with accelerate.init_empty_weights() "
+                                      "so that computed buffers stay real")
+            else:
+                data = tensor.detach()
+                local = (take_local(data, placement, rank, world) if isinstance(placement, Shard) else data).clone()
             if isinstance(tensor, torch.nn.Parameter):
                 local = torch.nn.Parameter(local, requires_grad=tensor.requires_grad)
             done[id(tensor)] = local
@@ -67,7 +88,13 @@ def shard_parameters(gm: torch.fx.GraphModule, placements: dict, rank: int, worl
             owner.register_buffer(attr, done[id(tensor)], persistent=attr not in owner._non_persistent_buffers_set)
 
 
-def rewrite(gm: torch.fx.GraphModule, choice: dict, rank: int, world: int, group: str) -> torch.fx.GraphModule:
+def _persistent(gm: torch.nn.Module, name: str, tensor: torch.Tensor) -> bool:
+    owner, _, attr = name.rpartition(".")
+    return isinstance(tensor, torch.nn.Parameter) or attr not in gm.get_submodule(owner)._non_persistent_buffers_set
+
+
+def rewrite(gm: torch.fx.GraphModule, choice: dict, rank: int, world: int, group: str,
+            checkpoint=None, device: torch.device | None = None) -> torch.fx.GraphModule:
     """Mutates ``gm`` (a fresh capture) into this rank's sharded program."""
     graph = gm.graph
     grad = needs_grad(gm)
@@ -116,6 +143,6 @@ def rewrite(gm: torch.fx.GraphModule, choice: dict, rank: int, world: int, group
             if isinstance(p, Shard) and p.dim == dim % src.meta["val"].dim():
                 raise RuntimeError(f"{node.name} reads the size of sharded dim {dim}: rules must not allow this")
     graph.lint()
-    shard_parameters(gm, params, rank, world)
+    shard_parameters(gm, params, rank, world, checkpoint, device)
     gm.recompile()
     return gm

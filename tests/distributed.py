@@ -4,6 +4,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import sys
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,15 @@ def _worker(rank: int, world: int, port: int, fn, args) -> None:
         fn(rank, world, *args)
     finally:
         dist.destroy_process_group()
+    exit_quietly()
+
+
+def exit_quietly() -> None:
+    """Leave without interpreter teardown: gloo's threads sometimes abort the process at exit
+    ("terminate called without an active exception") after all the work is done."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ranks(world: int, fn, *args) -> None:

@@ -1,0 +1,146 @@
+"""Safetensors checkpoints: each rank reads only its own slices; saving gathers one tensor at a time.
+
+Hugging Face layout: ``model.safetensors``, or ``model-0000k-of-0000n.safetensors`` files listed in
+``model.safetensors.index.json``.  Tensor names are the model's parameter and persistent buffer names.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .collectives import gather_full
+from .placement import Shard
+
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+class Checkpoint:
+    """Lazy, sliceable view of a checkpoint directory (nothing is read until asked for)."""
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory)
+        index, single = self.directory / INDEX, self.directory / SINGLE
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+        elif single.exists():
+            with safe_open(single, framework="pt") as f:
+                weight_map = dict.fromkeys(f.keys(), SINGLE)
+        else:
+            raise CheckpointError(f"no {SINGLE} or {INDEX} in {self.directory}")
+        self.files = {name: self.directory / file for name, file in weight_map.items()}
+
+    def shape(self, name: str) -> tuple:
+        with safe_open(self.files[name], framework="pt") as f:
+            return tuple(f.get_slice(name).get_shape())
+
+    def read(self, name: str, placement, rank: int, world: int) -> torch.Tensor:
+        """This rank's piece: only the bytes of its slices (block by block for fused tensors).
+
+        The file is mapped for this one tensor and unmapped after: a column slice touches every page
+        of its tensor, and those pages must not stay resident once the piece is copied out.
+        """
+        with safe_open(self.files[name], framework="pt") as f:
+            tensor = f.get_slice(name)
+            shape = tensor.get_shape()
+            if not isinstance(placement, Shard):
+                return tensor[tuple(slice(None) for _ in shape)]
+            pieces, start = [], 0
+            for block in placement.blocks(shape[placement.dim]):
+                step = block // world
+                index = [slice(None)] * len(shape)
+                index[placement.dim] = slice(start + rank * step, start + (rank + 1) * step)
+                pieces.append(tensor[tuple(index)])
+                start += block
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, placement.dim)
+
+
+def check_names(checkpoint: Checkpoint, expected: dict, optional: set = frozenset()) -> None:
+    """``expected``: tensor id -> (alias names, full shape); ``optional``: names that may be present
+    (non-persistent buffers).  One error names every problem."""
+    problems = []
+    known = set(optional)
+    for names, shape in expected.values():
+        present = [n for n in names if n in checkpoint.files]
+        known.update(names)
+        if not present:
+            problems.append(f"missing: {names[0]}")
+        elif checkpoint.shape(present[0]) != tuple(shape):
+            problems.append(f"shape mismatch: {present[0]} is {checkpoint.shape(present[0])} in the checkpoint, "
+                            f"{tuple(shape)} in the model")
+    problems += [f"unexpected: {n}" for n in sorted(set(checkpoint.files) - known)]
+    if problems:
+        listed = "; ".join(problems[:12]) + (f"; and {len(problems) - 12} more" if len(problems) > 12 else "")
+        raise CheckpointError(f"checkpoint {checkpoint.directory} does not match the model: {listed}")
+
+
+def save_pretrained(sharded: torch.nn.Module, directory: str | Path, max_shard_bytes: int = 5 * 2 ** 30) -> Path:
+    """Write a standard, unsharded checkpoint (a collective: every rank must call it).
+
+    Tensors are gathered one at a time and rank 0 writes a file whenever ``max_shard_bytes`` is
+    reached, so no rank ever holds the whole model; an index file lists them when there are several.
+    """
+    from .api import _placements_by_id
+    directory = Path(directory)
+    group = sharded.autotp_group
+    writer = dist.get_rank(group) == 0
+    if writer:
+        directory.mkdir(parents=True, exist_ok=True)
+    placements = _placements_by_id(sharded)
+    files, pending, pending_bytes, total = [], {}, 0, 0
+
+    def flush():
+        nonlocal pending, pending_bytes
+        if writer and pending:
+            path = directory / f"part-{len(files):05d}.safetensors"
+            save_file(pending, path, metadata={"format": "pt"})
+            files.append((path, list(pending)))
+        pending, pending_bytes = {}, 0
+
+    for name, tensor in _persistent_tensors(sharded):
+        full = gather_full(tensor, placements.get(id(tensor)), group)
+        if writer:
+            size = full.numel() * full.element_size()
+            if pending and pending_bytes + size > max_shard_bytes:
+                flush()
+            pending[name] = full.contiguous()
+            pending_bytes += size
+            total += size
+    flush()
+    if writer:
+        _name_files(directory, files, total)
+        config = getattr(sharded, "autotp_config", None)
+        if config is not None:
+            config.save_pretrained(directory)
+    dist.barrier(group)
+    return directory
+
+
+def _persistent_tensors(module: torch.nn.Module):
+    yield from module.named_parameters()
+    for name, buffer in module.named_buffers():
+        owner, _, attr = name.rpartition(".")
+        if attr not in module.get_submodule(owner)._non_persistent_buffers_set:
+            yield name, buffer
+
+
+def _name_files(directory: Path, files: list, total: int) -> None:
+    if len(files) == 1:
+        files[0][0].rename(directory / SINGLE)
+        return
+    weight_map = {}
+    for k, (path, names) in enumerate(files, start=1):
+        final = f"model-{k:05d}-of-{len(files):05d}.safetensors"
+        path.rename(directory / final)
+        weight_map.update(dict.fromkeys(names, final))
+    (directory / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                              indent=1))

@@ -1,0 +1,176 @@
+"""Safetensors checkpoints: per-rank slice loading, clear errors, unsharded saving that round-trips."""
+from __future__ import annotations
+
+import gc
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import autotp
+from distributed import run_ranks
+from models import build, example_input, logits
+
+TOL = {"rtol": 1e-4, "atol": 1e-5}
+
+
+def _hf_dir(kind: str, directory: Path, max_shard_size: str | None = None) -> Path:
+    model, _, _ = build(kind)
+    model.save_pretrained(directory, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+    return directory
+
+
+def _empty(kind: str):
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+    model, args, _ = build(kind, device="meta")
+    with init_empty_weights(include_buffers=False):
+        empty = AutoModelForCausalLM.from_config(AutoConfig.for_model(**model.config.to_dict()))
+    empty.tie_weights()
+    return empty.eval(), args
+
+
+def _load_and_compare(rank: int, world: int, kind: str, directory: str) -> None:
+    from transformers import AutoModelForCausalLM
+    reference = AutoModelForCausalLM.from_pretrained(directory).eval()
+    model, args = _empty(kind)
+    sharded = autotp.parallelize(model, args, checkpoint=directory)
+    assert all(not p.is_meta for p in sharded.parameters())
+    x = example_input(kind, 3, 5)
+    torch.testing.assert_close(logits(sharded(x)), logits(reference(x)), **TOL)
+    full = autotp.full_state_dict(sharded)
+    for name, p in reference.named_parameters():
+        assert torch.equal(full[name], p.detach()), name
+
+
+@pytest.mark.parametrize("kind,shards", [("llama", None), ("gpt2", "20KB")])
+def test_meta_model_loads_its_slices(tmp_path, kind, shards):
+    directory = _hf_dir(kind, tmp_path, shards)
+    assert (directory / ("model.safetensors.index.json" if shards else "model.safetensors")).exists()
+    run_ranks(2, _load_and_compare, kind, str(directory))
+
+
+def _from_pretrained(rank: int, world: int, directory: str) -> None:
+    from transformers import AutoModelForCausalLM
+    sharded = autotp.from_pretrained(directory)
+    reference = AutoModelForCausalLM.from_pretrained(directory).eval()
+    torch.manual_seed(0)  # the same input on every rank
+    x = example_input("llama", 1, 1)
+    torch.testing.assert_close(logits(sharded(x)), logits(reference(x)), **TOL)
+    q = dict(sharded.named_parameters())["model.layers.0.self_attn.q_proj.weight"]
+    assert q.shape[0] * world == reference.model.layers[0].self_attn.q_proj.weight.shape[0]
+
+
+def test_from_pretrained_on_four_ranks(tmp_path):
+    run_ranks(4, _from_pretrained, str(_hf_dir("llama", tmp_path)))
+
+
+def _expect_error(rank: int, world: int, directory: str, message: str) -> None:
+    model, args = _empty("llama")
+    with pytest.raises(autotp.CheckpointError, match=message):
+        autotp.parallelize(model, args, checkpoint=directory)
+
+
+def test_bad_checkpoints_name_the_tensors(tmp_path):
+    good = _hf_dir("llama", tmp_path / "good")
+    tensors = load_file(good / "model.safetensors")
+    cases = {
+        "missing": ({k: v for k, v in tensors.items() if k != "model.layers.1.mlp.up_proj.weight"},
+                    "missing: model.layers.1.mlp.up_proj.weight"),
+        "unexpected": ({**tensors, "model.extra.weight": torch.zeros(2)}, "unexpected: model.extra.weight"),
+        "shape": ({**tensors, "model.norm.weight": torch.zeros(3)},
+                  r"shape mismatch: model.norm.weight is \(3,\) in the checkpoint, \(64,\) in the model"),
+    }
+    for case, (content, message) in cases.items():
+        directory = tmp_path / case
+        directory.mkdir()
+        save_file(content, directory / "model.safetensors", metadata={"format": "pt"})
+        run_ranks(2, _expect_error, str(directory), message)
+    with pytest.raises(autotp.CheckpointError, match=r"no model\.safetensors"):
+        autotp.checkpoint.Checkpoint(tmp_path)
+
+
+def _meta_without_checkpoint(rank: int, world: int) -> None:
+    model, args, _ = build("llama", device="meta")
+    with pytest.raises(autotp.CheckpointError, match="meta device"):
+        autotp.parallelize(model, args)
+
+
+def test_meta_model_without_checkpoint_is_refused():
+    run_ranks(2, _meta_without_checkpoint)
+
+
+def _round_trip(rank: int, world: int, source: str, first: str, second: str) -> None:
+    model, args = _empty("gpt2")
+    sharded = autotp.parallelize(model, args, checkpoint=source)
+    autotp.save_pretrained(sharded, first, max_shard_bytes=30_000)
+    model, args = _empty("gpt2")
+    again = autotp.parallelize(model, args, checkpoint=first)
+    autotp.save_pretrained(again, second)
+
+
+def test_save_round_trips_bit_exactly(tmp_path):
+    source = _hf_dir("gpt2", tmp_path / "source")
+    first, second = tmp_path / "first", tmp_path / "second"
+    run_ranks(2, _round_trip, str(source), str(first), str(second))
+    index = json.loads((first / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1  # large enough to be split, with an index
+    assert (first / "config.json").exists() and (second / "model.safetensors").exists()
+    original = load_file(source / "model.safetensors")
+    saved = {}
+    for file in set(index["weight_map"].values()):
+        saved.update(load_file(first / file))
+    resaved = load_file(second / "model.safetensors")
+    assert saved.keys() == original.keys() == resaved.keys()
+    for name, tensor in original.items():
+        assert torch.equal(saved[name], tensor) and torch.equal(resaved[name], tensor), name
+
+
+def _status(field: str) -> int:
+    """Bytes from /proc/self/status: VmRSS now, VmHWM the peak since the last reset."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:  # "5" resets VmHWM to the current RSS (Linux >= 4.0)
+        f.write("5")
+
+
+def _bounded_load(rank: int, world: int, directory: str, expected: str, full: int, largest: int) -> None:
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory)).eval()
+    ids = torch.arange(12).view(2, 6)
+    gc.collect()
+    before = _status("VmRSS")
+    _reset_peak()
+    sharded = autotp.parallelize(model, (ids,), checkpoint=directory)
+    with torch.no_grad():
+        out = sharded(ids).logits  # every weight page is touched by now
+    growth = _status("VmHWM") - before
+    print(f"rank {rank}: peak RSS grew {growth / 1e6:.0f} MB loading a {full / 1e6:.0f} MB model "
+          f"(bound {(full / world + largest) / 1e6:.0f} MB + 150 MB)")
+    assert growth <= full / world + largest + 150e6
+    assert growth < 0.6 * full
+    torch.testing.assert_close(out, torch.load(expected), **TOL)
+
+
+def test_a_large_model_loads_within_a_quarter_per_rank(tmp_path):
+    """1.35 GB of fp32 weights over 4 ranks: each rank's memory grows by about a quarter."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=4,
+                         num_attention_heads=16, num_key_value_heads=16, use_cache=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    sizes = [p.numel() * p.element_size() for p in model.parameters()]
+    assert sum(sizes) >= 2 ** 30
+    model.save_pretrained(tmp_path, max_shard_size="400MB")
+    with torch.no_grad():
+        torch.save(model(torch.arange(12).view(2, 6)).logits, tmp_path / "expected.pt")
+    full, largest = sum(sizes), max(sizes)
+    del model
+    run_ranks(4, _bounded_load, str(tmp_path), str(tmp_path / "expected.pt"), full, largest)

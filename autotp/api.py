@@ -1,6 +1,8 @@
 """The pipeline in one place: capture -> rules -> cost -> solve -> rewrite -> load."""
 from __future__ import annotations
 
+import hashlib
+
 import torch
 import torch.distributed as dist
 
@@ -13,10 +15,11 @@ from autotp.passes.rules import RULES
 from autotp.passes.solve import Sizes, solve
 from autotp.passes.strategies import Context, Strategy, enumerate_strategies, input_slots
 
+from .agree import DEFAULT_TIMEOUT, Rendezvous, inputs_digest
 from .checkpoint import Checkpoint
 from .collectives import gather_full
 from .hf import default_inputs, no_kv_cache
-from .plan import Plan, PlanMismatch
+from .plan import Plan
 from .report import param_styles
 
 
@@ -68,21 +71,28 @@ def plan(model: torch.nn.Module, args=None, kwargs=None, *, world_size: int, top
 
 def parallelize(model: torch.nn.Module, args=None, kwargs=None, *, plan: Plan | None = None, topology=None,
                 group=None, checkpoint=None, min_shard_fraction: float = 0.02, training: bool = True,
-                memory_limit: float | None = None) -> torch.nn.Module:
+                memory_limit: float | None = None, timeout: float = DEFAULT_TIMEOUT) -> torch.nn.Module:
     """This rank's tensor-parallel copy of ``model``: same signature, full outputs on every rank.
 
-    Rank 0 solves and broadcasts the plan, so every rank runs the same program.  With
-    ``checkpoint=DIR`` (safetensors, Hugging Face layout) the model may live on the meta device and
-    each rank reads only its own slices.
+    Rank 0 solves and shares the plan, so every rank runs the same program; ranks first check that
+    they hold the same model and input shapes, and a rank that fails or dies makes the others raise
+    within ``timeout`` seconds.  With ``checkpoint=DIR`` (safetensors, Hugging Face layout) the model
+    may live on the meta device and each rank reads only its own slices.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("autotp.parallelize needs torch.distributed: call dist.init_process_group(...) first "
                            "(launch with torchrun), or use autotp.plan(...) to inspect a plan without one")
     group = group or dist.group.WORLD
     rank, world = dist.get_rank(group), dist.get_world_size(group)
+    rendezvous = Rendezvous(group, timeout)
+    if args is None and kwargs is None:
+        args = default_inputs(model)
     gm = _graph(model, args, kwargs)
+    rendezvous.agree("model", f"{fingerprint(gm)}/{inputs_digest(args, kwargs)}", "the model and input shapes")
     if plan is None:
-        plan = _broadcast_plan(lambda: _solve(gm, world, topology, min_shard_fraction, training, memory_limit), group)
+        plan = Plan.from_json(rendezvous.share("plan", lambda: _solve(
+            gm, world, topology, min_shard_fraction, training, memory_limit).to_json()))
+    rendezvous.agree("plan", hashlib.sha256(plan.to_json().encode()).hexdigest()[:16], "the plan")
     plan.check(fingerprint(gm), world)
     choice = {}
     for node in gm.graph.nodes:
@@ -94,6 +104,7 @@ def parallelize(model: torch.nn.Module, args=None, kwargs=None, *, plan: Plan | 
     if source is not None:
         retarget_device(gm, device)
     sharded = rewrite(gm, choice, rank, world, group.group_name, source, device)
+    rendezvous.agree("loaded", "ok", "finish loading their shards")
     sharded.autotp_plan = plan
     sharded.autotp_group = group
     sharded.autotp_config = getattr(model, "config", None)
@@ -123,23 +134,6 @@ def _placements_by_id(sharded: torch.nn.Module) -> dict:
     plan: Plan = sharded.autotp_plan
     named = [*sharded.named_parameters(remove_duplicate=False), *sharded.named_buffers(remove_duplicate=False)]
     return {id(t): plan.placement(n) for n, t in named if n in plan.params}
-
-
-def _broadcast_plan(make, group) -> Plan:
-    """Rank 0 plans; the others wait for its plan or its error (no rank is left waiting)."""
-    payload = [None]
-    if dist.get_rank(group) == 0:
-        try:
-            payload = [("ok", make().to_json())]
-        except Exception as exc:
-            payload = [("error", f"{type(exc).__name__}: {exc}")]
-            dist.broadcast_object_list(payload, src=dist.get_global_rank(group, 0), group=group)
-            raise
-    dist.broadcast_object_list(payload, src=dist.get_global_rank(group, 0), group=group)
-    kind, body = payload[0]
-    if kind == "error":
-        raise PlanMismatch(f"planning failed on rank 0: {body}")
-    return Plan.from_json(body)
 
 
 def full_state_dict(sharded: torch.nn.Module, grads: bool = False) -> dict:

@@ -56,26 +56,22 @@ def _plan(args) -> int:
         print(result.to_json())
         return 0
     print_plan(result, tensor_shapes(model))
-    if args.devices:
-        from rich.console import Console
-
-        from .mesh import choose_mesh
-        from .report import mesh_table
-        with _console().status(f"pricing every TP x DP split of {args.devices} devices ..."):
-            candidates = choose_mesh(model, example, devices=args.devices, topology=args.topology,
-                                     training=not args.inference)
-        for part in mesh_table(candidates, args.topology):
-            Console(width=140).print(part)
-    return 0
+    return _print_mesh(model, example, args) if args.devices else 0
 
 
 def _mesh(args) -> int:
+    with _console().status("building the model on the meta device ..."):
+        model, example = load_model(args.model, args.batch, args.seq)
+    return _print_mesh(model, example, args)
+
+
+def _print_mesh(model, example, args) -> int:
+    """Price every TP x DP split of ``args.devices``; exit status 1 when nothing fits."""
     from rich.console import Console
 
     from .mesh import choose_mesh
     from .report import mesh_table
     with _console().status("capturing once, solving every TP size ..."):
-        model, example = load_model(args.model, args.batch, args.seq)
         candidates = choose_mesh(model, example, devices=args.devices, topology=args.topology,
                                  training=not args.inference)
     for part in mesh_table(candidates, args.topology):
@@ -120,9 +116,9 @@ def _explain(args) -> int:
 
 def _compare(args) -> int:
     from rich.console import Console
-    from rich.table import Table
 
     from .compare import compare
+    from .report import compare_table
     with _console().status("pricing Hugging Face's tp_plan and autotp's plan ..."):
         model, example = load_model(args.model, args.batch, args.seq)
         result = compare(model, example, world_size=args.world_size, topology=args.topology,
@@ -130,17 +126,8 @@ def _compare(args) -> int:
     if result["hf"] is None:
         print(f"{type(model).__name__} has no Hugging Face tp_plan to compare with")
         return 1
-    table = Table(title=f"{type(model).__name__} at TP {args.world_size}: HF tp_plan vs autotp (same cost model)")
-    for column in ("", "HF tp_plan", "autotp"):
-        table.add_column(column, justify="right")
-    hf, ours = result["hf"], result["autotp"]
-    table.add_row("est. step µs", f"{hf['seconds'] * 1e6:.1f}", f"{ours['seconds'] * 1e6:.1f}")
-    for phase in ("forward", "backward"):
-        for op in sorted(set(hf[phase]) | set(ours[phase])):
-            table.add_row(f"{phase} {op}", str(hf[phase].get(op, 0)), str(ours[phase].get(op, 0)))
-    table.add_row("parameter MB/device", f"{hf['param_bytes'] / 1e6:.3f}", f"{ours['param_bytes'] / 1e6:.3f}")
-    table.add_row("memory MB/device", f"{hf['memory'] / 1e6:.3f}", f"{ours['memory'] / 1e6:.3f}")
-    Console(width=140).print(table)
+    title = f"{type(model).__name__} at TP {args.world_size}: HF tp_plan vs autotp (same cost model)"
+    Console(width=140).print(compare_table(result["hf"], result["autotp"], title))
     return 0
 
 

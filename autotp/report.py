@@ -169,3 +169,17 @@ def mesh_table(candidates: list, topology: str | None) -> list:
                       "-" if c.memory is None else f"{c.memory / 1e9:.2f}", c.note)
     best = candidates[0]
     return [table, f"mesh choice: TP {best.tp} x DP {best.dp}" if best.seconds is not None else "nothing fits"]
+
+
+def compare_table(hf: dict, ours: dict, title: str) -> Table:
+    """Two plan summaries (autotp.compare.summary) side by side."""
+    table = Table(title=title)
+    for column in ("", "HF tp_plan", "autotp"):
+        table.add_column(column, justify="right")
+    table.add_row("est. step µs", f"{hf['seconds'] * 1e6:.1f}", f"{ours['seconds'] * 1e6:.1f}")
+    for phase in ("forward", "backward"):
+        for op in sorted(set(hf[phase]) | set(ours[phase])):
+            table.add_row(f"{phase} {op}", str(hf[phase].get(op, 0)), str(ours[phase].get(op, 0)))
+    table.add_row("parameter MB/device", f"{hf['param_bytes'] / 1e6:.3f}", f"{ours['param_bytes'] / 1e6:.3f}")
+    table.add_row("memory MB/device", f"{hf['memory'] / 1e6:.3f}", f"{ours['memory'] / 1e6:.3f}")
+    return table

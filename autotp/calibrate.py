@@ -30,31 +30,33 @@ def _run_once(op: str, nbytes: int, world: int, device) -> None:
         dist.reduce_scatter_tensor(torch.empty(numel // world, device=device), torch.ones(numel, device=device))
 
 
-def measure(repeats: int = 41, device=None) -> dict:
-    """op -> {bytes: seconds}: the fastest of ``repeats`` samples, each timing a burst of
-    back-to-back collectives (small ones repeated so that a sample lasts about a millisecond) on
-    the slowest rank, after a warm-up.  The minimum, not the median: on a shared or virtual
-    machine the scheduler adds noise in one direction only."""
+def _samples(nbytes: int) -> int:
+    """Many samples for small messages (cheap, and noisy), a few for large ones."""
+    return 100 if nbytes <= 256 * 1024 else 30 if nbytes <= 4 * 2 ** 20 else 8
+
+
+def measure(device=None) -> dict:
+    """op -> {bytes: seconds}: the fastest of many single-collective samples, each timed on the
+    slowest rank after a barrier.  The minimum, not the median: on a shared or virtual machine the
+    scheduler only ever adds time, and the best case is what repeats from run to run."""
     world = dist.get_world_size()
     device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu")
     results: dict = {}
     for op in OPS:
         results[op] = {}
         for nbytes in SIZES:
-            burst = max(1, 2 ** 17 // nbytes)
             _run_once(op, nbytes, world, device)
-            samples = []
-            for _ in range(repeats):
+            best = float("inf")
+            for _ in range(_samples(nbytes)):
                 dist.barrier()
                 start = time.perf_counter()
-                for _ in range(burst):
-                    _run_once(op, nbytes, world, device)
+                _run_once(op, nbytes, world, device)
                 if torch.cuda.is_available():
                     torch.cuda.synchronize()
-                elapsed = torch.tensor([(time.perf_counter() - start) / burst], dtype=torch.float64)
+                elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-                samples.append(elapsed.item())
-            results[op][nbytes] = min(samples)
+                best = min(best, elapsed.item())
+            results[op][nbytes] = best
     return results
 
 

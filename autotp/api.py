@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -27,7 +28,7 @@ def _graph(model: torch.nn.Module, args, kwargs) -> torch.fx.GraphModule:
     if args is None and kwargs is None:
         args = default_inputs(model)
     with no_kv_cache(model):
-        gm = capture(model, tuple(args or ()), kwargs)
+        gm = capture(model, args if args is not None else (), kwargs)
     merge_aliases(gm)
     split_bias(gm)
     return gm
@@ -39,9 +40,15 @@ def _solve(gm: torch.fx.GraphModule, world_size: int, topology, min_shard_fracti
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
     topo = load_topology(topology)
+    if world_size > topo.devices:
+        raise ValueError(f"world size {world_size} is larger than topology {topo.name} ({topo.devices} devices): "
+                         "pick a topology with more devices (e.g. 2x-dgx-h100) or a smaller world size")
     ctx = Context(world=world_size, min_shard_fraction=min_shard_fraction, fixed=fixed or {})
     ctx.hints = fused_block_hints(gm, ctx)
     enumerate_strategies(gm, ctx, RULES)
+    if ctx.unruled:
+        warnings.warn(f"autotp: {len(ctx.unruled)} op(s) on the weights' path have no sharding rule and run "
+                      f"replicated (correct, possibly slower): {', '.join(sorted(ctx.unruled))}", stacklevel=3)
     solution = solve(gm, ctx, topo, training=training, memory_limit=memory_limit, sizes=sizes)
     choice = solution.choice
     return Plan(
@@ -56,6 +63,7 @@ def _solve(gm: torch.fx.GraphModule, world_size: int, topology, min_shard_fracti
         shapes={n.target: list(n.meta["val"].shape) for n in choice if n.op == "get_attr"},
         alternatives=alternatives(gm, ctx, choice, topo, training, sizes),
         cost={"seconds": solution.seconds, "memory": solution.memory, "training": training},
+        replicated_ops=sorted(ctx.unruled),
     )
 
 
@@ -71,13 +79,15 @@ def plan(model: torch.nn.Module, args=None, kwargs=None, *, world_size: int, top
 
 def parallelize(model: torch.nn.Module, args=None, kwargs=None, *, plan: Plan | None = None, topology=None,
                 group=None, checkpoint=None, min_shard_fraction: float = 0.02, training: bool = True,
-                memory_limit: float | None = None, timeout: float = DEFAULT_TIMEOUT) -> torch.nn.Module:
+                memory_limit: float | None = None, timeout: float = DEFAULT_TIMEOUT,
+                verify: bool = False) -> torch.nn.Module:
     """This rank's tensor-parallel copy of ``model``: same signature, full outputs on every rank.
 
     Rank 0 solves and shares the plan, so every rank runs the same program; ranks first check that
     they hold the same model and input shapes, and a rank that fails or dies makes the others raise
     within ``timeout`` seconds.  With ``checkpoint=DIR`` (safetensors, Hugging Face layout) the model
-    may live on the meta device and each rank reads only its own slices.
+    may live on the meta device and each rank reads only its own slices.  ``verify=True`` runs the
+    example inputs through both models and names the first diverging op (needs the model's weights).
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("autotp.parallelize needs torch.distributed: call dist.init_process_group(...) first "
@@ -108,6 +118,12 @@ def parallelize(model: torch.nn.Module, args=None, kwargs=None, *, plan: Plan | 
     sharded.autotp_plan = plan
     sharded.autotp_group = group
     sharded.autotp_config = getattr(model, "config", None)
+    if verify:
+        if any(p.is_meta for p in model.parameters()):
+            raise ValueError("verify=True compares with the unsharded model, whose weights are on the meta device: "
+                             "verify with a model that fits in memory, or drop verify")
+        from .verify import verify as check
+        check(sharded, _graph(model, args, kwargs), args, kwargs)
     return sharded
 
 

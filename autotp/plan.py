@@ -38,6 +38,7 @@ class Plan:
     styles: dict = field(default_factory=dict)        # parameter name -> "column", "row", "replicate", ...
     alternatives: dict = field(default_factory=dict)  # node name -> the solver's options, priced
     shapes: dict = field(default_factory=dict)        # parameter name -> full shape
+    replicated_ops: list = field(default_factory=list)  # ops without a sharding rule (run replicated)
     cost: dict = field(default_factory=dict)
     mesh: dict = field(default_factory=lambda: {"tp": None})
     version: int = SCHEMA_VERSION

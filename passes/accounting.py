@@ -10,8 +10,8 @@ from autotp.cost_models.topology import Topology
 from autotp.placement import R, Replicate, dump
 
 from .capture import module_path
-from .solve import Sizes, _compute_time, needs_grad
-from .strategies import Context, input_slots, is_placed
+from .solve import Sizes, _compute_time
+from .strategies import Context, input_slots, is_placed, needs_grad
 
 
 def planned_collectives(gm: torch.fx.GraphModule, choice: dict, world: int, topology: Topology,

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import os
+import traceback
 import warnings
 
 import torch
@@ -31,8 +33,28 @@ def _on_model_device(model: torch.nn.Module, tree):
     return tree_map(lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x, tree)
 
 
+_SUPPORTED = {torch.float32, torch.float16, torch.bfloat16, torch.float64}
+
+
+def check_inputs(model: torch.nn.Module, args, kwargs) -> None:
+    """Clear errors for what torch.export would reject obscurely."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"autotp needs a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(args, (tuple, list)):
+        raise TypeError(f"example args must be a tuple of the forward's positional inputs, got "
+                        f"{type(args).__name__}: write (x,) for a single input")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise TypeError(f"example kwargs must be a dict of keyword inputs, got {type(kwargs).__name__}")
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        unsupported = tensor.is_floating_point() and tensor.dtype not in _SUPPORTED
+        if unsupported or tensor.is_complex() or tensor.is_quantized:
+            raise TypeError(f"{name} has dtype {tensor.dtype}: autotp shards float32, bfloat16, float16 and "
+                            "float64 models; convert the model (model.to(torch.bfloat16)) or keep this part outside")
+
+
 def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> torch.fx.GraphModule:
     """An fx GraphModule of ATen ops with the model's parameter names; works on meta models."""
+    check_inputs(model, args, kwargs)
     kwargs = dict(kwargs or {})
     args, kwargs = _on_model_device(model, (tuple(args), kwargs))
     was_training = model.training
@@ -41,12 +63,13 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> 
         program = torch.export.export(
             model, args, kwargs, dynamic_shapes=_dynamic_shapes(model, args, kwargs), strict=False
         )
-    except Exception as exc:
+    except Exception as exc:  # torch.export raises many kinds
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CaptureError(
-            f"torch.export could not capture {type(model).__name__}: {first}\n"
-            "autotp needs a graph it can trace: remove data-dependent Python control flow on tensor values, "
-            "or pass example inputs that match the model's forward() signature."
+            f"torch.export could not capture {type(model).__name__}: {first}\n{_user_frame(exc)}"
+            "autotp needs a graph it can trace: remove data-dependent Python control flow on tensor values "
+            "(if/while on a tensor's value, .item(), .tolist()), or pass example inputs that match the "
+            "model's forward() signature."
         ) from exc
     finally:
         model.train(was_training)
@@ -57,6 +80,17 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> 
                       "in eval mode and do not drop in the sharded model (set dropout to 0 to silence this)",
                       stacklevel=3)
     return gm
+
+
+def _user_frame(exc: BaseException) -> str:
+    """Where in the user's code the capture failed: the innermost frame outside torch."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if f"{os.sep}torch{os.sep}" not in f.filename and f"{os.sep}autotp{os.sep}" not in f.filename
+              and "passes" + os.sep + "capture.py" not in f.filename]
+    if not frames:
+        return ""
+    f = frames[-1]
+    return f"  at {f.filename}:{f.lineno} in {f.name}: {(f.line or '').strip()}\n"
 
 
 def fingerprint(gm: torch.fx.GraphModule) -> str:

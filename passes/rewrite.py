@@ -9,8 +9,7 @@ from torch.fx.node import map_arg
 from autotp import collectives
 from autotp.placement import Partial, R, Replicate, Shard, take_local
 
-from .solve import needs_grad
-from .strategies import is_observer
+from .strategies import is_observer, needs_grad
 
 aten = torch.ops.aten
 

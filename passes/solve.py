@@ -24,7 +24,7 @@ from autotp.cost_models.memory import breakdown, smallest_fitting_world, state_f
 from autotp.cost_models.topology import Topology
 from autotp.placement import R, Replicate, Shard
 
-from .strategies import Context, input_slots, is_placed
+from .strategies import Context, input_slots, is_placed, needs_grad
 
 _MATMULS = {torch.ops.aten.linear.default, torch.ops.aten.mm.default, torch.ops.aten.bmm.default,
             torch.ops.aten.matmul.default, torch.ops.aten.scaled_dot_product_attention.default}
@@ -74,16 +74,6 @@ class Sizes:
         if node.target in _MATMULS:
             return 2.0 * numel * self(node.args[0].meta["val"].shape[-1])
         return float(numel)
-
-
-def needs_grad(gm: torch.fx.GraphModule) -> set:
-    """Nodes whose value depends on a trainable parameter (their gradients flow)."""
-    params = {name for name, p in gm.named_parameters() if p.requires_grad}
-    grad: set = set()
-    for node in gm.graph.nodes:
-        if (node.op == "get_attr" and node.target in params) or any(a in grad for a in node.all_input_nodes):
-            grad.add(node)
-    return grad
 
 
 def _local(size: float, placement, world: int) -> float:

@@ -65,6 +65,7 @@ class Context:
     hints: dict = field(default_factory=dict)        # (node, dim) -> set of chunk tuples
     strategies: dict = field(default_factory=dict)   # node -> list[Strategy], filled in order
     min_shard_fraction: float = 0.02                 # parameters this large (vs the largest) must shard
+    unruled: set = field(default_factory=set)        # ops on the weights' path that have no rule
     fixed: dict = field(default_factory=dict)        # parameter name -> placement imposed (to price other plans)
     _probes: dict = field(default_factory=dict)
 
@@ -112,7 +113,18 @@ def is_observer(node: Node) -> bool:
     )
 
 
+def needs_grad(gm: torch.fx.GraphModule) -> set:
+    """Nodes whose value depends on a trainable parameter (their gradients flow)."""
+    params = {name for name, p in gm.named_parameters() if p.requires_grad}
+    grad: set = set()
+    for node in gm.graph.nodes:
+        if (node.op == "get_attr" and node.target in params) or any(a in grad for a in node.all_input_nodes):
+            grad.add(node)
+    return grad
+
+
 def enumerate_strategies(gm: torch.fx.GraphModule, ctx: Context, rules: dict) -> Context:
+    weighted = needs_grad(gm)
     for node in gm.graph.nodes:
         if node.op == "output" or is_observer(node):
             continue
@@ -124,6 +136,8 @@ def enumerate_strategies(gm: torch.fx.GraphModule, ctx: Context, rules: dict) ->
         found = [all_r]
         if node.op == "call_function" and node.target in rules:
             found += [s for s in rules[node.target](node, ctx) if s not in found]
+        elif node.op == "call_function" and node in weighted:
+            ctx.unruled.add(str(node.target))
         ctx.strategies[node] = found
     _add_parameter_options(gm, ctx)
     return ctx

@@ -1,0 +1,112 @@
+"""Bad inputs get errors that name the problem and the fix; fallbacks warn; models stay untouched.
+
+(More error cases live beside their features: test_plan.py (world size, plan files, no process
+group, missing inputs), test_cost_models.py (topology files, memory limit), test_checkpoint.py
+(checkpoint tensors), test_agreement.py (ranks that disagree or die).)"""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import autotp
+from autotp.passes.capture import CaptureError
+from distributed import run_ranks
+from models import Unruly, build, example_input
+
+
+class Branchy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        if x.sum() > 0:  # data-dependent control flow: not capturable
+            return self.proj(x)
+        return -x
+
+
+def test_uncapturable_model_shows_the_line_and_the_fix():
+    with pytest.raises(CaptureError) as info:
+        autotp.plan(Branchy(), (torch.randn(2, 8),), world_size=2)
+    message = str(info.value)
+    assert "could not capture Branchy" in message
+    assert "test_errors.py" in message and "if x.sum() > 0" in message
+    assert "data-dependent Python control flow" in message
+
+
+def test_example_inputs_of_the_wrong_type():
+    model, args, _ = build("mlp")
+    with pytest.raises(TypeError, match=r"write \(x,\)"):
+        autotp.plan(model, args[0], world_size=2)
+    with pytest.raises(TypeError, match="kwargs must be a dict"):
+        autotp.plan(model, args, ["not", "a", "dict"], world_size=2)
+    with pytest.raises(TypeError, match=r"needs a torch\.nn\.Module"):
+        autotp.plan(lambda x: x, args, world_size=2)
+
+
+def test_unsupported_dtype_is_named():
+    model, args, _ = build("mlp")
+    model.up.weight = torch.nn.Parameter(model.up.weight.to(torch.complex64))
+    with pytest.raises(TypeError, match=r"up\.weight has dtype torch\.complex64"):
+        autotp.plan(model, args, world_size=2)
+
+
+def test_world_size_larger_than_the_topology():
+    model, args, _ = build("mlp")
+    with pytest.raises(ValueError, match=r"world size 16 is larger than topology dgx-h100 \(8 devices\)"):
+        autotp.plan(model, args, world_size=16, topology="dgx-h100")
+    assert autotp.plan(model, args, world_size=16, topology="2x-dgx-h100").world_size == 16
+
+
+def test_ops_without_rules_warn_once_listing_them():
+    with pytest.warns(UserWarning, match=r"2 op\(s\) .* no sharding rule .*aten\.cumsum\.default, aten\.max\.dim"):
+        plan = autotp.plan(Unruly(), (torch.randn(2, 8, 32),), world_size=2)
+    assert plan.replicated_ops == ["aten.cumsum.default", "aten.max.dim"]
+    model, args, _ = build("mlp")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        autotp.plan(model, args, world_size=2)
+
+
+def _twice(rank: int, world: int) -> None:
+    model, args, _ = build("llama")
+    model.train()  # the training flag and the config's use_cache are restored after capture
+    model.config.use_cache = True
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    first = autotp.parallelize(model, args)
+    second = autotp.parallelize(model, args)
+    assert model.training and model.config.use_cache is True
+    model.eval()
+    torch.manual_seed(3)
+    x = example_input("llama", 2, 5)
+    want = model(x).logits
+    torch.testing.assert_close(first(x).logits, want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(second(x).logits, want, rtol=1e-4, atol=1e-5)
+    first(x).logits.sum().backward()  # training one copy touches neither the other nor the model
+    assert all(p.grad is None for p in second.parameters()) and all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_parallelize_twice_on_the_same_model():
+    run_ranks(2, _twice)
+
+
+def _verify_passes(rank: int, world: int) -> None:
+    model, args, _ = build("gpt2")
+    autotp.parallelize(model, args, verify=True)
+
+
+def _verify_names_the_first_divergence(rank: int, world: int) -> None:
+    from autotp import collectives
+    from autotp.verify import VerificationError
+    collectives.all_reduce = lambda x, group: x  # a broken collective: partial sums are never summed
+    model, args, _ = build("llama")
+    with pytest.raises(VerificationError, match=r"first at add\w* \(aten\.add\.Tensor\) in model\.layers\.0:"):
+        autotp.parallelize(model, args, verify=True)
+
+
+def test_verify():
+    run_ranks(2, _verify_passes)
+    run_ranks(2, _verify_names_the_first_divergence)

@@ -1,9 +1,11 @@
 """Graph preparation before rules: split biases off matmuls, find fused projections."""
 from __future__ import annotations
 
+import itertools
+
 import torch
 
-from .rules import RULES, pointwise, split, view
+from .rules import RULES, pointwise, slice_range, split, view
 from .strategies import Context, is_placed
 from .views import inverse_view_dim
 
@@ -77,6 +79,7 @@ def fused_block_hints(gm: torch.fx.GraphModule, ctx: Context) -> dict:
             sizes = tuple(o.shape[at] for o in node.meta["val"])
             if len(sizes) > 1 and all(ctx.static(s) for s in sizes):
                 work.append((x, at % n, sizes))
+    work += _tiling_slices(gm, ctx)
     while work:
         node, dim, sizes = work.pop()
         if sizes in hints.setdefault((node, dim), set()):
@@ -117,3 +120,22 @@ def retarget_device(gm: torch.fx.GraphModule, device: torch.device) -> None:
         node.args = swap(node.args)
         node.kwargs = {k: swap(v) for k, v in node.kwargs.items()}
     gm.recompile()
+
+
+def _tiling_slices(gm: torch.fx.GraphModule, ctx: Context) -> list:
+    """Slices of one tensor whose ranges tile a dim exactly ([q|k|v] cut with x[..., a:b]): block hints."""
+    found = []
+    for node in gm.graph.nodes:
+        ranges: dict = {}
+        for user in node.users:
+            bounds = slice_range(user, ctx) if user.args and user.args[0] is node else None
+            if bounds:
+                ranges.setdefault(bounds[0], set()).add(bounds[1:])
+        for dim, spans in ranges.items():
+            spans = sorted(spans)
+            size = ctx.shape(node)[dim]
+            tiles = len(spans) > 1 and spans[0][0] == 0 and spans[-1][1] == size and all(
+                a[1] == b[0] for a, b in itertools.pairwise(spans))
+            if tiles:
+                found.append((node, dim, tuple(end - start for start, end in spans)))
+    return found

@@ -9,6 +9,7 @@ from torch.fx.node import map_arg
 from autotp import collectives
 from autotp.placement import Partial, R, Replicate, Shard, take_local
 
+from .rules import block_of
 from .strategies import is_observer, needs_grad
 
 aten = torch.ops.aten
@@ -32,6 +33,12 @@ def _localize(node: Node, strategy, world: int) -> None:
     target = node.target
     if target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default):
         node.args = (node.args[0], _local_sizes(node.args[1], strategy.output, world), *node.args[2:])
+    elif target == aten.slice.Tensor and isinstance(strategy.inputs[0], Shard) and strategy.inputs[0].chunks:
+        shard = strategy.inputs[0]  # one whole block of a fused dim: its range in the local layout
+        k = block_of(shard, node.args[2] or 0, min(node.args[3], sum(shard.chunks)))
+        if k is not None and shard.dim == node.args[1] % node.args[0].meta["val"].dim():
+            start = sum(shard.chunks[:k]) // world
+            node.args = (node.args[0], node.args[1], start, start + shard.chunks[k] // world, *node.args[4:])
     elif target in (aten.split.Tensor, aten.split_with_sizes.default):
         src = strategy.inputs[0]
         at = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)

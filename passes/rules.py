@@ -201,12 +201,44 @@ def unsqueeze(node: Node, ctx: Context) -> list[Strategy]:
     return _mapped(node, ctx, lambda d: d if d < at else d + 1)
 
 
+def slice_range(node: Node, ctx: Context) -> tuple[int, int, int] | None:
+    """(dim, start, end) of a step-1 slice with static bounds, end clamped to the size; else None."""
+    if node.target != aten.slice.Tensor:
+        return None
+    x = node.args[0]
+    shape = ctx.shape(x)
+    at = _dim(node.args[1] if len(node.args) > 1 else 0, len(shape))
+    start = node.args[2] if len(node.args) > 2 and node.args[2] is not None else 0
+    end = node.args[3] if len(node.args) > 3 and node.args[3] is not None else shape[at]
+    step = node.args[4] if len(node.args) > 4 else 1
+    if step != 1 or not all(isinstance(v, int) for v in (start, end, shape[at])) or start < 0:
+        return None
+    return at, start, min(end, shape[at])
+
+
+def block_of(shard: Shard, start: int, end: int) -> int | None:
+    """Which block of a fused dim the range [start, end) is exactly, if any."""
+    offset = 0
+    for k, block in enumerate(shard.chunks or ()):
+        if (start, end) == (offset, offset + block):
+            return k
+        offset += block
+    return None
+
+
 def slice_(node: Node, ctx: Context) -> list[Strategy]:
-    """Slicing along an unsharded dim; select drops that dim."""
-    n = len(ctx.shape(node.args[0]))
+    """Slicing along an unsharded dim (select drops that dim); or cutting one whole block out of a
+    fused dim sharded block by block (Phi-3's qkv[..., a:b]), which leaves a plain shard."""
+    x = node.args[0]
+    n = len(ctx.shape(x))
     at = _dim(node.args[1] if len(node.args) > 1 else 0, n)
     drop = node.target == aten.select.int
-    return _mapped(node, ctx, lambda d: None if d == at else (d - 1 if drop and d > at else d))
+    found = _mapped(node, ctx, lambda d: None if d == at else (d - 1 if drop and d > at else d))
+    bounds = slice_range(node, ctx)
+    if bounds:
+        found += [Strategy(ctx.fill(node, {x: s}), Shard(at)) for s in ctx.shard_options(x, at)
+                  if s.chunks and block_of(s, bounds[1], bounds[2]) is not None]
+    return found
 
 
 def reduction(node: Node, ctx: Context) -> list[Strategy]:

@@ -41,6 +41,12 @@ def build(kind: str, device: str = "cpu"):
                                  num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64,
                                  use_cache=False)
             model = LlamaForCausalLM(config)
+        elif kind == "phi3":  # fused qkv cut with slices (GQA sizes), fused gate_up cut with chunk
+            from transformers import Phi3Config, Phi3ForCausalLM
+            config = Phi3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=BLOCKS,
+                                num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64,
+                                use_cache=False, pad_token_id=0, bos_token_id=0, eos_token_id=0)
+            model = Phi3ForCausalLM(config)
         elif kind == "gpt2":
             from transformers import GPT2Config, GPT2LMHeadModel
             config = GPT2Config(vocab_size=128, n_embd=64, n_layer=BLOCKS, n_head=4, n_positions=64, use_cache=False,

@@ -17,6 +17,8 @@ MEGATRON = {  # parameter-name suffix -> expected placement, per architecture (c
               "gate_proj.weight": "S(0)", "up_proj.weight": "S(0)", "down_proj.weight": "S(1)"},
     "gpt2": {"c_attn.weight": "S(1|64,64,64)", "c_attn.bias": "S(0|64,64,64)", "attn.c_proj.weight": "S(0)",
              "c_fc.weight": "S(1)", "mlp.c_proj.weight": "S(0)"},
+    "phi3": {"qkv_proj.weight": "S(0|64,32,32)", "o_proj.weight": "S(1)", "gate_up_proj.weight": "S(0|128,128)",
+             "down_proj.weight": "S(1)"},
     "nanogpt": {"c_attn.weight": "S(0|32,32,32)", "c_proj.weight": "S(1)", "mlp.0.weight": "S(0)",
                 "mlp.2.weight": "S(1)"},
 }

@@ -14,7 +14,7 @@ from distributed import run_ranks
 from models import build, example_input, logits
 
 TOL = {"rtol": 1e-4, "atol": 1e-5}
-KINDS = ["mlp", "nanogpt", "llama", "gpt2"]
+KINDS = ["mlp", "nanogpt", "llama", "gpt2", "phi3"]
 
 
 def _block_of(module_path: str) -> int | None:

@@ -47,9 +47,26 @@ def _styles(plan: Plan) -> tuple[dict, dict]:
         if placement.dim == 0:
             styles[module] = ("column", False, _gathered(plan, module))
         else:
-            producer = plan.nodes.get(entry.get("args", [""])[0], {})
-            styles[module] = ("row", parse(producer.get("out")) == R, True)
+            styles[module] = ("row", not _arrives_sharded(plan, entry), True)
     return styles, unsupported
+
+
+def _arrives_sharded(plan: Plan, entry: dict) -> bool:
+    """Outside autotp's rewriter, an activation is a local shard only downstream of a column-parallel
+    module whose output is not gathered: walk back through sharded ops to the producing matmul."""
+    name = entry.get("args", [None])[0]
+    seen = set()
+    while name in plan.nodes and name not in seen:
+        seen.add(name)
+        producer = plan.nodes[name]
+        if producer.get("op") in (_LINEAR, _EMBEDDING):
+            weight = plan.params.get(f"{producer.get('module')}.weight")
+            column = weight is not None and isinstance(parse(weight), Shard) and parse(weight).dim == 0
+            return column and not _gathered(plan, producer["module"])
+        if not isinstance(parse(producer["out"]), Shard):
+            return False
+        name = (producer.get("args") or [None])[0]
+    return False
 
 
 def to_dtensor_plan(plan: Plan) -> tuple[dict, dict]:

@@ -125,12 +125,16 @@ def save_pretrained(sharded: torch.nn.Module, directory: str | Path, max_shard_b
     return directory
 
 
+def is_persistent(module: torch.nn.Module, name: str, tensor: torch.Tensor) -> bool:
+    """Parameters and persistent buffers are what a checkpoint holds."""
+    owner, _, attr = name.rpartition(".")
+    return isinstance(tensor, torch.nn.Parameter) or attr not in module.get_submodule(owner)._non_persistent_buffers_set
+
+
 def _persistent_tensors(module: torch.nn.Module):
-    yield from module.named_parameters()
-    for name, buffer in module.named_buffers():
-        owner, _, attr = name.rpartition(".")
-        if attr not in module.get_submodule(owner)._non_persistent_buffers_set:
-            yield name, buffer
+    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        if is_persistent(module, name, tensor):
+            yield name, tensor
 
 
 def _name_files(directory: Path, files: list, total: int) -> None:

@@ -35,7 +35,8 @@ def _localize(node: Node, strategy, world: int) -> None:
         node.args = (node.args[0], _local_sizes(node.args[1], strategy.output, world), *node.args[2:])
     elif target == aten.slice.Tensor and isinstance(strategy.inputs[0], Shard) and strategy.inputs[0].chunks:
         shard = strategy.inputs[0]  # one whole block of a fused dim: its range in the local layout
-        k = block_of(shard, node.args[2] or 0, min(node.args[3], sum(shard.chunks)))
+        end = node.args[3] if len(node.args) > 3 and node.args[3] is not None else sum(shard.chunks)
+        k = block_of(shard, node.args[2] or 0, min(end, sum(shard.chunks)))
         if k is not None and shard.dim == node.args[1] % node.args[0].meta["val"].dim():
             start = sum(shard.chunks[:k]) // world
             node.args = (node.args[0], node.args[1], start, start + shard.chunks[k] // world, *node.args[4:])
@@ -56,7 +57,7 @@ def shard_parameters(gm: torch.fx.GraphModule, placements: dict, rank: int, worl
     from the captured model's tensors, copied (never views) so that the user's model is untouched.
     Tied tensors stay tied.
     """
-    from autotp.checkpoint import CheckpointError, check_names
+    from autotp.checkpoint import CheckpointError, check_names, is_persistent
 
     tensors = [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]
     aliases: dict = {}
@@ -64,7 +65,7 @@ def shard_parameters(gm: torch.fx.GraphModule, placements: dict, rank: int, worl
         aliases.setdefault(id(tensor), []).append(name)
     by_id = {id(tensor): placements[name] for name, tensor in tensors if name in placements}
     if checkpoint is not None:
-        persistent = {id(t): (aliases[id(t)], t.shape) for n, t in tensors if _persistent(gm, n, t)}
+        persistent = {id(t): (aliases[id(t)], t.shape) for n, t in tensors if is_persistent(gm, n, t)}
         optional = {n for n, t in tensors if id(t) not in persistent}
         check_names(checkpoint, persistent, optional)
     done: dict = {}
@@ -92,11 +93,6 @@ def shard_parameters(gm: torch.fx.GraphModule, placements: dict, rank: int, worl
             setattr(owner, attr, done[id(tensor)])
         else:
             owner.register_buffer(attr, done[id(tensor)], persistent=attr not in owner._non_persistent_buffers_set)
-
-
-def _persistent(gm: torch.nn.Module, name: str, tensor: torch.Tensor) -> bool:
-    owner, _, attr = name.rpartition(".")
-    return isinstance(tensor, torch.nn.Parameter) or attr not in gm.get_submodule(owner)._non_persistent_buffers_set
 
 
 def rewrite(gm: torch.fx.GraphModule, choice: dict, rank: int, world: int, group: str,

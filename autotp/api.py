@@ -98,12 +98,13 @@ def parallelize(model: torch.nn.Module, args=None, kwargs=None, *, plan: Plan | 
     if args is None and kwargs is None:
         args = default_inputs(model)
     gm = _graph(model, args, kwargs)
-    rendezvous.agree("model", f"{fingerprint(gm)}/{inputs_digest(args, kwargs)}", "the model and input shapes")
+    graph_hash = fingerprint(gm)
+    rendezvous.agree("model", f"{graph_hash}/{inputs_digest(args, kwargs)}", "the model and input shapes")
     if plan is None:
         plan = Plan.from_json(rendezvous.share("plan", lambda: _solve(
             gm, world, topology, min_shard_fraction, training, memory_limit).to_json()))
     rendezvous.agree("plan", hashlib.sha256(plan.to_json().encode()).hexdigest()[:16], "the plan")
-    plan.check(fingerprint(gm), world)
+    plan.check(graph_hash, world)
     choice = {}
     for node in gm.graph.nodes:
         if node.name in plan.nodes:

@@ -10,7 +10,14 @@ import torch.distributed as dist
 from autotp.cost_models import load_topology
 from autotp.passes.accounting import alternatives, planned_collectives
 from autotp.passes.capture import capture, fingerprint, module_path
-from autotp.passes.prepare import fused_block_hints, merge_aliases, retarget_device, split_bias
+from autotp.passes.prepare import (
+    fuse_repeat_kv,
+    fused_block_hints,
+    merge_aliases,
+    retarget_device,
+    split_bias,
+    unit_hints,
+)
 from autotp.passes.rewrite import rewrite
 from autotp.passes.rules import RULES
 from autotp.passes.solve import Sizes, solve
@@ -31,6 +38,7 @@ def _graph(model: torch.nn.Module, args, kwargs) -> torch.fx.GraphModule:
         gm = capture(model, args if args is not None else (), kwargs)
     merge_aliases(gm)
     split_bias(gm)
+    fuse_repeat_kv(gm)
     return gm
 
 
@@ -45,6 +53,7 @@ def _solve(gm: torch.fx.GraphModule, world_size: int, topology, min_shard_fracti
                          "pick a topology with more devices (e.g. 2x-dgx-h100) or a smaller world size")
     ctx = Context(world=world_size, min_shard_fraction=min_shard_fraction, fixed=fixed or {})
     ctx.hints = fused_block_hints(gm, ctx)
+    ctx.units = unit_hints(gm, ctx)
     enumerate_strategies(gm, ctx, RULES)
     if ctx.unruled:
         warnings.warn(f"autotp: {len(ctx.unruled)} op(s) on the weights' path have no sharding rule and run "
@@ -150,7 +159,7 @@ def _device_of(group) -> torch.device:
 def _placements_by_id(sharded: torch.nn.Module) -> dict:
     plan: Plan = sharded.autotp_plan
     named = [*sharded.named_parameters(remove_duplicate=False), *sharded.named_buffers(remove_duplicate=False)]
-    return {id(t): plan.placement(n) for n, t in named if n in plan.params}
+    return {id(t): plan.layout(n) for n, t in named if n in plan.params}
 
 
 def full_state_dict(sharded: torch.nn.Module, grads: bool = False) -> dict:
@@ -160,5 +169,5 @@ def full_state_dict(sharded: torch.nn.Module, grads: bool = False) -> dict:
     out = {}
     for name, param in sharded.named_parameters():
         tensor = param.grad if grads else param.detach()
-        out[name] = None if tensor is None else gather_full(tensor, placements.get(id(param)), group)
+        out[name] = None if tensor is None else gather_full(tensor, *placements.get(id(param), (None, None)), group)
     return out

@@ -54,13 +54,11 @@ class Checkpoint:
             shape = tensor.get_shape()
             if not isinstance(placement, Shard):
                 return tensor[tuple(slice(None) for _ in shape)]
-            pieces, start = [], 0
-            for block in placement.blocks(shape[placement.dim]):
-                step = block // world
+            pieces = []
+            for start, length in placement.ranges(shape[placement.dim], rank, world):
                 index = [slice(None)] * len(shape)
-                index[placement.dim] = slice(start + rank * step, start + (rank + 1) * step)
+                index[placement.dim] = slice(start, start + length)
                 pieces.append(tensor[tuple(index)])
-                start += block
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, placement.dim)
 
 
@@ -107,7 +105,7 @@ def save_pretrained(sharded: torch.nn.Module, directory: str | Path, max_shard_b
         pending, pending_bytes = {}, 0
 
     for name, tensor in _persistent_tensors(sharded):
-        full = gather_full(tensor, placements.get(id(tensor)), group)
+        full = gather_full(tensor, *placements.get(id(tensor), (None, None)), group)
         if writer:
             size = full.numel() * full.element_size()
             if pending and pending_bytes + size > max_shard_bytes:

@@ -5,6 +5,8 @@
   R -> R*  identity forward,    all-reduce backward   (f: a replicated input of a sharded op)
   S -> R   all-gather forward,  local slice backward
   R -> S   local slice forward, all-gather backward
+Uneven shards are padded to the largest piece for the collective.  Gradients of grouped shards
+(KV heads shared by several ranks) are partial within each group, so "gathering" them sums.
 Collectives are the functional c10d ops, so CommDebugMode sees them and torch.compile can trace them.
 """
 from __future__ import annotations
@@ -20,30 +22,60 @@ def _all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
     return _c10d.wait_tensor(_c10d.all_reduce(x.contiguous(), "sum", group))
 
 
-def _all_gather(x: torch.Tensor, shard: Shard, world: int, group: str) -> torch.Tensor:
-    moved = x.movedim(shard.dim, 0).contiguous()
+def _pad(x: torch.Tensor, length: int) -> torch.Tensor:
+    """Zero-pad dim 0 to ``length``."""
+    if x.shape[0] == length:
+        return x
+    return torch.cat([x, x.new_zeros(length - x.shape[0], *x.shape[1:])])
+
+
+def _lengths(shard: Shard, size: int, world: int) -> list[int]:
+    return [shard.local_size(size, r, world) for r in range(world)]
+
+
+def _gather_values(x: torch.Tensor, shard: Shard, size: int, world: int, group: str) -> torch.Tensor:
+    """The full tensor from every rank's piece (owners' pieces for grouped shards)."""
+    lengths = _lengths(shard, size, world)
+    moved = _pad(x.movedim(shard.dim, 0), max(lengths)).contiguous()
     gathered = _c10d.wait_tensor(_c10d.all_gather_into_tensor(moved, world, group))
-    full = assemble(list(gathered.chunk(world, 0)), Shard(0, shard.chunks))
-    return full.movedim(0, shard.dim)
+    parts = [p[:n] for p, n in zip(gathered.chunk(world, 0), lengths, strict=True)]
+    return assemble(parts, shard.at(0), size).movedim(0, shard.dim)
 
 
-def _reduce_scatter(x: torch.Tensor, shard: Shard, world: int, group: str) -> torch.Tensor:
+def _embed(x: torch.Tensor, shard: Shard, size: int, rank: int, world: int) -> torch.Tensor:
+    """Zeros of the full size with this rank's piece in place."""
+    full = x.new_zeros(*x.shape[:shard.dim], size, *x.shape[shard.dim + 1:])
+    offset = 0
+    for start, length in shard.ranges(size, rank, world):
+        full.narrow(shard.dim, start, length).copy_(x.narrow(shard.dim, offset, length))
+        offset += length
+    return full
+
+
+def _gather_grads(x: torch.Tensor, shard: Shard, size: int, rank: int, world: int, group: str) -> torch.Tensor:
+    """The full gradient from every rank's piece: pieces of a grouped shard are summed."""
+    if shard.grouped(world):
+        return _all_reduce(_embed(x, shard, size, rank, world), group)
+    return _gather_values(x, shard, size, world, group)
+
+
+def _reduce_scatter(x: torch.Tensor, shard: Shard, size: int, rank: int, world: int, group: str) -> torch.Tensor:
+    lengths = _lengths(shard, size, world)
     moved = x.movedim(shard.dim, 0)
-    if shard.chunks is not None:  # make each rank's blocks contiguous, in rank order
-        moved = torch.cat([take_local(moved, Shard(0, shard.chunks), r, world) for r in range(world)], 0)
-    out = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(moved.contiguous(), "sum", world, group))
-    return out.movedim(0, shard.dim)
+    pieces = [_pad(take_local(moved, shard.at(0), r, world), max(lengths)) for r in range(world)]
+    out = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(torch.cat(pieces).contiguous(), "sum", world, group))
+    return out[:lengths[rank]].movedim(0, shard.dim)
 
 
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, shard, world, group):
-        ctx.args = (shard, world, group)
-        return _reduce_scatter(x, shard, world, group)
+    def forward(ctx, x, shard, size, rank, world, group):
+        ctx.args = (shard, size, rank, world, group)
+        return _reduce_scatter(x, shard, size, rank, world, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, *ctx.args), None, None, None
+        return _gather_grads(grad, *ctx.args), None, None, None, None, None
 
 
 class _ReduceForward(torch.autograd.Function):
@@ -69,67 +101,95 @@ class _ReduceBackward(torch.autograd.Function):
 
 class _Gather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, shard, rank, world, group):
+    def forward(ctx, x, shard, size, rank, world, group):
         ctx.args = (shard, rank, world)
-        return _all_gather(x, shard, world, group)
+        return _gather_values(x, shard, size, world, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return take_local(grad, *ctx.args).contiguous(), None, None, None, None
+        shard, rank, world = ctx.args
+        local = take_local(grad, shard, rank, world).contiguous()
+        if shard.grouped(world) and rank not in shard.owners(world):
+            local = torch.zeros_like(local)  # the owner carries the group's share
+        return local, None, None, None, None, None
 
 
 class _Scatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, shard, rank, world, group):
-        ctx.args = (shard, world, group)
+    def forward(ctx, x, shard, size, rank, world, group):
+        ctx.args = (shard, size, rank, world, group)
         return take_local(x, shard, rank, world).contiguous()
 
     @staticmethod
     def backward(ctx, grad):
-        shard, world, group = ctx.args
-        return _all_gather(grad, shard, world, group), None, None, None, None
+        return _gather_grads(grad, *ctx.args), None, None, None, None, None
+
+
+class _SumGroupGrad(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over the ranks sharing each unit (grouped weights)."""
+
+    @staticmethod
+    def forward(ctx, x, shard, size, rank, world, group):
+        ctx.args = (shard, size, rank, world, group)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        shard, _, rank, world, _ = ctx.args
+        full = _gather_grads(grad, *ctx.args)
+        return take_local(full, shard, rank, world).contiguous(), None, None, None, None, None
 
 
 def all_reduce(x, group):
     return _ReduceForward.apply(x, group)
 
 
-def reduce_scatter(x, dim, chunks, world, group):
-    return _ReduceScatter.apply(x, Shard(dim, chunks), world, group)
-
-
 def reduce_grad(x, group):
     return _ReduceBackward.apply(x, group)
 
 
-def gather(x, dim, chunks, rank, world, group):
-    return _Gather.apply(x, Shard(dim, chunks), rank, world, group)
+# Graph-callable forms: a Shard is passed as (dim, chunks, units) so generated code can print it.
+def reduce_scatter(x, dim, chunks, units, size, rank, world, group):
+    return _ReduceScatter.apply(x, Shard(dim, chunks, units), size, rank, world, group)
 
 
-def scatter(x, dim, chunks, rank, world, group):
-    return _Scatter.apply(x, Shard(dim, chunks), rank, world, group)
+def gather(x, dim, chunks, units, size, rank, world, group):
+    return _Gather.apply(x, Shard(dim, chunks, units), size, rank, world, group)
 
 
-def conversion_steps(src, dst, rank: int, world: int, group: str) -> list[tuple]:
-    """The runtime calls (function, arguments after the tensor) that turn ``src`` into ``dst``."""
+def scatter(x, dim, chunks, units, size, rank, world, group):
+    return _Scatter.apply(x, Shard(dim, chunks, units), size, rank, world, group)
+
+
+def sum_group_grad(x, dim, chunks, units, size, rank, world, group):
+    return _SumGroupGrad.apply(x, Shard(dim, chunks, units), size, rank, world, group)
+
+
+def shard_args(shard: Shard, size: int, rank: int, world: int, group: str) -> tuple:
+    return (shard.dim, shard.chunks, shard.units, size, rank, world, group)
+
+
+def conversion_steps(src, dst, size: int | None, rank: int, world: int, group: str) -> list[tuple]:
+    """The runtime calls (function, arguments after the tensor) that turn ``src`` into ``dst``;
+    ``size`` is the full size of the sharded dim."""
     steps: list[tuple] = []
     if src == dst:
         return steps
     if isinstance(src, Partial) and isinstance(dst, Shard):
-        return [(reduce_scatter, (dst.dim, dst.chunks, world, group))]
+        return [(reduce_scatter, shard_args(dst, size, rank, world, group))]
     if isinstance(src, Partial):
         steps.append((all_reduce, (group,)))
     elif isinstance(src, Shard):
-        steps.append((gather, (src.dim, src.chunks, rank, world, group)))
+        steps.append((gather, shard_args(src, size, rank, world, group)))
     if isinstance(dst, Shard):
-        steps.append((scatter, (dst.dim, dst.chunks, rank, world, group)))
+        steps.append((scatter, shard_args(dst, size, rank, world, group)))
     elif not isinstance(dst, Replicate):
         raise ValueError(f"cannot convert {src} to {dst}")
     return steps
 
 
-def gather_full(x: torch.Tensor, placement, group) -> torch.Tensor:
+def gather_full(x: torch.Tensor, placement, size: int | None, group) -> torch.Tensor:
     """The full tensor from this rank's piece (no autograd), for checkpoints and tests."""
     if isinstance(placement, Shard):
-        return _all_gather(x.detach(), placement, torch.distributed.get_world_size(group), group.group_name)
+        return _gather_values(x.detach(), placement, size, torch.distributed.get_world_size(group), group.group_name)
     return x.detach().clone()

@@ -11,7 +11,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .placement import dump, parse
+from .placement import Shard, dump, parse
 
 SCHEMA_VERSION = 1
 SCHEMA = Path(__file__).with_name("plan.schema.json")
@@ -49,6 +49,11 @@ class Plan:
 
     def placement(self, param: str):
         return parse(self.params[param])
+
+    def layout(self, param: str) -> tuple:
+        """(placement, full size of its sharded dim or None)."""
+        placement = parse(self.params[param])
+        return placement, self.shapes[param][placement.dim] if isinstance(placement, Shard) else None
 
     def strategy(self, node_name: str):
         entry = self.nodes[node_name]

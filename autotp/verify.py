@@ -33,9 +33,9 @@ def _record(gm: torch.fx.GraphModule, args, kwargs) -> dict:
     return recorder.values
 
 
-def _full(value: torch.Tensor, placement, group) -> torch.Tensor:
+def _full(value: torch.Tensor, placement, shape, group) -> torch.Tensor:
     if isinstance(placement, Shard):
-        return gather_full(value, placement, group)
+        return gather_full(value, placement, shape[placement.dim], group)
     if isinstance(placement, Partial):
         total = value.clone()
         dist.all_reduce(total, group=group)
@@ -53,8 +53,8 @@ def verify(sharded: torch.fx.GraphModule, reference: torch.fx.GraphModule, args,
         entry = plan.nodes.get(node.name)
         if entry is None or node.name not in want or node.name not in have or isinstance(entry["out"], list):
             continue
-        full = _full(have[node.name], parse(entry["out"]), group)
         expected = want[node.name]
+        full = _full(have[node.name], parse(entry["out"]), expected.shape, group)
         if full.shape != expected.shape or not torch.allclose(full.float(), expected.float(), rtol=rtol, atol=atol):
             diff = (full.float() - expected.float()).abs().max().item() if full.shape == expected.shape else None
             detail = f"max abs diff {diff:.3g}" if diff is not None else f"shape {tuple(full.shape)} vs " \

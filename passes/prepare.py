@@ -7,7 +7,7 @@ import torch
 
 from .rules import RULES, pointwise, slice_range, split, view
 from .strategies import Context, is_placed
-from .views import inverse_view_dim
+from .views import inverse_view_dim, view_groups
 
 aten = torch.ops.aten
 
@@ -69,7 +69,6 @@ def fused_block_hints(gm: torch.fx.GraphModule, ctx: Context) -> dict:
     Walks back from each split through views and elementwise ops so that the producing
     matmul can offer a block-wise shard, giving each rank matching slices of every piece.
     """
-    hints: dict = {}
     work = []
     for node in gm.graph.nodes:
         if RULES.get(node.target) is split:
@@ -80,6 +79,31 @@ def fused_block_hints(gm: torch.fx.GraphModule, ctx: Context) -> dict:
             if len(sizes) > 1 and all(ctx.static(s) for s in sizes):
                 work.append((x, at % n, sizes))
     work += _tiling_slices(gm, ctx)
+    return _walk_back(work, ctx)
+
+
+def unit_hints(gm: torch.fx.GraphModule, ctx: Context) -> dict:
+    """(node, dim) -> unit counts, for flat dims later viewed as (units, rest): the heads of [b, s, H*d].
+
+    The producing matmul may then shard whole heads when H is not divisible by the world size
+    (uneven), or hold one head of several ranks' worth when there are fewer heads than ranks.
+    """
+    work = []
+    for node in gm.graph.nodes:
+        if RULES.get(node.target) is view:
+            src = [ctx.probe(s) for s in ctx.shape(node.args[0])]
+            dst = [ctx.probe(s) for s in ctx.shape(node)]
+            for gi, gj in view_groups(src, dst):
+                lead_in = [d for d in gi if src[d] != 1]
+                lead_out = [d for d in gj if dst[d] != 1]
+                if len(lead_in) == 1 and len(lead_out) > 1:
+                    work.append((node.args[0], lead_in[0], dst[lead_out[0]]))
+    return _walk_back(work, ctx)
+
+
+def _walk_back(work: list, ctx: Context) -> dict:
+    """Hints (node, dim, value) spread back through views and elementwise ops to their producers."""
+    hints: dict = {}
     while work:
         node, dim, sizes = work.pop()
         if sizes in hints.setdefault((node, dim), set()):
@@ -102,6 +126,52 @@ def fused_block_hints(gm: torch.fx.GraphModule, ctx: Context) -> dict:
     return hints
 
 
+def fuse_repeat_kv(gm: torch.fx.GraphModule) -> None:
+    """reshape(expand(x.unsqueeze(d + 1)), merging d and d + 1) -> x.repeat_interleave(n, d).
+
+    This is how grouped-query attention repeats KV heads; as one op it can be sharded by heads
+    even when ranks outnumber KV heads (passes/rules.py: repeat_heads).
+    """
+    for node in list(gm.graph.nodes):
+        if node.target not in (aten.reshape.default, aten.view.default, aten._unsafe_view.default):
+            continue
+        expanded = _skip_noop_slices(node.args[0])
+        if expanded.target != aten.expand.default:
+            continue
+        unsqueezed = _skip_noop_slices(expanded.args[0])
+        if unsqueezed.target != aten.unsqueeze.default:
+            continue
+        x = unsqueezed.args[0]
+        big, out, src = (list(map(str, n.meta["val"].shape)) for n in (expanded, node, x))
+        at = unsqueezed.args[1] % len(big) - 1
+        if at < 0 or big[:at + 1] + big[at + 2:] != src or not big[at + 1].isdigit() or not src[at].isdigit():
+            continue
+        repeats = int(big[at + 1])
+        if out != [*big[:at], str(int(src[at]) * repeats), *big[at + 2:]]:
+            continue
+        with gm.graph.inserting_before(node):
+            fused = gm.graph.call_function(aten.repeat_interleave.self_int, (x, repeats, at))
+        fused.meta = dict(node.meta)
+        node.replace_all_uses_with(fused)
+        dead = node
+        while dead is not x and not dead.users:  # the chain back to x, unless something else reads it
+            source = dead.args[0]
+            gm.graph.erase_node(dead)
+            dead = source
+    gm.graph.lint()
+    gm.recompile()
+
+
+def _skip_noop_slices(node):
+    while node.target == aten.slice.Tensor and len(node.args) <= 4 and _whole(node):
+        node = node.args[0]
+    return node
+
+
+def _whole(node) -> bool:
+    start = node.args[2] if len(node.args) > 2 else 0
+    end = node.args[3] if len(node.args) > 3 else None
+    return start in (0, None) and (end is None or (isinstance(end, int) and end >= 2 ** 62))
 
 
 def retarget_device(gm: torch.fx.GraphModule, device: torch.device) -> None:

@@ -6,7 +6,7 @@ import torch
 from torch.fx import Node
 from torch.fx.node import map_arg
 
-from autotp import collectives
+from autotp import collectives, local_ops
 from autotp.placement import Partial, R, Replicate, Shard, take_local
 
 from .rules import block_of
@@ -15,8 +15,12 @@ from .strategies import is_observer, needs_grad
 aten = torch.ops.aten
 
 
-def _local_sizes(sizes, placement, world):
-    """A size list with the sharded dim divided (-1 and symbolic sizes are left to infer)."""
+def _full_size(node: Node, dim: int) -> int:
+    return int(node.meta["val"].shape[dim])
+
+
+def _local_sizes(sizes, placement, rank: int, world: int):
+    """A size list with the sharded dim cut to this rank's piece (-1 is left to infer)."""
     if not isinstance(placement, Shard):
         return sizes
     sizes = list(sizes)
@@ -24,29 +28,42 @@ def _local_sizes(sizes, placement, world):
     if isinstance(size, Node):
         raise AssertionError(f"sharded dim {placement.dim} has a symbolic size: rules must not allow this")
     if size != -1:
-        sizes[placement.dim] = size // world
+        sizes[placement.dim] = placement.local_size(size, rank, world)
     return sizes
 
 
-def _localize(node: Node, strategy, world: int) -> None:
+def _localize(node: Node, strategy, rank: int, world: int) -> None:
     """Size arguments that describe a sharded dim must describe the local shard instead."""
     target = node.target
+    src = strategy.inputs[0] if strategy.inputs else None
     if target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default):
-        node.args = (node.args[0], _local_sizes(node.args[1], strategy.output, world), *node.args[2:])
-    elif target == aten.slice.Tensor and isinstance(strategy.inputs[0], Shard) and strategy.inputs[0].chunks:
-        shard = strategy.inputs[0]  # one whole block of a fused dim: its range in the local layout
-        end = node.args[3] if len(node.args) > 3 and node.args[3] is not None else sum(shard.chunks)
-        k = block_of(shard, node.args[2] or 0, min(end, sum(shard.chunks)))
-        if k is not None and shard.dim == node.args[1] % node.args[0].meta["val"].dim():
-            start = sum(shard.chunks[:k]) // world
-            node.args = (node.args[0], node.args[1], start, start + shard.chunks[k] // world, *node.args[4:])
+        node.args = (node.args[0], _local_sizes(node.args[1], strategy.output, rank, world), *node.args[2:])
+    elif target == aten.slice.Tensor and isinstance(src, Shard) and src.chunks:
+        full = sum(src.chunks)  # one whole block of a fused dim: its range in the local layout
+        end = node.args[3] if len(node.args) > 3 and node.args[3] is not None else full
+        k = block_of(src, node.args[2] or 0, min(end, full))
+        if k is not None and src.dim == node.args[1] % node.args[0].meta["val"].dim():
+            lengths = [n for _, n in src.ranges(full, rank, world)]
+            start = sum(lengths[:k])
+            node.args = (node.args[0], node.args[1], start, start + lengths[k], *node.args[4:])
     elif target in (aten.split.Tensor, aten.split_with_sizes.default):
-        src = strategy.inputs[0]
         at = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
         if isinstance(src, Shard) and src.dim == at % node.args[0].meta["val"].dim():
             sizes = node.args[1]
-            local = [s // world for s in sizes] if isinstance(sizes, (list, tuple)) else sizes // world
+            ranges = src.ranges(node.args[0].meta["val"].shape[src.dim], rank, world)
+            local = [n for _, n in ranges] if isinstance(sizes, (list, tuple)) else ranges[0][1]
             node.args = (node.args[0], local, *node.args[2:])
+    elif target == aten.repeat_interleave.self_int and isinstance(strategy.output, Shard):
+        x, repeats, at = node.args[:3]
+        kv, heads = x.meta["val"].shape[at], node.meta["val"].shape[at]
+        in_start = src.ranges(kv, rank, world)[0][0] if isinstance(src, Shard) else 0
+        (out_start, out_len), = strategy.output.ranges(heads, rank, world)
+        node.target, node.args, node.kwargs = local_ops.repeat_heads, (x, repeats, at, in_start, out_start, out_len), {}
+    elif target == aten.embedding.default and isinstance(src, Shard) and src.dim == 0:
+        weight, ids = node.args[:2]
+        (start, _), = src.ranges(weight.meta["val"].shape[0], rank, world)
+        padding = node.args[2] if len(node.args) > 2 else -1
+        node.target, node.args, node.kwargs = local_ops.vocab_embedding, (weight, ids, start, padding), {}
 
 
 def shard_parameters(gm: torch.fx.GraphModule, placements: dict, rank: int, world: int, checkpoint=None,
@@ -107,8 +124,10 @@ def rewrite(gm: torch.fx.GraphModule, choice: dict, rank: int, world: int, group
         key = (src, want, reduce_grad)
         if key not in converted:
             value = src
+            shard = next((p for p in (placed[src], want) if isinstance(p, Shard)), None)
+            size = _full_size(src, shard.dim) if shard else None
             with graph.inserting_before(before):
-                for fn, extra in collectives.conversion_steps(placed[src], want, rank, world, group):
+                for fn, extra in collectives.conversion_steps(placed[src], want, size, rank, world, group):
                     value = graph.call_function(fn, (value, *extra))
                 if reduce_grad:
                     value = graph.call_function(collectives.reduce_grad, (value, group))
@@ -116,10 +135,19 @@ def rewrite(gm: torch.fx.GraphModule, choice: dict, rank: int, world: int, group
         return converted[key]
 
     params = {}
+    trainable = {name for name, p in gm.named_parameters(remove_duplicate=False) if p.requires_grad}
     for node in list(graph.nodes):
         if node.op == "get_attr" and node in choice:
-            placed[node] = choice[node].output
-            params[node.target] = choice[node].output
+            placed[node] = layout = choice[node].output
+            params[node.target] = layout
+            if isinstance(layout, Shard) and layout.grouped(world) and node.target in trainable:
+                # ranks sharing a unit each hold part of its gradient: sum them (vLLM's replicated KV heads)
+                with graph.inserting_after(node):
+                    summed = graph.call_function(collectives.sum_group_grad, (
+                        node, *collectives.shard_args(layout, _full_size(node, layout.dim), rank, world, group)))
+                summed.meta = dict(node.meta)
+                node.replace_all_uses_with(summed, delete_user_cb=lambda user, keep=summed: user is not keep)
+                placed[summed] = layout
         elif node.op == "placeholder" and node in choice:
             placed[node] = R
         elif node.op == "output":
@@ -137,7 +165,7 @@ def rewrite(gm: torch.fx.GraphModule, choice: dict, rank: int, world: int, group
                 return convert(n, want, node, f)
 
             node.args, node.kwargs = map_arg((node.args, node.kwargs), swap)
-            _localize(node, strategy, world)
+            _localize(node, strategy, rank, world)
             placed[node] = strategy.output
         elif is_observer(node) and node.target == aten.sym_size.int:
             src, dim = node.args

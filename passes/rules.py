@@ -40,7 +40,7 @@ def pointwise(node: Node, ctx: Context) -> list[Strategy]:
                 shape = ctx.shape(a)
                 ad = d - (len(out) - len(shape))
                 same = ad >= 0 and ctx.static(shape[ad]) and shape[ad] == out[d]
-                placements[a] = Shard(ad, shard.chunks) if same else R
+                placements[a] = shard.at(ad) if same else R
             found.append(Strategy(ctx.fill(node, placements), shard))
     return found + _partial(node, ctx)
 
@@ -86,14 +86,20 @@ def linear(node: Node, ctx: Context) -> list[Strategy]:
     assert len(node.args) < 3 or node.args[2] is None, "bias is split off by passes.decompose"
     out = ctx.shape(node)
     last, xlast = len(out) - 1, len(ctx.shape(x)) - 1
-    found = [Strategy(ctx.fill(node, {w: Shard(0, s.chunks)}), Shard(last, s.chunks))
-             for s in ctx.shard_options(node, last)]
-    if Shard(1) in ctx.shard_options(w, 1):
-        found.append(Strategy(ctx.fill(node, {x: Shard(xlast), w: Shard(1)}), P))
+    found = [Strategy(ctx.fill(node, {w: s.at(0)}), s) for s in ctx.shard_options(node, last)]
+    for s in _contractible(ctx.output_options(x) + ctx.shard_options(x, xlast), xlast, ctx.world):
+        found.append(Strategy(ctx.fill(node, {x: s, w: s.at(1)}), P))
     found.append(Strategy(ctx.fill(node, {x: P}), P))
     for d in range(last):
         found += [Strategy(ctx.fill(node, {x: s}), s) for s in ctx.shard_options(node, d) if s.chunks is None]
     return found
+
+
+def _contractible(options, dim: int, world: int) -> list[Shard]:
+    """Shards of a contracted dim whose partial products sum to the full one: each element is held
+    by exactly one rank (not grouped), and not block-wise (the other operand cannot follow)."""
+    found = [p for p in options if isinstance(p, Shard) and p.dim == dim and p.chunks is None and not p.grouped(world)]
+    return list(dict.fromkeys(found))
 
 
 def matmul(node: Node, ctx: Context) -> list[Strategy]:
@@ -103,9 +109,8 @@ def matmul(node: Node, ctx: Context) -> list[Strategy]:
     n = len(out)
     if len(sa) < 2 or len(sb) < 2:
         return []
-    found = [Strategy(ctx.fill(node, {b: Shard(len(sb) - 1, s.chunks)}), Shard(n - 1, s.chunks))
-             for s in ctx.shard_options(node, n - 1)]
-    found += [Strategy(ctx.fill(node, {a: Shard(len(sa) - 2)}), s)
+    found = [Strategy(ctx.fill(node, {b: s.at(len(sb) - 1)}), s) for s in ctx.shard_options(node, n - 1)]
+    found += [Strategy(ctx.fill(node, {a: s.at(len(sa) - 2)}), s)
               for s in ctx.shard_options(node, n - 2) if s.chunks is None]
     k = sa[-1]
     if ctx.static(k) and k % ctx.world == 0:
@@ -118,7 +123,7 @@ def matmul(node: Node, ctx: Context) -> list[Strategy]:
                 for t, shape in ((a, sa), (b, sb)):
                     td = d - (n - len(shape))
                     same = 0 <= td < len(shape) - 2 and ctx.static(shape[td]) and shape[td] == out[d]
-                    placements[t] = Shard(td) if same else R
+                    placements[t] = s.at(td) if same else R
                 found.append(Strategy(ctx.fill(node, placements), s))
     return found
 
@@ -127,24 +132,46 @@ def attention(node: Node, ctx: Context) -> list[Strategy]:
     """scaled_dot_product_attention split by heads (dim 1); GQA needs both head counts divisible."""
     q, k, v = node.args[:3]
     mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
-    if not (Shard(1) in ctx.shard_options(k, 1) and Shard(1) in ctx.shard_options(v, 1)):
-        return []
     found = []
     for s in ctx.shard_options(node, 1):
-        if s.chunks is None:
-            placements = {q: Shard(1), k: Shard(1), v: Shard(1)}
+        if s.chunks is None and s in ctx.shard_options(k, 1) and s in ctx.shard_options(v, 1):
+            placements = {q: s, k: s, v: s}
             if isinstance(mask, Node):
                 mshape = ctx.shape(mask)
-                placements[mask] = Shard(1) if len(mshape) == 4 and mshape[1] == ctx.shape(q)[1] else R
+                placements[mask] = s if len(mshape) == 4 and mshape[1] == ctx.shape(q)[1] else R
             found.append(Strategy(ctx.fill(node, placements), s))
     return found
 
 
 def embedding(node: Node, ctx: Context) -> list[Strategy]:
-    """Split the hidden dim of the table: every rank looks up its slice of every row."""
+    """Split the hidden dim of the table (every rank looks up its slice of every row), or the
+    vocabulary (Megatron: ids outside a rank's rows give zeros; partial sums)."""
     weight = node.args[0]
     last = len(ctx.shape(node)) - 1
-    return [Strategy(ctx.fill(node, {weight: Shard(1)}), s) for s in ctx.shard_options(node, last) if s.chunks is None]
+    found = [Strategy(ctx.fill(node, {weight: s.at(1)}), s) for s in ctx.shard_options(node, last) if s.chunks is None]
+    rows = _contractible(ctx.shard_options(weight, 0), 0, ctx.world)
+    found += [Strategy(ctx.fill(node, {weight: s}), P) for s in rows]
+    return found
+
+
+def repeat_heads(node: Node, ctx: Context) -> list[Strategy]:
+    """x.repeat_interleave(n, dim) (grouped-query attention's KV heads): each rank's output heads need
+    only the KV heads they repeat, which it holds replicated, sharded, or shared with neighbours."""
+    x, repeats, at = node.args[:3]
+    kv, heads = ctx.shape(x)[at], ctx.shape(node)[at]
+    found = [Strategy(ctx.fill(node, {x: P}), P)]
+    for out in ctx.shard_options(node, at):
+        for src in [R, *ctx.shard_options(x, at)]:
+            if out.chunks is None and getattr(src, "chunks", None) is None and all(
+                    _covers(src, out, kv, heads, repeats, r, ctx.world) for r in range(ctx.world)):
+                found.append(Strategy(ctx.fill(node, {x: src}), out))
+    return found
+
+
+def _covers(src, out: Shard, kv: int, heads: int, repeats: int, rank: int, world: int) -> bool:
+    (first, count), = out.ranges(heads, rank, world)
+    start, length = src.ranges(kv, rank, world)[0] if isinstance(src, Shard) else (0, kv)
+    return start <= first // repeats and (first + count - 1) // repeats < start + length
 
 
 # ---- layout ops ----------------------------------------------------------------------------
@@ -156,7 +183,7 @@ def _mapped(node: Node, ctx: Context, dim_map) -> list[Strategy]:
     for d, size in enumerate(ctx.shape(x)):
         od = dim_map(d)
         if od is not None and ctx.shape(node)[od] == size:
-            found += [Strategy(ctx.fill(node, {x: s}), Shard(od, s.chunks)) for s in ctx.shard_options(x, d)]
+            found += [Strategy(ctx.fill(node, {x: s}), s.at(od)) for s in ctx.shard_options(x, d)]
     return found
 
 
@@ -167,11 +194,11 @@ def view(node: Node, ctx: Context) -> list[Strategy]:
     found = [Strategy(ctx.fill(node, {x: P}), P)]
     for d in range(len(src)):
         for s in ctx.shard_options(x, d):
-            mapped = map_view_dim(src, dst, d, ctx.world)
+            mapped = map_view_dim(src, dst, d, s.parts(ctx.world))
             if mapped is None or (s.chunks is not None and not mapped[1]):
                 continue
             if ctx.static(ctx.shape(node)[mapped[0]]):
-                found.append(Strategy(ctx.fill(node, {x: s}), Shard(mapped[0], s.chunks)))
+                found.append(Strategy(ctx.fill(node, {x: s}), s.at(mapped[0])))
     return found
 
 
@@ -236,7 +263,7 @@ def slice_(node: Node, ctx: Context) -> list[Strategy]:
     found = _mapped(node, ctx, lambda d: None if d == at else (d - 1 if drop and d > at else d))
     bounds = slice_range(node, ctx)
     if bounds:
-        found += [Strategy(ctx.fill(node, {x: s}), Shard(at)) for s in ctx.shard_options(x, at)
+        found += [Strategy(ctx.fill(node, {x: s}), Shard(at, units=s.units)) for s in ctx.shard_options(x, at)
                   if s.chunks and block_of(s, bounds[1], bounds[2]) is not None]
     return found
 
@@ -253,8 +280,8 @@ def reduction(node: Node, ctx: Context) -> list[Strategy]:
         for s in ctx.shard_options(x, d):
             if d not in dims:
                 od = d if keep else d - sum(1 for r in dims if r < d)
-                found.append(Strategy(ctx.fill(node, {x: s}), Shard(od, s.chunks)))
-            elif node.target == aten.sum.dim_IntList:
+                found.append(Strategy(ctx.fill(node, {x: s}), s.at(od)))
+            elif node.target == aten.sum.dim_IntList and not s.grouped(ctx.world):
                 found.append(Strategy(ctx.fill(node, {x: s}), P))
     return found
 
@@ -289,7 +316,7 @@ def split(node: Node, ctx: Context) -> list[Strategy]:
             if d != at and s.chunks is None:
                 found.append(Strategy(ctx.fill(node, {x: s}), (s,) * k))
             elif d == at and split_dim_ok and (s.chunks == sizes or (k == 1 and s.chunks is None)):
-                found.append(Strategy(ctx.fill(node, {x: s}), (Shard(at),) * k))
+                found.append(Strategy(ctx.fill(node, {x: s}), (Shard(at, units=s.units),) * k))
     return found
 
 
@@ -330,6 +357,7 @@ RULES = {
     **dict.fromkeys([aten.mm.default, aten.bmm.default, aten.matmul.default], matmul),
     aten.scaled_dot_product_attention.default: attention,
     aten.embedding.default: embedding,
+    aten.repeat_interleave.self_int: repeat_heads,
     **dict.fromkeys([aten.view.default, aten.reshape.default, aten._unsafe_view.default], view),
     aten.expand.default: expand,
     aten.transpose.int: transpose,

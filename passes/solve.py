@@ -76,15 +76,28 @@ class Sizes:
         return float(numel)
 
 
+def _fraction(placement, world: int) -> float:
+    """The largest share of a tensor that one rank holds (uneven and grouped shards hold more than 1/N)."""
+    if not isinstance(placement, Shard):
+        return 1.0
+    parts = placement.parts(world)
+    return -(-parts // world) / parts if parts >= world else 1 / parts
+
+
 def _local(size: float, placement, world: int) -> float:
-    return size / world if isinstance(placement, Shard) else size
+    return size * _fraction(placement, world)
 
 
 def _compute_time(node: Node, strategy, sizes: Sizes, world: int, topology: Topology, training: bool) -> float:
     moved = sizes.nbytes(node) + sum(sizes.nbytes(a) for a in node.all_input_nodes if is_placed(a))
     seconds = op_time(sizes.flops(node), moved, topology) if node.op == "call_function" else 0.0
-    seconds = seconds if strategy.replicated else seconds / world
-    return 3 * seconds if training else seconds  # backward costs about twice the forward
+    if not strategy.replicated:
+        seconds *= _fraction(strategy.output, world) if isinstance(strategy.output, Shard) else 1 / world
+    seconds = 3 * seconds if training else seconds  # backward costs about twice the forward
+    out = strategy.output
+    if training and node.op == "get_attr" and isinstance(out, Shard) and out.grouped(world):
+        seconds += collective_time("all_reduce", sizes.nbytes(node), world, topology)  # summing its gradient
+    return seconds
 
 
 def _memory(node: Node, strategy, sizes: Sizes, world: int, trainable: dict, training: bool) -> dict:

@@ -63,6 +63,7 @@ class Context:
     """What rules may ask about the graph: shapes, the world size, fused-block hints."""
     world: int
     hints: dict = field(default_factory=dict)        # (node, dim) -> set of chunk tuples
+    units: dict = field(default_factory=dict)        # (node, dim) -> unit counts (heads) seen downstream
     strategies: dict = field(default_factory=dict)   # node -> list[Strategy], filled in order
     min_shard_fraction: float = 0.02                 # parameters this large (vs the largest) must shard
     unruled: set = field(default_factory=set)        # ops on the weights' path that have no rule
@@ -87,12 +88,16 @@ class Context:
         return int(sympy.sympify(expr).subs(subs))
 
     def shard_options(self, node: Node, dim: int) -> list[Shard]:
-        """Ways to shard ``dim`` of ``node``'s output: whole, or block by block for fused outputs."""
+        """Ways to shard ``dim`` of ``node``'s output: N equal slices; whole units (heads: uneven, or
+        shared by several ranks when there are fewer than N); block by block for fused outputs."""
         shape = self.shape(node)
         size = shape[dim] if dim < len(shape) else None
-        if self.world < 2 or not self.static(size) or size < self.world:
+        if self.world < 2 or not self.static(size) or size < 2:
             return []  # dynamic dims (batch, sequence) are never sharded
         options = [Shard(dim)] if size % self.world == 0 else []
+        for units in sorted({size} | self.units.get((node, dim), set())):
+            if size % units == 0 and units % self.world and (units > self.world or self.world % units == 0):
+                options.append(Shard(dim, units=units))
         for chunks in sorted(self.hints.get((node, dim), ())):
             if all(c % self.world == 0 for c in chunks):
                 options.append(Shard(dim, chunks))

@@ -1,0 +1,28 @@
+"""Local forms of ops whose sharded version is not the same op on smaller tensors.
+
+The rewriter (passes/rewrite.py) calls these with this rank's offsets baked in.
+"""
+from __future__ import annotations
+
+import torch
+
+aten = torch.ops.aten
+
+
+def repeat_heads(x: torch.Tensor, repeats: int, dim: int, in_start: int, out_start: int, out_len: int):
+    """This rank's heads [out_start, out_start + out_len) of x.repeat_interleave(repeats, dim), from its
+    KV heads starting at ``in_start`` (all of them when x is replicated)."""
+    first = out_start // repeats - in_start
+    last = (out_start + out_len - 1) // repeats - in_start
+    needed = x.narrow(dim, first, last - first + 1).repeat_interleave(repeats, dim)
+    return needed.narrow(dim, out_start - (first + in_start) * repeats, out_len)
+
+
+def vocab_embedding(weight: torch.Tensor, ids: torch.Tensor, start: int, padding_idx: int = -1):
+    """Megatron's vocab-parallel lookup: rows [start, start + len) live here, other ids give zeros
+    (the partial sums are all-reduced afterwards)."""
+    rows = weight.shape[0]
+    mine = (ids >= start) & (ids < start + rows)
+    local = torch.where(mine, ids - start, torch.zeros_like(ids))
+    pad = padding_idx - start if 0 <= padding_idx - start < rows else -1
+    return aten.embedding.default(weight, local, pad) * mine.unsqueeze(-1).to(weight.dtype)

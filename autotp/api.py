@@ -44,7 +44,7 @@ def _graph(model: torch.nn.Module, args, kwargs) -> torch.fx.GraphModule:
 
 def _solve(gm: torch.fx.GraphModule, world_size: int, topology, min_shard_fraction: float = 0.02,
            training: bool = True, memory_limit: float | None = None, sizes: Sizes | None = None,
-           fixed: dict | None = None) -> Plan:
+           fixed: dict | None = None, gather_outputs: bool = True) -> Plan:
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
     topo = load_topology(topology)
@@ -58,7 +58,8 @@ def _solve(gm: torch.fx.GraphModule, world_size: int, topology, min_shard_fracti
     if ctx.unruled:
         warnings.warn(f"autotp: {len(ctx.unruled)} op(s) on the weights' path have no sharding rule and run "
                       f"replicated (correct, possibly slower): {', '.join(sorted(ctx.unruled))}", stacklevel=3)
-    solution = solve(gm, ctx, topo, training=training, memory_limit=memory_limit, sizes=sizes)
+    solution = solve(gm, ctx, topo, training=training, memory_limit=memory_limit, sizes=sizes,
+                     gather_outputs=gather_outputs)
     choice = solution.choice
     return Plan(
         world_size=world_size,
@@ -88,7 +89,7 @@ def plan(model: torch.nn.Module, args=None, kwargs=None, *, world_size: int, top
 
 def parallelize(model: torch.nn.Module, args=None, kwargs=None, *, plan: Plan | None = None, topology=None,
                 group=None, checkpoint=None, min_shard_fraction: float = 0.02, training: bool = True,
-                memory_limit: float | None = None, timeout: float = DEFAULT_TIMEOUT,
+                memory_limit: float | None = None, timeout: float = DEFAULT_TIMEOUT, gather_outputs: bool = True,
                 verify: bool = False) -> torch.nn.Module:
     """This rank's tensor-parallel copy of ``model``: same signature, full outputs on every rank.
 
@@ -97,6 +98,8 @@ def parallelize(model: torch.nn.Module, args=None, kwargs=None, *, plan: Plan | 
     within ``timeout`` seconds.  With ``checkpoint=DIR`` (safetensors, Hugging Face layout) the model
     may live on the meta device and each rank reads only its own slices.  ``verify=True`` runs the
     example inputs through both models and names the first diverging op (needs the model's weights).
+    ``gather_outputs=False`` leaves outputs sharded where the plan computes them sharded (vocab-parallel
+    logits for ``autotp.parallel_cross_entropy``); partial sums are still reduced.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("autotp.parallelize needs torch.distributed: call dist.init_process_group(...) first "
@@ -111,7 +114,8 @@ def parallelize(model: torch.nn.Module, args=None, kwargs=None, *, plan: Plan | 
     rendezvous.agree("model", f"{graph_hash}/{inputs_digest(args, kwargs)}", "the model and input shapes")
     if plan is None:
         plan = Plan.from_json(rendezvous.share("plan", lambda: _solve(
-            gm, world, topology, min_shard_fraction, training, memory_limit).to_json()))
+            gm, world, topology, min_shard_fraction, training, memory_limit,
+            gather_outputs=gather_outputs).to_json()))
     rendezvous.agree("plan", hashlib.sha256(plan.to_json().encode()).hexdigest()[:16], "the plan")
     plan.check(graph_hash, world)
     choice = {}
@@ -123,7 +127,7 @@ def parallelize(model: torch.nn.Module, args=None, kwargs=None, *, plan: Plan | 
     device = _device_of(group)
     if source is not None:
         retarget_device(gm, device)
-    sharded = rewrite(gm, choice, rank, world, group.group_name, source, device)
+    sharded = rewrite(gm, choice, rank, world, group.group_name, source, device, gather_outputs)
     rendezvous.agree("loaded", "ok", "finish loading their shards")
     sharded.autotp_plan = plan
     sharded.autotp_group = group

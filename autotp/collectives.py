@@ -114,6 +114,24 @@ class _Gather(torch.autograd.Function):
         return local, None, None, None, None, None
 
 
+class _GatherReduceBackward(torch.autograd.Function):
+    """All-gather forward; reduce-scatter backward: a gathered input of a sharded op, whose gradient
+    arrives as partial sums (Megatron's sequence-parallel pair, here on any sharded dim)."""
+
+    @staticmethod
+    def forward(ctx, x, shard, size, rank, world, group):
+        ctx.args = (shard, size, rank, world, group)
+        return _gather_values(x, shard, size, world, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        shard, size, rank, world, group = ctx.args
+        local = _reduce_scatter(grad, shard, size, rank, world, group)
+        if shard.grouped(world) and rank not in shard.owners(world):
+            local = torch.zeros_like(local)
+        return local, None, None, None, None, None
+
+
 class _Scatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, shard, size, rank, world, group):
@@ -157,6 +175,10 @@ def gather(x, dim, chunks, units, size, rank, world, group):
     return _Gather.apply(x, Shard(dim, chunks, units), size, rank, world, group)
 
 
+def gather_reduce_backward(x, dim, chunks, units, size, rank, world, group):
+    return _GatherReduceBackward.apply(x, Shard(dim, chunks, units), size, rank, world, group)
+
+
 def scatter(x, dim, chunks, units, size, rank, world, group):
     return _Scatter.apply(x, Shard(dim, chunks, units), size, rank, world, group)
 
@@ -169,12 +191,16 @@ def shard_args(shard: Shard, size: int, rank: int, world: int, group: str) -> tu
     return (shard.dim, shard.chunks, shard.units, size, rank, world, group)
 
 
-def conversion_steps(src, dst, size: int | None, rank: int, world: int, group: str) -> list[tuple]:
+def conversion_steps(src, dst, size: int | None, rank: int, world: int, group: str,
+                     partial_grad: bool = False) -> list[tuple]:
     """The runtime calls (function, arguments after the tensor) that turn ``src`` into ``dst``;
-    ``size`` is the full size of the sharded dim."""
+    ``size`` is the full size of the sharded dim.  ``partial_grad``: the result feeds a sharded op
+    as a replicated input, so its gradient comes back as partial sums that must be added up."""
     steps: list[tuple] = []
+    if partial_grad and isinstance(src, Shard) and isinstance(dst, Replicate):
+        return [(gather_reduce_backward, shard_args(src, size, rank, world, group))]
     if src == dst:
-        return steps
+        return [(reduce_grad, (group,))] if partial_grad else steps
     if isinstance(src, Partial) and isinstance(dst, Shard):
         return [(reduce_scatter, shard_args(dst, size, rank, world, group))]
     if isinstance(src, Partial):
@@ -185,7 +211,7 @@ def conversion_steps(src, dst, size: int | None, rank: int, world: int, group: s
         steps.append((scatter, shard_args(dst, size, rank, world, group)))
     elif not isinstance(dst, Replicate):
         raise ValueError(f"cannot convert {src} to {dst}")
-    return steps
+    return steps + ([(reduce_grad, (group,))] if partial_grad else [])
 
 
 def gather_full(x: torch.Tensor, placement, size: int | None, group) -> torch.Tensor:

@@ -7,7 +7,7 @@ import torch
 from autotp.cost_models import collective_time, reshard_time
 from autotp.cost_models.collectives import backward_collective, reshard_collective
 from autotp.cost_models.topology import Topology
-from autotp.placement import R, Replicate, dump
+from autotp.placement import R, Replicate, Shard, dump
 
 from .capture import module_path
 from .solve import Sizes, _compute_time
@@ -35,7 +35,9 @@ def planned_collectives(gm: torch.fx.GraphModule, choice: dict, world: int, topo
             if back and src in grad:
                 found.setdefault((src, have, want, "back"), ("backward", back))
             if strategy is not None and isinstance(want, Replicate) and not strategy.replicated and src in grad:
-                found.setdefault((src, want, "grad"), ("backward", "all_reduce"))
+                # partial gradients summed: a reduce-scatter where the input was gathered from shards
+                found.setdefault((src, want, "grad"), ("backward", "reduce_scatter" if isinstance(have, Shard)
+                                                       else "all_reduce"))
     sizes = sizes or Sizes()
     return [{"op": op, "phase": phase, "tensor": src.name, "module": module_path(src), "bytes": sizes.nbytes(src),
              "seconds": collective_time(op, sizes.nbytes(src), world, topology)}

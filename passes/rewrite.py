@@ -113,7 +113,7 @@ def shard_parameters(gm: torch.fx.GraphModule, placements: dict, rank: int, worl
 
 
 def rewrite(gm: torch.fx.GraphModule, choice: dict, rank: int, world: int, group: str,
-            checkpoint=None, device: torch.device | None = None) -> torch.fx.GraphModule:
+            checkpoint=None, device: torch.device | None = None, gather_outputs: bool = True) -> torch.fx.GraphModule:
     """Mutates ``gm`` (a fresh capture) into this rank's sharded program."""
     graph = gm.graph
     grad = needs_grad(gm)
@@ -127,10 +127,8 @@ def rewrite(gm: torch.fx.GraphModule, choice: dict, rank: int, world: int, group
             shard = next((p for p in (placed[src], want) if isinstance(p, Shard)), None)
             size = _full_size(src, shard.dim) if shard else None
             with graph.inserting_before(before):
-                for fn, extra in collectives.conversion_steps(placed[src], want, size, rank, world, group):
+                for fn, extra in collectives.conversion_steps(placed[src], want, size, rank, world, group, reduce_grad):
                     value = graph.call_function(fn, (value, *extra))
-                if reduce_grad:
-                    value = graph.call_function(collectives.reduce_grad, (value, group))
             converted[key] = value
         return converted[key]
 
@@ -151,8 +149,9 @@ def rewrite(gm: torch.fx.GraphModule, choice: dict, rank: int, world: int, group
         elif node.op == "placeholder" and node in choice:
             placed[node] = R
         elif node.op == "output":
-            node.args = map_arg(node.args, lambda n, out=node: convert(n, R, out, False)
-                                if n in placed and isinstance(placed[n], (Replicate, Partial, Shard)) else n)
+            node.args = map_arg(node.args, lambda n, out=node: convert(n, R, out, False) if n in placed and
+                                isinstance(placed[n], (Replicate, Partial, Shard)) and
+                                (gather_outputs or not isinstance(placed[n], Shard)) else n)
         elif node in choice:
             strategy = choice[node]
             wants = iter(strategy.inputs)

@@ -362,7 +362,7 @@ RULES = {
     aten.expand.default: expand,
     aten.transpose.int: transpose,
     aten.permute.default: permute,
-    aten.t.default: t,
+    **dict.fromkeys([aten.t.default, aten.numpy_T.default], t),
     aten.unsqueeze.default: unsqueeze,
     **dict.fromkeys([aten.slice.Tensor, aten.select.int], slice_),
     **dict.fromkeys([aten.sum.dim_IntList, aten.mean.dim], reduction),

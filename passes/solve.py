@@ -22,7 +22,7 @@ from autotp.cost_models import collective_time, reshard_time
 from autotp.cost_models.compute import op_time
 from autotp.cost_models.memory import breakdown, smallest_fitting_world, state_factor
 from autotp.cost_models.topology import Topology
-from autotp.placement import R, Replicate, Shard
+from autotp.placement import P, R, Replicate, Shard
 
 from .strategies import Context, input_slots, is_placed, needs_grad
 
@@ -117,7 +117,7 @@ def _memory(node: Node, strategy, sizes: Sizes, world: int, trainable: dict, tra
 
 
 def solve(gm: torch.fx.GraphModule, ctx: Context, topology: Topology, *, training: bool = True,
-          memory_limit: float | None = None, sizes: Sizes | None = None) -> Solution:
+          memory_limit: float | None = None, sizes: Sizes | None = None, gather_outputs: bool = True) -> Solution:
     """The fastest plan whose estimated memory per device fits ``memory_limit`` (default 90% of the
     device's memory: CUDA context and fragmentation take the rest)."""
     t = ctx.world
@@ -150,8 +150,13 @@ def solve(gm: torch.fx.GraphModule, ctx: Context, topology: Topology, *, trainin
                     g = grad_reduce.setdefault(src, problem.add_variable(f"g{len(grad_reduce)}", lowBound=0))
                     problem += g >= pulp.lpSum(bad)
     output = next(n for n in gm.graph.nodes if n.op == "output")
-    edges += [(src, [(1, R)]) for src in input_slots(output)   # returned full on every rank
-              if src in ctx.strategies and is_placed(src) and not isinstance(src.meta.get("val"), (list, tuple))]
+    returned = [src for src in input_slots(output)
+                if src in ctx.strategies and is_placed(src) and not isinstance(src.meta.get("val"), (list, tuple))]
+    if gather_outputs:
+        edges += [(src, [(1, R)]) for src in returned]  # returned full on every rank
+    else:  # shards stay where they are; partial sums are still reduced
+        costs += [v * collective_time("all_reduce", sizes.nbytes(src), t, topology) for src in returned
+                  for v, s in zip(x[src], ctx.strategies[src], strict=True) if s.output == P]
     for e, (src, wanted) in enumerate(edges):
         produced = [(v, s.output) for v, s in zip(x[src], ctx.strategies[src], strict=True)]
         for (p, q), z in _link(problem, produced, wanted, lambda p, q, s=src: _reshard_ok(s, p, q, t, topology),
@@ -162,8 +167,15 @@ def solve(gm: torch.fx.GraphModule, ctx: Context, topology: Topology, *, trainin
                 problem += need[key] >= z
     for (src, p, q), var in need.items():
         costs.append(var * reshard_time(p, q, sizes.nbytes(src), t, topology, backward=src in grad))
-    for src, g in grad_reduce.items():
-        costs.append(g * collective_time("all_reduce", sizes.nbytes(src), t, topology))
+    for k, (src, g) in enumerate(grad_reduce.items()):
+        summed = collective_time("all_reduce", sizes.nbytes(src), t, topology)
+        costs.append(g * summed)
+        sharded = [v for v, s in zip(x[src], ctx.strategies[src], strict=True) if isinstance(s.output, Shard)]
+        if sharded:  # gathered from shards: the summed gradient is reduce-scattered back instead
+            h = problem.add_variable(f"h{k}", lowBound=0)
+            problem += h <= g
+            problem += h <= pulp.lpSum(sharded)
+            costs.append(-h * (summed - collective_time("reduce_scatter", sizes.nbytes(src), t, topology)))
 
     limit = memory_limit if memory_limit is not None else 0.9 * topology.memory_bytes
     total_memory = pulp.lpSum(memory)

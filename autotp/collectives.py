@@ -191,24 +191,26 @@ def shard_args(shard: Shard, size: int, rank: int, world: int, group: str) -> tu
     return (shard.dim, shard.chunks, shard.units, size, rank, world, group)
 
 
-def conversion_steps(src, dst, size: int | None, rank: int, world: int, group: str,
-                     partial_grad: bool = False) -> list[tuple]:
-    """The runtime calls (function, arguments after the tensor) that turn ``src`` into ``dst``;
-    ``size`` is the full size of the sharded dim.  ``partial_grad``: the result feeds a sharded op
-    as a replicated input, so its gradient comes back as partial sums that must be added up."""
-    steps: list[tuple] = []
+def conversion_steps(src, dst, shape, rank: int, world: int, group: str, partial_grad: bool = False) -> list[tuple]:
+    """The runtime calls (function, arguments after the tensor) that turn ``src`` into ``dst`` for a
+    tensor of full ``shape``.  ``partial_grad``: the result feeds a sharded op as a replicated input,
+    so its gradient comes back as partial sums that must be added up."""
+    def args(shard: Shard) -> tuple:
+        return shard_args(shard, int(shape[shard.dim]), rank, world, group)
+
     if partial_grad and isinstance(src, Shard) and isinstance(dst, Replicate):
-        return [(gather_reduce_backward, shard_args(src, size, rank, world, group))]
+        return [(gather_reduce_backward, args(src))]
+    steps: list[tuple] = []
     if src == dst:
         return [(reduce_grad, (group,))] if partial_grad else steps
     if isinstance(src, Partial) and isinstance(dst, Shard):
-        return [(reduce_scatter, shard_args(dst, size, rank, world, group))]
+        return [(reduce_scatter, args(dst))]
     if isinstance(src, Partial):
         steps.append((all_reduce, (group,)))
     elif isinstance(src, Shard):
-        steps.append((gather, shard_args(src, size, rank, world, group)))
+        steps.append((gather, args(src)))
     if isinstance(dst, Shard):
-        steps.append((scatter, shard_args(dst, size, rank, world, group)))
+        steps.append((scatter, args(dst)))
     elif not isinstance(dst, Replicate):
         raise ValueError(f"cannot convert {src} to {dst}")
     return steps + ([(reduce_grad, (group,))] if partial_grad else [])

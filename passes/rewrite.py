@@ -124,10 +124,10 @@ def rewrite(gm: torch.fx.GraphModule, choice: dict, rank: int, world: int, group
         key = (src, want, reduce_grad)
         if key not in converted:
             value = src
-            shard = next((p for p in (placed[src], want) if isinstance(p, Shard)), None)
-            size = _full_size(src, shard.dim) if shard else None
+            steps = collectives.conversion_steps(placed[src], want, src.meta["val"].shape, rank, world, group,
+                                                 reduce_grad)
             with graph.inserting_before(before):
-                for fn, extra in collectives.conversion_steps(placed[src], want, size, rank, world, group, reduce_grad):
+                for fn, extra in steps:
                     value = graph.call_function(fn, (value, *extra))
             converted[key] = value
         return converted[key]

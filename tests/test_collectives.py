@@ -8,7 +8,8 @@ from autotp import collectives
 from autotp.placement import P, R, Shard, assemble, take_local
 from distributed import run_ranks
 
-SHARDS = [Shard(1), Shard(1, (4, 8, 12)), Shard(0)]
+# even, fused blocks, dim 0, whole units (uneven at 4 ranks: 2,2,1,1), units shared by ranks (grouped at 4)
+SHARDS = [Shard(1), Shard(1, (4, 8, 12)), Shard(0), Shard(1, units=6), Shard(1, units=2)]
 
 
 def _conversions(rank: int, world: int) -> None:
@@ -17,20 +18,36 @@ def _conversions(rank: int, world: int) -> None:
     torch.manual_seed(0)
     summands = [torch.randn(8, 24, dtype=torch.float64) for _ in range(world)]  # same on every rank
     full = sum(summands)
-    upstream = torch.randn(8, 24, dtype=torch.float64)  # d(loss)/d(full), same on every rank
+    pieces = [torch.randn(8, 24, dtype=torch.float64) for _ in range(world)]
+    upstream = sum(pieces)  # d(loss)/d(full), same on every rank
     have = {R: full, P: summands[rank], **{s: take_local(full, s, rank, world) for s in SHARDS}}
     for src in [P, R, *SHARDS]:
         for dst in [R, *SHARDS]:
-            x = have[src].clone().requires_grad_()
-            y = x
-            for fn, extra in collectives.conversion_steps(src, dst, rank, world, group):
-                y = fn(y, *extra)
-            torch.testing.assert_close(y, have[dst], msg=lambda m, s=src, d=dst: f"{s}->{d}: {m}")
-            want_grad = upstream if isinstance(dst, type(R)) else take_local(upstream, dst, rank, world)
-            (y * want_grad).sum().backward()
-            # the gradient of the source value, in the source's own layout
-            expected = take_local(upstream, src, rank, world) if isinstance(src, Shard) else upstream
-            torch.testing.assert_close(x.grad, expected, msg=lambda m, s=src, d=dst: f"grad {s}->{d}: {m}")
+            for partial_grad in (False, True):
+                if partial_grad and dst != R:
+                    continue
+                x = have[src].clone().requires_grad_()
+                y = x
+                for fn, extra in collectives.conversion_steps(src, dst, full.shape, rank, world, group, partial_grad):
+                    y = fn(y, *extra)
+                torch.testing.assert_close(y, have[dst], msg=lambda m, s=src, d=dst: f"{s}->{d}: {m}")
+                (y * _grad_for(dst, upstream, pieces, partial_grad, rank, world)).sum().backward()
+                # the gradient of the source value, reassembled in full, is the upstream gradient
+                got = x.grad
+                if isinstance(src, Shard):
+                    got = collectives._gather_grads(got, src, full.shape[src.dim], rank, world, group)
+                torch.testing.assert_close(got, upstream, msg=lambda m, s=src, d=dst, f=partial_grad:
+                                           f"grad {s}->{d} (partial {f}): {m}")
+
+
+def _grad_for(dst, upstream, pieces, partial_grad: bool, rank: int, world: int):
+    """The gradient each rank feeds back: partial sums, or its slice (a grouped slice's owner only)."""
+    if partial_grad:
+        return pieces[rank]
+    if not isinstance(dst, Shard):
+        return upstream
+    local = take_local(upstream, dst, rank, world)
+    return local if not dst.grouped(world) or rank in dst.owners(world) else torch.zeros_like(local)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -40,7 +57,21 @@ def test_conversions_and_their_gradients(world):
 
 def test_take_local_and_assemble_invert_each_other():
     full = torch.arange(2 * 24).view(2, 24)
-    for shard in SHARDS[:2]:
-        for world in (1, 2, 4):
+    for shard in [s for s in SHARDS if s.dim == 1]:
+        for world in (1, 2, 3, 4):
+            if (shard.units and shard.units < world and world % shard.units) or any(
+                    c % world for c in shard.chunks or ()):
+                continue  # layouts the rules never offer
             parts = [take_local(full, shard, r, world) for r in range(world)]
-            assert torch.equal(assemble(parts, shard), full)
+            assert torch.equal(assemble(parts, shard, 24), full)
+
+
+def test_uneven_and_grouped_pieces():
+    """10 heads on 4 ranks: 3,3,2,2; 2 KV heads on 4 ranks: each held by two neighbours."""
+    heads = torch.arange(10)
+    assert [take_local(heads, Shard(0, units=10), r, 4).tolist() for r in range(4)] == [
+        [0, 1, 2], [3, 4, 5], [6, 7], [8, 9]]
+    kv = torch.arange(2 * 3)  # 2 heads of 3 rows
+    assert [take_local(kv, Shard(0, units=2), r, 4).tolist() for r in range(4)] == [
+        [0, 1, 2], [0, 1, 2], [3, 4, 5], [3, 4, 5]]
+    assert Shard(0, units=2).owners(4) == [0, 2]

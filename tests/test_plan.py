@@ -42,7 +42,7 @@ def test_fused_qkv_slices_are_matching_heads():
     shard = Shard(0, (8, 8, 8))
     parts = [take_local(full, shard, r, 4) for r in range(4)]
     assert parts[1].flatten().tolist() == [2, 3, 10, 11, 18, 19]
-    assert torch.equal(assemble(parts, shard), full)
+    assert torch.equal(assemble(parts, shard, 24), full)
 
 
 def test_plan_json_round_trip_and_mismatches(tmp_path):

@@ -124,8 +124,8 @@ def rewrite(gm: torch.fx.GraphModule, choice: dict, rank: int, world: int, group
         key = (src, want, reduce_grad)
         if key not in converted:
             value = src
-            steps = collectives.conversion_steps(placed[src], want, src.meta["val"].shape, rank, world, group,
-                                                 reduce_grad)
+            shape = getattr(src.meta["val"], "shape", None)  # None: a multi-output op's tuple, never converted
+            steps = collectives.conversion_steps(placed[src], want, shape, rank, world, group, reduce_grad)
             with graph.inserting_before(before):
                 for fn, extra in steps:
                     value = graph.call_function(fn, (value, *extra))

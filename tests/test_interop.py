@@ -1,6 +1,7 @@
 """Plans in DTensor's and Hugging Face's words, checked by running them."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 import autotp
@@ -46,3 +47,34 @@ def test_hf_tp_plan_folds_layers_and_matches_transformers_own():
     own = model.config.base_model_tp_plan
     for pattern, style in own.items():  # transformers' plan for LLaMA is Megatron's: ours must agree
         assert hf_plan[f"model.{pattern}"] == style, pattern
+
+
+def _communicates_no_more_than_hf(rank: int, world: int, kind: str, directory: str) -> None:
+    import os
+
+    from torch.distributed.tensor.debug import CommDebugMode
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    model_class = type(build(kind, device="meta")[0])
+    hf = model_class.from_pretrained(directory, tp_plan="auto").eval()  # transformers' own TP (DTensor)
+    model = model_class.from_pretrained(directory).eval()
+    x = example_input(kind, 3, 5)
+    sharded = autotp.parallelize(model, (x,))
+
+    def counts(module) -> dict:
+        with CommDebugMode() as comm:
+            module(x)
+        return {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()}
+
+    ours, theirs = counts(sharded), counts(hf)
+    assert sum(ours.values()) <= sum(theirs.values()), (ours, theirs)
+    for op, n in ours.items():
+        assert n <= theirs.get(op, 0), (op, ours, theirs)
+    torch.testing.assert_close(logits(sharded(x)), logits(model(x)), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["llama", "phi3"])
+def test_no_more_communication_than_hf_tp_plan(kind, tmp_path):
+    """Forward collectives counted with CommDebugMode: autotp vs transformers' tp_plan="auto"."""
+    model, _, _ = build(kind)
+    model.save_pretrained(tmp_path)
+    run_ranks(2, _communicates_no_more_than_hf, kind, str(tmp_path))

@@ -1,0 +1,164 @@
+"""Any transformer at any TP size: nine Hugging Face architectures at 2, 3 and 4 ranks; KV heads
+fewer than ranks; heads and vocabularies not divisible; vocab-parallel loss; half precision."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import autotp
+from distributed import run_ranks
+
+TOL = {"rtol": 1e-4, "atol": 1e-5}
+SMALL = {"vocab_size": 96, "max_position_embeddings": 64}
+# (config class, model class, config): the layouts the issue lists, at toy sizes
+ARCHS = {
+    "mistral": ("MistralConfig", "MistralForCausalLM", {  # sliding window, GQA
+        "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "sliding_window": 4}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {  # biases on q/k/v
+        "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2}),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", {  # multi-query, scaled embeddings, tied head
+        "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 1, "head_dim": 16}),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {  # qkv interleaved per head, partial rotary, parallel
+        "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "rotary_pct": 0.5}),
+    "opt": ("OPTConfig", "OPTForCausalLM", {  # learned positions
+        "hidden_size": 64, "ffn_dim": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "word_embed_proj_dim": 64}),
+    "falcon": ("FalconConfig", "FalconForCausalLM", {  # multi-query fused qkv, parallel attention + MLP
+        "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "new_decoder_architecture": False,
+        "multi_query": True, "parallel_attn": True, "alibi": False}),
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", {  # biases, GQA, layer norm
+        "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2}),
+    "olmo": ("OlmoConfig", "OlmoForCausalLM", {  # non-parametric layer norm
+        "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4}),
+    "bert": ("BertConfig", "BertModel", {  # encoder, bidirectional
+        "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4}),
+}
+
+
+def _build(name: str):
+    import transformers
+    config_cls, model_cls, config = ARCHS[name]
+    extra = {} if name == "bert" else {"use_cache": False}
+    torch.manual_seed(0)
+    return getattr(transformers, model_cls)(getattr(transformers, config_cls)(**config, **SMALL, **extra)).eval()
+
+
+def _out(output) -> torch.Tensor:
+    return output.logits if hasattr(output, "logits") else output.last_hidden_state
+
+
+def _same_as_unsharded(model, sharded, tol=TOL) -> None:
+    torch.manual_seed(1)
+    for batch, seq in [(3, 7), (1, 1)]:
+        x = torch.randint(0, 90, (batch, seq))
+        torch.testing.assert_close(_out(sharded(x)), _out(model(x)), **tol)
+    x = torch.randint(0, 90, (2, 6))
+    _out(sharded(x)).float().square().mean().backward()
+    _out(model(x)).float().square().mean().backward()
+    grads = autotp.full_state_dict(sharded, grads=True)
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(grads[name], p.grad, **tol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _architectures(rank: int, world: int) -> None:
+    for name in ARCHS:
+        model = _build(name)
+        sharded = autotp.parallelize(model, (torch.randint(0, 90, (2, 5)),))
+        _same_as_unsharded(model, sharded)
+        params = sharded.autotp_plan.params
+        replicated = [n for n, p in model.named_parameters() if p.dim() == 2 and params[n] == "R"]
+        assert not replicated, (name, replicated)  # every weight matrix is split, none merely copied
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_architectures_match_unsharded(world):
+    run_ranks(world, _architectures)
+
+
+def _llama(heads: int, kv: int, head_dim: int = 8, vocab: int = 96):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(
+        hidden_size=heads * head_dim, num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
+        intermediate_size=96, vocab_size=vocab, num_hidden_layers=1, max_position_embeddings=64,
+        use_cache=False)).eval()
+
+
+def _local_rows(sharded, name: str) -> int:
+    return dict(sharded.named_parameters())[name].shape[0]
+
+
+def _fewer_kv_heads(rank: int, world: int) -> None:
+    model = _llama(heads=8, kv=2)
+    sharded = autotp.parallelize(model, (torch.randint(0, 90, (2, 5)),))
+    params = sharded.autotp_plan.params
+    for proj in ("k_proj", "v_proj"):  # each KV head held by the two ranks whose query heads use it
+        assert params[f"model.layers.0.self_attn.{proj}.weight"] == "S(0/2)", params
+        assert _local_rows(sharded, f"model.layers.0.self_attn.{proj}.weight") == 8  # one head of 8
+    assert params["model.layers.0.self_attn.q_proj.weight"] == "S(0)"
+    _same_as_unsharded(model, sharded)
+    model = _llama(heads=8, kv=1)  # multi-query
+    _same_as_unsharded(model, autotp.parallelize(model, (torch.randint(0, 90, (2, 5)),)))
+
+
+def test_kv_heads_fewer_than_ranks_are_shared():
+    run_ranks(4, _fewer_kv_heads)
+
+
+def _uneven_heads(rank: int, world: int) -> None:
+    model = _llama(heads=10, kv=10, vocab=101)
+    sharded = autotp.parallelize(model, (torch.randint(0, 90, (2, 5)),))
+    params = sharded.autotp_plan.params
+    assert params["model.layers.0.self_attn.q_proj.weight"] == "S(0/10)", params
+    assert _local_rows(sharded, "model.layers.0.self_attn.q_proj.weight") == [24, 24, 16, 16][rank]  # 3,3,2,2 heads
+    assert params["lm_head.weight"] == "S(0/101)"  # vocab 101 on 4 ranks: 26, 25, 25, 25 rows
+    assert _local_rows(sharded, "lm_head.weight") == [26, 25, 25, 25][rank]
+    _same_as_unsharded(model, sharded)
+
+
+def test_heads_and_vocab_not_divisible():
+    run_ranks(4, _uneven_heads)
+
+
+def _vocab_parallel_loss(rank: int, world: int) -> None:
+    model = _llama(heads=4, kv=2, head_dim=16, vocab=100)
+    x = torch.randint(0, 100, (2, 7))
+    sharded = autotp.parallelize(model, (x,), gather_outputs=False)
+    logits = sharded(x).logits
+    assert logits.shape[-1] == [34, 33, 33][rank]  # no rank holds the full logits
+    labels = x[:, 1:].clone()
+    labels[0, 2] = -100
+    loss = autotp.parallel_cross_entropy(logits[:, :-1], labels, vocab_size=100)
+    want = F.cross_entropy(model(x).logits[:, :-1].flatten(0, 1), labels.flatten())
+    torch.testing.assert_close(loss, want, **TOL)
+    loss.backward()
+    want.backward()
+    grads = autotp.full_state_dict(sharded, grads=True)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+    with pytest.raises(ValueError, match="vocabulary slice"):
+        autotp.parallel_cross_entropy(logits[..., :5], labels, vocab_size=100)
+
+
+def test_vocab_parallel_cross_entropy():
+    run_ranks(3, _vocab_parallel_loss)
+
+
+def _half_precision(rank: int, world: int, dtype: torch.dtype) -> None:
+    model = _llama(heads=4, kv=2, head_dim=16).to(dtype)
+    sharded = autotp.parallelize(model, (torch.randint(0, 90, (2, 5)),))
+    assert next(sharded.parameters()).dtype == dtype
+    tol = {torch.bfloat16: {"rtol": 1.6e-2, "atol": 1e-2}, torch.float16: {"rtol": 1e-3, "atol": 1e-3}}[dtype]
+    _same_as_unsharded(model, sharded, tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision(dtype):
+    run_ranks(2, _half_precision, dtype)

@@ -129,6 +129,7 @@ def rewrite(gm: torch.fx.GraphModule, choice: dict, rank: int, world: int, group
             with graph.inserting_before(before):
                 for fn, extra in steps:
                     value = graph.call_function(fn, (value, *extra))
+                    value.meta["val"] = src.meta["val"]  # full-size metadata, like every other node
             converted[key] = value
         return converted[key]
 

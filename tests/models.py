@@ -57,6 +57,16 @@ def build(kind: str, device: str = "cpu"):
     return model.eval(), (torch.randint(0, 128, (2, 8)),), BLOCKS
 
 
+def llama_with(heads: int, kv: int, head_dim: int = 8, vocab: int = 96, layers: int = 1):
+    """A LLaMA with the given head counts (head sharing and uneven splits), fixed seed."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(
+        hidden_size=heads * head_dim, num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
+        intermediate_size=96, vocab_size=vocab, num_hidden_layers=layers, max_position_embeddings=64,
+        use_cache=False)).eval()
+
+
 def logits(out):
     return getattr(out, "logits", out)
 

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 import autotp
 from distributed import run_ranks
+from models import llama_with
 
 TOL = {"rtol": 1e-4, "atol": 1e-5}
 SMALL = {"vocab_size": 96, "max_position_embeddings": 64}
@@ -82,21 +83,12 @@ def test_architectures_match_unsharded(world):
     run_ranks(world, _architectures)
 
 
-def _llama(heads: int, kv: int, head_dim: int = 8, vocab: int = 96):
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(
-        hidden_size=heads * head_dim, num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
-        intermediate_size=96, vocab_size=vocab, num_hidden_layers=1, max_position_embeddings=64,
-        use_cache=False)).eval()
-
-
 def _local_rows(sharded, name: str) -> int:
     return dict(sharded.named_parameters())[name].shape[0]
 
 
 def _fewer_kv_heads(rank: int, world: int) -> None:
-    model = _llama(heads=8, kv=2)
+    model = llama_with(heads=8, kv=2)
     sharded = autotp.parallelize(model, (torch.randint(0, 90, (2, 5)),))
     params = sharded.autotp_plan.params
     for proj in ("k_proj", "v_proj"):  # each KV head held by the two ranks whose query heads use it
@@ -104,7 +96,7 @@ def _fewer_kv_heads(rank: int, world: int) -> None:
         assert _local_rows(sharded, f"model.layers.0.self_attn.{proj}.weight") == 8  # one head of 8
     assert params["model.layers.0.self_attn.q_proj.weight"] == "S(0)"
     _same_as_unsharded(model, sharded)
-    model = _llama(heads=8, kv=1)  # multi-query
+    model = llama_with(heads=8, kv=1)  # multi-query
     _same_as_unsharded(model, autotp.parallelize(model, (torch.randint(0, 90, (2, 5)),)))
 
 
@@ -113,7 +105,7 @@ def test_kv_heads_fewer_than_ranks_are_shared():
 
 
 def _uneven_heads(rank: int, world: int) -> None:
-    model = _llama(heads=10, kv=10, vocab=101)
+    model = llama_with(heads=10, kv=10, vocab=101)
     sharded = autotp.parallelize(model, (torch.randint(0, 90, (2, 5)),))
     params = sharded.autotp_plan.params
     assert params["model.layers.0.self_attn.q_proj.weight"] == "S(0/10)", params
@@ -128,7 +120,7 @@ def test_heads_and_vocab_not_divisible():
 
 
 def _vocab_parallel_loss(rank: int, world: int) -> None:
-    model = _llama(heads=4, kv=2, head_dim=16, vocab=100)
+    model = llama_with(heads=4, kv=2, head_dim=16, vocab=100)
     x = torch.randint(0, 100, (2, 7))
     sharded = autotp.parallelize(model, (x,), gather_outputs=False)
     logits = sharded(x).logits
@@ -152,7 +144,7 @@ def test_vocab_parallel_cross_entropy():
 
 
 def _half_precision(rank: int, world: int, dtype: torch.dtype) -> None:
-    model = _llama(heads=4, kv=2, head_dim=16).to(dtype)
+    model = llama_with(heads=4, kv=2, head_dim=16).to(dtype)
     sharded = autotp.parallelize(model, (torch.randint(0, 90, (2, 5)),))
     assert next(sharded.parameters()).dtype == dtype
     tol = {torch.bfloat16: {"rtol": 1.6e-2, "atol": 1e-2}, torch.float16: {"rtol": 1e-3, "atol": 1e-3}}[dtype]

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 import autotp
 from distributed import run_ranks
-from models import build, example_input, logits
+from models import build, example_input, llama_with, logits
 
 TOL = {"rtol": 1e-4, "atol": 1e-5}
 
@@ -65,6 +65,39 @@ def _from_pretrained(rank: int, world: int, directory: str) -> None:
 
 def test_from_pretrained_on_four_ranks(tmp_path):
     run_ranks(4, _from_pretrained, str(_hf_dir("llama", tmp_path)))
+
+
+def _uneven_and_shared(rank: int, world: int, root: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from autotp.placement import parse, take_local
+    for name, layouts in [("uneven", {"q_proj": "S(0/10)", "o_proj": "S(1/10)"}), ("shared", {"k_proj": "S(0/2)"})]:
+        directory = f"{root}/{name}"
+        sharded = autotp.from_pretrained(directory)
+        reference = AutoModelForCausalLM.from_pretrained(directory).eval()
+        params = sharded.autotp_plan.params
+        full = reference.state_dict()
+        local = dict(sharded.named_parameters())
+        for key, layout in layouts.items():
+            weight = next(n for n in params if key in n)
+            assert params[weight] == layout, (weight, params[weight])
+        for weight, p in local.items():  # each rank read exactly its own rows
+            placement = parse(params[weight])
+            want = take_local(full[weight], placement, rank, world) if placement != parse("R") else full[weight]
+            assert torch.equal(p.detach(), want), weight
+        torch.manual_seed(0)
+        x = example_input("llama", 2, 3)
+        torch.testing.assert_close(logits(sharded(x)), logits(reference(x)), **TOL)
+        autotp.save_pretrained(sharded, f"{root}/{name}-saved")
+        if rank == 0:
+            saved = load_file(f"{root}/{name}-saved/model.safetensors")
+            assert all(torch.equal(saved[k], full[k]) for k in saved) and saved.keys() == full.keys()
+
+
+def test_uneven_and_shared_heads_load_their_slices_and_save(tmp_path):
+    llama_with(heads=10, kv=10, vocab=101).save_pretrained(tmp_path / "uneven")
+    llama_with(heads=8, kv=2).save_pretrained(tmp_path / "shared")
+    run_ranks(4, _uneven_and_shared, str(tmp_path))
 
 
 def _expect_error(rank: int, world: int, directory: str, message: str) -> None:

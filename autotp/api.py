@@ -69,7 +69,7 @@ def _solve(gm: torch.fx.GraphModule, world_size: int, topology, min_shard_fracti
                         "args": [a.name for a in input_slots(n)]} for n, s in choice.items()},
         params={n.target: str(s.output) for n, s in choice.items() if n.op == "get_attr"},
         collectives=planned_collectives(gm, choice, world_size, topo, sizes),
-        styles=param_styles(gm, choice),
+        styles=param_styles(gm, choice, world_size),
         shapes={n.target: list(n.meta["val"].shape) for n in choice if n.op == "get_attr"},
         alternatives=alternatives(gm, ctx, choice, topo, training, sizes),
         cost={"seconds": solution.seconds, "memory": solution.memory, "training": training},

@@ -6,6 +6,8 @@ from collections import Counter
 
 import torch
 
+from autotp.passes.solve import PlanningError
+
 from .api import _graph, _solve
 from .interop import hf_parameter_placements
 from .plan import Plan
@@ -20,9 +22,16 @@ def summary(plan: Plan) -> dict:
 
 def compare(model: torch.nn.Module, args=None, kwargs=None, *, world_size: int, topology=None,
             training: bool = True) -> dict:
-    """{"autotp": summary, "hf": summary or None (no tp_plan for this architecture)}."""
+    """{"autotp": summary, "hf": summary or None (no tp_plan for this architecture), "hf_invalid": why
+    HF's plan cannot run this model exactly (e.g. heads not divisible by the world size), or None}."""
     gm = _graph(model, args, kwargs)
     ours = summary(_solve(gm, world_size, topology, training=training))
     fixed = hf_parameter_placements(model)
-    theirs = summary(_solve(gm, world_size, topology, training=training, fixed=fixed)) if fixed else None
-    return {"autotp": ours, "hf": theirs}
+    theirs, invalid = None, None
+    if fixed:
+        try:
+            theirs = summary(_solve(gm, world_size, topology, training=training, fixed=fixed))
+        except PlanningError:
+            invalid = (f"its even splits cut through attention heads or other whole units at TP {world_size}, so no "
+                       "exact program uses those placements")
+    return {"autotp": ours, "hf": theirs, "hf_invalid": invalid}

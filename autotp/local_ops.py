@@ -26,3 +26,8 @@ def vocab_embedding(weight: torch.Tensor, ids: torch.Tensor, start: int, padding
     local = torch.where(mine, ids - start, torch.zeros_like(ids))
     pad = padding_idx - start if 0 <= padding_idx - start < rows else -1
     return aten.embedding.default(weight, local, pad) * mine.unsqueeze(-1).to(weight.dtype)
+
+
+def partial_mean(x: torch.Tensor, dims, keepdim: bool = False, count: int = 1, *, dtype=None):
+    """This rank's share of a mean over a sharded dim: its sum divided by the full count."""
+    return x.sum(dims, keepdim=keepdim, dtype=dtype) / count

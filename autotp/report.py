@@ -20,7 +20,19 @@ _STYLES = {
 }
 
 
-def param_styles(gm: torch.fx.GraphModule, choice: dict) -> dict:
+def _units_note(placement: Shard, size: int, world: int) -> str:
+    """Call out shards that are not N equal slices: uneven heads or rows, KV heads shared by ranks."""
+    units = placement.units
+    if units is None or units == world:
+        return ""
+    name = "heads" if units < size else "rows"
+    if placement.grouped(world):
+        return f", {units} {name} each replicated on {world // units} ranks"
+    counts = [placement.local_size(size, r, world) * units // size for r in range(world)]
+    return f", uneven {name}: {','.join(map(str, counts))} of {units}"
+
+
+def param_styles(gm: torch.fx.GraphModule, choice: dict, world: int) -> dict:
     """parameter name -> 'column', 'row', 'replicate', ... from how its users compute with it."""
     styles = {}
     for node, strategy in choice.items():
@@ -39,6 +51,7 @@ def param_styles(gm: torch.fx.GraphModule, choice: dict) -> dict:
                 style = "bias split"
             if placement.chunks:
                 style += f" (fused {len(placement.chunks)} blocks)"
+            style += _units_note(placement, int(node.meta["val"].shape[placement.dim]), world)
         styles[node.target] = style
     return styles
 
@@ -58,8 +71,8 @@ def plan_table(plan: Plan, shapes: dict | None = None) -> Table:
         local = "?"
         if shapes and name in shapes:
             dims = list(shapes[name])
-            if isinstance(placement, Shard):
-                dims[placement.dim] //= plan.world_size
+            if isinstance(placement, Shard):  # rank 0's piece (the largest when uneven)
+                dims[placement.dim] = placement.local_size(dims[placement.dim], 0, plan.world_size)
             local = "x".join(map(str, dims))
         table.add_row(name, plan.styles.get(name, ""), str(placement), local)
     return table

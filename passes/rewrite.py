@@ -2,6 +2,8 @@
 and size arguments of view/reshape/expand/split adjusted to local shapes."""
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.fx import Node
 from torch.fx.node import map_arg
@@ -59,6 +61,13 @@ def _localize(node: Node, strategy, rank: int, world: int) -> None:
         in_start = src.ranges(kv, rank, world)[0][0] if isinstance(src, Shard) else 0
         (out_start, out_len), = strategy.output.ranges(heads, rank, world)
         node.target, node.args, node.kwargs = local_ops.repeat_heads, (x, repeats, at, in_start, out_start, out_len), {}
+    elif target == aten.mean.dim and isinstance(src, Shard) and isinstance(strategy.output, Partial):
+        x, dims = node.args[:2]
+        shape = x.meta["val"].shape
+        count = math.prod(int(shape[d]) for d in dims)
+        keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+        node.target, node.args = local_ops.partial_mean, (x, dims, keepdim, count)
+        node.kwargs = {k: v for k, v in node.kwargs.items() if k == "dtype"}
     elif target == aten.embedding.default and isinstance(src, Shard) and src.dim == 0:
         weight, ids = node.args[:2]
         (start, _), = src.ranges(weight.meta["val"].shape[0], rank, world)

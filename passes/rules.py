@@ -269,7 +269,8 @@ def slice_(node: Node, ctx: Context) -> list[Strategy]:
 
 
 def reduction(node: Node, ctx: Context) -> list[Strategy]:
-    """sum/mean over dims: other dims keep their shard; a summed sharded dim gives a partial sum."""
+    """sum/mean over dims: other dims keep their shard; reducing a sharded dim gives a partial sum
+    (RMSNorm's mean of squares over a sharded hidden dim: one tiny all-reduce)."""
     x = node.args[0]
     n = len(ctx.shape(x))
     dims = node.args[1] if len(node.args) > 1 and node.args[1] is not None else list(range(n))
@@ -281,7 +282,8 @@ def reduction(node: Node, ctx: Context) -> list[Strategy]:
             if d not in dims:
                 od = d if keep else d - sum(1 for r in dims if r < d)
                 found.append(Strategy(ctx.fill(node, {x: s}), s.at(od)))
-            elif node.target == aten.sum.dim_IntList and not s.grouped(ctx.world):
+            elif not s.grouped(ctx.world) and (node.target == aten.sum.dim_IntList or all(
+                    ctx.static(ctx.shape(x)[r]) for r in dims)):  # a mean: local sum / full count
                 found.append(Strategy(ctx.fill(node, {x: s}), P))
     return found
 

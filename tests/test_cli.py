@@ -111,3 +111,26 @@ def test_compare_with_transformers_plans(tmp_path):
         assert forward[1] <= forward[0], rows  # autotp never needs more forward collectives than HF's plan
         if model_dir == phi3:  # HF gathers the fused qkv and gate_up outputs: two all-gathers a layer
             assert int(rows["forward all_gather"][0]) >= 4, rows
+
+
+def _llama_config(path: Path, heads: int, kv: int, head_dim: int, vocab: int) -> Path:
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": heads * head_dim,
+              "num_attention_heads": heads, "num_key_value_heads": kv, "intermediate_size": 3584,
+              "num_hidden_layers": 1, "vocab_size": vocab, "max_position_embeddings": 4096}
+    path.write_text(json.dumps(config))
+    return path
+
+
+def test_plan_calls_out_uneven_and_shared_heads(tmp_path):
+    uneven = _llama_config(tmp_path / "uneven.json", heads=10, kv=10, head_dim=128, vocab=32001)
+    result = _autotp("plan", str(uneven), "--world-size", "4")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {line.split("│")[1].strip(): line for line in result.stdout.splitlines() if line.count("│") > 3}
+    assert "uneven heads: 3,3,2,2 of 10" in rows["model.layers.0.self_attn.q_proj.weight"]
+    assert "384x1280" in rows["model.layers.0.self_attn.q_proj.weight"]  # rank 0 holds 3 heads of 128
+    shared = _llama_config(tmp_path / "shared.json", heads=8, kv=2, head_dim=128, vocab=32000)
+    result = _autotp("plan", str(shared), "--world-size", "4", "--inference")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {line.split("│")[1].strip(): line for line in result.stdout.splitlines() if line.count("│") > 3}
+    for proj in ("k_proj", "v_proj"):
+        assert "2 heads each replicated on 2 ranks" in rows[f"model.layers.0.self_attn.{proj}.weight"]

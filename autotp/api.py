@@ -123,7 +123,7 @@ def parallelize(model: torch.nn.Module, args=None, kwargs=None, *, plan: Plan | 
         if node.name in plan.nodes:
             inputs, output = plan.strategy(node.name)
             choice[node] = Strategy(tuple(inputs), output)
-    source = Checkpoint(checkpoint) if checkpoint is not None else None
+    source = checkpoint if checkpoint is None or hasattr(checkpoint, "read") else Checkpoint(checkpoint)
     device = _device_of(group)
     if source is not None:
         retarget_device(gm, device)
@@ -132,6 +132,7 @@ def parallelize(model: torch.nn.Module, args=None, kwargs=None, *, plan: Plan | 
     sharded.autotp_plan = plan
     sharded.autotp_group = group
     sharded.autotp_config = getattr(model, "config", None)
+    object.__setattr__(sharded, "autotp_source", model)  # for autotp.generate; not a submodule
     if verify:
         if any(p.is_meta for p in model.parameters()):
             raise ValueError("verify=True compares with the unsharded model, whose weights are on the meta device: "

@@ -126,7 +126,9 @@ def save_pretrained(sharded: torch.nn.Module, directory: str | Path, max_shard_b
 def is_persistent(module: torch.nn.Module, name: str, tensor: torch.Tensor) -> bool:
     """Parameters and persistent buffers are what a checkpoint holds."""
     owner, _, attr = name.rpartition(".")
-    return isinstance(tensor, torch.nn.Parameter) or attr not in module.get_submodule(owner)._non_persistent_buffers_set
+    holder = module.get_submodule(owner)
+    return isinstance(tensor, torch.nn.Parameter) or (attr in holder._buffers and
+                                                       attr not in holder._non_persistent_buffers_set)
 
 
 def _persistent_tensors(module: torch.nn.Module):

@@ -75,6 +75,11 @@ def _localize(node: Node, strategy, rank: int, world: int) -> None:
         node.target, node.args, node.kwargs = local_ops.vocab_embedding, (weight, ids, start, padding), {}
 
 
+def _attribute(gm: torch.nn.Module, target: str):
+    owner, _, attr = target.rpartition(".")
+    return getattr(gm.get_submodule(owner), attr, None)
+
+
 def shard_parameters(gm: torch.fx.GraphModule, placements: dict, rank: int, world: int, checkpoint=None,
                      device: torch.device | None = None) -> None:
     """Give the module its own copy of every parameter and buffer, sharded as planned.
@@ -86,6 +91,10 @@ def shard_parameters(gm: torch.fx.GraphModule, placements: dict, rank: int, worl
     from autotp.checkpoint import CheckpointError, check_names, is_persistent
 
     tensors = [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]
+    known = {name for name, _ in tensors}
+    tensors += [(node.target, _attribute(gm, node.target)) for node in gm.graph.nodes  # lifted constants (a cache)
+                if node.op == "get_attr" and node.target not in known and isinstance(_attribute(gm, node.target),
+                                                                                    torch.Tensor)]
     aliases: dict = {}
     for name, tensor in tensors:
         aliases.setdefault(id(tensor), []).append(name)
@@ -104,7 +113,8 @@ def shard_parameters(gm: torch.fx.GraphModule, placements: dict, rank: int, worl
             if stored:
                 # copy: own memory, not pages of the mapped file (the optimizer writes into parameters)
                 piece = checkpoint.read(stored[0], placement, rank, world)
-                local = piece.to(device=device, dtype=tensor.dtype, copy=True)
+                shares = getattr(checkpoint, "shares", False)  # another program's shards: the same memory
+                local = piece if shares else piece.to(device=device, dtype=tensor.dtype, copy=True)
             elif tensor.is_meta:
                 raise CheckpointError(f"{name} is on the meta device and no checkpoint provides it: pass "
                                       "checkpoint=DIR, or build the model with accelerate.init_empty_weights() "
@@ -115,7 +125,7 @@ def shard_parameters(gm: torch.fx.GraphModule, placements: dict, rank: int, worl
             if isinstance(tensor, torch.nn.Parameter):
                 local = torch.nn.Parameter(local, requires_grad=tensor.requires_grad)
             done[id(tensor)] = local
-        if isinstance(tensor, torch.nn.Parameter):
+        if isinstance(tensor, torch.nn.Parameter) or attr not in owner._buffers:
             setattr(owner, attr, done[id(tensor)])
         else:
             owner.register_buffer(attr, done[id(tensor)], persistent=attr not in owner._non_persistent_buffers_set)

@@ -322,6 +322,16 @@ def split(node: Node, ctx: Context) -> list[Strategy]:
     return found
 
 
+def index_copy(node: Node, ctx: Context) -> list[Strategy]:
+    """x.index_copy_(dim, index, source) (a KV cache written at cache positions): any other dim may be
+    sharded alike in x and source; the index stays whole."""
+    x, at, _, source = node.args[:4]
+    at = _dim(at, len(ctx.shape(x)))
+    return [Strategy(ctx.fill(node, {x: s, source: s}), s)
+            for d in range(len(ctx.shape(x))) if d != at for s in ctx.shard_options(x, d)
+            if ctx.shape(source)[d] == ctx.shape(x)[d]]
+
+
 def getitem(node: Node, ctx: Context) -> list[Strategy]:
     """Pick one output of a multi-output op; it follows whatever its producer chose."""
     source, index = node.args
@@ -372,6 +382,7 @@ RULES = {
                      aten.log_softmax.int, aten.layer_norm.default], normalize),
     **dict.fromkeys([aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default], split),
     operator.getitem: getitem,
+    **dict.fromkeys([aten.index_copy_.default, aten.index_copy.default], index_copy),
     aten.cat.default: cat,
 }
 

@@ -1,0 +1,138 @@
+"""Token generation with a KV cache sharded like the attention heads.
+
+The decode program is a second capture of the same model, wrapped around a static KV cache whose
+buffers are written in place (``index_copy_``); autotp plans it like any graph, so the cache is
+split by KV heads (shared by neighbouring ranks where there are fewer KV heads than ranks), and
+the weights are the forward program's own shards (same placements, no copy).  One program serves
+the prefill (a whole prompt) and every one-token decode step.  Rank 0 picks each token and
+broadcasts it, so every rank continues with the same tokens.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+class _CachedLM(torch.nn.Module):
+    """model(input_ids, attention_mask, position_ids, cache_position) -> last-position logits, with the
+    KV cache as in-place-updated buffers (exportable; Hugging Face's StaticCache)."""
+
+    def __init__(self, model: torch.nn.Module, batch: int, max_len: int, device: torch.device):
+        super().__init__()
+        from transformers.cache_utils import StaticCache
+        config = model.config.get_text_config()
+        self.model = model
+        self.cache = StaticCache(config=config, max_cache_len=max_len)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        # the cache tensors become constants of the captured graph, updated in place by index_copy_
+        self.cache.early_initialization(batch, kv_heads, head_dim, _dtype_of(model), device)
+
+    def forward(self, input_ids, attention_mask, position_ids, cache_position):
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          past_key_values=self.cache, cache_position=cache_position, use_cache=True,
+                          logits_to_keep=1).logits
+
+
+def _dtype_of(model: torch.nn.Module) -> torch.dtype:
+    return next(p.dtype for p in model.parameters() if p.is_floating_point())
+
+
+class _Resident:
+    """The forward program's local shards, served like a checkpoint (``checkpoint=`` of parallelize)."""
+
+    shares = True  # hand out the tensors themselves: the decode program uses the same memory
+
+    def __init__(self, sharded: torch.nn.Module, prefix: str):
+        plan = sharded.autotp_plan
+        named = [*sharded.named_parameters(remove_duplicate=False), *sharded.named_buffers(remove_duplicate=False)]
+        full = {id(t): tuple(plan.shapes[n]) for n, t in named if n in plan.shapes}  # tied: any alias's
+        self.local = {prefix + n: t for n, t in named}
+        self.shapes = {prefix + n: full.get(id(t), tuple(t.shape)) for n, t in named}
+        self.files = dict.fromkeys(self.local)
+        self.directory = "the sharded model's own shards"
+
+    def shape(self, name: str) -> tuple:
+        return self.shapes[name]
+
+    def read(self, name: str, placement, rank: int, world: int) -> torch.Tensor:
+        return self.local[name]
+
+
+def _choose(logits: torch.Tensor, do_sample: bool, temperature: float, top_k: int | None, top_p: float | None,
+            generator: torch.Generator | None) -> torch.Tensor:
+    """Next tokens (batch,) from last-position logits, as transformers' generate picks them."""
+    if not do_sample:
+        return logits.argmax(dim=-1)
+    scores = logits.float() / temperature
+    if top_k:
+        kth = torch.topk(scores, min(top_k, scores.shape[-1])).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        ordered, order = scores.sort(dim=-1)
+        drop = ordered.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p
+        drop[..., -1:] = False
+        scores = scores.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return torch.multinomial(scores.softmax(dim=-1), 1, generator=generator).squeeze(-1)
+
+
+def decoder(sharded: torch.nn.Module, batch: int, max_len: int) -> torch.nn.Module:
+    """The sharded decode program for ``batch`` sequences of up to ``max_len`` tokens (a collective)."""
+    from .api import _graph, _solve, parallelize
+    source = sharded.autotp_source
+    group = sharded.autotp_group
+    device = next(sharded.parameters()).device
+    wrapper = _CachedLM(source, batch, max_len, device).eval()
+    example = (torch.zeros(batch, 2, dtype=torch.long, device="meta" if _is_meta(source) else device),
+               torch.ones(batch, max_len, dtype=torch.long, device="meta" if _is_meta(source) else device),
+               torch.zeros(batch, 2, dtype=torch.long, device="meta" if _is_meta(source) else device),
+               torch.arange(2, device="meta" if _is_meta(source) else device))
+    fixed = {f"model.{name}": sharded.autotp_plan.placement(name) for name in sharded.autotp_plan.params}
+    plan = _solve(_graph(wrapper, example, None), dist.get_world_size(group), sharded.autotp_plan.topology,
+                  training=False, fixed=fixed)
+    return parallelize(wrapper, example, plan=plan, group=group, checkpoint=_Resident(sharded, "model."))
+
+
+def _is_meta(model: torch.nn.Module) -> bool:
+    return any(p.is_meta for p in model.parameters())
+
+
+@torch.no_grad()
+def generate(sharded: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+             max_new_tokens: int = 20, do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
+             top_p: float | None = None, seed: int | None = None, eos_token_id: int | None = None,
+             pad_token_id: int | None = None) -> torch.Tensor:
+    """Prompt + generated tokens, [batch, prompt + new], like ``transformers``' ``generate`` (greedy or
+    sampled; a finished sequence continues with ``pad_token_id``).  A collective: every rank calls it
+    with the same prompt and gets the same tokens.  ``attention_mask`` marks left padding."""
+    config = getattr(sharded.autotp_source, "generation_config", None)
+    eos = eos_token_id if eos_token_id is not None else getattr(config, "eos_token_id", None)
+    eos = {eos} if isinstance(eos, int) else set(eos or ())
+    pad = pad_token_id if pad_token_id is not None else getattr(config, "pad_token_id", None)
+    pad = pad if pad is not None else (min(eos) if eos else 0)
+    if do_sample and temperature <= 0:
+        raise ValueError(f"temperature must be positive for sampling, got {temperature}")
+    group = sharded.autotp_group
+    device = next(sharded.parameters()).device
+    batch, prompt = input_ids.shape
+    total = prompt + max_new_tokens
+    program = decoder(sharded, batch, total)
+    mask = torch.zeros(batch, total, dtype=torch.long, device=device)
+    mask[:, :prompt] = attention_mask if attention_mask is not None else 1
+    mask[:, prompt:] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+    tokens, done = input_ids.to(device), torch.zeros(batch, dtype=torch.bool, device=device)
+    step = tokens
+    for start in range(prompt, total):
+        at = torch.arange(start - step.shape[1], start, device=device)
+        logits = program(step, mask, positions[:, at], at)[:, -1]
+        chosen = _choose(logits, do_sample, temperature, top_k, top_p, generator)
+        dist.broadcast(chosen, group_src=0, group=group)  # every rank continues with rank 0's tokens
+        chosen = torch.where(done, torch.full_like(chosen, pad), chosen)
+        done |= torch.isin(chosen, torch.tensor(sorted(eos), device=device, dtype=chosen.dtype))
+        tokens = torch.cat([tokens, chosen[:, None]], dim=1)
+        step = chosen[:, None]
+        if done.all():
+            break
+    return tokens

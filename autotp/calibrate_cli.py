@@ -1,29 +1,20 @@
 """`autotp calibrate`: under torchrun it uses that process group; otherwise it spawns local gloo ranks."""
 from __future__ import annotations
 
-import datetime
 import os
-import socket
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from rich.console import Console
 from rich.table import Table
 
 from .calibrate import calibrate, comparison
+from .spawn import run_local
 
 
-def _spawned(rank: int, world: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
-    try:
-        calibrate(out)
-    finally:
-        dist.destroy_process_group()
-    os._exit(0)  # no interpreter teardown: gloo's threads can abort it after the work is done
+def _spawned(rank: int, world: int, out: str) -> None:
+    calibrate(out)
 
 
 def print_comparison(path: Path, console: Console) -> float:
@@ -46,10 +37,7 @@ def main(out: str, nproc: int) -> int:
         written = calibrate(out)
         dist.destroy_process_group()
     else:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        mp.start_processes(_spawned, args=(nproc, port, out), nprocs=nproc, join=True, start_method="spawn")
+        run_local(nproc, _spawned, out, timeout=300)
         written = Path(out)
     if written is not None:
         print_comparison(Path(written), Console(width=120))

@@ -29,6 +29,8 @@ class _CachedLM(torch.nn.Module):
         self.cache.early_initialization(batch, kv_heads, head_dim, _dtype_of(model), device)
 
     def forward(self, input_ids, attention_mask, position_ids, cache_position):
+        for layer in self.cache.layers:  # where this call writes: its positions, not a count kept since capture
+            layer.cumulative_length.copy_(cache_position[0])
         return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                           past_key_values=self.cache, cache_position=cache_position, use_cache=True,
                           logits_to_keep=1).logits
@@ -104,7 +106,9 @@ def generate(sharded: torch.nn.Module, input_ids: torch.Tensor, attention_mask: 
              pad_token_id: int | None = None) -> torch.Tensor:
     """Prompt + generated tokens, [batch, prompt + new], like ``transformers``' ``generate`` (greedy or
     sampled; a finished sequence continues with ``pad_token_id``).  A collective: every rank calls it
-    with the same prompt and gets the same tokens.  ``attention_mask`` marks left padding."""
+    with the same prompt and gets the same tokens.  ``attention_mask`` marks left padding.  The decode
+    program (and its KV cache) for each (batch, total length) is built on first use and kept: stale
+    cache entries are never read, as every position is written before it is attended to."""
     config = getattr(sharded.autotp_source, "generation_config", None)
     eos = eos_token_id if eos_token_id is not None else getattr(config, "eos_token_id", None)
     eos = {eos} if isinstance(eos, int) else set(eos or ())
@@ -116,7 +120,10 @@ def generate(sharded: torch.nn.Module, input_ids: torch.Tensor, attention_mask: 
     device = next(sharded.parameters()).device
     batch, prompt = input_ids.shape
     total = prompt + max_new_tokens
-    program = decoder(sharded, batch, total)
+    programs = sharded.__dict__.setdefault("_autotp_decoders", {})  # reused: capture and planning once
+    if (batch, total) not in programs:
+        programs[(batch, total)] = decoder(sharded, batch, total)
+    program = programs[(batch, total)]
     mask = torch.zeros(batch, total, dtype=torch.long, device=device)
     mask[:, :prompt] = attention_mask if attention_mask is not None else 1
     mask[:, prompt:] = 1

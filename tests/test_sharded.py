@@ -55,13 +55,16 @@ def _check(rank: int, world: int, kind: str) -> None:
         assert counts.get("all_reduce", 0) == forward_ops["all_reduce"], (counts, forward_ops)
         assert counts.get("all_gather_into_tensor", 0) == forward_ops["all_gather"], (counts, forward_ops)
 
-    # Megatron: exactly two all-reduces per transformer block forward (one for the MLP alone)
+    # Megatron: two all-reduces per transformer block forward (one for the MLP alone), plus at most two
+    # collectives for the embedding and the head.  A vocab-parallel embedding's all-reduce may be
+    # deferred into block 0 (it is summed where the first norm needs it), so a block may show one more.
     per_block = Counter(_block_of(c["module"]) for c in plan.collectives
                         if c["phase"] == "forward" and c["op"] == "all_reduce")
     if kind == "mlp":
         assert forward_ops["all_reduce"] == 1
     for block in range(blocks):
-        assert per_block[block] == 2, (block, per_block)
+        assert per_block[block] in (2, 3), (block, per_block)
+    assert sum(forward_ops.values()) <= 2 * blocks + 2 or kind == "mlp", forward_ops
 
     # gradients equal the unsharded model's
     x = example_input(kind, 2, 6)

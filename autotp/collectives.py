@@ -158,33 +158,46 @@ class _SumGroupGrad(torch.autograd.Function):
         return take_local(full, shard, rank, world).contiguous(), None, None, None, None, None
 
 
+def _no_grad() -> bool:
+    """Inference (no_grad, generation): call the collective itself, without an autograd node."""
+    return not torch.is_grad_enabled()
+
+
 def all_reduce(x, group):
-    return _ReduceForward.apply(x, group)
+    return _all_reduce(x, group) if _no_grad() else _ReduceForward.apply(x, group)
 
 
 def reduce_grad(x, group):
-    return _ReduceBackward.apply(x, group)
+    return x if _no_grad() else _ReduceBackward.apply(x, group)
 
 
 # Graph-callable forms: a Shard is passed as (dim, chunks, units) so generated code can print it.
 def reduce_scatter(x, dim, chunks, units, size, rank, world, group):
-    return _ReduceScatter.apply(x, Shard(dim, chunks, units), size, rank, world, group)
+    shard = Shard(dim, chunks, units)
+    if _no_grad():
+        return _reduce_scatter(x, shard, size, rank, world, group)
+    return _ReduceScatter.apply(x, shard, size, rank, world, group)
 
 
 def gather(x, dim, chunks, units, size, rank, world, group):
-    return _Gather.apply(x, Shard(dim, chunks, units), size, rank, world, group)
+    shard = Shard(dim, chunks, units)
+    return _gather_values(x, shard, size, world, group) if _no_grad() else _Gather.apply(
+        x, shard, size, rank, world, group)
 
 
 def gather_reduce_backward(x, dim, chunks, units, size, rank, world, group):
-    return _GatherReduceBackward.apply(x, Shard(dim, chunks, units), size, rank, world, group)
+    shard = Shard(dim, chunks, units)
+    return _gather_values(x, shard, size, world, group) if _no_grad() else _GatherReduceBackward.apply(
+        x, shard, size, rank, world, group)
 
 
 def scatter(x, dim, chunks, units, size, rank, world, group):
-    return _Scatter.apply(x, Shard(dim, chunks, units), size, rank, world, group)
+    shard = Shard(dim, chunks, units)
+    return take_local(x, shard, rank, world) if _no_grad() else _Scatter.apply(x, shard, size, rank, world, group)
 
 
 def sum_group_grad(x, dim, chunks, units, size, rank, world, group):
-    return _SumGroupGrad.apply(x, Shard(dim, chunks, units), size, rank, world, group)
+    return x if _no_grad() else _SumGroupGrad.apply(x, Shard(dim, chunks, units), size, rank, world, group)
 
 
 def shard_args(shard: Shard, size: int, rank: int, world: int, group: str) -> tuple:

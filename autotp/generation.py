@@ -26,7 +26,8 @@ class _CachedLM(torch.nn.Module):
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         # the cache tensors become constants of the captured graph, updated in place by index_copy_
-        self.cache.early_initialization(batch, kv_heads, head_dim, _dtype_of(model), device)
+        where = torch.device("meta") if _is_meta(model) else device  # allocated per rank, sharded, when meta
+        self.cache.early_initialization(batch, kv_heads, head_dim, _dtype_of(model), where)
 
     def forward(self, input_ids, attention_mask, position_ids, cache_position):
         for layer in self.cache.layers:  # where this call writes: its positions, not a count kept since capture

@@ -92,9 +92,10 @@ def shard_parameters(gm: torch.fx.GraphModule, placements: dict, rank: int, worl
 
     tensors = [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]
     known = {name for name, _ in tensors}
-    tensors += [(node.target, _attribute(gm, node.target)) for node in gm.graph.nodes  # lifted constants (a cache)
-                if node.op == "get_attr" and node.target not in known and isinstance(_attribute(gm, node.target),
-                                                                                    torch.Tensor)]
+    constants = {node.target for node in gm.graph.nodes  # lifted tensor constants (a KV cache)
+                 if node.op == "get_attr" and node.target not in known and isinstance(_attribute(gm, node.target),
+                                                                                     torch.Tensor)}
+    tensors += [(name, _attribute(gm, name)) for name in sorted(constants)]
     aliases: dict = {}
     for name, tensor in tensors:
         aliases.setdefault(id(tensor), []).append(name)
@@ -115,6 +116,11 @@ def shard_parameters(gm: torch.fx.GraphModule, placements: dict, rank: int, worl
                 piece = checkpoint.read(stored[0], placement, rank, world)
                 shares = getattr(checkpoint, "shares", False)  # another program's shards: the same memory
                 local = piece if shares else piece.to(device=device, dtype=tensor.dtype, copy=True)
+            elif tensor.is_meta and name in constants:  # state the program fills itself (a KV cache)
+                shape = list(tensor.shape)
+                if isinstance(placement, Shard):
+                    shape[placement.dim] = placement.local_size(shape[placement.dim], rank, world)
+                local = torch.zeros(shape, dtype=tensor.dtype, device=device)
             elif tensor.is_meta:
                 raise CheckpointError(f"{name} is on the meta device and no checkpoint provides it: pass "
                                       "checkpoint=DIR, or build the model with accelerate.init_empty_weights() "

@@ -131,3 +131,22 @@ def _given_plan(rank: int, world: int) -> None:
 
 def test_parallelize_with_a_given_plan():
     run_ranks(2, _given_plan)
+
+
+def _compiled(rank: int, world: int) -> None:
+    model, args, _ = build("nanogpt")
+    sharded = autotp.parallelize(model, args)
+    compiled = torch.compile(sharded)  # functional collectives and autograd functions trace through
+    torch.manual_seed(1)
+    x = example_input("nanogpt", 3, 5)
+    out = logits(compiled(x))
+    torch.testing.assert_close(out, logits(model(x)), **TOL)
+    out.square().mean().backward()
+    logits(model(x)).square().mean().backward()
+    grads = autotp.full_state_dict(sharded, grads=True)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_torch_compile_gives_the_same_outputs_and_gradients():
+    run_ranks(2, _compiled)

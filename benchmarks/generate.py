@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import tempfile
 import time
 
 import torch
+from saved_llama import run_on_saved_llama
 
 
 def _rank(rank: int, world: int, directory: str, batch: int, new: int) -> dict:
@@ -45,16 +45,7 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=32)
     parser.add_argument("--batch", type=int, default=4)
     args = parser.parse_args()
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from autotp.spawn import run_local
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=1024, hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,
-                         num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=4,
-                         max_position_embeddings=512)
-    with tempfile.TemporaryDirectory() as directory:
-        LlamaForCausalLM(config).save_pretrained(directory)
-        timings = run_local(2, _rank, directory, args.batch, args.new)[0]
+    timings = run_on_saved_llama(args.layers, args.hidden, _rank, args.batch, args.new)
     rates = {name: args.batch * new / seconds for name, (seconds, new) in timings.items()}
     for name, rate in rates.items():
         seconds, new = timings[name]

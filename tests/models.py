@@ -23,6 +23,22 @@ class Unruly(torch.nn.Module):
         return self.down(h.relu()) + where.float() / 128
 
 
+class ParallelBranches(torch.nn.Module):
+    """x + (mlp_a(ln(x)) + mlp_b(ln(x))): a parallel attention+MLP residual (GPT-J, Falcon) without biases."""
+
+    def __init__(self, hidden: int = 64):
+        super().__init__()
+        self.ln = torch.nn.LayerNorm(hidden)
+        self.a_in = torch.nn.Linear(hidden, 4 * hidden, bias=False)
+        self.a_out = torch.nn.Linear(4 * hidden, hidden, bias=False)
+        self.b_in = torch.nn.Linear(hidden, 4 * hidden, bias=False)
+        self.b_out = torch.nn.Linear(4 * hidden, hidden, bias=False)
+
+    def forward(self, x):
+        y = self.ln(x)
+        return x + (self.a_out(torch.relu(self.a_in(y))) + self.b_out(torch.nn.functional.gelu(self.b_in(y))))
+
+
 def build(kind: str, device: str = "cpu"):
     """(model, example args, number of transformer blocks) with a fixed seed."""
     torch.manual_seed(0)

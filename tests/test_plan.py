@@ -109,3 +109,14 @@ def test_world_size_one_is_replicated():
     model, args, _ = build("mlp")
     plan = autotp.plan(model, args, world_size=1)
     assert plan.collectives == []
+
+
+def test_parallel_branches_share_one_all_reduce():
+    """Better than Megatron's two: partial sums of parallel branches are added before one all-reduce."""
+    from models import ParallelBranches
+    model = torch.nn.Sequential(ParallelBranches(), ParallelBranches())
+    plan = autotp.plan(model, (torch.randn(4, 64, 64),), world_size=2)
+    forward = [c for c in plan.collectives if c["phase"] == "forward"]
+    assert [(c["op"], c["module"]) for c in forward] == [("all_reduce", "0"), ("all_reduce", "1")], forward
+    assert plan.params["0.a_in.weight"] == plan.params["0.b_in.weight"] == "S(0)"
+    assert plan.params["0.a_out.weight"] == plan.params["0.b_out.weight"] == "S(1)"

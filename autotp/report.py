@@ -48,7 +48,8 @@ def param_styles(gm: torch.fx.GraphModule, choice: dict, world: int) -> dict:
                         style = table[placement.dim]
                         break
             if style in ("shard dim 0", "column") and len(node.meta["val"].shape) == 1:
-                style = "bias split"
+                added = any(user.target == aten.add.Tensor for user in node.users)
+                style = "bias split" if added else "vector split"  # a bias, or a norm's scale
             if placement.chunks:
                 style += f" (fused {len(placement.chunks)} blocks)"
             style += _units_note(placement, int(node.meta["val"].shape[placement.dim]), world)

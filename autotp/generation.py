@@ -86,10 +86,11 @@ def decoder(sharded: torch.nn.Module, batch: int, max_len: int) -> torch.nn.Modu
     group = sharded.autotp_group
     device = next(sharded.parameters()).device
     wrapper = _CachedLM(source, batch, max_len, device).eval()
-    example = (torch.zeros(batch, 2, dtype=torch.long, device="meta" if _is_meta(source) else device),
-               torch.ones(batch, max_len, dtype=torch.long, device="meta" if _is_meta(source) else device),
-               torch.zeros(batch, 2, dtype=torch.long, device="meta" if _is_meta(source) else device),
-               torch.arange(2, device="meta" if _is_meta(source) else device))
+    where = torch.device("meta") if _is_meta(source) else device  # example inputs live with the model
+    example = (torch.zeros(batch, 2, dtype=torch.long, device=where),      # input_ids
+               torch.ones(batch, max_len, dtype=torch.long, device=where),  # attention_mask
+               torch.zeros(batch, 2, dtype=torch.long, device=where),      # position_ids
+               torch.arange(2, device=where))                               # cache_position
     fixed = {f"model.{name}": sharded.autotp_plan.placement(name) for name in sharded.autotp_plan.params}
     plan = _solve(_graph(wrapper, example, None), dist.get_world_size(group), sharded.autotp_plan.topology,
                   training=False, fixed=fixed)

@@ -38,6 +38,10 @@ def _styles(plan: Plan) -> tuple[dict, dict]:
         if placement.chunks:
             unsupported[module] = f"fused weight split block by block ({weight}): no DTensor placement interleaves"
             continue
+        if placement.units is not None:
+            unsupported[module] = (f"whole heads dealt unevenly or shared by ranks ({weight}): DTensor's Shard "
+                                   "and HF's tp_plan split evenly")
+            continue
         if entry["op"] == _EMBEDDING:
             if placement.dim == 1:
                 styles[module] = ("column", False, True)

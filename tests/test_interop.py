@@ -40,6 +40,15 @@ def test_fused_projections_are_reported_not_expressible():
     assert "h.0.mlp.0" in styles
 
 
+def test_uneven_heads_are_reported_not_expressible():
+    from models import llama_with
+    with torch.device("meta"):
+        model = llama_with(heads=10, kv=10)
+    styles, unsupported = autotp.plan(model, (torch.zeros(2, 8, dtype=torch.long),), world_size=4).to_dtensor_plan()
+    assert "uneven" in unsupported["model.layers.0.self_attn.q_proj"]
+    assert "model.layers.0.self_attn.q_proj" not in styles
+
+
 def test_hf_tp_plan_folds_layers_and_matches_transformers_own():
     model, args, _ = build("llama", device="meta")
     hf_plan, unsupported = autotp.plan(model, args, world_size=2).to_hf_tp_plan()

@@ -5,7 +5,8 @@ import itertools
 
 import torch
 
-from .rules import RULES, pointwise, slice_range, split, view
+from .layout_rules import slice_range, split, view
+from .rules import RULES, pointwise
 from .strategies import Context, is_placed
 from .views import inverse_view_dim, view_groups
 

@@ -11,7 +11,7 @@ from torch.fx.node import map_arg
 from autotp import collectives, local_ops
 from autotp.placement import Partial, R, Replicate, Shard, take_local
 
-from .rules import block_of
+from .layout_rules import block_of
 from .strategies import is_observer, needs_grad
 
 aten = torch.ops.aten

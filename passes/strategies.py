@@ -1,7 +1,7 @@
 """Candidate strategies per node: what each op can do with sharded inputs.
 
 A Strategy fixes the placement of every tensor input slot and of the output.
-Rules (passes/rules.py) propose the sharded ones; every node also gets the
+Rules (passes/rules.py, passes/layout_rules.py) propose the sharded ones; every node also gets the
 all-replicated strategy, which is always correct.  The solver picks one each.
 """
 from __future__ import annotations

@@ -1,0 +1,163 @@
+"""Sharding rules for layout ops: views, transposes, slices, splits, concatenation, in-place writes.
+
+Each maps a shard of the input to the output dim that carries the same data (passes/rules.py has
+the table and the compute ops).
+"""
+from __future__ import annotations
+
+import torch
+from torch.fx import Node
+
+from autotp.placement import P, Shard
+
+from .strategies import Context, Strategy
+from .views import map_view_dim
+
+aten = torch.ops.aten
+
+
+def positive_dim(d: int, ndim: int) -> int:
+    """A dim index counted from the front (negative dims count from the back)."""
+    return d + ndim if d < 0 else d
+
+
+def _mapped(node: Node, ctx: Context, dim_map) -> list[Strategy]:
+    """Single-input layout ops, from a function input dim -> output dim (None: may not be sharded)."""
+    x = node.args[0]
+    found = [Strategy(ctx.fill(node, {x: P}), P)]
+    for d, size in enumerate(ctx.shape(x)):
+        od = dim_map(d)
+        if od is not None and ctx.shape(node)[od] == size:
+            found += [Strategy(ctx.fill(node, {x: s}), s.at(od)) for s in ctx.shard_options(x, d)]
+    return found
+
+
+def view(node: Node, ctx: Context) -> list[Strategy]:
+    x = node.args[0]
+    src = [ctx.probe(s) for s in ctx.shape(x)]
+    dst = [ctx.probe(s) for s in ctx.shape(node)]
+    found = [Strategy(ctx.fill(node, {x: P}), P)]
+    for d in range(len(src)):
+        for s in ctx.shard_options(x, d):
+            mapped = map_view_dim(src, dst, d, s.parts(ctx.world))
+            if mapped is None or (s.chunks is not None and not mapped[1]):
+                continue
+            if ctx.static(ctx.shape(node)[mapped[0]]):
+                found.append(Strategy(ctx.fill(node, {x: s}), s.at(mapped[0])))
+    return found
+
+
+def expand(node: Node, ctx: Context) -> list[Strategy]:
+    offset = len(ctx.shape(node)) - len(ctx.shape(node.args[0]))
+    return _mapped(node, ctx, lambda d: d + offset)
+
+
+def transpose(node: Node, ctx: Context) -> list[Strategy]:
+    n = len(ctx.shape(node))
+    a, b = positive_dim(node.args[1], n), positive_dim(node.args[2], n)
+    return _mapped(node, ctx, lambda d: {a: b, b: a}.get(d, d))
+
+
+def permute(node: Node, ctx: Context) -> list[Strategy]:
+    n = len(ctx.shape(node))
+    order = [positive_dim(d, n) for d in node.args[1]]
+    return _mapped(node, ctx, lambda d: order.index(d))
+
+
+def t(node: Node, ctx: Context) -> list[Strategy]:
+    return _mapped(node, ctx, lambda d: 1 - d if len(ctx.shape(node)) == 2 else d)
+
+
+def unsqueeze(node: Node, ctx: Context) -> list[Strategy]:
+    at = positive_dim(node.args[1], len(ctx.shape(node)))
+    return _mapped(node, ctx, lambda d: d if d < at else d + 1)
+
+
+def slice_range(node: Node, ctx: Context) -> tuple[int, int, int] | None:
+    """(dim, start, end) of a step-1 slice with static bounds, end clamped to the size; else None."""
+    if node.target != aten.slice.Tensor:
+        return None
+    x = node.args[0]
+    shape = ctx.shape(x)
+    at = positive_dim(node.args[1] if len(node.args) > 1 else 0, len(shape))
+    start = node.args[2] if len(node.args) > 2 and node.args[2] is not None else 0
+    end = node.args[3] if len(node.args) > 3 and node.args[3] is not None else shape[at]
+    step = node.args[4] if len(node.args) > 4 else 1
+    if step != 1 or not all(isinstance(v, int) for v in (start, end, shape[at])) or start < 0:
+        return None
+    return at, start, min(end, shape[at])
+
+
+def block_of(shard: Shard, start: int, end: int) -> int | None:
+    """Which block of a fused dim the range [start, end) is exactly, if any."""
+    offset = 0
+    for k, block in enumerate(shard.chunks or ()):
+        if (start, end) == (offset, offset + block):
+            return k
+        offset += block
+    return None
+
+
+def slice_(node: Node, ctx: Context) -> list[Strategy]:
+    """Slicing along an unsharded dim (select drops that dim); or cutting one whole block out of a
+    fused dim sharded block by block (Phi-3's qkv[..., a:b]), which leaves a plain shard."""
+    x = node.args[0]
+    n = len(ctx.shape(x))
+    at = positive_dim(node.args[1] if len(node.args) > 1 else 0, n)
+    drop = node.target == aten.select.int
+    found = _mapped(node, ctx, lambda d: None if d == at else (d - 1 if drop and d > at else d))
+    bounds = slice_range(node, ctx)
+    if bounds:
+        found += [Strategy(ctx.fill(node, {x: s}), Shard(at, units=s.units)) for s in ctx.shard_options(x, at)
+                  if s.chunks and block_of(s, bounds[1], bounds[2]) is not None]
+    return found
+
+
+def split(node: Node, ctx: Context) -> list[Strategy]:
+    """split / split_with_sizes / chunk: a fused dim sharded block by block gives plain shards."""
+    x = node.args[0]
+    n = len(ctx.shape(x))
+    at = positive_dim(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0), n)
+    sizes = tuple(o.shape[at] for o in node.meta["val"])
+    k = len(sizes)
+    # chunk(n) recomputes piece sizes from the local size: only equal pieces stay aligned
+    split_dim_ok = node.target != aten.chunk.default or len(set(sizes)) == 1
+    found = [Strategy(ctx.fill(node, {x: P}), (P,) * k)]
+    for d in range(n):
+        for s in ctx.shard_options(x, d):
+            if d != at and s.chunks is None:
+                found.append(Strategy(ctx.fill(node, {x: s}), (s,) * k))
+            elif d == at and split_dim_ok and (s.chunks == sizes or (k == 1 and s.chunks is None)):
+                found.append(Strategy(ctx.fill(node, {x: s}), (Shard(at, units=s.units),) * k))
+    return found
+
+
+def index_copy(node: Node, ctx: Context) -> list[Strategy]:
+    """x.index_copy_(dim, index, source) (a KV cache written at cache positions): any other dim may be
+    sharded alike in x and source; the index stays whole."""
+    x, at, _, source = node.args[:4]
+    at = positive_dim(at, len(ctx.shape(x)))
+    return [Strategy(ctx.fill(node, {x: s, source: s}), s)
+            for d in range(len(ctx.shape(x))) if d != at for s in ctx.shard_options(x, d)
+            if ctx.shape(source)[d] == ctx.shape(x)[d]]
+
+
+def getitem(node: Node, ctx: Context) -> list[Strategy]:
+    """Pick one output of a multi-output op; it follows whatever its producer chose."""
+    source, index = node.args
+    return [Strategy(ctx.fill(node, {source: option}), option[index])
+            for option in ctx.output_options(source) if isinstance(option, tuple)]
+
+
+def cat(node: Node, ctx: Context) -> list[Strategy]:
+    parts = node.args[0]
+    n = len(ctx.shape(node))
+    at = positive_dim(node.args[1] if len(node.args) > 1 else 0, n)
+    found = []
+    if all(isinstance(p, Node) for p in parts) and len(set(parts)) == len(parts):
+        found.append(Strategy(ctx.fill(node, dict.fromkeys(parts, P)), P))
+        for d in range(n):
+            if d != at:
+                found += [Strategy(ctx.fill(node, dict.fromkeys(parts, s)), s)
+                          for s in ctx.shard_options(node, d) if s.chunks is None]
+    return found

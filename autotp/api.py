@@ -90,6 +90,7 @@ def plan(model: torch.nn.Module, args=None, kwargs=None, *, world_size: int, top
 def parallelize(model: torch.nn.Module, args=None, kwargs=None, *, plan: Plan | None = None, topology=None,
                 group=None, checkpoint=None, min_shard_fraction: float = 0.02, training: bool = True,
                 memory_limit: float | None = None, timeout: float = DEFAULT_TIMEOUT, gather_outputs: bool = True,
+                fixed: dict | None = None,
                 verify: bool = False) -> torch.nn.Module:
     """This rank's tensor-parallel copy of ``model``: same signature, full outputs on every rank.
 
@@ -99,7 +100,8 @@ def parallelize(model: torch.nn.Module, args=None, kwargs=None, *, plan: Plan | 
     may live on the meta device and each rank reads only its own slices.  ``verify=True`` runs the
     example inputs through both models and names the first diverging op (needs the model's weights).
     ``gather_outputs=False`` leaves outputs sharded where the plan computes them sharded (vocab-parallel
-    logits for ``autotp.parallel_cross_entropy``); partial sums are still reduced.
+    logits for ``autotp.parallel_cross_entropy``); partial sums are still reduced.  ``fixed``: parameter
+    name -> placement to impose (another program's layout, to share its shards).
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("autotp.parallelize needs torch.distributed: call dist.init_process_group(...) first "
@@ -115,7 +117,7 @@ def parallelize(model: torch.nn.Module, args=None, kwargs=None, *, plan: Plan | 
     if plan is None:
         plan = Plan.from_json(rendezvous.share("plan", lambda: _solve(
             gm, world, topology, min_shard_fraction, training, memory_limit,
-            gather_outputs=gather_outputs).to_json()))
+            gather_outputs=gather_outputs, fixed=fixed).to_json()))
     rendezvous.agree("plan", hashlib.sha256(plan.to_json().encode()).hexdigest()[:16], "the plan")
     plan.check(graph_hash, world)
     choice = {}

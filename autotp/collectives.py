@@ -67,6 +67,14 @@ def _reduce_scatter(x: torch.Tensor, shard: Shard, size: int, rank: int, world: 
     return out[:lengths[rank]].movedim(0, shard.dim)
 
 
+def _owners_share(local: torch.Tensor, shard: Shard, rank: int, world: int) -> torch.Tensor:
+    """A complete gradient piece, as a grouped value's gradient: the owner of each group carries it,
+    the other ranks of the group hold zeros (their sum is the gradient)."""
+    if shard.grouped(world) and rank not in shard.owners(world):
+        return torch.zeros_like(local)
+    return local
+
+
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, shard, size, rank, world, group):
@@ -109,9 +117,7 @@ class _Gather(torch.autograd.Function):
     def backward(ctx, grad):
         shard, rank, world = ctx.args
         local = take_local(grad, shard, rank, world).contiguous()
-        if shard.grouped(world) and rank not in shard.owners(world):
-            local = torch.zeros_like(local)  # the owner carries the group's share
-        return local, None, None, None, None, None
+        return _owners_share(local, shard, rank, world), None, None, None, None, None
 
 
 class _GatherReduceBackward(torch.autograd.Function):
@@ -127,9 +133,7 @@ class _GatherReduceBackward(torch.autograd.Function):
     def backward(ctx, grad):
         shard, size, rank, world, group = ctx.args
         local = _reduce_scatter(grad, shard, size, rank, world, group)
-        if shard.grouped(world) and rank not in shard.owners(world):
-            local = torch.zeros_like(local)
-        return local, None, None, None, None, None
+        return _owners_share(local, shard, rank, world), None, None, None, None, None
 
 
 class _Scatter(torch.autograd.Function):

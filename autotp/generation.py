@@ -81,7 +81,7 @@ def _choose(logits: torch.Tensor, do_sample: bool, temperature: float, top_k: in
 
 def decoder(sharded: torch.nn.Module, batch: int, max_len: int) -> torch.nn.Module:
     """The sharded decode program for ``batch`` sequences of up to ``max_len`` tokens (a collective)."""
-    from .api import _graph, _solve, parallelize
+    from .api import parallelize
     source = sharded.autotp_source
     group = sharded.autotp_group
     device = next(sharded.parameters()).device
@@ -92,9 +92,8 @@ def decoder(sharded: torch.nn.Module, batch: int, max_len: int) -> torch.nn.Modu
                torch.zeros(batch, 2, dtype=torch.long, device=where),      # position_ids
                torch.arange(2, device=where))                               # cache_position
     fixed = {f"model.{name}": sharded.autotp_plan.placement(name) for name in sharded.autotp_plan.params}
-    plan = _solve(_graph(wrapper, example, None), dist.get_world_size(group), sharded.autotp_plan.topology,
-                  training=False, fixed=fixed)
-    return parallelize(wrapper, example, plan=plan, group=group, checkpoint=_Resident(sharded, "model."))
+    return parallelize(wrapper, example, group=group, topology=sharded.autotp_plan.topology, training=False,
+                       fixed=fixed, checkpoint=_Resident(sharded, "model."))
 
 
 def _is_meta(model: torch.nn.Module) -> bool:

@@ -117,9 +117,7 @@ def shard_parameters(gm: torch.fx.GraphModule, placements: dict, rank: int, worl
                 shares = getattr(checkpoint, "shares", False)  # another program's shards: the same memory
                 local = piece if shares else piece.to(device=device, dtype=tensor.dtype, copy=True)
             elif tensor.is_meta and name in constants:  # state the program fills itself (a KV cache)
-                shape = list(tensor.shape)
-                if isinstance(placement, Shard):
-                    shape[placement.dim] = placement.local_size(shape[placement.dim], rank, world)
+                shape = _local_sizes(list(tensor.shape), placement, rank, world)
                 local = torch.zeros(shape, dtype=tensor.dtype, device=device)
             elif tensor.is_meta:
                 raise CheckpointError(f"{name} is on the meta device and no checkpoint provides it: pass "

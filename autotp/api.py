@@ -9,7 +9,8 @@ import torch.distributed as dist
 
 from autotp.cost_models import load_topology
 from autotp.passes.accounting import alternatives, planned_collectives
-from autotp.passes.capture import capture, fingerprint, module_path
+from autotp.passes.capture import CaptureError, capture, fingerprint, module_path
+from autotp.passes.fold import Fold, NotFoldable, find_fold, fold_graph, folded
 from autotp.passes.prepare import (
     fuse_repeat_kv,
     fused_block_hints,
@@ -20,20 +21,31 @@ from autotp.passes.prepare import (
 )
 from autotp.passes.rewrite import rewrite
 from autotp.passes.rules import RULES
-from autotp.passes.solve import Sizes, solve
+from autotp.passes.solve import PlanningError, Sizes, solve
 from autotp.passes.strategies import Context, Strategy, enumerate_strategies, input_slots
 
 from .agree import DEFAULT_TIMEOUT, Rendezvous, inputs_digest
 from .checkpoint import Checkpoint
 from .collectives import gather_full
 from .hf import default_inputs, no_kv_cache
-from .plan import Plan
+from .plan import Plan, PlanMismatch
 from .report import param_styles
 
 
-def _graph(model: torch.nn.Module, args, kwargs) -> torch.fx.GraphModule:
+def _graph(model: torch.nn.Module, args, kwargs, fold: bool = False) -> torch.fx.GraphModule:
+    """The prepared graph.  ``fold=True``: a long list of identical blocks is captured as four of them
+    (passes/fold.py; ``gm.meta["autotp_fold"]`` says how), for planning only -- never for running."""
     if args is None and kwargs is None:
         args = default_inputs(model)
+    repeats = find_fold(model) if fold else None
+    if repeats is not None:
+        try:
+            with folded(model, repeats):
+                gm = _graph(model, args, kwargs)
+            gm.meta["autotp_fold"] = fold_graph(gm, repeats)
+            return gm
+        except (CaptureError, NotFoldable):
+            pass  # the forward needs every block (e.g. indexes the list), or they differ: capture them all
     with no_kv_cache(model):
         gm = capture(model, args if args is not None else (), kwargs)
     merge_aliases(gm)
@@ -55,36 +67,47 @@ def _solve(gm: torch.fx.GraphModule, world_size: int, topology, min_shard_fracti
     ctx.hints = fused_block_hints(gm, ctx)
     ctx.units = unit_hints(gm, ctx)
     enumerate_strategies(gm, ctx, RULES)
+    folding = gm.meta.get("autotp_fold")
+    if folding and any(ctx.strategies.get(a) != ctx.strategies.get(b) for a, b in folding.ties):
+        raise PlanningError(f"the blocks of {folding.fold.path} look identical but offer different shardings: "
+                            "plan with fold=False")
     if ctx.unruled:
         warnings.warn(f"autotp: {len(ctx.unruled)} op(s) on the weights' path have no sharding rule and run "
                       f"replicated (correct, possibly slower): {', '.join(sorted(ctx.unruled))}", stacklevel=3)
+    weights = folding.weights if folding else None
     solution = solve(gm, ctx, topo, training=training, memory_limit=memory_limit, sizes=sizes,
-                     gather_outputs=gather_outputs)
+                     gather_outputs=gather_outputs, weights=weights, ties=folding.ties if folding else ())
     choice = solution.choice
+    expand = folding.fold.expand if folding else dict
     return Plan(
         world_size=world_size,
-        fingerprint=fingerprint(gm),
+        fingerprint=folding.fingerprint(gm) if folding else fingerprint(gm),
         topology=topo.name,
         nodes={n.name: {**Plan.encode(s), "module": module_path(n), "op": str(n.target),
-                        "args": [a.name for a in input_slots(n)]} for n, s in choice.items()},
-        params={n.target: str(s.output) for n, s in choice.items() if n.op == "get_attr"},
-        collectives=planned_collectives(gm, choice, world_size, topo, sizes),
-        styles=param_styles(gm, choice, world_size),
-        shapes={n.target: list(n.meta["val"].shape) for n in choice if n.op == "get_attr"},
+                        "args": [a.name for a in input_slots(n)],
+                        **({"key": folding.blocks.key[n]} if folding else {})} for n, s in choice.items()},
+        params=expand({n.target: str(s.output) for n, s in choice.items() if n.op == "get_attr"}),
+        collectives=planned_collectives(gm, choice, world_size, topo, sizes, weights),
+        styles=expand(param_styles(gm, choice, world_size)),
+        shapes=expand({n.target: list(n.meta["val"].shape) for n in choice if n.op == "get_attr"}),
         alternatives=alternatives(gm, ctx, choice, topo, training, sizes),
         cost={"seconds": solution.seconds, "memory": solution.memory, "training": training},
         replicated_ops=sorted(ctx.unruled),
+        fold={"path": folding.fold.path, "count": folding.fold.count} if folding else None,
     )
 
 
 def plan(model: torch.nn.Module, args=None, kwargs=None, *, world_size: int, topology=None,
-         min_shard_fraction: float = 0.02, training: bool = True, memory_limit: float | None = None) -> Plan:
+         min_shard_fraction: float = 0.02, training: bool = True, memory_limit: float | None = None,
+         fold: bool = True) -> Plan:
     """Find a sharding plan without any process group (the model may be on the meta device).
 
     Costs are estimated at the example inputs' sizes: pass realistic ones (on the meta device
     they cost nothing).  ``memory_limit``: bytes per device (default 90% of the topology's).
+    ``fold``: plan a long stack of identical blocks from four of them (same plan, time independent of
+    depth; see passes/fold.py); ``fold=False`` captures and solves every block.
     """
-    return _solve(_graph(model, args, kwargs), world_size, topology, min_shard_fraction, training, memory_limit)
+    return _solve(_graph(model, args, kwargs, fold), world_size, topology, min_shard_fraction, training, memory_limit)
 
 
 def parallelize(model: torch.nn.Module, args=None, kwargs=None, *, plan: Plan | None = None, topology=None,
@@ -119,12 +142,7 @@ def parallelize(model: torch.nn.Module, args=None, kwargs=None, *, plan: Plan | 
             gm, world, topology, min_shard_fraction, training, memory_limit,
             gather_outputs=gather_outputs, fixed=fixed).to_json()))
     rendezvous.agree("plan", hashlib.sha256(plan.to_json().encode()).hexdigest()[:16], "the plan")
-    plan.check(graph_hash, world)
-    choice = {}
-    for node in gm.graph.nodes:
-        if node.name in plan.nodes:
-            inputs, output = plan.strategy(node.name)
-            choice[node] = Strategy(tuple(inputs), output)
+    choice = _choice(gm, plan, graph_hash, world)
     source = checkpoint if checkpoint is None or hasattr(checkpoint, "read") else Checkpoint(checkpoint)
     device = _device_of(group)
     if source is not None:
@@ -154,6 +172,28 @@ def from_pretrained(directory, *, dtype: torch.dtype | None = None, **options) -
         model = AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
     model.tie_weights()  # transformers ties input/output embeddings only when asked, on empty weights
     return parallelize(model.eval(), checkpoint=directory, **options)
+
+
+def _choice(gm: torch.fx.GraphModule, plan: Plan, graph_hash: str, world: int) -> dict:
+    """node -> Strategy from the plan; a folded plan's block-1 decisions stamped on every middle block."""
+    names = {node: node.name for node in gm.graph.nodes}
+    if plan.fold:
+        repeats = Fold(**plan.fold)
+        try:
+            folding = fold_graph(gm, repeats)
+        except NotFoldable as exc:
+            raise PlanMismatch(f"the plan folds {repeats.count} blocks of {repeats.path}, but in this model's graph "
+                               f"{exc}: re-plan with fold=False") from None
+        graph_hash = folding.fingerprint(gm)
+        by_key = {entry.get("key"): name for name, entry in plan.nodes.items()}
+        names = {node: by_key.get(folding.blocks.key[node]) for node in gm.graph.nodes}
+    plan.check(graph_hash, world)
+    choice = {}
+    for node, name in names.items():
+        if name in plan.nodes:
+            inputs, output = plan.strategy(name)
+            choice[node] = Strategy(tuple(inputs), output)
+    return choice
 
 
 def _device_of(group) -> torch.device:

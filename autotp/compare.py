@@ -2,8 +2,6 @@
 cost model (its parameter placements imposed, everything else solved), beside autotp's own plan."""
 from __future__ import annotations
 
-from collections import Counter
-
 import torch
 
 from autotp.passes.solve import PlanningError
@@ -14,9 +12,8 @@ from .plan import Plan
 
 
 def summary(plan: Plan) -> dict:
-    forward = Counter(c["op"] for c in plan.collectives if c["phase"] == "forward")
-    backward = Counter(c["op"] for c in plan.collectives if c["phase"] == "backward")
-    return {"seconds": plan.cost["seconds"], "forward": dict(forward), "backward": dict(backward),
+    return {"seconds": plan.cost["seconds"], "forward": dict(plan.collective_counts("forward")),
+            "backward": dict(plan.collective_counts("backward")),
             "param_bytes": plan.cost["memory"]["params"], "memory": plan.cost["memory"]["total"]}
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+from autotp.passes.fold import Fold
+
 from .placement import R, Replicate, Shard, parse
 from .plan import Plan
 
@@ -52,6 +54,9 @@ def _styles(plan: Plan) -> tuple[dict, dict]:
             styles[module] = ("column", False, _gathered(plan, module))
         else:
             styles[module] = ("row", not _arrives_sharded(plan, entry), True)
+    if plan.fold:  # block 1 stands for the middle blocks
+        fold = Fold(**plan.fold)
+        return fold.expand(styles), fold.expand(unsupported)
     return styles, unsupported
 
 

@@ -40,12 +40,21 @@ def _batch_symbol(gm: torch.fx.GraphModule) -> tuple[str, int] | None:
     return None
 
 
+def _weights(gm: torch.fx.GraphModule) -> list:
+    """(parameter, how many real copies it stands for: a folded block's weights count for every block)."""
+    params = dict(gm.named_parameters(remove_duplicate=False))
+    folding = gm.meta.get("autotp_fold")
+    found = {id(params[n.target]): (params[n.target], folding.weights[n] if folding else 1)
+             for n in gm.graph.nodes if n.op == "get_attr" and n.target in params}
+    return list(found.values())
+
+
 def choose_mesh(model: torch.nn.Module, args=None, kwargs=None, *, devices: int | None = None, topology=None,
                 training: bool = True, memory_limit: float | None = None) -> list[Candidate]:
     """Every TP size that divides ``devices`` (TP groups on consecutive ranks, filling nodes first),
     priced with the example inputs as the global batch; best (fitting, fastest) first."""
-    return choose_mesh_for_graph(_graph(model, args, kwargs), devices=devices, topology=topology, training=training,
-                                 memory_limit=memory_limit)
+    return choose_mesh_for_graph(_graph(model, args, kwargs, fold=True), devices=devices, topology=topology,
+                                 training=training, memory_limit=memory_limit)
 
 
 def choose_mesh_for_graph(gm: torch.fx.GraphModule, *, devices: int | None = None, topology=None,
@@ -55,8 +64,8 @@ def choose_mesh_for_graph(gm: torch.fx.GraphModule, *, devices: int | None = Non
     devices = devices or topo.devices
     batch = _batch_symbol(gm)
     limit = memory_limit if memory_limit is not None else 0.9 * topo.memory_bytes
-    weights = {id(p): p for p in gm.parameters()}.values()
-    floor = sum(p.numel() * p.element_size() * state_factor(p.element_size(), training) for p in weights)
+    floor = sum(p.numel() * p.element_size() * state_factor(p.element_size(), training) * count
+                for p, count in _weights(gm))
     found = []
     for tp in (n for n in range(1, devices + 1) if devices % n == 0):
         dp = devices // tp

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -41,6 +42,7 @@ class Plan:
     replicated_ops: list = field(default_factory=list)  # ops without a sharding rule (run replicated)
     cost: dict = field(default_factory=dict)
     mesh: dict = field(default_factory=lambda: {"tp": None})
+    fold: dict | None = None  # {"path", "count"}: nodes describe blocks 0, 1, N-2, N-1; block 1 stands for 1..N-3
     version: int = SCHEMA_VERSION
 
     def __post_init__(self):
@@ -54,6 +56,14 @@ class Plan:
         """(placement, full size of its sharded dim or None)."""
         placement = parse(self.params[param])
         return placement, self.shapes[param][placement.dim] if isinstance(placement, Shard) else None
+
+    def collective_counts(self, phase: str) -> Counter:
+        """How many of each collective one step runs in ``phase`` (folded blocks counted as often as they run)."""
+        found: Counter = Counter()
+        for c in self.collectives:
+            if c["phase"] == phase:
+                found[c["op"]] += c.get("count", 1)
+        return found
 
     def strategy(self, node_name: str):
         entry = self.nodes[node_name]

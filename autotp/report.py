@@ -96,7 +96,8 @@ def collectives_table(plan: Plan) -> Table:
     blocks: dict = {}
     for c in plan.collectives:
         fresh = {"forward": Counter(), "backward": Counter(), "b": 0.0, "s": 0.0}
-        entry = blocks.setdefault(_block(c["module"]), fresh)
+        alike = c.get("count", 1) - 1  # a folded plan's block 1 stands for the middle blocks
+        entry = blocks.setdefault(_block(c["module"]) + (f" (and {alike} more alike)" if alike else ""), fresh)
         entry[c["phase"]][c["op"]] += 1
         entry["b"] += c["bytes"]
         entry["s"] += c["seconds"]
@@ -125,8 +126,7 @@ def diff_tables(a: Plan, b: Plan) -> list:
             ("step µs", a.cost.get("seconds", 0) * 1e6, b.cost.get("seconds", 0) * 1e6),
             ("memory/device MB", a.cost.get("memory", {}).get("total", 0) / 1e6,
              b.cost.get("memory", {}).get("total", 0) / 1e6),
-            ("forward collectives", sum(c["phase"] == "forward" for c in a.collectives),
-             sum(c["phase"] == "forward" for c in b.collectives))]
+            ("forward collectives", a.collective_counts("forward").total(), b.collective_counts("forward").total())]
     for label, x, y in rows:
         delta = f"{y - x:+.4g}" if isinstance(x, (int, float)) and isinstance(y, (int, float)) else ""
         cost.add_row(label, f"{x:.2f}" if isinstance(x, float) else str(x),
@@ -159,6 +159,9 @@ def print_plan(plan: Plan, shapes: dict | None = None, console: Console | None =
     console.print(plan_table(plan, shapes or plan.shapes))
     console.print(collectives_table(plan))
     console.print(memory_table(plan))
+    if plan.fold:
+        console.print(f"{plan.fold['count']} identical blocks of {plan.fold['path']} planned from four: blocks 1 to "
+                      f"{plan.fold['count'] - 2} take the same decisions")
     console.print(f"estimated {'training step' if plan.cost.get('training') else 'forward'} time "
                   f"{plan.cost.get('seconds', 0) * 1e6:.1f} µs per device")
 

@@ -15,8 +15,9 @@ from .strategies import Context, input_slots, is_placed, needs_grad
 
 
 def planned_collectives(gm: torch.fx.GraphModule, choice: dict, world: int, topology: Topology,
-                        sizes: Sizes | None = None) -> list[dict]:
-    """The collectives the rewriter will insert for ``choice`` (one per tensor and target placement)."""
+                        sizes: Sizes | None = None, weights: dict | None = None) -> list[dict]:
+    """The collectives the rewriter will insert for ``choice`` (one per tensor and target placement;
+    ``count``: how many real tensors a folded graph's node stands for)."""
     grad = needs_grad(gm)
     found: dict = {}
     for node in gm.graph.nodes:
@@ -40,7 +41,7 @@ def planned_collectives(gm: torch.fx.GraphModule, choice: dict, world: int, topo
                                                        else "all_reduce"))
     sizes = sizes or Sizes()
     return [{"op": op, "phase": phase, "tensor": src.name, "module": module_path(src), "bytes": sizes.nbytes(src),
-             "seconds": collective_time(op, sizes.nbytes(src), world, topology)}
+             "seconds": collective_time(op, sizes.nbytes(src), world, topology), "count": (weights or {}).get(src, 1)}
             for (src, *_), (phase, op) in found.items()]
 
 

@@ -117,10 +117,16 @@ def _memory(node: Node, strategy, sizes: Sizes, world: int, trainable: dict, tra
 
 
 def solve(gm: torch.fx.GraphModule, ctx: Context, topology: Topology, *, training: bool = True,
-          memory_limit: float | None = None, sizes: Sizes | None = None, gather_outputs: bool = True) -> Solution:
+          memory_limit: float | None = None, sizes: Sizes | None = None, gather_outputs: bool = True,
+          weights: dict | None = None, ties: list = ()) -> Solution:
     """The fastest plan whose estimated memory per device fits ``memory_limit`` (default 90% of the
-    device's memory: CUDA context and fragmentation take the rest)."""
+    device's memory: CUDA context and fragmentation take the rest).
+
+    ``weights``: node -> how many real nodes it stands for (folded blocks); a conversion or gradient
+    sum is counted as often as its tensor.  ``ties``: node pairs that must choose alike.
+    """
     t = ctx.world
+    w = (weights or {}).get
     sizes = sizes or Sizes()
     problem = pulp.LpProblem("autotp", pulp.LpMinimize)
     trainable = dict(gm.named_parameters(remove_duplicate=False))
@@ -130,11 +136,14 @@ def solve(gm: torch.fx.GraphModule, ctx: Context, topology: Topology, *, trainin
         x[node] = [problem.add_variable(f"x{i}_{k}", cat="Binary") for k in range(len(options))]
         problem += pulp.lpSum(x[node]) == 1
         for var, s in zip(x[node], options, strict=True):
-            costs.append(var * _compute_time(node, s, sizes, t, topology, training))
+            costs.append(var * w(node, 1) * _compute_time(node, s, sizes, t, topology, training))
             for kind, held in _memory(node, s, sizes, t, trainable, training).items():
                 if held:
-                    memory.append(var * held)
-                    kinds.setdefault(kind, []).append(var * held)
+                    memory.append(var * w(node, 1) * held)
+                    kinds.setdefault(kind, []).append(var * w(node, 1) * held)
+    for a, b in ties:
+        for va, vb in zip(x.get(a, ()), x.get(b, ()), strict=True):
+            problem += va == vb
 
     grad = needs_grad(gm) if training else set()
     need: dict = {}        # (tensor, from, to) -> indicator that this reshard happens
@@ -166,22 +175,22 @@ def solve(gm: torch.fx.GraphModule, ctx: Context, topology: Topology, *, trainin
                 need.setdefault(key, problem.add_variable(f"n{len(need)}", lowBound=0))
                 problem += need[key] >= z
     for (src, p, q), var in need.items():
-        costs.append(var * reshard_time(p, q, sizes.nbytes(src), t, topology, backward=src in grad))
+        costs.append(var * w(src, 1) * reshard_time(p, q, sizes.nbytes(src), t, topology, backward=src in grad))
     for k, (src, g) in enumerate(grad_reduce.items()):
         summed = collective_time("all_reduce", sizes.nbytes(src), t, topology)
-        costs.append(g * summed)
+        costs.append(g * w(src, 1) * summed)
         sharded = [v for v, s in zip(x[src], ctx.strategies[src], strict=True) if isinstance(s.output, Shard)]
         if sharded:  # gathered from shards: the summed gradient is reduce-scattered back instead
             h = problem.add_variable(f"h{k}", lowBound=0)
             problem += h <= g
             problem += h <= pulp.lpSum(sharded)
-            costs.append(-h * (summed - collective_time("reduce_scatter", sizes.nbytes(src), t, topology)))
+            costs.append(-h * w(src, 1) * (summed - collective_time("reduce_scatter", sizes.nbytes(src), t, topology)))
 
     limit = memory_limit if memory_limit is not None else 0.9 * topology.memory_bytes
     total_memory = pulp.lpSum(memory)
     seconds = _run(problem, pulp.lpSum(costs))
     if pulp.value(total_memory) > limit:
-        hint = _fit_hint(ctx, x, sizes, limit, trainable, training)
+        hint = _fit_hint(ctx, x, sizes, limit, trainable, training, w)
         problem += total_memory <= limit, "memory_limit"
         try:
             seconds = _run(problem, pulp.lpSum(costs))
@@ -194,7 +203,8 @@ def solve(gm: torch.fx.GraphModule, ctx: Context, topology: Topology, *, trainin
 
 
 def _run(problem: pulp.LpProblem, objective) -> float:
-    problem.setObjective(objective)
+    """Solve for the objective in microseconds: CBC's tolerances (~1e-7) would blur a step time in seconds."""
+    problem.setObjective(objective * 1e6)
     with warnings.catch_warnings():  # PuLP 3 warns that 4.0 will stop bundling CBC; pyproject pins <4
         warnings.simplefilter("ignore", DeprecationWarning)
         problem.solve(pulp.PULP_CBC_CMD(msg=False))
@@ -204,13 +214,13 @@ def _run(problem: pulp.LpProblem, objective) -> float:
     return float(pulp.value(objective))
 
 
-def _fit_hint(ctx: Context, x: dict, sizes: Sizes, limit: float, trainable: dict, training: bool) -> str:
+def _fit_hint(ctx: Context, x: dict, sizes: Sizes, limit: float, trainable: dict, training: bool, w) -> str:
     """What would fit: the smallest world size for the current plan's memory, or the memory it needs."""
     replicated = sharded = 0.0
     for node, options in ctx.strategies.items():
         for var, s in zip(x[node], options, strict=True):
             if (var.value() or 0) > 0.5:
-                held = sum(_memory(node, s, sizes, ctx.world, trainable, training).values())
+                held = w(node, 1) * sum(_memory(node, s, sizes, ctx.world, trainable, training).values())
                 split = isinstance(s.output, Shard) or (node.op != "get_attr" and not s.replicated)
                 replicated += 0 if split else held
                 sharded += held * ctx.world if split else 0

@@ -1,6 +1,4 @@
-"""A LLaMA-3-70B configuration on the meta device: memory per device and the choice of mesh.
-
-Capturing 80 layers takes about a minute on 2 cores, so one capture serves every test here."""
+"""A LLaMA-3-70B configuration on the meta device: memory per device and the choice of mesh."""
 from __future__ import annotations
 
 import pytest
@@ -20,7 +18,7 @@ def llama70b():
     with torch.device("meta"):
         model = LlamaForCausalLM(config).to(torch.bfloat16)
     ids = torch.zeros(8, 2048, dtype=torch.long, device="meta")  # the global batch the costs are priced at
-    return _graph(model, (ids,), None)
+    return _graph(model, (ids,), None, fold=True)  # 80 blocks planned from four (passes/fold.py)
 
 
 def test_parameter_bytes_at_tp8_match_the_analytic_figure(llama70b):

@@ -1,0 +1,270 @@
+"""Fold repeated blocks: plan a deep model from four of its blocks.
+
+A stack of N identical blocks (an ``nn.ModuleList`` whose modules have the same classes, parameter
+shapes and settings) is captured as blocks 0, 1, N-2 and N-1 only.  Block 1 stands for blocks
+1..N-3: the solver counts its costs and memory N-3 times and gives block N-2 the same choices, so
+every edge of the whole graph is priced (first -> middle, middle -> middle, middle -> last) and the
+folded ILP is the whole-graph ILP over plans whose middle blocks agree.  Capture and solve cost the
+same at any depth.  Which nodes are copies of which is read from the graph (module scopes and
+parameter paths of the one repeated list), never from model or module names; a full graph whose
+blocks turn out not to match is refused when the plan is applied.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from dataclasses import dataclass
+
+import torch
+from torch.fx import Node
+from torch.fx.node import map_arg
+
+MIN_BLOCKS = 5  # below this, four kept blocks save nothing
+
+
+class NotFoldable(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Fold:
+    path: str   # the repeated nn.ModuleList, e.g. "model.layers"
+    count: int  # its length N in the real model
+
+    @property
+    def kept(self) -> tuple:
+        return 0, 1, self.count - 2, self.count - 1
+
+    def rep(self, i: int) -> int:
+        """The kept block that block ``i`` is planned as."""
+        return i if i in self.kept else 1
+
+    def weight(self, i: int) -> int:
+        """How many real blocks the kept block ``i`` stands for."""
+        return self.count - 3 if i == 1 else 1
+
+    def block_of_name(self, name: str) -> int | None:
+        head = self.path + "."
+        if not name.startswith(head):
+            return None
+        index = name[len(head):].split(".", 1)[0]
+        return int(index) if index.isdigit() else None
+
+    def canonical(self, name: str) -> str:
+        """A parameter or module path with its block index replaced by its representative's."""
+        i = self.block_of_name(name)
+        if i is None:
+            return name
+        rest = name[len(self.path) + 1 + len(str(i)):]
+        return f"{self.path}.{self.rep(i)}{rest}"
+
+    def expand(self, by_name: dict) -> dict:
+        """Entries keyed by kept-block names, copied to every block they stand for."""
+        out = dict(by_name)
+        for name, value in by_name.items():
+            if self.block_of_name(name) == 1:
+                rest = name[len(self.path) + 2:]
+                out.update({f"{self.path}.{i}{rest}": value for i in range(2, self.count - 2)})
+        return out
+
+
+def _settings(module: torch.nn.Module) -> dict:
+    """What makes two blocks compute the same thing: classes, tensor shapes, plain attributes."""
+    found = {}
+    for name, sub in module.named_modules():
+        found[name, "class"] = type(sub).__qualname__
+        found.update(((name, k), v) for k, v in vars(sub).items() if not k.startswith("_")
+                     and isinstance(v, (bool, int, float, str, type(None), tuple)))
+    for name, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
+        found[name, "tensor"] = (tuple(t.shape), t.dtype, t.requires_grad)
+    return found
+
+
+def _identical(blocks: list) -> bool:
+    """Same settings, apart from an attribute that is each block's own index (a cache slot)."""
+    settings = [_settings(b) for b in blocks]
+    position = {k for k in settings[0] if all(type(s.get(k)) is int and s[k] == i for i, s in enumerate(settings))}
+    return len({repr(sorted((k, v) for k, v in s.items() if k not in position)) for s in settings}) == 1
+
+
+def find_fold(model: torch.nn.Module) -> Fold | None:
+    """The longest list of identical blocks whose tensors belong to nothing else, or None."""
+    owners: dict = {}
+    for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        owners.setdefault(id(t), set()).add(name)
+    best = None
+    for path, mod in model.named_modules():
+        if not isinstance(mod, torch.nn.ModuleList) or len(mod) < MIN_BLOCKS or (best and len(mod) <= best.count):
+            continue
+        blocks = list(mod)
+        if len({id(b) for b in blocks}) < len(blocks) or not _identical(blocks):
+            continue
+        tensors = [t for b in blocks for t in [*b.parameters(), *b.buffers()]]
+        if any(len(owners[id(t)]) > 1 for t in tensors):
+            continue  # a weight shared with another module: its copies are not independent
+        best = Fold(path, len(blocks))
+    return best
+
+
+@contextlib.contextmanager
+def folded(model: torch.nn.Module, fold: Fold):
+    """The model with only the kept blocks in its list, under their own names (``layers.78``)."""
+    parent_path, _, attr = fold.path.rpartition(".")
+    parent = model.get_submodule(parent_path)
+    full = getattr(parent, attr)
+    short = torch.nn.ModuleList()
+    for i in fold.kept:
+        short._modules[str(i)] = full[i]
+    setattr(parent, attr, short)
+    try:
+        yield model
+    finally:
+        setattr(parent, attr, full)
+
+
+def _scope_block(node: Node, fold: Fold) -> int | None:
+    if node.op == "get_attr":
+        return fold.block_of_name(node.target)
+    for path, _ in (node.meta.get("nn_module_stack") or {}).values():
+        i = fold.block_of_name(path)
+        if i is not None:
+            return i
+    return None
+
+
+@dataclass
+class Blocks:
+    """Each node's place: a block index, "pre" or "post"; and its canonical key, the same for a node
+    and its copy in every graph of this model (full or folded)."""
+    where: dict  # node -> block index | "pre" | "post" | "attr" | "input"
+    key: dict    # node -> str
+    order: list  # block indices in graph order
+
+
+def blocks(gm: torch.fx.GraphModule, fold: Fold) -> Blocks:
+    where, key, seen = {}, {}, []
+    ops = [n for n in gm.graph.nodes if n.op not in ("placeholder", "get_attr", "output")]
+    scoped = [_scope_block(n, fold) for n in ops]
+    known = [i for i, b in enumerate(scoped) if b is not None]
+    if not known:
+        raise NotFoldable("no op runs inside the repeated blocks")
+    for i, node in enumerate(ops):
+        b = scoped[i]
+        if b is None:  # between ops of one block it is that block's; before or after all blocks, pre or post
+            before = next((scoped[k] for k in reversed(known) if k < i), None)
+            after = next((scoped[k] for k in known if k > i), None)
+            if before is not None and after is not None and before != after:
+                raise NotFoldable(f"{node.name} runs between two blocks")
+            b = before if before is not None and after is not None else ("pre" if before is None else "post")
+        if isinstance(b, int) and (not seen or seen[-1] != b):
+            if b in seen:
+                raise NotFoldable(f"block {b} is interleaved with another")
+            seen.append(b)
+        where[node] = b
+    position: dict = {}
+    for node in ops:
+        b = where[node]
+        k = position[b] = position.get(b, -1) + 1
+        key[node] = f"{b if isinstance(b, str) else f'b{fold.rep(b)}'}:{k}"
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            where[node], key[node] = "input", f"in:{node.name}"
+        elif node.op == "get_attr":
+            where[node], key[node] = "attr", f"attr:{fold.canonical(node.target)}"
+        elif node.op == "output":
+            where[node], key[node] = "post", "output"
+    return Blocks(where, key, seen)
+
+
+def _relative(node: Node, b: Blocks, fold: Fold, ordinal: dict) -> str:
+    """A block op described relative to its own block, equal for every copy of a block."""
+    me = ordinal[b.where[node]]
+
+    def ref(a: Node) -> str:
+        w = b.where[a]
+        if isinstance(w, int):
+            step = me - ordinal[w]
+            if step not in (0, 1):
+                raise NotFoldable(f"{node.name} uses a value from {step} blocks back")
+            return f"{step}:{b.key[a].split(':')[1]}"
+        if w == "attr" and fold.block_of_name(a.target) is not None:
+            return f"{me - ordinal[fold.block_of_name(a.target)]}:{a.target.split('.', fold.path.count('.') + 2)[-1]}"
+        return b.key[a]
+
+    return f"{node.op}|{node.target}|{map_arg((node.args, node.kwargs), ref)}"
+
+
+def signatures(gm: torch.fx.GraphModule, fold: Fold, b: Blocks) -> dict:
+    """block index -> its ops described relative to itself."""
+    ordinal = {block: k for k, block in enumerate(b.order)}
+    out: dict = {}
+    for node in gm.graph.nodes:
+        if isinstance(b.where.get(node), int):
+            out.setdefault(b.where[node], []).append(_relative(node, b, fold, ordinal))
+    return {block: tuple(sig) for block, sig in out.items()}
+
+
+def check_repeats(gm: torch.fx.GraphModule, fold: Fold, b: Blocks) -> None:
+    """Every block planned as block 1 must compute exactly what block 1 computes."""
+    sig = signatures(gm, fold, b)
+    if sorted(sig) != list(range(fold.count)) and sorted(sig) != list(fold.kept):
+        raise NotFoldable(f"the graph has blocks {sorted(sig)} of {fold.path}")
+    for i, s in sig.items():
+        if 1 <= i <= fold.count - 2 and s != sig[1]:
+            raise NotFoldable(f"{fold.path}.{i} computes something different from {fold.path}.1")
+
+
+def fold_fingerprint(gm: torch.fx.GraphModule, fold: Fold, b: Blocks) -> str:
+    """Like capture.fingerprint, over the kept blocks' copies with canonical keys: equal for the
+    folded graph and the full graph of one model."""
+    h = hashlib.sha256(f"{fold.path}*{fold.count};".encode())
+    for node in gm.graph.nodes:
+        w = b.where[node]
+        if isinstance(w, int) and w not in fold.kept:
+            continue
+        if w == "attr" and fold.block_of_name(node.target) not in (None, *fold.kept):
+            continue
+        inputs = [b.key[a] for a in node.all_input_nodes]
+        h.update(f"{node.op}:{b.key[node]}:{node.target if w != 'attr' else ''}:{inputs};".encode())
+        if w == "attr":
+            v = node.meta.get("val")
+            h.update(f"{tuple(v.shape) if isinstance(v, torch.Tensor) else v}".encode())
+    return h.hexdigest()[:16]
+
+
+def weights_and_ties(fold: Fold, b: Blocks) -> tuple[dict, list]:
+    """node -> how many real nodes it stands for; (block 1 node, its block N-2 copy) pairs."""
+    weights = {}
+    for node, w in b.where.items():
+        i = w if isinstance(w, int) else fold.block_of_name(node.target) if w == "attr" else None
+        weights[node] = fold.weight(i) if i is not None else 1
+    by_key = {}
+    for node, w in b.where.items():
+        i = w if isinstance(w, int) else fold.block_of_name(node.target) if w == "attr" else None
+        if i in (1, fold.count - 2):
+            tail = ("op", b.key[node].split(":", 1)[1]) if w != "attr" else \
+                ("attr", node.target[len(fold.path) + 2 + len(str(i)):])
+            by_key.setdefault(tail, {})[i] = node
+    ties = [(pair[1], pair[fold.count - 2]) for pair in by_key.values() if len(pair) == 2]
+    if len(ties) != len(by_key):
+        raise NotFoldable(f"{fold.path}.1 and {fold.path}.{fold.count - 2} have different nodes")
+    return weights, ties
+
+
+@dataclass
+class Folded:
+    """A folded graph's bookkeeping, kept in ``gm.meta["autotp_fold"]`` for the solver and reports."""
+    fold: Fold
+    blocks: Blocks
+    weights: dict
+    ties: list
+
+    def fingerprint(self, gm: torch.fx.GraphModule) -> str:
+        return fold_fingerprint(gm, self.fold, self.blocks)
+
+
+def fold_graph(gm: torch.fx.GraphModule, fold: Fold) -> Folded:
+    """Check a graph's blocks repeat and record how to weigh and tie them (raises NotFoldable)."""
+    b = blocks(gm, fold)
+    check_repeats(gm, fold, b)
+    return Folded(fold, b, *weights_and_ties(fold, b))

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from autotp.cost_models import load_topology
 from autotp.passes.accounting import alternatives, planned_collectives
-from autotp.passes.capture import CaptureError, capture, fingerprint, module_path
+from autotp.passes.capture import CaptureError, capture, check_inputs, fingerprint, module_path
 from autotp.passes.fold import Fold, NotFoldable, find_fold, fold_graph, folded
 from autotp.passes.prepare import (
     fuse_repeat_kv,
@@ -37,6 +37,8 @@ def _graph(model: torch.nn.Module, args, kwargs, fold: bool = False) -> torch.fx
     (passes/fold.py; ``gm.meta["autotp_fold"]`` says how), for planning only -- never for running."""
     if args is None and kwargs is None:
         args = default_inputs(model)
+    if fold:
+        check_inputs(model, args if args is not None else (), kwargs)
     repeats = find_fold(model) if fold else None
     if repeats is not None:
         try:

@@ -21,7 +21,7 @@ def compare(model: torch.nn.Module, args=None, kwargs=None, *, world_size: int, 
             training: bool = True) -> dict:
     """{"autotp": summary, "hf": summary or None (no tp_plan for this architecture), "hf_invalid": why
     HF's plan cannot run this model exactly (e.g. heads not divisible by the world size), or None}."""
-    gm = _graph(model, args, kwargs)
+    gm = _graph(model, args, kwargs, fold=True)
     ours = summary(_solve(gm, world_size, topology, training=training))
     fixed = hf_parameter_placements(model)
     theirs, invalid = None, None

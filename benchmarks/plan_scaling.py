@@ -1,9 +1,12 @@
-"""Planning time against depth: capture / solve / rewrite / total seconds for a LLaMA-3-70B-shaped
-config (hidden 8192, 64 heads, 8 KV heads, FFN 28672, vocab 128256) on the meta device, world size 8.
+"""Planning time against depth for a LLaMA-3-70B-shaped config (hidden 8192, 64 heads, 8 KV heads,
+FFN 28672, vocab 128256) on the meta device, world size 8.
 
-    python benchmarks/plan_scaling.py [--layers 2 8 32 80 126] [--world-size 8]
+    python benchmarks/plan_scaling.py [--layers 2 8 32 80 126] [--world-size 8] [--plan-only]
 
-The rewrite is timed without loading weights (each rank's shards are empty meta tensors).
+Left: what ``autotp.plan`` costs from model to plan (the model is built on meta and captured with
+four of its blocks, passes/fold.py).  Right: the program a rank runs (every block captured, plan
+stamped, rewritten without loading weights: each rank's shards are empty meta tensors), and the
+whole graph solved without folding, to check the folded plan is the same in every op.
 """
 from __future__ import annotations
 
@@ -33,33 +36,41 @@ class _EmptyShards:
         return torch.empty(shape, device="meta", dtype=torch.bfloat16)
 
 
-def measure(layers: int, world: int) -> dict:
+def measure(layers: int, world: int, whole: bool) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from autotp.api import _graph, _solve
+    from autotp.api import _choice, _graph, _solve
+    from autotp.passes.capture import fingerprint
     from autotp.passes.rewrite import rewrite
-    from autotp.passes.strategies import Strategy
     config = LlamaConfig(hidden_size=8192, intermediate_size=28672, num_attention_heads=64, num_key_value_heads=8,
                          num_hidden_layers=layers, vocab_size=128256, max_position_embeddings=8192, use_cache=False)
+    times = {}
+    start = time.perf_counter()
     with torch.device("meta"):
         model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
     ids = torch.zeros(2, 2048, dtype=torch.long, device="meta")
-    times = {}
-    start = time.perf_counter()
-    gm = _graph(model, (ids,), None)
+    folded = _graph(model, (ids,), None, fold=True)  # what autotp.plan captures
     times["capture"] = time.perf_counter() - start
     start = time.perf_counter()
-    plan = _solve(gm, world, "dgx-h100", training=False)
+    plan = _solve(folded, world, "dgx-h100", training=False)
     times["solve"] = time.perf_counter() - start
+    times["plan"] = times["capture"] + times["solve"]
+    times["blocks"] = plan.fold["count"] if plan.fold else layers
+    if not whole:
+        return times
     start = time.perf_counter()
-    choice = {}
-    for node in gm.graph.nodes:
-        if node.name in plan.nodes:
-            inputs, output = plan.strategy(node.name)
-            choice[node] = Strategy(tuple(inputs), output)
+    gm = _graph(model, (ids,), None)  # the program each rank runs has every block
+    times["full capture"] = time.perf_counter() - start
+    start = time.perf_counter()
+    choice = _choice(gm, plan, fingerprint(gm), world)
     rewrite(gm, choice, 0, world, "unused", _EmptyShards(model), torch.device("meta"))
     times["rewrite"] = time.perf_counter() - start
-    times["total"] = sum(times.values())
+    start = time.perf_counter()
+    reference = _solve(gm, world, "dgx-h100", training=False)
+    times["whole solve"] = time.perf_counter() - start
+    same = {n.name: s for n, s in choice.items()} == {n.name: s for n, s in _choice(gm, reference, fingerprint(gm),
+                                                                                      world).items()}
+    times["same"] = "yes" if same and plan.params == reference.params else "NO"
     return times
 
 
@@ -67,12 +78,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[2, 8, 32, 80, 126])
     parser.add_argument("--world-size", type=int, default=8)
+    parser.add_argument("--plan-only", action="store_true", help="skip the whole-graph capture, rewrite and check")
     args = parser.parse_args()
-    print(f"{'layers':>6} {'capture s':>10} {'solve s':>8} {'rewrite s':>10} {'total s':>8}")
+    print(f"{'layers':>6} | {'capture s':>9} {'solve s':>8} {'plan s':>7} | {'full capture s':>14} {'rewrite s':>9} "
+          f"{'whole-graph solve s':>19} {'same plan':>9}")
     for layers in args.layers:
-        t = measure(layers, args.world_size)
-        print(f"{layers:>6} {t['capture']:>10.1f} {t['solve']:>8.1f} {t['rewrite']:>10.1f} {t['total']:>8.1f}",
-              flush=True)
+        t = measure(layers, args.world_size, not args.plan_only)
+        rest = (f"{t['full capture']:>14.1f} {t['rewrite']:>9.1f} {t['whole solve']:>19.1f} {t['same']:>9}"
+                if "rewrite" in t else "")
+        print(f"{layers:>6} | {t['capture']:>9.2f} {t['solve']:>8.2f} {t['plan']:>7.2f} | {rest}", flush=True)
 
 
 if __name__ == "__main__":

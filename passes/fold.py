@@ -125,6 +125,8 @@ def folded(model: torch.nn.Module, fold: Fold):
 def _scope_block(node: Node, fold: Fold) -> int | None:
     if node.op == "get_attr":
         return fold.block_of_name(node.target)
+    if node.op == "call_module":  # torch.export's input guards, scoped to whichever module came first
+        return None
     for path, _ in (node.meta.get("nn_module_stack") or {}).values():
         i = fold.block_of_name(path)
         if i is not None:
@@ -176,8 +178,9 @@ def blocks(gm: torch.fx.GraphModule, fold: Fold) -> Blocks:
     return Blocks(where, key, seen)
 
 
-def _relative(node: Node, b: Blocks, fold: Fold, ordinal: dict) -> str:
-    """A block op described relative to its own block, equal for every copy of a block."""
+def _relative(node: Node, b: Blocks, fold: Fold, ordinal: dict, sizes: dict) -> str:
+    """A block op described relative to its own block, equal for every copy of a block (values of the
+    previous block are counted from its end, so block 0 may differ in what comes first)."""
     me = ordinal[b.where[node]]
 
     def ref(a: Node) -> str:
@@ -186,7 +189,7 @@ def _relative(node: Node, b: Blocks, fold: Fold, ordinal: dict) -> str:
             step = me - ordinal[w]
             if step not in (0, 1):
                 raise NotFoldable(f"{node.name} uses a value from {step} blocks back")
-            return f"{step}:{b.key[a].split(':')[1]}"
+            return f"{step}:{int(b.key[a].split(':')[1]) - step * sizes[w]}"
         if w == "attr" and fold.block_of_name(a.target) is not None:
             return f"{me - ordinal[fold.block_of_name(a.target)]}:{a.target.split('.', fold.path.count('.') + 2)[-1]}"
         return b.key[a]
@@ -197,10 +200,11 @@ def _relative(node: Node, b: Blocks, fold: Fold, ordinal: dict) -> str:
 def signatures(gm: torch.fx.GraphModule, fold: Fold, b: Blocks) -> dict:
     """block index -> its ops described relative to itself."""
     ordinal = {block: k for k, block in enumerate(b.order)}
+    members = [n for n in gm.graph.nodes if isinstance(b.where.get(n), int)]
+    sizes = {block: sum(b.where[n] == block for n in members) for block in b.order}
     out: dict = {}
-    for node in gm.graph.nodes:
-        if isinstance(b.where.get(node), int):
-            out.setdefault(b.where[node], []).append(_relative(node, b, fold, ordinal))
+    for node in members:
+        out.setdefault(b.where[node], []).append(_relative(node, b, fold, ordinal, sizes))
     return {block: tuple(sig) for block, sig in out.items()}
 
 

@@ -39,7 +39,7 @@ class ParallelBranches(torch.nn.Module):
         return x + (self.a_out(torch.relu(self.a_in(y))) + self.b_out(torch.nn.functional.gelu(self.b_in(y))))
 
 
-def build(kind: str, device: str = "cpu"):
+def build(kind: str, device: str = "cpu", blocks: int = BLOCKS):
     """(model, example args, number of transformer blocks) with a fixed seed."""
     torch.manual_seed(0)
     with torch.device(device):
@@ -49,28 +49,28 @@ def build(kind: str, device: str = "cpu"):
         if kind == "unruly":
             return Unruly().eval(), (torch.randn(2, 8, 32),), 0
         if kind == "nanogpt":
-            model, args = nanogpt.build(n_layer=BLOCKS, n_head=4, n_embd=32)
-            return model.eval(), args, BLOCKS
+            model, args = nanogpt.build(n_layer=blocks, n_head=4, n_embd=32)
+            return model.eval(), args, blocks
         if kind == "llama":
             from transformers import LlamaConfig, LlamaForCausalLM
-            config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=BLOCKS,
+            config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=blocks,
                                  num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64,
                                  use_cache=False)
             model = LlamaForCausalLM(config)
         elif kind == "phi3":  # fused qkv cut with slices (GQA sizes), fused gate_up cut with chunk
             from transformers import Phi3Config, Phi3ForCausalLM
-            config = Phi3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=BLOCKS,
+            config = Phi3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=blocks,
                                 num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64,
                                 use_cache=False, pad_token_id=0, bos_token_id=0, eos_token_id=0)
             model = Phi3ForCausalLM(config)
         elif kind == "gpt2":
             from transformers import GPT2Config, GPT2LMHeadModel
-            config = GPT2Config(vocab_size=128, n_embd=64, n_layer=BLOCKS, n_head=4, n_positions=64, use_cache=False,
+            config = GPT2Config(vocab_size=128, n_embd=64, n_layer=blocks, n_head=4, n_positions=64, use_cache=False,
                                 bos_token_id=0, eos_token_id=0)
             model = GPT2LMHeadModel(config)
         else:
             raise ValueError(kind)
-    return model.eval(), (torch.randint(0, 128, (2, 8)),), BLOCKS
+    return model.eval(), (torch.randint(0, 128, (2, 8)),), blocks
 
 
 def llama_with(heads: int, kv: int, head_dim: int = 8, vocab: int = 96, layers: int = 1):

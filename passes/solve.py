@@ -35,6 +35,12 @@ _VIEWS = {getattr(torch.ops.aten, name).default for name in
     torch.ops.aten.split.Tensor, torch.ops.aten.chunk.default, operator.getitem}
 
 
+# Equal-cost plans are common (an all-gather before a matmul or a reduce-scatter after it move the
+# same bytes); a tenth of a nanosecond per option index makes the solver prefer the rules' earlier
+# options, so the same graph always gets the same plan, folded or whole.
+TIE_BREAK = 1e-10
+
+
 class PlanningError(RuntimeError):
     pass
 
@@ -130,13 +136,14 @@ def solve(gm: torch.fx.GraphModule, ctx: Context, topology: Topology, *, trainin
     sizes = sizes or Sizes()
     problem = pulp.LpProblem("autotp", pulp.LpMinimize)
     trainable = dict(gm.named_parameters(remove_duplicate=False))
-    costs, memory, kinds = [], [], {}
+    costs, memory, kinds, preference = [], [], {}, []
     x = {}
     for i, (node, options) in enumerate(ctx.strategies.items()):
         x[node] = [problem.add_variable(f"x{i}_{k}", cat="Binary") for k in range(len(options))]
         problem += pulp.lpSum(x[node]) == 1
-        for var, s in zip(x[node], options, strict=True):
+        for k, (var, s) in enumerate(zip(x[node], options, strict=True)):
             costs.append(var * w(node, 1) * _compute_time(node, s, sizes, t, topology, training))
+            preference.append(var * w(node, 1) * k * TIE_BREAK)
             for kind, held in _memory(node, s, sizes, t, trainable, training).items():
                 if held:
                     memory.append(var * w(node, 1) * held)
@@ -188,21 +195,23 @@ def solve(gm: torch.fx.GraphModule, ctx: Context, topology: Topology, *, trainin
 
     limit = memory_limit if memory_limit is not None else 0.9 * topology.memory_bytes
     total_memory = pulp.lpSum(memory)
-    seconds = _run(problem, pulp.lpSum(costs))
+    objective = pulp.lpSum(costs + preference)
+    _run(problem, objective)
     if pulp.value(total_memory) > limit:
         hint = _fit_hint(ctx, x, sizes, limit, trainable, training, w)
         problem += total_memory <= limit, "memory_limit"
         try:
-            seconds = _run(problem, pulp.lpSum(costs))
+            _run(problem, objective)
         except PlanningError:
             raise PlanningError(f"no plan fits {limit / 1e9:.1f} GB per device at world size {t}: {hint}") from None
+    seconds = float(pulp.value(pulp.lpSum(costs)))
     choice = {node: options[max(range(len(options)), key=lambda k: x[node][k].value() or 0)]
               for node, options in ctx.strategies.items()}
     by_kind = {kind: float(pulp.value(pulp.lpSum(terms)) or 0.0) for kind, terms in kinds.items()}
     return Solution(choice, seconds, breakdown(by_kind))
 
 
-def _run(problem: pulp.LpProblem, objective) -> float:
+def _run(problem: pulp.LpProblem, objective) -> None:
     """Solve for the objective in microseconds: CBC's tolerances (~1e-7) would blur a step time in seconds."""
     problem.setObjective(objective * 1e6)
     with warnings.catch_warnings():  # PuLP 3 warns that 4.0 will stop bundling CBC; pyproject pins <4
@@ -211,7 +220,6 @@ def _run(problem: pulp.LpProblem, objective) -> float:
     status = pulp.LpStatus[problem.status]
     if status != "Optimal":
         raise PlanningError(f"the sharding ILP ended {status}")
-    return float(pulp.value(objective))
 
 
 def _fit_hint(ctx: Context, x: dict, sizes: Sizes, limit: float, trainable: dict, training: bool, w) -> str:

@@ -1,5 +1,6 @@
 """Forward time of the same LLaMA weights three ways on 2 gloo ranks: autotp, transformers'
-tp_plan="auto" (DTensor), and a minimal hand-written Megatron reference (plain tensors + all_reduce).
+tp_plan="auto" (DTensor), and a minimal hand-written Megatron reference (plain tensors + all_reduce;
+vocabulary-parallel embedding and head as in Megatron-LM, and a variant with both replicated).
 
     python benchmarks/runtime.py [--layers 4] [--hidden 512] [--repeats 7]
 
@@ -20,9 +21,13 @@ from saved_llama import run_on_saved_llama
 
 
 class Megatron(torch.nn.Module):
-    """LLaMA by hand: q/k/v, gate/up column-split, o/down row-split, one all-reduce after each."""
+    """LLaMA by hand: q/k/v, gate/up column-split, o/down row-split, one all-reduce after each.
 
-    def __init__(self, model, rank: int, world: int):
+    ``vocab_parallel``: as Megatron-LM, the embedding is split by vocabulary (masked lookup, one
+    all-reduce) and the head by vocabulary (logits all-gathered); otherwise both are replicated
+    (fewer collectives, the full vocabulary's weights on every rank)."""
+
+    def __init__(self, model, rank: int, world: int, vocab_parallel: bool = True):
         super().__init__()
         c = model.config
         self.rank, self.world, self.eps = rank, world, c.rms_norm_eps
@@ -36,21 +41,32 @@ class Megatron(torch.nn.Module):
         def cols(w):
             return w.detach().chunk(world, 1)[rank].contiguous()
 
+        self.vocab_parallel, self.vocab = vocab_parallel, c.vocab_size
         self.embed = model.model.embed_tokens.weight.detach()
+        self.head = model.lm_head.weight.detach()
+        if vocab_parallel:
+            self.embed, self.head = rows(self.embed), rows(self.head)
         self.layers = [{"ln1": layer.input_layernorm.weight.detach(),
                         "ln2": layer.post_attention_layernorm.weight.detach(),
                         "q": rows(layer.self_attn.q_proj.weight), "k": rows(layer.self_attn.k_proj.weight),
                         "v": rows(layer.self_attn.v_proj.weight), "o": cols(layer.self_attn.o_proj.weight),
                         "gate": rows(layer.mlp.gate_proj.weight), "up": rows(layer.mlp.up_proj.weight),
                         "down": cols(layer.mlp.down_proj.weight)} for layer in model.model.layers]
-        self.norm, self.head = model.model.norm.weight.detach(), model.lm_head.weight.detach()
+        self.norm = model.model.norm.weight.detach()
 
     def _rms(self, x, w):
         return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
 
     def forward(self, ids):
         b, s = ids.shape
-        x = F.embedding(ids, self.embed)
+        if self.vocab_parallel:
+            start = self.rank * self.embed.shape[0]
+            local = ids - start
+            outside = (local < 0) | (local >= self.embed.shape[0])
+            x = F.embedding(local.masked_fill(outside, 0), self.embed).masked_fill(outside[..., None], 0.0)
+            dist.all_reduce(x)
+        else:
+            x = F.embedding(ids, self.embed)
         angles = torch.arange(s, dtype=torch.float32)[:, None] * self.inv_freq[None]
         cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
 
@@ -72,7 +88,12 @@ class Megatron(torch.nn.Module):
             out = F.linear(F.silu(F.linear(h, p["gate"])) * F.linear(h, p["up"]), p["down"])
             dist.all_reduce(out)
             x = x + out
-        return F.linear(self._rms(x, self.norm), self.head)
+        logits = F.linear(self._rms(x, self.norm), self.head)
+        if not self.vocab_parallel:
+            return logits
+        pieces = [torch.empty_like(logits) for _ in range(self.world)]
+        dist.all_gather(pieces, logits.contiguous())
+        return torch.cat(pieces, -1)
 
 
 def _rank(rank: int, world: int, directory: str, repeats: int) -> dict:
@@ -83,7 +104,8 @@ def _rank(rank: int, world: int, directory: str, repeats: int) -> dict:
     model = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
     runners = {"autotp": autotp.parallelize(model),
                "hf": transformers.AutoModelForCausalLM.from_pretrained(directory, tp_plan="auto").eval(),
-               "reference": Megatron(model, rank, world)}
+               "reference": Megatron(model, rank, world),
+               "reference, replicated vocab": Megatron(model, rank, world, vocab_parallel=False)}
     shapes = {"prefill 4x128": (4, 128), "decode 1x1": (1, 1)}
     times = {(shape, name): [] for shape in shapes for name in runners}
     with torch.no_grad():
@@ -111,9 +133,10 @@ def main() -> None:
     args = parser.parse_args()
     medians = run_on_saved_llama(args.layers, args.hidden, _rank, args.repeats, vocab_size=2048, use_cache=False)
     for shape in ("prefill 4x128", "decode 1x1"):
-        ours, hf, ref = (medians[(shape, n)] for n in ("autotp", "hf", "reference"))
+        ours, hf, ref, rep = (medians[(shape, n)] for n in ("autotp", "hf", "reference", "reference, replicated vocab"))
         print(f"{shape:14s} autotp {ours * 1e3:7.2f} ms  hf {hf * 1e3:7.2f} ms  reference {ref * 1e3:7.2f} ms  "
-              f"autotp/hf {ours / hf:.2f}x  autotp/reference {ours / ref:.2f}x")
+              f"(replicated vocab {rep * 1e3:7.2f} ms)  autotp/hf {ours / hf:.2f}x  "
+              f"autotp/reference {ours / ref:.2f}x  (/replicated vocab {ours / rep:.2f}x)")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from autotp.passes.accounting import alternatives, planned_collectives
 from autotp.passes.capture import CaptureError, capture, check_inputs, fingerprint, module_path
 from autotp.passes.fold import Fold, NotFoldable, find_fold, fold_graph, folded
 from autotp.passes.prepare import (
+    drop_no_ops,
     fuse_repeat_kv,
     fused_block_hints,
     merge_aliases,
@@ -26,7 +27,7 @@ from autotp.passes.strategies import Context, Strategy, enumerate_strategies, in
 
 from .agree import DEFAULT_TIMEOUT, Rendezvous, inputs_digest
 from .checkpoint import Checkpoint
-from .collectives import gather_full
+from .collectives import gather_full, use_one_shot
 from .hf import default_inputs, no_kv_cache
 from .plan import Plan, PlanMismatch
 from .report import param_styles
@@ -53,6 +54,7 @@ def _graph(model: torch.nn.Module, args, kwargs, fold: bool = False) -> torch.fx
     merge_aliases(gm)
     split_bias(gm)
     fuse_repeat_kv(gm)
+    drop_no_ops(gm)
     return gm
 
 
@@ -150,6 +152,8 @@ def parallelize(model: torch.nn.Module, args=None, kwargs=None, *, plan: Plan | 
     if source is not None:
         retarget_device(gm, device)
     sharded = rewrite(gm, choice, rank, world, group.group_name, source, device, gather_outputs)
+    if dist.get_backend(group) == "gloo":
+        use_one_shot(group.group_name, world)
     rendezvous.agree("loaded", "ok", "finish loading their shards")
     sharded.autotp_plan = plan
     sharded.autotp_group = group

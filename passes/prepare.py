@@ -30,6 +30,20 @@ def merge_aliases(gm: torch.fx.GraphModule) -> None:
     gm.graph.lint()
 
 
+def drop_no_ops(gm: torch.fx.GraphModule) -> None:
+    """Remove what only costs dispatch time at run time: torch.export's dtype/device assertions and
+    casts to the dtype a tensor already has (``to`` without copy returns its input)."""
+    for node in list(gm.graph.nodes):
+        if node.target == aten._assert_tensor_metadata.default and not node.users:
+            gm.graph.erase_node(node)
+        elif node.target == aten.to.dtype and len(node.args) == 2 and not node.kwargs:
+            source, out = node.args[0].meta.get("val"), node.meta.get("val")
+            if isinstance(source, torch.Tensor) and isinstance(out, torch.Tensor) and source.dtype == out.dtype:
+                node.replace_all_uses_with(node.args[0])
+                gm.graph.erase_node(node)
+    gm.graph.lint()
+
+
 def getattr_path(gm: torch.nn.Module, target: str):
     value = gm
     for part in target.split("."):

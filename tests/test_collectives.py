@@ -75,3 +75,30 @@ def test_uneven_and_grouped_pieces():
     assert [take_local(kv, Shard(0, units=2), r, 4).tolist() for r in range(4)] == [
         [0, 1, 2], [0, 1, 2], [3, 4, 5], [3, 4, 5]]
     assert Shard(0, units=2).owners(4) == [0, 2]
+
+
+def _one_shot(rank: int, world: int) -> None:
+    import torch.distributed as dist
+    from torch.distributed.tensor.debug import CommDebugMode
+    group = dist.group.WORLD.group_name
+    torch.manual_seed(rank)
+    small, large = torch.randn(3, 5), torch.randn(collectives.ONE_SHOT_BYTES // 4)  # large: over the limit
+    want = {}
+    for name, x in (("small", small), ("large", large)):
+        want[name] = x.clone()
+        dist.all_reduce(want[name])
+    collectives.use_one_shot(group, world)
+    for name, x, op in (("small", small, "all_gather_into_tensor"), ("large", large, "all_reduce")):
+        with CommDebugMode() as comm:
+            got = collectives._all_reduce(x, group)
+        assert {str(o).split(".")[-1]: n for o, n in comm.get_comm_counts().items()} == {op: 1}, name
+        torch.testing.assert_close(got, want[name], rtol=1e-5, atol=1e-5)
+        copies = [torch.empty_like(got) for _ in range(world)]
+        dist.all_gather(copies, got)
+        assert all(torch.equal(c, got) for c in copies), name  # replicated values are bit-identical
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_small_all_reduces_on_gloo_are_one_shot(world):
+    """vLLM's one-shot all-reduce for small messages: gathered, summed in rank order on every rank."""
+    run_ranks(world, _one_shot)

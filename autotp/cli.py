@@ -49,7 +49,7 @@ def _plan(args) -> int:
     with _console().status("building the model on the meta device, capturing, solving ..."):
         model, example = load_model(args.model, args.batch, args.seq)
         result = autotp.plan(model, example, world_size=args.world_size, topology=args.topology,
-                             training=not args.inference)
+                             training=not args.inference, fold=not args.no_fold)
     if args.out:
         result.save(args.out)
     if args.json:
@@ -164,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--out", help="write the plan JSON here")
     plan.add_argument("--json", action="store_true", help="print the plan JSON instead of tables")
     plan.add_argument("--devices", type=int, default=None, help="also price every TP x DP split of this many devices")
+    plan.add_argument("--no-fold", action="store_true",
+                      help="capture and solve every block (default: identical blocks planned from four)")
     mesh = sub.add_parser("mesh", help="price every TP x DP split of a number of devices and pick the fastest")
     _model_arguments(mesh)
     mesh.add_argument("--devices", type=int, default=None, help="how many devices (default: all of the topology)")

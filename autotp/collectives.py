@@ -34,7 +34,7 @@ def _all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
     world = _one_shot_worlds.get(group)
     if world and x.numel() * x.element_size() * world <= ONE_SHOT_BYTES:
         gathered = _c10d.wait_tensor(_c10d.all_gather_into_tensor(x.reshape(-1).contiguous(), world, group))
-        return gathered.view(world, -1).sum(0).view(x.shape)
+        return gathered.view(world, *x.shape).sum(0)  # a fresh tensor: callers may add into it in place
     return _c10d.wait_tensor(_c10d.all_reduce(x.contiguous(), "sum", group))
 
 

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from autotp.plan import Plan
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -113,10 +115,10 @@ def test_compare_with_transformers_plans(tmp_path):
             assert int(rows["forward all_gather"][0]) >= 4, rows
 
 
-def _llama_config(path: Path, heads: int, kv: int, head_dim: int, vocab: int) -> Path:
+def _llama_config(path: Path, heads: int, kv: int, head_dim: int, vocab: int, layers: int = 1) -> Path:
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": heads * head_dim,
               "num_attention_heads": heads, "num_key_value_heads": kv, "intermediate_size": 3584,
-              "num_hidden_layers": 1, "vocab_size": vocab, "max_position_embeddings": 4096}
+              "num_hidden_layers": layers, "vocab_size": vocab, "max_position_embeddings": 4096}
     path.write_text(json.dumps(config))
     return path
 
@@ -134,3 +136,19 @@ def test_plan_calls_out_uneven_and_shared_heads(tmp_path):
     rows = {line.split("│")[1].strip(): line for line in result.stdout.splitlines() if line.count("│") > 3}
     for proj in ("k_proj", "v_proj"):
         assert "2 heads each replicated on 2 ranks" in rows[f"model.layers.0.self_attn.{proj}.weight"]
+
+
+def test_plan_folds_a_deep_model_and_lists_every_layer(tmp_path):
+    deep = _llama_config(tmp_path / "deep.json", heads=8, kv=8, head_dim=16, vocab=1000, layers=12)
+    result = _autotp("plan", str(deep), "--world-size", "2", "--inference", "--out", str(tmp_path / "folded.json"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "12 identical blocks of model.layers planned from four" in result.stdout
+    rows = {line.split("│")[1].strip(): line for line in result.stdout.splitlines() if line.count("│") > 3}
+    for i in range(12):
+        assert "row" in rows[f"model.layers.{i}.mlp.down_proj.weight"], i
+    whole = _autotp("plan", str(deep), "--world-size", "2", "--inference", "--no-fold",
+                    "--out", str(tmp_path / "whole.json"))
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    folded, unfolded = Plan.load(tmp_path / "folded.json"), Plan.load(tmp_path / "whole.json")
+    assert folded.fold == {"path": "model.layers", "count": 12} and unfolded.fold is None
+    assert folded.params == unfolded.params and len(folded.nodes) < len(unfolded.nodes)

@@ -144,6 +144,7 @@ class Blocks:
 
 
 def blocks(gm: torch.fx.GraphModule, fold: Fold) -> Blocks:
+    """Ops are placed by their module scope; unscoped ones (export's guards, size reads) by position."""
     where, key, seen = {}, {}, []
     ops = [n for n in gm.graph.nodes if n.op not in ("placeholder", "get_attr", "output")]
     scoped = [_scope_block(n, fold) for n in ops]
@@ -238,13 +239,10 @@ def fold_fingerprint(gm: torch.fx.GraphModule, fold: Fold, b: Blocks) -> str:
 
 def weights_and_ties(fold: Fold, b: Blocks) -> tuple[dict, list]:
     """node -> how many real nodes it stands for; (block 1 node, its block N-2 copy) pairs."""
-    weights = {}
+    weights, by_key = {}, {}
     for node, w in b.where.items():
         i = w if isinstance(w, int) else fold.block_of_name(node.target) if w == "attr" else None
         weights[node] = fold.weight(i) if i is not None else 1
-    by_key = {}
-    for node, w in b.where.items():
-        i = w if isinstance(w, int) else fold.block_of_name(node.target) if w == "attr" else None
         if i in (1, fold.count - 2):
             tail = ("op", b.key[node].split(":", 1)[1]) if w != "attr" else \
                 ("attr", node.target[len(fold.path) + 2 + len(str(i)):])

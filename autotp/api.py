@@ -38,9 +38,10 @@ def _graph(model: torch.nn.Module, args, kwargs, fold: bool = False) -> torch.fx
     (passes/fold.py; ``gm.meta["autotp_fold"]`` says how), for planning only -- never for running."""
     if args is None and kwargs is None:
         args = default_inputs(model)
+    repeats = None
     if fold:
-        check_inputs(model, args if args is not None else (), kwargs)
-    repeats = find_fold(model) if fold else None
+        check_inputs(model, args if args is not None else (), kwargs)  # clear errors before looking inside
+        repeats = find_fold(model)
     if repeats is not None:
         try:
             with folded(model, repeats):

@@ -164,6 +164,8 @@ def blocks(gm: torch.fx.GraphModule, fold: Fold) -> Blocks:
                 raise NotFoldable(f"block {b} is interleaved with another")
             seen.append(b)
         where[node] = b
+    if seen != sorted(seen):  # block 1's weight stands for blocks run between the first and the last
+        raise NotFoldable(f"the blocks run in the order {seen}")
     position: dict = {}
     for node in ops:
         b = where[node]

@@ -39,6 +39,10 @@ class Stack(torch.nn.Module):
             for i in range(len(self.blocks)):
                 x = self.blocks[i](x)
             return x
+        if self.how == "reversed":
+            for block in list(self.blocks)[::-1]:
+                x = block(x)
+            return x
         for i, block in enumerate(self.blocks):  # "position": the fourth block visited is doubled
             x = block(x, double=self.odd == "position" and i == 3)
         return x
@@ -73,8 +77,9 @@ def test_blocks_with_different_settings_are_not_folded():
     assert plan.fold is None and "blocks.3.up.weight" in plan.params
 
 
-def test_a_forward_that_indexes_the_blocks_is_planned_whole():
-    model, args = Stack(how="index"), (torch.randn(2, 4, 32),)
+@pytest.mark.parametrize("how", ["index", "reversed"])
+def test_a_forward_that_indexes_or_reverses_the_blocks_is_planned_whole(how):
+    model, args = Stack(how=how), (torch.randn(2, 4, 32),)
     folded, _, stamped, reference = _stamped(model, args, 2)
     assert folded.fold is None and stamped == reference
 

@@ -43,28 +43,33 @@ class Fold:
         """How many real blocks the kept block ``i`` stands for."""
         return self.count - 3 if i == 1 else 1
 
-    def block_of_name(self, name: str) -> int | None:
+    def locate(self, name: str) -> tuple[int, str] | None:
+        """(block index, the name inside that block) for a parameter or module path in the list."""
         head = self.path + "."
         if not name.startswith(head):
             return None
-        index = name[len(head):].split(".", 1)[0]
-        return int(index) if index.isdigit() else None
+        index, _, inside = name[len(head):].partition(".")
+        return (int(index), inside) if index.isdigit() else None
+
+    def name(self, i: int, inside: str) -> str:
+        return f"{self.path}.{i}.{inside}" if inside else f"{self.path}.{i}"
+
+    def block_of_name(self, name: str) -> int | None:
+        found = self.locate(name)
+        return found[0] if found else None
 
     def canonical(self, name: str) -> str:
         """A parameter or module path with its block index replaced by its representative's."""
-        i = self.block_of_name(name)
-        if i is None:
-            return name
-        rest = name[len(self.path) + 1 + len(str(i)):]
-        return f"{self.path}.{self.rep(i)}{rest}"
+        found = self.locate(name)
+        return self.name(self.rep(found[0]), found[1]) if found else name
 
     def expand(self, by_name: dict) -> dict:
         """Entries keyed by kept-block names, copied to every block they stand for."""
         out = dict(by_name)
         for name, value in by_name.items():
-            if self.block_of_name(name) == 1:
-                rest = name[len(self.path) + 2:]
-                out.update({f"{self.path}.{i}{rest}": value for i in range(2, self.count - 2)})
+            found = self.locate(name)
+            if found and found[0] == 1:
+                out.update({self.name(i, found[1]): value for i in range(2, self.count - 2)})
         return out
 
 
@@ -193,8 +198,9 @@ def _relative(node: Node, b: Blocks, fold: Fold, ordinal: dict, sizes: dict) -> 
             if step not in (0, 1):
                 raise NotFoldable(f"{node.name} uses a value from {step} blocks back")
             return f"{step}:{int(b.key[a].split(':')[1]) - step * sizes[w]}"
-        if w == "attr" and fold.block_of_name(a.target) is not None:
-            return f"{me - ordinal[fold.block_of_name(a.target)]}:{a.target.split('.', fold.path.count('.') + 2)[-1]}"
+        found = fold.locate(a.target) if w == "attr" else None
+        if found:
+            return f"{me - ordinal[found[0]]}:{found[1]}"
         return b.key[a]
 
     return f"{node.op}|{node.target}|{map_arg((node.args, node.kwargs), ref)}"
@@ -246,8 +252,7 @@ def weights_and_ties(fold: Fold, b: Blocks) -> tuple[dict, list]:
         i = w if isinstance(w, int) else fold.block_of_name(node.target) if w == "attr" else None
         weights[node] = fold.weight(i) if i is not None else 1
         if i in (1, fold.count - 2):
-            tail = ("op", b.key[node].split(":", 1)[1]) if w != "attr" else \
-                ("attr", node.target[len(fold.path) + 2 + len(str(i)):])
+            tail = ("attr", fold.locate(node.target)[1]) if w == "attr" else ("op", b.key[node].split(":", 1)[1])
             by_key.setdefault(tail, {})[i] = node
     ties = [(pair[1], pair[fold.count - 2]) for pair in by_key.values() if len(pair) == 2]
     if len(ties) != len(by_key):

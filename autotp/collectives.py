@@ -7,34 +7,78 @@
   R -> S   local slice forward, all-gather backward
 Uneven shards are padded to the largest piece for the collective.  Gradients of grouped shards
 (KV heads shared by several ranks) are partial within each group, so "gathering" them sums.
-Collectives are the functional c10d ops, so CommDebugMode sees them and torch.compile can trace them.
+CommDebugMode sees every collective; under torch.compile they are functional c10d ops, which it traces.
 """
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
+
 import torch
+import torch.distributed as dist
 
 from .placement import Partial, Replicate, Shard, assemble, take_local
 
 _c10d = torch.ops._c10d_functional
 
 
-# gloo's all-reduce of a small tensor takes milliseconds on local ranks, an all-gather a fraction of
-# that: for groups registered here (gloo), tensors up to ONE_SHOT_BYTES (all pieces together) are
-# all-gathered and summed in rank order on every rank -- vLLM's "one-shot" all-reduce for small
-# messages.  NCCL groups keep NCCL's all-reduce.
+# Groups registered here (gloo, on CPU) take two shortcuts measured on local ranks:
+# - tensors up to ONE_SHOT_BYTES (all pieces together) are all-gathered and summed in rank order on
+#   every rank -- vLLM's "one-shot" all-reduce for small messages: gloo's ring all-reduce of a small
+#   tensor takes milliseconds, an all-gather a fraction of that;
+# - in eager mode the collective is issued asynchronously and waited for by polling with
+#   sched_yield while this process has a core to itself: a rank blocked in wait() leaves its (virtual)
+#   core idle and often wakes a scheduler tick late (~4 ms on a 2-core VM), several times per forward.
+# NCCL groups and torch.compile keep the functional ops.
 ONE_SHOT_BYTES = 256 * 1024
-_one_shot_worlds: dict = {}  # group name -> its size
 
 
-def use_one_shot(group: str, world: int) -> None:
-    _one_shot_worlds[group] = world
+@dataclass(frozen=True)
+class _Gloo:
+    group: dist.ProcessGroup
+    world: int
+    poll: bool  # no more local ranks than cores: a yielding rank takes no core from another
+
+
+_gloo: dict = {}  # group name -> _Gloo
+
+
+def register_gloo(group: dist.ProcessGroup) -> None:
+    world = dist.get_world_size(group)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    _gloo[group.group_name] = _Gloo(group, world, local <= len(os.sched_getaffinity(0)))
+
+
+def _eager_gloo(group: str) -> _Gloo | None:
+    gloo = _gloo.get(group)
+    return None if gloo is None or torch.compiler.is_compiling() else gloo
+
+
+def _wait(work, gloo: _Gloo) -> None:
+    while gloo.poll and not work.is_completed():
+        os.sched_yield()
+    work.wait()  # raises the collective's error, if any (gloo's timeout ends the loop above)
+
+
+def _all_gather(x: torch.Tensor, world: int, group: str) -> torch.Tensor:
+    """Every rank's ``x`` (contiguous), concatenated along dim 0."""
+    gloo = _eager_gloo(group)
+    if gloo is None:
+        return _c10d.wait_tensor(_c10d.all_gather_into_tensor(x, world, group))
+    out = x.new_empty(world * x.shape[0], *x.shape[1:])
+    _wait(dist.all_gather_single(out, x, group=gloo.group, async_op=True), gloo)
+    return out
 
 
 def _all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
-    world = _one_shot_worlds.get(group)
-    if world and x.numel() * x.element_size() * world <= ONE_SHOT_BYTES:
-        gathered = _c10d.wait_tensor(_c10d.all_gather_into_tensor(x.reshape(-1).contiguous(), world, group))
-        return gathered.view(world, *x.shape).sum(0)  # a fresh tensor: callers may add into it in place
+    """The sum over ranks, as a fresh tensor: callers may add into it in place."""
+    gloo = _gloo.get(group)
+    if gloo and x.numel() * x.element_size() * gloo.world <= ONE_SHOT_BYTES:
+        return _all_gather(x.reshape(-1).contiguous(), gloo.world, group).view(gloo.world, *x.shape).sum(0)
+    if _eager_gloo(group):
+        out = x.clone(memory_format=torch.contiguous_format)
+        _wait(dist.all_reduce(out, group=gloo.group, async_op=True), gloo)
+        return out
     return _c10d.wait_tensor(_c10d.all_reduce(x.contiguous(), "sum", group))
 
 
@@ -53,9 +97,9 @@ def _gather_values(x: torch.Tensor, shard: Shard, size: int, world: int, group: 
     """The full tensor from every rank's piece (owners' pieces for grouped shards)."""
     lengths = _lengths(shard, size, world)
     moved = _pad(x.movedim(shard.dim, 0), max(lengths)).contiguous()
-    gathered = _c10d.wait_tensor(_c10d.all_gather_into_tensor(moved, world, group))
-    parts = [p[:n] for p, n in zip(gathered.chunk(world, 0), lengths, strict=True)]
-    return assemble(parts, shard.at(0), size).movedim(0, shard.dim)
+    gathered = _all_gather(moved, world, group)
+    parts = [p[:n].movedim(0, shard.dim) for p, n in zip(gathered.chunk(world, 0), lengths, strict=True)]
+    return assemble(parts, shard, size)  # concatenated along the dim itself: contiguous, like the input
 
 
 def _embed(x: torch.Tensor, shard: Shard, size: int, rank: int, world: int) -> torch.Tensor:
@@ -80,7 +124,7 @@ def _reduce_scatter(x: torch.Tensor, shard: Shard, size: int, rank: int, world: 
     moved = x.movedim(shard.dim, 0)
     pieces = [_pad(take_local(moved, shard.at(0), r, world), max(lengths)) for r in range(world)]
     out = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(torch.cat(pieces).contiguous(), "sum", world, group))
-    return out[:lengths[rank]].movedim(0, shard.dim)
+    return out[:lengths[rank]].movedim(0, shard.dim).contiguous()
 
 
 def _owners_share(local: torch.Tensor, shard: Shard, rank: int, world: int) -> torch.Tensor:

@@ -26,7 +26,7 @@ def run_local(world: int, fn, *args, timeout: float = 120) -> list:
 
 
 def _worker(rank: int, world: int, port: int, fn, args, queue, timeout: float) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout))
     try:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import autotp
-from distributed import run_ranks
+from distributed import comm_counts, run_ranks
 from models import build, example_input, logits
 
 
@@ -73,7 +73,7 @@ def _communicates_no_more_than_hf(rank: int, world: int, kind: str, directory: s
     def counts(module) -> dict:
         with CommDebugMode() as comm:
             module(x)
-        return {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()}
+        return comm_counts(comm)
 
     ours, theirs = counts(sharded), counts(hf)
     assert sum(ours.values()) <= sum(theirs.values()), (ours, theirs)

@@ -10,7 +10,7 @@ import torch
 from torch.distributed.tensor.debug import CommDebugMode
 
 import autotp
-from distributed import run_ranks
+from distributed import comm_counts, run_ranks
 from models import build, example_input, logits
 
 TOL = {"rtol": 1e-4, "atol": 1e-5}
@@ -52,7 +52,7 @@ def _check(rank: int, world: int, kind: str) -> None:
         with CommDebugMode() as comm:
             out = logits(sharded(x))
         torch.testing.assert_close(out, logits(model(x)), **TOL)
-        counts = {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()}
+        counts = comm_counts(comm)
         assert counts.get("all_reduce", 0) == forward_ops["all_reduce"], (counts, forward_ops)
         assert counts.get("all_gather_into_tensor", 0) == forward_ops["all_gather"], (counts, forward_ops)
     autotp.collectives.ONE_SHOT_BYTES = one_shot

@@ -12,9 +12,11 @@ from distributed import comm_counts, run_ranks
 SHARDS = [Shard(1), Shard(1, (4, 8, 12)), Shard(0), Shard(1, units=6), Shard(1, units=2)]
 
 
-def _conversions(rank: int, world: int) -> None:
+def _conversions(rank: int, world: int, gloo_paths: bool) -> None:
     import torch.distributed as dist
     group = dist.group.WORLD.group_name
+    if gloo_paths:  # one-shot small all-reduces and polled eager collectives, as parallelize sets up on gloo
+        collectives.register_gloo(dist.group.WORLD)
     torch.manual_seed(0)
     summands = [torch.randn(8, 24, dtype=torch.float64) for _ in range(world)]  # same on every rank
     full = sum(summands)
@@ -31,6 +33,7 @@ def _conversions(rank: int, world: int) -> None:
                 for fn, extra in collectives.conversion_steps(src, dst, full.shape, rank, world, group, partial_grad):
                     y = fn(y, *extra)
                 torch.testing.assert_close(y, have[dst], msg=lambda m, s=src, d=dst: f"{s}->{d}: {m}")
+                assert y.is_contiguous(), (src, dst)  # a gathered or scattered view would slow every later op
                 (y * _grad_for(dst, upstream, pieces, partial_grad, rank, world)).sum().backward()
                 # the gradient of the source value, reassembled in full, is the upstream gradient
                 got = x.grad
@@ -50,9 +53,10 @@ def _grad_for(dst, upstream, pieces, partial_grad: bool, rank: int, world: int):
     return local if not dst.grouped(world) or rank in dst.owners(world) else torch.zeros_like(local)
 
 
+@pytest.mark.parametrize("gloo_paths", [False, True])
 @pytest.mark.parametrize("world", [2, 4])
-def test_conversions_and_their_gradients(world):
-    run_ranks(world, _conversions)
+def test_conversions_and_their_gradients(world, gloo_paths):
+    run_ranks(world, _conversions, gloo_paths)
 
 
 def test_take_local_and_assemble_invert_each_other():

@@ -27,7 +27,7 @@ from autotp.passes.strategies import Context, Strategy, enumerate_strategies, in
 
 from .agree import DEFAULT_TIMEOUT, Rendezvous, inputs_digest
 from .checkpoint import Checkpoint
-from .collectives import gather_full, register_gloo
+from .collectives import gather_full, register
 from .hf import default_inputs, no_kv_cache
 from .plan import Plan, PlanMismatch
 from .report import param_styles
@@ -153,8 +153,7 @@ def parallelize(model: torch.nn.Module, args=None, kwargs=None, *, plan: Plan | 
     if source is not None:
         retarget_device(gm, device)
     sharded = rewrite(gm, choice, rank, world, group.group_name, source, device, gather_outputs)
-    if dist.get_backend(group) == "gloo":
-        register_gloo(group)
+    register(group)
     rendezvous.agree("loaded", "ok", "finish loading their shards")
     sharded.autotp_plan = plan
     sharded.autotp_group = group

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 from .placement import Partial, Replicate, Shard, assemble, take_local
 
@@ -35,7 +36,6 @@ ONE_SHOT_BYTES = 256 * 1024
 
 @dataclass(frozen=True)
 class _Gloo:
-    group: dist.ProcessGroup
     world: int
     poll: bool  # no more local ranks than cores: a yielding rank takes no core from another
 
@@ -43,10 +43,14 @@ class _Gloo:
 _gloo: dict = {}  # group name -> _Gloo
 
 
-def register_gloo(group: dist.ProcessGroup) -> None:
+def register(group: dist.ProcessGroup) -> None:
+    """``parallelize`` calls this for the group it runs on: gloo groups take the shortcuts above."""
+    if dist.get_backend(group) != "gloo":
+        _gloo.pop(group.group_name, None)
+        return
     world = dist.get_world_size(group)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    _gloo[group.group_name] = _Gloo(group, world, local <= len(os.sched_getaffinity(0)))
+    _gloo[group.group_name] = _Gloo(world, local <= len(os.sched_getaffinity(0)))
 
 
 def _eager_gloo(group: str) -> _Gloo | None:
@@ -66,7 +70,7 @@ def _all_gather(x: torch.Tensor, world: int, group: str) -> torch.Tensor:
     if gloo is None:
         return _c10d.wait_tensor(_c10d.all_gather_into_tensor(x, world, group))
     out = x.new_empty(world * x.shape[0], *x.shape[1:])
-    _wait(dist.all_gather_single(out, x, group=gloo.group, async_op=True), gloo)
+    _wait(dist.all_gather_single(out, x, group=_resolve_process_group(group), async_op=True), gloo)
     return out
 
 
@@ -77,7 +81,7 @@ def _all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
         return _all_gather(x.reshape(-1).contiguous(), gloo.world, group).view(gloo.world, *x.shape).sum(0)
     if _eager_gloo(group):
         out = x.clone(memory_format=torch.contiguous_format)
-        _wait(dist.all_reduce(out, group=gloo.group, async_op=True), gloo)
+        _wait(dist.all_reduce(out, group=_resolve_process_group(group), async_op=True), gloo)
         return out
     return _c10d.wait_tensor(_c10d.all_reduce(x.contiguous(), "sum", group))
 

@@ -16,7 +16,7 @@ def _conversions(rank: int, world: int, gloo_paths: bool) -> None:
     import torch.distributed as dist
     group = dist.group.WORLD.group_name
     if gloo_paths:  # one-shot small all-reduces and polled eager collectives, as parallelize sets up on gloo
-        collectives.register_gloo(dist.group.WORLD)
+        collectives.register(dist.group.WORLD)
     torch.manual_seed(0)
     summands = [torch.randn(8, 24, dtype=torch.float64) for _ in range(world)]  # same on every rank
     full = sum(summands)
@@ -91,7 +91,7 @@ def _one_shot(rank: int, world: int) -> None:
     for name, x in (("small", small), ("large", large)):
         want[name] = x.clone()
         dist.all_reduce(want[name])
-    collectives.register_gloo(dist.group.WORLD)
+    collectives.register(dist.group.WORLD)
     for name, x, op in (("small", small, "all_gather_into_tensor"), ("large", large, "all_reduce")):
         with CommDebugMode() as comm:
             got = collectives._all_reduce(x, group)

@@ -2,10 +2,12 @@
 tp_plan="auto" (DTensor), and a minimal hand-written Megatron reference (plain tensors + all_reduce;
 vocabulary-parallel embedding and head as in Megatron-LM, and a variant with both replicated).
 
-    python benchmarks/runtime.py [--layers 4] [--hidden 512] [--repeats 7]
+    python benchmarks/runtime.py [--layers 4] [--hidden 512] [--repeats 15] [--decode-steps 5]
 
 Prefill (batch 4 x 128 tokens) and decode-like (batch 1 x 1 token) forwards without a cache, the
-three runners alternated, medians reported with time ratios.
+runners alternated, medians reported with time ratios.  A sample is one prefill forward, or
+``--decode-steps`` decode-like forwards back to back as generation runs them (a single forward of
+a few ms, timed right after a barrier, also measures how unevenly the ranks leave the barrier).
 """
 from __future__ import annotations
 
@@ -96,7 +98,7 @@ class Megatron(torch.nn.Module):
         return torch.cat(pieces, -1)
 
 
-def _rank(rank: int, world: int, directory: str, repeats: int) -> dict:
+def _rank(rank: int, world: int, directory: str, repeats: int, decode_steps: int) -> dict:
     import transformers
 
     import autotp
@@ -106,10 +108,10 @@ def _rank(rank: int, world: int, directory: str, repeats: int) -> dict:
                "hf": transformers.AutoModelForCausalLM.from_pretrained(directory, tp_plan="auto").eval(),
                "reference": Megatron(model, rank, world),
                "reference, replicated vocab": Megatron(model, rank, world, vocab_parallel=False)}
-    shapes = {"prefill 4x128": (4, 128), "decode 1x1": (1, 1)}
+    shapes = {"prefill 4x128": (4, 128, 1), "decode 1x1": (1, 1, decode_steps)}  # batch, sequence, steps
     times = {(shape, name): [] for shape in shapes for name in runners}
     with torch.no_grad():
-        for shape, (b, s) in shapes.items():
+        for shape, (b, s, steps) in shapes.items():
             ids = torch.randint(0, model.config.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
             want = model(ids).logits
             for name, run in runners.items():  # warm up, and check every runner computes the same logits
@@ -120,8 +122,9 @@ def _rank(rank: int, world: int, directory: str, repeats: int) -> dict:
                 for name, run in runners.items():
                     dist.barrier()
                     start = time.perf_counter()
-                    run(ids)
-                    times[(shape, name)].append(time.perf_counter() - start)
+                    for _ in range(steps):
+                        run(ids)
+                    times[(shape, name)].append((time.perf_counter() - start) / steps)
     return {key: statistics.median(values) for key, values in times.items()}
 
 
@@ -129,9 +132,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--decode-steps", type=int, default=5)
     args = parser.parse_args()
-    medians = run_on_saved_llama(args.layers, args.hidden, _rank, args.repeats, vocab_size=2048, use_cache=False)
+    medians = run_on_saved_llama(args.layers, args.hidden, _rank, args.repeats, args.decode_steps,
+                                 vocab_size=2048, use_cache=False)
     for shape in ("prefill 4x128", "decode 1x1"):
         ours, hf, ref, rep = (medians[(shape, n)] for n in ("autotp", "hf", "reference", "reference, replicated vocab"))
         print(f"{shape:14s} autotp {ours * 1e3:7.2f} ms  hf {hf * 1e3:7.2f} ms  reference {ref * 1e3:7.2f} ms  "

@@ -28,8 +28,9 @@ def _rank(rank: int, world: int) -> tuple:
     match = torch.allclose(got, want, rtol=1e-4, atol=1e-5)
     local = sum(p.numel() * p.element_size() for p in sharded.parameters())
     full = sum(p.numel() * p.element_size() for p in model.parameters())
-    tokens = autotp.generate(sharded, ids[:, :5], max_new_tokens=6)  # KV cache sharded by heads
-    same = torch.equal(tokens, model.generate(ids[:, :5], max_new_tokens=6, do_sample=False))
+    prompt, mask = ids[:, :5], torch.ones(3, 5, dtype=torch.long)
+    tokens = autotp.generate(sharded, prompt, mask, max_new_tokens=6)  # KV cache sharded by heads
+    same = torch.equal(tokens, model.generate(prompt, attention_mask=mask, max_new_tokens=6, do_sample=False))
     return rank, match, error, local, full, same
 
 

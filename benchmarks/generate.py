@@ -3,7 +3,8 @@
     python benchmarks/generate.py [--layers 4] [--hidden 512] [--new 32] [--batch 4]
 
 Each side generates once to warm up (autotp captures and plans its decode program then), then once
-timed; greedy, the same prompts.  Prints tokens/s for both and the ratio.
+timed; greedy, the same prompts.  Prints tokens/s for both and the ratio; fails if autotp's tokens
+differ from the unsharded model's greedy generation.
 """
 from __future__ import annotations
 
@@ -35,6 +36,10 @@ def _rank(rank: int, world: int, directory: str, batch: int, new: int) -> dict:
             tokens = run(new)
             torch.distributed.barrier()
         timings[name] = (time.perf_counter() - start, tokens.shape[1] - prompts.shape[1])
+    unsharded = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+    want = unsharded.generate(prompts, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                              pad_token_id=0)
+    assert torch.equal(tokens, want), "autotp's greedy tokens differ from the unsharded model's"
     return timings
 
 

@@ -11,6 +11,7 @@ whole graph solved without folding, to check the folded plan is the same in ever
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import torch
@@ -83,11 +84,15 @@ def main() -> None:
     args = parser.parse_args()
     print(f"{'layers':>6} | {'capture s':>9} {'solve s':>8} {'plan s':>7} | {'full capture s':>14} {'rewrite s':>9} "
           f"{'whole-graph solve s':>19} {'same plan':>9}")
+    differs = False
     for layers in args.layers:
         t = measure(layers, args.world_size, not args.plan_only)
         rest = (f"{t['full capture']:>14.1f} {t['rewrite']:>9.1f} {t['whole solve']:>19.1f} {t['same']:>9}"
                 if "rewrite" in t else "")
         print(f"{layers:>6} | {t['capture']:>9.2f} {t['solve']:>8.2f} {t['plan']:>7.2f} | {rest}", flush=True)
+        differs = differs or t.get("same") == "NO"
+    if differs:
+        sys.exit("the folded plan differs from the whole-graph plan")
 
 
 if __name__ == "__main__":

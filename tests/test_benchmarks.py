@@ -1,0 +1,24 @@
+"""The benchmark scripts run and check their own results (tiny sizes here; their numbers are not tested)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+@pytest.mark.parametrize("script, args, expect", [
+    ("plan_scaling.py", ["--layers", "6", "--world-size", "4"], "yes"),  # folded (6 blocks) == whole graph
+    ("runtime.py", ["--layers", "1", "--hidden", "64", "--repeats", "1", "--decode-steps", "1"], "autotp/hf"),
+    ("generate.py", ["--layers", "1", "--hidden", "64", "--new", "3", "--batch", "2"], "autotp / hf"),
+])
+def test_benchmark_runs(script, args, expect):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True,
+                            env=env, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert expect in result.stdout, result.stdout

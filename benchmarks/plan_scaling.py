@@ -56,7 +56,6 @@ def measure(layers: int, world: int, whole: bool) -> dict:
     plan = _solve(folded, world, "dgx-h100", training=False)
     times["solve"] = time.perf_counter() - start
     times["plan"] = times["capture"] + times["solve"]
-    times["blocks"] = plan.fold["count"] if plan.fold else layers
     if not whole:
         return times
     start = time.perf_counter()

@@ -43,7 +43,7 @@ class Megatron(torch.nn.Module):
         def cols(w):
             return w.detach().chunk(world, 1)[rank].contiguous()
 
-        self.vocab_parallel, self.vocab = vocab_parallel, c.vocab_size
+        self.vocab_parallel = vocab_parallel
         self.embed = model.model.embed_tokens.weight.detach()
         self.head = model.lm_head.weight.detach()
         if vocab_parallel:

@@ -141,13 +141,15 @@ def solve(gm: torch.fx.GraphModule, ctx: Context, topology: Topology, *, trainin
     for i, (node, options) in enumerate(ctx.strategies.items()):
         x[node] = [problem.add_variable(f"x{i}_{k}", cat="Binary") for k in range(len(options))]
         problem += pulp.lpSum(x[node]) == 1
+        weight = w(node, 1)
         for k, (var, s) in enumerate(zip(x[node], options, strict=True)):
-            costs.append(var * w(node, 1) * _compute_time(node, s, sizes, t, topology, training))
-            preference.append(var * w(node, 1) * k * TIE_BREAK)
+            costs.append(var * weight * _compute_time(node, s, sizes, t, topology, training))
+            preference.append(var * weight * k * TIE_BREAK)
             for kind, held in _memory(node, s, sizes, t, trainable, training).items():
                 if held:
-                    memory.append(var * w(node, 1) * held)
-                    kinds.setdefault(kind, []).append(var * w(node, 1) * held)
+                    term = var * weight * held
+                    memory.append(term)
+                    kinds.setdefault(kind, []).append(term)
     for a, b in ties:
         for va, vb in zip(x.get(a, ()), x.get(b, ()), strict=True):
             problem += va == vb

@@ -143,9 +143,10 @@ def _scope_block(node: Node, fold: Fold) -> int | None:
 class Blocks:
     """Each node's place: a block index, "pre" or "post"; and its canonical key, the same for a node
     and its copy in every graph of this model (full or folded)."""
-    where: dict  # node -> block index | "pre" | "post" | "attr" | "input"
-    key: dict    # node -> str
-    order: list  # block indices in graph order
+    where: dict     # node -> block index | "pre" | "post" | "attr" | "input"
+    key: dict       # node -> str
+    order: list     # block indices in graph order
+    position: dict  # op node -> its index among the ops of its block (or of pre / post)
 
 
 def blocks(gm: torch.fx.GraphModule, fold: Fold) -> Blocks:
@@ -171,11 +172,12 @@ def blocks(gm: torch.fx.GraphModule, fold: Fold) -> Blocks:
         where[node] = b
     if seen != sorted(seen):  # block 1's weight stands for blocks run between the first and the last
         raise NotFoldable(f"the blocks run in the order {seen}")
-    position: dict = {}
+    counted: dict = {}
+    position = {}
     for node in ops:
         b = where[node]
-        k = position[b] = position.get(b, -1) + 1
-        key[node] = f"{b if isinstance(b, str) else f'b{fold.rep(b)}'}:{k}"
+        position[node] = counted[b] = counted.get(b, -1) + 1
+        key[node] = f"{b if isinstance(b, str) else f'b{fold.rep(b)}'}:{position[node]}"
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             where[node], key[node] = "input", f"in:{node.name}"
@@ -183,7 +185,7 @@ def blocks(gm: torch.fx.GraphModule, fold: Fold) -> Blocks:
             where[node], key[node] = "attr", f"attr:{fold.canonical(node.target)}"
         elif node.op == "output":
             where[node], key[node] = "post", "output"
-    return Blocks(where, key, seen)
+    return Blocks(where, key, seen, position)
 
 
 def _relative(node: Node, b: Blocks, fold: Fold, ordinal: dict, sizes: dict) -> str:
@@ -197,7 +199,7 @@ def _relative(node: Node, b: Blocks, fold: Fold, ordinal: dict, sizes: dict) -> 
             step = me - ordinal[w]
             if step not in (0, 1):
                 raise NotFoldable(f"{node.name} uses a value from {step} blocks back")
-            return f"{step}:{int(b.key[a].split(':')[1]) - step * sizes[w]}"
+            return f"{step}:{b.position[a] - step * sizes[w]}"
         found = fold.locate(a.target) if w == "attr" else None
         if found:
             return f"{me - ordinal[found[0]]}:{found[1]}"
@@ -252,7 +254,7 @@ def weights_and_ties(fold: Fold, b: Blocks) -> tuple[dict, list]:
         i = w if isinstance(w, int) else fold.block_of_name(node.target) if w == "attr" else None
         weights[node] = fold.weight(i) if i is not None else 1
         if i in (1, fold.count - 2):
-            tail = ("attr", fold.locate(node.target)[1]) if w == "attr" else ("op", b.key[node].split(":", 1)[1])
+            tail = ("attr", fold.locate(node.target)[1]) if w == "attr" else ("op", b.position[node])
             by_key.setdefault(tail, {})[i] = node
     ties = [(pair[1], pair[fold.count - 2]) for pair in by_key.values() if len(pair) == 2]
     if len(ties) != len(by_key):

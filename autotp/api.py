@@ -24,13 +24,13 @@ from autotp.passes.rewrite import rewrite
 from autotp.passes.rules import RULES
 from autotp.passes.solve import PlanningError, Sizes, solve
 from autotp.passes.strategies import Context, Strategy, enumerate_strategies, input_slots
+from autotp.passes.styles import param_styles
 
 from .agree import DEFAULT_TIMEOUT, Rendezvous, inputs_digest
-from .checkpoint import Checkpoint
-from .collectives import gather_full, register
 from .hf import default_inputs, no_kv_cache
 from .plan import Plan, PlanMismatch
-from .report import param_styles
+from .runtime.checkpoint import Checkpoint
+from .runtime.collectives import register
 
 
 def _graph(model: torch.nn.Module, args, kwargs, fold: bool = False) -> torch.fx.GraphModule:
@@ -207,20 +207,3 @@ def _device_of(group) -> torch.device:
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def _placements_by_id(sharded: torch.nn.Module) -> dict:
-    plan: Plan = sharded.autotp_plan
-    named = [*sharded.named_parameters(remove_duplicate=False), *sharded.named_buffers(remove_duplicate=False)]
-    return {id(t): plan.layout(n) for n, t in named if n in plan.params}
-
-
-def full_state_dict(sharded: torch.nn.Module, grads: bool = False) -> dict:
-    """Full (unsharded) parameters, or their gradients, by original name, on every rank (a collective)."""
-    group = sharded.autotp_group
-    placements = _placements_by_id(sharded)
-    out = {}
-    for name, param in sharded.named_parameters():
-        tensor = param.grad if grads else param.detach()
-        out[name] = None if tensor is None else gather_full(tensor, *placements.get(id(param), (None, None)), group)
-    return out

@@ -6,8 +6,8 @@ import re
 
 from autotp.passes.fold import Fold
 
-from .placement import R, Replicate, Shard, parse
 from .plan import Plan
+from .runtime.placement import R, Replicate, Shard, parse
 
 _LINEAR = "aten.linear.default"
 _EMBEDDING = "aten.embedding.default"

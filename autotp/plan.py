@@ -12,7 +12,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .placement import Shard, dump, parse
+from .runtime.placement import Shard, dump, parse
 
 SCHEMA_VERSION = 1
 SCHEMA = Path(__file__).with_name("plan.schema.json")
@@ -105,16 +105,6 @@ class Plan:
     @classmethod
     def load(cls, path: str | Path) -> Plan:
         return cls.from_json(Path(path).read_text())
-
-    def to_dtensor_plan(self) -> tuple[dict, dict]:
-        """({module: DTensor ParallelStyle}, {module: why not expressible}); see autotp.interop."""
-        from .interop import to_dtensor_plan
-        return to_dtensor_plan(self)
-
-    def to_hf_tp_plan(self) -> tuple[dict, dict]:
-        """({module pattern: HF tp_plan style}, {module: why not expressible}); see autotp.interop."""
-        from .interop import to_hf_tp_plan
-        return to_hf_tp_plan(self)
 
     @staticmethod
     def encode(strategy) -> dict:

@@ -6,8 +6,8 @@ import torch
 import torch.distributed as dist
 from torch.fx._pytree import tree_flatten_spec
 
-from .collectives import gather_full
-from .placement import Partial, Shard, parse
+from .runtime.collectives import gather_full
+from .runtime.placement import Partial, Shard, parse
 
 
 class VerificationError(AssertionError):

@@ -10,7 +10,7 @@ def run_on_saved_llama(layers: int, hidden: int, fn, *args, world: int = 2, **co
     """``fn(rank, world, directory, *args)`` on ``world`` local gloo ranks; rank 0's result."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from autotp.spawn import run_local
+    from autotp.tools.spawn import run_local
     torch.manual_seed(0)
     settings = {"vocab_size": 1024, "hidden_size": hidden, "intermediate_size": hidden * 11 // 4,
                 "num_hidden_layers": layers, "num_attention_heads": 8, "num_key_value_heads": 4,

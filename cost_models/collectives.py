@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from autotp.placement import Partial, Replicate, Shard
+from autotp.runtime.placement import Partial, Replicate, Shard
 
 from .topology import Topology
 

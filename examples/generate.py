@@ -49,5 +49,5 @@ if __name__ == "__main__":
         run(dist.get_rank(), dist.get_world_size())
         dist.destroy_process_group()
     else:
-        from autotp.spawn import run_local
+        from autotp.tools.spawn import run_local
         run_local(2, run)

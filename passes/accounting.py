@@ -7,7 +7,7 @@ import torch
 from autotp.cost_models import collective_time, reshard_time
 from autotp.cost_models.collectives import backward_collective, reshard_collective
 from autotp.cost_models.topology import Topology
-from autotp.placement import R, Replicate, Shard, dump
+from autotp.runtime.placement import R, Replicate, Shard, dump
 
 from .capture import module_path
 from .solve import Sizes, _compute_time

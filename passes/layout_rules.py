@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
-from autotp.placement import P, Shard
+from autotp.runtime.placement import P, Shard
 
 from .strategies import Context, Strategy
 from .views import map_view_dim

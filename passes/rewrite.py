@@ -8,8 +8,8 @@ import torch
 from torch.fx import Node
 from torch.fx.node import map_arg
 
-from autotp import collectives, local_ops
-from autotp.placement import Partial, R, Replicate, Shard, take_local
+from autotp.runtime import collectives, local_ops
+from autotp.runtime.placement import Partial, R, Replicate, Shard, take_local
 
 from .layout_rules import block_of
 from .strategies import is_observer, needs_grad
@@ -84,11 +84,11 @@ def shard_parameters(gm: torch.fx.GraphModule, placements: dict, rank: int, worl
                      device: torch.device | None = None) -> None:
     """Give the module its own copy of every parameter and buffer, sharded as planned.
 
-    From ``checkpoint`` (autotp.checkpoint.Checkpoint) each rank reads only its slices; otherwise
+    From ``checkpoint`` (autotp.runtime.checkpoint.Checkpoint) each rank reads only its slices; otherwise
     from the captured model's tensors, copied (never views) so that the user's model is untouched.
     Tied tensors stay tied.
     """
-    from autotp.checkpoint import CheckpointError, check_names, is_persistent
+    from autotp.runtime.checkpoint import CheckpointError, check_names, is_persistent
 
     tensors = [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]
     known = {name for name, _ in tensors}

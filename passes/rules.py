@@ -11,7 +11,7 @@ import operator
 import torch
 from torch.fx import Node
 
-from autotp.placement import P, R, Shard
+from autotp.runtime.placement import P, R, Shard
 
 from .layout_rules import (
     cat,

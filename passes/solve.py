@@ -22,7 +22,7 @@ from autotp.cost_models import collective_time, reshard_time
 from autotp.cost_models.compute import op_time
 from autotp.cost_models.memory import breakdown, smallest_fitting_world, state_factor
 from autotp.cost_models.topology import Topology
-from autotp.placement import P, R, Replicate, Shard
+from autotp.runtime.placement import P, R, Replicate, Shard
 
 from .strategies import Context, input_slots, is_placed, needs_grad
 

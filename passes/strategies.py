@@ -13,7 +13,7 @@ import torch
 from torch.fx import Node
 from torch.fx.node import map_arg
 
-from autotp.placement import R, Replicate, Shard
+from autotp.runtime.placement import R, Replicate, Shard
 
 # Symbolic sizes are compared by evaluating them at distinct large primes:
 # two monomials in batch/sequence symbols agree iff their products agree.

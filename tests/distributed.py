@@ -1,7 +1,7 @@
 """Spawn N gloo ranks on this machine and run a test function on each (failures propagate)."""
 from __future__ import annotations
 
-from autotp.spawn import exit_quietly, run_local
+from autotp.tools.spawn import exit_quietly, run_local
 
 __all__ = ["comm_counts", "exit_quietly", "run_ranks"]
 

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import autotp
-from autotp.calibrate import calibrate, comparison
 from autotp.cost_models import load_topology
+from autotp.tools.calibrate import calibrate, comparison
 from distributed import run_ranks
 from models import build
 

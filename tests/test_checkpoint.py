@@ -70,7 +70,7 @@ def test_from_pretrained_on_four_ranks(tmp_path):
 def _uneven_and_shared(rank: int, world: int, root: str) -> None:
     from transformers import AutoModelForCausalLM
 
-    from autotp.placement import parse, take_local
+    from autotp.runtime.placement import parse, take_local
     for name, layouts in [("uneven", {"q_proj": "S(0/10)", "o_proj": "S(1/10)"}), ("shared", {"k_proj": "S(0/2)"})]:
         directory = f"{root}/{name}"
         sharded = autotp.from_pretrained(directory)
@@ -122,7 +122,7 @@ def test_bad_checkpoints_name_the_tensors(tmp_path):
         save_file(content, directory / "model.safetensors", metadata={"format": "pt"})
         run_ranks(2, _expect_error, str(directory), message)
     with pytest.raises(autotp.CheckpointError, match=r"no model\.safetensors"):
-        autotp.checkpoint.Checkpoint(tmp_path)
+        autotp.runtime.checkpoint.Checkpoint(tmp_path)
 
 
 def _meta_without_checkpoint(rank: int, world: int) -> None:

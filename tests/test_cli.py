@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _autotp(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "160"}
-    return subprocess.run([sys.executable, "-m", "autotp.cli", *args], cwd=ROOT, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "autotp.tools.cli", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
 

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import autotp
+from autotp.interop import to_dtensor_plan, to_hf_tp_plan
 from distributed import comm_counts, run_ranks
 from models import build, example_input, logits
 
@@ -16,7 +17,7 @@ def _dtensor_runs_the_plan(rank: int, world: int, kind: str) -> None:
     model, args, _ = build(kind)
     reference, _, _ = build(kind)
     plan = autotp.plan(model, args, world_size=world)
-    styles, unsupported = plan.to_dtensor_plan()
+    styles, unsupported = to_dtensor_plan(plan)
     assert not unsupported, unsupported
     assert styles, "the plan shards something"
     mesh = init_device_mesh("cpu", (world,))
@@ -35,7 +36,7 @@ def test_dtensor_plan_runs_llama():
 
 def test_fused_projections_are_reported_not_expressible():
     model, args, _ = build("nanogpt", device="meta")
-    styles, unsupported = autotp.plan(model, args, world_size=2).to_dtensor_plan()
+    styles, unsupported = to_dtensor_plan(autotp.plan(model, args, world_size=2))
     assert any("c_attn" in m for m in unsupported) and all("c_attn" not in m for m in styles)
     assert "h.0.mlp.0" in styles
 
@@ -44,14 +45,14 @@ def test_uneven_heads_are_reported_not_expressible():
     from models import llama_with
     with torch.device("meta"):
         model = llama_with(heads=10, kv=10)
-    styles, unsupported = autotp.plan(model, (torch.zeros(2, 8, dtype=torch.long),), world_size=4).to_dtensor_plan()
+    styles, unsupported = to_dtensor_plan(autotp.plan(model, (torch.zeros(2, 8, dtype=torch.long),), world_size=4))
     assert "uneven" in unsupported["model.layers.0.self_attn.q_proj"]
     assert "model.layers.0.self_attn.q_proj" not in styles
 
 
 def test_hf_tp_plan_folds_layers_and_matches_transformers_own():
     model, args, _ = build("llama", device="meta")
-    hf_plan, unsupported = autotp.plan(model, args, world_size=2).to_hf_tp_plan()
+    hf_plan, unsupported = to_hf_tp_plan(autotp.plan(model, args, world_size=2))
     assert not unsupported
     own = model.config.base_model_tp_plan
     for pattern, style in own.items():  # transformers' plan for LLaMA is Megatron's: ours must agree
@@ -68,7 +69,7 @@ def _communicates_no_more_than_hf(rank: int, world: int, kind: str, directory: s
     model = model_class.from_pretrained(directory).eval()
     x = example_input(kind, 3, 5)
     sharded = autotp.parallelize(model, (x,))
-    autotp.collectives.ONE_SHOT_BYTES = 0  # count all-reduces as such (on gloo small ones run as all-gathers)
+    autotp.runtime.collectives.ONE_SHOT_BYTES = 0  # count all-reduces as such (on gloo small ones run as all-gathers)
 
     def counts(module) -> dict:
         with CommDebugMode() as comm:

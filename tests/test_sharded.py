@@ -46,7 +46,8 @@ def _check(rank: int, world: int, kind: str) -> None:
     plan = sharded.autotp_plan
     forward_ops = plan.collective_counts("forward")
     torch.manual_seed(1)
-    one_shot, autotp.collectives.ONE_SHOT_BYTES = autotp.collectives.ONE_SHOT_BYTES, 0  # count all-reduces as such
+    collectives = autotp.runtime.collectives
+    one_shot, collectives.ONE_SHOT_BYTES = collectives.ONE_SHOT_BYTES, 0  # count all-reduces as such
     for batch, seq in [(3, 5), (1, 1)]:
         x = example_input(kind, batch, seq)
         with CommDebugMode() as comm:
@@ -55,7 +56,7 @@ def _check(rank: int, world: int, kind: str) -> None:
         counts = comm_counts(comm)
         assert counts.get("all_reduce", 0) == forward_ops["all_reduce"], (counts, forward_ops)
         assert counts.get("all_gather_into_tensor", 0) == forward_ops["all_gather"], (counts, forward_ops)
-    autotp.collectives.ONE_SHOT_BYTES = one_shot
+    collectives.ONE_SHOT_BYTES = one_shot
 
     # Megatron: two all-reduces per transformer block forward (one for the MLP alone), plus at most two
     # collectives for the embedding and the head.  A vocab-parallel embedding's all-reduce may be

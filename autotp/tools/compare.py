@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from autotp.api import _graph, _solve
+from autotp.interop import hf_parameter_placements
 from autotp.passes.solve import PlanningError
-
-from .api import _graph, _solve
-from .interop import hf_parameter_placements
-from .plan import Plan
+from autotp.plan import Plan
 
 
 def summary(plan: Plan) -> dict:

@@ -87,7 +87,6 @@ def save_pretrained(sharded: torch.nn.Module, directory: str | Path, max_shard_b
     Tensors are gathered one at a time and rank 0 writes a file whenever ``max_shard_bytes`` is
     reached, so no rank ever holds the whole model; an index file lists them when there are several.
     """
-    from .api import _placements_by_id
     directory = Path(directory)
     group = sharded.autotp_group
     writer = dist.get_rank(group) == 0
@@ -148,3 +147,20 @@ def _name_files(directory: Path, files: list, total: int) -> None:
         weight_map.update(dict.fromkeys(names, final))
     (directory / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                               indent=1))
+
+
+def _placements_by_id(sharded: torch.nn.Module) -> dict:
+    plan = sharded.autotp_plan
+    named = [*sharded.named_parameters(remove_duplicate=False), *sharded.named_buffers(remove_duplicate=False)]
+    return {id(t): plan.layout(n) for n, t in named if n in plan.params}
+
+
+def full_state_dict(sharded: torch.nn.Module, grads: bool = False) -> dict:
+    """Full (unsharded) parameters, or their gradients, by original name, on every rank (a collective)."""
+    group = sharded.autotp_group
+    placements = _placements_by_id(sharded)
+    out = {}
+    for name, param in sharded.named_parameters():
+        tensor = param.grad if grads else param.detach()
+        out[name] = None if tensor is None else gather_full(tensor, *placements.get(id(param), (None, None)), group)
+    return out

@@ -36,7 +36,7 @@ def _rank(rank: int, world: int) -> tuple:
 
 def main() -> int:
     import autotp
-    from autotp.report import print_plan, tensor_shapes
+    from autotp.tools.report import print_plan, tensor_shapes
 
     console = Console(width=140)
     console.print("[bold]autotp demo[/]: a 2-layer LLaMA (GQA: 8 heads, 4 KV heads), planned for 2 ranks\n")

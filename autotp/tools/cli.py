@@ -69,7 +69,8 @@ def _print_mesh(model, example, args) -> int:
     """Price every TP x DP split of ``args.devices``; exit status 1 when nothing fits."""
     from rich.console import Console
 
-    from .mesh import choose_mesh
+    from autotp.mesh import choose_mesh
+
     from .report import mesh_table
     with _console().status("capturing once, solving every TP size ..."):
         candidates = choose_mesh(model, example, devices=args.devices, topology=args.topology,
@@ -80,7 +81,7 @@ def _print_mesh(model, example, args) -> int:
 
 
 def _load_plan(path: str):
-    from .plan import Plan, PlanMismatch
+    from autotp.plan import Plan, PlanMismatch
     try:
         return Plan.load(path)
     except (OSError, PlanMismatch) as exc:

@@ -1,0 +1,1 @@
+"""Run-time pieces of a sharded program: placements, collectives, local ops, losses, checkpoints."""

@@ -1,0 +1,51 @@
+"""How each parameter is used, in words (column, row, vocab split, ...), read from the graph and the plan."""
+from __future__ import annotations
+
+import torch
+
+from autotp.runtime.placement import Replicate, Shard
+
+aten = torch.ops.aten
+# (op, operand index) -> {sharded dim: style}, for a weight consumed directly by the op
+_STYLES = {
+    (aten.linear.default, 1): {0: "column", 1: "row"},
+    (aten.mm.default, 1): {1: "column", 0: "row"},
+    (aten.embedding.default, 0): {1: "hidden split", 0: "vocab split"},
+}
+
+
+def _units_note(placement: Shard, size: int, world: int) -> str:
+    """Call out shards that are not N equal slices: uneven heads or rows, KV heads shared by ranks."""
+    units = placement.units
+    if units is None or units == world:
+        return ""
+    name = "heads" if units < size else "rows"
+    if placement.grouped(world):
+        return f", {units} {name} each replicated on {world // units} ranks"
+    counts = [placement.local_size(size, r, world) * units // size for r in range(world)]
+    return f", uneven {name}: {','.join(map(str, counts))} of {units}"
+
+
+def param_styles(gm: torch.fx.GraphModule, choice: dict, world: int) -> dict:
+    """parameter name -> 'column', 'row', 'replicate', ... from how its users compute with it."""
+    styles = {}
+    for node, strategy in choice.items():
+        if node.op != "get_attr":
+            continue
+        placement = strategy.output
+        style = "replicate" if isinstance(placement, Replicate) else f"shard dim {placement.dim}"
+        if isinstance(placement, Shard):
+            for user in node.users:
+                if user.args and node in user.args:
+                    table = _STYLES.get((user.target, list(user.args).index(node)))
+                    if table and placement.dim in table:
+                        style = table[placement.dim]
+                        break
+            if style in ("shard dim 0", "column") and len(node.meta["val"].shape) == 1:
+                added = any(user.target == aten.add.Tensor for user in node.users)
+                style = "bias split" if added else "vector split"  # a bias, or a norm's scale
+            if placement.chunks:
+                style += f" (fused {len(placement.chunks)} blocks)"
+            style += _units_note(placement, int(node.meta["val"].shape[placement.dim]), world)
+        styles[node.target] = style
+    return styles

@@ -8,14 +8,16 @@ backward, per block, under the chosen TP plan (or only each block's input with r
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 
 from autotp.cost_models import load_topology
 from autotp.cost_models import pipeline as pipe
+from autotp.cost_models.layout import Candidate, Profile, Section, Setting, price
 from autotp.cost_models.topology import Topology
 from autotp.passes.solve import PlanningError, Sizes, _compute_time, _memory
 from autotp.passes.strategies import Strategy
@@ -25,53 +27,6 @@ from .api import _graph, _solve
 
 ACTIVATION_MODEL = ("activations: every op output the backward keeps, counted per block on the TP plan's graph "
                     "(with recomputation only each block's input, plus one block recomputed)")
-STATE = ("params", "grads", "optimizer", "buffers")
-
-
-@dataclass
-class Section:
-    """One block (or the embedding / head around the blocks) under a TP plan, for one sample."""
-    seconds: float = 0.0                          # forward + backward: compute and TP collectives
-    memory: dict = field(default_factory=dict)    # bytes by kind (cost_models.memory.KINDS)
-
-    def held(self, kinds=STATE) -> float:
-        return sum(self.memory.get(k, 0.0) for k in kinds)
-
-
-@dataclass
-class Profile:
-    """A TP plan read per section: ``sections[0]`` the embedding side, ``[-1]`` the head side,
-    between them every real block; ``boundary``: bytes one sample passes from block to block."""
-    tp: int
-    sections: list
-    boundary: float
-    stackable: bool  # blocks found (a folded stack): pipeline stages can fall between them
-
-    @property
-    def blocks(self) -> list:
-        return self.sections[1:-1]
-
-
-@dataclass
-class Candidate:
-    tp: int
-    pp: int
-    dp: int
-    microbatches: int = 1
-    microbatch_size: int = 0
-    schedule: str | None = None
-    virtual_stages: int = 1
-    recompute: bool = False
-    stages: list = field(default_factory=list)  # [start, end) blocks per stage (per virtual stage, in order)
-    step_seconds: float | None = None           # None: does not fit
-    memory_bytes: float | None = None
-    mfu: float | None = None
-    bubble: float = 0.0
-    note: str = ""
-
-    @property
-    def fits(self) -> bool:
-        return self.step_seconds is not None
 
 
 @dataclass
@@ -128,18 +83,17 @@ def plan_mesh_for_graph(gm: torch.fx.GraphModule, *, devices: int | None = None,
     limit = memory_limit if memory_limit is not None else 0.9 * topo.memory_bytes
     flops = _model_flops(gm, sizes) / unit * global_batch if training else 0.0
     profiles = [_profile(gm, tp, topo, training, sizes, unit) for tp in pipe.divisors(devices)
-                if tp <= topo.gpus_per_node]
-    setting = dict(global_batch=global_batch, training=training, limit=limit, flops=flops)
-    found = _layouts(profiles, devices, topo, data_parallel, **setting)
+                if tp <= topo.gpus_per_node]  # TP stays inside a node (Narayanan et al. 2021 section 3.3)
+    setting = Setting(topo, global_batch, training, data_parallel, limit, flops)
+    found = _layouts(profiles, devices, setting)
     if not found[0].fits:
-        raise PlanningError(_advice(found, profiles, devices, topo, data_parallel, setting))
+        raise PlanningError(_advice(found, profiles, devices, setting))
     return MeshPlan(found[0], found, devices, topo.name, data_parallel, global_batch)
 
 
-def _layouts(profiles: list, devices: int, topo: Topology, data_parallel: str, **setting) -> list[Candidate]:
+def _layouts(profiles: list, devices: int, setting: Setting) -> list[Candidate]:
     """The best layout per (tp, pp, dp), fastest fitting first."""
-    found = [c for p in profiles if devices % p.tp == 0
-             for c in _best_layout(p, devices, topo, data_parallel=data_parallel, **setting)]
+    found = [c for p in profiles if devices % p.tp == 0 for c in _best_layout(p, devices, setting)]
     return sorted(found, key=lambda c: (not c.fits, c.step_seconds or 0.0, c.memory_bytes or math.inf))
 
 
@@ -180,7 +134,7 @@ def _where(gm: torch.fx.GraphModule) -> tuple[dict, int | None, object]:
     """node -> "pre" | "post" | kept block index; the real block count; the fold (None if not folded)."""
     folding = gm.meta.get("autotp_fold")
     if folding is None:
-        return {n: "pre" for n in gm.graph.nodes}, None, None
+        return dict.fromkeys(gm.graph.nodes, "pre"), None, None
     fold, where = folding.fold, dict(folding.blocks.where)
     for n in gm.graph.nodes:
         if where.get(n) == "attr":
@@ -194,7 +148,17 @@ def _where(gm: torch.fx.GraphModule) -> tuple[dict, int | None, object]:
 
 def _profile(gm: torch.fx.GraphModule, tp: int, topo: Topology, training: bool, sizes: Sizes,
              unit: int) -> Profile:
-    """Solve the TP plan once and read its time and memory per section, per sample."""
+    """Solve the TP plan once and read its time and memory per section, per sample (kept on the graph:
+    pricing another cluster of the same nodes reuses it)."""
+    key = (tp, training, repr(dataclasses.replace(topo, name="", nodes=1)))
+    cache = gm.meta.setdefault("autotp_tp_profiles", {})
+    if key not in cache:
+        cache[key] = _read_profile(gm, tp, topo, training, sizes, unit)
+    return cache[key]
+
+
+def _read_profile(gm: torch.fx.GraphModule, tp: int, topo: Topology, training: bool, sizes: Sizes,
+                  unit: int) -> Profile:
     plan = _solve(gm, tp, topo, training=training, memory_limit=math.inf, sizes=sizes)
     where, count, fold = _where(gm)
     nodes = {n.name: n for n in gm.graph.nodes}
@@ -222,26 +186,26 @@ def _profile(gm: torch.fx.GraphModule, tp: int, topo: Topology, training: bool, 
     return Profile(tp, per_sample, boundary, fold is not None)
 
 
-def _best_layout(profile: Profile, devices: int, topo: Topology, *, global_batch: int, training: bool,
-                 data_parallel: str, limit: float, flops: float) -> list[Candidate]:
+def _best_layout(profile: Profile, devices: int, setting: Setting) -> list[Candidate]:
     """For each pp (and so dp) at this TP size: the fastest micro-batching, schedule and recomputation
-    that fits, or the one needing the least memory with a note saying why it does not fit."""
+    that fits, or the one needing the least memory, whose note says why it does not fit."""
     found = []
     rest = devices // profile.tp
     stages_max = len(profile.blocks) if profile.stackable else 1
     for pp in (p for p in pipe.divisors(rest) if p <= stages_max):
         dp = rest // pp
-        if global_batch % dp:
-            found.append(Candidate(profile.tp, pp, dp, note=f"global batch {global_batch} does not divide by "
-                                                            f"{dp} replicas"))
+        per_replica = setting.global_batch // dp
+        if setting.global_batch % dp:
+            found.append(Candidate(profile.tp, pp, dp, note=f"global batch {setting.global_batch} does not divide "
+                                                            f"by {dp} replicas"))
             continue
-        options = [_price(profile, pp, dp, b, schedule, v, recompute, topo, global_batch, training, data_parallel,
-                          limit, flops)
-                   for b in pipe.powers_of_two_dividing(global_batch // dp, 16)
-                   for schedule, v in _schedules(pp, global_batch // dp // b, len(profile.blocks))
-                   for recompute in ((False, True) if training else (False,))]
+        options = [price(profile, Candidate(profile.tp, pp, dp, microbatch_size=b, schedule=schedule,
+                                            virtual_stages=v, recompute=recompute), setting)
+                   for b in pipe.powers_of_two_dividing(per_replica, 16)
+                   for schedule, v in _schedules(pp, per_replica // b, len(profile.blocks))
+                   for recompute in ((False, True) if setting.training and profile.stackable else (False,))]
         fitting = [c for c in options if c.fits]
-        found.append(min(fitting, key=lambda c: c.step_seconds) if fitting
+        found.append(min(fitting, key=lambda c: (c.step_seconds, c.memory_bytes)) if fitting
                      else min(options, key=lambda c: c.memory_bytes))
     return found
 
@@ -253,109 +217,24 @@ def _schedules(pp: int, microbatches: int, blocks: int) -> list:
     return found + [("interleaved-1f1b", v) for v in (2, 4) if blocks >= pp * v and microbatches % pp == 0]
 
 
-def _price(profile: Profile, pp: int, dp: int, b: int, schedule, v: int, recompute: bool, topo: Topology,
-           global_batch: int, training: bool, data_parallel: str, limit: float, flops: float) -> Candidate:
-    m = global_batch // dp // b
-    ranges = _stage_ranges(profile, pp * v)
-    sections = profile.sections
-    n = len(profile.blocks)
-    chunk_time = []
-    for start, end in ranges:  # a recomputed block runs its forward twice: 4/3 of forward + backward
-        blocks = sum(s.seconds for s in sections[1 + start:1 + end]) * (4 / 3 if recompute else 1.0)
-        ends = (sections[0].seconds if start == 0 else 0.0) + (sections[-1].seconds if end == n else 0.0)
-        chunk_time.append(b * (blocks + ends))
-    device_time = [sum(chunk_time[i::pp]) for i in range(pp)]
-    sends = 0.0
-    if pp > 1:  # an activation forward (and its gradient back), per micro-batch and virtual stage
-        sends = (2 if training else 1) * v * pipe.p2p_time(profile.boundary * b, profile.tp,
-                                                           pipe.crosses_nodes(profile.tp, dp, topo), topo)
-    slowest = max(device_time) + sends
-    pipeline = pipe.step_units(schedule, pp, m, v) * slowest
-    memory, state = [], []
-    for i in range(pp):
-        mine = [r for k, r in enumerate(ranges) if k % pp == i]
-        held = _stage_memory(profile, mine, n, i, pp, dp, b, m, schedule, v, recompute, data_parallel)
-        memory.append(held[0])
-        state.append(held[1:])
-    exposed = 0.0
-    if training:
-        params, grads = max(state, key=lambda s: s[1])
-        gathers = 2 * m if pp == 1 else 1
-        reduce, gather = pipe.dp_sync_time(params, grads, dp, profile.tp, data_parallel, gathers, topo)
-        exposed = pipe.exposed_dp_time(reduce, gather, slowest * 2 / 3, m * slowest)
-    seconds = pipeline + exposed
-    peak = max(memory)
-    stages = [list(r) for r in ranges]
-    common = dict(microbatches=m, microbatch_size=b, schedule=schedule, virtual_stages=v, recompute=recompute,
-                  stages=stages, memory_bytes=peak, bubble=(pp - 1) / (v * m) if pp > 1 else 0.0)
-    devices = profile.tp * pp * dp
-    if peak > limit:
-        return Candidate(profile.tp, pp, dp, **common,
-                         note=f"needs {peak / 1e9:.1f} GB per device, over the {limit / 1e9:.1f} GB limit")
-    mfu = flops / (devices * topo.peak_flops * seconds) if flops else None
-    return Candidate(profile.tp, pp, dp, **common, step_seconds=seconds, mfu=mfu)
-
-
-_RANGES: dict = {}
-
-
-def _stage_ranges(profile: Profile, parts: int) -> list:
-    key = (id(profile), parts)
-    if parts == 1:
-        return [(0, len(profile.blocks))]
-    if key not in _RANGES:
-        costs = [s.seconds for s in profile.blocks] or [0.0]
-        costs[0] += profile.sections[0].seconds
-        costs[-1] += profile.sections[-1].seconds
-        _RANGES[key] = pipe.balance_stages(costs, parts)
-    return _RANGES[key]
-
-
-def _stage_memory(profile: Profile, ranges: list, blocks: int, stage: int, pp: int, dp: int, b: int, m: int,
-                  schedule, v: int, recompute: bool, data_parallel: str) -> tuple[float, float, float]:
-    """(peak bytes, parameter bytes, gradient bytes) on a device of pipeline stage ``stage``."""
-    sections = profile.sections
-    mine = [sections[1 + k] for start, end in ranges for k in range(start, end)]
-    ends = ([sections[0]] if ranges[0][0] == 0 else []) + ([sections[-1]] if ranges[-1][1] == blocks else [])
-    parts = mine + ends
-    params = sum(s.memory.get("params", 0.0) for s in parts)
-    grads = sum(s.memory.get("grads", 0.0) for s in parts)
-    optimizer = sum(s.memory.get("optimizer", 0.0) for s in parts)
-    buffers = sum(s.memory.get("buffers", 0.0) for s in parts)
-    if data_parallel == "ddp" or dp == 1:
-        state = params + grads + optimizer
-    elif pp == 1:  # FSDP: all sharded, one block gathered at a time (parameters and its gradients)
-        state = (params + grads + optimizer) / dp + max((s.held(("params", "grads")) for s in parts), default=0.0)
-    else:  # FSDP under a pipeline keeps parameters and gradients gathered across micro-batches
-        state = params + grads + optimizer / dp
-    kept = [s.memory.get("activations", 0.0) + s.memory.get("kv_cache", 0.0) for s in mine]
-    if recompute and mine:
-        per_batch = profile.boundary * len(mine) + max(kept)
-    else:
-        per_batch = sum(kept)
-    flight = pipe.in_flight(schedule, pp, m, stage, v)
-    head = sum(s.memory.get("activations", 0.0) + s.memory.get("kv_cache", 0.0) for s in ends)
-    return state + buffers + b * (per_batch * flight + head), params, grads
-
-
-def _advice(candidates: list, profiles: list, devices: int, topo: Topology, data_parallel: str,
-            setting: dict) -> str:
-    """Why nothing fits (the leanest layout's need) and what would: more devices, or FSDP instead of DDP."""
+def _advice(candidates: list, profiles: list, devices: int, setting: Setting) -> str:
+    """Why nothing fits (the leanest layout's need) and what would: FSDP instead of DDP, or more devices."""
+    topo = setting.topology
     least = min((c for c in candidates if c.memory_bytes is not None), key=lambda c: c.memory_bytes, default=None)
     if least is None:
         return "no layout of the devices divides the global batch: " + "; ".join(sorted({c.note for c in candidates}))
-    found = (f"nothing fits {setting['limit'] / 1e9:.1f} GB per device on {devices} devices of {topo.name}: the "
+    found = (f"nothing fits {setting.limit / 1e9:.1f} GB per device on {devices} devices of {topo.name}: the "
              f"leanest layout (TP {least.tp} x PP {least.pp} x DP {least.dp}, micro-batch {least.microbatch_size}"
              f"{', recomputing activations' if least.recompute else ''}) needs {least.memory_bytes / 1e9:.1f} GB")
     hints = []
-    if data_parallel == "ddp":
-        fsdp = _layouts(profiles, devices, topo, "fsdp", **setting)[0]
+    if setting.data_parallel == "ddp":
+        fsdp = _layouts(profiles, devices, dataclasses.replace(setting, data_parallel="fsdp"))[0]
         if fsdp.fits:
             hints.append(f"data_parallel='fsdp' fits as TP {fsdp.tp} x PP {fsdp.pp} x DP {fsdp.dp}")
     for factor in (2, 4, 8, 16, 32, 64):
         more = devices * factor
         bigger = load_topology(topo, max(topo.nodes, math.ceil(more / topo.gpus_per_node)))
-        best = _layouts(profiles, more, bigger, data_parallel, **setting)[0]
+        best = _layouts(profiles, more, dataclasses.replace(setting, topology=bigger))[0]
         if best.fits:
             hints.append(f"{more} devices (nodes={bigger.nodes}) fit as TP {best.tp} x PP {best.pp} x DP {best.dp}")
             break

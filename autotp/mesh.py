@@ -60,6 +60,7 @@ def plan_mesh(model: torch.nn.Module, args=None, kwargs=None, *, devices: int | 
     (their batch dim may be 1); ``global_batch`` is the samples per step (default: the example's).
     ``nodes``: a cluster of that many of the topology's nodes.  Raises PlanningError, saying what
     would fit, when nothing does."""
+    _cluster(topology, nodes, devices, data_parallel)  # a bad request fails before the capture
     return plan_mesh_for_graph(_graph(model, args, kwargs, fold=True), devices=devices, topology=topology,
                                nodes=nodes, global_batch=global_batch, training=training,
                                data_parallel=data_parallel, memory_limit=memory_limit)
@@ -69,15 +70,7 @@ def plan_mesh_for_graph(gm: torch.fx.GraphModule, *, devices: int | None = None,
                         nodes: int | None = None, global_batch: int | None = None, training: bool = True,
                         data_parallel: str = "fsdp", memory_limit: float | None = None) -> MeshPlan:
     """plan_mesh on an already captured (folded) graph."""
-    if data_parallel not in ("fsdp", "ddp"):
-        raise ValueError(f"data_parallel must be 'fsdp' or 'ddp', got {data_parallel!r}")
-    topo = load_topology(topology, nodes)
-    if devices is None and nodes is not None:
-        devices = topo.devices
-    devices = devices or topo.devices
-    if devices > topo.devices:
-        raise ValueError(f"{devices} devices do not fit topology {topo.name} ({topo.devices} devices): "
-                         f"give nodes={math.ceil(devices / topo.gpus_per_node)} (--nodes) or a larger topology")
+    topo, devices = _cluster(topology, nodes, devices, data_parallel)
     unit, sizes = _unit(gm)
     global_batch = global_batch or unit
     limit = memory_limit if memory_limit is not None else 0.9 * topo.memory_bytes
@@ -89,6 +82,20 @@ def plan_mesh_for_graph(gm: torch.fx.GraphModule, *, devices: int | None = None,
     if not found[0].fits:
         raise PlanningError(_advice(found, profiles, devices, setting))
     return MeshPlan(found[0], found, devices, topo.name, data_parallel, global_batch)
+
+
+def _cluster(topology, nodes: int | None, devices: int | None, data_parallel: str) -> tuple[Topology, int]:
+    """The topology and device count of a request, checked."""
+    if data_parallel not in ("fsdp", "ddp"):
+        raise ValueError(f"data_parallel must be 'fsdp' or 'ddp', got {data_parallel!r}")
+    topo = load_topology(topology, nodes)
+    devices = devices or topo.devices
+    if not isinstance(devices, int) or devices < 1:
+        raise ValueError(f"devices must be a positive integer, got {devices!r}")
+    if devices > topo.devices:
+        raise ValueError(f"{devices} devices do not fit topology {topo.name} ({topo.devices} devices): "
+                         f"give nodes={math.ceil(devices / topo.gpus_per_node)} (--nodes) or a larger topology")
+    return topo, devices
 
 
 def _layouts(profiles: list, devices: int, setting: Setting) -> list[Candidate]:

@@ -10,7 +10,7 @@ import torch
 from autotp.api import _graph
 from autotp.cost_models import load_topology
 from autotp.cost_models.pipeline import balance_stages, in_flight, step_units
-from autotp.mesh import plan_mesh_for_graph
+from autotp.mesh import plan_mesh, plan_mesh_for_graph
 from autotp.passes.solve import PlanningError
 
 LAYERS = 96
@@ -112,6 +112,8 @@ def test_clusters_from_a_node_and_a_count(tmp_path):
     assert load_topology(str(path)).devices == 32
     with pytest.raises(ValueError, match="nodes must be a positive integer"):
         load_topology("dgx-a100", nodes=0)
+    with pytest.raises(ValueError, match=r"give nodes=4 \(--nodes\)"):  # checked before anything is captured
+        plan_mesh(torch.nn.Linear(2, 2), (torch.zeros(1, 2),), topology="dgx-a100", devices=32)
     box = tmp_path / "box.json"
     box.write_text(json.dumps({"name": "box", "extends": "pcie-a100",
                                "figures": {"nics_per_node": {"value": 0, "source": "test: no network"}}}))

@@ -85,7 +85,7 @@ def mesh_against_plan(layers: int, hidden: int) -> None:
 
     import autotp
     config = LlamaConfig(hidden_size=hidden, intermediate_size=hidden * 13 // 4, num_attention_heads=hidden // 128,
-                         num_key_value_heads=8, num_hidden_layers=layers, vocab_size=128256,
+                         num_key_value_heads=min(8, hidden // 128), num_hidden_layers=layers, vocab_size=128256,
                          max_position_embeddings=8192, use_cache=False)
     ids = torch.zeros(2, 8192, dtype=torch.long, device="meta")
     times = {}

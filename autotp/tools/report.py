@@ -146,10 +146,20 @@ def mesh_table(result) -> list:
                       "-" if c.memory_bytes is None else f"{c.memory_bytes / 1e9:.2f}",
                       "-" if c.mfu is None else f"{c.mfu:.1%}", c.note)
     best = result.choice
-    stages = " | ".join(f"{a}-{b - 1}" for a, b in best.stages) if best.pp > 1 else "all"
     return [table, f"mesh choice: TP {best.tp} x PP {best.pp} x DP {best.dp}, {best.microbatches} micro-batches of "
-                   f"{best.microbatch_size}, schedule {best.schedule or '-'}, blocks per stage {stages}",
+                   f"{best.microbatch_size}, schedule {best.schedule or '-'}"
+                   f"{', recomputing activations' if best.recompute else ''}; {_stages(best.stages)}",
             result.activation_model]
+
+
+def _stages(stages: list) -> str:
+    """Block ranges per (virtual) stage, the middle elided when there are many."""
+    if len(stages) == 1:
+        return "one stage"
+    shown = [f"{a}-{b - 1}" for a, b in stages]
+    if len(shown) > 8:
+        shown = [*shown[:3], "...", *shown[-2:]]
+    return f"{len(stages)} stages, blocks {' | '.join(shown)}"
 
 
 def compare_table(hf: dict, ours: dict, title: str) -> Table:

@@ -53,8 +53,9 @@ class Candidate:
     step_seconds: float | None = None           # None: does not fit
     memory_bytes: float | None = None
     mfu: float | None = None
-    bubble: float = 0.0
-    note: str = ""
+    bubble: float = 0.0                         # idle fraction of the schedule: (p - 1) / (v m)
+    parts: dict = field(default_factory=dict)   # step seconds by part: compute (with TP collectives), p2p,
+    note: str = ""                              # bubble, dp (all of it) and dp_exposed (what overlap leaves)
 
     @property
     def fits(self) -> bool:
@@ -88,17 +89,21 @@ def price(profile: Profile, layout: Candidate, setting: Setting) -> Candidate:
     if pp > 1:  # an activation forward (and its gradient back), per micro-batch and virtual stage
         crosses = pipe.crosses_nodes(profile.tp, dp, topo)
         sends = (2 if setting.training else 1) * v * pipe.p2p_time(profile.boundary * b, profile.tp, crosses, topo)
-    slowest = max(sum(chunk[i::pp]) for i in range(pp)) + sends
-    seconds = pipe.step_units(layout.schedule, pp, m, v) * slowest
+    compute = max(sum(chunk[i::pp]) for i in range(pp))
+    slowest = compute + sends
+    units = pipe.step_units(layout.schedule, pp, m, v)
+    parts = {"compute": m * compute, "p2p": m * sends, "bubble": (units - m) * slowest, "dp": 0.0, "dp_exposed": 0.0}
     held = [stage_memory(profile, ranges[i::pp], i, layout, m, setting.data_parallel) for i in range(pp)]
     if setting.training:
         params, grads = max(((h[1], h[2]) for h in held), key=lambda h: h[1])
         reduce, gather = pipe.dp_sync_time(params, grads, dp, profile.tp, setting.data_parallel,
                                            2 * m if pp == 1 else 1, topo)
-        seconds += pipe.exposed_dp_time(reduce, gather, slowest * 2 / 3, m * slowest)
+        parts["dp"] = reduce + gather
+        parts["dp_exposed"] = pipe.exposed_dp_time(reduce, gather, slowest * 2 / 3, m * slowest)
+    seconds = units * slowest + parts["dp_exposed"]
     peak = max(h[0] for h in held)
     priced = replace(layout, microbatches=m, stages=[list(r) for r in ranges], memory_bytes=peak,
-                     bubble=(pp - 1) / (v * m) if pp > 1 else 0.0)
+                     bubble=(pp - 1) / (v * m) if pp > 1 else 0.0, parts=parts)
     if peak > setting.limit:
         return replace(priced, note=f"needs {peak / 1e9:.1f} GB per device, over the {setting.limit / 1e9:.1f} GB "
                                     "limit")

@@ -88,6 +88,10 @@ def mesh_against_plan(layers: int, hidden: int) -> None:
                          num_key_value_heads=min(8, hidden // 128), num_hidden_layers=layers, vocab_size=128256,
                          max_position_embeddings=8192, use_cache=False)
     ids = torch.zeros(2, 8192, dtype=torch.long, device="meta")
+    with torch.device("meta"):  # warm-up: imports and torch.export's first call are paid by neither timing
+        autotp.plan(LlamaForCausalLM(LlamaConfig(hidden_size=256, intermediate_size=512, num_attention_heads=2,
+                                                 num_key_value_heads=2, num_hidden_layers=2, vocab_size=256)),
+                    (ids[:, :16],), world_size=2)
     times = {}
     for what in ("plan", "mesh"):
         start = time.perf_counter()

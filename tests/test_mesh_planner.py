@@ -65,6 +65,18 @@ def test_gpt3_175b_with_fsdp_fits_wherever_ddp_does(gpt3):
     assert fsdp.to_dict()["choice"]["tp"] == fsdp.choice.tp
 
 
+def test_activations_per_layer_lie_within_korthikantis_bounds(gpt3):
+    """The planner counts kept op outputs on the graph; Korthikanti et al. 2022 (TP t, bf16, dropout masks):
+    sbh(10 + 24/t) without the attention-score terms (fused SDPA), sbh(10 + 24/t + 5as/(ht)) with them."""
+    from autotp.mesh import _profile, _unit
+    unit, sizes = _unit(gpt3)
+    profile = _profile(gpt3, 8, load_topology("dgx-a100", nodes=128), True, sizes, unit)
+    s, h, a, t = 2048, 12288, 96, 8
+    per_layer = profile.blocks[LAYERS // 2].memory["activations"]
+    assert s * h * (10 + 24 / t) <= per_layer <= s * h * (10 + 24 / t + 5 * a * s / (h * t))
+    assert profile.boundary == s * h * 2  # a stage hands on one bf16 hidden state per token
+
+
 @pytest.fixture(scope="module")
 def small_llama():
     """(8-layer LLaMA graph, bytes of its fp32 training state), captured once."""

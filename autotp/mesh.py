@@ -3,7 +3,7 @@
 One tensor-parallel plan is solved per TP size (the plan of a block does not depend on how many
 stages or replicas there are) at one sample of the example inputs; its time and memory, read per
 block, are then priced analytically for every pipeline / data-parallel split
-(cost_models/pipeline.py).  Activations are the planner's own count: every op output kept for
+(cost_models/layout.py, cost_models/pipeline.py).  Activations are the planner's own count: every op output kept for
 backward, per block, under the chosen TP plan (or only each block's input with recomputation).
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from autotp.cost_models import load_topology
 from autotp.cost_models import pipeline as pipe
 from autotp.cost_models.layout import Candidate, Profile, Section, Setting, price
 from autotp.cost_models.topology import Topology
-from autotp.passes.solve import PlanningError, Sizes, _compute_time, _memory
+from autotp.passes.solve import _MATMULS, PlanningError, Sizes, _compute_time, _memory
 from autotp.passes.strategies import Strategy
 from autotp.runtime.placement import parse
 
@@ -116,25 +116,19 @@ def _unit(gm: torch.fx.GraphModule) -> tuple[int, Sizes]:
 
 
 def _model_flops(gm: torch.fx.GraphModule, sizes: Sizes) -> float:
-    """Model FLOPs of one training step at ``sizes``: 6 x parameters x tokens, plus attention scores
-    (4 b a s_q s_k d forward, three times that with backward), no recomputation (Narayanan et al. 2021)."""
+    """Model FLOPs of one training step at ``sizes``, three times the forward's (Narayanan et al. 2021, no
+    recomputation): every matrix product (2 x parameters x tokens for a weight) and attention scores
+    (4 b a s_q s_k d for a fused attention); lookups and elementwise ops are not counted."""
     folding = gm.meta.get("autotp_fold")
     weight = folding.weights.get if folding else (lambda n, d: d)
-    params = dict(gm.named_parameters(remove_duplicate=False))
-    seen, count = set(), 0.0
-    for n in gm.graph.nodes:
-        if n.op == "get_attr" and n.target in params and id(params[n.target]) not in seen:
-            seen.add(id(params[n.target]))
-            count += params[n.target].numel() * weight(n, 1)
-    tokens = next(math.prod(sizes(s) for s in n.meta["val"].shape) for n in gm.graph.nodes
-                  if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor))
-    attention = 0.0
+    forward = 0.0
     for n in gm.graph.nodes:
         if n.target == torch.ops.aten.scaled_dot_product_attention.default:
-            q, k = (sizes(s) for s in n.args[0].meta["val"].shape), n.args[1].meta["val"].shape
-            b, a, sq, d = q
-            attention += 3 * 4 * b * a * sq * sizes(k[-2]) * d * weight(n, 1)
-    return 6 * count * tokens + attention
+            b, a, sq, d = (sizes(x) for x in n.args[0].meta["val"].shape)
+            forward += 4 * b * a * sq * sizes(n.args[1].meta["val"].shape[-2]) * d * weight(n, 1)
+        elif n.target in _MATMULS:
+            forward += sizes.flops(n) * weight(n, 1)
+    return 3 * forward
 
 
 def _where(gm: torch.fx.GraphModule) -> tuple[dict, int | None, object]:

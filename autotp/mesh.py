@@ -1,89 +1,243 @@
-"""Mesh choice: which TP size (the rest data-parallel) is fastest on a topology, and does it fit."""
+"""Mesh planning: tensor x pipeline x data parallel sizes, micro-batches, schedule and stage boundaries.
+
+One tensor-parallel plan is solved per TP size (the plan of a block does not depend on how many
+stages or replicas there are) at one sample of the example inputs; its time and memory, read per
+block, are then priced analytically for every pipeline / data-parallel split
+(cost_models/layout.py, cost_models/pipeline.py).  Activations are the planner's own count: every op output kept for
+backward, per block, under the chosen TP plan (or only each block's input with recomputation).
+"""
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import json
+import math
+from dataclasses import asdict, dataclass
 
 import torch
 
-from autotp.cost_models import collective_time, load_topology
-from autotp.cost_models.memory import state_factor
+from autotp.cost_models import load_topology
+from autotp.cost_models import pipeline as pipe
+from autotp.cost_models.layout import Candidate, Profile, Section, Setting, price
 from autotp.cost_models.topology import Topology
-from autotp.passes.solve import PlanningError, Sizes
+from autotp.passes.solve import _MATMULS, PlanningError, Sizes, _compute_time, _memory
+from autotp.passes.strategies import Strategy
+from autotp.runtime.placement import parse
 
 from .api import _graph, _solve
 
+ACTIVATION_MODEL = ("activations: every op output the backward keeps, counted per block on the TP plan's graph "
+                    "(with recomputation only each block's input, plus one block recomputed)")
+
 
 @dataclass
-class Candidate:
-    tp: int
-    dp: int
-    seconds: float | None        # estimated step time; None when it does not fit
-    memory: float | None         # estimated bytes per device
-    note: str = ""
+class MeshPlan:
+    choice: Candidate
+    candidates: list
+    devices: int
+    topology: str
+    data_parallel: str
+    global_batch: int
+    activation_model: str = ACTIVATION_MODEL
+
+    def to_dict(self) -> dict:
+        c = self.choice
+        keys = ("tp", "pp", "dp", "microbatches", "microbatch_size", "schedule", "virtual_stages", "recompute",
+                "stages")
+        return {"choice": {k: getattr(c, k) for k in keys}, "step_seconds": c.step_seconds,
+                "memory_bytes": c.memory_bytes, "mfu": c.mfu, "devices": self.devices, "topology": self.topology,
+                "data_parallel": self.data_parallel, "global_batch": self.global_batch,
+                "activation_model": self.activation_model, "candidates": [asdict(x) for x in self.candidates]}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
 
 
-def _dp_topology(topo: Topology, tp: int) -> Topology:
-    """The fabric a data-parallel group sees: its members sit ``tp`` ranks apart."""
-    per_node = max(1, topo.gpus_per_node // tp)
-    nics = max(1, topo.nics_per_node * per_node // topo.gpus_per_node) if topo.nics_per_node else 0
-    return dataclasses.replace(topo, gpus_per_node=per_node, nodes=topo.devices // tp // per_node, nics_per_node=nics)
+def plan_mesh(model: torch.nn.Module, args=None, kwargs=None, *, devices: int | None = None, topology=None,
+              nodes: int | None = None, global_batch: int | None = None, training: bool = True,
+              data_parallel: str = "fsdp", memory_limit: float | None = None) -> MeshPlan:
+    """The fastest tp x pp x dp layout of ``devices`` (default: all of the topology) that fits, with its
+    micro-batches, schedule and stage boundaries.  ``args`` are one micro-batch's example inputs
+    (their batch dim may be 1); ``global_batch`` is the samples per step (default: the example's).
+    ``nodes``: a cluster of that many of the topology's nodes.  Raises PlanningError, saying what
+    would fit, when nothing does."""
+    _cluster(topology, nodes, devices, data_parallel)  # a bad request fails before the capture
+    return plan_mesh_for_graph(_graph(model, args, kwargs, fold=True), devices=devices, topology=topology,
+                               nodes=nodes, global_batch=global_batch, training=training,
+                               data_parallel=data_parallel, memory_limit=memory_limit)
 
 
-def _batch_symbol(gm: torch.fx.GraphModule) -> tuple[str, int] | None:
-    """The first input's leading dim, if dynamic: the batch that data parallelism divides."""
+def plan_mesh_for_graph(gm: torch.fx.GraphModule, *, devices: int | None = None, topology=None,
+                        nodes: int | None = None, global_batch: int | None = None, training: bool = True,
+                        data_parallel: str = "fsdp", memory_limit: float | None = None) -> MeshPlan:
+    """plan_mesh on an already captured (folded) graph."""
+    topo, devices = _cluster(topology, nodes, devices, data_parallel)
+    unit, sizes = _unit(gm)
+    global_batch = global_batch or unit
+    limit = memory_limit if memory_limit is not None else 0.9 * topo.memory_bytes
+    flops = _model_flops(gm, sizes) / unit * global_batch if training else 0.0
+    profiles = [_profile(gm, tp, topo, training, sizes, unit) for tp in pipe.divisors(devices)
+                if tp <= topo.gpus_per_node]  # TP stays inside a node (Narayanan et al. 2021 section 3.3)
+    setting = Setting(topo, global_batch, training, data_parallel, limit, flops)
+    found = _layouts(profiles, devices, setting)
+    if not found[0].fits:
+        raise PlanningError(_advice(found, profiles, devices, setting))
+    return MeshPlan(found[0], found, devices, topo.name, data_parallel, global_batch)
+
+
+def _cluster(topology, nodes: int | None, devices: int | None, data_parallel: str) -> tuple[Topology, int]:
+    """The topology and device count of a request, checked."""
+    if data_parallel not in ("fsdp", "ddp"):
+        raise ValueError(f"data_parallel must be 'fsdp' or 'ddp', got {data_parallel!r}")
+    topo = load_topology(topology, nodes)
+    devices = devices or topo.devices
+    if not isinstance(devices, int) or devices < 1:
+        raise ValueError(f"devices must be a positive integer, got {devices!r}")
+    if devices > topo.devices:
+        raise ValueError(f"{devices} devices do not fit topology {topo.name} ({topo.devices} devices): "
+                         f"give nodes={math.ceil(devices / topo.gpus_per_node)} (--nodes) or a larger topology")
+    return topo, devices
+
+
+def _layouts(profiles: list, devices: int, setting: Setting) -> list[Candidate]:
+    """The best layout per (tp, pp, dp), fastest fitting first."""
+    found = [c for p in profiles if devices % p.tp == 0 for c in _best_layout(p, devices, setting)]
+    return sorted(found, key=lambda c: (not c.fits, c.step_seconds or 0.0, c.memory_bytes or math.inf))
+
+
+def _unit(gm: torch.fx.GraphModule) -> tuple[int, Sizes]:
+    """(samples the priced inputs hold, sizes to price at): one sample when the batch dim is symbolic."""
     for node in gm.graph.nodes:
         v = node.meta.get("val")
-        if node.op == "placeholder" and isinstance(v, torch.Tensor) and v.dim() and not isinstance(v.shape[0], int):
-            expr = v.shape[0].node.expr
-            return str(expr), Sizes()(v.shape[0])
-    return None
+        if node.op == "placeholder" and isinstance(v, torch.Tensor) and v.dim():
+            if isinstance(v.shape[0], int):
+                return v.shape[0], Sizes()
+            return 1, Sizes({str(v.shape[0].node.expr): 1})
+    return 1, Sizes()
 
 
-def _weights(gm: torch.fx.GraphModule) -> list:
-    """(parameter, how many real copies it stands for: a folded block's weights count for every block)."""
-    params = dict(gm.named_parameters(remove_duplicate=False))
+def _model_flops(gm: torch.fx.GraphModule, sizes: Sizes) -> float:
+    """Model FLOPs of one training step at ``sizes``, three times the forward's (Narayanan et al. 2021, no
+    recomputation): every matrix product (2 x parameters x tokens for a weight) and attention scores
+    (4 b a s_q s_k d for a fused attention); lookups and elementwise ops are not counted."""
     folding = gm.meta.get("autotp_fold")
-    found = {id(params[n.target]): (params[n.target], folding.weights[n] if folding else 1)
-             for n in gm.graph.nodes if n.op == "get_attr" and n.target in params}
-    return list(found.values())
+    weight = folding.weights.get if folding else (lambda n, d: d)
+    forward = 0.0
+    for n in gm.graph.nodes:
+        if n.target == torch.ops.aten.scaled_dot_product_attention.default:
+            b, a, sq, d = (sizes(x) for x in n.args[0].meta["val"].shape)
+            forward += 4 * b * a * sq * sizes(n.args[1].meta["val"].shape[-2]) * d * weight(n, 1)
+        elif n.target in _MATMULS:
+            forward += sizes.flops(n) * weight(n, 1)
+    return 3 * forward
 
 
-def choose_mesh(model: torch.nn.Module, args=None, kwargs=None, *, devices: int | None = None, topology=None,
-                training: bool = True, memory_limit: float | None = None) -> list[Candidate]:
-    """Every TP size that divides ``devices`` (TP groups on consecutive ranks, filling nodes first),
-    priced with the example inputs as the global batch; best (fitting, fastest) first."""
-    return choose_mesh_for_graph(_graph(model, args, kwargs, fold=True), devices=devices, topology=topology,
-                                 training=training, memory_limit=memory_limit)
+def _where(gm: torch.fx.GraphModule) -> tuple[dict, int | None, object]:
+    """node -> "pre" | "post" | kept block index; the real block count; the fold (None if not folded)."""
+    folding = gm.meta.get("autotp_fold")
+    if folding is None:
+        return dict.fromkeys(gm.graph.nodes, "pre"), None, None
+    fold, where = folding.fold, dict(folding.blocks.where)
+    for n in gm.graph.nodes:
+        if where.get(n) == "attr":
+            block = fold.block_of_name(n.target)
+            users = [where[u] for u in n.users if where.get(u) not in (None, "attr")]
+            where[n] = block if block is not None else (users[0] if users else "pre")
+        elif where.get(n) in (None, "input"):
+            where[n] = "pre"
+    return where, fold.count, fold
 
 
-def choose_mesh_for_graph(gm: torch.fx.GraphModule, *, devices: int | None = None, topology=None,
-                          training: bool = True, memory_limit: float | None = None) -> list[Candidate]:
-    """choose_mesh on an already captured graph (capture once, price many meshes)."""
-    topo = load_topology(topology)
-    devices = devices or topo.devices
-    batch = _batch_symbol(gm)
-    limit = memory_limit if memory_limit is not None else 0.9 * topo.memory_bytes
-    floor = sum(p.numel() * p.element_size() * state_factor(p.element_size(), training) * count
-                for p, count in _weights(gm))
+def _profile(gm: torch.fx.GraphModule, tp: int, topo: Topology, training: bool, sizes: Sizes,
+             unit: int) -> Profile:
+    """Solve the TP plan once and read its time and memory per section, per sample (kept on the graph:
+    pricing another cluster of the same nodes reuses it)."""
+    key = (tp, training, repr(dataclasses.replace(topo, name="", nodes=1)))
+    cache = gm.meta.setdefault("autotp_tp_profiles", {})
+    if key not in cache:
+        cache[key] = _read_profile(gm, tp, topo, training, sizes, unit)
+    return cache[key]
+
+
+def _read_profile(gm: torch.fx.GraphModule, tp: int, topo: Topology, training: bool, sizes: Sizes,
+                  unit: int) -> Profile:
+    plan = _solve(gm, tp, topo, training=training, memory_limit=math.inf, sizes=sizes)
+    where, count, fold = _where(gm)
+    nodes = {n.name: n for n in gm.graph.nodes}
+    trainable = dict(gm.named_parameters(remove_duplicate=False))
+    kept: dict = {}
+    for name, entry in plan.nodes.items():
+        node = nodes[name]
+        strategy = Strategy(tuple(parse(p) for p in entry["in"]), parse(entry["out"]))
+        section = kept.setdefault(where[node], Section())
+        section.seconds += _compute_time(node, strategy, sizes, tp, topo, training)
+        for kind, held in _memory(node, strategy, sizes, tp, trainable, training).items():
+            section.memory[kind] = section.memory.get(kind, 0.0) + held
+    for c in plan.collectives:
+        kept.setdefault(where[nodes[c["tensor"]]], Section()).seconds += c["seconds"]
+    order = ["pre", *([fold.rep(i) for i in range(count)] if fold else []), "post"]
+    sections = [kept.get(key, Section()) for key in order]
+    total = sum(s.seconds for s in sections)
+    scale = plan.cost["seconds"] / total if total else 1.0  # the solver's total; the split follows each section's
+    per_sample = [Section(s.seconds * scale / unit, {k: (v / unit if k in ("activations", "kv_cache") else v)
+                                                      for k, v in s.memory.items()}) for s in sections]
+    boundary = 0.0
+    if fold:  # tensors block 1 hands to the next kept block (N-2): what a stage sends to the next
+        boundary = sum(sizes.nbytes(n) for n in gm.graph.nodes
+                       if where[n] == 1 and any(where.get(u) == count - 2 for u in n.users)) / unit
+    return Profile(tp, per_sample, boundary, fold is not None)
+
+
+def _best_layout(profile: Profile, devices: int, setting: Setting) -> list[Candidate]:
+    """For each pp (and so dp) at this TP size: the fastest micro-batching, schedule and recomputation
+    that fits, or the one needing the least memory, whose note says why it does not fit."""
     found = []
-    for tp in (n for n in range(1, devices + 1) if devices % n == 0):
-        dp = devices // tp
-        if floor / tp > limit:
-            found.append(Candidate(tp, dp, None, floor / tp, "parameters alone exceed the memory limit"))
+    rest = devices // profile.tp
+    stages_max = len(profile.blocks) if profile.stackable else 1
+    for pp in (p for p in pipe.divisors(rest) if p <= stages_max):
+        dp = rest // pp
+        per_replica = setting.global_batch // dp
+        if setting.global_batch % dp:
+            found.append(Candidate(profile.tp, pp, dp, note=f"global batch {setting.global_batch} does not divide "
+                                                            f"by {dp} replicas"))
             continue
-        if batch and batch[1] % dp:
-            found.append(Candidate(tp, dp, None, None, f"batch {batch[1]} does not divide by {dp} replicas"))
-            continue
-        sizes = Sizes({batch[0]: batch[1] // dp} if batch else {})
-        try:
-            plan = _solve(gm, tp, topo, training=training, memory_limit=limit, sizes=sizes)
-        except PlanningError as exc:
-            found.append(Candidate(tp, dp, None, None, str(exc)))
-            continue
-        memory = plan.cost["memory"]
-        seconds = plan.cost["seconds"]
-        if training and dp > 1:  # gradients of this rank's parameter shard, averaged over replicas
-            seconds += collective_time("all_reduce", memory["params"], dp, _dp_topology(topo, tp))
-        found.append(Candidate(tp, dp, seconds, memory["total"]))
-    return sorted(found, key=lambda c: (c.seconds is None, c.seconds or 0.0, c.tp))
+        options = [price(profile, Candidate(profile.tp, pp, dp, microbatch_size=b, schedule=schedule,
+                                            virtual_stages=v, recompute=recompute), setting)
+                   for b in pipe.powers_of_two_dividing(per_replica, 16)
+                   for schedule, v in _schedules(pp, per_replica // b, len(profile.blocks))
+                   for recompute in ((False, True) if setting.training and profile.stackable else (False,))]
+        fitting = [c for c in options if c.fits]
+        found.append(min(fitting, key=lambda c: (c.step_seconds, c.memory_bytes)) if fitting
+                     else min(options, key=lambda c: c.memory_bytes))
+    return found
+
+
+def _schedules(pp: int, microbatches: int, blocks: int) -> list:
+    if pp == 1:
+        return [(None, 1)]
+    found = [("gpipe", 1), ("1f1b", 1)]
+    return found + [("interleaved-1f1b", v) for v in (2, 4) if blocks >= pp * v and microbatches % pp == 0]
+
+
+def _advice(candidates: list, profiles: list, devices: int, setting: Setting) -> str:
+    """Why nothing fits (the leanest layout's need) and what would: FSDP instead of DDP, or more devices."""
+    topo = setting.topology
+    least = min((c for c in candidates if c.memory_bytes is not None), key=lambda c: c.memory_bytes, default=None)
+    if least is None:
+        return "no layout of the devices divides the global batch: " + "; ".join(sorted({c.note for c in candidates}))
+    found = (f"nothing fits {setting.limit / 1e9:.1f} GB per device on {devices} devices of {topo.name}: the "
+             f"leanest layout (TP {least.tp} x PP {least.pp} x DP {least.dp}, micro-batch {least.microbatch_size}"
+             f"{', recomputing activations' if least.recompute else ''}) needs {least.memory_bytes / 1e9:.1f} GB")
+    hints = []
+    if setting.data_parallel == "ddp":
+        fsdp = _layouts(profiles, devices, dataclasses.replace(setting, data_parallel="fsdp"))[0]
+        if fsdp.fits:
+            hints.append(f"data_parallel='fsdp' fits as TP {fsdp.tp} x PP {fsdp.pp} x DP {fsdp.dp}")
+    for factor in (2, 4, 8, 16, 32, 64):
+        more = devices * factor
+        bigger = load_topology(topo, max(topo.nodes, math.ceil(more / topo.gpus_per_node)))
+        best = _layouts(profiles, more, dataclasses.replace(setting, topology=bigger))[0]
+        if best.fits:
+            hints.append(f"{more} devices (nodes={bigger.nodes}) fit as TP {best.tp} x PP {best.pp} x DP {best.dp}")
+            break
+    hints.append("a smaller global batch or shorter sequences need less")
+    return found + "; " + "; ".join(hints)

@@ -8,7 +8,7 @@ measured per-collective figures under ``measured``.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 PROFILES = Path(__file__).parent / "topologies"
@@ -80,16 +80,26 @@ def _resolve(spec: str | Path) -> Path:
     return path
 
 
-def load_topology(spec: str | Path | Topology | None = None) -> Topology:
-    """A profile by name (``dgx-h100``), by path to a JSON file, or the default."""
+def load_topology(spec: str | Path | Topology | None = None, nodes: int | None = None) -> Topology:
+    """A profile by name (``dgx-h100``), by path to a JSON file, or the default; ``nodes``: a cluster
+    of that many of its nodes (``load_topology("dgx-a100", nodes=128)``)."""
     if isinstance(spec, Topology):
-        return spec
-    path = _resolve(spec or DEFAULT)
-    raw = _read(path)
-    try:
-        return Topology(name=raw["name"], measured=raw["measured"], **raw["figures"])
-    except TypeError as exc:
-        raise ValueError(f"malformed topology file {path}: {exc}") from exc
+        topo = spec
+    else:
+        path = _resolve(spec or DEFAULT)
+        raw = _read(path)
+        try:
+            topo = Topology(name=raw["name"], measured=raw["measured"], **raw["figures"])
+        except TypeError as exc:
+            raise ValueError(f"malformed topology file {path}: {exc}") from exc
+    if nodes is None or nodes == topo.nodes:
+        return topo
+    if not isinstance(nodes, int) or nodes < 1:
+        raise ValueError(f"nodes must be a positive integer, got {nodes!r}")
+    if nodes > 1 and not topo.nics_per_node:
+        raise ValueError(f"topology {topo.name} has no NICs (nics_per_node) to join {nodes} nodes: "
+                         "give a profile with network figures")
+    return replace(topo, name=f"{topo.name} x{nodes}", nodes=nodes)
 
 
 def profile_names() -> list[str]:

@@ -69,9 +69,30 @@ def test_mesh_prices_every_split(tmp_path):
     result = _autotp("mesh", str(model_dir), "--topology", "2x-dgx-h100", "--devices", "16", "--batch", "16",
                      "--seq", "32")
     assert result.returncode == 0, result.stderr[-3000:]
-    rows = [line.split("│")[1:3] for line in result.stdout.splitlines() if line.count("│") >= 5]
-    assert sorted(int(tp) for tp, _ in rows) == [1, 2, 4, 8, 16]
+    rows = [[int(x) for x in line.split("│")[1:4]] for line in result.stdout.splitlines() if line.count("│") >= 5]
+    assert sorted(tp for tp, _, _ in rows) == [1, 2, 4, 8]  # TP inside a node; 2 blocks are too few to pipeline
+    assert all(tp * pp * dp == 16 for tp, pp, dp in rows)
     assert "mesh choice: TP" in result.stdout
+
+
+def test_mesh_json_for_a_cluster_of_nodes(tmp_path):
+    from transformers import LlamaConfig
+    LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=8,
+                num_key_value_heads=4).save_pretrained(tmp_path)
+    node = tmp_path / "two-gpu-node.json"  # a node type of one's own, extending a known one
+    node.write_text(json.dumps({"name": "two-gpu-node", "extends": "dgx-a100", "figures": {
+        "gpus_per_node": {"value": 2, "source": "test"}, "nics_per_node": {"value": 2, "source": "test"}}}))
+    result = _autotp("mesh", str(tmp_path), "--topology", str(node), "--nodes", "8", "--global-batch", "32",
+                     "--seq", "32", "--data-parallel", "ddp", "--json")
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout)
+    assert {"choice", "step_seconds", "memory_bytes", "mfu", "candidates"} <= set(out)
+    choice = out["choice"]
+    assert {"tp", "pp", "dp", "microbatches", "schedule", "stages"} <= set(choice)
+    assert choice["tp"] * choice["pp"] * choice["dp"] == 16 and out["devices"] == 16 and choice["tp"] <= 2
+    assert [b for start, end in choice["stages"] for b in range(start, end)] == list(range(8))
+    assert out["step_seconds"] > 0 and out["memory_bytes"] > 0 and out["data_parallel"] == "ddp"
+    assert all({"tp", "pp", "dp", "step_seconds", "memory_bytes", "note"} <= set(c) for c in out["candidates"])
 
 
 def test_show_diff_and_explain_a_saved_plan(tmp_path):

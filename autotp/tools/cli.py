@@ -66,18 +66,36 @@ def _mesh(args) -> int:
 
 
 def _print_mesh(model, example, args) -> int:
-    """Price every TP x DP split of ``args.devices``; exit status 1 when nothing fits."""
+    """Price every tp x pp x dp layout of ``args.devices``; exit status 1 when nothing fits."""
     from rich.console import Console
 
-    from autotp.mesh import choose_mesh
+    from autotp.mesh import plan_mesh
+    from autotp.passes.solve import PlanningError
 
     from .report import mesh_table
-    with _console().status("capturing once, solving every TP size ..."):
-        candidates = choose_mesh(model, example, devices=args.devices, topology=args.topology,
-                                 training=not args.inference)
-    for part in mesh_table(candidates, args.topology):
+    with _console().status("capturing once, solving one TP plan per TP size, pricing every layout ..."):
+        try:
+            result = plan_mesh(model, example, devices=args.devices, topology=args.topology, nodes=args.nodes,
+                               global_batch=args.global_batch or args.batch, training=not args.inference,
+                               data_parallel=args.data_parallel)
+        except (PlanningError, ValueError) as exc:
+            print(f"autotp: {exc}", file=sys.stderr)
+            return 1
+    if args.json:
+        print(result.to_json())
+        return 0
+    for part in mesh_table(result):
         Console(width=140).print(part)
-    return 0 if candidates[0].seconds is not None else 1
+    return 0
+
+
+def _mesh_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nodes", type=int, default=None, help="a cluster of this many of the topology's nodes")
+    parser.add_argument("--global-batch", type=int, default=None,
+                        help="samples per training step, split over data-parallel replicas and micro-batches "
+                             "(default: --batch)")
+    parser.add_argument("--data-parallel", choices=("fsdp", "ddp"), default="fsdp",
+                        help="fsdp: parameters, gradients and optimizer state sharded; ddp: replicated")
 
 
 def _load_plan(path: str):
@@ -164,12 +182,17 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--world-size", type=int, required=True)
     plan.add_argument("--out", help="write the plan JSON here")
     plan.add_argument("--json", action="store_true", help="print the plan JSON instead of tables")
-    plan.add_argument("--devices", type=int, default=None, help="also price every TP x DP split of this many devices")
+    plan.add_argument("--devices", type=int, default=None,
+                      help="also price every tp x pp x dp layout of this many devices")
+    _mesh_arguments(plan)
     plan.add_argument("--no-fold", action="store_true",
                       help="capture and solve every block (default: identical blocks planned from four)")
-    mesh = sub.add_parser("mesh", help="price every TP x DP split of a number of devices and pick the fastest")
+    mesh = sub.add_parser("mesh", help="choose tensor x pipeline x data parallel sizes, micro-batches, schedule "
+                                       "and stage boundaries for a number of devices")
     _model_arguments(mesh)
     mesh.add_argument("--devices", type=int, default=None, help="how many devices (default: all of the topology)")
+    _mesh_arguments(mesh)
+    mesh.add_argument("--json", action="store_true", help="print the choice and every candidate as JSON")
     show = sub.add_parser("show", help="print a saved plan")
     show.add_argument("plan")
     diff = sub.add_parser("diff", help="what changed between two plans, and the cost difference")

@@ -131,16 +131,35 @@ def memory_table(plan: Plan) -> Table:
     return table
 
 
-def mesh_table(candidates: list, topology: str | None) -> list:
-    """The TP x DP candidates of autotp.mesh.choose_mesh, best first, and the choice."""
-    table = Table(title=f"mesh candidates on {topology or 'the default topology'}")
-    for column in ("TP", "DP", "est. step ms", "memory/device GB", "note"):
+def mesh_table(result) -> list:
+    """The best layout per (TP, PP, DP) of autotp.mesh.plan_mesh, fastest first, then the choice."""
+    table = Table(title=f"mesh candidates: {result.devices} devices of {result.topology}, global batch "
+                        f"{result.global_batch}, data parallel {result.data_parallel} (estimated)")
+    for column in ("TP", "PP", "DP", "micro-batches", "schedule", "recompute", "step s", "memory/device GB", "MFU",
+                   "note"):
         table.add_column(column)
-    for c in candidates:
-        table.add_row(str(c.tp), str(c.dp), "-" if c.seconds is None else f"{c.seconds * 1e3:.2f}",
-                      "-" if c.memory is None else f"{c.memory / 1e9:.2f}", c.note)
-    best = candidates[0]
-    return [table, f"mesh choice: TP {best.tp} x DP {best.dp}" if best.seconds is not None else "nothing fits"]
+    for c in result.candidates:
+        schedule = "-" if c.schedule is None else c.schedule + (f" x{c.virtual_stages}" if c.virtual_stages > 1 else "")
+        table.add_row(str(c.tp), str(c.pp), str(c.dp), f"{c.microbatches} x {c.microbatch_size}" if c.microbatches
+                      and c.microbatch_size else "-", schedule, "yes" if c.recompute else "no",
+                      "-" if c.step_seconds is None else f"{c.step_seconds:.3g}",
+                      "-" if c.memory_bytes is None else f"{c.memory_bytes / 1e9:.2f}",
+                      "-" if c.mfu is None else f"{c.mfu:.1%}", c.note)
+    best = result.choice
+    return [table, f"mesh choice: TP {best.tp} x PP {best.pp} x DP {best.dp}, {best.microbatches} micro-batches of "
+                   f"{best.microbatch_size}, schedule {best.schedule or '-'}"
+                   f"{', recomputing activations' if best.recompute else ''}; {_stages(best.stages)}",
+            result.activation_model]
+
+
+def _stages(stages: list) -> str:
+    """Block ranges per (virtual) stage, the middle elided when there are many."""
+    if len(stages) == 1:
+        return "one stage"
+    shown = [f"{a}-{b - 1}" for a, b in stages]
+    if len(shown) > 8:
+        shown = [*shown[:3], "...", *shown[-2:]]
+    return f"{len(stages)} stages, blocks {' | '.join(shown)}"
 
 
 def compare_table(hf: dict, ours: dict, title: str) -> Table:

@@ -1,0 +1,155 @@
+"""The mesh planner: tp x pp x dp, micro-batches, schedule and stage boundaries (estimates, meta device)."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from autotp.api import _graph
+from autotp.cost_models import load_topology
+from autotp.cost_models.pipeline import balance_stages, in_flight, step_units
+from autotp.mesh import plan_mesh, plan_mesh_for_graph
+from autotp.passes.solve import PlanningError
+
+LAYERS = 96
+A100_LIMIT = 0.9 * 80e9
+
+
+@pytest.fixture(scope="module")
+def gpt3():
+    """GPT-3 175B's shape (Brown et al. 2020; Narayanan et al. 2021 Table 1): 96 layers, hidden 12288,
+    96 heads, sequence 2048, vocabulary padded to 51200; bf16 weights (fp32 Adam state is counted)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    config = GPT2Config(n_layer=LAYERS, n_embd=12288, n_head=96, n_positions=2048, vocab_size=51200, use_cache=False,
+                        attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(config).to(torch.bfloat16)
+    params = sum(p.numel() for p in model.parameters())
+    assert 174e9 < params < 176e9
+    return _graph(model, (torch.zeros(2, 2048, dtype=torch.long, device="meta"),), None, fold=True)
+
+
+def _covers(stages: list, blocks: int) -> bool:
+    return [b for start, end in stages for b in range(start, end)] == list(range(blocks))
+
+
+def test_gpt3_175b_on_128_dgx_a100_with_ddp_fits_like_megatron(gpt3):
+    result = plan_mesh_for_graph(gpt3, topology="dgx-a100", nodes=128, global_batch=1536, data_parallel="ddp")
+    c = result.choice
+    assert c.tp * c.pp * c.dp == 1024 and 1536 % c.dp == 0
+    assert 8 % c.tp == 0                      # every TP group inside one node
+    assert c.pp > 1 and c.tp * c.dp >= 8      # pipeline stages on different nodes
+    assert c.memory_bytes <= A100_LIMIT
+    assert _covers(c.stages, LAYERS) and len(c.stages) == c.pp * c.virtual_stages
+    sizes = [end - start for start, end in c.stages]
+    assert max(sizes) - min(sizes) <= 2       # balanced: the embedding and the head make their stages lighter
+    assert 0.25 <= c.mfu <= load_topology("dgx-a100").matmul_efficiency  # Megatron: 33.7% model FLOPs, 44.9% hw
+    megatron = next(x for x in result.candidates if (x.tp, x.pp, x.dp) == (8, 8, 16))
+    assert megatron.fits                      # it ran in 80 GB (Narayanan et al. 2021)
+    # its published 140 TFLOP/s per GPU count recomputation: 96 B s L h^2 (1 + s/6h + V/16Lh) FLOPs a step
+    published = 96 * 1536 * 2048 * LAYERS * 12288 ** 2 * (1 + 2048 / (6 * 12288) + 51200 / (16 * LAYERS * 12288))
+    published_seconds = published / (1024 * 140e12)  # 31.5 s
+    assert 0.75 * published_seconds <= megatron.step_seconds <= 1.25 * published_seconds
+    assert all(x.tp <= 8 for x in result.candidates)
+
+
+def test_gpt3_175b_with_fsdp_fits_wherever_ddp_does(gpt3):
+    ddp = plan_mesh_for_graph(gpt3, topology="dgx-a100", nodes=128, global_batch=1536, data_parallel="ddp")
+    fsdp = plan_mesh_for_graph(gpt3, topology="dgx-a100", nodes=128, global_batch=1536, data_parallel="fsdp")
+    assert fsdp.choice.memory_bytes <= A100_LIMIT
+    # sharding state only ever needs less memory: every DDP layout that fits has an FSDP twin that fits
+    fits = {(x.tp, x.pp, x.dp) for x in fsdp.candidates if x.fits}
+    assert {(x.tp, x.pp, x.dp) for x in ddp.candidates if x.fits} <= fits
+    assert fsdp.to_dict()["choice"]["tp"] == fsdp.choice.tp
+
+
+def test_activations_per_layer_lie_within_korthikantis_bounds(gpt3):
+    """The planner counts kept op outputs on the graph; Korthikanti et al. 2022 (TP t, bf16, dropout masks):
+    sbh(10 + 24/t) without the attention-score terms (fused SDPA), sbh(10 + 24/t + 5as/(ht)) with them."""
+    from autotp.mesh import _profile, _unit
+    unit, sizes = _unit(gpt3)
+    profile = _profile(gpt3, 8, load_topology("dgx-a100", nodes=128), True, sizes, unit)
+    s, h, a, t = 2048, 12288, 96, 8
+    per_layer = profile.blocks[LAYERS // 2].memory["activations"]
+    assert s * h * (10 + 24 / t) <= per_layer <= s * h * (10 + 24 / t + 5 * a * s / (h * t))
+    assert profile.boundary == s * h * 2  # a stage hands on one bf16 hidden state per token
+
+
+@pytest.fixture(scope="module")
+def small_llama():
+    """(8-layer LLaMA graph, bytes of its fp32 training state), captured once."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+                         num_attention_heads=4, num_key_value_heads=2, use_cache=False)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    state = 16 * sum(p.numel() for p in model.parameters())  # fp32 weights, grads, Adam m and v
+    return _graph(model, (torch.zeros(1, 16, dtype=torch.long, device="meta"),), None, fold=True), state
+
+
+@pytest.fixture(scope="module")
+def one_gpu_nodes(tmp_path_factory):
+    """A cluster of one-GPU nodes, written as a file that extends a known node: no TP to split with."""
+    path = tmp_path_factory.mktemp("topo") / "single-gpu-nodes.json"
+    path.write_text(json.dumps({"name": "single-gpu-nodes", "extends": "dgx-h100", "figures": {
+        "gpus_per_node": {"value": 1, "source": "test: one H100 per node"},
+        "nics_per_node": {"value": 1, "source": "test: one NIC per node"}}}))
+    return str(path)
+
+
+def test_a_model_that_does_not_fit_one_device_gets_pipeline_stages(small_llama, one_gpu_nodes):
+    gm, state = small_llama
+    result = plan_mesh_for_graph(gm, topology=one_gpu_nodes, nodes=2, global_batch=2, data_parallel="ddp",
+                                 memory_limit=0.75 * state)
+    c = result.choice
+    assert (c.tp, c.pp, c.dp) == (1, 2, 1) and c.schedule is not None
+    assert _covers(c.stages, 8)
+    replicated = next(x for x in result.candidates if x.pp == 1)
+    assert not replicated.fits and "over the" in replicated.note
+
+
+def test_a_request_that_cannot_fit_says_what_would(small_llama, one_gpu_nodes):
+    gm, state = small_llama
+    with pytest.raises(PlanningError, match="nothing fits") as error:
+        plan_mesh_for_graph(gm, topology=one_gpu_nodes, nodes=2, global_batch=2, data_parallel="ddp",
+                            memory_limit=0.2 * state)
+    devices = int(re.search(r"(\d+) devices \(nodes=\d+\) fit", str(error.value)).group(1))
+    assert devices > 2
+    again = plan_mesh_for_graph(gm, topology=one_gpu_nodes, nodes=devices, global_batch=2, data_parallel="ddp",
+                                memory_limit=0.2 * state)
+    assert again.choice.fits  # the advice holds
+
+
+def test_clusters_from_a_node_and_a_count(tmp_path):
+    assert load_topology("dgx-a100", nodes=128).devices == 1024
+    path = tmp_path / "pod.json"
+    path.write_text(json.dumps({"name": "pod", "extends": "dgx-a100",
+                                "figures": {"nodes": {"value": 4, "source": "test: four nodes"}}}))
+    assert load_topology(str(path)).devices == 32
+    with pytest.raises(ValueError, match="nodes must be a positive integer"):
+        load_topology("dgx-a100", nodes=0)
+    with pytest.raises(ValueError, match=r"give nodes=4 \(--nodes\)"):  # checked before anything is captured
+        plan_mesh(torch.nn.Linear(2, 2), (torch.zeros(1, 2),), topology="dgx-a100", devices=32)
+    box = tmp_path / "box.json"
+    box.write_text(json.dumps({"name": "box", "extends": "pcie-a100",
+                               "figures": {"nics_per_node": {"value": 0, "source": "test: no network"}}}))
+    with pytest.raises(ValueError, match="no NICs"):
+        load_topology(str(box), nodes=2)
+
+
+def test_pipeline_formulas():
+    assert balance_stages([1.0] * 96, 8) == [(i * 12, i * 12 + 12) for i in range(8)]
+    costs = [3.0, 1, 1, 1, 1, 3.0]
+    stages = balance_stages(costs, 3)
+    assert _covers(stages, 6) and max(sum(costs[a:b]) for a, b in stages) == 4  # the best largest stage
+    assert len(balance_stages([5.0, 1, 1, 1], 4)) == 4  # every stage gets a block even when one dominates
+    with pytest.raises(ValueError, match="at most 4 stages"):
+        balance_stages([1.0] * 4, 5)
+    # Narayanan et al. 2021: bubble (p - 1) / m of the ideal time, divided by v when interleaved
+    assert step_units("1f1b", 8, 96, 1) == 96 + 7
+    assert step_units("interleaved-1f1b", 8, 96, 2) == 96 + 3.5
+    assert in_flight("gpipe", 8, 96, 0, 1) == 96
+    assert in_flight("1f1b", 8, 96, 0, 1) == 8 and in_flight("1f1b", 8, 96, 7, 1) == 1
+    assert in_flight("1f1b", 8, 4, 0, 1) == 4

@@ -10,7 +10,7 @@ import torch
 from torch.distributed.tensor.debug import CommDebugMode
 
 import autotp
-from distributed import comm_counts, run_ranks
+from distributed import comm_counts, plan_ops, run_ranks
 from models import build, example_input, logits
 
 TOL = {"rtol": 1e-4, "atol": 1e-5}
@@ -53,25 +53,31 @@ def _check(rank: int, world: int, kind: str) -> None:
         with CommDebugMode() as comm:
             out = logits(sharded(x))
         torch.testing.assert_close(out, logits(model(x)), **TOL)
-        counts = comm_counts(comm)
-        assert counts.get("all_reduce", 0) == forward_ops["all_reduce"], (counts, forward_ops)
-        assert counts.get("all_gather_into_tensor", 0) == forward_ops["all_gather"], (counts, forward_ops)
-    collectives.ONE_SHOT_BYTES = one_shot
+        assert plan_ops(comm_counts(comm)) == forward_ops, (comm_counts(comm), forward_ops)
 
     # Megatron: two all-reduces per transformer block forward (one for the MLP alone), plus at most two
     # collectives for the embedding and the head.  A vocab-parallel embedding's all-reduce may be
     # deferred into block 0 (it is summed where the first norm needs it), so a block may show one more.
-    per_block = Counter(_block_of(c["module"]) for c in plan.collectives
-                        if c["phase"] == "forward" and c["op"] == "all_reduce")
+    # Backward: Megatron's f before attention and before the MLP (two all-reduces a block), one before the head.
+    per_block = {phase: Counter(_block_of(c["module"]) for c in plan.collectives
+                                if c["phase"] == phase and c["op"] == "all_reduce")
+                 for phase in ("forward", "backward")}
     if kind == "mlp":
         assert forward_ops["all_reduce"] == 1
     for block in range(blocks):
-        assert per_block[block] in (2, 3), (block, per_block)
+        assert per_block["forward"][block] in (2, 3), (block, per_block)
+        assert per_block["backward"][block] == 2, (block, per_block)
     assert sum(forward_ops.values()) <= 2 * blocks + 2 or kind == "mlp", forward_ops
+    backward_ops = plan.collective_counts("backward")
+    assert sum(backward_ops.values()) <= 2 * blocks + 1, backward_ops
 
-    # gradients equal the unsharded model's
+    # gradients equal the unsharded model's, running the backward collectives the plan predicts
     x = example_input(kind, 2, 6)
-    logits(sharded(x)).square().mean().backward()
+    loss = logits(sharded(x)).square().mean()
+    with CommDebugMode() as comm:
+        loss.backward()
+    assert plan_ops(comm_counts(comm)) == backward_ops, (comm_counts(comm), backward_ops)
+    collectives.ONE_SHOT_BYTES = one_shot
     logits(model(x)).square().mean().backward()
     grads = autotp.full_state_dict(sharded, grads=True)
     weights = autotp.full_state_dict(sharded)

@@ -1,6 +1,7 @@
 # Quickstart targets: each creates ./.venv and installs what it needs on first use.
 # torch comes from TORCH_SPEC: the CPU wheel pinned here; GPU users override it,
 # e.g. `make test TORCH_SPEC=torch==2.13.0 PIP_EXTRA="--index-url https://download.pytorch.org/whl/cu128"`.
+# Everything else is installed at the versions the suite was run with (constraints.txt).
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
@@ -10,10 +11,10 @@ export OMP_NUM_THREADS ?= 1
 
 .PHONY: demo test lint clean
 
-$(VENV)/.installed: pyproject.toml Makefile
+$(VENV)/.installed: pyproject.toml Makefile constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)" $(PIP_EXTRA)
-	$(BIN)/python -m pip install -q -e ".[dev]"
+	$(BIN)/python -m pip install -q -e ".[dev]" -c constraints.txt
 	touch $@
 
 demo: $(VENV)/.installed
@@ -23,7 +24,7 @@ test: $(VENV)/.installed
 	$(BIN)/python -m pytest -q
 
 lint: $(VENV)/.installed
-	$(BIN)/ruff check autotp passes cost_models examples tests
+	$(BIN)/ruff check autotp passes cost_models examples tests benchmarks
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

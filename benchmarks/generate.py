@@ -13,6 +13,7 @@ import os
 import time
 
 import torch
+from machine import describe
 from saved_llama import run_on_saved_llama
 
 
@@ -52,6 +53,7 @@ def main() -> None:
     args = parser.parse_args()
     timings = run_on_saved_llama(args.layers, args.hidden, _rank, args.batch, args.new)
     rates = {name: args.batch * new / seconds for name, (seconds, new) in timings.items()}
+    print(f"{describe('gloo')}; 2 ranks, {args.layers} layers, hidden {args.hidden}")
     for name, rate in rates.items():
         seconds, new = timings[name]
         print(f"{name:7s} {rate:8.1f} tokens/s ({args.batch} x {new} new tokens in {seconds:.2f} s)")

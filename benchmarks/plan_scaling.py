@@ -9,6 +9,10 @@ Left: what ``autotp.plan`` costs from model to plan (the model is built on meta 
 four of its blocks, passes/fold.py).  Right: the program a rank runs (every block captured, plan
 stamped, rewritten without loading weights: each rank's shards are empty meta tensors), and the
 whole graph solved without folding, to check the folded plan is the same in every op.
+
+Absolute seconds depend on the machine (printed first), so the run also times a yardstick: a plain
+``torch.export`` (non-strict, dynamic batch and sequence) of the same config with two blocks, on
+meta, the fastest of two; "plan / yardstick" and "full capture / yardstick" are the ratios to it.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import sys
 import time
 
 import torch
+from machine import describe
 
 
 class _EmptyShards:
@@ -40,19 +45,37 @@ class _EmptyShards:
         return torch.empty(shape, device="meta", dtype=torch.bfloat16)
 
 
-def measure(layers: int, world: int, whole: bool) -> dict:
+def _model(layers: int) -> torch.nn.Module:
+    """The LLaMA-3-70B shape with ``layers`` blocks, on meta in bf16."""
     from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(hidden_size=8192, intermediate_size=28672, num_attention_heads=64, num_key_value_heads=8,
+                         num_hidden_layers=layers, vocab_size=128256, max_position_embeddings=8192, use_cache=False)
+    with torch.device("meta"):
+        return LlamaForCausalLM(config).to(torch.bfloat16).eval()
 
+
+def _ids() -> torch.Tensor:
+    return torch.zeros(2, 2048, dtype=torch.long, device="meta")
+
+
+def yardstick() -> float:
+    """Seconds of a plain torch.export of two blocks (the fastest of two: the first also warms up)."""
+    from torch.export import Dim
+    model, seconds = _model(2), []
+    for _ in range(2):
+        start = time.perf_counter()
+        torch.export.export(model, (_ids(),), dynamic_shapes={"input_ids": {0: Dim.AUTO, 1: Dim.AUTO}}, strict=False)
+        seconds.append(time.perf_counter() - start)
+    return min(seconds)
+
+
+def measure(layers: int, world: int, whole: bool) -> dict:
     from autotp.api import _choice, _graph, _solve
     from autotp.passes.capture import fingerprint
     from autotp.passes.rewrite import rewrite
-    config = LlamaConfig(hidden_size=8192, intermediate_size=28672, num_attention_heads=64, num_key_value_heads=8,
-                         num_hidden_layers=layers, vocab_size=128256, max_position_embeddings=8192, use_cache=False)
     times = {}
     start = time.perf_counter()
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
-    ids = torch.zeros(2, 2048, dtype=torch.long, device="meta")
+    model, ids = _model(layers), _ids()
     folded = _graph(model, (ids,), None, fold=True)  # what autotp.plan captures
     times["capture"] = time.perf_counter() - start
     start = time.perf_counter()
@@ -130,15 +153,19 @@ def main() -> None:
     parser.add_argument("--mesh-layers", type=int, default=126, help="layers of the 405B-shaped mesh config")
     parser.add_argument("--mesh-hidden", type=int, default=16384, help="hidden size of the 405B-shaped mesh config")
     args = parser.parse_args()
+    print(describe())
     mesh_against_plan(args.mesh_layers, args.mesh_hidden)
-    print(f"{'layers':>6} | {'capture s':>9} {'solve s':>8} {'plan s':>7} | {'full capture s':>14} {'rewrite s':>9} "
-          f"{'whole-graph solve s':>19} {'same plan':>9}")
+    base = yardstick()
+    print(f"yardstick: torch.export of 2 blocks {base:.2f} s")
+    print(f"{'layers':>6} | {'capture s':>9} {'solve s':>8} {'plan s':>7} {'plan / yardstick':>16} | "
+          f"{'full capture s':>14} {'/ yardstick':>11} {'rewrite s':>9} {'whole-graph solve s':>19} {'same plan':>9}")
     differs = False
     for layers in args.layers:
         t = measure(layers, args.world_size, not args.plan_only)
-        rest = (f"{t['full capture']:>14.1f} {t['rewrite']:>9.1f} {t['whole solve']:>19.1f} {t['same']:>9}"
-                if "rewrite" in t else "")
-        print(f"{layers:>6} | {t['capture']:>9.2f} {t['solve']:>8.2f} {t['plan']:>7.2f} | {rest}", flush=True)
+        rest = (f"{t['full capture']:>14.1f} {t['full capture'] / base:>10.1f}x {t['rewrite']:>9.1f} "
+                f"{t['whole solve']:>19.1f} {t['same']:>9}" if "rewrite" in t else "")
+        print(f"{layers:>6} | {t['capture']:>9.2f} {t['solve']:>8.2f} {t['plan']:>7.2f} {t['plan'] / base:>15.2f}x | "
+              f"{rest}", flush=True)
         differs = differs or t.get("same") == "NO"
     if differs:
         sys.exit("the folded plan differs from the whole-graph plan")

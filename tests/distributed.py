@@ -1,12 +1,17 @@
 """Spawn N gloo ranks on this machine and run a test function on each (failures propagate)."""
 from __future__ import annotations
 
+from collections import Counter
+
 from autotp.tools.spawn import exit_quietly, run_local
 
-__all__ = ["comm_counts", "exit_quietly", "run_ranks"]
+__all__ = ["comm_counts", "exit_quietly", "plan_ops", "run_ranks"]
 
 # the eager c10d ops (gloo's polled waits) under the names of their functional twins
-_FUNCTIONAL = {"allreduce_": "all_reduce", "_allgather_base_": "all_gather_into_tensor"}
+_FUNCTIONAL = {"allreduce_": "all_reduce", "_allgather_base_": "all_gather_into_tensor",
+               "_reduce_scatter_base_": "reduce_scatter_tensor"}
+# the functional ops under the names a plan's collectives use (Plan.collective_counts)
+_PLAN = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter"}
 
 
 def run_ranks(world: int, fn, *args) -> None:
@@ -22,3 +27,12 @@ def comm_counts(comm) -> dict:
         name = _FUNCTIONAL.get(name, name)
         counts[name] = counts.get(name, 0) + n
     return counts
+
+
+def plan_ops(counts: dict) -> dict:
+    """``comm_counts`` under the plan's names ({"all_reduce", "all_gather", "reduce_scatter"}), to compare
+    with ``Plan.collective_counts``; a collective a plan never names keeps its own name (and fails the comparison)."""
+    found: Counter = Counter()
+    for name, n in counts.items():
+        found[_PLAN.get(name, name)] += n
+    return dict(found)

@@ -14,7 +14,8 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 @pytest.mark.parametrize("script, args, expect", [
     # folded (6 blocks) == whole graph; a small config for the mesh-against-plan timing
     ("plan_scaling.py", ["--layers", "6", "--world-size", "4", "--mesh-layers", "6", "--mesh-hidden", "512"], "yes"),
-    ("runtime.py", ["--layers", "1", "--hidden", "64", "--repeats", "1", "--decode-steps", "1"], "autotp/hf"),
+    ("runtime.py", ["--layers", "1", "--hidden", "64", "--repeats", "1", "--decode-steps", "1"],
+     "reference, autotp collectives"),
     ("generate.py", ["--layers", "1", "--hidden", "64", "--new", "3", "--batch", "2"], "autotp / hf"),
 ])
 def test_benchmark_runs(script, args, expect):

@@ -78,9 +78,10 @@ def _layouts(module: torch.nn.Module) -> dict:
         return {}
     found = {}
     for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
-        shard = plan.layout(name)[0] if name in plan.params else None
-        found[name] = _Layout(shard if isinstance(shard, Shard) else None, tuple(plan.shapes[name]),
-                              isinstance(tensor, DTensor))
+        if name in plan.params:  # the rest (buffers no op reads) are whole on every rank
+            shard = plan.layout(name)[0]
+            found[name] = _Layout(shard if isinstance(shard, Shard) else None, tuple(plan.shapes[name]),
+                                  isinstance(tensor, DTensor))
     return found
 
 

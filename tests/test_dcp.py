@@ -1,0 +1,62 @@
+"""torch.distributed.checkpoint: model and optimizer state saved from TP 2 x DP 2 (FSDP2) load into TP 4
+and into one process, and training continues with the losses of uninterrupted training."""
+from __future__ import annotations
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+import autotp
+from autotp.tools.spawn import run_local
+from examples.train import Trainer, build, parse, reference
+
+TOL = {"rtol": 1e-4, "atol": 1e-5}
+# 4 query heads sharing 2 KV heads: at TP 4 each KV head is held by two ranks (no DTensor placement)
+TINY = ["--batch", "4", "--seq", "8", "--layers", "2", "--hidden", "32", "--vocab", "128"]
+SAVED, MORE = 3, 2  # steps before the checkpoint, steps after
+
+
+def _save_then_load(rank: int, world: int, directory: str) -> list[float]:
+    first = Trainer(parse(["--tp", "2", "--dp", "2", *TINY]))
+    for step in range(SAVED):
+        first.step(step)
+    dcp.save(autotp.checkpoint_state_dict(first.model, first.optimizer), checkpoint_id=directory)
+
+    second = Trainer(parse(["--tp", "4", *TINY]))  # fresh: the initial weights, no optimizer state
+    state = autotp.checkpoint_state_dict(second.model, second.optimizer)
+    dcp.load(state, checkpoint_id=directory)
+    autotp.load_checkpoint_state_dict(second.model, state, second.optimizer)
+    return [second.step(step) for step in range(SAVED, SAVED + MORE)]
+
+
+def _one_process(o, directory) -> list[float]:
+    model = build(o)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr)
+    state = autotp.checkpoint_state_dict(model, optimizer)
+    dcp.load(state, checkpoint_id=directory)
+    autotp.load_checkpoint_state_dict(model, state, optimizer)
+    return [_plain_step(o, model, optimizer, step) for step in range(SAVED, SAVED + MORE)]
+
+
+def _plain_step(o, model, optimizer, step: int) -> float:
+    from examples.train import global_batch, loss_fn
+    x, y = global_batch(o, step)
+    loss = loss_fn(model(x), y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.item()
+
+
+def test_a_checkpoint_from_tp2_x_dp2_resumes_on_tp4_and_in_one_process(tmp_path):
+    o = parse(["--steps", str(SAVED + MORE), *TINY])
+    expected = torch.tensor(reference(o)[1][SAVED:])
+    resumed = run_local(4, _save_then_load, str(tmp_path))
+    # saved sharded, not gathered: each block weight in one piece per rank (TP 2 x FSDP 2), Adam's state too
+    metadata = dcp.FileSystemReader(str(tmp_path)).read_metadata().state_dict_metadata
+    chunks = {name: len(entry.chunks) for name, entry in metadata.items() if hasattr(entry, "chunks")}
+    for kind in ("model", "optim.state"):
+        for weight in ("self_attn.q_proj.weight", "self_attn.o_proj.weight", "mlp.down_proj.weight"):
+            suffix = ".exp_avg" if kind == "optim.state" else ""
+            assert chunks[f"{kind}.model.layers.1.{weight}{suffix}"] == 4, chunks
+    torch.testing.assert_close(torch.tensor(resumed[0]), expected, **TOL)
+    torch.testing.assert_close(torch.tensor(_one_process(o, str(tmp_path))), expected, **TOL)

@@ -13,19 +13,21 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
+from torch.distributed.device_mesh import init_device_mesh
 
 import autotp
 from autotp.parallel.mesh import mesh_dims
 from autotp.tools.spawn import run_local
 from distributed import run_ranks
-from examples.train import Trainer, parse, reference, train
+from examples import mlp
+from examples.train import parse, reference, train
 
 TOL = {"rtol": 1e-4, "atol": 1e-5}
 # a LLaMA of 2 layers, hidden 32, 4 query heads sharing 2 KV heads; a global batch of 4 x 8 tokens
 TINY = ["--steps", "3", "--batch", "4", "--seq", "8", "--layers", "2", "--hidden", "32", "--vocab", "128"]
 
 
-def _check_training(o) -> None:
+def _check_training(o):
     """3 AdamW steps: the losses and the full parameters after the last step equal one process's."""
     trainer, losses = train(o, display=False)
     model, expected = reference(o)
@@ -42,6 +44,11 @@ def _tp_dp(rank: int, world: int, directory: str) -> None:
     assert {type(p).__name__ for p in trainer.model.parameters()} == {"DTensor"}  # FSDP2 holds them
     autotp.save_pretrained(trainer.model, directory)
     _check_training(parse(["--tp", "2", "--dp", "2", "--data-parallel", "ddp", *TINY]))
+    # a mesh without "tp": FSDP2 alone over 4 replicas, each with the whole model
+    torch.manual_seed(0)
+    model, (x,) = mlp.build()
+    replicated = autotp.parallelize(model, (x,), mesh=init_device_mesh("cpu", (4,), mesh_dim_names=("dp",)))
+    torch.testing.assert_close(replicated(x), model(x), **TOL)
 
 
 def test_tp2_x_dp2_trains_like_one_process(tmp_path):
@@ -75,20 +82,34 @@ def test_meshes_name_their_dimensions():
     for names in [("tp", "dp"), ("dp", "x"), None, ("tp", "tp")]:
         with pytest.raises(ValueError, match="name them from"):
             mesh_dims(SimpleNamespace(mesh_dim_names=names, ndim=2))
+    model, args = mlp.build()
+    with pytest.raises(ValueError, match="needs loss_fn"):
+        autotp.parallelize(model, args, mesh=SimpleNamespace(mesh_dim_names=("pp", "tp"), ndim=2))
+    with pytest.raises(ValueError, match="data_parallel='zero'"):
+        autotp.parallelize(model, args, mesh=SimpleNamespace(mesh_dim_names=("dp", "tp"), ndim=2), data_parallel="zero")
 
 
 def _victim(rank: int, port: int, queue) -> None:
-    """TP 2 x DP 2 with FSDP2; rank 3 dies after the first step, the others report how they ended."""
+    """TP 2 x DP 2 with FSDP2 (an MLP: no transformers to import); rank 3 dies after the first step, the
+    others report how they ended."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_WORLD_SIZE="4")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=4, timeout=datetime.timedelta(seconds=300))
-    trainer = Trainer(parse(["--tp", "2", "--dp", "2", *TINY]))
-    trainer.step(0)
+    torch.manual_seed(0)
+    model, (x,) = mlp.build()
+    sharded = autotp.parallelize(model, (x,), mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")))
+    optimizer = torch.optim.SGD(sharded.parameters(), lr=0.1)
+
+    def step():
+        sharded(x).square().mean().backward()
+        optimizer.step()
+
+    step()
     if rank == 3:
         os._exit(3)
     start = time.monotonic()
     try:
-        trainer.step(1)
+        step()
         queue.put((rank, "no error", time.monotonic() - start))
     except Exception as exc:
         queue.put((rank, f"{type(exc).__name__}: {exc}", time.monotonic() - start))

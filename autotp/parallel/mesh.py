@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from autotp import api
@@ -53,7 +54,9 @@ def parallelize(model: torch.nn.Module, args=None, kwargs=None, *, mesh: DeviceM
             raise ValueError("a mesh with a 'pp' dimension needs loss_fn(output, target): the last stage computes it")
         try:
             from .pipeline import pipeline
-        except ImportError as exc:
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__package__}.pipeline":
+                raise
             raise NotImplementedError("pipeline stages ('pp' in the mesh) are not available in this build of autotp: "
                                       "use a mesh of 'dp' and 'tp' only") from exc
         return pipeline(model, args, kwargs, mesh=mesh, loss_fn=loss_fn, schedule=schedule,
@@ -79,13 +82,6 @@ def _shard(module: torch.nn.Module, args, kwargs, *, mesh: DeviceMesh, kind: str
     return sharded
 
 
-@functools.cache
 def _own_group():
-    """A group of this rank alone (new_group is a collective: every rank creates all of them, in order)."""
-    import torch.distributed as dist
-    mine = None
-    for rank in range(dist.get_world_size()):
-        group = dist.new_group([rank])
-        if rank == dist.get_rank():
-            mine = group
-    return mine
+    """A group of this rank alone, created by this rank only (no collective over the others)."""
+    return dist.new_group([dist.get_rank()], use_local_synchronization=True)

@@ -88,6 +88,10 @@ def save_pretrained(sharded: torch.nn.Module, directory: str | Path, max_shard_b
     Tensors are gathered one at a time and rank 0 writes a file whenever ``max_shard_bytes`` is
     reached, so no rank ever holds the whole model; an index file lists them when there are several.
     """
+    mesh = getattr(sharded, "autotp_mesh", None)
+    if mesh is not None and "pp" in mesh.mesh_dim_names:
+        raise ValueError("save_pretrained got one pipeline stage's module, which holds only that stage's parameters: "
+                         "save the pipeline as a whole")
     directory = Path(directory)
     group = sharded.autotp_group
     writer = _is_writer(sharded)
@@ -119,7 +123,6 @@ def save_pretrained(sharded: torch.nn.Module, directory: str | Path, max_shard_b
         config = getattr(sharded, "autotp_config", None)
         if config is not None:
             config.save_pretrained(directory)
-    mesh = getattr(sharded, "autotp_mesh", None)
     dist.barrier(group if mesh is None else None)  # the writer may be in another TP group
     return directory
 

@@ -2,10 +2,15 @@
 and into one process, and training continues with the losses of uninterrupted training."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
 import autotp
+from autotp.parallel.checkpoint import _dtensor_placements, _Layout
+from autotp.runtime.placement import Shard
 from autotp.tools.spawn import run_local
 from examples.train import Trainer, build, parse, reference
 
@@ -60,3 +65,25 @@ def test_a_checkpoint_from_tp2_x_dp2_resumes_on_tp4_and_in_one_process(tmp_path)
             assert chunks[f"{kind}.model.layers.1.{weight}{suffix}"] == 4, chunks
     torch.testing.assert_close(torch.tensor(resumed[0]), expected, **TOL)
     torch.testing.assert_close(torch.tensor(_one_process(o, str(tmp_path))), expected, **TOL)
+
+
+class _Mesh:
+    """What the layout check reads of a (dp 2, tp 4) DeviceMesh."""
+    mesh_dim_names, shape = ("dp", "tp"), (2, 4)
+
+    def __getitem__(self, dim):
+        return SimpleNamespace(size=lambda: dict(zip(self.mesh_dim_names, self.shape, strict=True))[dim])
+
+
+@pytest.mark.parametrize(("shard", "dtensor"), [
+    (None, True), (Shard(0), True), (Shard(1), True),
+    (Shard(0, units=10), False),             # 10 heads on 4 ranks: 3, 3, 2, 2 (DTensor's chunks are 3, 3, 3, 1)
+    (Shard(0, chunks=(40, 20, 20)), False),  # fused [q|k|v]: every rank holds three pieces
+    (Shard(0, units=2), False),              # 2 KV heads on 4 ranks: each held by two ranks
+])
+def test_only_layouts_dtensor_describes_are_saved_as_dtensors(shard, dtensor):
+    """Anything else is gathered and saved whole, never put at a wrong offset."""
+    module = SimpleNamespace(autotp_mesh=_Mesh())
+    for fsdp in (False, True):
+        layout = _Layout(shard, (80, 32), fsdp)
+        assert (_dtensor_placements(module, layout) is not None) == dtensor, (shard, fsdp)

@@ -1,5 +1,5 @@
 """torch.distributed.checkpoint: model and optimizer state saved from TP 2 x DP 2 (FSDP2) load into TP 4
-and into one process, and training continues with the losses of uninterrupted training."""
+(no mesh: all ranks) and into one process, and training continues with the losses of uninterrupted training."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -12,7 +12,7 @@ import autotp
 from autotp.parallel.checkpoint import _dtensor_placements, _Layout
 from autotp.runtime.placement import Shard
 from autotp.tools.spawn import run_local
-from examples.train import Trainer, build, parse, reference
+from examples.train import Trainer, build, global_batch, loss_fn, parse, reference
 
 TOL = {"rtol": 1e-4, "atol": 1e-5}
 # 4 query heads sharing 2 KV heads: at TP 4 each KV head is held by two ranks (no DTensor placement)
@@ -20,36 +20,30 @@ TINY = ["--batch", "4", "--seq", "8", "--layers", "2", "--hidden", "32", "--voca
 SAVED, MORE = 3, 2  # steps before the checkpoint, steps after
 
 
+def _resume(o, model: torch.nn.Module, directory: str) -> list[float]:
+    """Load model and AdamW state into a fresh ``model`` (the initial weights), then train on: the losses."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr)
+    state = autotp.checkpoint_state_dict(model, optimizer)
+    dcp.load(state, checkpoint_id=directory)
+    autotp.load_checkpoint_state_dict(model, state, optimizer)
+    losses = []
+    for step in range(SAVED, SAVED + MORE):
+        x, y = global_batch(o, step)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def _save_then_load(rank: int, world: int, directory: str) -> list[float]:
     first = Trainer(parse(["--tp", "2", "--dp", "2", *TINY]))
     for step in range(SAVED):
         first.step(step)
     dcp.save(autotp.checkpoint_state_dict(first.model, first.optimizer), checkpoint_id=directory)
-
-    second = Trainer(parse(["--tp", "4", *TINY]))  # fresh: the initial weights, no optimizer state
-    state = autotp.checkpoint_state_dict(second.model, second.optimizer)
-    dcp.load(state, checkpoint_id=directory)
-    autotp.load_checkpoint_state_dict(second.model, state, second.optimizer)
-    return [second.step(step) for step in range(SAVED, SAVED + MORE)]
-
-
-def _one_process(o, directory) -> list[float]:
-    model = build(o)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr)
-    state = autotp.checkpoint_state_dict(model, optimizer)
-    dcp.load(state, checkpoint_id=directory)
-    autotp.load_checkpoint_state_dict(model, state, optimizer)
-    return [_plain_step(o, model, optimizer, step) for step in range(SAVED, SAVED + MORE)]
-
-
-def _plain_step(o, model, optimizer, step: int) -> float:
-    from examples.train import global_batch, loss_fn
-    x, y = global_batch(o, step)
-    loss = loss_fn(model(x), y)
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss.item()
+    o = parse(TINY)  # TP 4 without a mesh: autotp.parallelize over all ranks
+    return _resume(o, autotp.parallelize(build(o), (global_batch(o, 0)[0],)), directory)
 
 
 def test_a_checkpoint_from_tp2_x_dp2_resumes_on_tp4_and_in_one_process(tmp_path):
@@ -64,7 +58,7 @@ def test_a_checkpoint_from_tp2_x_dp2_resumes_on_tp4_and_in_one_process(tmp_path)
             suffix = ".exp_avg" if kind == "optim.state" else ""
             assert chunks[f"{kind}.model.layers.1.{weight}{suffix}"] == 4, chunks
     torch.testing.assert_close(torch.tensor(resumed[0]), expected, **TOL)
-    torch.testing.assert_close(torch.tensor(_one_process(o, str(tmp_path))), expected, **TOL)
+    torch.testing.assert_close(torch.tensor(_resume(o, build(o), str(tmp_path))), expected, **TOL)
 
 
 class _Mesh:
@@ -83,7 +77,6 @@ class _Mesh:
 ])
 def test_only_layouts_dtensor_describes_are_saved_as_dtensors(shard, dtensor):
     """Anything else is gathered and saved whole, never put at a wrong offset."""
-    module = SimpleNamespace(autotp_mesh=_Mesh())
     for fsdp in (False, True):
         layout = _Layout(shard, (80, 32), fsdp)
-        assert (_dtensor_placements(module, layout) is not None) == dtensor, (shard, fsdp)
+        assert (_dtensor_placements(_Mesh(), layout) is not None) == dtensor, (shard, fsdp)

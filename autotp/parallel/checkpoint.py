@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor import Shard as DShard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
@@ -46,119 +47,105 @@ def checkpoint_state_dict(module: torch.nn.Module, optimizer: torch.optim.Optimi
     placement describes autotp's split), so the checkpoint loads into any other mesh or one process.
     Works on a module from ``autotp.parallelize`` (with or without a mesh) and on a plain module.
     """
-    layouts = _layouts(module)
-    state = {"model": {n: _to_global(module, layouts.get(n), t) for n, t in get_model_state_dict(module).items()}}
+    pieces = _Pieces(module)
+    state = {"model": {n: pieces.to_global(n, t) for n, t in get_model_state_dict(module).items()}}
     if optimizer is not None:
-        optim = get_optimizer_state_dict(module, optimizer)
-        optim["state"] = {name: {k: _to_global(module, layouts.get(name), v) if _param_shaped(v) else v
-                                 for k, v in values.items()} for name, values in optim["state"].items()}
-        state["optim"] = optim
+        state["optim"] = pieces.optimizer(get_optimizer_state_dict(module, optimizer), pieces.to_global)
     return state
 
 
 def load_checkpoint_state_dict(module: torch.nn.Module, state: dict,
                                optimizer: torch.optim.Optimizer | None = None) -> None:
     """Put ``state`` (from ``checkpoint_state_dict``, filled by ``dcp.load``) into the module and optimizer."""
-    layouts = _layouts(module)
-    set_model_state_dict(module, {n: _to_local(module, layouts.get(n), t) for n, t in state["model"].items()})
+    pieces = _Pieces(module)
+    set_model_state_dict(module, {n: pieces.to_local(n, t) for n, t in state["model"].items()})
     if optimizer is not None:
-        optim = dict(state["optim"])
-        optim["state"] = {name: {k: _to_local(module, layouts.get(name), v) if _param_shaped(v) else v
-                                 for k, v in values.items()} for name, values in optim["state"].items()}
-        set_optimizer_state_dict(module, optimizer, optim)
+        set_optimizer_state_dict(module, optimizer, pieces.optimizer(state["optim"], pieces.to_local))
+
+
+class _Pieces:
+    """Where this rank's piece of every parameter lies in the full tensor, and the checkpoint's form of it."""
+
+    def __init__(self, module: torch.nn.Module):
+        plan = getattr(module, "autotp_plan", None)
+        self.layouts: dict = {}
+        if plan is None:  # a plain module: its state dict is already full tensors
+            return
+        self.group = module.autotp_group
+        self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
+        self.mesh = getattr(module, "autotp_mesh", None)
+        self.dp = self.mesh["dp"] if self.mesh is not None and "dp" in self.mesh.mesh_dim_names else None
+        if self.mesh is None:  # TP alone: its group as a one-dimensional mesh
+            device = "cuda" if dist.get_backend(self.group) == "nccl" else "cpu"
+            self.mesh = DeviceMesh.from_group(self.group, device, mesh_dim_names=("tp",))
+        for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+            if name in plan.params:  # the rest (buffers no op reads) are whole on every rank
+                shard = plan.layout(name)[0]
+                self.layouts[name] = _Layout(shard if isinstance(shard, Shard) else None, tuple(plan.shapes[name]),
+                                             isinstance(tensor, DTensor))
+        self.placements = {name: _dtensor_placements(self.mesh, layout) for name, layout in self.layouts.items()}
+
+    def optimizer(self, state: dict, convert) -> dict:
+        """``state`` with every parameter-shaped tensor converted (``step`` counters are scalars)."""
+        return {**state, "state": {name: {k: convert(name, v) if _param_shaped(v) else v for k, v in values.items()}
+                                   for name, values in state["state"].items()}}
+
+    def to_global(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's piece as a DTensor of the full shape, or the full tensor (a collective then)."""
+        layout = self.layouts.get(name)
+        if layout is None:
+            return tensor
+        if self.placements[name] is not None:
+            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            return DTensor.from_local(local, self.mesh, self.placements[name], run_check=False,
+                                      shape=torch.Size(layout.shape), stride=_strides(layout.shape))
+        whole = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
+        if layout.shard is None:
+            return whole.clone()
+        return gather_full(whole, layout.shard, layout.shape[layout.shard.dim], self.group)
+
+    def to_local(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Inverse of to_global: the form ``get_model_state_dict`` gives on this rank (an FSDP2 DTensor
+        over the DP group, or the plain TP shard)."""
+        layout = self.layouts.get(name)
+        if layout is None:
+            return tensor
+        if isinstance(tensor, DTensor):
+            piece = tensor.to_local()
+        else:
+            piece = take_local(tensor, layout.shard, self.rank, self.world) if layout.shard is not None else tensor
+            if layout.fsdp:
+                piece = piece.narrow(0, *_chunk_range(piece.shape[0], self.dp.get_local_rank(), self.dp.size()))
+        if not layout.fsdp:
+            return piece
+        tp_shape = list(layout.shape)
+        if layout.shard is not None:
+            dim = layout.shard.dim
+            tp_shape[dim] = layout.shard.local_size(tp_shape[dim], self.rank, self.world)
+        return DTensor.from_local(piece.contiguous(), self.dp, [DShard(0)], run_check=False,
+                                  shape=torch.Size(tp_shape), stride=_strides(tp_shape))
 
 
 def _param_shaped(value) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() > 0
 
 
-def _layouts(module: torch.nn.Module) -> dict:
-    plan = getattr(module, "autotp_plan", None)
-    if plan is None:
-        return {}
-    found = {}
-    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
-        if name in plan.params:  # the rest (buffers no op reads) are whole on every rank
-            shard = plan.layout(name)[0]
-            found[name] = _Layout(shard if isinstance(shard, Shard) else None, tuple(plan.shapes[name]),
-                                  isinstance(tensor, DTensor))
-    return found
-
-
-def _tp(module: torch.nn.Module) -> tuple[int, int]:
-    group = module.autotp_group
-    return dist.get_rank(group), dist.get_world_size(group)
-
-
-def _dp_mesh(module: torch.nn.Module):
-    mesh = getattr(module, "autotp_mesh", None)
-    return mesh["dp"] if mesh is not None and "dp" in mesh.mesh_dim_names else None
-
-
-def _to_global(module: torch.nn.Module, layout: _Layout | None, tensor: torch.Tensor) -> torch.Tensor:
-    """The checkpoint's form of this rank's piece: a DTensor of the full shape, or the full tensor."""
-    if layout is None:
-        return tensor
-    placements = _dtensor_placements(module, layout)
-    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-    if placements is not None:
-        mesh = module.autotp_mesh
-        return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(layout.shape),
-                                  stride=torch.empty(layout.shape, device="meta").stride())
-    whole = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-    return gather_full(whole, layout.shard, layout.shape[layout.shard.dim], module.autotp_group) \
-        if layout.shard is not None else whole.detach().clone()
-
-
-def _to_local(module: torch.nn.Module, layout: _Layout | None, tensor: torch.Tensor) -> torch.Tensor:
-    """Inverse of _to_global: the form ``get_model_state_dict`` gives for this rank (an FSDP2 DTensor
-    over the DP group, or the plain TP shard)."""
-    if layout is None:
-        return tensor
-    if isinstance(tensor, DTensor):
-        piece = tensor.to_local()
-    else:
-        rank, world = _tp(module)
-        tp_piece = take_local(tensor, layout.shard, rank, world) if layout.shard is not None else tensor
-        piece = _chunk(tp_piece, *_dp_coordinate(module)) if layout.fsdp else tp_piece
-    if not layout.fsdp:
-        return piece
-    tp_shape = _tp_shape(module, layout)
-    return DTensor.from_local(piece.contiguous(), _dp_mesh(module), [DShard(0)], run_check=False,
-                              shape=torch.Size(tp_shape), stride=torch.empty(tp_shape, device="meta").stride())
-
-
-def _dp_coordinate(module: torch.nn.Module) -> tuple[int, int]:
-    mesh = _dp_mesh(module)
-    return mesh.get_local_rank(), mesh.size()
-
-
-def _chunk(tensor: torch.Tensor, index: int, count: int) -> torch.Tensor:
-    """Piece ``index`` of ``count`` along dim 0 as FSDP2 and DTensor cut it (torch.chunk; empty at the end)."""
-    start, length = _chunk_range(tensor.shape[0], index, count)
-    return tensor.narrow(0, start, length)
+def _strides(shape) -> tuple:
+    return torch.empty(shape, device="meta").stride()
 
 
 def _chunk_range(size: int, index: int, count: int) -> tuple[int, int]:
+    """(start, length) of piece ``index`` of ``count`` along a dim of ``size``, as FSDP2 and DTensor cut it
+    (torch.chunk: equal pieces rounded up, empty ones at the end)."""
     step = -(-size // count)
     start = min(index * step, size)
     return start, min(step, size - start)
 
 
-def _tp_shape(module: torch.nn.Module, layout: _Layout) -> tuple:
-    if layout.shard is None:
-        return layout.shape
-    rank, world = _tp(module)
-    shape = list(layout.shape)
-    shape[layout.shard.dim] = layout.shard.local_size(shape[layout.shard.dim], rank, world)
-    return tuple(shape)
-
-
-def _dtensor_placements(module: torch.nn.Module, layout: _Layout) -> tuple | None:
-    """DTensor placements on the module's mesh that put every rank's piece exactly where it lies in the
-    full tensor, or None when there are none (checked for every mesh coordinate, so all ranks agree)."""
-    mesh = getattr(module, "autotp_mesh", None)
-    if mesh is None or not set(mesh.mesh_dim_names) <= {"dp", "tp"}:
+def _dtensor_placements(mesh, layout: _Layout) -> tuple | None:
+    """DTensor placements on ``mesh`` that put every rank's piece exactly where it lies in the full
+    tensor, or None when there are none (checked for every mesh coordinate, so all ranks agree)."""
+    if not set(mesh.mesh_dim_names) <= {"dp", "tp"}:
         return None
     tp = mesh["tp"].size() if "tp" in mesh.mesh_dim_names else 1
     dp = mesh["dp"].size() if "dp" in mesh.mesh_dim_names else 1

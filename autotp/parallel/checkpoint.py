@@ -6,8 +6,8 @@ written from TP2 x DP2 loads into TP4 or one process.  autotp's TP shards are pl
 ``torch.distributed.checkpoint.state_dict`` is rewritten here: each tensor becomes a DTensor with
 its global shape on the mesh (DP placement outer, TP placement inner).  DTensor's ``Shard`` deals out
 equal ``torch.chunk`` pieces; autotp's uneven head splits, fused ``[q|k|v]`` blocks and heads shared by
-several ranks have no DTensor placement, so those tensors are gathered and stored whole (exact; a
-rank holds each such tensor in full while saving or loading).  Every DTensor layout is checked
+several ranks have no DTensor placement, so those tensors are gathered and stored whole (exact; every
+rank holds them in full in the state dict while saving or loading).  Every DTensor layout is checked
 against the pieces the ranks really hold before it is used.
 """
 from __future__ import annotations

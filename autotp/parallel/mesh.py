@@ -68,7 +68,8 @@ def parallelize(model: torch.nn.Module, args=None, kwargs=None, *, mesh: DeviceM
 
 
 def _shard(module: torch.nn.Module, args, kwargs, *, mesh: DeviceMesh, kind: str, options: dict) -> torch.nn.Module:
-    """TP on this rank's "tp" group (every rank of it when the mesh has none), then DP on its "dp" group.
+    """TP on this rank's "tp" group (a group of this rank alone when the mesh has none), then DP on its
+    "dp" group.
 
     The pipeline passes each stage's module here: one code path with and without stages."""
     dims = mesh.mesh_dim_names

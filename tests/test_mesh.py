@@ -134,3 +134,11 @@ def test_a_dead_dp_rank_makes_the_others_raise():
     for rank, message, seconds in reports:
         assert message != "no error", rank
         assert seconds < 60, (rank, message, seconds)  # the process group's timeout is 300 s
+
+
+def test_full_state_dict_of_a_pipeline_asks_the_pipeline():
+    """A pipeline (a mesh with "pp") is not a module: it gathers its stages itself."""
+    pipeline = SimpleNamespace(full_state_dict=lambda: {"w": torch.ones(2)})
+    assert autotp.full_state_dict(pipeline)["w"].tolist() == [1.0, 1.0]
+    with pytest.raises(ValueError, match="takes a module"):
+        autotp.full_state_dict(pipeline, grads=True)

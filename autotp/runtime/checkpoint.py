@@ -177,7 +177,12 @@ def _placements_by_id(sharded: torch.nn.Module) -> dict:
 
 def full_state_dict(sharded: torch.nn.Module, grads: bool = False) -> dict:
     """Full (unsharded) parameters, or their gradients, by original name, on every rank (a collective
-    over the TP group, and over the whole mesh when the module is also data-parallel)."""
+    over the TP group, and over the whole mesh when the module is also data-parallel).  A pipeline
+    (``autotp.parallelize`` over a mesh with "pp") gathers its stages itself."""
+    if not hasattr(sharded, "autotp_group") and hasattr(sharded, "full_state_dict"):
+        if grads:
+            raise ValueError("full_state_dict(grads=True) takes a module: gather each stage module's gradients")
+        return sharded.full_state_dict()
     group = sharded.autotp_group
     placements = _placements_by_id(sharded)
     out = {}

@@ -133,16 +133,20 @@ def _mean_over_replicas(loss: torch.Tensor | None, device: str) -> float:
 def reference(o: argparse.Namespace) -> tuple[torch.nn.Module, list[float]]:
     """The same training in one process on the whole batch: (the model, its losses)."""
     model = build(o)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr)
+    return model, train_whole(o, model, torch.optim.AdamW(model.parameters(), lr=o.lr), range(o.steps))
+
+
+def train_whole(o: argparse.Namespace, model: torch.nn.Module, optimizer, steps) -> list[float]:
+    """Steps ``steps`` on whole global batches (one process, or TP alone): their losses."""
     losses = []
-    for step in range(o.steps):
+    for step in steps:
         x, y = global_batch(o, step)
         loss = loss_fn(model(x), y)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    return model, losses
+    return losses
 
 
 def _peak_memory_mb() -> float:

@@ -12,7 +12,7 @@ import autotp
 from autotp.parallel.checkpoint import _dtensor_placements, _Layout
 from autotp.runtime.placement import Shard
 from autotp.tools.spawn import run_local
-from examples.train import Trainer, build, global_batch, loss_fn, parse, reference
+from examples.train import Trainer, build, global_batch, parse, reference, train_whole
 
 TOL = {"rtol": 1e-4, "atol": 1e-5}
 # 4 query heads sharing 2 KV heads: at TP 4 each KV head is held by two ranks (no DTensor placement)
@@ -26,15 +26,7 @@ def _resume(o, model: torch.nn.Module, directory: str) -> list[float]:
     state = autotp.checkpoint_state_dict(model, optimizer)
     dcp.load(state, checkpoint_id=directory)
     autotp.load_checkpoint_state_dict(model, state, optimizer)
-    losses = []
-    for step in range(SAVED, SAVED + MORE):
-        x, y = global_batch(o, step)
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return train_whole(o, model, optimizer, range(SAVED, SAVED + MORE))
 
 
 def _save_then_load(rank: int, world: int, directory: str) -> list[float]:

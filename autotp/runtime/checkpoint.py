@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch.distributed.tensor import DTensor
 
 from .collectives import gather_full
 from .placement import Shard
@@ -87,9 +88,13 @@ def save_pretrained(sharded: torch.nn.Module, directory: str | Path, max_shard_b
     Tensors are gathered one at a time and rank 0 writes a file whenever ``max_shard_bytes`` is
     reached, so no rank ever holds the whole model; an index file lists them when there are several.
     """
+    mesh = getattr(sharded, "autotp_mesh", None)
+    if mesh is not None and "pp" in mesh.mesh_dim_names:
+        raise ValueError("save_pretrained got one pipeline stage's module, which holds only that stage's parameters: "
+                         "save the pipeline as a whole")
     directory = Path(directory)
     group = sharded.autotp_group
-    writer = dist.get_rank(group) == 0
+    writer = _is_writer(sharded)
     if writer:
         directory.mkdir(parents=True, exist_ok=True)
     placements = _placements_by_id(sharded)
@@ -104,7 +109,7 @@ def save_pretrained(sharded: torch.nn.Module, directory: str | Path, max_shard_b
         pending, pending_bytes = {}, 0
 
     for name, tensor in _persistent_tensors(sharded):
-        full = gather_full(tensor, *placements.get(id(tensor), (None, None)), group)
+        full = _gather(tensor, placements.get(id(tensor), (None, None)), group)
         if writer:
             size = full.numel() * full.element_size()
             if pending and pending_bytes + size > max_shard_bytes:
@@ -118,8 +123,23 @@ def save_pretrained(sharded: torch.nn.Module, directory: str | Path, max_shard_b
         config = getattr(sharded, "autotp_config", None)
         if config is not None:
             config.save_pretrained(directory)
-    dist.barrier(group)
+    dist.barrier(group if mesh is None else None)  # the writer may be in another TP group
     return directory
+
+
+def _is_writer(sharded: torch.nn.Module) -> bool:
+    """Rank 0 of the TP group writes; over a mesh, only the mesh's first rank (one copy, not one per replica)."""
+    mesh = getattr(sharded, "autotp_mesh", None)
+    if mesh is None:
+        return dist.get_rank(sharded.autotp_group) == 0
+    return dist.get_rank() == mesh.mesh.flatten()[0].item()
+
+
+def _gather(tensor: torch.Tensor, layout: tuple, group) -> torch.Tensor:
+    """The full tensor: gathered over data parallelism first (FSDP2 holds a DTensor of this rank's TP
+    shard, split again over the DP group), then over the TP group (autotp's own placement)."""
+    local = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    return gather_full(local, *layout, group)
 
 
 def is_persistent(module: torch.nn.Module, name: str, tensor: torch.Tensor) -> bool:
@@ -156,11 +176,17 @@ def _placements_by_id(sharded: torch.nn.Module) -> dict:
 
 
 def full_state_dict(sharded: torch.nn.Module, grads: bool = False) -> dict:
-    """Full (unsharded) parameters, or their gradients, by original name, on every rank (a collective)."""
+    """Full (unsharded) parameters, or their gradients, by original name, on every rank (a collective
+    over the TP group, and over the whole mesh when the module is also data-parallel).  A pipeline
+    (``autotp.parallelize`` over a mesh with "pp") gathers its stages itself."""
+    if not hasattr(sharded, "autotp_group") and hasattr(sharded, "full_state_dict"):
+        if grads:
+            raise ValueError("full_state_dict(grads=True) takes a module: gather each stage module's gradients")
+        return sharded.full_state_dict()
     group = sharded.autotp_group
     placements = _placements_by_id(sharded)
     out = {}
     for name, param in sharded.named_parameters():
         tensor = param.grad if grads else param.detach()
-        out[name] = None if tensor is None else gather_full(tensor, *placements.get(id(param), (None, None)), group)
+        out[name] = None if tensor is None else _gather(tensor, placements.get(id(param), (None, None)), group)
     return out

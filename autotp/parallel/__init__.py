@@ -1,0 +1,1 @@
+"""Tensor parallelism composed with data and pipeline parallelism over a DeviceMesh."""

@@ -1,0 +1,182 @@
+"""Model and optimizer state for ``torch.distributed.checkpoint`` (DCP), resharded on load.
+
+DCP stores each tensor by its global shape and each rank's piece by its offset, so a checkpoint
+written from TP2 x DP2 loads into TP4 or one process.  autotp's TP shards are plain local tensors
+(and FSDP2 splits them again over the DP group), so the state dict from
+``torch.distributed.checkpoint.state_dict`` is rewritten here: each tensor becomes a DTensor with
+its global shape on the mesh (DP placement outer, TP placement inner).  DTensor's ``Shard`` deals out
+equal ``torch.chunk`` pieces; autotp's uneven head splits, fused ``[q|k|v]`` blocks and heads shared by
+several ranks have no DTensor placement, so those tensors are gathered and stored whole (exact; every
+rank holds them in full in the state dict while saving or loading).  Every DTensor layout is checked
+against the pieces the ranks really hold before it is used.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import Shard as DShard
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from autotp.runtime.collectives import gather_full
+from autotp.runtime.placement import Shard, take_local
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """How one parameter (and its optimizer state) lies on this rank."""
+    shard: Shard | None  # autotp's TP placement; None: replicated over TP
+    shape: tuple         # the full tensor's shape
+    fsdp: bool           # split again over DP by FSDP2 (dim 0 of the TP shard, torch.chunk pieces)
+
+
+def checkpoint_state_dict(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
+    """``{"model": ..., "optim": ...}`` for ``dcp.save`` / ``dcp.load`` (a collective).
+
+    Tensors have their full shapes (DTensors on the module's mesh, or whole tensors where no DTensor
+    placement describes autotp's split), so the checkpoint loads into any other mesh or one process.
+    Works on a module from ``autotp.parallelize`` (with or without a mesh) and on a plain module.
+    """
+    pieces = _Pieces(module)
+    state = {"model": {n: pieces.to_global(n, t) for n, t in get_model_state_dict(module).items()}}
+    if optimizer is not None:
+        state["optim"] = pieces.optimizer(get_optimizer_state_dict(module, optimizer), pieces.to_global)
+    return state
+
+
+def load_checkpoint_state_dict(module: torch.nn.Module, state: dict,
+                               optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Put ``state`` (from ``checkpoint_state_dict``, filled by ``dcp.load``) into the module and optimizer."""
+    pieces = _Pieces(module)
+    set_model_state_dict(module, {n: pieces.to_local(n, t) for n, t in state["model"].items()})
+    if optimizer is not None:
+        set_optimizer_state_dict(module, optimizer, pieces.optimizer(state["optim"], pieces.to_local))
+
+
+class _Pieces:
+    """Where this rank's piece of every parameter lies in the full tensor, and the checkpoint's form of it."""
+
+    def __init__(self, module: torch.nn.Module):
+        plan = getattr(module, "autotp_plan", None)
+        self.layouts: dict = {}
+        if plan is None:  # a plain module: its state dict is already full tensors
+            return
+        self.group = module.autotp_group
+        self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
+        self.mesh = getattr(module, "autotp_mesh", None)
+        self.dp = self.mesh["dp"] if self.mesh is not None and "dp" in self.mesh.mesh_dim_names else None
+        if self.mesh is None:  # TP alone: its group as a one-dimensional mesh
+            device = "cuda" if dist.get_backend(self.group) == "nccl" else "cpu"
+            self.mesh = DeviceMesh.from_group(self.group, device, mesh_dim_names=("tp",))
+        for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+            if name in plan.params:  # the rest (buffers no op reads) are whole on every rank
+                shard = plan.layout(name)[0]
+                self.layouts[name] = _Layout(shard if isinstance(shard, Shard) else None, tuple(plan.shapes[name]),
+                                             isinstance(tensor, DTensor))
+        self.placements = {name: _dtensor_placements(self.mesh, layout) for name, layout in self.layouts.items()}
+
+    def optimizer(self, state: dict, convert) -> dict:
+        """``state`` with every parameter-shaped tensor converted (``step`` counters are scalars)."""
+        return {**state, "state": {name: {k: convert(name, v) if _param_shaped(v) else v for k, v in values.items()}
+                                   for name, values in state["state"].items()}}
+
+    def to_global(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's piece as a DTensor of the full shape, or the full tensor (a collective then)."""
+        layout = self.layouts.get(name)
+        if layout is None:
+            return tensor
+        if self.placements[name] is not None:
+            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            return DTensor.from_local(local, self.mesh, self.placements[name], run_check=False,
+                                      shape=torch.Size(layout.shape), stride=_strides(layout.shape))
+        whole = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
+        if layout.shard is None:
+            return whole.clone()
+        return gather_full(whole, layout.shard, layout.shape[layout.shard.dim], self.group)
+
+    def to_local(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Inverse of to_global: the form ``get_model_state_dict`` gives on this rank (an FSDP2 DTensor
+        over the DP group, or the plain TP shard)."""
+        layout = self.layouts.get(name)
+        if layout is None:
+            return tensor
+        if isinstance(tensor, DTensor):
+            piece = tensor.to_local()
+        else:
+            piece = take_local(tensor, layout.shard, self.rank, self.world) if layout.shard is not None else tensor
+            if layout.fsdp:
+                piece = piece.narrow(0, *_chunk_range(piece.shape[0], self.dp.get_local_rank(), self.dp.size()))
+        if not layout.fsdp:
+            return piece
+        tp_shape = list(layout.shape)
+        if layout.shard is not None:
+            dim = layout.shard.dim
+            tp_shape[dim] = layout.shard.local_size(tp_shape[dim], self.rank, self.world)
+        return DTensor.from_local(piece.contiguous(), self.dp, [DShard(0)], run_check=False,
+                                  shape=torch.Size(tp_shape), stride=_strides(tp_shape))
+
+
+def _param_shaped(value) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0
+
+
+def _strides(shape) -> tuple:
+    return torch.empty(shape, device="meta").stride()
+
+
+def _chunk_range(size: int, index: int, count: int) -> tuple[int, int]:
+    """(start, length) of piece ``index`` of ``count`` along a dim of ``size``, as FSDP2 and DTensor cut it
+    (torch.chunk: equal pieces rounded up, empty ones at the end)."""
+    step = -(-size // count)
+    start = min(index * step, size)
+    return start, min(step, size - start)
+
+
+def _dtensor_placements(mesh, layout: _Layout) -> tuple | None:
+    """DTensor placements on ``mesh`` that put every rank's piece exactly where it lies in the full
+    tensor, or None when there are none (checked for every mesh coordinate, so all ranks agree)."""
+    if not set(mesh.mesh_dim_names) <= {"dp", "tp"}:
+        return None
+    tp = mesh["tp"].size() if "tp" in mesh.mesh_dim_names else 1
+    dp = mesh["dp"].size() if "dp" in mesh.mesh_dim_names else 1
+    tp_placement = Replicate() if layout.shard is None else DShard(layout.shard.dim)
+    dp_placement = Replicate()
+    if layout.fsdp:
+        stacked = layout.shard is not None and layout.shard.dim == 0  # TP splits dim 0 first, then FSDP
+        dp_placement = _StridedShard(0, split_factor=tp) if stacked else DShard(0)
+    placements = {"dp": dp_placement, "tp": tp_placement}
+    chosen = tuple(placements[d] for d in mesh.mesh_dim_names)
+    for dp_rank in range(dp):
+        for tp_rank in range(tp):
+            coordinate = [{"dp": dp_rank, "tp": tp_rank}[d] for d in mesh.mesh_dim_names]
+            if _compute_local_shape_and_global_offset(layout.shape, mesh.shape, coordinate, chosen) != \
+                    _true_box(layout, dp_rank, dp, tp_rank, tp):
+                return None
+    return chosen
+
+
+def _true_box(layout: _Layout, dp_rank: int, dp: int, tp_rank: int, tp: int) -> tuple | None:
+    """(shape, offset) of the piece a rank holds, from autotp's placement and FSDP2's split; None when
+    it is not one box (fused blocks)."""
+    shape, offset = list(layout.shape), [0] * len(layout.shape)
+    if layout.shard is not None:
+        ranges = layout.shard.ranges(shape[layout.shard.dim], tp_rank, tp)
+        if len(ranges) != 1:
+            return None
+        offset[layout.shard.dim], shape[layout.shard.dim] = ranges[0]
+    if layout.fsdp:
+        start, shape[0] = _chunk_range(shape[0], dp_rank, dp)
+        offset[0] += start
+    if 0 in shape:  # DTensor reports an empty piece at the end of the dim
+        offset = [layout.shape[d] if shape[d] == 0 else o for d, o in enumerate(offset)]
+    return tuple(shape), tuple(offset)

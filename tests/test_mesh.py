@@ -1,0 +1,144 @@
+"""TP x DP over a DeviceMesh: training equals one process; full state and save_pretrained from the mesh;
+a dead DP rank makes the others raise.  Runs through examples/train.py, the code users launch."""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from safetensors.torch import load_file
+from torch.distributed.device_mesh import init_device_mesh
+
+import autotp
+from autotp.parallel.mesh import mesh_dims
+from autotp.tools.spawn import run_local
+from distributed import run_ranks
+from examples import mlp
+from examples.train import parse, reference, train
+
+TOL = {"rtol": 1e-4, "atol": 1e-5}
+# a LLaMA of 2 layers, hidden 32, 4 query heads sharing 2 KV heads; a global batch of 4 x 8 tokens
+TINY = ["--steps", "3", "--batch", "4", "--seq", "8", "--layers", "2", "--hidden", "32", "--vocab", "128"]
+
+
+def _check_training(o):
+    """3 AdamW steps: the losses and the full parameters after the last step equal one process's."""
+    trainer, losses = train(o, display=False)
+    model, expected = reference(o)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), **TOL)
+    full = autotp.full_state_dict(trainer.model)
+    assert full.keys() == dict(model.named_parameters()).keys()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(full[name], p.detach(), **TOL, msg=lambda m, n=name: f"{n}: {m}")
+    return trainer
+
+
+def _tp_dp(rank: int, world: int, directory: str) -> None:
+    trainer = _check_training(parse(["--tp", "2", "--dp", "2", "--data-parallel", "fsdp", *TINY]))
+    assert {type(p).__name__ for p in trainer.model.parameters()} == {"DTensor"}  # FSDP2 holds them
+    autotp.save_pretrained(trainer.model, directory)
+    _check_training(parse(["--tp", "2", "--dp", "2", "--data-parallel", "ddp", *TINY]))
+    # a mesh without "tp": FSDP2 alone over 4 replicas, each with the whole model
+    torch.manual_seed(0)
+    model, (x,) = mlp.build()
+    replicated = autotp.parallelize(model, (x,), mesh=init_device_mesh("cpu", (4,), mesh_dim_names=("dp",)))
+    torch.testing.assert_close(replicated(x), model(x), **TOL)
+
+
+def test_tp2_x_dp2_trains_like_one_process(tmp_path):
+    run_ranks(4, _tp_dp, str(tmp_path))
+    # one writer, one copy: the saved file holds the trained full parameters
+    model, _ = reference(parse(TINY))
+    saved = load_file(tmp_path / "model.safetensors")
+    assert saved.keys() == dict(model.named_parameters()).keys()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(saved[name], p.detach(), **TOL)
+
+
+# TP 2 x DP 4, 2 steps on a global batch of 8 (2 sequences per replica)
+EIGHT = ["--tp", "2", "--dp", "4", *TINY, "--steps", "2", "--batch", "8"]
+
+
+def _example(rank: int, world: int) -> list[float]:
+    return train(parse(EIGHT), display=False)[1]
+
+
+def test_the_training_example_on_8_ranks():
+    """examples/train.py's code path on 8 local gloo ranks."""
+    losses = run_local(8, _example)[0]
+    expected = reference(parse(EIGHT))[1]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), **TOL)
+
+
+def test_meshes_name_their_dimensions():
+    assert mesh_dims(SimpleNamespace(mesh_dim_names=("dp", "tp"), ndim=2)) == ("dp", "tp")
+    assert mesh_dims(SimpleNamespace(mesh_dim_names=("pp", "dp", "tp"), ndim=3)) == ("pp", "dp", "tp")
+    for names in [("tp", "dp"), ("dp", "x"), None, ("tp", "tp")]:
+        with pytest.raises(ValueError, match="name them from"):
+            mesh_dims(SimpleNamespace(mesh_dim_names=names, ndim=2))
+    model, args = mlp.build()
+    with pytest.raises(ValueError, match="needs loss_fn"):
+        autotp.parallelize(model, args, mesh=SimpleNamespace(mesh_dim_names=("pp", "tp"), ndim=2))
+    with pytest.raises(ValueError, match="data_parallel='zero'"):
+        autotp.parallelize(model, args, mesh=SimpleNamespace(mesh_dim_names=("dp", "tp"), ndim=2), data_parallel="zero")
+
+
+def _victim(rank: int, port: int, queue) -> None:
+    """TP 2 x DP 2 with FSDP2 (an MLP: no transformers to import); rank 3 dies after the first step, the
+    others report how they ended."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_WORLD_SIZE="4")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=4, timeout=datetime.timedelta(seconds=300))
+    torch.manual_seed(0)
+    model, (x,) = mlp.build()
+    sharded = autotp.parallelize(model, (x,), mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")))
+    optimizer = torch.optim.SGD(sharded.parameters(), lr=0.1)
+
+    def step():
+        sharded(x).square().mean().backward()
+        optimizer.step()
+
+    step()
+    if rank == 3:
+        os._exit(3)
+    start = time.monotonic()
+    try:
+        step()
+        queue.put((rank, "no error", time.monotonic() - start))
+    except Exception as exc:
+        queue.put((rank, f"{type(exc).__name__}: {exc}", time.monotonic() - start))
+    queue.close()
+    queue.join_thread()
+    os._exit(0)
+
+
+def test_a_dead_dp_rank_makes_the_others_raise():
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=_victim, args=(r, port, queue)) for r in range(4)]
+    for p in procs:
+        p.start()
+    reports = sorted(queue.get(timeout=240) for _ in range(3))
+    for p in procs:
+        p.join(timeout=30)
+    assert [r for r, _, _ in reports] == [0, 1, 2]
+    for rank, message, seconds in reports:
+        assert message != "no error", rank
+        assert seconds < 60, (rank, message, seconds)  # the process group's timeout is 300 s
+
+
+def test_full_state_dict_of_a_pipeline_asks_the_pipeline():
+    """A pipeline (a mesh with "pp") is not a module: it gathers its stages itself."""
+    pipeline = SimpleNamespace(full_state_dict=lambda: {"w": torch.ones(2)})
+    assert autotp.full_state_dict(pipeline)["w"].tolist() == [1.0, 1.0]
+    with pytest.raises(ValueError, match="takes a module"):
+        autotp.full_state_dict(pipeline, grads=True)

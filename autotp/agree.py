@@ -83,6 +83,11 @@ class _Presence:
             thread.join(max(0.0, deadline - time.monotonic()))
 
 
+def _store_gone() -> RankDisagreement:
+    return RankDisagreement("rank 0 is gone (it hosts the rendezvous store, and its connection closed): it failed "
+                            "or died; see its own errors")
+
+
 class Rendezvous:
     """One parallelize call's exchanges; ranks must make their calls in the same order."""
 
@@ -95,7 +100,10 @@ class Rendezvous:
         self.probe = dist.get_backend(group) == "gloo"  # NCCL has no cheap point-to-point on the CPU
         self.root = f"autotp/{group.group_name}"
         self.prefix = f"{self.root}/{self.call}"
-        self.store.set(f"{self.root}/calls/{self.rank}", str(self.call))
+        try:
+            self.store.set(f"{self.root}/calls/{self.rank}", str(self.call))
+        except Exception as exc:
+            raise _store_gone() from exc
 
     def _presence(self) -> _Presence | None:
         return _Presence(self.group, self.rank, self.world, self.timeout) if self.probe else None
@@ -119,9 +127,8 @@ class Rendezvous:
     def _check(self, keys: list[str]) -> bool:
         try:
             return self.store.check(keys)
-        except Exception as exc:  # the store lives in rank 0's process: it is gone
-            raise RankDisagreement("rank 0 is gone (it hosts the rendezvous store, and its connection closed): "
-                                   "it failed or died; see its own errors") from exc
+        except Exception as exc:
+            raise _store_gone() from exc
 
     def _lost(self, presence: _Presence, what: str) -> RankDisagreement:
         ranks = sorted(presence.lost)
@@ -202,6 +209,7 @@ class InputCheck:
         self.calls = 0
         self.handle = None
 
+    @torch.compiler.disable  # store traffic and hashing run eagerly, before the compiled program
     def __call__(self, module, args, kwargs) -> None:
         self.calls += 1
         if not self.every_call:

@@ -209,6 +209,9 @@ class InputCheck:
         self.calls = 0
         self.handle = None
 
+    def attach(self, module: torch.nn.Module) -> None:
+        self.handle = module.register_forward_pre_hook(self, with_kwargs=True)
+
     @torch.compiler.disable  # store traffic and hashing run eagerly, before the compiled program
     def __call__(self, module, args, kwargs) -> None:
         self.calls += 1

@@ -160,8 +160,7 @@ def parallelize(model: torch.nn.Module, args=None, kwargs=None, *, plan: Plan | 
     register(group)
     rendezvous.agree("loaded", "ok", "the end of loading")
     if check_inputs:
-        hook = InputCheck(rendezvous, every_call=check_inputs == "always")
-        hook.handle = sharded.register_forward_pre_hook(hook, with_kwargs=True)
+        InputCheck(rendezvous, every_call=check_inputs == "always").attach(sharded)
     sharded.autotp_plan = plan
     sharded.autotp_group = group
     sharded.autotp_config = getattr(model, "config", None)

@@ -150,21 +150,29 @@ def test_slow_ranks_get_the_timeout_and_uneven_calls_are_named():
     run_ranks(2, _slow_then_uneven)
 
 
-def _stuck_in_third_step(rank: int, queue) -> None:
+def _fails_in_third_step(how: str, rank: int, queue) -> None:
     torch.manual_seed(0)
     model, args = mlp.build()
     sharded = autotp.parallelize(model, args)
     for _ in range(2):
         sharded(*args).sum().backward()
     if rank == 1:
+        if how == "exits":
+            os._exit(3)
         time.sleep(600)  # stuck: alive, never joins the third step
     _timed(queue, lambda: sharded(*args).sum().backward(), CollectiveError)
 
 
-def test_a_stuck_rank_makes_the_others_name_the_collective():
-    """Process-group timeout 20 s: the survivor's collective gives up and says which one it waited in."""
-    message, seconds = _spawn_pair(_stuck_in_third_step, pg_timeout=20)
+@pytest.mark.parametrize("how", ["stuck", "exits"])
+def test_a_rank_lost_mid_run_makes_the_others_name_the_collective(how):
+    """Process-group timeout 20 s: a stuck rank's peer gives up at that timeout, an exited rank's at once
+    (gloo sees the connection close); either way the error says which collective it waited in."""
+    message, seconds = _spawn_pair(functools.partial(_fails_in_third_step, how), pg_timeout=20)
     assert re.search(r"(all_reduce|all_gather) of torch.float32 \[[\d, ]+\] for \w+ \(aten\.\w+\.\w+\) in down "
                      r"\((forward|backward)\) did not complete", message), message
-    assert "timeout" in message, message
-    assert seconds < 60, seconds
+    if how == "stuck":
+        assert re.search(r"timeout \(20 s\)|Timed out waiting 20000ms", message), message  # ours or gloo's
+        assert seconds < 60, seconds
+    else:
+        assert re.search("Connection (closed|reset) by peer", message), message
+        assert seconds < 15, seconds  # before the process group's timeout: the closed connection ended the wait

@@ -9,7 +9,8 @@ import torch.distributed as dist
 
 from autotp.cost_models import load_topology
 from autotp.passes.accounting import alternatives, planned_collectives
-from autotp.passes.capture import CaptureError, capture, check_inputs, fingerprint, module_path
+from autotp.passes.capture import CaptureError, capture, fingerprint, module_path
+from autotp.passes.capture import check_inputs as check_example_inputs
 from autotp.passes.fold import Fold, NotFoldable, find_fold, fold_graph, folded
 from autotp.passes.prepare import (
     drop_no_ops,
@@ -26,7 +27,7 @@ from autotp.passes.solve import PlanningError, Sizes, solve
 from autotp.passes.strategies import Context, Strategy, enumerate_strategies, input_slots
 from autotp.passes.styles import param_styles
 
-from .agree import DEFAULT_TIMEOUT, Rendezvous, inputs_digest
+from .agree import DEFAULT_TIMEOUT, InputCheck, Rendezvous, inputs_digest
 from .hf import default_inputs, no_kv_cache
 from .plan import Plan, PlanMismatch
 from .runtime.checkpoint import Checkpoint
@@ -40,7 +41,7 @@ def _graph(model: torch.nn.Module, args, kwargs, fold: bool = False) -> torch.fx
         args = default_inputs(model)
     repeats = None
     if fold:
-        check_inputs(model, args if args is not None else (), kwargs)  # clear errors before looking inside
+        check_example_inputs(model, args if args is not None else (), kwargs)  # clear errors before looking inside
         repeats = find_fold(model)
     if repeats is not None:
         try:
@@ -118,7 +119,7 @@ def plan(model: torch.nn.Module, args=None, kwargs=None, *, world_size: int, top
 def parallelize(model: torch.nn.Module, args=None, kwargs=None, *, plan: Plan | None = None, topology=None,
                 group=None, checkpoint=None, min_shard_fraction: float = 0.02, training: bool = True,
                 memory_limit: float | None = None, timeout: float = DEFAULT_TIMEOUT, gather_outputs: bool = True,
-                fixed: dict | None = None,
+                fixed: dict | None = None, check_inputs: str | bool = "first",
                 verify: bool = False) -> torch.nn.Module:
     """This rank's tensor-parallel copy of ``model``: same signature, full outputs on every rank.
 
@@ -129,11 +130,14 @@ def parallelize(model: torch.nn.Module, args=None, kwargs=None, *, plan: Plan | 
     example inputs through both models and names the first diverging op (needs the model's weights).
     ``gather_outputs=False`` leaves outputs sharded where the plan computes them sharded (vocab-parallel
     logits for ``autotp.parallel_cross_entropy``); partial sums are still reduced.  ``fixed``: parameter
-    name -> placement to impose (another program's layout, to share its shards).
+    name -> placement to impose (another program's layout, to share its shards).  ``check_inputs``:
+    ranks compare a digest of the input values on the ``"first"`` call, on ``"always"``, or never (``False``).
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("autotp.parallelize needs torch.distributed: call dist.init_process_group(...) first "
                            "(launch with torchrun), or use autotp.plan(...) to inspect a plan without one")
+    if check_inputs not in ("first", "always", False):
+        raise ValueError(f'check_inputs must be "first", "always" or False, got {check_inputs!r}')
     group = group or dist.group.WORLD
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     rendezvous = Rendezvous(group, timeout)
@@ -154,7 +158,9 @@ def parallelize(model: torch.nn.Module, args=None, kwargs=None, *, plan: Plan | 
         retarget_device(gm, device)
     sharded = rewrite(gm, choice, rank, world, group.group_name, source, device, gather_outputs)
     register(group)
-    rendezvous.agree("loaded", "ok", "finish loading their shards")
+    rendezvous.agree("loaded", "ok", "the end of loading")
+    if check_inputs:
+        InputCheck(rendezvous, every_call=check_inputs == "always").attach(sharded)
     sharded.autotp_plan = plan
     sharded.autotp_group = group
     sharded.autotp_config = getattr(model, "config", None)

@@ -11,6 +11,7 @@ from torch.fx.node import map_arg
 from autotp.runtime import collectives, local_ops
 from autotp.runtime.placement import Partial, R, Replicate, Shard, take_local
 
+from .capture import module_path
 from .layout_rules import block_of
 from .strategies import is_observer, needs_grad
 
@@ -135,6 +136,15 @@ def shard_parameters(gm: torch.fx.GraphModule, placements: dict, rank: int, worl
             owner.register_buffer(attr, done[id(tensor)], persistent=attr not in owner._non_persistent_buffers_set)
 
 
+def _where(node: Node) -> str:
+    """The value a collective moves, as its error names it (formatted once, here, never per call)."""
+    if node.op == "placeholder":
+        return f"input {node.name}"
+    if node.op == "get_attr":
+        return f"parameter {node.target}"
+    return f"{node.name} ({node.target}) in {module_path(node) or 'the top-level module'}"
+
+
 def rewrite(gm: torch.fx.GraphModule, choice: dict, rank: int, world: int, group: str,
             checkpoint=None, device: torch.device | None = None, gather_outputs: bool = True) -> torch.fx.GraphModule:
     """Mutates ``gm`` (a fresh capture) into this rank's sharded program."""
@@ -148,7 +158,8 @@ def rewrite(gm: torch.fx.GraphModule, choice: dict, rank: int, world: int, group
         if key not in converted:
             value = src
             shape = getattr(src.meta["val"], "shape", None)  # None: a multi-output op's tuple, never converted
-            steps = collectives.conversion_steps(placed[src], want, shape, rank, world, group, reduce_grad)
+            steps = collectives.conversion_steps(placed[src], want, shape, rank, world, group, reduce_grad,
+                                                 _where(src))
             with graph.inserting_before(before):
                 for fn, extra in steps:
                     value = graph.call_function(fn, (value, *extra))
@@ -166,7 +177,8 @@ def rewrite(gm: torch.fx.GraphModule, choice: dict, rank: int, world: int, group
                 # ranks sharing a unit each hold part of its gradient: sum them (vLLM's replicated KV heads)
                 with graph.inserting_after(node):
                     summed = graph.call_function(collectives.sum_group_grad, (
-                        node, *collectives.shard_args(layout, _full_size(node, layout.dim), rank, world, group)))
+                        node, *collectives.shard_args(layout, _full_size(node, layout.dim), rank, world, group,
+                                                      _where(node))))
                 summed.meta = dict(node.meta)
                 node.replace_all_uses_with(summed, delete_user_cb=lambda user, keep=summed: user is not keep)
                 placed[summed] = layout

@@ -38,7 +38,7 @@ def _conversions(rank: int, world: int, gloo_paths: bool) -> None:
                 # the gradient of the source value, reassembled in full, is the upstream gradient
                 got = x.grad
                 if isinstance(src, Shard):
-                    got = collectives._gather_grads(got, src, full.shape[src.dim], rank, world, group)
+                    got = collectives._gather_grads(got, src, full.shape[src.dim], rank, world, group, "test")
                 torch.testing.assert_close(got, upstream, msg=lambda m, s=src, d=dst, f=partial_grad:
                                            f"grad {s}->{d} (partial {f}): {m}")
 
@@ -94,7 +94,7 @@ def _one_shot(rank: int, world: int) -> None:
     collectives.register(dist.group.WORLD)
     for name, x, op in (("small", small, "all_gather_into_tensor"), ("large", large, "all_reduce")):
         with CommDebugMode() as comm:
-            got = collectives._all_reduce(x, group)
+            got = collectives._all_reduce(x, group, "test")
         assert comm_counts(comm) == {op: 1}, name
         torch.testing.assert_close(got, want[name], rtol=1e-5, atol=1e-5)
         copies = [torch.empty_like(got) for _ in range(world)]
@@ -106,3 +106,36 @@ def _one_shot(rank: int, world: int) -> None:
 def test_small_all_reduces_on_gloo_are_one_shot(world):
     """vLLM's one-shot all-reduce for small messages: gathered, summed in rank order on every rank."""
     run_ranks(world, _one_shot)
+
+
+def _gloo_shortcuts_without_affinity(rank: int, world: int) -> None:
+    """No sched_getaffinity (macOS): every core counts; one core for two ranks, or no sched_yield: no polling.
+    The sums stay right on each path (one-shot and ring all-reduce)."""
+    import os
+
+    import torch.distributed as dist
+    group = dist.group.WORLD
+    small, large = torch.full((3, 5), float(rank)), torch.full((collectives.ONE_SHOT_BYTES // 4,), float(rank))
+    del os.sched_getaffinity
+    for patch, polls in ((None, world <= os.cpu_count()), ("one core", False), ("no sched_yield", False)):
+        if patch == "one core":
+            os.sched_getaffinity = lambda pid: {0}
+        if patch == "no sched_yield":
+            del os.sched_yield
+        collectives.register(group)
+        assert collectives._gloo[group.group_name].poll == polls, patch
+        for x in (small, large):
+            assert torch.equal(collectives._all_reduce(x, group.group_name, "test"), torch.full_like(x, 1.0)), patch
+
+
+def test_gloo_shortcuts_fall_back_without_affinity_or_cores():
+    run_ranks(2, _gloo_shortcuts_without_affinity)
+
+
+def test_a_polled_wait_gives_up_after_the_process_groups_timeout():
+    class Pending:
+        def is_completed(self):
+            return False
+
+    with pytest.raises(TimeoutError, match=r"process group's timeout \(0 s\)"):
+        collectives._wait(Pending(), collectives._Gloo(world=2, poll=True, timeout=0.05))

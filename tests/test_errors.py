@@ -101,7 +101,7 @@ def _verify_passes(rank: int, world: int) -> None:
 def _verify_names_the_first_divergence(rank: int, world: int) -> None:
     from autotp.runtime import collectives
     from autotp.verify import VerificationError
-    collectives.all_reduce = lambda x, group: x  # a broken collective: partial sums are never summed
+    collectives.all_reduce = lambda x, group, where: x  # a broken collective: partial sums are never summed
     model, args, _ = build("llama")
     with pytest.raises(VerificationError, match=r"first at add\w* \(aten\.add\.Tensor\) in model\.layers\.0:"):
         autotp.parallelize(model, args, verify=True)

@@ -8,10 +8,13 @@
 Uneven shards are padded to the largest piece for the collective.  Gradients of grouped shards
 (KV heads shared by several ranks) are partial within each group, so "gathering" them sums.
 CommDebugMode sees every collective; under torch.compile they are functional c10d ops, which it traces.
+Every collective carries ``where`` (the rewrite's description of the value it moves): a collective that
+fails or outlives the process group's timeout raises a ``CollectiveError`` naming it.
 """
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -30,17 +33,31 @@ _c10d = torch.ops._c10d_functional
 # - in eager mode the collective is issued asynchronously and waited for by polling with
 #   sched_yield while this process has a core to itself: a rank blocked in wait() leaves its (virtual)
 #   core idle and often wakes a scheduler tick late (~4 ms on a 2-core VM), several times per forward.
-# NCCL groups and torch.compile keep the functional ops.
+# NCCL groups and torch.compile keep the functional ops.  Without sched_getaffinity (macOS) every core
+# counts; without sched_yield, or with more local ranks than cores, waits block as usual.
 ONE_SHOT_BYTES = 256 * 1024
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or did not complete: another rank died, is stuck, or runs other code."""
 
 
 @dataclass(frozen=True)
 class _Gloo:
     world: int
     poll: bool  # no more local ranks than cores: a yielding rank takes no core from another
+    timeout: float  # the process group's, in seconds: a polled wait gives up after it, as gloo's own wait does
 
 
 _gloo: dict = {}  # group name -> _Gloo
+_abandoned: list = []  # works given up on: kept alive, gloo may still write into them
+
+
+def _cores() -> int:
+    """Cores this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def register(group: dist.ProcessGroup) -> None:
@@ -50,7 +67,8 @@ def register(group: dist.ProcessGroup) -> None:
         return
     world = dist.get_world_size(group)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    _gloo[group.group_name] = _Gloo(world, local <= len(os.sched_getaffinity(0)))
+    timeout = group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+    _gloo[group.group_name] = _Gloo(world, hasattr(os, "sched_yield") and local <= _cores(), timeout)
 
 
 def _eager_gloo(group: str) -> _Gloo | None:
@@ -59,13 +77,26 @@ def _eager_gloo(group: str) -> _Gloo | None:
 
 
 def _wait(work, gloo: _Gloo) -> None:
-    while gloo.poll and not work.is_completed():
-        os.sched_yield()
-    work.wait()  # raises the collective's error, if any (gloo's timeout ends the loop above)
+    if gloo.poll:
+        deadline = time.monotonic() + gloo.timeout
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                _abandoned.append(work)
+                raise TimeoutError(f"not complete after the process group's timeout ({gloo.timeout:.0f} s)")
+            os.sched_yield()
+    work.wait()  # raises the collective's error, if any; blocks at most the process group's timeout
 
 
-def _all_gather(x: torch.Tensor, world: int, group: str) -> torch.Tensor:
-    """Every rank's ``x`` (contiguous), concatenated along dim 0."""
+def _failed(op: str, x: torch.Tensor, where: str, exc: Exception) -> CollectiveError:
+    """The error that says which collective, for which value, in which pass, and what to look at."""
+    phase = "backward" if torch._C._current_autograd_node() is not None else "forward"
+    return CollectiveError(
+        f"autotp: {op} of {x.dtype} {list(x.shape)} for {where or 'a tensor'} ({phase}) did not complete: "
+        f"another rank died, is stuck, or runs different code (look at the other ranks' output); the process "
+        f"group's timeout (init_process_group(timeout=...)) bounds the wait. Cause: {exc}")
+
+
+def _gathered(x: torch.Tensor, world: int, group: str) -> torch.Tensor:
     gloo = _eager_gloo(group)
     if gloo is None:
         return _c10d.wait_tensor(_c10d.all_gather_into_tensor(x, world, group))
@@ -74,16 +105,27 @@ def _all_gather(x: torch.Tensor, world: int, group: str) -> torch.Tensor:
     return out
 
 
-def _all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
+def _all_gather(x: torch.Tensor, world: int, group: str, where: str) -> torch.Tensor:
+    """Every rank's ``x`` (contiguous), concatenated along dim 0."""
+    try:
+        return _gathered(x, world, group)
+    except Exception as exc:
+        raise _failed("all_gather", x, where, exc) from exc
+
+
+def _all_reduce(x: torch.Tensor, group: str, where: str) -> torch.Tensor:
     """The sum over ranks, as a fresh tensor: callers may add into it in place."""
     gloo = _gloo.get(group)
-    if gloo and x.numel() * x.element_size() * gloo.world <= ONE_SHOT_BYTES:
-        return _all_gather(x.reshape(-1).contiguous(), gloo.world, group).view(gloo.world, *x.shape).sum(0)
-    if _eager_gloo(group):
-        out = x.clone(memory_format=torch.contiguous_format)
-        _wait(dist.all_reduce(out, group=_resolve_process_group(group), async_op=True), gloo)
-        return out
-    return _c10d.wait_tensor(_c10d.all_reduce(x.contiguous(), "sum", group))
+    try:
+        if gloo and x.numel() * x.element_size() * gloo.world <= ONE_SHOT_BYTES:
+            return _gathered(x.reshape(-1).contiguous(), gloo.world, group).view(gloo.world, *x.shape).sum(0)
+        if _eager_gloo(group):
+            out = x.clone(memory_format=torch.contiguous_format)
+            _wait(dist.all_reduce(out, group=_resolve_process_group(group), async_op=True), gloo)
+            return out
+        return _c10d.wait_tensor(_c10d.all_reduce(x.contiguous(), "sum", group))
+    except Exception as exc:
+        raise _failed("all_reduce", x, where, exc) from exc
 
 
 def _pad(x: torch.Tensor, length: int) -> torch.Tensor:
@@ -97,11 +139,11 @@ def _lengths(shard: Shard, size: int, world: int) -> list[int]:
     return [shard.local_size(size, r, world) for r in range(world)]
 
 
-def _gather_values(x: torch.Tensor, shard: Shard, size: int, world: int, group: str) -> torch.Tensor:
+def _gather_values(x: torch.Tensor, shard: Shard, size: int, world: int, group: str, where: str) -> torch.Tensor:
     """The full tensor from every rank's piece (owners' pieces for grouped shards)."""
     lengths = _lengths(shard, size, world)
     moved = _pad(x.movedim(shard.dim, 0), max(lengths)).contiguous()
-    gathered = _all_gather(moved, world, group)
+    gathered = _all_gather(moved, world, group, where)
     parts = [p[:n].movedim(0, shard.dim) for p, n in zip(gathered.chunk(world, 0), lengths, strict=True)]
     return assemble(parts, shard, size)  # concatenated along the dim itself: contiguous, like the input
 
@@ -116,18 +158,23 @@ def _embed(x: torch.Tensor, shard: Shard, size: int, rank: int, world: int) -> t
     return full
 
 
-def _gather_grads(x: torch.Tensor, shard: Shard, size: int, rank: int, world: int, group: str) -> torch.Tensor:
+def _gather_grads(x: torch.Tensor, shard: Shard, size: int, rank: int, world: int, group: str,
+                  where: str) -> torch.Tensor:
     """The full gradient from every rank's piece: pieces of a grouped shard are summed."""
     if shard.grouped(world):
-        return _all_reduce(_embed(x, shard, size, rank, world), group)
-    return _gather_values(x, shard, size, world, group)
+        return _all_reduce(_embed(x, shard, size, rank, world), group, where)
+    return _gather_values(x, shard, size, world, group, where)
 
 
-def _reduce_scatter(x: torch.Tensor, shard: Shard, size: int, rank: int, world: int, group: str) -> torch.Tensor:
+def _reduce_scatter(x: torch.Tensor, shard: Shard, size: int, rank: int, world: int, group: str,
+                    where: str) -> torch.Tensor:
     lengths = _lengths(shard, size, world)
     moved = x.movedim(shard.dim, 0)
     pieces = [_pad(take_local(moved, shard.at(0), r, world), max(lengths)) for r in range(world)]
-    out = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(torch.cat(pieces).contiguous(), "sum", world, group))
+    try:
+        out = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(torch.cat(pieces).contiguous(), "sum", world, group))
+    except Exception as exc:
+        raise _failed("reduce_scatter", x, where, exc) from exc
     return out[:lengths[rank]].movedim(0, shard.dim).contiguous()
 
 
@@ -141,47 +188,47 @@ def _owners_share(local: torch.Tensor, shard: Shard, rank: int, world: int) -> t
 
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, shard, size, rank, world, group):
-        ctx.args = (shard, size, rank, world, group)
-        return _reduce_scatter(x, shard, size, rank, world, group)
+    def forward(ctx, x, shard, size, rank, world, group, where):
+        ctx.args = (shard, size, rank, world, group, where)
+        return _reduce_scatter(x, shard, size, rank, world, group, where)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_grads(grad, *ctx.args), None, None, None, None, None
+        return _gather_grads(grad, *ctx.args), None, None, None, None, None, None
 
 
 class _ReduceForward(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        return _all_reduce(x, group)
+    def forward(ctx, x, group, where):
+        return _all_reduce(x, group, where)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return grad, None, None
 
 
 class _ReduceBackward(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, group, where):
+        ctx.args = (group, where)
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group), None
+        return _all_reduce(grad, *ctx.args), None, None
 
 
 class _Gather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, shard, size, rank, world, group):
+    def forward(ctx, x, shard, size, rank, world, group, where):
         ctx.args = (shard, rank, world)
-        return _gather_values(x, shard, size, world, group)
+        return _gather_values(x, shard, size, world, group, where)
 
     @staticmethod
     def backward(ctx, grad):
         shard, rank, world = ctx.args
         local = take_local(grad, shard, rank, world).contiguous()
-        return _owners_share(local, shard, rank, world), None, None, None, None, None
+        return _owners_share(local, shard, rank, world), None, None, None, None, None, None
 
 
 class _GatherReduceBackward(torch.autograd.Function):
@@ -189,41 +236,41 @@ class _GatherReduceBackward(torch.autograd.Function):
     arrives as partial sums (Megatron's sequence-parallel pair, here on any sharded dim)."""
 
     @staticmethod
-    def forward(ctx, x, shard, size, rank, world, group):
-        ctx.args = (shard, size, rank, world, group)
-        return _gather_values(x, shard, size, world, group)
+    def forward(ctx, x, shard, size, rank, world, group, where):
+        ctx.args = (shard, size, rank, world, group, where)
+        return _gather_values(x, shard, size, world, group, where)
 
     @staticmethod
     def backward(ctx, grad):
-        shard, size, rank, world, group = ctx.args
-        local = _reduce_scatter(grad, shard, size, rank, world, group)
-        return _owners_share(local, shard, rank, world), None, None, None, None, None
+        shard, size, rank, world, group, where = ctx.args
+        local = _reduce_scatter(grad, shard, size, rank, world, group, where)
+        return _owners_share(local, shard, rank, world), None, None, None, None, None, None
 
 
 class _Scatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, shard, size, rank, world, group):
-        ctx.args = (shard, size, rank, world, group)
+    def forward(ctx, x, shard, size, rank, world, group, where):
+        ctx.args = (shard, size, rank, world, group, where)
         return take_local(x, shard, rank, world).contiguous()
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_grads(grad, *ctx.args), None, None, None, None, None
+        return _gather_grads(grad, *ctx.args), None, None, None, None, None, None
 
 
 class _SumGroupGrad(torch.autograd.Function):
     """Identity forward; backward sums the gradient over the ranks sharing each unit (grouped weights)."""
 
     @staticmethod
-    def forward(ctx, x, shard, size, rank, world, group):
-        ctx.args = (shard, size, rank, world, group)
+    def forward(ctx, x, shard, size, rank, world, group, where):
+        ctx.args = (shard, size, rank, world, group, where)
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        shard, _, rank, world, _ = ctx.args
+        shard, _, rank, world, _, _ = ctx.args
         full = _gather_grads(grad, *ctx.args)
-        return take_local(full, shard, rank, world).contiguous(), None, None, None, None, None
+        return take_local(full, shard, rank, world).contiguous(), None, None, None, None, None, None
 
 
 def _no_grad() -> bool:
@@ -231,74 +278,79 @@ def _no_grad() -> bool:
     return not torch.is_grad_enabled()
 
 
-def all_reduce(x, group):
-    return _all_reduce(x, group) if _no_grad() else _ReduceForward.apply(x, group)
+# Graph-callable forms: a Shard is passed as (dim, chunks, units) so generated code can print it;
+# ``where`` is the rewrite's description of the value, shown only when the collective fails.
+def all_reduce(x, group, where):
+    return _all_reduce(x, group, where) if _no_grad() else _ReduceForward.apply(x, group, where)
 
 
-def reduce_grad(x, group):
-    return x if _no_grad() else _ReduceBackward.apply(x, group)
+def reduce_grad(x, group, where):
+    return x if _no_grad() else _ReduceBackward.apply(x, group, where)
 
 
-# Graph-callable forms: a Shard is passed as (dim, chunks, units) so generated code can print it.
-def reduce_scatter(x, dim, chunks, units, size, rank, world, group):
+def reduce_scatter(x, dim, chunks, units, size, rank, world, group, where):
     shard = Shard(dim, chunks, units)
     if _no_grad():
-        return _reduce_scatter(x, shard, size, rank, world, group)
-    return _ReduceScatter.apply(x, shard, size, rank, world, group)
+        return _reduce_scatter(x, shard, size, rank, world, group, where)
+    return _ReduceScatter.apply(x, shard, size, rank, world, group, where)
 
 
-def gather(x, dim, chunks, units, size, rank, world, group):
+def gather(x, dim, chunks, units, size, rank, world, group, where):
     shard = Shard(dim, chunks, units)
-    return _gather_values(x, shard, size, world, group) if _no_grad() else _Gather.apply(
-        x, shard, size, rank, world, group)
+    return _gather_values(x, shard, size, world, group, where) if _no_grad() else _Gather.apply(
+        x, shard, size, rank, world, group, where)
 
 
-def gather_reduce_backward(x, dim, chunks, units, size, rank, world, group):
+def gather_reduce_backward(x, dim, chunks, units, size, rank, world, group, where):
     shard = Shard(dim, chunks, units)
-    return _gather_values(x, shard, size, world, group) if _no_grad() else _GatherReduceBackward.apply(
-        x, shard, size, rank, world, group)
+    return _gather_values(x, shard, size, world, group, where) if _no_grad() else _GatherReduceBackward.apply(
+        x, shard, size, rank, world, group, where)
 
 
-def scatter(x, dim, chunks, units, size, rank, world, group):
+def scatter(x, dim, chunks, units, size, rank, world, group, where):
     shard = Shard(dim, chunks, units)
-    return take_local(x, shard, rank, world) if _no_grad() else _Scatter.apply(x, shard, size, rank, world, group)
+    if _no_grad():
+        return take_local(x, shard, rank, world)
+    return _Scatter.apply(x, shard, size, rank, world, group, where)
 
 
-def sum_group_grad(x, dim, chunks, units, size, rank, world, group):
-    return x if _no_grad() else _SumGroupGrad.apply(x, Shard(dim, chunks, units), size, rank, world, group)
+def sum_group_grad(x, dim, chunks, units, size, rank, world, group, where):
+    return x if _no_grad() else _SumGroupGrad.apply(x, Shard(dim, chunks, units), size, rank, world, group, where)
 
 
-def shard_args(shard: Shard, size: int, rank: int, world: int, group: str) -> tuple:
-    return (shard.dim, shard.chunks, shard.units, size, rank, world, group)
+def shard_args(shard: Shard, size: int, rank: int, world: int, group: str, where: str) -> tuple:
+    return (shard.dim, shard.chunks, shard.units, size, rank, world, group, where)
 
 
-def conversion_steps(src, dst, shape, rank: int, world: int, group: str, partial_grad: bool = False) -> list[tuple]:
+def conversion_steps(src, dst, shape, rank: int, world: int, group: str, partial_grad: bool = False,
+                     where: str = "") -> list[tuple]:
     """The runtime calls (function, arguments after the tensor) that turn ``src`` into ``dst`` for a
     tensor of full ``shape``.  ``partial_grad``: the result feeds a sharded op as a replicated input,
-    so its gradient comes back as partial sums that must be added up."""
+    so its gradient comes back as partial sums that must be added up.  ``where``: the value, for errors."""
     def args(shard: Shard) -> tuple:
-        return shard_args(shard, int(shape[shard.dim]), rank, world, group)
+        return shard_args(shard, int(shape[shard.dim]), rank, world, group, where)
 
     if partial_grad and isinstance(src, Shard) and isinstance(dst, Replicate):
         return [(gather_reduce_backward, args(src))]
     steps: list[tuple] = []
     if src == dst:
-        return [(reduce_grad, (group,))] if partial_grad else steps
+        return [(reduce_grad, (group, where))] if partial_grad else steps
     if isinstance(src, Partial) and isinstance(dst, Shard):
         return [(reduce_scatter, args(dst))]
     if isinstance(src, Partial):
-        steps.append((all_reduce, (group,)))
+        steps.append((all_reduce, (group, where)))
     elif isinstance(src, Shard):
         steps.append((gather, args(src)))
     if isinstance(dst, Shard):
         steps.append((scatter, args(dst)))
     elif not isinstance(dst, Replicate):
         raise ValueError(f"cannot convert {src} to {dst}")
-    return steps + ([(reduce_grad, (group,))] if partial_grad else [])
+    return steps + ([(reduce_grad, (group, where))] if partial_grad else [])
 
 
 def gather_full(x: torch.Tensor, placement, size: int | None, group) -> torch.Tensor:
     """The full tensor from this rank's piece (no autograd), for checkpoints and tests."""
     if isinstance(placement, Shard):
-        return _gather_values(x.detach(), placement, size, torch.distributed.get_world_size(group), group.group_name)
+        world = torch.distributed.get_world_size(group)
+        return _gather_values(x.detach(), placement, size, world, group.group_name, "a full tensor (checkpoint)")
     return x.detach().clone()

@@ -72,7 +72,7 @@ class Megatron(torch.nn.Module):
 
     def _all_reduce(self, x):
         if self.autotp_collectives:
-            return collectives.all_reduce(x, self.group.group_name)
+            return collectives.all_reduce(x, self.group.group_name, "reference all-reduce")
         dist.all_reduce(x)
         return x
 
@@ -81,7 +81,7 @@ class Megatron(torch.nn.Module):
         if self.autotp_collectives:
             last = logits.dim() - 1
             return collectives.gather(logits, last, None, None, self.vocab, self.rank, self.world,
-                                      self.group.group_name)
+                                      self.group.group_name, "reference logits")
         pieces = [torch.empty_like(logits) for _ in range(self.world)]
         dist.all_gather(pieces, logits.contiguous())
         return torch.cat(pieces, -1)

@@ -131,12 +131,15 @@ def _reduce_scatter(x: torch.Tensor, shard: Shard, size: int, rank: int, world: 
     return out[:lengths[rank]].movedim(0, shard.dim).contiguous()
 
 
-def _owners_share(local: torch.Tensor, shard: Shard, rank: int, world: int) -> torch.Tensor:
-    """A complete gradient piece, as a grouped value's gradient: the owner of each group carries it,
-    the other ranks of the group hold zeros (their sum is the gradient)."""
-    if shard.grouped(world) and rank not in shard.owners(world):
-        return torch.zeros_like(local)
-    return local
+def _owners_share(local: torch.Tensor, shard: Shard, size: int, rank: int, world: int) -> torch.Tensor:
+    """A complete gradient piece, as a grouped value's gradient: of the ranks sharing a unit the first
+    carries it, the others hold zeros there (their sum is the gradient)."""
+    if not shard.grouped(world):
+        return local
+    share = torch.zeros_like(local)
+    for offset, length in shard.claims(size, rank, world):
+        share.narrow(shard.dim, offset, length).copy_(local.narrow(shard.dim, offset, length))
+    return share
 
 
 class _ReduceScatter(torch.autograd.Function):
@@ -174,14 +177,14 @@ class _ReduceBackward(torch.autograd.Function):
 class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, shard, size, rank, world, group):
-        ctx.args = (shard, rank, world)
+        ctx.args = (shard, size, rank, world)
         return _gather_values(x, shard, size, world, group)
 
     @staticmethod
     def backward(ctx, grad):
-        shard, rank, world = ctx.args
+        shard, size, rank, world = ctx.args
         local = take_local(grad, shard, rank, world).contiguous()
-        return _owners_share(local, shard, rank, world), None, None, None, None, None
+        return _owners_share(local, shard, size, rank, world), None, None, None, None, None
 
 
 class _GatherReduceBackward(torch.autograd.Function):
@@ -197,7 +200,7 @@ class _GatherReduceBackward(torch.autograd.Function):
     def backward(ctx, grad):
         shard, size, rank, world, group = ctx.args
         local = _reduce_scatter(grad, shard, size, rank, world, group)
-        return _owners_share(local, shard, rank, world), None, None, None, None, None
+        return _owners_share(local, shard, size, rank, world), None, None, None, None, None
 
 
 class _Scatter(torch.autograd.Function):
@@ -211,6 +214,20 @@ class _Scatter(torch.autograd.Function):
         return _gather_grads(grad, *ctx.args), None, None, None, None, None
 
 
+def _sum_shared(grad: torch.Tensor, shard: Shard, size: int, rank: int, world: int, group: str) -> torch.Tensor:
+    """A grouped parameter's gradient summed over the ranks sharing each unit, in one all-reduce of
+    the shared blocks only (a fused [q|k|v] weight's query block is no rank's to share)."""
+    blocks = shard.blocks(size)
+    layouts = [shard.block(k, block, world) for k, block in enumerate(blocks)]
+    pieces = list(grad.split([n for _, n in shard.ranges(size, rank, world)], shard.dim))
+    shared = [k for k, layout in enumerate(layouts) if layout.grouped(world)]
+    full = [_embed(pieces[k], layouts[k], blocks[k], rank, world) for k in shared]
+    summed = _all_reduce(torch.cat([f.reshape(-1) for f in full]), group)
+    for k, f, total in zip(shared, full, summed.split([f.numel() for f in full]), strict=True):
+        pieces[k] = take_local(total.view_as(f), layouts[k], rank, world)
+    return torch.cat(pieces, shard.dim).contiguous()
+
+
 class _SumGroupGrad(torch.autograd.Function):
     """Identity forward; backward sums the gradient over the ranks sharing each unit (grouped weights)."""
 
@@ -221,9 +238,7 @@ class _SumGroupGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        shard, _, rank, world, _ = ctx.args
-        full = _gather_grads(grad, *ctx.args)
-        return take_local(full, shard, rank, world).contiguous(), None, None, None, None, None
+        return _sum_shared(grad, *ctx.args), None, None, None, None, None
 
 
 def _no_grad() -> bool:
@@ -239,37 +254,37 @@ def reduce_grad(x, group):
     return x if _no_grad() else _ReduceBackward.apply(x, group)
 
 
-# Graph-callable forms: a Shard is passed as (dim, chunks, units) so generated code can print it.
-def reduce_scatter(x, dim, chunks, units, size, rank, world, group):
-    shard = Shard(dim, chunks, units)
+# Graph-callable forms: a Shard is passed as (dim, chunks, units, of) so generated code can print it.
+def reduce_scatter(x, dim, chunks, units, of, size, rank, world, group):
+    shard = Shard(dim, chunks, units, of)
     if _no_grad():
         return _reduce_scatter(x, shard, size, rank, world, group)
     return _ReduceScatter.apply(x, shard, size, rank, world, group)
 
 
-def gather(x, dim, chunks, units, size, rank, world, group):
-    shard = Shard(dim, chunks, units)
+def gather(x, dim, chunks, units, of, size, rank, world, group):
+    shard = Shard(dim, chunks, units, of)
     return _gather_values(x, shard, size, world, group) if _no_grad() else _Gather.apply(
         x, shard, size, rank, world, group)
 
 
-def gather_reduce_backward(x, dim, chunks, units, size, rank, world, group):
-    shard = Shard(dim, chunks, units)
+def gather_reduce_backward(x, dim, chunks, units, of, size, rank, world, group):
+    shard = Shard(dim, chunks, units, of)
     return _gather_values(x, shard, size, world, group) if _no_grad() else _GatherReduceBackward.apply(
         x, shard, size, rank, world, group)
 
 
-def scatter(x, dim, chunks, units, size, rank, world, group):
-    shard = Shard(dim, chunks, units)
+def scatter(x, dim, chunks, units, of, size, rank, world, group):
+    shard = Shard(dim, chunks, units, of)
     return take_local(x, shard, rank, world) if _no_grad() else _Scatter.apply(x, shard, size, rank, world, group)
 
 
-def sum_group_grad(x, dim, chunks, units, size, rank, world, group):
-    return x if _no_grad() else _SumGroupGrad.apply(x, Shard(dim, chunks, units), size, rank, world, group)
+def sum_group_grad(x, dim, chunks, units, of, size, rank, world, group):
+    return x if _no_grad() else _SumGroupGrad.apply(x, Shard(dim, chunks, units, of), size, rank, world, group)
 
 
 def shard_args(shard: Shard, size: int, rank: int, world: int, group: str) -> tuple:
-    return (shard.dim, shard.chunks, shard.units, size, rank, world, group)
+    return (shard.dim, shard.chunks, shard.units, shard.of, size, rank, world, group)
 
 
 def conversion_steps(src, dst, shape, rank: int, world: int, group: str, partial_grad: bool = False) -> list[tuple]:

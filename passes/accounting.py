@@ -22,7 +22,8 @@ def planned_collectives(gm: torch.fx.GraphModule, choice: dict, world: int, topo
     found: dict = {}
     for node in gm.graph.nodes:
         strategy = choice.get(node)
-        if node.op == "get_attr" and node in grad and isinstance(strategy.output, Shard) and strategy.output.grouped(world):
+        held = strategy.output if strategy is not None else None
+        if node.op == "get_attr" and node in grad and isinstance(held, Shard) and held.grouped(world):
             found[(node, "group")] = ("backward", "all_reduce")  # ranks sharing a unit sum its gradient
         wants = strategy.inputs if strategy is not None else [R] * len(input_slots(node))
         if node.op != "output" and strategy is None:

@@ -122,7 +122,7 @@ def block_unit_hints(gm: torch.fx.GraphModule, ctx: Context) -> dict:
     for x, dim, sizes, pieces in _fused_cuts(gm, ctx):
         units = [max(ctx.units.get((p, dim), {1 if 1 in ctx.covers else 0})) if p is not None else 0
                  for p in pieces]
-        if all(units) and any(u > 1 for u in units) and all(s % u == 0 for s, u in zip(sizes, units)):
+        if all(units) and any(u > 1 for u in units) and all(s % u == 0 for s, u in zip(sizes, units, strict=True)):
             work.append((x, dim, (sizes, tuple(units))))
     return _walk_back(work, ctx)
 

@@ -87,8 +87,9 @@ def _fraction(placement, world: int) -> float:
     if not isinstance(placement, Shard):
         return 1.0
     sizes = placement.chunks or (1,)
-    return max(sum(size * count / placement.parts(world, k) for k, (size, (_, count))
-                   in enumerate(zip(sizes, placement.spans(r, world, len(sizes))))) for r in range(world)) / sum(sizes)
+    held = [sum(size * count / placement.parts(world, k) for k, (size, (_, count))
+                in enumerate(zip(sizes, placement.spans(r, world, len(sizes)), strict=True))) for r in range(world)]
+    return max(held) / sum(sizes)
 
 
 def _shared_fraction(placement: Shard, world: int) -> float:

@@ -71,6 +71,7 @@ class Context:
     unruled: set = field(default_factory=set)        # ops on the weights' path that have no rule
     fixed: dict = field(default_factory=dict)        # parameter name -> placement imposed (to price other plans)
     _probes: dict = field(default_factory=dict)
+    _options: dict = field(default_factory=dict)     # shard_options, once per (node, dim): hints are fixed by then
 
     def shape(self, node) -> tuple:
         v = value(node) if isinstance(node, Node) else None
@@ -94,6 +95,11 @@ class Context:
         shared by several ranks when there are fewer than N); the KV heads that each rank's query heads
         need (``of``); block by block for fused outputs, each block by its own units.  Options that
         deal out the same pieces as an earlier one are left out (one spelling per layout)."""
+        if (node, dim) not in self._options:
+            self._options[(node, dim)] = self._shard_options(node, dim)
+        return self._options[(node, dim)]
+
+    def _shard_options(self, node: Node, dim: int) -> list[Shard]:
         shape = self.shape(node)
         size = shape[dim] if dim < len(shape) else None
         if self.world < 2 or not self.static(size) or size < 2:

@@ -20,6 +20,8 @@ def _units_note(placement: Shard, size: int, world: int) -> str:
     units = placement.units
     if units is None or units == world:
         return ""
+    if placement.whole(world):
+        return ", held whole by every rank"
     if isinstance(units, int) and placement.of is None:
         name = "heads" if units < size else "rows"
         if placement.grouped(world):
@@ -31,7 +33,7 @@ def _units_note(placement: Shard, size: int, world: int) -> str:
         held = [placement.spans(r, world, k + 1)[k] for r in range(world)]
         text = "|".join(str(first) if count == 1 else f"{first}-{first + count - 1}" for first, count in held)
         notes.append(f"heads {text} of {placement.parts(world, k)}")
-    follows = f" (those {placement.of} query heads split {world} ways need)" if placement.of else ""
+    follows = f" (each rank holds what its share of {placement.of} query heads needs)" if placement.of else ""
     return ", " + "; ".join(notes) + follows
 
 

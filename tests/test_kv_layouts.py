@@ -92,3 +92,33 @@ def _check(rank: int, world: int, kinds: list) -> None:
 ])
 def test_heads_split_whatever_the_kv_layout(world, kinds):
     run_ranks(world, _check, kinds)
+
+
+def test_explain_prices_the_kv_layouts():
+    """8 query heads dealt 3,3,2 over 3 ranks share 2 KV heads: k_proj holds on each rank the KV heads its
+    query heads use (rank 1 needs both); `autotp explain` lists that choice beside the replicated
+    projection with their costs, and the plan reports the backward all-reduce that sums the shared
+    heads' weight gradients."""
+    from rich.console import Console
+
+    from autotp.runtime.placement import parse, take_local
+    from autotp.tools.report import explain_table
+
+    plan = autotp.plan(build("llama-8-2"), (torch.randint(0, 96, EXAMPLE),), world_size=3)
+    module = "model.layers.0.self_attn.k_proj"
+    held = parse(plan.params[f"{module}.weight"])
+    query_heads = [take_local(torch.arange(8), parse(plan.params["model.layers.0.self_attn.q_proj.weight"]).at(0),
+                              r, 3) for r in range(3)]
+    for rank, heads in enumerate(query_heads):
+        kv_rows = take_local(torch.arange(16), held, rank, 3)  # 2 KV heads x 8 rows
+        assert sorted(set((kv_rows // 8).tolist())) == sorted(set((heads // 4).tolist())), (rank, held)
+    assert {"op": "all_reduce", "phase": "backward", "module": module} in [
+        {k: c[k] for k in ("op", "phase", "module")} for c in plan.collectives]
+
+    console = Console(width=200, record=True)
+    console.print(explain_table(plan, module))
+    rows = [line.split("│")[1:5] for line in console.export_text().splitlines() if "aten.linear.default" in line]
+    costs = {(ins.strip(), out.strip()): float(cost) for _, ins, out, cost in rows if cost.strip() != "impossible"}
+    chosen = next((ins.strip(), out.strip()) for _, ins, out, _ in rows if str(held) in ins)
+    assert ("R, R", "R") in costs and len(costs) >= 3, rows  # replicated K projection, priced
+    assert costs[chosen] <= costs[("R, R", "R")], costs

@@ -22,6 +22,7 @@ S(2|64,16,16/8,2,2@8), S(1/2@8).
 """
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass, replace
 
@@ -89,7 +90,8 @@ class Shard:
         """Some unit is held by several ranks (its gradient is split among them like a partial sum)."""
         blocks = len(self.chunks or (0,))
         spans = [self.spans(r, world, blocks) for r in range(world)]
-        return any(b[0] < a[0] + a[1] for left, right in zip(spans, spans[1:]) for a, b in zip(left, right))
+        return any(b[0] < a[0] + a[1] for left, right in itertools.pairwise(spans)
+                   for a, b in zip(left, right, strict=True))
 
     def whole(self, world: int) -> bool:
         """Every rank holds all of it (one unit per block, shared by all): the dim it names does not matter."""
@@ -109,7 +111,7 @@ class Shard:
         """(start, length) along ``dim`` of each piece this rank holds, in the full tensor."""
         found, offset = [], 0
         blocks = self.blocks(size)
-        for k, (block, (first, count)) in enumerate(zip(blocks, self.spans(rank, world, len(blocks)))):
+        for k, (block, (first, count)) in enumerate(zip(blocks, self.spans(rank, world, len(blocks)), strict=True)):
             unit = block // self.parts(world, k)
             found.append((offset + first * unit, count * unit))
             offset += block
@@ -130,7 +132,6 @@ class Shard:
 
     def local_size(self, size: int, rank: int, world: int) -> int:
         return sum(length for _, length in self.ranges(size, rank, world))
-
 
 
 def dealt(units: int, world: int) -> bool:
@@ -189,7 +190,7 @@ def take_local(full: torch.Tensor, shard: Shard, rank: int, world: int) -> torch
     """This rank's slice of a full tensor (block by block for fused dims)."""
     ranges = shard.ranges(full.shape[shard.dim], rank, world)
     pieces = [full.narrow(shard.dim, start, length) for start, length in ranges]
-    return torch.cat(pieces, shard.dim)
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, shard.dim)
 
 
 def assemble(parts: list[torch.Tensor], shard: Shard, size: int) -> torch.Tensor:

@@ -13,13 +13,12 @@ from autotp.passes.capture import CaptureError, capture, fingerprint, module_pat
 from autotp.passes.capture import check_inputs as check_example_inputs
 from autotp.passes.fold import Fold, NotFoldable, find_fold, fold_graph, folded
 from autotp.passes.prepare import (
+    add_hints,
     drop_no_ops,
     fuse_repeat_kv,
-    fused_block_hints,
     merge_aliases,
     retarget_device,
     split_bias,
-    unit_hints,
 )
 from autotp.passes.rewrite import rewrite
 from autotp.passes.rules import RULES
@@ -70,8 +69,7 @@ def _solve(gm: torch.fx.GraphModule, world_size: int, topology, min_shard_fracti
         raise ValueError(f"world size {world_size} is larger than topology {topo.name} ({topo.devices} devices): "
                          "pick a topology with more devices (e.g. 2x-dgx-h100) or a smaller world size")
     ctx = Context(world=world_size, min_shard_fraction=min_shard_fraction, fixed=fixed or {})
-    ctx.hints = fused_block_hints(gm, ctx)
-    ctx.units = unit_hints(gm, ctx)
+    add_hints(gm, ctx)
     enumerate_strategies(gm, ctx, RULES)
     folding = gm.meta.get("autotp_fold")
     if folding and any(ctx.strategies.get(a) != ctx.strategies.get(b) for a, b in folding.ties):

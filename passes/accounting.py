@@ -22,6 +22,9 @@ def planned_collectives(gm: torch.fx.GraphModule, choice: dict, world: int, topo
     found: dict = {}
     for node in gm.graph.nodes:
         strategy = choice.get(node)
+        held = strategy.output if strategy is not None else None
+        if node.op == "get_attr" and node in grad and isinstance(held, Shard) and held.grouped(world):
+            found[(node, "group")] = ("backward", "all_reduce")  # ranks sharing a unit sum its gradient
         wants = strategy.inputs if strategy is not None else [R] * len(input_slots(node))
         if node.op != "output" and strategy is None:
             continue
@@ -40,9 +43,14 @@ def planned_collectives(gm: torch.fx.GraphModule, choice: dict, world: int, topo
                 found.setdefault((src, want, "grad"), ("backward", "reduce_scatter" if isinstance(have, Shard)
                                                        else "all_reduce"))
     sizes = sizes or Sizes()
-    return [{"op": op, "phase": phase, "tensor": src.name, "module": module_path(src), "bytes": sizes.nbytes(src),
+    return [{"op": op, "phase": phase, "tensor": src.name, "module": _module(src), "bytes": sizes.nbytes(src),
              "seconds": collective_time(op, sizes.nbytes(src), world, topology), "count": (weights or {}).get(src, 1)}
             for (src, *_), (phase, op) in found.items()]
+
+
+def _module(node: torch.fx.Node) -> str:
+    """The module a tensor belongs to: its producer's, or for a parameter its owner's."""
+    return module_path(node) or (node.target.rpartition(".")[0] if node.op == "get_attr" else "")
 
 
 def alternatives(gm: torch.fx.GraphModule, ctx: Context, choice: dict, topology: Topology, training: bool,

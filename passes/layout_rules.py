@@ -37,9 +37,12 @@ def view(node: Node, ctx: Context) -> list[Strategy]:
     src = [ctx.probe(s) for s in ctx.shape(x)]
     dst = [ctx.probe(s) for s in ctx.shape(node)]
     found = [Strategy(ctx.fill(node, {x: P}), P)]
+    static = [d for d, size in enumerate(ctx.shape(node)) if ctx.static(size) and size > 1]
     for d in range(len(src)):
         for s in ctx.shard_options(x, d):
             mapped = map_view_dim(src, dst, d, s.parts(ctx.world))
+            if s.whole(ctx.world) and s.chunks is None and static:  # every rank holds all: any static dim
+                mapped = (mapped[0] if mapped and mapped[0] in static else static[-1], True)
             if mapped is None or (s.chunks is not None and not mapped[1]):
                 continue
             if ctx.static(ctx.shape(node)[mapped[0]]):
@@ -108,8 +111,12 @@ def slice_(node: Node, ctx: Context) -> list[Strategy]:
     found = _mapped(node, ctx, lambda d: None if d == at else (d - 1 if drop and d > at else d))
     bounds = slice_range(node, ctx)
     if bounds:
-        found += [Strategy(ctx.fill(node, {x: s}), Shard(at, units=s.units)) for s in ctx.shard_options(x, at)
-                  if s.chunks and block_of(s, bounds[1], bounds[2]) is not None]
+        for s in ctx.shard_options(x, at):
+            k = block_of(s, bounds[1], bounds[2]) if s.chunks else None
+            if k is not None:
+                found.append(Strategy(ctx.fill(node, {x: s}), s.block(k, s.chunks[k], ctx.world)))
+            elif s.whole(ctx.world) and bounds[2] - bounds[1] > 1:  # a piece of what every rank holds
+                found.append(Strategy(ctx.fill(node, {x: s}), s))
     return found
 
 
@@ -127,8 +134,11 @@ def split(node: Node, ctx: Context) -> list[Strategy]:
         for s in ctx.shard_options(x, d):
             if d != at and s.chunks is None:
                 found.append(Strategy(ctx.fill(node, {x: s}), (s,) * k))
-            elif d == at and split_dim_ok and (s.chunks == sizes or (k == 1 and s.chunks is None)):
-                found.append(Strategy(ctx.fill(node, {x: s}), (Shard(at, units=s.units),) * k))
+            elif d == at and split_dim_ok and s.chunks == sizes:
+                found.append(Strategy(ctx.fill(node, {x: s}), tuple(s.block(i, n, ctx.world)
+                                                                     for i, n in enumerate(sizes))))
+            elif d == at and split_dim_ok and k == 1 and s.chunks is None:
+                found.append(Strategy(ctx.fill(node, {x: s}), (s,)))
     return found
 
 
@@ -157,7 +167,6 @@ def cat(node: Node, ctx: Context) -> list[Strategy]:
     if all(isinstance(p, Node) for p in parts) and len(set(parts)) == len(parts):
         found.append(Strategy(ctx.fill(node, dict.fromkeys(parts, P)), P))
         for d in range(n):
-            if d != at:
-                found += [Strategy(ctx.fill(node, dict.fromkeys(parts, s)), s)
-                          for s in ctx.shard_options(node, d) if s.chunks is None]
+            found += [Strategy(ctx.fill(node, dict.fromkeys(parts, s)), s) for s in ctx.shard_options(node, d)
+                      if s.chunks is None and (d != at or s.whole(ctx.world))]  # whole: every rank holds all
     return found

@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import itertools
+import operator
 
 import torch
 
-from .layout_rules import slice_range, split, view
+from .layout_rules import positive_dim, slice_range, split, unsqueeze, view
 from .rules import RULES, pointwise
 from .strategies import Context, is_placed
 from .views import inverse_view_dim, view_groups
@@ -78,13 +79,18 @@ def split_bias(gm: torch.fx.GraphModule) -> None:
     gm.recompile()
 
 
-def fused_block_hints(gm: torch.fx.GraphModule, ctx: Context) -> dict:
-    """(node, dim) -> block sizes, for tensors later split into pieces (fused q|k|v, gate|up).
+def add_hints(gm: torch.fx.GraphModule, ctx: Context) -> None:
+    """What the rules learn from downstream of a node: fused blocks, heads, the query heads KV heads serve."""
+    ctx.hints = fused_block_hints(gm, ctx)
+    ctx.covers = repeat_hints(gm)
+    ctx.units = unit_hints(gm, ctx)
+    ctx.block_units = block_unit_hints(gm, ctx)
 
-    Walks back from each split through views and elementwise ops so that the producing
-    matmul can offer a block-wise shard, giving each rank matching slices of every piece.
-    """
-    work = []
+
+def _fused_cuts(gm: torch.fx.GraphModule, ctx: Context) -> list:
+    """(tensor, dim, block sizes, the node holding each block) for every tensor cut into pieces along a
+    dim: by split / chunk, or by slices that tile it ([q|k|v] cut with x[..., a:b])."""
+    cuts = []
     for node in gm.graph.nodes:
         if RULES.get(node.target) is split:
             x = node.args[0]
@@ -92,9 +98,46 @@ def fused_block_hints(gm: torch.fx.GraphModule, ctx: Context) -> dict:
             at = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
             sizes = tuple(o.shape[at] for o in node.meta["val"])
             if len(sizes) > 1 and all(ctx.static(s) for s in sizes):
-                work.append((x, at % n, sizes))
-    work += _tiling_slices(gm, ctx)
+                pieces = {user.args[1]: user for user in node.users if user.target is operator.getitem}
+                cuts.append((x, at % n, sizes, [pieces.get(k) for k in range(len(sizes))]))
+    return cuts + _tiling_slices(gm, ctx)
+
+
+def fused_block_hints(gm: torch.fx.GraphModule, ctx: Context) -> dict:
+    """(node, dim) -> block sizes, for tensors later split into pieces (fused q|k|v, gate|up).
+
+    Walks back from each split through views and elementwise ops so that the producing
+    matmul can offer a block-wise shard, giving each rank matching slices of every piece.
+    """
+    return _walk_back([(x, dim, sizes) for x, dim, sizes, _ in _fused_cuts(gm, ctx)], ctx)
+
+
+def block_unit_hints(gm: torch.fx.GraphModule, ctx: Context) -> dict:
+    """(node, dim) -> {(block sizes, units per block)}: fused projections whose pieces are cut into
+    heads of their own (Phi-3's [8 query heads | 2 KV heads | 2 KV heads]).  A piece without heads of
+    its own is one unit when single KV heads are repeated (multi-query: every rank holds it).
+
+    Needs ``ctx.units`` and ``ctx.covers`` (unit_hints, repeat_hints)."""
+    work = []
+    for x, dim, sizes, pieces in _fused_cuts(gm, ctx):
+        units = [max(ctx.units.get((p, dim), {1 if 1 in ctx.covers else 0})) if p is not None else 0
+                 for p in pieces]
+        if all(units) and any(u > 1 for u in units) and all(s % u == 0 for s, u in zip(sizes, units, strict=True)):
+            work.append((x, dim, (sizes, tuple(units))))
     return _walk_back(work, ctx)
+
+
+def repeat_hints(gm: torch.fx.GraphModule) -> dict:
+    """KV heads -> {query heads}: grouped-query attention's repeat_interleave (fuse_repeat_kv), so that
+    KV heads can be held where the query heads that use them are."""
+    covers: dict = {}
+    for node in gm.graph.nodes:
+        if node.target == aten.repeat_interleave.self_int:
+            x, repeats, at = node.args[:3]
+            kv = x.meta["val"].shape[at]
+            if isinstance(kv, int) and isinstance(repeats, int) and repeats > 1:
+                covers.setdefault(kv, set()).add(kv * repeats)
+    return covers
 
 
 def unit_hints(gm: torch.fx.GraphModule, ctx: Context) -> dict:
@@ -131,6 +174,8 @@ def _walk_back(work: list, ctx: Context) -> dict:
             d = inverse_view_dim(src, dst, dim)
             if d is not None:
                 work.append((node.args[0], d, sizes))
+        elif rule is unsqueeze and dim != positive_dim(node.args[1], len(ctx.shape(node))):
+            work.append((node.args[0], dim - (dim > positive_dim(node.args[1], len(ctx.shape(node)))), sizes))
         elif rule is pointwise:
             out = ctx.shape(node)
             for a in node.all_input_nodes:
@@ -208,19 +253,19 @@ def retarget_device(gm: torch.fx.GraphModule, device: torch.device) -> None:
 
 
 def _tiling_slices(gm: torch.fx.GraphModule, ctx: Context) -> list:
-    """Slices of one tensor whose ranges tile a dim exactly ([q|k|v] cut with x[..., a:b]): block hints."""
+    """Slices of one tensor whose ranges tile a dim exactly ([q|k|v] cut with x[..., a:b])."""
     found = []
     for node in gm.graph.nodes:
         ranges: dict = {}
         for user in node.users:
             bounds = slice_range(user, ctx) if user.args and user.args[0] is node else None
             if bounds:
-                ranges.setdefault(bounds[0], set()).add(bounds[1:])
-        for dim, spans in ranges.items():
-            spans = sorted(spans)
+                ranges.setdefault(bounds[0], {})[bounds[1:]] = user
+        for dim, cut in ranges.items():
+            spans = sorted(cut)
             size = ctx.shape(node)[dim]
             tiles = len(spans) > 1 and spans[0][0] == 0 and spans[-1][1] == size and all(
                 a[1] == b[0] for a, b in itertools.pairwise(spans))
             if tiles:
-                found.append((node, dim, tuple(end - start for start, end in spans)))
+                found.append((node, dim, tuple(end - start for start, end in spans), [cut[s] for s in spans]))
     return found

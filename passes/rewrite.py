@@ -13,6 +13,7 @@ from autotp.runtime.placement import Partial, R, Replicate, Shard, take_local
 
 from .capture import module_path
 from .layout_rules import block_of
+from .rules import held_heads
 from .strategies import is_observer, needs_grad
 
 aten = torch.ops.aten
@@ -59,7 +60,7 @@ def _localize(node: Node, strategy, rank: int, world: int) -> None:
     elif target == aten.repeat_interleave.self_int and isinstance(strategy.output, Shard):
         x, repeats, at = node.args[:3]
         kv, heads = x.meta["val"].shape[at], node.meta["val"].shape[at]
-        in_start = src.ranges(kv, rank, world)[0][0] if isinstance(src, Shard) else 0
+        in_start = held_heads(src, at, kv, rank, world)[0]
         (out_start, out_len), = strategy.output.ranges(heads, rank, world)
         node.target, node.args, node.kwargs = local_ops.repeat_heads, (x, repeats, at, in_start, out_start, out_len), {}
     elif target == aten.mean.dim and isinstance(src, Shard) and isinstance(strategy.output, Partial):

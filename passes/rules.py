@@ -165,21 +165,31 @@ def embedding(node: Node, ctx: Context) -> list[Strategy]:
 
 def repeat_heads(node: Node, ctx: Context) -> list[Strategy]:
     """x.repeat_interleave(n, dim) (grouped-query attention's KV heads): each rank's output heads need
-    only the KV heads they repeat, which it holds replicated, sharded, or shared with neighbours."""
+    only the KV heads they repeat, which it holds replicated, sharded, shared with neighbours, or whole
+    (a single KV head every rank holds, named on any dim)."""
     x, repeats, at = node.args[:3]
     kv, heads = ctx.shape(x)[at], ctx.shape(node)[at]
+    whole = [s for d in range(len(ctx.shape(x))) if d != at for s in ctx.shard_options(x, d) if s.whole(ctx.world)]
     found = [Strategy(ctx.fill(node, {x: P}), P)]
     for out in ctx.shard_options(node, at):
-        for src in [R, *ctx.shard_options(x, at)]:
+        for src in [R, *ctx.shard_options(x, at), *whole]:
             if out.chunks is None and getattr(src, "chunks", None) is None and all(
-                    _covers(src, out, kv, heads, repeats, r, ctx.world) for r in range(ctx.world)):
+                    _covers(held_heads(src, at, kv, r, ctx.world), out, heads, repeats, r, ctx.world)
+                    for r in range(ctx.world)):
                 found.append(Strategy(ctx.fill(node, {x: src}), out))
     return found
 
 
-def _covers(src, out: Shard, kv: int, heads: int, repeats: int, rank: int, world: int) -> bool:
+def held_heads(src, at: int, kv: int, rank: int, world: int) -> tuple[int, int]:
+    """(first, count) of the ``kv`` heads along ``at`` that a rank holds in placement ``src``."""
+    if isinstance(src, Shard) and src.dim == at:
+        return src.ranges(kv, rank, world)[0]
+    return 0, kv
+
+
+def _covers(held: tuple[int, int], out: Shard, heads: int, repeats: int, rank: int, world: int) -> bool:
     (first, count), = out.ranges(heads, rank, world)
-    start, length = src.ranges(kv, rank, world)[0] if isinstance(src, Shard) else (0, kv)
+    start, length = held
     return start <= first // repeats and (first + count - 1) // repeats < start + length
 
 

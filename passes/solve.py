@@ -86,8 +86,18 @@ def _fraction(placement, world: int) -> float:
     """The largest share of a tensor that one rank holds (uneven and grouped shards hold more than 1/N)."""
     if not isinstance(placement, Shard):
         return 1.0
-    parts = placement.parts(world)
-    return -(-parts // world) / parts if parts >= world else 1 / parts
+    sizes = placement.chunks or (1,)
+    held = [sum(size * count / placement.parts(world, k) for k, (size, (_, count))
+                in enumerate(zip(sizes, placement.spans(r, world, len(sizes)), strict=True))) for r in range(world)]
+    return max(held) / sum(sizes)
+
+
+def _shared_fraction(placement: Shard, world: int) -> float:
+    """How much of a grouped tensor lies in blocks that several ranks hold (its gradient is summed)."""
+    if not placement.chunks:
+        return 1.0
+    chunks = placement.chunks
+    return sum(c for k, c in enumerate(chunks) if placement.block(k, c, world).grouped(world)) / sum(chunks)
 
 
 def _local(size: float, placement, world: int) -> float:
@@ -102,7 +112,8 @@ def _compute_time(node: Node, strategy, sizes: Sizes, world: int, topology: Topo
     seconds = 3 * seconds if training else seconds  # backward costs about twice the forward
     out = strategy.output
     if training and node.op == "get_attr" and isinstance(out, Shard) and out.grouped(world):
-        seconds += collective_time("all_reduce", sizes.nbytes(node), world, topology)  # summing its gradient
+        shared = sizes.nbytes(node) * _shared_fraction(out, world)
+        seconds += collective_time("all_reduce", shared, world, topology)  # summing its gradient
     return seconds
 
 

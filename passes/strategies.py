@@ -13,7 +13,7 @@ import torch
 from torch.fx import Node
 from torch.fx.node import map_arg
 
-from autotp.runtime.placement import R, Replicate, Shard
+from autotp.runtime.placement import R, Replicate, Shard, dealt
 
 # Symbolic sizes are compared by evaluating them at distinct large primes:
 # two monomials in batch/sequence symbols agree iff their products agree.
@@ -64,11 +64,14 @@ class Context:
     world: int
     hints: dict = field(default_factory=dict)        # (node, dim) -> set of chunk tuples
     units: dict = field(default_factory=dict)        # (node, dim) -> unit counts (heads) seen downstream
+    block_units: dict = field(default_factory=dict)  # (node, dim) -> {(chunks, units per block)} of fused dims
+    covers: dict = field(default_factory=dict)       # KV heads -> {query heads} they are repeated to
     strategies: dict = field(default_factory=dict)   # node -> list[Strategy], filled in order
     min_shard_fraction: float = 0.02                 # parameters this large (vs the largest) must shard
     unruled: set = field(default_factory=set)        # ops on the weights' path that have no rule
     fixed: dict = field(default_factory=dict)        # parameter name -> placement imposed (to price other plans)
     _probes: dict = field(default_factory=dict)
+    _options: dict = field(default_factory=dict)     # shard_options, once per (node, dim): hints are fixed by then
 
     def shape(self, node) -> tuple:
         v = value(node) if isinstance(node, Node) else None
@@ -89,19 +92,50 @@ class Context:
 
     def shard_options(self, node: Node, dim: int) -> list[Shard]:
         """Ways to shard ``dim`` of ``node``'s output: N equal slices; whole units (heads: uneven, or
-        shared by several ranks when there are fewer than N); block by block for fused outputs."""
+        shared by several ranks when there are fewer than N); the KV heads that each rank's query heads
+        need (``of``); block by block for fused outputs, each block by its own units.  Options that
+        deal out the same pieces as an earlier one are left out (one spelling per layout)."""
+        if (node, dim) not in self._options:
+            self._options[(node, dim)] = self._shard_options(node, dim)
+        return self._options[(node, dim)]
+
+    def _shard_options(self, node: Node, dim: int) -> list[Shard]:
         shape = self.shape(node)
         size = shape[dim] if dim < len(shape) else None
         if self.world < 2 or not self.static(size) or size < 2:
             return []  # dynamic dims (batch, sequence) are never sharded
         options = [Shard(dim)] if size % self.world == 0 else []
-        for units in sorted({size} | self.units.get((node, dim), set())):
-            if size % units == 0 and units % self.world and (units > self.world or self.world % units == 0):
+        whole = {1} if 1 in self.covers else set()  # single KV heads repeated: any dim may be held whole
+        for units in sorted({size} | self.units.get((node, dim), set()) | whole):
+            if size % units:
+                continue
+            if dealt(units, self.world):
                 options.append(Shard(dim, units=units))
+            if units == 1:
+                options.append(Shard(dim, units=1))  # whole: every rank holds it (its gradient: partial sums)
+                continue
+            options += [Shard(dim, units=units, of=finer) for finer in sorted(self.covers.get(units, ()))
+                        if finer >= self.world or self.world % finer == 0]
         for chunks in sorted(self.hints.get((node, dim), ())):
             if all(c % self.world == 0 for c in chunks):
                 options.append(Shard(dim, chunks))
-        return options
+        for chunks, units in sorted(self.block_units.get((node, dim), ())):
+            options += [Shard(dim, chunks, units, of) for of in self._finer(units)]
+        seen, found = set(), []
+        for option in options:
+            layout = tuple(tuple(option.ranges(size, r, self.world)) for r in range(self.world))
+            if layout not in seen:
+                seen.add(layout)
+                found.append(option)
+        return found
+
+    def _finer(self, units: tuple) -> list:
+        """The query-head counts the blocks' units may follow (None: each block dealt out on its own)."""
+        def valid(of):
+            if of is None:
+                return all(u == 1 or u % self.world == 0 or dealt(u, self.world) for u in units)
+            return (of >= self.world or self.world % of == 0) and all(of % u == 0 for u in units)
+        return [of for of in [None, *sorted(set().union(*(self.covers.get(u, ()) for u in units)))] if valid(of)]
 
     def fill(self, node: Node, placements: dict) -> tuple:
         """Input placements by slot: given ones from ``placements``, R for other tensors."""

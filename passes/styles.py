@@ -15,15 +15,26 @@ _STYLES = {
 
 
 def _units_note(placement: Shard, size: int, world: int) -> str:
-    """Call out shards that are not N equal slices: uneven heads or rows, KV heads shared by ranks."""
+    """Call out shards that are not N equal slices: uneven heads or rows, KV heads shared by ranks,
+    the KV heads each rank's query heads need, fused blocks dealt out by their own heads."""
     units = placement.units
     if units is None or units == world:
         return ""
-    name = "heads" if units < size else "rows"
-    if placement.grouped(world):
-        return f", {units} {name} each replicated on {world // units} ranks"
-    counts = [placement.local_size(size, r, world) * units // size for r in range(world)]
-    return f", uneven {name}: {','.join(map(str, counts))} of {units}"
+    if placement.whole(world):
+        return ", held whole by every rank"
+    if isinstance(units, int) and placement.of is None:
+        name = "heads" if units < size else "rows"
+        if placement.grouped(world):
+            return f", {units} {name} each replicated on {world // units} ranks"
+        counts = [placement.local_size(size, r, world) * units // size for r in range(world)]
+        return f", uneven {name}: {','.join(map(str, counts))} of {units}"
+    notes = []
+    for k in range(len(placement.chunks or (0,))):
+        held = [placement.spans(r, world, k + 1)[k] for r in range(world)]
+        text = "|".join(str(first) if count == 1 else f"{first}-{first + count - 1}" for first, count in held)
+        notes.append(f"heads {text} of {placement.parts(world, k)}")
+    follows = f" (each rank holds what its share of {placement.of} query heads needs)" if placement.of else ""
+    return ", " + "; ".join(notes) + follows
 
 
 def param_styles(gm: torch.fx.GraphModule, choice: dict, world: int) -> dict:

@@ -178,12 +178,15 @@ def _reduce_scatter(x: torch.Tensor, shard: Shard, size: int, rank: int, world: 
     return out[:lengths[rank]].movedim(0, shard.dim).contiguous()
 
 
-def _owners_share(local: torch.Tensor, shard: Shard, rank: int, world: int) -> torch.Tensor:
-    """A complete gradient piece, as a grouped value's gradient: the owner of each group carries it,
-    the other ranks of the group hold zeros (their sum is the gradient)."""
-    if shard.grouped(world) and rank not in shard.owners(world):
-        return torch.zeros_like(local)
-    return local
+def _owners_share(local: torch.Tensor, shard: Shard, size: int, rank: int, world: int) -> torch.Tensor:
+    """A complete gradient piece, as a grouped value's gradient: of the ranks sharing a unit the first
+    carries it, the others hold zeros there (their sum is the gradient)."""
+    if not shard.grouped(world):
+        return local
+    share = torch.zeros_like(local)
+    for offset, length in shard.claims(size, rank, world):
+        share.narrow(shard.dim, offset, length).copy_(local.narrow(shard.dim, offset, length))
+    return share
 
 
 class _ReduceScatter(torch.autograd.Function):
@@ -221,14 +224,14 @@ class _ReduceBackward(torch.autograd.Function):
 class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, shard, size, rank, world, group, where):
-        ctx.args = (shard, rank, world)
+        ctx.args = (shard, size, rank, world)
         return _gather_values(x, shard, size, world, group, where)
 
     @staticmethod
     def backward(ctx, grad):
-        shard, rank, world = ctx.args
+        shard, size, rank, world = ctx.args
         local = take_local(grad, shard, rank, world).contiguous()
-        return _owners_share(local, shard, rank, world), None, None, None, None, None, None
+        return _owners_share(local, shard, size, rank, world), None, None, None, None, None, None
 
 
 class _GatherReduceBackward(torch.autograd.Function):
@@ -244,7 +247,7 @@ class _GatherReduceBackward(torch.autograd.Function):
     def backward(ctx, grad):
         shard, size, rank, world, group, where = ctx.args
         local = _reduce_scatter(grad, shard, size, rank, world, group, where)
-        return _owners_share(local, shard, rank, world), None, None, None, None, None, None
+        return _owners_share(local, shard, size, rank, world), None, None, None, None, None, None
 
 
 class _Scatter(torch.autograd.Function):
@@ -258,6 +261,21 @@ class _Scatter(torch.autograd.Function):
         return _gather_grads(grad, *ctx.args), None, None, None, None, None, None
 
 
+def _sum_shared(grad: torch.Tensor, shard: Shard, size: int, rank: int, world: int, group: str,
+                where: str) -> torch.Tensor:
+    """A grouped parameter's gradient summed over the ranks sharing each unit, in one all-reduce of
+    the shared blocks only (a fused [q|k|v] weight's query block is no rank's to share)."""
+    blocks = shard.blocks(size)
+    layouts = [shard.block(k, block, world) for k, block in enumerate(blocks)]
+    pieces = list(grad.split([n for _, n in shard.ranges(size, rank, world)], shard.dim))
+    shared = [k for k, layout in enumerate(layouts) if layout.grouped(world)]
+    full = [_embed(pieces[k], layouts[k], blocks[k], rank, world) for k in shared]
+    summed = _all_reduce(torch.cat([f.reshape(-1) for f in full]), group, where)
+    for k, f, total in zip(shared, full, summed.split([f.numel() for f in full]), strict=True):
+        pieces[k] = take_local(total.view_as(f), layouts[k], rank, world)
+    return torch.cat(pieces, shard.dim).contiguous()
+
+
 class _SumGroupGrad(torch.autograd.Function):
     """Identity forward; backward sums the gradient over the ranks sharing each unit (grouped weights)."""
 
@@ -268,9 +286,7 @@ class _SumGroupGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        shard, _, rank, world, _, _ = ctx.args
-        full = _gather_grads(grad, *ctx.args)
-        return take_local(full, shard, rank, world).contiguous(), None, None, None, None, None, None
+        return _sum_shared(grad, *ctx.args), None, None, None, None, None, None
 
 
 def _no_grad() -> bool:
@@ -278,7 +294,7 @@ def _no_grad() -> bool:
     return not torch.is_grad_enabled()
 
 
-# Graph-callable forms: a Shard is passed as (dim, chunks, units) so generated code can print it;
+# Graph-callable forms: a Shard is passed as (dim, chunks, units, of) so generated code can print it;
 # ``where`` is the rewrite's description of the value, shown only when the collective fails.
 def all_reduce(x, group, where):
     return _all_reduce(x, group, where) if _no_grad() else _ReduceForward.apply(x, group, where)
@@ -288,38 +304,38 @@ def reduce_grad(x, group, where):
     return x if _no_grad() else _ReduceBackward.apply(x, group, where)
 
 
-def reduce_scatter(x, dim, chunks, units, size, rank, world, group, where):
-    shard = Shard(dim, chunks, units)
+def reduce_scatter(x, dim, chunks, units, of, size, rank, world, group, where):
+    shard = Shard(dim, chunks, units, of)
     if _no_grad():
         return _reduce_scatter(x, shard, size, rank, world, group, where)
     return _ReduceScatter.apply(x, shard, size, rank, world, group, where)
 
 
-def gather(x, dim, chunks, units, size, rank, world, group, where):
-    shard = Shard(dim, chunks, units)
+def gather(x, dim, chunks, units, of, size, rank, world, group, where):
+    shard = Shard(dim, chunks, units, of)
     return _gather_values(x, shard, size, world, group, where) if _no_grad() else _Gather.apply(
         x, shard, size, rank, world, group, where)
 
 
-def gather_reduce_backward(x, dim, chunks, units, size, rank, world, group, where):
-    shard = Shard(dim, chunks, units)
+def gather_reduce_backward(x, dim, chunks, units, of, size, rank, world, group, where):
+    shard = Shard(dim, chunks, units, of)
     return _gather_values(x, shard, size, world, group, where) if _no_grad() else _GatherReduceBackward.apply(
         x, shard, size, rank, world, group, where)
 
 
-def scatter(x, dim, chunks, units, size, rank, world, group, where):
-    shard = Shard(dim, chunks, units)
+def scatter(x, dim, chunks, units, of, size, rank, world, group, where):
+    shard = Shard(dim, chunks, units, of)
     if _no_grad():
         return take_local(x, shard, rank, world)
     return _Scatter.apply(x, shard, size, rank, world, group, where)
 
 
-def sum_group_grad(x, dim, chunks, units, size, rank, world, group, where):
-    return x if _no_grad() else _SumGroupGrad.apply(x, Shard(dim, chunks, units), size, rank, world, group, where)
+def sum_group_grad(x, dim, chunks, units, of, size, rank, world, group, where):
+    return x if _no_grad() else _SumGroupGrad.apply(x, Shard(dim, chunks, units, of), size, rank, world, group, where)
 
 
 def shard_args(shard: Shard, size: int, rank: int, world: int, group: str, where: str) -> tuple:
-    return (shard.dim, shard.chunks, shard.units, size, rank, world, group, where)
+    return (shard.dim, shard.chunks, shard.units, shard.of, size, rank, world, group, where)
 
 
 def conversion_steps(src, dst, shape, rank: int, world: int, group: str, partial_grad: bool = False,

@@ -11,11 +11,18 @@ indivisible pieces (attention heads) that are dealt out whole:
   units >= N  uneven shards, the first units % N ranks get one more (10 heads on 4: 3,3,2,2);
   units <  N  (N divisible by units) each unit is held by N/units neighbouring ranks, as vLLM
               replicates KV heads when there are fewer of them than ranks ("grouped").
-The gradient of a grouped value is split like a partial sum among the ranks that share a unit.
-Placements print and parse as short strings for the plan JSON: S(0), S(0|64,64,64), S(1/10).
+Fused blocks may have units of their own (Phi-3's [8 query heads | 2 KV | 2 KV]: units 8,2,2).
+It may carry ``of``: the units follow a split of ``of`` finer units (query heads), each unit serving
+of/units of them, and every rank holds the units its own finer ones need -- grouped-query attention's
+KV heads for the query heads a rank computes, whatever the counts (8 query heads, 2 KV heads, 3 ranks:
+ranks hold KV heads {0}, {0,1}, {1}).  A unit held by several ranks is "grouped"; the gradient of a
+grouped value is split like a partial sum among the ranks that share a unit.
+Placements print and parse as short strings for the plan JSON: S(0), S(0|64,64,64), S(1/10),
+S(2|64,16,16/8,2,2@8), S(1/2@8).
 """
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass, replace
 
@@ -34,8 +41,13 @@ class Partial:
         return "P"
 
 
-def unit_span(units: int, rank: int, world: int) -> tuple[int, int]:
-    """(first unit, number of units) that ``rank`` holds out of ``units``."""
+def unit_span(units: int, rank: int, world: int, of: int | None = None) -> tuple[int, int]:
+    """(first unit, number of units) that ``rank`` holds out of ``units``; with ``of``: the units its
+    share of ``of`` finer units needs (``of // units`` finer units per unit)."""
+    if of is not None and of != units:
+        first, count = unit_span(of, rank, world)
+        per = of // units
+        return first // per, (first + count - 1) // per - first // per + 1
     if units < world:
         return rank * units // world, 1
     base, extra = divmod(units, world)
@@ -46,28 +58,51 @@ def unit_span(units: int, rank: int, world: int) -> tuple[int, int]:
 class Shard:
     dim: int
     chunks: tuple[int, ...] | None = None  # sizes of the fused blocks along dim
-    units: int | None = None               # indivisible pieces per block; None: N equal slices
+    units: int | tuple[int, ...] | None = None  # indivisible pieces per block (or for each block); None: N slices
+    of: int | None = None                  # units follow the split of this many finer units (see above)
 
     def __str__(self) -> str:
         text = str(self.dim)
         if self.chunks is not None:
             text += "|" + ",".join(map(str, self.chunks))
         if self.units is not None:
-            text += f"/{self.units}"
+            text += "/" + (",".join(map(str, self.units)) if isinstance(self.units, tuple) else str(self.units))
+        if self.of is not None:
+            text += f"@{self.of}"
         return f"S({text})"
 
     def at(self, dim: int) -> Shard:
         """The same layout on another dim (a weight's dim 0 for an output's last dim)."""
         return replace(self, dim=dim)
 
-    def parts(self, world: int) -> int:
-        return world if self.units is None else self.units
+    def parts(self, world: int, block: int = 0) -> int:
+        """How many pieces block ``block`` is dealt out in."""
+        if self.units is None:
+            return world
+        return self.units[block] if isinstance(self.units, tuple) else self.units
+
+    def spans(self, rank: int, world: int, blocks: int = 1) -> list[tuple[int, int]]:
+        """(first piece, number of pieces) this rank holds of each block."""
+        return [unit_span(self.parts(world, k), rank, world, self.of if self.units is not None else None)
+                for k in range(blocks)]
 
     def grouped(self, world: int) -> bool:
-        return self.units is not None and self.units < world
+        """Some unit is held by several ranks (its gradient is split among them like a partial sum)."""
+        blocks = len(self.chunks or (0,))
+        spans = [self.spans(r, world, blocks) for r in range(world)]
+        return any(b[0] < a[0] + a[1] for left, right in itertools.pairwise(spans)
+                   for a, b in zip(left, right, strict=True))
 
-    def even(self, world: int) -> bool:
-        return self.units is None or self.units == world
+    def whole(self, world: int) -> bool:
+        """Every rank holds all of it (one unit per block, shared by all): the dim it names does not matter."""
+        return self.units is not None and all(self.parts(world, k) == 1 for k in range(len(self.chunks or (0,))))
+
+    def block(self, k: int, size: int, world: int) -> Shard:
+        """The layout of block ``k`` (``size`` long) cut out on its own, in its simplest spelling, so that
+        it compares equal to the same layout reached another way (see ``simplest``)."""
+        units = self.parts(world, k) if self.units is not None else None
+        of = None if units in (1, self.of) else self.of  # one unit: every rank holds it, whatever it serves
+        return simplest(Shard(self.dim, units=units, of=of), size, world)
 
     def blocks(self, size: int) -> tuple[int, ...]:
         return self.chunks if self.chunks is not None else (size,)
@@ -75,27 +110,52 @@ class Shard:
     def ranges(self, size: int, rank: int, world: int) -> list[tuple[int, int]]:
         """(start, length) along ``dim`` of each piece this rank holds, in the full tensor."""
         found, offset = [], 0
-        for block in self.blocks(size):
-            parts = self.parts(world)
-            first, count = unit_span(parts, rank, world)
-            unit = block // parts
+        blocks = self.blocks(size)
+        for k, (block, (first, count)) in enumerate(zip(blocks, self.spans(rank, world, len(blocks)), strict=True)):
+            unit = block // self.parts(world, k)
             found.append((offset + first * unit, count * unit))
             offset += block
+        return found
+
+    def claims(self, size: int, rank: int, world: int) -> list[tuple[int, int]]:
+        """(offset in this rank's piece, length) of each block's part that no lower rank holds: the
+        ranks' claims tile the tensor once (who carries a shared unit when pieces are put together)."""
+        found, local = [], 0
+        for k, (start, length) in enumerate(self.ranges(size, rank, world)):
+            end = start
+            if rank > 0:
+                before, n = self.ranges(size, rank - 1, world)[k]
+                end = max(start, before + n)
+            found.append((local + end - start, max(0, start + length - end)))
+            local += length
         return found
 
     def local_size(self, size: int, rank: int, world: int) -> int:
         return sum(length for _, length in self.ranges(size, rank, world))
 
-    def owners(self, world: int) -> list[int]:
-        """One rank per distinct piece (the first of each group), in order."""
-        return sorted({unit_span(self.parts(world), r, world)[0]: r for r in reversed(range(world))}.values())
+
+def dealt(units: int, world: int) -> bool:
+    """Whole units can be dealt out on their own: unevenly (more units than ranks), or each to a group
+    of neighbouring ranks (a divisor of the world size); not evenly (that is a plain N-way split)."""
+    return units > 1 and units % world != 0 and (units > world or world % units == 0)
+
+
+def simplest(shard: Shard, size: int, world: int) -> Shard:
+    """The first spelling of ``shard``'s layout among: N equal slices, whole units on their own, itself.
+    Rules offer layouts in this order and keep the first spelling (passes/strategies.py)."""
+    def layout(s: Shard):
+        return [s.ranges(size, r, world) for r in range(world)]
+    units = shard.parts(world) if shard.units is not None and shard.chunks is None else None
+    plain = [Shard(shard.dim)] if size % world == 0 else []
+    plain += [Shard(shard.dim, units=units)] if units is not None and dealt(units, world) else []
+    return next((s for s in plain if layout(s) == layout(shard)), shard)
 
 
 Placement = Replicate | Partial | Shard
 R = Replicate()
 P = Partial()
 
-_SHARD = re.compile(r"S\((-?\d+)(?:\|([\d,]+))?(?:/(\d+))?\)$")
+_SHARD = re.compile(r"S\((-?\d+)(?:\|([\d,]+))?(?:/([\d,]+))?(?:@(\d+))?\)$")
 
 
 def parse(text: str | list | None):
@@ -110,9 +170,12 @@ def parse(text: str | list | None):
         return P
     m = _SHARD.match(text)
     if not m:
-        raise ValueError(f"not a placement: {text!r} (expected R, P, S(dim), S(dim|a,b,c) or S(dim/units))")
+        raise ValueError(f"not a placement: {text!r} (expected R, P, S(dim), S(dim|a,b,c), "
+                         "S(dim/units) or S(dim|a,b,c/units,units,units@finer))")
     chunks = tuple(int(c) for c in m.group(2).split(",")) if m.group(2) else None
-    return Shard(int(m.group(1)), chunks, int(m.group(3)) if m.group(3) else None)
+    units = tuple(int(u) for u in m.group(3).split(",")) if m.group(3) else None
+    units = units[0] if units is not None and len(units) == 1 else units
+    return Shard(int(m.group(1)), chunks, units, int(m.group(4)) if m.group(4) else None)
 
 
 def dump(placement):
@@ -133,7 +196,7 @@ def take_local(full: torch.Tensor, shard: Shard, rank: int, world: int) -> torch
 def assemble(parts: list[torch.Tensor], shard: Shard, size: int) -> torch.Tensor:
     """Inverse of take_local: the full tensor (``size`` along the dim) from every rank's piece, in rank order."""
     world = len(parts)
-    owners = shard.owners(world)
-    split = {r: parts[r].split([n for _, n in shard.ranges(size, r, world)], shard.dim) for r in owners}
-    blocks = len(shard.blocks(size))
-    return torch.cat([split[r][k] for k in range(blocks) for r in owners], shard.dim)
+    claims = [shard.claims(size, r, world) for r in range(world)]
+    pieces = [parts[r].narrow(shard.dim, *claims[r][k])
+              for k in range(len(shard.blocks(size))) for r in range(world) if claims[r][k][1]]
+    return torch.cat(pieces, shard.dim)

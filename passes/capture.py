@@ -128,7 +128,7 @@ def fingerprint_difference(planned: str, found: str) -> str:
     a, b = planned.split("."), found.split(".")
     if len(a) != len(FINGERPRINT_PARTS) or len(b) != len(FINGERPRINT_PARTS):
         return ""
-    return ", ".join(what for what, x, y in zip(FINGERPRINT_PARTS, a, b) if x != y)
+    return ", ".join(what for what, x, y in zip(FINGERPRINT_PARTS, a, b, strict=True) if x != y)
 
 
 def module_path(node: torch.fx.Node) -> str:

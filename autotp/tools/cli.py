@@ -55,7 +55,7 @@ def _plan(args) -> int:
     if args.json:
         print(result.to_json())
         return 0
-    print_plan(result, tensor_shapes(model))
+    print_plan(result, tensor_shapes(model), every=args.all)
     return _print_mesh(model, example, args) if args.devices else 0
 
 
@@ -90,7 +90,7 @@ def _load_plan(path: str):
 
 def _show(args) -> int:
     from .report import print_plan
-    print_plan(_load_plan(args.plan))
+    print_plan(_load_plan(args.plan), every=args.all)
     return 0
 
 
@@ -167,11 +167,13 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--devices", type=int, default=None, help="also price every TP x DP split of this many devices")
     plan.add_argument("--no-fold", action="store_true",
                       help="capture and solve every block (default: identical blocks planned from four)")
+    plan.add_argument("--all", action="store_true", help="one row per parameter (default: blocks placed alike folded)")
     mesh = sub.add_parser("mesh", help="price every TP x DP split of a number of devices and pick the fastest")
     _model_arguments(mesh)
     mesh.add_argument("--devices", type=int, default=None, help="how many devices (default: all of the topology)")
     show = sub.add_parser("show", help="print a saved plan")
     show.add_argument("plan")
+    show.add_argument("--all", action="store_true", help="one row per parameter (default: blocks placed alike folded)")
     diff = sub.add_parser("diff", help="what changed between two plans, and the cost difference")
     diff.add_argument("a")
     diff.add_argument("b")

@@ -38,8 +38,9 @@ def no_kv_cache(model: torch.nn.Module):
 def fill_computed_buffers(gm: torch.nn.Module, model: torch.nn.Module, device: torch.device, stored) -> None:
     """Give ``gm`` (a capture of ``model``) real values for the non-persistent buffers ``model`` holds on the
     meta device (rotary ``inv_freq``) that ``stored`` (the names a checkpoint holds) lacks: checkpoints
-    rarely hold them, since ``__init__`` computes them from the config.  They are recomputed the same way, by constructing ``type(model)(model.config)`` on the CPU with
-    its parameters on the meta device (accelerate's ``init_empty_weights``), and cast to ``model``'s dtypes."""
+    rarely hold them, since ``__init__`` computes them from the config.  They are recomputed the same
+    way, by constructing ``type(model)(model.config)`` on the CPU with its parameters on the meta device
+    (accelerate's ``init_empty_weights``), and cast to ``model``'s dtypes."""
     missing = {name: t for name, t in gm.named_buffers(remove_duplicate=False) if t.is_meta and name not in stored
                and name.rpartition(".")[2] in gm.get_submodule(name.rpartition(".")[0])._non_persistent_buffers_set}
     if not missing:

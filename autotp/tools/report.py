@@ -21,8 +21,8 @@ def tensor_shapes(model: torch.nn.Module) -> dict:
 def plan_table(plan: Plan, shapes: dict | None = None, every: bool = False) -> Table:
     """Each parameter's decision.  A run of consecutive blocks of one list whose parameters are placed
     alike is shown once, as its first block and one row for the rest (``every``: one row a parameter)."""
-    folded = "" if every else "; blocks placed alike are folded (--all lists every parameter)"
-    table = Table(title=f"autotp plan: {plan.world_size} ranks, topology {plan.topology}{folded}")
+    table = Table(title=f"autotp plan: {plan.world_size} ranks, topology {plan.topology}",
+                  caption=None if every else "blocks placed alike are shown once; --all lists every parameter")
     for column in ("parameter", "decision", "placement", "local shape"):
         table.add_column(column)
     rows = {name: _param_row(plan, shapes, name) for name in plan.params}
@@ -69,9 +69,10 @@ def _fold_blocks(rows: dict) -> list:
         while alike.get(following := f"{path}.{int(first) + len(run)}") == alike[block]:
             run.append(following)
         out += [(n, *rows[n]) for n in sorted(blocks[block], key=_natural)]
-        if len(run) > 1:
-            out.append((f"{run[1]} … {run[-1]}" if len(run) > 2 else run[1],
-                        f"each as {block} ({len(run) - 1} {'blocks' if len(run) > 2 else 'block'})", "", ""))
+        if len(run) == 2:
+            out.append((run[1], f"as {block}", "", ""))
+        elif len(run) > 2:
+            out.append((f"{run[1]} … {run[-1]}", f"each as {block} ({len(run) - 1} blocks)", "", ""))
         shown.update(n for b in run for n in blocks[b])
     return out
 

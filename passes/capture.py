@@ -98,10 +98,14 @@ FINGERPRINT_PARTS = ("the ops and how they connect", "the ops' constant argument
                      "parameter and buffer shapes or dtypes")
 
 
+_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.layout, torch.memory_format)
+
+
 def _constants(node: torch.fx.Node) -> str:
-    """A node's non-tensor arguments; devices are left out (a plan made on meta applies on any device)."""
+    """A node's non-tensor arguments, the same on every rank: other objects (a device: a plan made on
+    meta applies on any device; anything whose text holds a memory address) by their type's name."""
     consts = map_arg((node.args, node.kwargs), lambda _: "%")
-    return str(tree_map(lambda x: "device" if isinstance(x, torch.device) else x, consts))
+    return str(tree_map(lambda x: x if isinstance(x, _PLAIN) else type(x).__name__, consts))
 
 
 def fingerprint(gm: torch.fx.GraphModule, key=None, keep=None, seed: str = "") -> str:

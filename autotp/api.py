@@ -27,7 +27,7 @@ from autotp.passes.strategies import Context, Strategy, enumerate_strategies, in
 from autotp.passes.styles import param_styles
 
 from .agree import DEFAULT_TIMEOUT, InputCheck, Rendezvous, inputs_digest
-from .hf import default_inputs, no_kv_cache
+from .hf import default_inputs, fill_computed_buffers, no_kv_cache
 from .plan import Plan, PlanMismatch
 from .runtime.checkpoint import Checkpoint
 from .runtime.collectives import register
@@ -154,6 +154,7 @@ def parallelize(model: torch.nn.Module, args=None, kwargs=None, *, plan: Plan | 
     device = _device_of(group)
     if source is not None:
         retarget_device(gm, device)
+        fill_computed_buffers(gm, model, device, source.files)
     sharded = rewrite(gm, choice, rank, world, group.group_name, source, device, gather_outputs)
     register(group)
     rendezvous.agree("loaded", "ok", "the end of loading")

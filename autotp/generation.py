@@ -9,6 +9,8 @@ broadcasts it, so every rank continues with the same tokens.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 import torch.distributed as dist
 
@@ -100,15 +102,34 @@ def _is_meta(model: torch.nn.Module) -> bool:
     return any(p.is_meta for p in model.parameters())
 
 
+def _program(sharded: torch.nn.Module, batch: int, total: int, keep: int) -> torch.nn.Module:
+    """The decode program for (batch, total), reused (capture and planning once); the least recently
+    used ones are dropped first, so at most ``keep`` KV caches stay allocated.  Every rank calls
+    generate in the same order, so every rank keeps and drops the same programs."""
+    programs = sharded.__dict__.setdefault("_autotp_decoders", OrderedDict())
+    if (batch, total) not in programs:
+        while len(programs) >= keep:  # before building: the new cache never coexists with an evicted one
+            programs.popitem(last=False)
+        programs[(batch, total)] = decoder(sharded, batch, total)
+    programs.move_to_end((batch, total))
+    return programs[(batch, total)]
+
+
+def free_generation_cache(sharded: torch.nn.Module) -> None:
+    """Drop every decode program and KV cache ``generate`` keeps for ``sharded`` (the next call rebuilds one)."""
+    sharded.__dict__.pop("_autotp_decoders", OrderedDict()).clear()
+
+
 @torch.no_grad()
 def generate(sharded: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
              max_new_tokens: int = 20, do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
              top_p: float | None = None, seed: int | None = None, eos_token_id: int | None = None,
-             pad_token_id: int | None = None) -> torch.Tensor:
+             pad_token_id: int | None = None, keep_programs: int = 4) -> torch.Tensor:
     """Prompt + generated tokens, [batch, prompt + new], like ``transformers``' ``generate`` (greedy or
     sampled; a finished sequence continues with ``pad_token_id``).  A collective: every rank calls it
     with the same prompt and gets the same tokens.  ``attention_mask`` marks left padding.  The decode
-    program (and its KV cache) for each (batch, total length) is built on first use and kept: stale
+    program (and its KV cache) for each (batch, total length) is built on first use and kept, the
+    ``keep_programs`` most recently used of them (``free_generation_cache`` drops them all): stale
     cache entries are never read, as every position is written before it is attended to."""
     config = getattr(sharded.autotp_source, "generation_config", None)
     eos = eos_token_id if eos_token_id is not None else getattr(config, "eos_token_id", None)
@@ -117,14 +138,13 @@ def generate(sharded: torch.nn.Module, input_ids: torch.Tensor, attention_mask: 
     pad = pad if pad is not None else (min(eos) if eos else 0)
     if do_sample and temperature <= 0:
         raise ValueError(f"temperature must be positive for sampling, got {temperature}")
+    if not isinstance(keep_programs, int) or keep_programs < 1:
+        raise ValueError(f"keep_programs must be a positive integer (decode programs kept), got {keep_programs!r}")
     group = sharded.autotp_group
     device = next(sharded.parameters()).device
     batch, prompt = input_ids.shape
     total = prompt + max_new_tokens
-    programs = sharded.__dict__.setdefault("_autotp_decoders", {})  # reused: capture and planning once
-    if (batch, total) not in programs:
-        programs[(batch, total)] = decoder(sharded, batch, total)
-    program = programs[(batch, total)]
+    program = _program(sharded, batch, total, keep_programs)
     mask = torch.zeros(batch, total, dtype=torch.long, device=device)
     mask[:, :prompt] = attention_mask if attention_mask is not None else 1
     mask[:, prompt:] = 1

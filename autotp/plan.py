@@ -12,6 +12,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .passes.capture import fingerprint_difference
 from .runtime.placement import Shard, dump, parse
 
 SCHEMA_VERSION = 1
@@ -31,7 +32,7 @@ class PlanMismatch(ValueError):
 @dataclass
 class Plan:
     world_size: int
-    fingerprint: str                     # graph structure + parameter shapes it was made for
+    fingerprint: str                     # graph structure, constant arguments, tensor shapes it was made for
     topology: str
     nodes: dict                          # node name -> {"in": [...], "out": ...} placements as strings
     params: dict                         # parameter name -> placement string
@@ -77,8 +78,10 @@ class Plan:
             raise PlanMismatch(f"plan is for world size {self.world_size}, the process group has {world_size} "
                                f"ranks: launch {self.world_size} ranks or re-plan with world_size={world_size}")
         if self.fingerprint != fingerprint:
+            differs = fingerprint_difference(self.fingerprint, fingerprint)
             raise PlanMismatch(f"plan was made for another model (graph fingerprint {self.fingerprint}, this model "
-                               f"gives {fingerprint}): re-plan for this model")
+                               f"gives {fingerprint}{'; differing: ' + differs if differs else ''}): "
+                               "re-plan for this model")
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1, sort_keys=True)

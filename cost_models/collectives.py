@@ -8,10 +8,11 @@ output for all-gather, the input for reduce-scatter, all data for all-to-all, th
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 from autotp.runtime.placement import Partial, Replicate, Shard
 
-from .topology import Topology
+from .topology import Topology, load_topology
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 
@@ -52,8 +53,10 @@ def _inter(op: str, nbytes: float, m: int, topo: Topology) -> float:
     return latency + factor * nbytes / bandwidth
 
 
-def collective_time(op: str, nbytes: float, group_size: int, topology: Topology) -> float:
-    """Seconds for one collective over ``group_size`` consecutive ranks (filling nodes in order)."""
+def collective_time(op: str, nbytes: float, group_size: int, topology: Topology | str | Path | None) -> float:
+    """Seconds for one collective over ``group_size`` consecutive ranks (filling nodes in order);
+    ``topology`` as ``parallelize`` takes it: a profile name, a path, a loaded profile (None: the default)."""
+    topology = load_topology(topology)
     if op not in OPS:
         raise ValueError(f"unknown collective {op!r}; one of {', '.join(OPS)}")
     if group_size <= 1:
@@ -92,9 +95,11 @@ def backward_collective(src, dst) -> str:
     return "all_gather" if src != dst and isinstance(dst, Shard) else ""
 
 
-def reshard_time(src, dst, nbytes: float, group_size: int, topology: Topology, backward: bool = False) -> float | None:
+def reshard_time(src, dst, nbytes: float, group_size: int, topology: Topology | str | Path | None,
+                 backward: bool = False) -> float | None:
     """Seconds to convert a tensor of ``nbytes`` (full size) from ``src`` to ``dst`` (and its gradient
-    back, with ``backward``); None if impossible."""
+    back, with ``backward``); None if impossible.  ``topology``: a name, a path or a loaded profile."""
+    topology = load_topology(topology)
     op = reshard_collective(src, dst)
     if op is None:
         return None

@@ -9,6 +9,7 @@ import warnings
 
 import torch
 from torch.export import Dim
+from torch.fx.node import map_arg
 from torch.utils._pytree import tree_map
 
 
@@ -93,14 +94,45 @@ def _user_frame(exc: BaseException) -> str:
     return f"  at {f.filename}:{f.lineno} in {f.name}: {(f.line or '').strip()}\n"
 
 
-def fingerprint(gm: torch.fx.GraphModule) -> str:
-    """A hash of the graph's structure and parameter shapes: plans are only valid for this graph."""
-    h = hashlib.sha256()
+FINGERPRINT_PARTS = ("the ops and how they connect", "the ops' constant arguments (view sizes, dims, scalars)",
+                     "parameter and buffer shapes or dtypes")
+
+
+_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.layout, torch.memory_format)
+
+
+def _constants(node: torch.fx.Node) -> str:
+    """A node's non-tensor arguments, the same on every rank: other objects (a device: a plan made on
+    meta applies on any device; anything whose text holds a memory address) by their type's name."""
+    consts = map_arg((node.args, node.kwargs), lambda _: "%")
+    return str(tree_map(lambda x: x if isinstance(x, _PLAIN) else type(x).__name__, consts))
+
+
+def fingerprint(gm: torch.fx.GraphModule, key=None, keep=None, seed: str = "") -> str:
+    """Hashes of the graph's structure, its ops' constant arguments and its tensors' shapes, joined by
+    dots: a plan is only valid for this graph, and comparing the parts says what differs (another split
+    of heads x head dim changes only view sizes and buffer shapes).  ``key`` names nodes (default: their
+    names) and ``keep`` selects them, for folded graphs (passes/fold.py)."""
+    key = key or (lambda n: n.target if n.op == "get_attr" else n.name)
+    parts = [hashlib.sha256(seed.encode()) for _ in FINGERPRINT_PARTS]
     for node in gm.graph.nodes:
-        h.update(f"{node.op}:{node.name}:{node.target}:{[str(a) for a in node.all_input_nodes]};".encode())
-    for name, p in gm.named_parameters():
-        h.update(f"{name}:{tuple(p.shape)}:{p.dtype};".encode())
-    return h.hexdigest()[:16]
+        if keep is not None and not keep(node):
+            continue
+        target = "" if node.op == "get_attr" else node.target
+        parts[0].update(f"{node.op}:{key(node)}:{target}:{[key(a) for a in node.all_input_nodes]};".encode())
+        parts[1].update(f"{key(node)}:{_constants(node)};".encode())
+        value = node.meta.get("val")
+        if node.op == "get_attr" and isinstance(value, torch.Tensor):
+            parts[2].update(f"{key(node)}:{tuple(value.shape)}:{value.dtype};".encode())
+    return ".".join(h.hexdigest()[:8] for h in parts)
+
+
+def fingerprint_difference(planned: str, found: str) -> str:
+    """Which parts of two fingerprints differ, in words ("" if they cannot be compared part by part)."""
+    a, b = planned.split("."), found.split(".")
+    if len(a) != len(FINGERPRINT_PARTS) or len(b) != len(FINGERPRINT_PARTS):
+        return ""
+    return ", ".join(what for what, x, y in zip(FINGERPRINT_PARTS, a, b, strict=True) if x != y)
 
 
 def module_path(node: torch.fx.Node) -> str:

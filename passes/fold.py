@@ -12,12 +12,13 @@ blocks turn out not to match is refused when the plan is applied.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 from dataclasses import dataclass
 
 import torch
 from torch.fx import Node
 from torch.fx.node import map_arg
+
+from .capture import fingerprint
 
 MIN_BLOCKS = 5  # below this, four kept blocks save nothing
 
@@ -230,21 +231,15 @@ def check_repeats(gm: torch.fx.GraphModule, fold: Fold, b: Blocks) -> None:
 
 
 def fold_fingerprint(gm: torch.fx.GraphModule, fold: Fold, b: Blocks) -> str:
-    """Like capture.fingerprint, over the kept blocks' copies with canonical keys: equal for the
-    folded graph and the full graph of one model."""
-    h = hashlib.sha256(f"{fold.path}*{fold.count};".encode())
-    for node in gm.graph.nodes:
+    """capture.fingerprint over the kept blocks' copies with canonical keys: equal for the folded
+    graph and the full graph of one model."""
+    def kept(node: Node) -> bool:
         w = b.where[node]
-        if isinstance(w, int) and w not in fold.kept:
-            continue
-        if w == "attr" and fold.block_of_name(node.target) not in (None, *fold.kept):
-            continue
-        inputs = [b.key[a] for a in node.all_input_nodes]
-        h.update(f"{node.op}:{b.key[node]}:{node.target if w != 'attr' else ''}:{inputs};".encode())
         if w == "attr":
-            v = node.meta.get("val")
-            h.update(f"{tuple(v.shape) if isinstance(v, torch.Tensor) else v}".encode())
-    return h.hexdigest()[:16]
+            return fold.block_of_name(node.target) in (None, *fold.kept)
+        return not isinstance(w, int) or w in fold.kept
+
+    return fingerprint(gm, key=b.key.__getitem__, keep=kept, seed=f"{fold.path}*{fold.count};")
 
 
 def weights_and_ties(fold: Fold, b: Blocks) -> tuple[dict, list]:

@@ -125,14 +125,66 @@ def test_bad_checkpoints_name_the_tensors(tmp_path):
         autotp.runtime.checkpoint.Checkpoint(tmp_path)
 
 
-def _meta_without_checkpoint(rank: int, world: int) -> None:
+def _meta_without_checkpoint(rank: int, world: int, directory: str) -> None:
     model, args, _ = build("llama", device="meta")
     with pytest.raises(autotp.CheckpointError, match="meta device"):
         autotp.parallelize(model, args)
+    with torch.device("meta"):  # a computed buffer, no config to rebuild it from: say what to do instead
+        scaled = Scaled()
+    with pytest.raises(autotp.CheckpointError, match=r"scale: computed at construction.*init_empty_weights"):
+        autotp.parallelize(scaled, (torch.randn(2, 16),), checkpoint=directory)
+    torch.distributed.barrier()  # a rank that returns early takes the rendezvous store with it
 
 
-def test_meta_model_without_checkpoint_is_refused():
-    run_ranks(2, _meta_without_checkpoint)
+class Scaled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 16), persistent=False)
+
+    def forward(self, x):
+        return self.proj(x) * self.scale
+
+
+def test_meta_model_without_checkpoint_is_refused(tmp_path):
+    save_file(Scaled().state_dict(), tmp_path / "model.safetensors", metadata={"format": "pt"})
+    run_ranks(2, _meta_without_checkpoint, str(tmp_path))
+
+
+META_IDIOM = {  # rotary tables (full, partial) are computed buffers; GPT-2's position table is a weight
+    "llama": {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
+              "num_key_value_heads": 2},
+    "gpt_neox": {"model_type": "gpt_neox", "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
+                 "rotary_pct": 0.5},
+    "gpt2": {"model_type": "gpt2", "n_embd": 32, "n_head": 4, "n_positions": 32},
+}
+
+
+def _torch_meta_idiom(rank: int, world: int, root: str) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+    for kind in META_IDIOM:
+        directory = f"{root}/{kind}"
+        with torch.device("meta"):  # PyTorch's own idiom (torchtitan): every tensor on meta, buffers too
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory)).eval()
+        assert all(b.is_meta for b in model.buffers())
+        torch.manual_seed(0)
+        x = example_input("llama", 2, 7)
+        sharded = autotp.parallelize(model, (x,), checkpoint=directory)
+        reference = AutoModelForCausalLM.from_pretrained(directory).eval()
+        torch.testing.assert_close(logits(sharded(x)), logits(reference(x)), **TOL, msg=lambda m, k=kind: f"{k}: {m}")
+        for name, buffer in reference.named_buffers():
+            assert torch.equal(dict(sharded.named_buffers())[name], buffer), (kind, name)
+
+
+def test_torch_meta_device_models_rebuild_computed_buffers(tmp_path):
+    from safetensors.torch import save_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+    for kind, settings in META_IDIOM.items():
+        torch.manual_seed(0)
+        config = AutoConfig.for_model(**settings, vocab_size=96, num_hidden_layers=1, use_cache=False)
+        config.save_pretrained(tmp_path / kind)  # weights under the model's own names (save_pretrained writes
+        save_model(AutoModelForCausalLM.from_config(config), str(tmp_path / kind / "model.safetensors"))  # legacy ones)
+    run_ranks(2, _torch_meta_idiom, str(tmp_path))
 
 
 def _round_trip(rank: int, world: int, source: str, first: str, second: str) -> None:

@@ -1,6 +1,7 @@
 """The command line, run as a user runs it."""
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -159,17 +160,35 @@ def test_plan_calls_out_uneven_and_shared_heads(tmp_path):
         assert "2 heads each replicated on 2 ranks" in rows[f"model.layers.0.self_attn.{proj}.weight"]
 
 
-def test_plan_folds_a_deep_model_and_lists_every_layer(tmp_path):
+def _rows(text: str) -> dict:
+    return {cells[0]: cells[1:] for line in text.splitlines()
+            if len(cells := [c.strip() for c in line.split("│")[1:-1]]) == 4}
+
+
+def test_plan_folds_a_deep_model_and_its_table(tmp_path):
+    """Planned from four blocks; the parameter table shows a run of alike blocks once, --all every row."""
+    from rich.console import Console
+
+    from autotp.tools.report import plan_table
     deep = _llama_config(tmp_path / "deep.json", heads=8, kv=8, head_dim=16, vocab=1000, layers=12)
     result = _autotp("plan", str(deep), "--world-size", "2", "--inference", "--out", str(tmp_path / "folded.json"))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "12 identical blocks of model.layers planned from four" in result.stdout
-    rows = {line.split("│")[1].strip(): line for line in result.stdout.splitlines() if line.count("│") > 3}
-    for i in range(12):
-        assert "row" in rows[f"model.layers.{i}.mlp.down_proj.weight"], i
-    whole = _autotp("plan", str(deep), "--world-size", "2", "--inference", "--no-fold",
+    rows = _rows(result.stdout)
+    assert "row" in rows["model.layers.0.mlp.down_proj.weight"][0]
+    assert rows["model.layers.1 … model.layers.11"][0] == "each as model.layers.0 (11 blocks)"
+    assert not any(name.startswith("model.layers.5.") for name in rows)
+    whole = _autotp("plan", str(deep), "--world-size", "2", "--inference", "--no-fold", "--all",
                     "--out", str(tmp_path / "whole.json"))
     assert whole.returncode == 0, whole.stderr[-3000:]
     folded, unfolded = Plan.load(tmp_path / "folded.json"), Plan.load(tmp_path / "whole.json")
     assert folded.fold == {"path": "model.layers", "count": 12} and unfolded.fold is None
     assert folded.params == unfolded.params and len(folded.nodes) < len(unfolded.nodes)
+    assert set(_rows(whole.stdout)) == set(unfolded.params)  # --all: every parameter, one row each
+    folded.params["model.layers.5.mlp.down_proj.weight"] = "R"  # block 5 differs: it ends one run and starts none
+    console = Console(width=200, record=True, file=io.StringIO())
+    console.print(plan_table(folded))
+    rows = _rows(console.export_text())
+    assert rows["model.layers.1 … model.layers.4"][0] == "each as model.layers.0 (4 blocks)"
+    assert rows["model.layers.5.mlp.down_proj.weight"][1] == "R" and "model.layers.6.mlp.up_proj.weight" in rows
+    assert rows["model.layers.7 … model.layers.11"][0] == "each as model.layers.6 (5 blocks)"

@@ -7,7 +7,7 @@ import json
 import pytest
 
 import autotp
-from autotp.cost_models import collective_time, load_topology
+from autotp.cost_models import collective_time, load_topology, reshard_time
 from autotp.cost_models.collectives import OPS
 from autotp.cost_models.compute import op_time
 from autotp.cost_models.memory import state_factor
@@ -72,6 +72,19 @@ def test_collective_errors():
         collective_time("all_sum", 1, 2, load_topology())
     with pytest.raises(ValueError, match="does not fit"):
         collective_time("all_reduce", 1, 16, load_topology("dgx-h100"))
+
+
+def test_every_cost_function_takes_a_topology_as_parallelize_does():
+    """A profile name, a path (str or Path) and a loaded profile price the same; a bad name says which exist."""
+    from autotp.runtime.placement import Partial, Replicate
+    path = PROFILES / "dgx-h100.json"
+    calls = [lambda t: collective_time("all_reduce", GiB, 8, t), lambda t: op_time(1e12, 1e9, t),
+             lambda t: reshard_time(Partial(), Replicate(), GiB, 8, t)]
+    for call in calls:
+        assert call("dgx-h100") == call(str(path)) == call(path) == call(load_topology("dgx-h100")) == call(None)
+        assert call("dgx-a100") != call("dgx-h100")
+        with pytest.raises(FileNotFoundError, match=r"unknown topology 'dgx-h1000'.*dgx-h100"):
+            call("dgx-h1000")
 
 
 def test_roofline_compute():

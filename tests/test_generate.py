@@ -2,6 +2,9 @@
 every rank, reproducible sampling."""
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -59,6 +62,25 @@ def _sampling(rank: int, world: int) -> None:
     assert all(torch.equal(t, first) for t in everyone)  # the same tokens on every rank
     with pytest.raises(ValueError, match="temperature"):
         autotp.generate(sharded, ids, mask, do_sample=True, temperature=0)
+    _bounded_cache(sharded, ids, mask)
+
+
+def _bounded_cache(sharded, ids, mask) -> None:
+    """At most ``keep_programs`` decode programs (and KV caches) stay alive; freeing drops them all."""
+    programs = sharded.__dict__["_autotp_decoders"]
+    first = weakref.ref(programs[(3, 18)])
+    short = autotp.generate(sharded, ids[:1], mask[:1], max_new_tokens=2, keep_programs=1)
+    assert list(programs) == [(1, 8)]
+    gc.collect()
+    assert first() is None  # the evicted program and its cache are gone, not only unlisted
+    assert torch.equal(short, sharded.autotp_source.generate(ids[:1], attention_mask=mask[:1], max_new_tokens=2,
+                                                              do_sample=False, pad_token_id=0))
+    second = weakref.ref(programs[(1, 8)])
+    autotp.free_generation_cache(sharded)
+    gc.collect()
+    assert second() is None and "_autotp_decoders" not in sharded.__dict__
+    with pytest.raises(ValueError, match="keep_programs"):
+        autotp.generate(sharded, ids, mask, keep_programs=0)
 
 
 def test_sampling_is_shared_and_reproducible():

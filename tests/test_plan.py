@@ -120,3 +120,31 @@ def test_parallel_branches_share_one_all_reduce():
     assert [(c["op"], c["module"]) for c in forward] == [("all_reduce", "0"), ("all_reduce", "1")], forward
     assert plan.params["0.a_in.weight"] == plan.params["0.b_in.weight"] == "S(0)"
     assert plan.params["0.a_out.weight"] == plan.params["0.b_out.weight"] == "S(1)"
+
+
+@pytest.mark.parametrize("kind,fold", [("llama", False), ("gpt2", True)])
+def test_a_plan_is_refused_for_another_split_of_heads(kind, fold):
+    """Same parameter shapes, other heads x head dim: only view sizes (and LLaMA's rotary table) differ."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from autotp.api import _choice, _graph
+    from autotp.passes.capture import fingerprint
+    from models import llama_with
+
+    layers = 5 if fold else 1
+
+    def model(heads):
+        if kind == "llama":
+            return llama_with(heads, heads, head_dim=32 // heads, layers=layers)
+        return GPT2LMHeadModel(GPT2Config(vocab_size=96, n_embd=32, n_layer=layers, n_head=heads, n_positions=16,
+                                          use_cache=False)).eval()
+
+    args = (torch.randint(0, 96, (2, 8)),)
+    plan = autotp.plan(model(4), args, world_size=2, fold=fold)
+    assert (plan.fold is not None) == fold
+    other = _graph(model(2), args, None)
+    differs = "constant arguments" + (".*buffer shapes" if kind == "llama" else "")
+    with pytest.raises(PlanMismatch, match=f"another model.*differing: [^:]*{differs}[^:]*: re-plan"):
+        _choice(other, plan, fingerprint(other), 2)
+    with pytest.raises(PlanMismatch, match=r"differing: the ops and how they connect\): re-plan"):
+        plan.check("0" * 8 + plan.fingerprint[8:], 2)

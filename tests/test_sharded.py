@@ -202,3 +202,25 @@ def test_hidden_sharded_residual_runs_the_planned_reduce_scatters():
         f"no reduce-scatter planned at these sizes any more ({planned}): pick sizes in RESIDUAL_SHARDED where the "
         "solver shards the residual stream by hidden")
     run_ranks(2, _runs_planned_collectives, plans)
+
+
+def _poisoned_rows(rank: int, world: int) -> None:
+    """An Inf and a NaN in rows no input reads: the vocab-parallel lookup must not leak them into the
+    ranks that hold those rows but look up nothing there (0 x Inf is NaN; masking is exact)."""
+    from autotp.runtime.placement import Shard
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(96, 32), torch.nn.Linear(32, 64))  # rows 48..95 on rank 1
+    with torch.no_grad():
+        model[0].weight[48] = float("inf")
+        model[0].weight[95] = float("nan")
+    x = torch.randint(0, 48, (2, 5))
+    sharded = autotp.parallelize(model, (x,), fixed={"0.weight": Shard(0)})
+    assert sharded.autotp_plan.params["0.weight"] == "S(0)"
+    torch.testing.assert_close(sharded(x), model(x), **TOL)
+    sharded(x).sum().backward()
+    model(x).sum().backward()
+    torch.testing.assert_close(autotp.full_state_dict(sharded, grads=True)["0.weight"], model[0].weight.grad, **TOL)
+
+
+def test_vocab_parallel_embedding_never_reads_other_ranks_rows():
+    run_ranks(2, _poisoned_rows)

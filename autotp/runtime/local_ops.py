@@ -20,12 +20,13 @@ def repeat_heads(x: torch.Tensor, repeats: int, dim: int, in_start: int, out_sta
 
 def vocab_embedding(weight: torch.Tensor, ids: torch.Tensor, start: int, padding_idx: int = -1):
     """Megatron's vocab-parallel lookup: rows [start, start + len) live here, other ids give zeros
-    (the partial sums are all-reduced afterwards)."""
+    (the partial sums are all-reduced afterwards).  Zeros by masking, not by multiplying: the row
+    looked up in their place may hold an Inf or NaN, and 0 x Inf would leak it into the sum."""
     rows = weight.shape[0]
     mine = (ids >= start) & (ids < start + rows)
     local = torch.where(mine, ids - start, torch.zeros_like(ids))
     pad = padding_idx - start if 0 <= padding_idx - start < rows else -1
-    return aten.embedding.default(weight, local, pad) * mine.unsqueeze(-1).to(weight.dtype)
+    return aten.embedding.default(weight, local, pad).masked_fill(~mine.unsqueeze(-1), 0)
 
 
 def partial_mean(x: torch.Tensor, dims, keepdim: bool = False, count: int = 1, *, dtype=None):

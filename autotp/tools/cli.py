@@ -55,7 +55,7 @@ def _plan(args) -> int:
     if args.json:
         print(result.to_json())
         return 0
-    print_plan(result, tensor_shapes(model))
+    print_plan(result, tensor_shapes(model), every=args.all)
     return _print_mesh(model, example, args) if args.devices else 0
 
 
@@ -108,7 +108,7 @@ def _load_plan(path: str):
 
 def _show(args) -> int:
     from .report import print_plan
-    print_plan(_load_plan(args.plan))
+    print_plan(_load_plan(args.plan), every=args.all)
     return 0
 
 
@@ -187,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     _mesh_arguments(plan)
     plan.add_argument("--no-fold", action="store_true",
                       help="capture and solve every block (default: identical blocks planned from four)")
+    plan.add_argument("--all", action="store_true", help="one row per parameter (default: blocks placed alike folded)")
     mesh = sub.add_parser("mesh", help="choose tensor x pipeline x data parallel sizes, micro-batches, schedule "
                                        "and stage boundaries for a number of devices")
     _model_arguments(mesh)
@@ -195,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     mesh.add_argument("--json", action="store_true", help="print the choice and every candidate as JSON")
     show = sub.add_parser("show", help="print a saved plan")
     show.add_argument("plan")
+    show.add_argument("--all", action="store_true", help="one row per parameter (default: blocks placed alike folded)")
     diff = sub.add_parser("diff", help="what changed between two plans, and the cost difference")
     diff.add_argument("a")
     diff.add_argument("b")

@@ -18,20 +18,63 @@ def tensor_shapes(model: torch.nn.Module) -> dict:
     return {name: tuple(t.shape) for name, t in named}
 
 
-def plan_table(plan: Plan, shapes: dict | None = None) -> Table:
-    table = Table(title=f"autotp plan: {plan.world_size} ranks, topology {plan.topology}")
+def plan_table(plan: Plan, shapes: dict | None = None, every: bool = False) -> Table:
+    """Each parameter's decision.  A run of consecutive blocks of one list whose parameters are placed
+    alike is shown once, as its first block and one row for the rest (``every``: one row a parameter)."""
+    table = Table(title=f"autotp plan: {plan.world_size} ranks, topology {plan.topology}",
+                  caption=None if every else "blocks placed alike are shown once; --all lists every parameter")
     for column in ("parameter", "decision", "placement", "local shape"):
         table.add_column(column)
-    for name in sorted(plan.params):
-        placement = plan.placement(name)
-        local = "?"
-        if shapes and name in shapes:
-            dims = list(shapes[name])
-            if isinstance(placement, Shard):  # rank 0's piece (the largest when uneven)
-                dims[placement.dim] = placement.local_size(dims[placement.dim], 0, plan.world_size)
-            local = "x".join(map(str, dims))
-        table.add_row(name, plan.styles.get(name, ""), str(placement), local)
+    rows = {name: _param_row(plan, shapes, name) for name in plan.params}
+    for row in ([(n, *rows[n]) for n in sorted(rows, key=_natural)] if every else _fold_blocks(rows)):
+        table.add_row(*row)
     return table
+
+
+def _param_row(plan: Plan, shapes: dict | None, name: str) -> tuple:
+    placement = plan.placement(name)
+    local = "?"
+    if shapes and name in shapes:
+        dims = list(shapes[name])
+        if isinstance(placement, Shard):  # rank 0's piece (the largest when uneven)
+            dims[placement.dim] = placement.local_size(dims[placement.dim], 0, plan.world_size)
+        local = "x".join(map(str, dims))
+    return plan.styles.get(name, ""), str(placement), local
+
+
+def _natural(name: str) -> list:
+    """Sort key that puts layers.2 before layers.10."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def _fold_blocks(rows: dict) -> list:
+    """(name, *row) in natural order; after a block, the following blocks of its list whose rows equal
+    its rows (names relative to the block) become one row."""
+    blocks: dict = {}
+    for name in rows:
+        block = _block(name)
+        if block != name and block.rpartition(".")[2].isdigit():
+            blocks.setdefault(block, []).append(name)
+    alike = {block: sorted((n[len(block):], rows[n]) for n in names) for block, names in blocks.items()}
+    out, shown = [], set()
+    for name in sorted(rows, key=_natural):
+        if name in shown:
+            continue
+        block = _block(name)
+        if block not in blocks:
+            out.append((name, *rows[name]))
+            continue
+        path, _, first = block.rpartition(".")
+        run = [block]
+        while alike.get(following := f"{path}.{int(first) + len(run)}") == alike[block]:
+            run.append(following)
+        out += [(n, *rows[n]) for n in sorted(blocks[block], key=_natural)]
+        if len(run) == 2:
+            out.append((run[1], f"as {block}", "", ""))
+        elif len(run) > 2:
+            out.append((f"{run[1]} … {run[-1]}", f"each as {block} ({len(run) - 1} blocks)", "", ""))
+        shown.update(n for b in run for n in blocks[b])
+    return out
 
 
 _ORDER = ["params", "grads", "optimizer", "buffers", "activations", "kv_cache", "total"]
@@ -109,9 +152,9 @@ def explain_table(plan: Plan, target: str) -> Table:
     return table
 
 
-def print_plan(plan: Plan, shapes: dict | None = None, console: Console | None = None) -> None:
+def print_plan(plan: Plan, shapes: dict | None = None, console: Console | None = None, every: bool = False) -> None:
     console = console or Console(width=140)
-    console.print(plan_table(plan, shapes or plan.shapes))
+    console.print(plan_table(plan, shapes or plan.shapes, every))
     console.print(collectives_table(plan))
     console.print(memory_table(plan))
     if plan.fold:

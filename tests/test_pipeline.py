@@ -41,8 +41,8 @@ def _optimizer(params):
     return torch.optim.AdamW(params, lr=1e-2)
 
 
-def _single_process() -> tuple[list, dict]:
-    """Losses per step and parameters after the last step, trained in one process (numpy, to send to ranks)."""
+def _single_process() -> tuple:
+    """Trained in one process: losses per step and parameters after the last step (numpy, to send to ranks)."""
     model, (x, y) = _llama(), _batch()
     optimizer, losses = _optimizer(model.parameters()), []
     for _ in range(STEPS):
@@ -76,6 +76,7 @@ def _train(rank: int, world: int, dims: tuple, names: tuple, schedule: str, stag
     model = _llama()
     pipelined = pipeline(model, (x,), mesh=mesh, loss_fn=_loss, schedule=schedule, microbatches=4, stages=stages,
                          shard_stage=shard_stage)
+    assert not any("forward" in vars(m) for m in model.modules())  # pipelining's split markers were removed
     names_here = [n for n, _ in pipelined.named_parameters()]
     assert names_here and all(n in dict(model.named_parameters()) for n in names_here), names_here
     optimizer, losses = _optimizer(pipelined.parameters()), []
@@ -92,12 +93,24 @@ def _train(rank: int, world: int, dims: tuple, names: tuple, schedule: str, stag
                 loss /= mesh["dp"].size()
             losses.append(loss.item())
     want_losses, want_params = want
-    if losses:
+    if losses:  # the last stage
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-4, atol=1e-5)
     params = pipelined.full_state_dict()
     assert set(params) == set(want_params)
     for name, value in want_params.items():
         torch.testing.assert_close(params[name], torch.from_numpy(value), rtol=1e-4, atol=1e-5, msg=name)
+    # forward only, against one process holding the same (trained) parameters
+    eval_losses = []
+    evaluated = pipelined.evaluate(x, target=y, losses=eval_losses)
+    if losses:
+        reference = _llama()
+        reference.load_state_dict(params, strict=False)  # every parameter (compared above); buffers as built
+        with torch.no_grad():
+            want = reference(x)
+        torch.testing.assert_close(evaluated.logits, want.logits, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(torch.stack(eval_losses).mean(), _loss(want, y), rtol=1e-4, atol=1e-5)
+    else:
+        assert evaluated is None
     return {"losses": losses, "starts": pipelined.starts}
 
 

@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 
 from autotp.api import _graph
 from autotp.parallel.split import split
-from autotp.parallel.stages import StageError, balance, block_costs, find_blocks
+from autotp.parallel.stages import Costs, StageError, block_costs, find_blocks
 from autotp.tools.spawn import run_local
 
 VOCAB, BATCH, SEQ, STEPS = 64, 8, 8, 3
@@ -145,21 +145,14 @@ def test_gpipe_and_interleaved_1f1b_train_like_one_process():
     run_local(2, _schedules, _single_process())
 
 
-def test_balance_evens_out_stage_time():
-    assert balance([1.0] * 4, 2) == [0, 2]
-    assert balance([1.0] * 4, 4) == [0, 1, 2, 3]
-    assert balance([1.0] * 4, 2, last=2.5) == [0, 3]  # a heavy head: the last stage takes one block
-    assert balance([1.0] * 4, 2, first=2.5) == [0, 1]
-    assert balance([3.0, 1.0, 1.0, 1.0], 2) == [0, 1]
-
-
-def test_balance_respects_the_memory_limit():
-    # fastest is [0, 3] (3 vs 1 + 2.5), but the first stage's 3 blocks and embedding do not fit in 3
-    assert balance([1.0] * 4, 2, last=2.5, memory=[1.0] * 4, first_memory=1.5, memory_limit=3.0) == [0, 1]
-    with pytest.raises(StageError, match="no split of 4 blocks into 2 stages fits"):
-        balance([1.0] * 4, 2, memory=[1.0] * 4, memory_limit=1.0)
+def test_stages_even_out_stage_time():
+    assert Costs([1.0] * 4).starts(2) == [0, 2]
+    assert Costs([1.0] * 4).starts(4) == [0, 1, 2, 3]
+    assert Costs([1.0] * 4, last=2.5).starts(2) == [0, 3]  # a heavy head: the last stage takes one block
+    assert Costs([1.0] * 4, first=2.5).starts(2) == [0, 1]
+    assert Costs([3.0, 1.0, 1.0, 1.0]).starts(2) == [0, 1]
     with pytest.raises(StageError, match="3 pipeline stages need at least 3 blocks"):
-        balance([1.0] * 2, 3)
+        Costs([1.0] * 2).starts(3)
 
 
 def test_block_costs_price_blocks_alike_and_the_head_on_the_last_stage():
@@ -169,14 +162,13 @@ def test_block_costs_price_blocks_alike_and_the_head_on_the_last_stage():
     assert (fold.path, fold.count) == ("model.layers", 5)
     whole = block_costs(_graph(model, (x,), None), fold)
     folded = block_costs(_graph(model, (x,), None, fold=True), fold)  # blocks 0, 1, 3, 4 captured
-    assert len(set(whole.seconds)) == 1 and len(set(whole.memory)) == 1
-    assert folded.seconds == pytest.approx(whole.seconds) and folded.memory == pytest.approx(whole.memory)
+    assert len(set(whole.seconds)) == 1
+    assert folded.seconds == pytest.approx(whole.seconds)
     assert folded.first == pytest.approx(whole.first) and folded.last == pytest.approx(whole.last)
-    assert whole.first[0] < whole.seconds[0] < whole.last[0] * 100
+    assert whole.first < whole.seconds[0] < whole.last * 100
     big_head = block_costs(_graph(_llama(layers=5, vocab=4096), (x,), None, fold=True), fold)
-    assert big_head.last[0] > 4 * whole.last[0] and big_head.first[0] == pytest.approx(whole.first[0], rel=0.5)
-    small = balance(whole.seconds, 2, first=whole.first[0], last=whole.last[0])
-    large = balance(big_head.seconds, 2, first=big_head.first[0], last=big_head.last[0])
+    assert big_head.last > 4 * whole.last and big_head.first == pytest.approx(whole.first, rel=0.5)
+    small, large = whole.starts(2), big_head.starts(2)
     assert large[1] > small[1], (small, large)  # a heavier head leaves fewer blocks on the last stage
 
 

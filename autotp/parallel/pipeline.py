@@ -22,7 +22,7 @@ from autotp.hf import no_kv_cache
 from autotp.runtime.collectives import gather_full
 
 from .split import split
-from .stages import StageError, balance, block_costs, find_blocks
+from .stages import StageError, block_costs, find_blocks
 
 # schedule name -> (class, stages per rank)
 SCHEDULES = {"gpipe": (ScheduleGPipe, 1), "1f1b": (Schedule1F1B, 1), "interleaved-1f1b": (ScheduleInterleaved1F1B, 2)}
@@ -52,9 +52,7 @@ def pipeline(model: torch.nn.Module, args, kwargs=None, *, mesh, loss_fn, schedu
     mb_args, mb_kwargs = _first_microbatch(args, kwargs, microbatches)
     fold = find_blocks(model)
     if stages is None:
-        costs = block_costs(_graph(model, mb_args, mb_kwargs, fold=True), fold)
-        stages = balance(costs.seconds, count, first=costs.first[0], last=costs.last[0], memory=costs.memory,
-                         first_memory=costs.first[1], last_memory=costs.last[1])
+        stages = block_costs(_graph(model, mb_args, mb_kwargs, fold=True), fold).starts(count)
     stages = _checked_starts(list(stages), count, fold.count, schedule)
     with no_kv_cache(model):
         cut = split(model, mb_args, mb_kwargs, fold.path, stages)

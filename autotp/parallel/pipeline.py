@@ -43,12 +43,14 @@ def pipeline(model: torch.nn.Module, args, kwargs=None, *, mesh, loss_fn, schedu
         raise TypeError("pipeline stages need loss_fn(output, target): the last stage computes each micro-batch's loss")
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}")
+    if args is None and not kwargs:
+        raise TypeError("pipeline needs example inputs of one step on this data-parallel rank: pass args")
     kind, per_rank = SCHEDULES[schedule]
     pp_mesh = mesh["pp"]
     group, pp, pp_rank = pp_mesh.get_group(), pp_mesh.size(), pp_mesh.get_local_rank()
     count = pp * per_rank
     microbatches = microbatches or pp
-    args, kwargs = tuple(args), dict(kwargs or {})
+    args, kwargs = tuple(args or ()), dict(kwargs or {})
     mb_args, mb_kwargs = _first_microbatch(args, kwargs, microbatches)
     fold = find_blocks(model)
     if stages is None:

@@ -3,18 +3,17 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from autotp.api import _graph
 from autotp.parallel.split import split
 from autotp.parallel.stages import Costs, StageError, block_costs, find_blocks
 from autotp.tools.spawn import run_local
+from distributed import run_unsupervised
 
 VOCAB, BATCH, SEQ, STEPS = 64, 8, 8, 3
 
@@ -201,17 +200,7 @@ def _stage_dies(rank: int, port: int, queue) -> None:
 
 
 def test_a_dead_stage_makes_the_others_raise_in_time():
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=_stage_dies, args=(r, port, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    message, seconds = queue.get(timeout=240)
-    for p in procs:
-        p.join(timeout=30)
+    [(message, seconds)] = run_unsupervised(2, _stage_dies, reports=1)
     assert message != "no error" and seconds < 60, (message, seconds)
 
 

@@ -64,6 +64,10 @@ def pipeline(model: torch.nn.Module, args, kwargs=None, *, mesh, loss_fn, schedu
     modules, built = {}, []
     for index in range(pp_rank, count, pp):
         modules[index] = shard_stage(cut.modules[index], *cut.inputs[index])
+        # first call on the example's real values: autotp checks that TP ranks agree on a module's first inputs,
+        # and pipelining's shape inference would otherwise make that call with uninitialized tensors
+        with torch.no_grad():
+            modules[index](*cut.inputs[index][0], **cut.inputs[index][1])
         built.append(PipelineStage(modules[index], index, count, device, group=group))
     del cut  # other ranks' stages are freed
 

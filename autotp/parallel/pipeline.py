@@ -17,6 +17,7 @@ from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunk
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from autotp.agree import InputCheck
 from autotp.api import _device_of, _graph
 from autotp.hf import no_kv_cache
 from autotp.runtime.collectives import gather_full
@@ -64,10 +65,7 @@ def pipeline(model: torch.nn.Module, args, kwargs=None, *, mesh, loss_fn, schedu
     modules, built = {}, []
     for index in range(pp_rank, count, pp):
         modules[index] = shard_stage(cut.modules[index], *cut.inputs[index])
-        # first call on the example's real values: autotp checks that TP ranks agree on a module's first inputs,
-        # and pipelining's shape inference would otherwise make that call with uninitialized tensors
-        with torch.no_grad():
-            modules[index](*cut.inputs[index][0], **cut.inputs[index][1])
+        _check_first_inputs(modules[index], *cut.inputs[index])
         built.append(PipelineStage(modules[index], index, count, device, group=group))
     del cut  # other ranks' stages are freed
 
@@ -119,6 +117,14 @@ class Pipelined:
 
     def _output(self, merged):
         return None if merged is None else _unflatten(merged, self.out_spec)
+
+
+def _check_first_inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """Run autotp's check that TP ranks agree on a module's first inputs on the example's values: pipelining's
+    shape inference makes the first call with uninitialized tensors, which ranks would not agree on."""
+    for hook in list(module._forward_pre_hooks.values()):
+        if isinstance(hook, InputCheck):
+            hook(module, args, kwargs)
 
 
 def _full_parameters(module: torch.nn.Module) -> dict:

@@ -93,14 +93,14 @@ def _identical(blocks: list) -> bool:
     return len({repr(sorted((k, v) for k, v in s.items() if k not in position)) for s in settings}) == 1
 
 
-def find_fold(model: torch.nn.Module) -> Fold | None:
-    """The longest list of identical blocks whose tensors belong to nothing else, or None."""
+def find_fold(model: torch.nn.Module, min_blocks: int = MIN_BLOCKS) -> Fold | None:
+    """The longest list of at least ``min_blocks`` identical blocks whose tensors belong to nothing else, or None."""
     owners: dict = {}
     for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
         owners.setdefault(id(t), set()).add(name)
     best = None
     for path, mod in model.named_modules():
-        if not isinstance(mod, torch.nn.ModuleList) or len(mod) < MIN_BLOCKS or (best and len(mod) <= best.count):
+        if not isinstance(mod, torch.nn.ModuleList) or len(mod) < min_blocks or (best and len(mod) <= best.count):
             continue
         blocks = list(mod)
         if len({id(b) for b in blocks}) < len(blocks) or not _identical(blocks):

@@ -1,11 +1,14 @@
 """Spawn N gloo ranks on this machine and run a test function on each (failures propagate)."""
 from __future__ import annotations
 
+import socket
 from collections import Counter
+
+import torch.multiprocessing as mp
 
 from autotp.tools.spawn import exit_quietly, run_local
 
-__all__ = ["comm_counts", "exit_quietly", "plan_ops", "run_ranks"]
+__all__ = ["comm_counts", "exit_quietly", "plan_ops", "run_ranks", "run_unsupervised"]
 
 # the eager c10d ops (gloo's polled waits) under the names of their functional twins
 _FUNCTIONAL = {"allreduce_": "all_reduce", "_allgather_base_": "all_gather_into_tensor",
@@ -17,6 +20,23 @@ _PLAN = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather", "re
 def run_ranks(world: int, fn, *args) -> None:
     """Run ``fn(rank, world, *args)`` on ``world`` processes; an exception on any rank fails the caller."""
     run_local(world, fn, *args)
+
+
+def run_unsupervised(world: int, target, reports: int, timeout: float = 240) -> list:
+    """Start ``target(rank, port, queue)`` on ``world`` processes that are not stopped when one of them dies
+    (tests that kill a rank on purpose) and return the first ``reports`` items they put on the queue."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=target, args=(rank, port, queue)) for rank in range(world)]
+    for p in procs:
+        p.start()
+    found = [queue.get(timeout=timeout) for _ in range(reports)]
+    for p in procs:
+        p.join(timeout=30)
+    return found
 
 
 def comm_counts(comm) -> dict:

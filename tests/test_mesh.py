@@ -4,21 +4,19 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import time
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from safetensors.torch import load_file
 from torch.distributed.device_mesh import init_device_mesh
 
 import autotp
 from autotp.parallel.mesh import mesh_dims
 from autotp.tools.spawn import run_local
-from distributed import run_ranks
+from distributed import run_ranks, run_unsupervised
 from examples import mlp
 from examples.train import parse, reference, train
 
@@ -119,17 +117,7 @@ def _victim(rank: int, port: int, queue) -> None:
 
 
 def test_a_dead_dp_rank_makes_the_others_raise():
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=_victim, args=(r, port, queue)) for r in range(4)]
-    for p in procs:
-        p.start()
-    reports = sorted(queue.get(timeout=240) for _ in range(3))
-    for p in procs:
-        p.join(timeout=30)
+    reports = sorted(run_unsupervised(4, _victim, reports=3))
     assert [r for r, _, _ in reports] == [0, 1, 2]
     for rank, message, seconds in reports:
         assert message != "no error", rank

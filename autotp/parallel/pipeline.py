@@ -1,0 +1,164 @@
+"""Pipeline stages on torch.distributed.pipelining, each stage sharded by a caller-given function (autotp's TP).
+
+The model is cut between the blocks of its repeated block list by ``torch.distributed.pipelining.pipeline``
+(torch.export, split points at block starts), which keeps every parameter's original name.  Each stage this rank
+holds goes through ``shard_stage`` (TP on the stage's graph, FSDP over data parallel), is wrapped in a
+``PipelineStage`` and driven by one of pipelining's schedules.  Micro-batch losses are averaged the way a
+single-process mean loss is: the schedule divides gradients by the number of micro-batches (``scale_grads``).
+"""
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from autotp.agree import InputCheck
+from autotp.api import _device_of, _graph
+from autotp.hf import no_kv_cache
+from autotp.runtime.collectives import gather_full
+
+from .split import split
+from .stages import StageError, block_costs, find_blocks
+
+# schedule name -> (class, stages per rank)
+SCHEDULES = {"gpipe": (ScheduleGPipe, 1), "1f1b": (Schedule1F1B, 1), "interleaved-1f1b": (ScheduleInterleaved1F1B, 2)}
+
+
+def pipeline(model: torch.nn.Module, args, kwargs=None, *, mesh, loss_fn, schedule: str = "1f1b",
+             microbatches: int | None = None, stages: list | None = None, shard_stage=None) -> Pipelined:
+    """This rank's pipeline stages of ``model`` over ``mesh["pp"]``, ready to train with ``step``.
+
+    ``args`` / ``kwargs``: example inputs of one step on this data-parallel rank (its share of the batch);
+    they are cut into ``microbatches`` along dim 0 (default: one per pipeline rank).  ``stages``: the block
+    indices where stages begin (first 0), overriding the cost model's balanced split; interleaved 1F1B holds
+    two stages per rank.  ``shard_stage(module, args, kwargs) -> module`` shards one stage (identity by default).
+    """
+    if "pp" not in (mesh.mesh_dim_names or ()):
+        raise ValueError(f"pipeline needs a mesh with a 'pp' dimension, got dims {mesh.mesh_dim_names}")
+    if not callable(loss_fn):
+        raise TypeError("pipeline stages need loss_fn(output, target): the last stage computes each micro-batch's loss")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}")
+    if args is None and not kwargs:
+        raise TypeError("pipeline needs example inputs of one step on this data-parallel rank: pass args")
+    kind, per_rank = SCHEDULES[schedule]
+    pp_mesh = mesh["pp"]
+    group, pp, pp_rank = pp_mesh.get_group(), pp_mesh.size(), pp_mesh.get_local_rank()
+    count = pp * per_rank
+    microbatches = microbatches or pp
+    args, kwargs = tuple(args or ()), dict(kwargs or {})
+    mb_args, mb_kwargs = _first_microbatch(args, kwargs, microbatches)
+    fold = find_blocks(model)
+    if stages is None:
+        stages = block_costs(_graph(model, mb_args, mb_kwargs, fold=True), fold).starts(count)
+    stages = _checked_starts(list(stages), count, fold.count, schedule)
+    with no_kv_cache(model):
+        cut = split(model, mb_args, mb_kwargs, fold.path, stages)
+    out_spec = cut.out_spec
+    shard_stage = shard_stage or (lambda module, stage_args, stage_kwargs: module)
+    device = _device_of(group)
+    modules, built = {}, []
+    for index in range(pp_rank, count, pp):
+        modules[index] = shard_stage(cut.modules[index], *cut.inputs[index])
+        _check_first_inputs(modules[index], *cut.inputs[index])
+        built.append(PipelineStage(modules[index], index, count, device, group=group))
+    del cut  # other ranks' stages are freed
+
+    def flat_loss(output, target):
+        return loss_fn(_unflatten(output, out_spec), target)
+
+    runner = kind(built if per_rank > 1 else built[0], microbatches, loss_fn=flat_loss, scale_grads=True)
+    return Pipelined(runner, modules, group, out_spec, stages)
+
+
+class Pipelined:
+    """This rank's stages and the schedule that runs them; the parameters keep their original names."""
+
+    def __init__(self, schedule, modules: dict, group, out_spec, starts: list):
+        self.schedule = schedule
+        self.modules = modules  # stage index -> this rank's (sharded) stage module
+        self.group = group
+        self.out_spec = out_spec
+        self.starts = starts    # block index where each stage begins
+
+    def step(self, *inputs, target=None, losses: list | None = None, **kwargs):
+        """One training step's forward and backward over the micro-batches (the optimizer step is the caller's):
+        inputs matter on the first stage, ``target`` on the last, where ``losses`` gets each micro-batch's loss
+        and the merged output is returned (None elsewhere)."""
+        return self._output(self.schedule.step(*inputs, target=target, losses=losses, **kwargs))
+
+    def evaluate(self, *inputs, target=None, losses: list | None = None, **kwargs):
+        """Forward only (no gradients kept): the merged output on the last stage, losses if ``target`` is given."""
+        with torch.no_grad():
+            return self._output(self.schedule.eval(*inputs, target=target, losses=losses, **kwargs))
+
+    def named_parameters(self):
+        for index in sorted(self.modules):
+            yield from self.modules[index].named_parameters()
+
+    def parameters(self):
+        for _, param in self.named_parameters():
+            yield param
+
+    def full_state_dict(self) -> dict:
+        """Every stage's full parameters by original name, on every rank of this pipeline (a collective over
+        the pipeline group and each stage's TP and DP groups)."""
+        mine = {}
+        for index in sorted(self.modules):
+            mine.update(_full_parameters(self.modules[index]))
+        everyone = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(everyone, mine, group=self.group)
+        return {name: tensor for stage in everyone for name, tensor in stage.items()}
+
+    def _output(self, merged):
+        return None if merged is None else _unflatten(merged, self.out_spec)
+
+
+def _check_first_inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """Run autotp's check that TP ranks agree on a module's first inputs on the example's values: pipelining's
+    shape inference makes the first call with uninitialized tensors, which ranks would not agree on."""
+    for hook in list(module._forward_pre_hooks.values()):
+        if isinstance(hook, InputCheck):
+            hook(module, args, kwargs)
+
+
+def _full_parameters(module: torch.nn.Module) -> dict:
+    """One stage's full parameters: FSDP shards gathered over data parallel, then autotp's TP shards."""
+    plan = getattr(module, "autotp_plan", None)
+    out = {}
+    for name, param in module.named_parameters():
+        local = param.full_tensor() if isinstance(param, DTensor) else param
+        if plan is not None and name in plan.params:
+            local = gather_full(local, *plan.layout(name), module.autotp_group)
+        out[name] = local.detach().clone()
+    return out
+
+
+def _first_microbatch(args: tuple, kwargs: dict, microbatches: int) -> tuple:
+    """One micro-batch of the example inputs: the shapes every stage is exported and sharded at."""
+    batch = next((t.shape[0] for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.dim()), None)
+    if not isinstance(microbatches, int) or microbatches < 1 or batch is None or batch % microbatches:
+        raise ValueError(f"the batch ({batch}) must divide into {microbatches} equal micro-batches: "
+                         "pass a batch that is a multiple of microbatches")
+    chunks_args, chunks_kwargs = split_args_kwargs_into_chunks(args, kwargs, microbatches)
+    return chunks_args[0], chunks_kwargs[0]
+
+
+def _checked_starts(starts: list, count: int, blocks: int, schedule: str) -> list:
+    if (len(starts) != count or starts[0] != 0 or any(b <= a for a, b in itertools.pairwise(starts))
+            or starts[-1] >= blocks):
+        raise StageError(f"stages={starts}: the {schedule} schedule on this mesh runs {count} stages; give the block "
+                         f"index where each begins, increasing from 0 and below {blocks}")
+    return starts
+
+
+def _unflatten(output, spec):
+    leaves = list(output) if isinstance(output, (tuple, list)) else [output]
+    if spec.num_leaves != len(leaves):
+        raise RuntimeError(f"the last stage returned {len(leaves)} tensors, the model returns {spec.num_leaves}")
+    return tree_unflatten(leaves, spec)

@@ -1,0 +1,243 @@
+"""Pipeline stages (torch.distributed.pipelining) composed with autotp's TP and FSDP2: training equals one process."""
+from __future__ import annotations
+
+import datetime
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from autotp.api import _graph
+from autotp.parallel.split import split
+from autotp.parallel.stages import Costs, StageError, block_costs, find_blocks
+from autotp.tools.spawn import run_local
+from distributed import run_unsupervised
+
+VOCAB, BATCH, SEQ, STEPS = 64, 8, 8, 3
+
+
+def _llama(layers: int = 4, vocab: int = VOCAB):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False,
+                         tie_word_embeddings=False)
+    return LlamaForCausalLM(config)
+
+
+def _batch():
+    generator = torch.Generator().manual_seed(1)
+    return (torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator),
+            torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator))
+
+
+def _loss(output, target):
+    return torch.nn.functional.cross_entropy(output.logits.flatten(0, 1), target.flatten())
+
+
+def _optimizer(params):
+    """AdamW with eps well above fp32 gradient noise: at the default 1e-8 an element whose gradient is ~1e-9
+    moves by lr * g / (|g| + eps), so rounding differences of ~1e-8 between two exact summation orders (TP
+    sums partial products in another order) change its step by a sizeable part of lr."""
+    return torch.optim.AdamW(params, lr=1e-2, eps=1e-3)
+
+
+def _single_process() -> tuple:
+    """Trained in one process: losses per step and parameters after the last step (numpy, to send to ranks)."""
+    model, (x, y) = _llama(), _batch()
+    optimizer, losses = _optimizer(model.parameters()), []
+    for _ in range(STEPS):
+        loss = _loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, {n: p.detach().numpy() for n, p in model.named_parameters()}
+
+
+def _train(rank: int, world: int, dims: tuple, names: tuple, schedule: str, stages, want: tuple) -> dict:
+    """Train on this rank's mesh slice and compare with one process: each step's loss on the last stage
+    (mean over micro-batches, then over data-parallel replicas), every full parameter after the last step."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import autotp.api
+    from autotp.parallel.pipeline import pipeline
+    mesh = init_device_mesh("cpu", dims, mesh_dim_names=names)
+
+    def shard_stage(module, args, kwargs):
+        if "tp" in names:
+            module = autotp.api.parallelize(module, args, kwargs, group=mesh["tp"].get_group())
+        return fully_shard(module, mesh=mesh["dp"]) if "dp" in names else module
+
+    x, y = _batch()
+    if "dp" in names:  # each data-parallel rank trains on its own slice of the global batch
+        dp, index = mesh["dp"].size(), mesh["dp"].get_local_rank()
+        x, y = x.chunk(dp)[index], y.chunk(dp)[index]
+    model = _llama()
+    pipelined = pipeline(model, (x,), mesh=mesh, loss_fn=_loss, schedule=schedule, microbatches=4, stages=stages,
+                         shard_stage=shard_stage)
+    assert not any("forward" in vars(m) for m in model.modules())  # pipelining's split markers were removed
+    names_here = [n for n, _ in pipelined.named_parameters()]
+    assert names_here and all(n in dict(model.named_parameters()) for n in names_here), names_here
+    optimizer, losses = _optimizer(pipelined.parameters()), []
+    for _ in range(STEPS):
+        per_microbatch = []
+        pipelined.step(x, target=y, losses=per_microbatch)
+        optimizer.step()
+        optimizer.zero_grad()
+        if per_microbatch:
+            assert len(per_microbatch) == 4
+            loss = torch.stack(per_microbatch).mean().detach()
+            if "dp" in names:  # a replica's loss is its slice's mean; their mean is the global batch's
+                dist.all_reduce(loss, group=mesh["dp"].get_group())
+                loss /= mesh["dp"].size()
+            losses.append(loss.item())
+    want_losses, want_params = want
+    if losses:  # the last stage
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-4, atol=1e-5)
+    params = pipelined.full_state_dict()
+    assert set(params) == set(want_params)
+    for name, value in want_params.items():
+        torch.testing.assert_close(params[name], torch.from_numpy(value), rtol=1e-4, atol=1e-5, msg=name)
+    # forward only, against one process holding the same (trained) parameters
+    eval_losses = []
+    evaluated = pipelined.evaluate(x, target=y, losses=eval_losses)
+    if losses:
+        reference = _llama()
+        reference.load_state_dict(params, strict=False)  # every parameter (compared above); buffers as built
+        with torch.no_grad():
+            want = reference(x)
+        torch.testing.assert_close(evaluated.logits, want.logits, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(torch.stack(eval_losses).mean(), _loss(want, y), rtol=1e-4, atol=1e-5)
+    else:
+        assert evaluated is None
+    return {"losses": losses, "starts": pipelined.starts}
+
+
+def _run(world: int, *args) -> list:
+    results = run_local(world, _train, *args, _single_process())
+    assert sum(bool(r["losses"]) for r in results) == world // 2  # every rank of the last stage reported
+    return results
+
+
+def test_tp2_pp2_1f1b_trains_like_one_process():
+    """Stages from the cost model (embedding first, head and loss last), TP2 inside each, 4 micro-batches."""
+    results = _run(4, (2, 2), ("pp", "tp"), "1f1b", None)
+    assert len({tuple(r["starts"]) for r in results}) == 1
+
+
+def test_tp2_pp2_dp2_trains_like_one_process():
+    """8 ranks: FSDP2 over data parallel on top of TP2 stages; each replica feeds half the global batch."""
+    _run(8, (2, 2, 2), ("pp", "dp", "tp"), "1f1b", [0, 2])
+
+
+def _schedules(rank: int, world: int, want: tuple) -> None:
+    """Pipeline only (2 ranks): GPipe, and interleaved 1F1B with two one-block stages per rank."""
+    _train(rank, world, (2,), ("pp",), "gpipe", None, want)
+    _train(rank, world, (2,), ("pp",), "interleaved-1f1b", [0, 1, 2, 3], want)
+
+
+def test_gpipe_and_interleaved_1f1b_train_like_one_process():
+    run_local(2, _schedules, _single_process())
+
+
+def test_stages_even_out_stage_time():
+    assert Costs([1.0] * 4).starts(2) == [0, 2]
+    assert Costs([1.0] * 4).starts(4) == [0, 1, 2, 3]
+    assert Costs([1.0] * 4, last=2.5).starts(2) == [0, 3]  # a heavy head: the last stage takes one block
+    assert Costs([1.0] * 4, first=2.5).starts(2) == [0, 1]
+    assert Costs([3.0, 1.0, 1.0, 1.0]).starts(2) == [0, 1]
+    with pytest.raises(StageError, match="3 pipeline stages need at least 3 blocks"):
+        Costs([1.0] * 2).starts(3)
+
+
+def test_block_costs_price_blocks_alike_and_the_head_on_the_last_stage():
+    x = torch.randint(0, VOCAB, (2, SEQ))
+    model = _llama(layers=5)
+    fold = find_blocks(model)
+    assert (fold.path, fold.count) == ("model.layers", 5)
+    whole = block_costs(_graph(model, (x,), None), fold)
+    folded = block_costs(_graph(model, (x,), None, fold=True), fold)  # blocks 0, 1, 3, 4 captured
+    assert len(set(whole.seconds)) == 1
+    assert folded.seconds == pytest.approx(whole.seconds)
+    assert folded.first == pytest.approx(whole.first) and folded.last == pytest.approx(whole.last)
+    assert whole.first < whole.seconds[0] < whole.last * 100
+    big_head = block_costs(_graph(_llama(layers=5, vocab=4096), (x,), None, fold=True), fold)
+    assert big_head.last > 4 * whole.last and big_head.first == pytest.approx(whole.first, rel=0.5)
+    small, large = whole.starts(2), big_head.starts(2)
+    assert large[1] > small[1], (small, large)  # a heavier head leaves fewer blocks on the last stage
+
+
+def test_a_model_without_repeated_blocks_is_refused():
+    with pytest.raises(StageError, match="no list of identical blocks"):
+        find_blocks(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+
+
+def _stage_dies(rank: int, port: int, queue) -> None:
+    """Rank 1 (the last stage) dies in its first forward; rank 0 reports how long it took to raise."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autotp.parallel.pipeline import pipeline
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=20))
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    x, y = _batch()
+    pipelined = pipeline(_llama(), (x,), mesh=mesh, loss_fn=_loss, microbatches=2, stages=[0, 2])
+    if rank == 1:
+        pipelined.modules[1].forward = lambda *args, **kwargs: os._exit(3)
+    start = time.monotonic()
+    try:
+        pipelined.step(x, target=y, losses=[])
+        queue.put(("no error", time.monotonic() - start))
+    except Exception as exc:  # whatever gloo raises for a vanished peer
+        queue.put((f"{type(exc).__name__}: {exc}", time.monotonic() - start))
+    queue.close()
+    queue.join_thread()
+    os._exit(0)
+
+
+def test_a_dead_stage_makes_the_others_raise_in_time():
+    [(message, seconds)] = run_unsupervised(2, _stage_dies, reports=1)
+    assert message != "no error" and seconds < 60, (message, seconds)
+
+
+class _SkipOver(torch.nn.Module):
+    """Blocks between an embedding and a head that reads the embedding again: a value the middle stages skip."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Linear(8, 16)
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh())
+                                          for _ in range(3))
+        self.head = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        e = self.embed(x)
+        h = e
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(h * e)
+
+
+def test_split_passes_on_what_later_stages_read():
+    torch.manual_seed(0)
+    model, x = _SkipOver(), torch.randn(2, 8)
+    cut = split(model, (x,), {}, "blocks", [0, 1, 2])
+    assert [n for m in cut.modules for n, _ in m.named_parameters()] == [n for n, _ in model.named_parameters()]
+    values = (x,)
+    for module, (args, _) in zip(cut.modules, cut.inputs, strict=True):
+        assert len(args) == len(values) and all(torch.equal(a, b) for a, b in zip(args, values, strict=True))
+        out = module(*values)
+        values = out if isinstance(out, tuple) else (out,)
+    torch.testing.assert_close(values[0], model(x))
+    assert len(cut.inputs[1][0]) == 2  # the middle stage takes the embedding output to pass it on
+
+
+def test_parameters_shared_by_two_stages_are_refused():
+    model = _llama()
+    model.lm_head.weight = model.model.embed_tokens.weight  # tied input and output embeddings
+    with pytest.raises(StageError, match="used by more than one stage"):
+        split(model, (torch.randint(0, VOCAB, (1, SEQ)),), {}, "model.layers", [0, 2])

@@ -42,7 +42,7 @@ def _aligned(shard: Shard, shape: tuple, ad: int, size: int, ctx: Context):
     """An input's placement when the output dim it aligns with (``ad``, right-aligned; of ``size``) is
     sharded: the same shard where the sizes are equal, R where it broadcasts (absent or of size 1);
     None where that is not known (a symbolic size): then the output dim cannot be sharded."""
-    if ad < 0 or shape[ad] == 1:
+    if ad < 0 or (ctx.static(shape[ad]) and shape[ad] == 1):
         return R
     return shard.at(ad) if ctx.static(shape[ad]) and shape[ad] == size else None
 

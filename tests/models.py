@@ -107,14 +107,14 @@ def phi2(layers: int = 2):
         max_position_embeddings=64, use_cache=False)).eval()
 
 
-def vit(image: int = 16, patch: int = 4):
+def vit(image: int = 16, patch: int = 4, layers: int = 2):
     """A ViT classifier: convolutional patches, a class token and a learned position table, so the
     sequence length is fixed by the config ((image / patch)^2 + 1 tokens: 17 by default)."""
     from transformers import ViTConfig, ViTForImageClassification
     torch.manual_seed(0)
     return ViTForImageClassification(ViTConfig(
         image_size=image, patch_size=patch, num_channels=3, hidden_size=64, intermediate_size=96,
-        num_hidden_layers=2, num_attention_heads=4, num_labels=5)).eval()
+        num_hidden_layers=layers, num_attention_heads=4, num_labels=5)).eval()
 
 
 def logits(out):

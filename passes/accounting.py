@@ -7,11 +7,11 @@ import torch
 from autotp.cost_models import collective_time, reshard_time
 from autotp.cost_models.collectives import backward_collective, reshard_collective
 from autotp.cost_models.topology import Topology
-from autotp.runtime.placement import R, Replicate, Shard, dump
+from autotp.runtime.placement import R, Shard, dump
 
 from .capture import module_path
 from .solve import Sizes, _compute_time
-from .strategies import Context, input_slots, is_placed, needs_grad
+from .strategies import Context, input_slots, is_placed, needs_grad, partial_grad
 
 
 def planned_collectives(gm: torch.fx.GraphModule, choice: dict, world: int, topology: Topology,
@@ -38,7 +38,7 @@ def planned_collectives(gm: torch.fx.GraphModule, choice: dict, world: int, topo
             back = backward_collective(have, want)
             if back and src in grad:
                 found.setdefault((src, have, want, "back"), ("backward", back))
-            if strategy is not None and isinstance(want, Replicate) and not strategy.replicated and src in grad:
+            if strategy is not None and partial_grad(node, strategy, want) and src in grad:
                 # partial gradients summed: a reduce-scatter where the input was gathered from shards
                 found.setdefault((src, want, "grad"), ("backward", "reduce_scatter" if isinstance(have, Shard)
                                                        else "all_reduce"))

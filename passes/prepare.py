@@ -55,7 +55,8 @@ def getattr_path(gm: torch.nn.Module, target: str):
 def split_bias(gm: torch.fx.GraphModule) -> None:
     """linear(x, w, b) -> linear(x, w) + b and addmm(b, x, w) -> mm(x, w) + b.
 
-    A row-split matmul yields partial sums; the bias must be added once, after they are reduced.
+    A row-split matmul yields partial sums; the bias must be added once: by one rank to the partial
+    sums (strategies.adds_once) or after they are reduced.
     """
     for node in list(gm.graph.nodes):
         if node.target == aten.linear.default and len(node.args) > 2 and node.args[2] is not None:

@@ -14,7 +14,7 @@ from autotp.runtime.placement import Partial, R, Replicate, Shard, take_local
 from .capture import module_path
 from .layout_rules import block_of
 from .rules import held_heads
-from .strategies import is_observer, needs_grad
+from .strategies import adds_once, is_observer, needs_grad, partial_grad
 
 aten = torch.ops.aten
 
@@ -70,6 +70,12 @@ def _localize(node: Node, strategy, rank: int, world: int) -> None:
         keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
         node.target, node.args = local_ops.partial_mean, (x, dims, keepdim, count)
         node.kwargs = {k: v for k, v in node.kwargs.items() if k == "dtype"}
+    elif adds_once(node, strategy) and rank != 0:  # rank 0 alone adds the replicated operand
+        at = strategy.inputs.index(R)
+        with node.graph.inserting_before(node):
+            zeros = node.graph.call_function(local_ops.added_by_rank0, (node.args[at],))
+        zeros.meta = dict(node.args[at].meta)
+        node.update_arg(at, zeros)
     elif target == aten.embedding.default and isinstance(src, Shard) and src.dim == 0:
         weight, ids = node.args[:2]
         (start, _), = src.ranges(weight.meta["val"].shape[0], rank, world)
@@ -197,7 +203,7 @@ def rewrite(gm: torch.fx.GraphModule, choice: dict, rank: int, world: int, group
                 want = next(wants)
                 if n not in placed or want is None:
                     return n
-                f = isinstance(want, Replicate) and not strategy.replicated and n in grad
+                f = partial_grad(node, strategy, want) and n in grad
                 return convert(n, want, node, f)
 
             node.args, node.kwargs = map_arg((node.args, node.kwargs), swap)

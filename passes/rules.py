@@ -27,7 +27,7 @@ from .layout_rules import (
     unsqueeze,
     view,
 )
-from .strategies import Context, Strategy, input_slots, is_placed
+from .strategies import ADDITIVE, Context, Strategy, input_slots, is_placed
 
 aten = torch.ops.aten
 
@@ -38,19 +38,25 @@ def _tensor_inputs(node: Node) -> list[Node]:
 
 # ---- elementwise ---------------------------------------------------------------------------
 
+def _aligned(shard: Shard, shape: tuple, ad: int, size: int, ctx: Context):
+    """An input's placement when the output dim it aligns with (``ad``, right-aligned; of ``size``) is
+    sharded: the same shard where the sizes are equal, R where it broadcasts (absent or of size 1);
+    None where that is not known (a symbolic size): then the output dim cannot be sharded."""
+    if ad < 0 or (ctx.static(shape[ad]) and shape[ad] == 1):
+        return R
+    return shard.at(ad) if ctx.static(shape[ad]) and shape[ad] == size else None
+
+
 def pointwise(node: Node, ctx: Context) -> list[Strategy]:
     """Shard any output dim; each input shards the aligned dim, or stays R where it broadcasts."""
     out = ctx.shape(node)
     found = []
     for d in range(len(out)):
         for shard in ctx.shard_options(node, d):
-            placements = {}
-            for a in _tensor_inputs(node):
-                shape = ctx.shape(a)
-                ad = d - (len(out) - len(shape))
-                same = ad >= 0 and ctx.static(shape[ad]) and shape[ad] == out[d]
-                placements[a] = shard.at(ad) if same else R
-            found.append(Strategy(ctx.fill(node, placements), shard))
+            placements = {a: _aligned(shard, ctx.shape(a), d - (len(out) - len(ctx.shape(a))), out[d], ctx)
+                          for a in _tensor_inputs(node)}
+            if None not in placements.values():
+                found.append(Strategy(ctx.fill(node, placements), shard))
     return found + _partial(node, ctx)
 
 
@@ -63,7 +69,6 @@ def _same_dtype(node: Node) -> bool:
 _LINEAR_UNARY = {aten.neg.default, aten.clone.default, aten.contiguous.default, aten.alias.default,
                  aten.detach.default}
 _CASTS = {aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default}
-_ADDITIVE = {aten.add.Tensor, aten.sub.Tensor}
 # which operand may be the partial one
 _SCALING = {aten.mul.Tensor: (0, 1), aten.div.Tensor: (0,), aten.mul.Scalar: (0,)}
 
@@ -75,8 +80,10 @@ def _partial(node: Node, ctx: Context) -> list[Strategy]:
         return [Strategy(ctx.fill(node, {tensors[0]: P}), P)]
     if target == aten.dropout.default and node.args[2] is False:
         return [Strategy(ctx.fill(node, {tensors[0]: P}), P)]
-    if target in _ADDITIVE and len(tensors) == len(node.args[:2]) and len(set(tensors)) == len(tensors):
-        return [Strategy(ctx.fill(node, dict.fromkeys(tensors, P)), P)]
+    if target in ADDITIVE and len(tensors) == len(node.args[:2]) and len(set(tensors)) == len(tensors):
+        # both partial; or one partial and the other replicated, added by one rank (strategies.adds_once)
+        return [Strategy(ctx.fill(node, dict.fromkeys(tensors, P)), P),
+                *(Strategy(ctx.fill(node, {a: P}), P) for a in tensors)]
     if target in _SCALING:
         found = []
         for i in _SCALING[target]:
@@ -128,12 +135,10 @@ def matmul(node: Node, ctx: Context) -> list[Strategy]:
     for d in range(n - 2):  # batch dims, right-aligned against each operand
         for s in ctx.shard_options(node, d):
             if s.chunks is None:
-                placements = {}
-                for t, shape in ((a, sa), (b, sb)):
-                    td = d - (n - len(shape))
-                    same = 0 <= td < len(shape) - 2 and ctx.static(shape[td]) and shape[td] == out[d]
-                    placements[t] = s.at(td) if same else R
-                found.append(Strategy(ctx.fill(node, placements), s))
+                placements = {t: _aligned(s, shape[:-2], d - (n - len(shape)), out[d], ctx)
+                              for t, shape in ((a, sa), (b, sb))}
+                if None not in placements.values():
+                    found.append(Strategy(ctx.fill(node, placements), s))
     return found
 
 

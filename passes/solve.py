@@ -24,7 +24,7 @@ from autotp.cost_models.memory import breakdown, smallest_fitting_world, state_f
 from autotp.cost_models.topology import Topology
 from autotp.runtime.placement import P, R, Replicate, Shard
 
-from .strategies import Context, input_slots, is_placed, needs_grad
+from .strategies import Context, input_slots, is_placed, needs_grad, partial_grad
 
 _MATMULS = {torch.ops.aten.linear.default, torch.ops.aten.mm.default, torch.ops.aten.bmm.default,
             torch.ops.aten.matmul.default, torch.ops.aten.scaled_dot_product_attention.default}
@@ -173,8 +173,7 @@ def solve(gm: torch.fx.GraphModule, ctx: Context, topology: Topology, *, trainin
         for slot_i, src in enumerate(input_slots(node)):
             if src in ctx.strategies and is_placed(src):
                 edges.append((src, [(v, s.inputs[slot_i]) for v, s in zip(x[node], options, strict=True)]))
-                bad = [v for v, s in zip(x[node], options, strict=True)
-                       if s.inputs[slot_i] == R and not s.replicated]
+                bad = [v for v, s in zip(x[node], options, strict=True) if partial_grad(node, s, s.inputs[slot_i])]
                 if src in grad and bad:
                     g = grad_reduce.setdefault(src, problem.add_variable(f"g{len(grad_reduce)}", lowBound=0))
                     problem += g >= pulp.lpSum(bad)

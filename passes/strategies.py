@@ -13,7 +13,7 @@ import torch
 from torch.fx import Node
 from torch.fx.node import map_arg
 
-from autotp.runtime.placement import R, Replicate, Shard, dealt
+from autotp.runtime.placement import Partial, R, Replicate, Shard, dealt
 
 # Symbolic sizes are compared by evaluating them at distinct large primes:
 # two monomials in batch/sequence symbols agree iff their products agree.
@@ -32,11 +32,36 @@ class Strategy:
         return rep(self.output) and all(map(rep, self.inputs))
 
 
+ADDITIVE = {torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor}
+
+
+def adds_once(node: Node, strategy: Strategy) -> bool:
+    """A partial sum plus (or minus) a replicated operand -- a bias, the residual stream -- stays a
+    partial sum when one rank adds that operand (passes/rewrite.py); the others add zeros."""
+    return (node.target in ADDITIVE and isinstance(strategy.output, Partial)
+            and any(isinstance(p, Replicate) for p in strategy.inputs))
+
+
+def partial_grad(node: Node, strategy: Strategy, want) -> bool:
+    """Whether an input that ``strategy`` reads replicated (``want``) gets back only this rank's share
+    of its gradient, which a backward all-reduce must sum (Megatron's f).  An operand added once to a
+    partial sum does not: the gradient arriving at a partial sum is whole on every rank (the forward
+    all-reduce's backward is the identity), and it passes to the operand unchanged."""
+    return isinstance(want, Replicate) and not strategy.replicated and not adds_once(node, strategy)
+
+
 def input_slots(node: Node) -> list[Node]:
     """The node's inputs in the order map_arg visits them; the rewriter relies on the same order."""
     slots: list[Node] = []
     map_arg((node.args, node.kwargs), lambda n: slots.append(n) or n)
     return slots
+
+
+def concrete(size):
+    """``size`` as an int if it has one value (a SymInt whose expression is a number), else unchanged."""
+    if isinstance(size, torch.SymInt) and size.node.expr.is_number:
+        return int(size)
+    return size
 
 
 def value(node: Node):
@@ -74,8 +99,10 @@ class Context:
     _options: dict = field(default_factory=dict)     # shard_options, once per (node, dim): hints are fixed by then
 
     def shape(self, node) -> tuple:
+        """Sizes as ints where they are fixed, even where export left them as constant SymInts (a dim
+        of an input it specialized: a ViT's image size, hence its number of patches)."""
         v = value(node) if isinstance(node, Node) else None
-        return tuple(v.shape) if isinstance(v, torch.Tensor) else ()
+        return tuple(map(concrete, v.shape)) if isinstance(v, torch.Tensor) else ()
 
     def static(self, size) -> bool:
         return isinstance(size, int)

@@ -39,6 +39,21 @@ class ParallelBranches(torch.nn.Module):
         return x + (self.a_out(torch.relu(self.a_in(y))) + self.b_out(torch.nn.functional.gelu(self.b_in(y))))
 
 
+class SignedBranches(torch.nn.Module):
+    """x - a(ln(x)) + 0.5 * b(ln(x)), biases on every linear: a replicated operand first in a
+    subtraction, and a partial operand scaled by add's alpha."""
+
+    def __init__(self, hidden: int = 32):
+        super().__init__()
+        self.ln = torch.nn.LayerNorm(hidden)
+        self.a_in, self.a_out = torch.nn.Linear(hidden, 2 * hidden), torch.nn.Linear(2 * hidden, hidden)
+        self.b_in, self.b_out = torch.nn.Linear(hidden, 2 * hidden), torch.nn.Linear(2 * hidden, hidden)
+
+    def forward(self, x):
+        y = self.ln(x)
+        return torch.add(x - self.a_out(torch.relu(self.a_in(y))), self.b_out(torch.relu(self.b_in(y))), alpha=0.5)
+
+
 def build(kind: str, device: str = "cpu", blocks: int = BLOCKS):
     """(model, example args, number of transformer blocks) with a fixed seed."""
     torch.manual_seed(0)
@@ -81,6 +96,25 @@ def llama_with(heads: int, kv: int, head_dim: int = 8, vocab: int = 96, layers: 
         hidden_size=heads * head_dim, num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
         intermediate_size=96, vocab_size=vocab, num_hidden_layers=layers, max_position_embeddings=64,
         use_cache=False)).eval()
+
+
+def phi2(layers: int = 2):
+    """Phi-2's layout: one layer norm feeding attention and MLP in parallel, biases on every linear."""
+    from transformers import PhiConfig, PhiForCausalLM
+    torch.manual_seed(0)
+    return PhiForCausalLM(PhiConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4,
+        max_position_embeddings=64, use_cache=False)).eval()
+
+
+def vit(image: int = 16, patch: int = 4, layers: int = 2):
+    """A ViT classifier: convolutional patches, a class token and a learned position table, so the
+    sequence length is fixed by the config ((image / patch)^2 + 1 tokens: 17 by default)."""
+    from transformers import ViTConfig, ViTForImageClassification
+    torch.manual_seed(0)
+    return ViTForImageClassification(ViTConfig(
+        image_size=image, patch_size=patch, num_channels=3, hidden_size=64, intermediate_size=96,
+        num_hidden_layers=layers, num_attention_heads=4, num_labels=5)).eval()
 
 
 def logits(out):

@@ -42,24 +42,32 @@ ARCHS = {
 }
 
 
-def _build(name: str):
+def _build(name: str, **overrides):
     import transformers
     config_cls, model_cls, config = ARCHS[name]
     extra = {} if name == "bert" else {"use_cache": False}
     torch.manual_seed(0)
-    return getattr(transformers, model_cls)(getattr(transformers, config_cls)(**config, **SMALL, **extra)).eval()
+    return getattr(transformers, model_cls)(getattr(transformers, config_cls)(
+        **{**config, **overrides}, **SMALL, **extra)).eval()
 
 
 def _out(output) -> torch.Tensor:
+    if isinstance(output, torch.Tensor):
+        return output
     return output.logits if hasattr(output, "logits") else output.last_hidden_state
 
 
-def _same_as_unsharded(model, sharded, tol=TOL) -> None:
+def _ids(batch: int, seq: int) -> torch.Tensor:
+    return torch.randint(0, 90, (batch, seq))
+
+
+def _same_as_unsharded(model, sharded, tol=TOL, inputs=_ids) -> None:
+    """Outputs at other shapes (1 x 1 included) and gradients; ``inputs(batch, seq)`` makes the input."""
     torch.manual_seed(1)
     for batch, seq in [(3, 7), (1, 1)]:
-        x = torch.randint(0, 90, (batch, seq))
+        x = inputs(batch, seq)
         torch.testing.assert_close(_out(sharded(x)), _out(model(x)), **tol)
-    x = torch.randint(0, 90, (2, 6))
+    x = inputs(2, 6)
     _out(sharded(x)).float().square().mean().backward()
     _out(model(x)).float().square().mean().backward()
     grads = autotp.full_state_dict(sharded, grads=True)

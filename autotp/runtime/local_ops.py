@@ -32,3 +32,20 @@ def vocab_embedding(weight: torch.Tensor, ids: torch.Tensor, start: int, padding
 def partial_mean(x: torch.Tensor, dims, keepdim: bool = False, count: int = 1, *, dtype=None):
     """This rank's share of a mean over a sharded dim: its sum divided by the full count."""
     return x.sum(dims, keepdim=keepdim, dtype=dtype) / count
+
+
+class _AddedByRank0(torch.autograd.Function):
+    """Zeros in place of a replicated operand of a partial sum that rank 0 adds; its gradient passes
+    through unchanged, so every rank holds the whole gradient of the operand, as for any replicated value."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.new_zeros(()).expand(x.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def added_by_rank0(x: torch.Tensor) -> torch.Tensor:
+    return _AddedByRank0.apply(x) if torch.is_grad_enabled() else x.new_zeros(()).expand(x.shape)

@@ -1,0 +1,101 @@
+"""A partial sum plus a replicated operand (a bias, the residual stream) stays partial: one rank adds
+the operand.  Parallel attention + MLP blocks with biases then run one forward all-reduce per block,
+as bias-free ones do, and sequential ones two (Megatron).  Also: an encoder whose sequence length is
+fixed by its config and does not divide the ranks (ViT, 17 tokens) runs exactly."""
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from test_architectures import TOL, _build, _same_as_unsharded
+from test_sharded import _block_of
+from torch.distributed.tensor.debug import CommDebugMode
+
+import autotp
+from autotp.runtime import collectives
+from autotp.runtime.placement import Shard
+from distributed import comm_counts, run_ranks
+from models import SignedBranches, phi2, vit
+
+BLOCKS = 1  # blocks are planned alike (tests/test_fold.py); one keeps the spawned ranks quick
+
+
+def _all_reduces(step) -> int:
+    """All-reduces ``step()`` runs, counted by CommDebugMode (small ones too: not one-shot)."""
+    one_shot, collectives.ONE_SHOT_BYTES = collectives.ONE_SHOT_BYTES, 0
+    try:
+        with CommDebugMode() as comm:
+            step()
+    finally:
+        collectives.ONE_SHOT_BYTES = one_shot
+    return comm_counts(comm).get("all_reduce", 0)
+
+
+def _per_block(plan, phase: str) -> list[int]:
+    found = Counter(_block_of(c["module"]) for c in plan.collectives if c["phase"] == phase and c["op"] == "all_reduce")
+    return [found[b] for b in range(BLOCKS)]
+
+
+def _blocks(rank: int, world: int) -> None:
+    x = torch.randint(0, 90, (2, 5))
+    # (model, forward all-reduces per block, backward: one per layer norm feeding column-split matmuls)
+    cases = [(_build("gpt_neox", num_hidden_layers=BLOCKS), 1, 2), (phi2(BLOCKS), 1, 1)]
+    if world == 2:
+        cases.append((_build("gpt_neox", num_hidden_layers=BLOCKS, use_parallel_residual=False), 2, 2))
+    for model, forward, backward in cases:
+        sharded = autotp.parallelize(model, (x,))
+        plan = sharded.autotp_plan
+        assert _per_block(plan, "forward") == [forward] * BLOCKS, plan.collectives
+        assert _per_block(plan, "backward") == [backward] * BLOCKS, plan.collectives
+        assert _all_reduces(lambda s=sharded: s(x)) == plan.collective_counts("forward")["all_reduce"]
+        loss = sharded(x).logits.square().mean()
+        assert _all_reduces(loss.backward) == plan.collective_counts("backward")["all_reduce"]
+        model.zero_grad()
+        sharded.zero_grad()
+        _same_as_unsharded(model, sharded)  # outputs and every gradient: biases' and the residual stream's
+
+
+def _signed(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    model = SignedBranches().eval()
+    x = torch.randn(2, 5, 32)
+    sharded = autotp.parallelize(model, (x,))
+    assert sharded.autotp_plan.params["a_out.weight"] == "S(1)", sharded.autotp_plan.params
+    assert _all_reduces(lambda: sharded(x)) == 1  # x - a + 0.5 b summed once, biases and x added by one rank
+    _same_as_unsharded(model, sharded, inputs=lambda batch, seq: torch.randn(batch, seq, 32))
+    grad = torch.randn(2, 5, 32)
+    inputs = [x.clone().requires_grad_() for _ in range(2)]
+    sharded(inputs[0]).backward(grad)
+    model(inputs[1]).backward(grad)
+    torch.testing.assert_close(inputs[0].grad, inputs[1].grad, **TOL)  # the residual operand's gradient
+
+
+def _pixels(batch: int, seq: int) -> torch.Tensor:
+    return torch.randn(batch, 3, 16, 16)  # the sequence length is the model's: 16 patches + class token
+
+
+def _vit(rank: int, world: int) -> None:
+    model = vit(layers=BLOCKS)
+    _same_as_unsharded(model, autotp.parallelize(model, (_pixels(2, 0),)), inputs=_pixels)
+    if world > 2:  # the position table split by tokens (6,6,5 or 5,4,4,4 of 17): the activations follow it
+        model.zero_grad()
+        table = "vit.embeddings.position_embeddings"
+        sharded = autotp.parallelize(model, (_pixels(2, 0),), fixed={table: Shard(1, units=17)})
+        assert dict(sharded.named_parameters())[table].shape[1] == (17 + world - 1 - rank) // world
+        _same_as_unsharded(model, sharded, inputs=_pixels)
+
+
+def _checks(rank: int, world: int) -> None:
+    """One spawn per world size: starting ranks costs more than the checks."""
+    if world != 3:
+        _blocks(rank, world)
+    if world == 2:
+        _signed(rank, world)
+    _vit(rank, world)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_partial_sums_and_static_sequences(world):
+    """Blocks with biases (2, 4 ranks), sub and alpha (2 ranks), ViT (2, 3, 4 ranks): see the module docstring."""
+    run_ranks(world, _checks)

@@ -33,6 +33,21 @@ _VIEWS = {getattr(torch.ops.aten, name).default for name in
           ("view", "reshape", "_unsafe_view", "permute", "t", "expand", "unsqueeze", "alias", "detach")} | {
     torch.ops.aten.transpose.int, torch.ops.aten.slice.Tensor, torch.ops.aten.select.int,
     torch.ops.aten.split.Tensor, torch.ops.aten.chunk.default, operator.getitem}
+# ops whose backward needs no input value (a sum's gradient passes through; dropout keeps its mask):
+# an output read only by these is not kept for backward
+_KEEP_NO_INPUT = {torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor, torch.ops.aten.neg.default,
+                  torch.ops.aten.dropout.default, torch.ops.aten.sum.dim_IntList}
+
+
+def _kept_for_backward(node: Node) -> bool:
+    """Whether some op's backward reads this output (through views of it)."""
+    for user in node.users:
+        if user.target in _VIEWS:
+            if _kept_for_backward(user):
+                return True
+        elif user.target not in _KEEP_NO_INPUT:
+            return True
+    return False
 
 
 # Equal-cost plans are common (an all-gather before a matmul or a reduce-scatter after it move the
@@ -128,7 +143,8 @@ def _memory(node: Node, strategy, sizes: Sizes, world: int, trainable: dict, tra
     if node.target == torch.ops.aten.scaled_dot_product_attention.default and not training:
         kv = zip(node.args[1:3], strategy.inputs[1:3], strict=True)
         return {"kv_cache": sum(_local(sizes.nbytes(a), p, world) for a, p in kv)}
-    if training and node.op == "call_function" and node.target not in _VIEWS and is_placed(node):
+    if training and node.op == "call_function" and node.target not in _VIEWS and is_placed(node) and \
+            _kept_for_backward(node):
         return {"activations": _local(sizes.nbytes(node), strategy.output, world)}
     return {}
 

@@ -59,8 +59,8 @@ def test_tp2_x_dp2_trains_like_one_process(tmp_path):
         torch.testing.assert_close(saved[name], p.detach(), **TOL)
 
 
-# TP 2 x DP 4, 2 steps on a global batch of 8 (2 sequences per replica)
-EIGHT = ["--tp", "2", "--dp", "4", *TINY, "--steps", "2", "--batch", "8"]
+# TP 2 x DP 2 x PP 2 (1F1B, 4 micro-batches), 2 steps on a global batch of 8 (4 sequences per replica)
+EIGHT = ["--tp", "2", "--dp", "2", "--pp", "2", *TINY, "--steps", "2", "--batch", "8", "--microbatches", "4"]
 
 
 def _example(rank: int, world: int) -> list[float]:

@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import datetime
 import os
+import tempfile
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 
 from autotp.api import _graph
 from autotp.parallel.split import split
@@ -63,6 +65,7 @@ def _train(rank: int, world: int, dims: tuple, names: tuple, schedule: str, stag
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    import autotp
     import autotp.api
     from autotp.parallel.pipeline import pipeline
     mesh = init_device_mesh("cpu", dims, mesh_dim_names=names)
@@ -102,6 +105,12 @@ def _train(rank: int, world: int, dims: tuple, names: tuple, schedule: str, stag
     assert set(params) == set(want_params)
     for name, value in want_params.items():
         torch.testing.assert_close(params[name], torch.from_numpy(value), rtol=1e-4, atol=1e-5, msg=name)
+    saved = autotp.save_pretrained(pipelined, tempfile.mkdtemp())  # a collective; the mesh's first rank writes
+    if dist.get_rank() == 0:
+        on_disk = load_file(saved / "model.safetensors")
+        assert on_disk.keys() == params.keys()
+        for name, value in params.items():
+            assert torch.equal(on_disk[name], value), name
     # forward only, against one process holding the same (trained) parameters
     eval_losses = []
     evaluated = pipelined.evaluate(x, target=y, losses=eval_losses)

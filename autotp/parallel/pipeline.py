@@ -73,14 +73,15 @@ def pipeline(model: torch.nn.Module, args, kwargs=None, *, mesh, loss_fn, schedu
         return loss_fn(_unflatten(output, out_spec), target)
 
     runner = kind(built if per_rank > 1 else built[0], microbatches, loss_fn=flat_loss, scale_grads=True)
-    return Pipelined(runner, modules, group, out_spec, stages)
+    return Pipelined(runner, modules, group, out_spec, stages, getattr(model, "config", None))
 
 
 class Pipelined:
     """This rank's stages and the schedule that runs them; the parameters keep their original names."""
 
-    def __init__(self, schedule, modules: dict, group, out_spec, starts: list):
+    def __init__(self, schedule, modules: dict, group, out_spec, starts: list, config=None):
         self.schedule = schedule
+        self.autotp_config = config  # written beside the weights by autotp.save_pretrained
         self.modules = modules  # stage index -> this rank's (sharded) stage module
         self.group = group
         self.out_spec = out_spec

@@ -82,22 +82,39 @@ def check_names(checkpoint: Checkpoint, expected: dict, optional: set = frozense
         raise CheckpointError(f"checkpoint {checkpoint.directory} does not match the model: {listed}")
 
 
-def save_pretrained(sharded: torch.nn.Module, directory: str | Path, max_shard_bytes: int = 5 * 2 ** 30) -> Path:
+def save_pretrained(sharded, directory: str | Path, max_shard_bytes: int = 5 * 2 ** 30) -> Path:
     """Write a standard, unsharded checkpoint (a collective: every rank must call it).
 
     Tensors are gathered one at a time and rank 0 writes a file whenever ``max_shard_bytes`` is
     reached, so no rank ever holds the whole model; an index file lists them when there are several.
+    A pipeline (``autotp.parallelize`` over a mesh with "pp") gathers its stages' parameters itself,
+    and the first rank of the whole mesh writes them.
     """
+    directory = Path(directory)
+    if not isinstance(sharded, torch.nn.Module) and hasattr(sharded, "full_state_dict"):
+        full = sharded.full_state_dict()
+        _write(iter(full.items()), directory, max_shard_bytes, dist.get_rank() == 0,
+               getattr(sharded, "autotp_config", None))
+        dist.barrier()
+        return directory
     mesh = getattr(sharded, "autotp_mesh", None)
     if mesh is not None and "pp" in mesh.mesh_dim_names:
         raise ValueError("save_pretrained got one pipeline stage's module, which holds only that stage's parameters: "
                          "save the pipeline as a whole")
-    directory = Path(directory)
     group = sharded.autotp_group
-    writer = _is_writer(sharded)
+    placements = _placements_by_id(sharded)
+    gathered = ((name, _gather(tensor, placements.get(id(tensor), (None, None)), group))
+                for name, tensor in _persistent_tensors(sharded))
+    _write(gathered, directory, max_shard_bytes, _is_writer(sharded), getattr(sharded, "autotp_config", None))
+    dist.barrier(group if mesh is None else None)  # the writer may be in another TP group
+    return directory
+
+
+def _write(named_tensors, directory: Path, max_shard_bytes: int, writer: bool, config) -> None:
+    """Consume (name, full tensor) pairs in order, writing files of at most ``max_shard_bytes`` on the writer
+    (the others only take part in the gathers the pairs come from)."""
     if writer:
         directory.mkdir(parents=True, exist_ok=True)
-    placements = _placements_by_id(sharded)
     files, pending, pending_bytes, total = [], {}, 0, 0
 
     def flush():
@@ -108,8 +125,7 @@ def save_pretrained(sharded: torch.nn.Module, directory: str | Path, max_shard_b
             files.append((path, list(pending)))
         pending, pending_bytes = {}, 0
 
-    for name, tensor in _persistent_tensors(sharded):
-        full = _gather(tensor, placements.get(id(tensor), (None, None)), group)
+    for name, full in named_tensors:
         if writer:
             size = full.numel() * full.element_size()
             if pending and pending_bytes + size > max_shard_bytes:
@@ -120,11 +136,8 @@ def save_pretrained(sharded: torch.nn.Module, directory: str | Path, max_shard_b
     flush()
     if writer:
         _name_files(directory, files, total)
-        config = getattr(sharded, "autotp_config", None)
         if config is not None:
             config.save_pretrained(directory)
-    dist.barrier(group if mesh is None else None)  # the writer may be in another TP group
-    return directory
 
 
 def _is_writer(sharded: torch.nn.Module) -> bool:

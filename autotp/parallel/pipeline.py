@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from autotp.agree import InputCheck
 from autotp.api import _device_of, _graph
 from autotp.hf import no_kv_cache
-from autotp.runtime.collectives import gather_full
+from autotp.runtime.checkpoint import full_state_dict
 
 from .split import split
 from .stages import StageError, block_costs, find_blocks
@@ -129,15 +129,12 @@ def _check_first_inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> N
 
 
 def _full_parameters(module: torch.nn.Module) -> dict:
-    """One stage's full parameters: FSDP shards gathered over data parallel, then autotp's TP shards."""
-    plan = getattr(module, "autotp_plan", None)
-    out = {}
-    for name, param in module.named_parameters():
-        local = param.full_tensor() if isinstance(param, DTensor) else param
-        if plan is not None and name in plan.params:
-            local = gather_full(local, *plan.layout(name), module.autotp_group)
-        out[name] = local.detach().clone()
-    return out
+    """One stage's full parameters: autotp's gather (over DP, then TP) for a sharded stage; a stage left
+    unsharded by ``shard_stage`` holds its parameters whole (FSDP's DTensors gathered)."""
+    if hasattr(module, "autotp_group"):
+        return full_state_dict(module)
+    return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+            for name, p in module.named_parameters()}
 
 
 def _first_microbatch(args: tuple, kwargs: dict, microbatches: int) -> tuple:

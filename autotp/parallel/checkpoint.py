@@ -28,7 +28,7 @@ from torch.distributed.tensor import Shard as DShard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from autotp.runtime.collectives import gather_full
+from autotp.runtime.checkpoint import gather_whole
 from autotp.runtime.placement import Shard, take_local
 
 
@@ -99,10 +99,8 @@ class _Pieces:
             local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
             return DTensor.from_local(local, self.mesh, self.placements[name], run_check=False,
                                       shape=torch.Size(layout.shape), stride=_strides(layout.shape))
-        whole = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
-        if layout.shard is None:
-            return whole.clone()
-        return gather_full(whole, layout.shard, layout.shape[layout.shard.dim], self.group)
+        size = None if layout.shard is None else layout.shape[layout.shard.dim]
+        return gather_whole(tensor.detach(), (layout.shard, size), self.group)
 
     def to_local(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """Inverse of to_global: the form ``get_model_state_dict`` gives on this rank (an FSDP2 DTensor

@@ -103,7 +103,7 @@ def save_pretrained(sharded, directory: str | Path, max_shard_bytes: int = 5 * 2
                          "save the pipeline as a whole")
     group = sharded.autotp_group
     placements = _placements_by_id(sharded)
-    gathered = ((name, _gather(tensor, placements.get(id(tensor), (None, None)), group))
+    gathered = ((name, gather_whole(tensor, placements.get(id(tensor), (None, None)), group))
                 for name, tensor in _persistent_tensors(sharded))
     _write(gathered, directory, max_shard_bytes, _is_writer(sharded), getattr(sharded, "autotp_config", None))
     dist.barrier(group if mesh is None else None)  # the writer may be in another TP group
@@ -148,7 +148,7 @@ def _is_writer(sharded: torch.nn.Module) -> bool:
     return dist.get_rank() == mesh.mesh.flatten()[0].item()
 
 
-def _gather(tensor: torch.Tensor, layout: tuple, group) -> torch.Tensor:
+def gather_whole(tensor: torch.Tensor, layout: tuple, group) -> torch.Tensor:
     """The full tensor: gathered over data parallelism first (FSDP2 holds a DTensor of this rank's TP
     shard, split again over the DP group), then over the TP group (autotp's own placement)."""
     local = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
@@ -201,5 +201,5 @@ def full_state_dict(sharded: torch.nn.Module, grads: bool = False) -> dict:
     out = {}
     for name, param in sharded.named_parameters():
         tensor = param.grad if grads else param.detach()
-        out[name] = None if tensor is None else _gather(tensor, placements.get(id(param), (None, None)), group)
+        out[name] = None if tensor is None else gather_whole(tensor, placements.get(id(param), (None, None)), group)
     return out

@@ -19,8 +19,8 @@ from autotp.cost_models import load_topology
 from autotp.cost_models import pipeline as pipe
 from autotp.cost_models.layout import Candidate, Profile, Section, Setting, price
 from autotp.cost_models.topology import Topology
-from autotp.passes.solve import _MATMULS, PlanningError, Sizes, _compute_time, _memory
-from autotp.passes.strategies import Strategy
+from autotp.passes.solve import _MATMULS, PlanningError, Sizes, _compute_time, _memory, activation_bytes
+from autotp.passes.strategies import Strategy, needs_grad
 from autotp.runtime.placement import parse
 
 from .api import _graph, _solve
@@ -165,13 +165,17 @@ def _read_profile(gm: torch.fx.GraphModule, tp: int, topo: Topology, training: b
     nodes = {n.name: n for n in gm.graph.nodes}
     trainable = dict(gm.named_parameters(remove_duplicate=False))
     kept: dict = {}
-    for name, entry in plan.nodes.items():
-        node = nodes[name]
-        strategy = Strategy(tuple(parse(p) for p in entry["in"]), parse(entry["out"]))
+    choice = {nodes[name]: Strategy(tuple(parse(p) for p in entry["in"]), parse(entry["out"]))
+              for name, entry in plan.nodes.items()}
+    for node, strategy in choice.items():
         section = kept.setdefault(where[node], Section())
         section.seconds += _compute_time(node, strategy, sizes, tp, topo, training)
         for kind, held in _memory(node, strategy, sizes, tp, trainable, training).items():
             section.memory[kind] = section.memory.get(kind, 0.0) + held
+    grad = needs_grad(gm) if training else set()
+    for node, held in activation_bytes(choice, sizes, tp, grad).items():
+        section = kept.setdefault(where[node], Section())
+        section.memory["activations"] = section.memory.get("activations", 0.0) + held
     for c in plan.collectives:
         kept.setdefault(where[nodes[c["tensor"]]], Section()).seconds += c["seconds"]
     order = ["pre", *([fold.rep(i) for i in range(count)] if fold else []), "post"]

@@ -40,6 +40,10 @@ class PlanningError(RuntimeError):
     pass
 
 
+class DoesNotFit(PlanningError):
+    """No plan among the options fits the memory limit."""
+
+
 @dataclass
 class Solution:
     choice: dict          # node -> Strategy
@@ -152,12 +156,14 @@ def activation_bytes(choice: dict, sizes: Sizes, world: int, grad: set) -> dict:
 
 def solve(gm: torch.fx.GraphModule, ctx: Context, topology: Topology, *, training: bool = True,
           memory_limit: float | None = None, sizes: Sizes | None = None, gather_outputs: bool = True,
-          weights: dict | None = None, ties: list = ()) -> Solution:
+          weights: dict | None = None, ties: list = (), sequence_parallel: bool = False) -> Solution:
     """The fastest plan whose estimated memory per device fits ``memory_limit`` (default 90% of the
     device's memory: CUDA context and fragmentation take the rest).
 
     ``weights``: node -> how many real nodes it stands for (folded blocks); a conversion or gradient
     sum is counted as often as its tensor.  ``ties``: node pairs that must choose alike.
+    ``sequence_parallel``: every op that may split the tokens (ctx.token_options) keeps its output split
+    (by tokens, or as tensor parallelism splits it), never whole or partial.
     """
     t = ctx.world
     w = (weights or {}).get
@@ -190,6 +196,8 @@ def solve(gm: torch.fx.GraphModule, ctx: Context, topology: Topology, *, trainin
         term = kept_var * w(key[0], 1) * held
         memory.append(term)
         kinds.setdefault("activations", []).append(term)
+    if sequence_parallel:
+        _force_tokens(problem, ctx, x)
     for a, b in ties:
         for va, vb in zip(x.get(a, ()), x.get(b, ()), strict=True):
             problem += va == vb
@@ -243,12 +251,23 @@ def solve(gm: torch.fx.GraphModule, ctx: Context, topology: Topology, *, trainin
         try:
             _run(problem, objective)
         except PlanningError:
-            raise PlanningError(f"no plan fits {limit / 1e9:.1f} GB per device at world size {t}: {hint}") from None
+            raise DoesNotFit(f"no plan fits {limit / 1e9:.1f} GB per device at world size {t}: {hint}") from None
     seconds = float(pulp.value(pulp.lpSum(costs)))
     choice = {node: options[max(range(len(options)), key=lambda k: x[node][k].value() or 0)]
               for node, options in ctx.strategies.items()}
     by_kind = {kind: float(pulp.value(pulp.lpSum(terms)) or 0.0) for kind, terms in kinds.items()}
     return Solution(choice, seconds, breakdown(by_kind))
+
+
+def _force_tokens(problem: pulp.LpProblem, ctx: Context, x: dict) -> None:
+    split = [node for node, options in ctx.strategies.items() if any(ctx.on_tokens(node, s) for s in options)]
+    if not split:
+        raise PlanningError("sequence_parallel=True, but no op can split the tokens: the inputs have no symbolic dim "
+                            "after the first (export them with a dynamic sequence), or pass sequence_parallel=None")
+    for node in split:
+        for var, s in zip(x[node], ctx.strategies[node], strict=True):
+            if s.output == R or s.output == P:
+                problem += var == 0
 
 
 def _run(problem: pulp.LpProblem, objective) -> None:

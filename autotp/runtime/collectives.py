@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
+from torch.fx import Node
 
 from .placement import Partial, Replicate, Shard, assemble, take_local
 
@@ -343,8 +344,9 @@ def conversion_steps(src, dst, shape, rank: int, world: int, group: str, partial
     """The runtime calls (function, arguments after the tensor) that turn ``src`` into ``dst`` for a
     tensor of full ``shape``.  ``partial_grad``: the result feeds a sharded op as a replicated input,
     so its gradient comes back as partial sums that must be added up.  ``where``: the value, for errors."""
-    def args(shard: Shard) -> tuple:
-        return shard_args(shard, int(shape[shard.dim]), rank, world, group, where)
+    def args(shard: Shard) -> tuple:  # a size known only at run time (a token dim) is a graph node
+        size = shape[shard.dim]
+        return shard_args(shard, size if isinstance(size, Node) else int(size), rank, world, group, where)
 
     if partial_grad and isinstance(src, Shard) and isinstance(dst, Replicate):
         return [(gather_reduce_backward, args(src))]

@@ -22,8 +22,8 @@ from autotp.passes.prepare import (
 )
 from autotp.passes.rewrite import rewrite
 from autotp.passes.rules import RULES
-from autotp.passes.solve import DoesNotFit, PlanningError, Sizes, solve
-from autotp.passes.strategies import Context, Strategy, enumerate_strategies, input_slots
+from autotp.passes.solve import DoesNotFit, PlanningError, Sizes, activation_bytes, solve
+from autotp.passes.strategies import Context, Strategy, enumerate_strategies, input_slots, needs_grad
 from autotp.passes.styles import param_styles
 
 from .agree import DEFAULT_TIMEOUT, InputCheck, Rendezvous, inputs_digest
@@ -113,10 +113,23 @@ def _solve_once(gm: torch.fx.GraphModule, world_size: int, topology, min_shard_f
         styles=expand(param_styles(gm, choice, world_size)),
         shapes=expand({n.target: list(n.meta["val"].shape) for n in choice if n.op == "get_attr"}),
         alternatives=alternatives(gm, ctx, choice, topo, training, sizes),
-        cost={"seconds": solution.seconds, "memory": solution.memory, "training": training},
+        cost={"seconds": solution.seconds, "memory": solution.memory, "training": training,
+              **_activations_by_module(gm, ctx, choice, sizes, training)},
         replicated_ops=sorted(ctx.unruled),
         fold={"path": folding.fold.path, "count": folding.fold.count} if folding else None,
     )
+
+
+def _activations_by_module(gm: torch.fx.GraphModule, ctx: Context, choice: dict, sizes: Sizes | None,
+                           training: bool) -> dict:
+    """Bytes kept for backward per device by the module that computes them, and the modules that
+    split the tokens (sequence parallelism), for reports."""
+    kept: dict = {}
+    grad = needs_grad(gm) if training else set()
+    for node, held in activation_bytes(choice, sizes or Sizes(), ctx.world, grad).items():
+        kept[module_path(node)] = kept.get(module_path(node), 0.0) + held
+    split = sorted({module_path(n) for n, s in choice.items() if ctx.on_tokens(n, s)})
+    return {"activations": kept, "token_split": split}
 
 
 def plan(model: torch.nn.Module, args=None, kwargs=None, *, world_size: int, topology=None,

@@ -10,7 +10,7 @@ from autotp.cost_models.topology import Topology
 from autotp.runtime.placement import R, Shard, dump
 
 from .capture import module_path
-from .solve import Sizes, _compute_time
+from .solve import Sizes, _activations, _compute_time
 from .strategies import Context, input_slots, is_placed, needs_grad, partial_grad
 
 
@@ -55,13 +55,15 @@ def _module(node: torch.fx.Node) -> str:
 
 def alternatives(gm: torch.fx.GraphModule, ctx: Context, choice: dict, topology: Topology, training: bool,
                  sizes: Sizes | None = None) -> dict:
-    """node name -> [{"in", "out", "seconds", "chosen"}] for ops that had a choice, cheapest first.
+    """node name -> [{"in", "out", "seconds", "kept", "chosen"}] for ops that had a choice, cheapest first
+    (``kept``: bytes per device its backward keeps under that option).
 
     Each alternative is priced as if only this op changed: its compute plus the conversions from its
     producers' chosen placements and into its users' chosen ones (None where impossible).
     """
     sizes = sizes or Sizes()
     world = ctx.world
+    grad = needs_grad(gm) if training else set()
     users_of: dict = {}
     for node in gm.graph.nodes:
         wants = choice[node].inputs if node in choice else [R] * len(input_slots(node))
@@ -82,7 +84,8 @@ def alternatives(gm: torch.fx.GraphModule, ctx: Context, choice: dict, topology:
             for have, want, tensor in moves:
                 t = reshard_time(have, want, sizes.nbytes(tensor), world, topology)
                 total = None if t is None or total is None else total + t
+            kept = sum(held for _, held in _activations(node, s, sizes, world, grad))
             priced.append({"in": [dump(p) for p in s.inputs], "out": dump(s.output), "seconds": total,
-                           "chosen": s == choice[node]})
+                           "kept": kept, "chosen": s == choice[node]})
         out[node.name] = sorted(priced, key=lambda a: (a["seconds"] is None, a["seconds"] or 0.0))
     return out

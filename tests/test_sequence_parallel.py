@@ -106,5 +106,8 @@ def test_taken_only_when_memory_demands_it():
     limit = (plain.cost["memory"]["total"] + split.cost["memory"]["total"]) / 2
     tight = autotp.plan(model, args, world_size=2, memory_limit=limit)
     assert "reduce_scatter" in ops(tight) and tight.cost["memory"]["total"] <= limit
+    # reports: bytes kept per module (summing to the memory estimate) and the modules that split the tokens
+    assert sum(split.cost["activations"].values()) == pytest.approx(split.cost["memory"]["activations"])
+    assert "transformer.h.0.ln_1" in split.cost["token_split"] and not plain.cost["token_split"]
     with pytest.raises(ValueError, match="sequence_parallel"):
         autotp.plan(model, args, world_size=2, sequence_parallel="yes")

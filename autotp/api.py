@@ -126,7 +126,7 @@ def _activations_by_module(gm: torch.fx.GraphModule, ctx: Context, choice: dict,
     split the tokens (sequence parallelism), for reports."""
     kept: dict = {}
     grad = needs_grad(gm) if training else set()
-    for node, held in activation_bytes(choice, sizes or Sizes(), ctx.world, grad).items():
+    for node, held in activation_bytes(choice, sizes or Sizes(), ctx.world, grad, ctx.on_tokens).items():
         kept[module_path(node)] = kept.get(module_path(node), 0.0) + held
     split = sorted({module_path(n) for n, s in choice.items() if ctx.on_tokens(n, s)})
     return {"activations": kept, "token_split": split}

@@ -10,7 +10,7 @@ from autotp.cost_models.topology import Topology
 from autotp.runtime.placement import R, Shard, dump
 
 from .capture import module_path
-from .solve import Sizes, _activations, _compute_time
+from .solve import Sizes, _activations, _compute_time, regathered
 from .strategies import Context, input_slots, is_placed, needs_grad, partial_grad
 
 
@@ -20,6 +20,7 @@ def planned_collectives(gm: torch.fx.GraphModule, choice: dict, world: int, topo
     ``count``: how many real tensors a folded graph's node stands for)."""
     grad = needs_grad(gm)
     found: dict = {}
+    pieces = regathered(choice, grad, _on_tokens)
     for node in gm.graph.nodes:
         strategy = choice.get(node)
         held = strategy.output if strategy is not None else None
@@ -35,6 +36,8 @@ def planned_collectives(gm: torch.fx.GraphModule, choice: dict, world: int, topo
             op = reshard_collective(have, want)
             if op:
                 found.setdefault((src, have, want), ("forward", op))
+            if op == "all_gather" and src in pieces:  # kept as this rank's tokens: gathered again
+                found.setdefault((src, have, want, "again"), ("backward", "all_gather"))
             back = backward_collective(have, want)
             if back and src in grad:
                 found.setdefault((src, have, want, "back"), ("backward", back))
@@ -46,6 +49,11 @@ def planned_collectives(gm: torch.fx.GraphModule, choice: dict, world: int, topo
     return [{"op": op, "phase": phase, "tensor": src.name, "module": _module(src), "bytes": sizes.nbytes(src),
              "seconds": collective_time(op, sizes.nbytes(src), world, topology), "count": (weights or {}).get(src, 1)}
             for (src, *_), (phase, op) in found.items()]
+
+
+def _on_tokens(node: torch.fx.Node, strategy) -> bool:
+    out = strategy.output
+    return isinstance(out, Shard) and isinstance(node.meta["val"].shape[out.dim], torch.SymInt)
 
 
 def _module(node: torch.fx.Node) -> str:

@@ -8,7 +8,7 @@ import torch
 from torch.fx import Node
 from torch.fx.node import map_arg
 
-from autotp.runtime import collectives, local_ops
+from autotp.runtime import collectives, local_ops, regather
 from autotp.runtime.placement import Partial, R, Replicate, Shard, take_local
 
 from .capture import module_path
@@ -246,6 +246,8 @@ def rewrite(gm: torch.fx.GraphModule, choice: dict, rank: int, world: int, group
                     raise RuntimeError(f"{node.name} reads the size of sharded dim {dim}: rules must not allow this")
                 node.replace_all_uses_with(full)  # the full length, not this rank's piece's
     graph.lint()
+    if any(node.target is collectives.gather_tokens for node in graph.nodes):
+        regather.keep_pieces(gm)
     shard_parameters(gm, params, rank, world, checkpoint, device)
     gm.recompile()
     return gm

@@ -31,10 +31,12 @@ VIEWS = {getattr(aten, name).default for name in
 @dataclass(frozen=True)
 class Kept:
     """One tensor kept for backward: ``tensor``'s storage in ``placement``, or an op's own tensor
-    (``kind`` "mask": one byte per element of ``tensor``; "stats": two fp32 numbers per normalized row)."""
+    (``kind`` "mask": one byte per element of ``tensor``; "stats": two fp32 numbers per normalized row;
+    "additive": an attention mask, which SDPA's kernels keep as a bias of the query's dtype)."""
     tensor: Node
     placement: object
     kind: str = "value"
+    like: Node | None = None  # kind "additive": a mask kept as an additive bias in this node's dtype
 
 
 def storage(node: Node) -> Node:
@@ -83,8 +85,9 @@ def _layer_norm(node, strategy, grad):
 
 
 def _attention(node, strategy, grad):
-    """SDPA's fused kernels keep q, k, v, the output and the log-sum-exp of each row (fp32)."""
-    return [(0, None), (1, None), (2, None), (None, None), (None, "stats")]
+    """SDPA's fused kernels keep q, k, v, the mask, the output and the log-sum-exp of each row (fp32)."""
+    mask = sum(isinstance(a, Node) for a in node.args[3:4]) + isinstance(node.kwargs.get("attn_mask"), Node)
+    return [(0, None), (1, None), (2, None), *((3, "additive") for _ in range(mask)), (None, None), (None, "stats")]
 
 
 def _condition(node, strategy, grad):
@@ -130,7 +133,7 @@ def kept(node: Node, strategy, grad: set) -> list[Kept]:
         src = slots[slot]
         base = storage(src)
         if is_placed(src) and base.op == "call_function":  # inputs, parameters and buffers are counted apart
-            found.append(Kept(base, strategy.inputs[slot]))
+            found.append(Kept(base, strategy.inputs[slot], kind or "value", node if kind else None))
     return found
 
 
@@ -139,6 +142,8 @@ def element_bytes(item: Kept, numel: float) -> float:
     val = item.tensor.meta["val"]
     if item.kind == "mask":
         return float(numel)
+    if item.kind == "additive":
+        return numel * item.like.meta["val"].element_size()
     if item.kind == "stats":
         if item.tensor.target == aten.layer_norm.default:
             rows = numel / math.prod(item.tensor.args[1])

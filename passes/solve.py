@@ -143,14 +143,24 @@ def _activations(node: Node, strategy, sizes: Sizes, world: int, grad: set) -> l
     return found
 
 
-def activation_bytes(choice: dict, sizes: Sizes, world: int, grad: set) -> dict:
+def regathered(choice: dict, grad: set, on_tokens) -> set:
+    """Token-split tensors that some op keeps gathered for its backward: the runtime stores this rank's
+    piece and gathers it again in the backward instead (autotp.runtime.regather)."""
+    return {item.tensor for node, strategy in choice.items() for item in kept(node, strategy, grad)
+            if item.kind == "value" and item.placement == R and item.tensor in choice
+            and on_tokens(item.tensor, choice[item.tensor])}
+
+
+def activation_bytes(choice: dict, sizes: Sizes, world: int, grad: set, on_tokens=None) -> dict:
     """node -> bytes per device kept for backward of its output's storage (each tensor counted once)."""
     held: dict = {}
     for node, strategy in choice.items():
         held.update(_activations(node, strategy, sizes, world, grad))
+    pieces = regathered(choice, grad, on_tokens) if on_tokens else set()
     by_node: dict = {}
-    for (tensor, _, _), nbytes in held.items():
-        by_node[tensor] = by_node.get(tensor, 0.0) + nbytes
+    for (tensor, kind, share), nbytes in held.items():
+        whole = kind == "value" and share == 1.0 and tensor in pieces
+        by_node[tensor] = by_node.get(tensor, 0.0) + (nbytes / world if whole else nbytes)
     return by_node
 
 
@@ -194,6 +204,13 @@ def solve(gm: torch.fx.GraphModule, ctx: Context, topology: Topology, *, trainin
         for var in chosen:
             problem += kept_var >= var
         term = kept_var * w(key[0], 1) * held
+        split = [v for v, s in zip(x.get(key[0], ()), ctx.strategies.get(key[0], ()), strict=True)
+                 if ctx.on_tokens(key[0], s)]
+        if split and key[1:] == ("value", 1.0):  # gathered from tokens: only this rank's piece is kept
+            whole, piece = (problem.add_variable(f"a{k}{part}", lowBound=0) for part in "wp")
+            problem += whole >= kept_var - pulp.lpSum(split)
+            problem += piece >= kept_var + pulp.lpSum(split) - 1
+            term = w(key[0], 1) * held * (whole + piece / t)
         memory.append(term)
         kinds.setdefault("activations", []).append(term)
     if sequence_parallel:
@@ -256,6 +273,8 @@ def solve(gm: torch.fx.GraphModule, ctx: Context, topology: Topology, *, trainin
     choice = {node: options[max(range(len(options)), key=lambda k: x[node][k].value() or 0)]
               for node, options in ctx.strategies.items()}
     by_kind = {kind: float(pulp.value(pulp.lpSum(terms)) or 0.0) for kind, terms in kinds.items()}
+    by_kind["activations"] = sum(w(node, 1) * held for node, held in  # exact, whatever slack the ILP left
+                                 activation_bytes(choice, sizes, t, grad, ctx.on_tokens).items())
     return Solution(choice, seconds, breakdown(by_kind))
 
 

@@ -29,8 +29,8 @@ def _block_of(module: str) -> int | None:
 
 
 def _exact(model, sharded, shapes, plan=None) -> None:
-    """Outputs for every (batch, sequence) and gradients equal one process's; the forward runs the
-    collectives the plan lists."""
+    """Outputs for every (batch, sequence) and gradients equal one process's; forward and backward run
+    the collectives the plan lists."""
     collectives = autotp.runtime.collectives
     one_shot, collectives.ONE_SHOT_BYTES = collectives.ONE_SHOT_BYTES, 0  # count all-reduces as such
     try:
@@ -41,10 +41,14 @@ def _exact(model, sharded, shapes, plan=None) -> None:
             torch.testing.assert_close(out, logits(model(x)), **TOL)
             if plan is not None:
                 assert sum(comm_counts(comm).values()) == sum(plan.collective_counts("forward").values())
+        x = torch.randint(0, 96, (2, 11))
+        loss = logits(sharded(x)).square().mean()
+        with CommDebugMode() as comm:  # kept tokens are gathered again once, however many ops kept them
+            loss.backward()
+        if plan is not None:
+            assert sum(comm_counts(comm).values()) == sum(plan.collective_counts("backward").values())
     finally:
         collectives.ONE_SHOT_BYTES = one_shot
-    x = torch.randint(0, 96, (2, 11))
-    logits(sharded(x)).square().mean().backward()
     logits(model(x)).square().mean().backward()
     grads = autotp.full_state_dict(sharded, grads=True)
     for name, p in model.named_parameters():

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.fx import Node
 
+from . import regather
 from .placement import Partial, Replicate, Shard, assemble, take_local
 
 _c10d = torch.ops._c10d_functional
@@ -324,6 +325,17 @@ def gather_reduce_backward(x, dim, chunks, units, of, size, rank, world, group, 
         x, shard, size, rank, world, group, where)
 
 
+def gather_tokens(x, dim, chunks, units, of, size, rank, world, group, where, reduce_backward):
+    """A gather along a token dim (sequence parallelism): an op that saves the result for its backward
+    keeps this rank's tokens instead (autotp.runtime.regather)."""
+    full = (gather_reduce_backward if reduce_backward else gather)(x, dim, chunks, units, of, size, rank, world,
+                                                                    group, where)
+    if _no_grad():
+        return full
+    shard = Shard(dim, chunks, units, of)
+    return regather.remember(full, x, lambda piece: _gather_values(piece, shard, size, world, group, where))
+
+
 def scatter(x, dim, chunks, units, of, size, rank, world, group, where):
     shard = Shard(dim, chunks, units, of)
     if _no_grad():
@@ -348,6 +360,8 @@ def conversion_steps(src, dst, shape, rank: int, world: int, group: str, partial
         size = shape[shard.dim]
         return shard_args(shard, size if isinstance(size, Node) else int(size), rank, world, group, where)
 
+    if isinstance(src, Shard) and isinstance(dst, Replicate) and isinstance(shape[src.dim], Node):
+        return [(gather_tokens, (*args(src), partial_grad))]
     if partial_grad and isinstance(src, Shard) and isinstance(dst, Replicate):
         return [(gather_reduce_backward, args(src))]
     steps: list[tuple] = []

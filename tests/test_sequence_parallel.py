@@ -95,7 +95,10 @@ def test_eleven_tokens_on_four_ranks():
 def test_taken_only_when_memory_demands_it():
     """A GPT-2 (layer norms: the residual stream cannot be split by hidden instead) at 4 x 4096 tokens:
     the default plan is plain tensor parallelism; under a limit it exceeds the tokens are split."""
+    from rich.console import Console
     from transformers import GPT2Config, GPT2LMHeadModel
+
+    from autotp.tools.report import activations_table
     config = GPT2Config(n_layer=1, n_embd=256, n_head=8, n_positions=4096, vocab_size=512, activation_function="gelu")
     with torch.device("meta"):
         model = GPT2LMHeadModel(config)
@@ -113,5 +116,8 @@ def test_taken_only_when_memory_demands_it():
     # reports: bytes kept per module (summing to the memory estimate) and the modules that split the tokens
     assert sum(split.cost["activations"].values()) == pytest.approx(split.cost["memory"]["activations"])
     assert "transformer.h.0.ln_1" in split.cost["token_split"] and not plain.cost["token_split"]
+    console = Console(width=200, record=True)
+    console.print(activations_table(split))
+    assert re.search(r"transformer\.h\.0 +│ +[\d.]+ +│ yes", console.export_text()), console.export_text()
     with pytest.raises(ValueError, match="sequence_parallel"):
         autotp.plan(model, args, world_size=2, sequence_parallel="yes")

@@ -191,8 +191,9 @@ def rewrite(gm: torch.fx.GraphModule, choice: dict, rank: int, world: int, group
         if key not in converted:
             value = src
             shape = getattr(src.meta["val"], "shape", None)  # None: a multi-output op's tuple, never converted
-            if shape is not None:
-                shape = [token_sizes.get(n) for n in shape]
+            if shape is not None:  # a sharded token dim's length is read at run time
+                split = {p.dim for p in (placed[src], want) if isinstance(p, Shard)}
+                shape = [token_sizes.get(n) if d in split else n for d, n in enumerate(shape)]
             steps = collectives.conversion_steps(placed[src], want, shape, rank, world, group, reduce_grad,
                                                  _where(src))
             with graph.inserting_before(before):

@@ -121,3 +121,12 @@ def test_taken_only_when_memory_demands_it():
     assert re.search(r"transformer\.h\.0 +│ +[\d.]+ +│ yes", console.export_text()), console.export_text()
     with pytest.raises(ValueError, match="sequence_parallel"):
         autotp.plan(model, args, world_size=2, sequence_parallel="yes")
+
+
+def test_cli_plan_with_sequence_parallelism(capsys):
+    import json
+
+    from autotp.tools.cli import main
+    assert main(["plan", "examples.nanogpt:build", "--world-size", "2", "--sequence-parallel", "on", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["cost"]["token_split"] and {"reduce_scatter", "all_gather"} <= {c["op"] for c in plan["collectives"]}

@@ -213,7 +213,7 @@ def solve(gm: torch.fx.GraphModule, ctx: Context, topology: Topology, *, trainin
             term = w(key[0], 1) * held * (whole + piece / t)
         memory.append(term)
         kinds.setdefault("activations", []).append(term)
-    if sequence_parallel:
+    if sequence_parallel and t > 1:  # one rank splits nothing
         _force_tokens(problem, ctx, x)
     for a, b in ties:
         for va, vb in zip(x.get(a, ()), x.get(b, ()), strict=True):

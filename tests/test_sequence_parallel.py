@@ -130,3 +130,11 @@ def test_cli_plan_with_sequence_parallelism(capsys):
     assert main(["plan", "examples.nanogpt:build", "--world-size", "2", "--sequence-parallel", "on", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["cost"]["token_split"] and {"reduce_scatter", "all_gather"} <= {c["op"] for c in plan["collectives"]}
+
+
+def test_forcing_it_without_a_token_dim_says_why():
+    """A ViT's 17 tokens are fixed by its config (export makes them static): there is nothing to split."""
+    from autotp.passes.solve import PlanningError
+    from models import vit
+    with pytest.raises(PlanningError, match="no op can split the tokens"):
+        autotp.plan(vit(), (torch.randn(1, 3, 16, 16),), world_size=2, sequence_parallel=True)

@@ -23,9 +23,9 @@ aten = torch.ops.aten
 
 # outputs that alias their input: what they keep is their input's storage
 VIEWS = {getattr(aten, name).default for name in
-         ("view", "reshape", "_unsafe_view", "permute", "t", "expand", "unsqueeze", "alias", "detach")} | {
-    aten.transpose.int, aten.slice.Tensor, aten.select.int, aten.split.Tensor, aten.chunk.default,
-    operator.getitem}
+         ("view", "reshape", "_unsafe_view", "permute", "t", "expand", "unsqueeze", "alias", "detach",
+          "split_with_sizes", "chunk")} | {
+    aten.transpose.int, aten.slice.Tensor, aten.select.int, aten.split.Tensor, aten.unbind.int, operator.getitem}
 
 
 @dataclass(frozen=True)
@@ -40,9 +40,13 @@ class Kept:
 
 
 def storage(node: Node) -> Node:
-    """The node whose output ``node`` is a view of (itself if it is no view)."""
+    """The node whose output ``node`` is a view of (itself if it is no view; an output of a multi-output
+    op that is no view, such as ``topk``, is its own storage)."""
     while node.op == "call_function" and node.target in VIEWS and isinstance(node.args[0], Node):
-        node = node.args[0]
+        parent = node.args[0]
+        if parent.target not in VIEWS and not isinstance(parent.meta.get("val"), torch.Tensor):
+            break
+        node = parent
     return node
 
 
@@ -99,7 +103,7 @@ _TABLE = {
                      aten.clone.default, aten.contiguous.default, aten.to.dtype, aten.to.dtype_layout,
                      aten.to.device, aten._to_copy.default, aten.sum.dim_IntList, aten.mean.dim, aten.cat.default,
                      aten.embedding.default, aten.mul.Scalar, aten.div.Scalar, aten.index_copy.default,
-                     aten.repeat_interleave.self_int, aten.split_with_sizes.default], _nothing),
+                     aten.repeat_interleave.self_int], _nothing),
     **dict.fromkeys(VIEWS, _nothing),
     **dict.fromkeys([aten.linear.default, aten.mm.default, aten.bmm.default, aten.matmul.default, aten.mul.Tensor],
                     _product),
@@ -132,7 +136,8 @@ def kept(node: Node, strategy, grad: set) -> list[Kept]:
             continue
         src = slots[slot]
         base = storage(src)
-        if is_placed(src) and base.op == "call_function":  # inputs, parameters and buffers are counted apart
+        # inputs, parameters and buffers are counted apart; a list of tensors (an unknown op's) is not counted
+        if isinstance(base.meta.get("val"), torch.Tensor) and base.op == "call_function":
             found.append(Kept(base, strategy.inputs[slot], kind or "value", node if kind else None))
     return found
 

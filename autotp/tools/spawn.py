@@ -17,15 +17,24 @@ import torch.multiprocessing as mp
 _PRELOAD = ["torch", "torch.distributed", "transformers", "autotp"]
 
 
+def local_context():
+    """The multiprocessing context local ranks start from (the preloaded fork server)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([m for m in _PRELOAD if importlib.util.find_spec(m) is not None])
+    return ctx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def run_local(world: int, fn, *args, timeout: float = 120) -> list:
     """``[fn(rank, world, *args) for each rank]`` from ``world`` new gloo processes (picklable
     results); an exception on any rank is raised here."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([m for m in _PRELOAD if importlib.util.find_spec(m) is not None])
-    queue = ctx.Queue()
+    port = free_port()
+    queue = local_context().Queue()
     mp.start_processes(_worker, args=(world, port, fn, args, queue, timeout), nprocs=world, join=True,
                        start_method="forkserver")
     results = dict(queue.get() for _ in range(world))

@@ -283,3 +283,27 @@ def test_a_graph_captured_from_a_view_runs_on_any_tensor():
     gm = capture(model, (tokens[:, :-1].chunk(2)[0],))  # a training loop's inputs: a slice of a micro-batch
     x = tokens[:2, :-1].clone()
     torch.testing.assert_close(gm(x.detach())[0], model(x).logits)
+
+
+class _OneRankOfTwo:
+    """The "pp" dimension of a 2-stage mesh as pipeline() reads it before any communication."""
+    mesh_dim_names, ndim = ("pp",), 1
+
+    def __getitem__(self, name):
+        return self
+
+    def get_group(self):
+        return None
+
+    def size(self):
+        return 2
+
+    def get_local_rank(self):
+        return 0
+
+
+def test_parallelize_chooses_stages_under_its_memory_limit():
+    import autotp
+    x = torch.randint(0, VOCAB, (2, SEQ))
+    with pytest.raises(StageError, match="no split of the 4 blocks into 2 stages fits 1e-06 GB"):
+        autotp.parallelize(_llama(), (x,), mesh=_OneRankOfTwo(), loss_fn=_loss, memory_limit=1e3)

@@ -19,6 +19,7 @@ from autotp.cost_models import load_topology
 from autotp.cost_models import pipeline as pipe
 from autotp.cost_models.layout import Candidate, Profile, Section, Setting, price
 from autotp.cost_models.topology import Topology
+from autotp.passes.fold import blocks
 from autotp.passes.solve import _MATMULS, PlanningError, Sizes, _compute_time, _memory, activation_bytes
 from autotp.passes.strategies import Strategy, needs_grad
 from autotp.runtime.placement import parse
@@ -131,12 +132,13 @@ def _model_flops(gm: torch.fx.GraphModule, sizes: Sizes) -> float:
     return 3 * forward
 
 
-def _where(gm: torch.fx.GraphModule) -> tuple[dict, int | None, object]:
-    """node -> "pre" | "post" | kept block index; the real block count; the fold (None if not folded)."""
+def _where(gm: torch.fx.GraphModule, fold=None) -> tuple[dict, int | None, object]:
+    """node -> "pre" | "post" | kept block index; the real block count; the fold (None if not folded).  ``fold``:
+    the blocks of a graph captured whole (every block kept)."""
     folding = gm.meta.get("autotp_fold")
-    if folding is None:
+    if folding is None and fold is None:
         return dict.fromkeys(gm.graph.nodes, "pre"), None, None
-    fold, where = folding.fold, dict(folding.blocks.where)
+    fold, where = (folding.fold, dict(folding.blocks.where)) if folding else (fold, dict(blocks(gm, fold).where))
     for n in gm.graph.nodes:
         if where.get(n) == "attr":
             block = fold.block_of_name(n.target)

@@ -20,6 +20,7 @@ from autotp.passes.prepare import (
     retarget_device,
     split_bias,
 )
+from autotp.passes.recompute import attention_cores, checkpoint_cores
 from autotp.passes.rewrite import rewrite
 from autotp.passes.rules import RULES
 from autotp.passes.solve import DoesNotFit, PlanningError, Sizes, activation_bytes, solve
@@ -61,24 +62,34 @@ def _graph(model: torch.nn.Module, args, kwargs, fold: bool = False) -> torch.fx
 
 def _solve(gm: torch.fx.GraphModule, world_size: int, topology, min_shard_fraction: float = 0.02,
            training: bool = True, memory_limit: float | None = None, sizes: Sizes | None = None,
-           fixed: dict | None = None, gather_outputs: bool = True, sequence_parallel: bool | None = None) -> Plan:
+           fixed: dict | None = None, gather_outputs: bool = True, sequence_parallel: bool | None = None,
+           recompute: str | bool | None = None) -> Plan:
     """``sequence_parallel``: True forces it, False rules it out, None offers it only when no plan without
-    it fits in memory (the plain plan's all-reduces become reduce-scatters and all-gathers either way)."""
+    it fits in memory (the plain plan's all-reduces become reduce-scatters and all-gathers either way).
+    ``recompute``: "selective" recomputes every attention core, False none, None offers it (priced per
+    core) only when no plan fits without it -- after sequence parallelism, as Korthikanti et al. order them."""
     if sequence_parallel not in (None, True, False):
         raise ValueError(f"sequence_parallel must be None, True or False, got {sequence_parallel!r}")
-    try:
-        return _solve_once(gm, world_size, topology, min_shard_fraction, training, memory_limit, sizes, fixed,
-                           gather_outputs, bool(sequence_parallel), force=bool(sequence_parallel))
-    except DoesNotFit:
-        if sequence_parallel is not None or not training:
-            raise
-        return _solve_once(gm, world_size, topology, min_shard_fraction, training, memory_limit, sizes, fixed,
-                           gather_outputs, True, force=False)
+    if recompute not in (None, "selective", False):
+        raise ValueError(f'recompute must be None, "selective" or False, got {recompute!r}')
+    tries = [(tokens, "forced" if recompute else "off") for tokens in
+             ([bool(sequence_parallel)] if sequence_parallel is not None else [False, True])]
+    if recompute is None:
+        tries.append((tries[-1][0], "priced"))
+    if not training:
+        tries = tries[:1]
+    for k, (tokens, again) in enumerate(tries):
+        try:
+            return _solve_once(gm, world_size, topology, min_shard_fraction, training, memory_limit, sizes, fixed,
+                               gather_outputs, tokens, force=bool(sequence_parallel), recompute=again)
+        except DoesNotFit:
+            if k == len(tries) - 1:
+                raise
 
 
 def _solve_once(gm: torch.fx.GraphModule, world_size: int, topology, min_shard_fraction: float,
                 training: bool, memory_limit: float | None, sizes: Sizes | None, fixed: dict | None,
-                gather_outputs: bool, tokens: bool, force: bool) -> Plan:
+                gather_outputs: bool, tokens: bool, force: bool, recompute: str = "off") -> Plan:
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
     topo = load_topology(topology)
@@ -98,15 +109,16 @@ def _solve_once(gm: torch.fx.GraphModule, world_size: int, topology, min_shard_f
     weights = folding.weights if folding else None
     solution = solve(gm, ctx, topo, training=training, memory_limit=memory_limit, sizes=sizes,
                      gather_outputs=gather_outputs, weights=weights, ties=folding.ties if folding else (),
-                     sequence_parallel=force)
+                     sequence_parallel=force, recompute=recompute)
     choice = solution.choice
+    again = {node for core in solution.recomputed for node in core}
     expand = folding.fold.expand if folding else dict
     return Plan(
         world_size=world_size,
         fingerprint=folding.fingerprint(gm) if folding else fingerprint(gm),
         topology=topo.name,
         nodes={n.name: {**Plan.encode(s), "module": module_path(n), "op": str(n.target),
-                        "args": [a.name for a in input_slots(n)],
+                        "args": [a.name for a in input_slots(n)], **({"recompute": True} if n in again else {}),
                         **({"key": folding.blocks.key[n]} if folding else {})} for n, s in choice.items()},
         params=expand({n.target: str(s.output) for n, s in choice.items() if n.op == "get_attr"}),
         collectives=planned_collectives(gm, choice, world_size, topo, sizes, weights),
@@ -114,27 +126,29 @@ def _solve_once(gm: torch.fx.GraphModule, world_size: int, topology, min_shard_f
         shapes=expand({n.target: list(n.meta["val"].shape) for n in choice if n.op == "get_attr"}),
         alternatives=alternatives(gm, ctx, choice, topo, training, sizes),
         cost={"seconds": solution.seconds, "memory": solution.memory, "training": training,
-              **_activations_by_module(gm, ctx, choice, sizes, training)},
+              **_activations_by_module(gm, ctx, choice, sizes, training, solution.recomputed)},
         replicated_ops=sorted(ctx.unruled),
         fold={"path": folding.fold.path, "count": folding.fold.count} if folding else None,
     )
 
 
 def _activations_by_module(gm: torch.fx.GraphModule, ctx: Context, choice: dict, sizes: Sizes | None,
-                           training: bool) -> dict:
-    """Bytes kept for backward per device by the module that computes them, and the modules that
-    split the tokens (sequence parallelism), for reports."""
+                           training: bool, recomputed: list) -> dict:
+    """Bytes kept for backward per device by the module that computes them, the modules that split
+    the tokens (sequence parallelism) and those whose attention core is recomputed, for reports."""
     kept: dict = {}
     grad = needs_grad(gm) if training else set()
-    for node, held in activation_bytes(choice, sizes or Sizes(), ctx.world, grad, ctx.on_tokens).items():
+    for node, held in activation_bytes(choice, sizes or Sizes(), ctx.world, grad, ctx.on_tokens,
+                                       recomputed).items():
         kept[module_path(node)] = kept.get(module_path(node), 0.0) + held
     split = sorted({module_path(n) for n, s in choice.items() if ctx.on_tokens(n, s)})
-    return {"activations": kept, "token_split": split}
+    return {"activations": kept, "token_split": split,
+            "recompute": sorted({module_path(core[-1]) for core in recomputed})}
 
 
 def plan(model: torch.nn.Module, args=None, kwargs=None, *, world_size: int, topology=None,
          min_shard_fraction: float = 0.02, training: bool = True, memory_limit: float | None = None,
-         fold: bool = True, sequence_parallel: bool | None = None) -> Plan:
+         fold: bool = True, sequence_parallel: bool | None = None, recompute: str | bool | None = None) -> Plan:
     """Find a sharding plan without any process group (the model may be on the meta device).
 
     Costs are estimated at the example inputs' sizes: pass realistic ones (on the meta device
@@ -142,17 +156,20 @@ def plan(model: torch.nn.Module, args=None, kwargs=None, *, world_size: int, top
     ``fold``: plan a long stack of identical blocks from four of them (same plan, time independent of
     depth; see passes/fold.py); ``fold=False`` captures and solves every block.  ``sequence_parallel``:
     split the norms, dropouts and residual adds by tokens (Megatron's sequence parallelism): True,
-    False, or None to take it only when memory demands it.
+    False, or None to take it only when memory demands it.  ``recompute``: recompute the attention cores
+    in the backward instead of keeping their scores (Megatron's selective recomputation): "selective",
+    False, or None to take it where memory demands it (after sequence parallelism).
     """
     return _solve(_graph(model, args, kwargs, fold), world_size, topology, min_shard_fraction, training, memory_limit,
-                  sequence_parallel=sequence_parallel)
+                  sequence_parallel=sequence_parallel, recompute=recompute)
 
 
 def parallelize(model: torch.nn.Module, args=None, kwargs=None, *, plan: Plan | None = None, topology=None,
                 group=None, checkpoint=None, min_shard_fraction: float = 0.02, training: bool = True,
                 memory_limit: float | None = None, timeout: float = DEFAULT_TIMEOUT, gather_outputs: bool = True,
                 fixed: dict | None = None, check_inputs: str | bool = "first",
-                verify: bool = False, sequence_parallel: bool | None = None) -> torch.nn.Module:
+                verify: bool = False, sequence_parallel: bool | None = None,
+                recompute: str | bool | None = None) -> torch.nn.Module:
     """This rank's tensor-parallel copy of ``model``: same signature, full outputs on every rank.
 
     Rank 0 solves and shares the plan, so every rank runs the same program; ranks first check that
@@ -181,15 +198,19 @@ def parallelize(model: torch.nn.Module, args=None, kwargs=None, *, plan: Plan | 
     if plan is None:
         plan = Plan.from_json(rendezvous.share("plan", lambda: _solve(
             gm, world, topology, min_shard_fraction, training, memory_limit,
-            gather_outputs=gather_outputs, fixed=fixed, sequence_parallel=sequence_parallel).to_json()))
+            gather_outputs=gather_outputs, fixed=fixed, sequence_parallel=sequence_parallel,
+            recompute=recompute).to_json()))
     rendezvous.agree("plan", hashlib.sha256(plan.to_json().encode()).hexdigest()[:16], "the plan")
-    choice = _choice(gm, plan, graph_hash, world)
+    flagged: set = set()
+    choice = _choice(gm, plan, graph_hash, world, flagged)
+    again = [core for core in attention_cores(gm, needs_grad(gm)) if core[-1] in flagged]
     source = checkpoint if checkpoint is None or hasattr(checkpoint, "read") else Checkpoint(checkpoint)
     device = _device_of(group)
     if source is not None:
         retarget_device(gm, device)
         fill_computed_buffers(gm, model, device, source.files)
     sharded = rewrite(gm, choice, rank, world, group.group_name, source, device, gather_outputs)
+    checkpoint_cores(sharded, again)
     register(group)
     rendezvous.agree("loaded", "ok", "the end of loading")
     if check_inputs:
@@ -219,8 +240,9 @@ def from_pretrained(directory, *, dtype: torch.dtype | None = None, **options) -
     return parallelize(model.eval(), checkpoint=directory, **options)
 
 
-def _choice(gm: torch.fx.GraphModule, plan: Plan, graph_hash: str, world: int) -> dict:
-    """node -> Strategy from the plan; a folded plan's block-1 decisions stamped on every middle block."""
+def _choice(gm: torch.fx.GraphModule, plan: Plan, graph_hash: str, world: int, recomputed: set | None = None) -> dict:
+    """node -> Strategy from the plan; a folded plan's block-1 decisions stamped on every middle block.
+    ``recomputed`` (filled in): the nodes the plan recomputes in the backward."""
     names = {node: node.name for node in gm.graph.nodes}
     if plan.fold:
         repeats = Fold(**plan.fold)
@@ -238,6 +260,8 @@ def _choice(gm: torch.fx.GraphModule, plan: Plan, graph_hash: str, world: int) -
         if name in plan.nodes:
             inputs, output = plan.strategy(name)
             choice[node] = Strategy(tuple(inputs), output)
+            if recomputed is not None and plan.nodes[name].get("recompute"):
+                recomputed.add(node)
     return choice
 
 

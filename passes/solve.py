@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pulp
 import torch
@@ -23,6 +23,7 @@ from autotp.cost_models.memory import breakdown, smallest_fitting_world, state_f
 from autotp.cost_models.topology import Topology
 from autotp.runtime.placement import P, R, Replicate, Shard
 
+from .recompute import attention_cores, dropped, price_recompute
 from .saved import element_bytes, kept
 from .strategies import Context, input_slots, is_placed, needs_grad, partial_grad
 
@@ -49,6 +50,7 @@ class Solution:
     choice: dict          # node -> Strategy
     seconds: float        # estimated step time of the chosen plan
     memory: dict          # estimated bytes per device by kind (cost_models.memory.breakdown)
+    recomputed: list = field(default_factory=list)  # attention cores whose backward computes them again
 
 
 class Sizes:
@@ -151,14 +153,21 @@ def regathered(choice: dict, grad: set, on_tokens) -> set:
             and on_tokens(item.tensor, choice[item.tensor])}
 
 
-def activation_bytes(choice: dict, sizes: Sizes, world: int, grad: set, on_tokens=None) -> dict:
-    """node -> bytes per device kept for backward of its output's storage (each tensor counted once)."""
+def activation_bytes(choice: dict, sizes: Sizes, world: int, grad: set, on_tokens=None, recomputed=()) -> dict:
+    """node -> bytes per device kept for backward of its output's storage (each tensor counted once);
+    ``recomputed``: attention cores (passes/recompute.py) that keep nothing of their own."""
     held: dict = {}
+    keepers: dict = {}
     for node, strategy in choice.items():
-        held.update(_activations(node, strategy, sizes, world, grad))
+        for key, nbytes in _activations(node, strategy, sizes, world, grad):
+            held[key] = nbytes
+            keepers.setdefault(key, set()).add(node)
+    gone = set().union(*(dropped(keepers, core) for core in recomputed))
     pieces = regathered(choice, grad, on_tokens) if on_tokens else set()
     by_node: dict = {}
     for (tensor, kind, share), nbytes in held.items():
+        if (tensor, kind, share) in gone:
+            continue
         whole = kind == "value" and share == 1.0 and tensor in pieces
         by_node[tensor] = by_node.get(tensor, 0.0) + (nbytes / world if whole else nbytes)
     return by_node
@@ -166,14 +175,17 @@ def activation_bytes(choice: dict, sizes: Sizes, world: int, grad: set, on_token
 
 def solve(gm: torch.fx.GraphModule, ctx: Context, topology: Topology, *, training: bool = True,
           memory_limit: float | None = None, sizes: Sizes | None = None, gather_outputs: bool = True,
-          weights: dict | None = None, ties: list = (), sequence_parallel: bool = False) -> Solution:
+          weights: dict | None = None, ties: list = (), sequence_parallel: bool = False,
+          recompute: str = "off") -> Solution:
     """The fastest plan whose estimated memory per device fits ``memory_limit`` (default 90% of the
     device's memory: CUDA context and fragmentation take the rest).
 
     ``weights``: node -> how many real nodes it stands for (folded blocks); a conversion or gradient
     sum is counted as often as its tensor.  ``ties``: node pairs that must choose alike.
     ``sequence_parallel``: every op that may split the tokens (ctx.token_options) keeps its output split
-    (by tokens, or as tensor parallelism splits it), never whole or partial.
+    (by tokens, or as tensor parallelism splits it), never whole or partial.  ``recompute``: "off",
+    "forced" (every attention core is recomputed) or "priced" (each core's forward time against the bytes
+    it frees, taken where memory demands it).
     """
     t = ctx.world
     w = (weights or {}).get
@@ -197,8 +209,16 @@ def solve(gm: torch.fx.GraphModule, ctx: Context, topology: Topology, *, trainin
                     memory.append(term)
                     kinds.setdefault(kind, []).append(term)
             for key, held in _activations(node, s, sizes, t, grad):
-                saves.setdefault(key, (held, []))[1].append(var)
-    for k, (key, (held, chosen)) in enumerate(saves.items()):
+                saves.setdefault(key, (held, [], set()))[1].append(var)
+                saves[key][2].add(node)
+    cores = attention_cores(gm, grad) if recompute != "off" else []
+    again, recompute_costs = price_recompute(
+        problem, cores, ctx, x, recompute == "forced", ties,
+        lambda node, s: w(node, 1) * _compute_time(node, s, sizes, t, topology, training) / 3)
+    costs += recompute_costs
+    frees = {key: r for core, r in zip(cores, again, strict=True)
+             for key in dropped({key: nodes for key, (_, _, nodes) in saves.items()}, core)}
+    for k, (key, (held, chosen, _)) in enumerate(saves.items()):
         kept_var = problem.add_variable(f"a{k}", lowBound=0, upBound=1)  # 1 iff some chosen option keeps it
         problem += kept_var <= pulp.lpSum(chosen)
         for var in chosen:
@@ -211,6 +231,10 @@ def solve(gm: torch.fx.GraphModule, ctx: Context, topology: Topology, *, trainin
             problem += whole >= kept_var - pulp.lpSum(split)
             problem += piece >= kept_var + pulp.lpSum(split) - 1
             term = w(key[0], 1) * held * (whole + piece / t)
+        elif key in frees:  # kept unless its attention core is recomputed
+            still = problem.add_variable(f"a{k}r", lowBound=0)
+            problem += still >= kept_var - frees[key]
+            term = w(key[0], 1) * held * still
         memory.append(term)
         kinds.setdefault("activations", []).append(term)
     if sequence_parallel and t > 1:  # one rank splits nothing
@@ -273,9 +297,10 @@ def solve(gm: torch.fx.GraphModule, ctx: Context, topology: Topology, *, trainin
     choice = {node: options[max(range(len(options)), key=lambda k: x[node][k].value() or 0)]
               for node, options in ctx.strategies.items()}
     by_kind = {kind: float(pulp.value(pulp.lpSum(terms)) or 0.0) for kind, terms in kinds.items()}
+    recomputed = [core for core, r in zip(cores, again, strict=True) if pulp.value(r) > 0.5]
     by_kind["activations"] = sum(w(node, 1) * held for node, held in  # exact, whatever slack the ILP left
-                                 activation_bytes(choice, sizes, t, grad, ctx.on_tokens).items())
-    return Solution(choice, seconds, breakdown(by_kind))
+                                 activation_bytes(choice, sizes, t, grad, ctx.on_tokens, recomputed).items())
+    return Solution(choice, seconds, breakdown(by_kind), recomputed)
 
 
 def _force_tokens(problem: pulp.LpProblem, ctx: Context, x: dict) -> None:

@@ -1,7 +1,7 @@
 """Activation memory: the tensors autograd keeps for backward, as the planner counts them.
 
 Oracle: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
-Table 2 (bytes per layer, 16-bit activations, 1-byte dropout masks, attention scores materialized).
+Table 2, all four rows (bytes per layer, 16-bit activations, 1-byte dropout masks, attention scores materialized).
 """
 from __future__ import annotations
 
@@ -47,6 +47,10 @@ def test_activations_match_korthikanti_table_2(gpt3_block, t):
     if t > 1:  # sequence parallelism: the norms, dropouts and residual adds split too
         split = _solve(gpt3_block, t, None, memory_limit=float("inf"), sequence_parallel=True)
         assert _per_layer(split) == pytest.approx(s * b * h * (34 / t + 5 * a * s / (h * t)), rel=0.05)
+        # selective recomputation: the attention core (scores, softmax, dropout) keeps nothing of its own
+        again = _solve(gpt3_block, t, None, memory_limit=float("inf"), sequence_parallel=True, recompute="selective")
+        assert _per_layer(again) == pytest.approx(34 * s * b * h / t, rel=0.05)
+        assert "transformer.h.1.attn" in again.cost["recompute"] and not split.cost["recompute"]
 
 
 def saved_bytes(module: torch.nn.Module, *inputs) -> int:

@@ -1,0 +1,17 @@
+"""A piece of the program whose backward computes it again instead of keeping what its ops save
+(torch.utils.checkpoint, non-reentrant: its inputs are kept, its RNG state restored for dropout)."""
+from __future__ import annotations
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+
+class Recomputed(torch.nn.Module):
+    def __init__(self, region: torch.nn.Module):
+        super().__init__()
+        self.region = region
+
+    def forward(self, *args):
+        if not torch.is_grad_enabled():
+            return self.region(*args)
+        return checkpoint(self.region, *args, use_reentrant=False)

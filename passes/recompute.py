@@ -1,0 +1,120 @@
+"""Selective recomputation of the attention core (Korthikanti et al. 2022, §5): the ops between the
+attention projections -- QK^T, scale, mask, softmax, dropout, ·V, or one fused SDPA -- keep the
+largest tensors of a block (5·a·s²·b bytes per layer for materialized scores) yet cost few FLOPs,
+so their backward may compute them again instead of keeping them.
+
+Regions are found from the graph alone: a matmul of two activations whose downstream ops, followed
+until the next matmul, hold a softmax and all meet in one matmul of two activations (the score and
+value products), or an SDPA op.  Nothing leaves a region but its last node's output, so running it
+again under ``torch.utils.checkpoint`` reproduces every value (dropout masks included: the RNG state
+is restored).  What a recomputed region drops: the tensors its ops keep whose storage it computes
+itself and no op outside keeps.
+"""
+from __future__ import annotations
+
+import pulp
+import torch
+from torch.fx import GraphModule, Node
+
+from autotp.runtime.recompute import Recomputed
+
+from .saved import storage
+
+aten = torch.ops.aten
+
+_PRODUCTS = {aten.bmm.default, aten.matmul.default, aten.mm.default}
+_STOPS = _PRODUCTS | {aten.linear.default, aten.scaled_dot_product_attention.default, aten.addmm.default}
+_SOFTMAX = {aten.softmax.int, aten._softmax.default}
+_LARGEST = 64  # an attention core is a handful of ops; a longer walk is something else
+
+
+def _of_activations(node: Node) -> bool:
+    """Both operands are computed tensors (not parameters, buffers or inputs): q·k, p·v."""
+    return all(isinstance(a, Node) and storage(a).op == "call_function" for a in node.args[:2])
+
+
+def _core_from(first: Node) -> list[Node] | None:
+    """The ops from the score product ``first`` to the value product, in graph order, or None."""
+    region, todo, ends = {first}, [first], set()
+    while todo:
+        for user in todo.pop().users:
+            if user in region:
+                continue
+            if user.target in _STOPS:
+                ends.add(user)
+            elif user.op != "call_function" or len(region) >= _LARGEST:
+                return None  # reaches the output, or runs on past any attention core
+            else:
+                region.add(user)
+                todo.append(user)
+    if len(ends) != 1:
+        return None
+    last = ends.pop()
+    if last.target not in _PRODUCTS or not _of_activations(last) or not any(n.target in _SOFTMAX for n in region):
+        return None
+    order = {n: i for i, n in enumerate(first.graph.nodes)}
+    return sorted(region | {last}, key=order.__getitem__)
+
+
+def attention_cores(gm: GraphModule, grad: set) -> list[list[Node]]:
+    """Every attention core whose output the backward needs, each as its ops in graph order (last: its output)."""
+    cores = []
+    for node in gm.graph.nodes:
+        if node not in grad or node.op != "call_function":
+            continue
+        if node.target == aten.scaled_dot_product_attention.default:
+            cores.append([node])
+        elif node.target in _PRODUCTS and _of_activations(node):
+            core = _core_from(node)
+            if core is not None and core[-1] in grad:
+                cores.append(core)
+    return cores
+
+
+def dropped(keepers: dict, core: list[Node]) -> set:
+    """Keys (tensor, ...) of ``keepers`` (key -> nodes that keep it) a recomputed ``core`` no longer keeps."""
+    inside = set(core)
+    return {key for key, nodes in keepers.items() if key[0] in inside and nodes <= inside}
+
+
+def price_recompute(problem: pulp.LpProblem, cores: list, ctx, x: dict, forced: bool, ties, forward_time):
+    """One 0/1 choice per core (1 when ``forced``; tied cores of folded blocks alike) and its price: the
+    forward time of the core's ops under the options chosen for them, paid again in the backward."""
+    chosen, costs = [], []
+    for k, core in enumerate(cores):
+        r = problem.add_variable(f"r{k}", lowBound=int(forced), upBound=1, cat="Integer")
+        chosen.append(r)
+        for i, node in enumerate(core):
+            for j, (var, s) in enumerate(zip(x.get(node, ()), ctx.strategies.get(node, ()), strict=True)):
+                both = problem.add_variable(f"r{k}_{i}_{j}", lowBound=0)  # var and r
+                problem += both >= var + r - 1
+                costs.append(both * forward_time(node, s))
+    by_last = {core[-1]: r for core, r in zip(cores, chosen, strict=True)}
+    for a, b in ties:
+        if a in by_last and b in by_last:
+            problem += by_last[a] == by_last[b]
+    return chosen, costs
+
+
+def checkpoint_cores(gm: GraphModule, cores: list[list[Node]]) -> None:
+    """Replace each core of the (rewritten) program by a call of a ``Recomputed`` copy of its ops;
+    their inputs (after any conversion the rewrite put before them) are the call's arguments."""
+    graph = gm.graph
+    for k, core in enumerate(cores):
+        inside, last = set(core), core[-1]
+        inputs = list(dict.fromkeys(a for n in core for a in n.all_input_nodes if a not in inside))
+        sub = torch.fx.Graph()
+        env = {a: sub.placeholder(f"in_{a.name}") for a in inputs}
+        for node in core:
+            env[node] = sub.node_copy(node, env.__getitem__)
+        sub.output(env[last])
+        name = f"autotp_recompute_{k}"
+        gm.add_submodule(name, Recomputed(GraphModule(torch.nn.Module(), sub)))
+        with graph.inserting_before(last):
+            call = graph.call_module(name, tuple(inputs))
+        call.meta = dict(last.meta)
+        last.replace_all_uses_with(call)
+        for node in reversed(core):
+            graph.erase_node(node)
+    graph.lint()
+    gm.recompile()

@@ -58,6 +58,7 @@ def saved_bytes(module: torch.nn.Module, *inputs) -> int:
     buffers and the inputs are not activations.  A sequence-parallel program stores the pieces of
     gathered tensors through its own hooks (autotp.runtime.regather): what those keep is counted."""
     from autotp.runtime import regather
+    from autotp.runtime.recompute import Recomputed
     held = {t.untyped_storage().data_ptr() for t in [*module.parameters(), *module.buffers(), *inputs]}
     seen: dict = {}
 
@@ -70,10 +71,19 @@ def saved_bytes(module: torch.nn.Module, *inputs) -> int:
 
     pack = regather._pack
     regather._pack = lambda tensor: count(pack(tensor))
+    # a recomputed piece (torch.utils.checkpoint) keeps its inputs, and nothing its ops save
+    def count_inputs(mod, args):
+        for arg in args:
+            if isinstance(arg, torch.Tensor):
+                count(arg)
+
+    hooks = [m.register_forward_pre_hook(count_inputs) for m in module.modules() if isinstance(m, Recomputed)]
     try:
         with torch.autograd.graph.saved_tensors_hooks(count, lambda tensor: tensor):
             out = module(*inputs)
     finally:
         regather._pack = pack
+        for hook in hooks:
+            hook.remove()
     del out
     return sum(seen.values())

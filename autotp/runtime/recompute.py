@@ -14,4 +14,5 @@ class Recomputed(torch.nn.Module):
     def forward(self, *args):
         if not torch.is_grad_enabled():
             return self.region(*args)
-        return checkpoint(self.region, *args, use_reentrant=False)
+        # its forward, not the module: module hooks (CommDebugMode's tracker) must not see it run in backward
+        return checkpoint(self.region.forward, *args, use_reentrant=False)

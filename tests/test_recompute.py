@@ -1,0 +1,62 @@
+"""Selective recomputation of the attention core (Korthikanti et al. 2022 §5): the sharded program
+computes the scores again in the backward instead of keeping them.  Exact against one process, with
+and without sequence parallelism; what autograd keeps is what the plan estimates; taken only when
+tensor and sequence parallelism alone do not fit."""
+from __future__ import annotations
+
+import pytest
+import torch
+from test_activations import saved_bytes
+from test_sequence_parallel import EXAMPLE, _exact
+
+import autotp
+from autotp.runtime.recompute import Recomputed
+from distributed import run_ranks
+from models import build
+
+
+def _two_ranks(rank: int, world: int) -> None:
+    # LLaMA: the core is one SDPA op; GPT-2 eager: QK^T, scale, mask, softmax, ·V materialized
+    for kind, attention, tokens in (("llama", "sdpa", True), ("gpt2", "eager", True), ("gpt2", "eager", False)):
+        model, _, blocks = build(kind)
+        model.set_attn_implementation(attention)
+        example = torch.randint(0, 96, EXAMPLE)
+        sharded = autotp.parallelize(model, (example,), sequence_parallel=tokens, recompute="selective")
+        plan = sharded.autotp_plan
+        assert len(plan.cost["recompute"]) == blocks, plan.cost["recompute"]
+        assert sum(isinstance(m, Recomputed) for m in sharded.modules()) == blocks
+        _exact(model, sharded, [(2, 11), (1, 1)], plan)
+        estimate = plan.cost["memory"]["activations"]
+        assert saved_bytes(sharded, example) == pytest.approx(estimate, rel=0.10), kind
+        if attention == "eager" and tokens:  # dropping the scores is what it is for
+            kept = autotp.plan(model, (example,), world_size=2, sequence_parallel=True, recompute=False)
+            assert estimate < 0.8 * kept.cost["memory"]["activations"]
+
+
+def test_recomputed_attention_is_exact_at_two_ranks():
+    run_ranks(2, _two_ranks)
+
+
+def test_taken_only_when_sequence_parallelism_does_not_fit():
+    """A GPT-2 with materialized scores at 4 x 2048 tokens: plenty of memory, no recomputation; under a
+    limit that tensor plus sequence parallelism exceeds, the attention cores are recomputed."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    config = GPT2Config(n_layer=1, n_embd=256, n_head=8, n_positions=2048, vocab_size=512, activation_function="gelu",
+                        attn_implementation="eager")
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(config).eval()
+    args = (torch.zeros(4, 2048, dtype=torch.long, device="meta"),)
+    split = autotp.plan(model, args, world_size=2, sequence_parallel=True, recompute=False)
+    again = autotp.plan(model, args, world_size=2, sequence_parallel=True, recompute="selective")
+    assert again.cost["memory"]["total"] < split.cost["memory"]["total"]
+    assert again.cost["seconds"] > split.cost["seconds"]  # the core's forward, run twice
+    assert not autotp.plan(model, args, world_size=2).cost["recompute"]  # plenty of memory
+    limit = (split.cost["memory"]["total"] + again.cost["memory"]["total"]) / 2
+    tight = autotp.plan(model, args, world_size=2, memory_limit=limit)
+    assert tight.cost["recompute"] == ["transformer.h.0.attn"] and tight.cost["memory"]["total"] <= limit
+    assert any(entry.get("recompute") for entry in tight.nodes.values())
+    # just above what both together need (the scores dominate here: recomputation alone nearly fits)
+    tighter = autotp.plan(model, args, world_size=2, memory_limit=1.02 * again.cost["memory"]["total"])
+    assert tighter.cost["recompute"] and tighter.cost["token_split"]
+    with pytest.raises(ValueError, match="recompute"):
+        autotp.plan(model, args, world_size=2, recompute=True)

@@ -4,6 +4,8 @@ and without sequence parallelism; what autograd keeps is what the plan estimates
 tensor and sequence parallelism alone do not fit."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from test_activations import saved_bytes
@@ -40,7 +42,10 @@ def test_recomputed_attention_is_exact_at_two_ranks():
 def test_taken_only_when_sequence_parallelism_does_not_fit():
     """A GPT-2 with materialized scores at 4 x 2048 tokens: plenty of memory, no recomputation; under a
     limit that tensor plus sequence parallelism exceeds, the attention cores are recomputed."""
+    from rich.console import Console
     from transformers import GPT2Config, GPT2LMHeadModel
+
+    from autotp.tools.report import activations_table
     config = GPT2Config(n_layer=1, n_embd=256, n_head=8, n_positions=2048, vocab_size=512, activation_function="gelu",
                         attn_implementation="eager")
     with torch.device("meta"):
@@ -58,5 +63,17 @@ def test_taken_only_when_sequence_parallelism_does_not_fit():
     # just above what both together need (the scores dominate here: recomputation alone nearly fits)
     tighter = autotp.plan(model, args, world_size=2, memory_limit=1.02 * again.cost["memory"]["total"])
     assert tighter.cost["recompute"] and tighter.cost["token_split"]
+    console = Console(width=200, record=True)
+    console.print(activations_table(tighter))
+    assert re.search(r"transformer\.h\.0 +│ +[\d.]+ +│ yes +│ attention", console.export_text()), console.export_text()
     with pytest.raises(ValueError, match="recompute"):
         autotp.plan(model, args, world_size=2, recompute=True)
+
+
+def test_cli_plan_with_recomputation(capsys):
+    import json
+
+    from autotp.tools.cli import main
+    assert main(["plan", "examples.nanogpt:build", "--world-size", "2", "--recompute", "selective", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["cost"]["recompute"] and not plan["cost"]["token_split"]

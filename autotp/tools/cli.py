@@ -50,7 +50,8 @@ def _plan(args) -> int:
         model, example = load_model(args.model, args.batch, args.seq)
         result = autotp.plan(model, example, world_size=args.world_size, topology=args.topology,
                              training=not args.inference, fold=not args.no_fold,
-                             sequence_parallel={"auto": None, "on": True, "off": False}[args.sequence_parallel])
+                             sequence_parallel={"auto": None, "on": True, "off": False}[args.sequence_parallel],
+                             recompute={"auto": None, "selective": "selective", "off": False}[args.recompute])
     if args.out:
         result.save(args.out)
     if args.json:
@@ -192,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--sequence-parallel", choices=("auto", "on", "off"), default="auto",
                       help="split norms, dropouts and residual adds by tokens: when memory demands it (auto), always, "
                            "never")
+    plan.add_argument("--recompute", choices=("auto", "selective", "off"), default="auto",
+                      help="compute the attention cores again in the backward instead of keeping their scores: when "
+                           "memory demands it (auto), always, never")
     mesh = sub.add_parser("mesh", help="choose tensor x pipeline x data parallel sizes, micro-batches, schedule "
                                        "and stage boundaries for a number of devices")
     _model_arguments(mesh)

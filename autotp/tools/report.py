@@ -178,16 +178,19 @@ def memory_table(plan: Plan) -> Table:
 
 
 def activations_table(plan: Plan) -> Table:
-    """Bytes each block keeps for backward (per device) and whether it splits the tokens."""
+    """Bytes each block keeps for backward (per device), whether it splits the tokens and whether it
+    recomputes its attention core."""
     table = Table(title="activations kept for backward, by block (estimated, per device)")
-    for column in ("block", "MB", "sequence parallel"):
+    for column in ("block", "MB", "sequence parallel", "recompute"):
         table.add_column(column)
     kept: dict = {}
     for module, held in plan.cost["activations"].items():
         kept[_block(module)] = kept.get(_block(module), 0.0) + held
     split = {_block(m) for m in plan.cost.get("token_split", ())}
+    again = {_block(m) for m in plan.cost.get("recompute", ())}
     for block in sorted(kept, key=_natural):
-        table.add_row(block or "(top level)", f"{kept[block] / 1e6:.3f}", "yes" if block in split else "no")
+        table.add_row(block or "(top level)", f"{kept[block] / 1e6:.3f}", "yes" if block in split else "no",
+                      "attention" if block in again else "no")
     return table
 
 

@@ -4,7 +4,9 @@ One tensor-parallel plan is solved per TP size (the plan of a block does not dep
 stages or replicas there are) at one sample of the example inputs; its time and memory, read per
 block, are then priced analytically for every pipeline / data-parallel split
 (cost_models/layout.py, cost_models/pipeline.py).  Activations are the planner's own count: every op output kept for
-backward, per block, under the chosen TP plan (or only each block's input with recomputation).
+backward, per block, under the chosen TP plan (or only each block's input with recomputation).  A TP size
+whose plain plan does not fit (or fits only recomputing whole blocks) is also planned with sequence parallelism
+and with its attention cores recomputed (Korthikanti et al. 2022), each priced like any other plan.
 """
 from __future__ import annotations
 
@@ -20,14 +22,16 @@ from autotp.cost_models import pipeline as pipe
 from autotp.cost_models.layout import Candidate, Profile, Section, Setting, price
 from autotp.cost_models.topology import Topology
 from autotp.passes.fold import blocks
+from autotp.passes.recompute import attention_cores
 from autotp.passes.solve import _MATMULS, PlanningError, Sizes, _compute_time, _memory, activation_bytes
-from autotp.passes.strategies import Strategy, needs_grad
+from autotp.passes.strategies import Context, Strategy, needs_grad
 from autotp.runtime.placement import parse
 
 from .api import _graph, _solve
 
 ACTIVATION_MODEL = ("activations: every op output the backward keeps, counted per block on the TP plan's graph "
-                    "(with recomputation only each block's input, plus one block recomputed)")
+                    "(with sequence parallelism split by tokens, with selective recomputation without the attention "
+                    "cores' own tensors; with full recomputation only each block's input, plus one block recomputed)")
 
 
 @dataclass
@@ -43,7 +47,7 @@ class MeshPlan:
     def to_dict(self) -> dict:
         c = self.choice
         keys = ("tp", "pp", "dp", "microbatches", "microbatch_size", "schedule", "virtual_stages", "recompute",
-                "stages")
+                "sequence_parallel", "selective", "stages")
         return {"choice": {k: getattr(c, k) for k in keys}, "step_seconds": c.step_seconds,
                 "memory_bytes": c.memory_bytes, "mfu": c.mfu, "devices": self.devices, "topology": self.topology,
                 "data_parallel": self.data_parallel, "global_batch": self.global_batch,
@@ -80,6 +84,12 @@ def plan_mesh_for_graph(gm: torch.fx.GraphModule, *, devices: int | None = None,
                 if tp <= topo.gpus_per_node]  # TP stays inside a node (Narayanan et al. 2021 section 3.3)
     setting = Setting(topo, global_batch, training, data_parallel, limit, flops)
     found = _layouts(profiles, devices, setting)
+    short = sorted({c.tp for c in found if not c.fits or c.recompute}) if training else []
+    if short:  # activations decide: sequence parallelism, then selective recomputation too
+        variants = {tp: ((True, False), (True, True)) if tp > 1 else ((False, True),) for tp in short}
+        profiles += [p for tp in short for tokens, cores in variants[tp]
+                     if (p := _profile(gm, tp, topo, training, sizes, unit, tokens, cores)) is not None]
+        found = _layouts(profiles, devices, setting)
     if not found[0].fits:
         raise PlanningError(_advice(found, profiles, devices, setting))
     return MeshPlan(found[0], found, devices, topo.name, data_parallel, global_batch)
@@ -100,9 +110,12 @@ def _cluster(topology, nodes: int | None, devices: int | None, data_parallel: st
 
 
 def _layouts(profiles: list, devices: int, setting: Setting) -> list[Candidate]:
-    """The best layout per (tp, pp, dp), fastest fitting first."""
+    """The best layout per (tp, pp, dp) over the profiles (plain, sequence parallel, ...), fastest fitting first."""
     found = [c for p in profiles if devices % p.tp == 0 for c in _best_layout(p, devices, setting)]
-    return sorted(found, key=lambda c: (not c.fits, c.step_seconds or 0.0, c.memory_bytes or math.inf))
+    best: dict = {}
+    for c in sorted(found, key=lambda c: (not c.fits, c.step_seconds or 0.0, c.memory_bytes or math.inf)):
+        best.setdefault((c.tp, c.pp, c.dp), c)
+    return list(best.values())
 
 
 def _unit(gm: torch.fx.GraphModule) -> tuple[int, Sizes]:
@@ -150,19 +163,26 @@ def _where(gm: torch.fx.GraphModule, fold=None) -> tuple[dict, int | None, objec
 
 
 def _profile(gm: torch.fx.GraphModule, tp: int, topo: Topology, training: bool, sizes: Sizes,
-             unit: int) -> Profile:
+             unit: int, tokens: bool = False, cores: bool = False) -> Profile | None:
     """Solve the TP plan once and read its time and memory per section, per sample (kept on the graph:
-    pricing another cluster of the same nodes reuses it)."""
-    key = (tp, training, repr(dataclasses.replace(topo, name="", nodes=1)))
+    pricing another cluster of the same nodes reuses it).  ``tokens``: with sequence parallelism;
+    ``cores``: recomputing the attention cores; None when the graph has no tokens to split."""
+    key = (tp, training, tokens, cores, repr(dataclasses.replace(topo, name="", nodes=1)))
     cache = gm.meta.setdefault("autotp_tp_profiles", {})
     if key not in cache:
-        cache[key] = _read_profile(gm, tp, topo, training, sizes, unit)
+        try:
+            cache[key] = _read_profile(gm, tp, topo, training, sizes, unit, tokens, cores)
+        except PlanningError:
+            if not tokens:
+                raise
+            cache[key] = None
     return cache[key]
 
 
 def _read_profile(gm: torch.fx.GraphModule, tp: int, topo: Topology, training: bool, sizes: Sizes,
-                  unit: int) -> Profile:
-    plan = _solve(gm, tp, topo, training=training, memory_limit=math.inf, sizes=sizes)
+                  unit: int, tokens: bool, cores: bool) -> Profile:
+    plan = _solve(gm, tp, topo, training=training, memory_limit=math.inf, sizes=sizes, sequence_parallel=tokens,
+                  recompute="selective" if cores else False)
     where, count, fold = _where(gm)
     nodes = {n.name: n for n in gm.graph.nodes}
     trainable = dict(gm.named_parameters(remove_duplicate=False))
@@ -175,7 +195,8 @@ def _read_profile(gm: torch.fx.GraphModule, tp: int, topo: Topology, training: b
         for kind, held in _memory(node, strategy, sizes, tp, trainable, training).items():
             section.memory[kind] = section.memory.get(kind, 0.0) + held
     grad = needs_grad(gm) if training else set()
-    for node, held in activation_bytes(choice, sizes, tp, grad).items():
+    again = [core for core in attention_cores(gm, grad) if plan.nodes.get(core[-1].name, {}).get("recompute")]
+    for node, held in activation_bytes(choice, sizes, tp, grad, Context(world=tp).on_tokens, again).items():
         section = kept.setdefault(where[node], Section())
         section.memory["activations"] = section.memory.get("activations", 0.0) + held
     for c in plan.collectives:
@@ -190,7 +211,7 @@ def _read_profile(gm: torch.fx.GraphModule, tp: int, topo: Topology, training: b
     if fold:  # tensors block 1 hands to the next kept block (N-2): what a stage sends to the next
         boundary = sum(sizes.nbytes(n) for n in gm.graph.nodes
                        if where[n] == 1 and any(where.get(u) == count - 2 for u in n.users)) / unit
-    return Profile(tp, per_sample, boundary, fold is not None)
+    return Profile(tp, per_sample, boundary, fold is not None, sequence_parallel=tokens, selective=cores)
 
 
 def _best_layout(profile: Profile, devices: int, setting: Setting) -> list[Candidate]:
@@ -207,7 +228,9 @@ def _best_layout(profile: Profile, devices: int, setting: Setting) -> list[Candi
                                                             f"by {dp} replicas"))
             continue
         options = [price(profile, Candidate(profile.tp, pp, dp, microbatch_size=b, schedule=schedule,
-                                            virtual_stages=v, recompute=recompute), setting)
+                                            virtual_stages=v, recompute=recompute,
+                                            sequence_parallel=profile.sequence_parallel,
+                                            selective=profile.selective), setting)
                    for b in pipe.powers_of_two_dividing(per_replica, 16)
                    for schedule, v in _schedules(pp, per_replica // b, len(profile.blocks))
                    for recompute in ((False, True) if setting.training and profile.stackable else (False,))]
@@ -232,7 +255,7 @@ def _advice(candidates: list, profiles: list, devices: int, setting: Setting) ->
         return "no layout of the devices divides the global batch: " + "; ".join(sorted({c.note for c in candidates}))
     found = (f"nothing fits {setting.limit / 1e9:.1f} GB per device on {devices} devices of {topo.name}: the "
              f"leanest layout (TP {least.tp} x PP {least.pp} x DP {least.dp}, micro-batch {least.microbatch_size}"
-             f"{', recomputing activations' if least.recompute else ''}) needs {least.memory_bytes / 1e9:.1f} GB")
+             f"{activation_options(least)}) needs {least.memory_bytes / 1e9:.1f} GB")
     hints = []
     if setting.data_parallel == "ddp":
         fsdp = _layouts(profiles, devices, dataclasses.replace(setting, data_parallel="fsdp"))[0]
@@ -247,3 +270,9 @@ def _advice(candidates: list, profiles: list, devices: int, setting: Setting) ->
             break
     hints.append("a smaller global batch or shorter sequences need less")
     return found + "; " + "; ".join(hints)
+
+
+def activation_options(c: Candidate) -> str:
+    """How a layout saves activation memory, for messages."""
+    return "".join([", sequence parallel" * c.sequence_parallel, ", recomputing attention" * c.selective,
+                    ", recomputing activations" * c.recompute])

@@ -36,6 +36,8 @@ class Profile:
     stackable: bool  # blocks found (a folded stack): pipeline stages can fall between them
     ranges: dict = field(default_factory=dict)  # stage count -> time-balanced [start, end) block ranges
     sums: dict = field(default_factory=dict)    # running totals over the blocks (stage_memory)
+    sequence_parallel: bool = False  # the TP plan splits norms, dropouts and residual adds by tokens
+    selective: bool = False          # the TP plan recomputes the attention cores
 
     @property
     def blocks(self) -> list:
@@ -51,7 +53,9 @@ class Candidate:
     microbatch_size: int = 0
     schedule: str | None = None
     virtual_stages: int = 1
-    recompute: bool = False
+    recompute: bool = False                     # whole blocks recomputed (only their inputs kept)
+    sequence_parallel: bool = False
+    selective: bool = False                     # attention cores recomputed (Korthikanti et al. 2022)
     stages: list = field(default_factory=list)  # [start, end) blocks per stage (per virtual stage, in order)
     step_seconds: float | None = None           # None: does not fit
     memory_bytes: float | None = None

@@ -266,7 +266,8 @@ def _advice(candidates: list, profiles: list, devices: int, setting: Setting) ->
         bigger = load_topology(topo, max(topo.nodes, math.ceil(more / topo.gpus_per_node)))
         best = _layouts(profiles, more, dataclasses.replace(setting, topology=bigger))[0]
         if best.fits:
-            hints.append(f"{more} devices (nodes={bigger.nodes}) fit as TP {best.tp} x PP {best.pp} x DP {best.dp}")
+            hints.append(f"{more} devices (nodes={bigger.nodes}) fit as TP {best.tp} x PP {best.pp} x DP {best.dp}"
+                         f"{activation_options(best)}")
             break
     hints.append("a smaller global batch or shorter sequences need less")
     return found + "; " + "; ".join(hints)

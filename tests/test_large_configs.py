@@ -40,3 +40,26 @@ def test_tp_inside_the_node_beats_tp_across_nodes(llama70b):
     assert inside < across
     result = plan_mesh_for_graph(llama70b, topology="dgx-h100", nodes=2, training=False)
     assert result.choice.tp == 8 and result.choice.tp * result.choice.pp * result.choice.dp == 16
+
+
+def test_long_sequences_on_one_node_plan_sequence_parallelism_and_recomputation():
+    """Sequence 32768 on 8 x H100 (Korthikanti et al.'s regime): activations, not weights, decide; the
+    planner also prices each TP size with sequence parallelism and selective recomputation, names the
+    leanest layout (which uses both) and a device count that fits -- and that count does fit."""
+    import re
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from autotp.passes.solve import PlanningError
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=H, intermediate_size=FFN, num_hidden_layers=LAYERS,
+                         num_attention_heads=HEADS, num_key_value_heads=KV, use_cache=False,
+                         max_position_embeddings=32768)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    gm = _graph(model, (torch.zeros(1, 32768, dtype=torch.long, device="meta"),), None, fold=True)
+    with pytest.raises(PlanningError, match=r"leanest layout \([^)]*sequence parallel, recomputing attention") as error:
+        plan_mesh_for_graph(gm, topology="dgx-h100")
+    devices = int(re.search(r"(\d+) devices \(nodes=(\d+)\) fit", str(error.value)).group(1))
+    result = plan_mesh_for_graph(gm, topology="dgx-h100", nodes=devices // 8)
+    assert result.choice.fits and result.choice.memory_bytes <= 0.9 * 80e9
+    assert {"sequence_parallel", "selective"} <= set(result.to_dict()["choice"])

@@ -12,6 +12,7 @@ from test_activations import saved_bytes
 from test_sequence_parallel import EXAMPLE, _exact
 
 import autotp
+from autotp.api import _graph, _solve
 from autotp.runtime.recompute import Recomputed
 from distributed import run_ranks
 from models import build
@@ -19,7 +20,7 @@ from models import build
 
 def _two_ranks(rank: int, world: int) -> None:
     # LLaMA: the core is one SDPA op; GPT-2 eager: QK^T, scale, mask, softmax, ·V materialized
-    for kind, attention, tokens in (("llama", "sdpa", True), ("gpt2", "eager", True), ("gpt2", "eager", False)):
+    for kind, attention, tokens in (("llama", "sdpa", False), ("gpt2", "eager", True)):
         model, _, blocks = build(kind)
         model.set_attn_implementation(attention)
         example = torch.randint(0, 96, EXAMPLE)
@@ -50,24 +51,24 @@ def test_taken_only_when_sequence_parallelism_does_not_fit():
                         attn_implementation="eager")
     with torch.device("meta"):
         model = GPT2LMHeadModel(config).eval()
-    args = (torch.zeros(4, 2048, dtype=torch.long, device="meta"),)
-    split = autotp.plan(model, args, world_size=2, sequence_parallel=True, recompute=False)
-    again = autotp.plan(model, args, world_size=2, sequence_parallel=True, recompute="selective")
+    gm = _graph(model, (torch.zeros(4, 2048, dtype=torch.long, device="meta"),), None)
+    split = _solve(gm, 2, None, sequence_parallel=True, recompute=False)
+    again = _solve(gm, 2, None, sequence_parallel=True, recompute="selective")
     assert again.cost["memory"]["total"] < split.cost["memory"]["total"]
     assert again.cost["seconds"] > split.cost["seconds"]  # the core's forward, run twice
-    assert not autotp.plan(model, args, world_size=2).cost["recompute"]  # plenty of memory
+    assert not _solve(gm, 2, None).cost["recompute"]  # plenty of memory
     limit = (split.cost["memory"]["total"] + again.cost["memory"]["total"]) / 2
-    tight = autotp.plan(model, args, world_size=2, memory_limit=limit)
+    tight = _solve(gm, 2, None, memory_limit=limit)
     assert tight.cost["recompute"] == ["transformer.h.0.attn"] and tight.cost["memory"]["total"] <= limit
     assert any(entry.get("recompute") for entry in tight.nodes.values())
     # just above what both together need (the scores dominate here: recomputation alone nearly fits)
-    tighter = autotp.plan(model, args, world_size=2, memory_limit=1.02 * again.cost["memory"]["total"])
+    tighter = _solve(gm, 2, None, memory_limit=1.02 * again.cost["memory"]["total"])
     assert tighter.cost["recompute"] and tighter.cost["token_split"]
     console = Console(width=200, record=True)
     console.print(activations_table(tighter))
     assert re.search(r"transformer\.h\.0 +│ +[\d.]+ +│ yes +│ attention", console.export_text()), console.export_text()
     with pytest.raises(ValueError, match="recompute"):
-        autotp.plan(model, args, world_size=2, recompute=True)
+        _solve(gm, 2, None, recompute=True)
 
 
 def test_cli_plan_with_recomputation(capsys):

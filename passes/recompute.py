@@ -96,11 +96,32 @@ def price_recompute(problem: pulp.LpProblem, cores: list, ctx, x: dict, forced: 
     return chosen, costs
 
 
+def _with_conversions(core: list[Node]) -> list[Node] | None:
+    """``core`` in the rewritten program: with the conversions the rewrite put between its ops (they run
+    again in the backward, on every rank alike); None if a value inside is read from outside after all."""
+    order = {n: i for i, n in enumerate(core[0].graph.nodes)}
+    inside, last = set(core), core[-1]
+    between = [n for n in core[0].graph.nodes if order[core[0]] < order[n] < order[last] and n not in inside]
+    for node in between:  # graph order: a conversion of a conversion follows it
+        if any(a in inside for a in node.all_input_nodes):
+            inside.add(node)
+    leads = {last}
+    for node in sorted(inside, key=order.__getitem__, reverse=True):
+        if node in leads:
+            leads.update(a for a in node.all_input_nodes if a in inside)
+    if any(u not in leads for n in leads - {last} for u in n.users):
+        return None
+    return sorted(leads, key=order.__getitem__)
+
+
 def checkpoint_cores(gm: GraphModule, cores: list[list[Node]]) -> None:
     """Replace each core of the (rewritten) program by a call of a ``Recomputed`` copy of its ops;
     their inputs (after any conversion the rewrite put before them) are the call's arguments."""
     graph = gm.graph
-    for k, core in enumerate(cores):
+    for k, found in enumerate(cores):
+        core = _with_conversions(found)
+        if core is None:
+            continue  # kept as it is: exact, only its memory is not saved
         inside, last = set(core), core[-1]
         inputs = list(dict.fromkeys(a for n in core for a in n.all_input_nodes if a not in inside))
         sub = torch.fx.Graph()

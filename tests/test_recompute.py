@@ -13,9 +13,13 @@ from test_sequence_parallel import EXAMPLE, _exact
 
 import autotp
 from autotp.api import _graph, _solve
+from autotp.passes.recompute import attention_cores
+from autotp.passes.strategies import needs_grad
 from autotp.runtime.recompute import Recomputed
 from distributed import run_ranks
 from models import build
+
+aten = torch.ops.aten
 
 
 def _two_ranks(rank: int, world: int) -> None:
@@ -52,6 +56,12 @@ def test_taken_only_when_sequence_parallelism_does_not_fit():
     with torch.device("meta"):
         model = GPT2LMHeadModel(config).eval()
     gm = _graph(model, (torch.zeros(4, 2048, dtype=torch.long, device="meta"),), None)
+    core, = attention_cores(gm, needs_grad(gm))  # one block: QK^T, scale, mask, softmax, ·V
+    assert [n.target for n in core if n.target in (aten.matmul.default, aten.softmax.int)] == [
+        aten.matmul.default, aten.softmax.int, aten.matmul.default]
+    mlp, mlp_args, _ = build("mlp")
+    plain = _graph(mlp, mlp_args, None)
+    assert attention_cores(plain, needs_grad(plain)) == []  # no softmax between products: nothing to recompute
     split = _solve(gm, 2, None, sequence_parallel=True, recompute=False)
     again = _solve(gm, 2, None, sequence_parallel=True, recompute="selective")
     assert again.cost["memory"]["total"] < split.cost["memory"]["total"]

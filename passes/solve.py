@@ -24,10 +24,12 @@ from autotp.cost_models.memory import breakdown, smallest_fitting_world, state_f
 from autotp.cost_models.topology import Topology
 from autotp.runtime.placement import P, R, Replicate, Shard
 
+from .expert_rules import GROUPED_MM_FALLBACK
 from .strategies import Context, input_slots, is_placed, needs_grad, partial_grad, stored_views
 
 _MATMULS = {torch.ops.aten.linear.default, torch.ops.aten.mm.default, torch.ops.aten.bmm.default,
-            torch.ops.aten.matmul.default, torch.ops.aten.scaled_dot_product_attention.default}
+            torch.ops.aten.matmul.default, torch.ops.aten.scaled_dot_product_attention.default,
+            torch.ops.aten._grouped_mm.default, GROUPED_MM_FALLBACK}  # grouped: each routed token's expert
 # outputs that alias their input: no memory of their own is kept for backward
 _VIEWS = {getattr(torch.ops.aten, name).default for name in
           ("view", "reshape", "_unsafe_view", "permute", "t", "expand", "unsqueeze", "alias", "detach")} | {
@@ -92,7 +94,7 @@ class Sizes:
         if not isinstance(out, torch.Tensor):
             return 0.0
         numel = math.prod(self(s) for s in out.shape)
-        if node.target in _MATMULS:
+        if node.target in _MATMULS or str(node.target) in _MATMULS:
             return 2.0 * numel * self(node.args[0].meta["val"].shape[-1])
         return float(numel)
 

@@ -36,11 +36,7 @@ def qwen3_moe(experts: int = 8, layers: int = 2):
         max_position_embeddings=64, use_cache=False)).eval()
 
 
-MODELS = {
-    "mixtral": mixtral,
-    "mixtral-bmm": lambda: mixtral(implementation="batched_mm"),  # w[expert_ids] then bmm
-    "qwen3-moe": qwen3_moe,
-}
+MODELS = {"mixtral": mixtral, "qwen3-moe": qwen3_moe}  # grouped matmuls (transformers' default experts)
 
 
 def expert_params(model) -> list[str]:
@@ -91,29 +87,34 @@ def _hf_exact(rank: int, world: int) -> None:
         layers = model.config.num_hidden_layers
         # Megatron's count: one all-reduce for attention and one for the MoE layer, per block (+ the head)
         assert plan.collective_counts("forward")["all_reduce"] <= 2 * layers + 1, (name, plan.collectives)
+        routed = 2 * 2 * 8 * 32 * 4  # what the MoE layer's activations need: top-2 copies of 2 x 8 tokens x 32, fp32
+        for layer in range(layers):
+            moved = sum(c["bytes"] for c in plan.collectives
+                        if c["phase"] == "forward" and c["module"].startswith(f"model.layers.{layer}.mlp"))
+            assert 0 < moved <= routed, (name, layer, plan.collectives)
         _runs_the_plan(sharded, plan, torch.randint(0, 96, (2, 5)))
         _same_as_unsharded(model, sharded, lambda b, s: torch.randint(0, 96, (b, s)))
 
 
 def test_hf_moe_is_exact_with_expert_tensor_parallelism():
-    """Mixtral (grouped matmuls, and w[ids] + bmm) and Qwen3-MoE at 2 ranks."""
+    """Mixtral and Qwen3-MoE at 2 ranks."""
     run_ranks(2, _hf_exact)
 
 
 def _example_exact(rank: int, world: int) -> None:
-    for options in ({}, {"interleaved": True, "bias": True}):
-        torch.manual_seed(0)
-        model, args = moe.build(experts=6, **options)
-        sharded = autotp.parallelize(model.eval(), args)
-        plan = sharded.autotp_plan
-        full, local = dict(model.named_parameters()), dict(sharded.named_parameters())
-        for name in expert_params(model):  # each rank holds 1/N of every expert's weights
-            assert local[name].numel() * world == full[name].numel(), (name, plan.params[name])
-        if options:  # interleaved gate|up: every rank holds whole (gate, up) column pairs, and their biases
-            assert plan.params["0.gate_up"] == plan.params["0.gate_up_bias"] == "S(1)", plan.params
-        assert plan.collective_counts("forward") == {"all_reduce": 2}, plan.collectives  # one per MoE layer
-        _runs_the_plan(sharded, plan, torch.randn(2, 5, 32))
-        _same_as_unsharded(model, sharded, lambda b, s: torch.randn(b, s, 32))
+    """Gate and up columns interleaved, biases on every expert projection (plain gate|up: Mixtral above)."""
+    torch.manual_seed(0)
+    model, args = moe.build(experts=6, interleaved=True, bias=True)
+    sharded = autotp.parallelize(model.eval(), args)
+    plan = sharded.autotp_plan
+    full, local = dict(model.named_parameters()), dict(sharded.named_parameters())
+    for name in expert_params(model):  # each rank holds 1/N of every expert's weights
+        assert local[name].numel() * world == full[name].numel(), (name, plan.params[name])
+    # every rank holds whole (gate, up) column pairs, and their biases
+    assert plan.params["0.gate_up"] == plan.params["0.gate_up_bias"] == "S(1)", plan.params
+    assert plan.collective_counts("forward") == {"all_reduce": 2}, plan.collectives  # one per MoE layer
+    _runs_the_plan(sharded, plan, torch.randn(2, 5, 32))
+    _same_as_unsharded(model, sharded, lambda b, s: torch.randn(b, s, 32))
 
 
 def test_hand_written_moe_with_six_experts_on_four_ranks():
@@ -131,3 +132,11 @@ def test_interleaved_columns_split_only_in_whole_pairs():
         if split:
             assert plan.styles["0.gate_up"] == "expert FFN column split", plan.styles
             assert plan.styles["0.down"] == "expert FFN row split", plan.styles
+
+
+def test_batched_experts_are_split_alike():
+    """transformers' other experts implementation, w[expert_ids] then bmm: the same Megatron layout."""
+    model = mixtral(implementation="batched_mm")
+    plan = autotp.plan(model, world_size=2)
+    assert {plan.params[p] for p in expert_params(model)} == {"S(1|48,48)", "S(2)"}, plan.params
+    assert plan.collective_counts("forward")["all_reduce"] <= 2 * 2 + 1, plan.collectives

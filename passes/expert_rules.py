@@ -19,7 +19,7 @@ from torch.fx import Node
 from autotp.runtime.placement import P, Shard, simplest
 
 from .layout_rules import _mapped, positive_dim, slice_
-from .strategies import Context, Strategy, contractible
+from .strategies import Context, Strategy, contractible, value
 
 aten = torch.ops.aten
 # transformers registers its op when its MoE integration is imported; rules find it by name
@@ -41,12 +41,19 @@ def grouped_mm(node: Node, ctx: Context) -> list[Strategy]:
     return found
 
 
+def _integer_indices(indices) -> bool:
+    """Integer index tensors on the leading dims, one dim each.  Not None entries (``x[:, ids]`` moves
+    dims around) nor boolean masks (one mask consumes as many dims as it has)."""
+    return bool(indices) and all(isinstance(i, Node) and isinstance(value(i), torch.Tensor) and
+                                 value(i).dtype in (torch.int64, torch.int32) for i in indices)
+
+
 def index(node: Node, ctx: Context) -> list[Strategy]:
     """``x[i0, i1, ...]`` with index tensors on x's leading dims: the other dims keep their shard (moved
     behind the index's dims), a partial x stays partial; the indices are read whole."""
     x, indices = node.args[0], node.args[1]
-    if not indices or not all(isinstance(i, Node) for i in indices):
-        return []  # None entries (x[:, ids]) move dims around; not needed yet
+    if not _integer_indices(indices):
+        return []
     k, n, out = len(indices), len(ctx.shape(x)), len(ctx.shape(node))
     shift = out - n  # x dim d (d >= k) is output dim d + shift: the indices' dims replace x's first k
     found = [Strategy(ctx.fill(node, {x: P}), P)]
@@ -105,7 +112,7 @@ def hint_sources(node: Node, dim: int, ctx: Context) -> list[tuple[Node, int]]:
     if target == aten.squeeze.dim:
         at = positive_dim(args[1], len(ctx.shape(args[0])))
         return [(args[0], dim + (dim >= at))] if ctx.shape(args[0])[at] == 1 else [(args[0], dim)]
-    if target == aten.index.Tensor and all(isinstance(i, Node) for i in args[1]):
+    if target == aten.index.Tensor and _integer_indices(args[1]):
         d = dim - n + len(ctx.shape(args[0]))
         return [(args[0], d)] if d >= len(args[1]) else []
     return []

@@ -82,8 +82,10 @@ def _hf_exact(rank: int, world: int) -> None:
         model = build()
         sharded = autotp.parallelize(model)
         plan = sharded.autotp_plan
+        local = dict(sharded.named_parameters())
         for param in expert_params(model):  # every expert kept on every rank, each split Megatron-style
             assert plan.params[param] in ("S(1|48,48)", "S(1|32,32)", "S(2)"), (name, param, plan.params[param])
+            assert local[param].numel() * world == model.get_parameter(param).numel(), param
         layers = model.config.num_hidden_layers
         # Megatron's count: one all-reduce for attention and one for the MoE layer, per block (+ the head)
         assert plan.collective_counts("forward")["all_reduce"] <= 2 * layers + 1, (name, plan.collectives)

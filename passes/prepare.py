@@ -6,6 +6,7 @@ import operator
 
 import torch
 
+from .expert_rules import hint_sources
 from .layout_rules import positive_dim, slice_range, split, unsqueeze, view
 from .rules import RULES, pointwise
 from .strategies import Context, is_placed
@@ -184,6 +185,8 @@ def _walk_back(work: list, ctx: Context) -> dict:
                 ad = dim - (len(out) - len(shape))
                 if ad >= 0 and shape[ad] == out[dim]:
                     work.append((a, ad, sizes))
+        else:
+            work += [(src, d, sizes) for src, d in hint_sources(node, dim, ctx)]
     return hints
 
 

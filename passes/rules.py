@@ -13,6 +13,7 @@ from torch.fx import Node
 
 from autotp.runtime.placement import P, R, Shard
 
+from .expert_rules import EXPERT_RULES
 from .layout_rules import (
     cat,
     expand,
@@ -27,7 +28,7 @@ from .layout_rules import (
     unsqueeze,
     view,
 )
-from .strategies import ADDITIVE, Context, Strategy, input_slots, is_placed
+from .strategies import ADDITIVE, Context, Strategy, contractible, input_slots, is_placed
 
 aten = torch.ops.aten
 
@@ -105,19 +106,12 @@ def linear(node: Node, ctx: Context) -> list[Strategy]:
     out = ctx.shape(node)
     last, xlast = len(out) - 1, len(ctx.shape(x)) - 1
     found = [Strategy(ctx.fill(node, {w: s.at(0)}), s) for s in ctx.shard_options(node, last)]
-    for s in _contractible(ctx.output_options(x) + ctx.shard_options(x, xlast), xlast, ctx.world):
+    for s in contractible(ctx.output_options(x) + ctx.shard_options(x, xlast), xlast, ctx.world):
         found.append(Strategy(ctx.fill(node, {x: s, w: s.at(1)}), P))
     found.append(Strategy(ctx.fill(node, {x: P}), P))
     for d in range(last):
         found += [Strategy(ctx.fill(node, {x: s}), s) for s in ctx.shard_options(node, d) if s.chunks is None]
     return found
-
-
-def _contractible(options, dim: int, world: int) -> list[Shard]:
-    """Shards of a contracted dim whose partial products sum to the full one: each element is held
-    by exactly one rank (not grouped), and not block-wise (the other operand cannot follow)."""
-    found = [p for p in options if isinstance(p, Shard) and p.dim == dim and p.chunks is None and not p.grouped(world)]
-    return list(dict.fromkeys(found))
 
 
 def matmul(node: Node, ctx: Context) -> list[Strategy]:
@@ -128,8 +122,7 @@ def matmul(node: Node, ctx: Context) -> list[Strategy]:
     if len(sa) < 2 or len(sb) < 2:
         return []
     found = [Strategy(ctx.fill(node, {b: s.at(len(sb) - 1)}), s) for s in ctx.shard_options(node, n - 1)]
-    found += [Strategy(ctx.fill(node, {a: s.at(len(sa) - 2)}), s)
-              for s in ctx.shard_options(node, n - 2) if s.chunks is None]
+    found += [Strategy(ctx.fill(node, {a: s.at(len(sa) - 2)}), s) for s in ctx.shard_options(node, n - 2)]
     k = sa[-1]
     if ctx.static(k) and k % ctx.world == 0:
         found.append(Strategy(ctx.fill(node, {a: Shard(len(sa) - 1), b: Shard(len(sb) - 2)}), P))
@@ -165,7 +158,7 @@ def embedding(node: Node, ctx: Context) -> list[Strategy]:
     weight = node.args[0]
     last = len(ctx.shape(node)) - 1
     found = [Strategy(ctx.fill(node, {weight: s.at(1)}), s) for s in ctx.shard_options(node, last) if s.chunks is None]
-    rows = _contractible(ctx.shard_options(weight, 0), 0, ctx.world)
+    rows = contractible(ctx.shard_options(weight, 0), 0, ctx.world)
     found += [Strategy(ctx.fill(node, {weight: s}), P) for s in rows]
     return found
 
@@ -266,5 +259,6 @@ RULES = {
     operator.getitem: getitem,
     **dict.fromkeys([aten.index_copy_.default, aten.index_copy.default], index_copy),
     aten.cat.default: cat,
+    **EXPERT_RULES,  # mixture-of-experts layouts (3-D expert weights); its strided slice extends slice_
 }
 

@@ -23,11 +23,13 @@ from autotp.cost_models.memory import breakdown, smallest_fitting_world, state_f
 from autotp.cost_models.topology import Topology
 from autotp.runtime.placement import P, R, Replicate, Shard
 
+from .expert_rules import GROUPED_MM_FALLBACK
 from .saved import element_bytes, kept
-from .strategies import Context, input_slots, is_placed, needs_grad, partial_grad
+from .strategies import Context, input_slots, is_placed, needs_grad, partial_grad, stored_views
 
 _MATMULS = {torch.ops.aten.linear.default, torch.ops.aten.mm.default, torch.ops.aten.bmm.default,
-            torch.ops.aten.matmul.default, torch.ops.aten.scaled_dot_product_attention.default}
+            torch.ops.aten.matmul.default, torch.ops.aten.scaled_dot_product_attention.default,
+            torch.ops.aten._grouped_mm.default, GROUPED_MM_FALLBACK}  # grouped: each routed token's expert
 
 
 # Equal-cost plans are common (an all-gather before a matmul or a reduce-scatter after it move the
@@ -79,7 +81,7 @@ class Sizes:
         if not isinstance(out, torch.Tensor):
             return 0.0
         numel = math.prod(self(s) for s in out.shape)
-        if node.target in _MATMULS:
+        if node.target in _MATMULS or str(node.target) in _MATMULS:
             return 2.0 * numel * self(node.args[0].meta["val"].shape[-1])
         return float(numel)
 
@@ -238,9 +240,11 @@ def solve(gm: torch.fx.GraphModule, ctx: Context, topology: Topology, *, trainin
     else:  # shards stay where they are; partial sums are still reduced
         costs += [v * collective_time("all_reduce", sizes.nbytes(src), t, topology) for src in returned
                   for v, s in zip(x[src], ctx.strategies[src], strict=True) if s.output == P]
+    stored = stored_views(gm)
     for e, (src, wanted) in enumerate(edges):
         produced = [(v, s.output) for v, s in zip(x[src], ctx.strategies[src], strict=True)]
-        for (p, q), z in _link(problem, produced, wanted, lambda p, q, s=src: _reshard_ok(s, p, q, t, topology),
+        for (p, q), z in _link(problem, produced, wanted,
+                               lambda p, q, s=src: _reshard_ok(s in stored, p, q, t, topology),
                                f"z{e}_").items():
             if p != q:
                 key = (src, p, q)
@@ -339,9 +343,9 @@ def _link(problem, produced, wanted, ok, tag) -> dict:
     return z
 
 
-def _reshard_ok(src: Node, p, q, world: int, topology: Topology) -> bool:
+def _reshard_ok(stored: bool, p, q, world: int, topology: Topology) -> bool:
     if p == q:
         return True
-    if src.op == "get_attr" and not (isinstance(p, Replicate) and isinstance(q, Shard)):
-        return False  # parameters are stored as used; never gathered at run time
+    if stored and not (isinstance(p, Replicate) and isinstance(q, Shard)):
+        return False  # parameters (and views of them) are stored as used; never gathered at run time
     return reshard_time(p, q, 1.0, world, topology) is not None

@@ -57,6 +57,13 @@ def input_slots(node: Node) -> list[Node]:
     return slots
 
 
+def contractible(options, dim: int, world: int) -> list[Shard]:
+    """Shards of a contracted dim whose partial products sum to the full one: each element is held
+    by exactly one rank (not grouped), and not block-wise (the other operand cannot follow)."""
+    found = [p for p in options if isinstance(p, Shard) and p.dim == dim and p.chunks is None and not p.grouped(world)]
+    return list(dict.fromkeys(found))
+
+
 def concrete(size):
     """``size`` as an int if it has one value (a SymInt whose expression is a number), else unchanged."""
     if isinstance(size, torch.SymInt) and size.node.expr.is_number:
@@ -197,11 +204,33 @@ def is_observer(node: Node) -> bool:
     )
 
 
+_aten = torch.ops.aten
+# ops whose output is the same data as their first input, seen another way (or a cast of it): a parameter
+# seen through them is still the parameter, and is never gathered either (no weight travels at run time)
+LAYOUT_OPS = {_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default, _aten.permute.default,
+              _aten.t.default, _aten.numpy_T.default, _aten.transpose.int, _aten.unsqueeze.default,
+              _aten.squeeze.dim, _aten.expand.default, _aten.slice.Tensor, _aten.select.int, _aten.alias.default,
+              _aten.detach.default, _aten.index.Tensor, _aten.to.dtype, _aten._to_copy.default}
+
+
+def stored_views(gm: torch.fx.GraphModule) -> set:
+    """Parameters and buffers, and what layout ops make of them (``w.transpose(-2, -1)``, ``w[expert_ids]``)."""
+    found: set = set()
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" or (node.target in LAYOUT_OPS and node.args and node.args[0] in found):
+            found.add(node)
+    return found
+
+
 def needs_grad(gm: torch.fx.GraphModule) -> set:
-    """Nodes whose value depends on a trainable parameter (their gradients flow)."""
+    """Nodes whose value depends on a trainable parameter (their gradients flow); integer values (expert
+    ids sorted by a router's scores) have none."""
     params = {name for name, p in gm.named_parameters() if p.requires_grad}
     grad: set = set()
     for node in gm.graph.nodes:
+        v = value(node)
+        if isinstance(v, torch.Tensor) and not (v.is_floating_point() or v.is_complex()):
+            continue
         if (node.op == "get_attr" and node.target in params) or any(a in grad for a in node.all_input_nodes):
             grad.add(node)
     return grad
@@ -217,6 +246,11 @@ def token_symbols(gm: torch.fx.GraphModule) -> set:
     return found
 
 
+def rule_of(rules: dict, target):
+    """The rule for an op; other libraries' custom ops are keyed by name (they exist once imported)."""
+    return rules.get(target) or rules.get(str(target))
+
+
 def enumerate_strategies(gm: torch.fx.GraphModule, ctx: Context, rules: dict) -> Context:
     weighted = needs_grad(gm)
     ctx.grad, ctx.token_symbols = weighted, token_symbols(gm)
@@ -229,8 +263,9 @@ def enumerate_strategies(gm: torch.fx.GraphModule, ctx: Context, rules: dict) ->
             continue
         all_r = Strategy(ctx.fill(node, {}), replicated_like(node))
         found = [all_r]
-        if node.op == "call_function" and node.target in rules:
-            found += [s for s in rules[node.target](node, ctx) if s not in found]
+        rule = rule_of(rules, node.target) if node.op == "call_function" else None
+        if rule is not None:
+            found += [s for s in rule(node, ctx) if s not in found]
         elif node.op == "call_function" and node in weighted:
             ctx.unruled.add(str(node.target))
         ctx.strategies[node] = found
@@ -250,15 +285,29 @@ def _add_parameter_options(gm: torch.fx.GraphModule, ctx: Context) -> None:
     sizes = {n: value(n).numel() * value(n).element_size() for n in nodes}
     largest = max((sizes[n] for n in nodes if n.target in trainable), default=0)
     for node in nodes:
-        per_user = []
-        for user in node.users:
-            per_user.append({p for strategy in ctx.strategies.get(user, [])
-                             for slot, p in zip(input_slots(user), strategy.inputs, strict=True) if slot is node})
-        wanted = {R}.union(*per_user)
+        wanted = {R}.union(*(_wanted(node, user, ctx) for user in node.users))
         options = {p for p in wanted if isinstance(p, (Replicate, Shard))}
-        suits_all = {p for p in options if isinstance(p, Shard) and all(p in u for u in per_user)}
+        suits_all = {p for p in options if isinstance(p, Shard) and _carried(node, p, ctx, {})}
         if node.target in trainable and suits_all and sizes[node] >= ctx.min_shard_fraction * largest:
             options = suits_all
         if node.target in ctx.fixed:
             options = {ctx.fixed[node.target]}
         ctx.strategies[node] = [Strategy((), p) for p in sorted(options, key=str)]
+
+
+def _wanted(node: Node, user: Node, ctx: Context) -> set:
+    """The placements of ``node`` that some strategy of ``user`` reads it in."""
+    return {p for strategy in ctx.strategies.get(user, [])
+            for slot, p in zip(input_slots(user), strategy.inputs, strict=True) if slot is node}
+
+
+def _carried(node: Node, placement, ctx: Context, seen: dict) -> bool:
+    """Every user of ``node`` can read it in ``placement`` without a collective: a compute op has a strategy
+    for it; a layout op (a transpose, a view, an expert's slice ``w[ids]``) has one whose output is carried
+    on in turn.  A parameter offered only such shards is never gathered, however many views it passes."""
+    key = (node, placement)
+    if key not in seen:
+        seen[key] = all(placement in _wanted(node, user, ctx) and (user.target not in LAYOUT_OPS or any(
+            _carried(user, s.output, ctx, seen) for s in ctx.strategies.get(user, [])
+            if s.inputs[input_slots(user).index(node)] == placement)) for user in node.users)
+    return seen[key]

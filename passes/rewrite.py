@@ -12,7 +12,7 @@ from autotp.runtime import collectives, local_ops
 from autotp.runtime.placement import Partial, R, Replicate, Shard, take_local
 
 from .capture import module_path
-from .layout_rules import block_of
+from .layout_rules import block_of, cut_range
 from .rules import held_heads
 from .strategies import adds_once, is_observer, needs_grad, partial_grad
 
@@ -40,16 +40,16 @@ def _localize(node: Node, strategy, rank: int, world: int) -> None:
     """Size arguments that describe a sharded dim must describe the local shard instead."""
     target = node.target
     src = strategy.inputs[0] if strategy.inputs else None
-    if target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default):
+    if target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default,
+                  aten.broadcast_to.default):
         node.args = (node.args[0], _local_sizes(node.args[1], strategy.output, rank, world), *node.args[2:])
-    elif target == aten.slice.Tensor and isinstance(src, Shard) and src.chunks:
-        full = sum(src.chunks)  # one whole block of a fused dim: its range in the local layout
-        end = node.args[3] if len(node.args) > 3 and node.args[3] is not None else full
-        k = block_of(src, node.args[2] or 0, min(end, full))
-        if k is not None and src.dim == node.args[1] % node.args[0].meta["val"].dim():
-            lengths = [n for _, n in src.ranges(full, rank, world)]
+    elif target in (aten.slice.Tensor, aten.index.Tensor) and isinstance(src, Shard) and src.chunks:
+        bounds = cut_range(node)  # one whole block of a fused dim: its range in the local layout
+        k = block_of(src, *bounds[1:]) if bounds and bounds[0] == src.dim else None
+        if k is not None:
+            lengths = [n for _, n in src.ranges(sum(src.chunks), rank, world)]
             start = sum(lengths[:k])
-            node.args = (node.args[0], node.args[1], start, start + lengths[k], *node.args[4:])
+            node.target, node.args, node.kwargs = aten.slice.Tensor, (node.args[0], src.dim, start, start + lengths[k]), {}
     elif target in (aten.split.Tensor, aten.split_with_sizes.default):
         at = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
         if isinstance(src, Shard) and src.dim == at % node.args[0].meta["val"].dim():

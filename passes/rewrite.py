@@ -3,6 +3,7 @@ and size arguments of view/reshape/expand/split adjusted to local shapes."""
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 from torch.fx import Node
@@ -14,7 +15,7 @@ from autotp.runtime.placement import Partial, R, Replicate, Shard, take_local
 from .capture import module_path
 from .layout_rules import block_of, cut_range
 from .rules import held_heads
-from .strategies import adds_once, is_observer, needs_grad, partial_grad
+from .strategies import adds_once, gradient_sums, is_observer, needs_grad, partial_grad
 
 aten = torch.ops.aten
 
@@ -49,7 +50,8 @@ def _localize(node: Node, strategy, rank: int, world: int) -> None:
         if k is not None:
             lengths = [n for _, n in src.ranges(sum(src.chunks), rank, world)]
             start = sum(lengths[:k])
-            node.target, node.args, node.kwargs = aten.slice.Tensor, (node.args[0], src.dim, start, start + lengths[k]), {}
+            node.target, node.kwargs = aten.slice.Tensor, {}
+            node.args = (node.args[0], src.dim, start, start + lengths[k])
     elif target in (aten.split.Tensor, aten.split_with_sizes.default):
         at = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
         if isinstance(src, Shard) and src.dim == at % node.args[0].meta["val"].dim():
@@ -152,6 +154,27 @@ def _where(node: Node) -> str:
     return f"{node.name} ({node.target}) in {module_path(node) or 'the top-level module'}"
 
 
+def _sum_gradients(graph: torch.fx.Graph, members: list, choice: dict, placed: dict, rank: int, world: int,
+                   group: str) -> None:
+    """Ranks sharing a unit of these parameters each hold part of its gradient: one backward all-reduce sums
+    them all (vLLM's replicated KV heads; a multi-query projection's weight and bias together)."""
+    for member in members[1:]:  # side by side (a get_attr reads nothing), so the sum can follow them
+        members[0].append(member)
+    last = members[0]
+    while last.next in members:
+        last = last.next
+    layouts = [(s.dim, s.chunks, s.units, s.of, _full_size(m, s.dim)) for m in members for s in [choice[m].output]]
+    with graph.inserting_after(last):
+        summed = graph.call_function(collectives.sum_group_grads, (
+            list(members), layouts, rank, world, group, " and ".join(_where(m) for m in members)))
+    for i, member in reversed(list(enumerate(members))):
+        with graph.inserting_after(summed):
+            item = graph.call_function(operator.getitem, (summed, i))
+        item.meta = dict(member.meta)
+        member.replace_all_uses_with(item, delete_user_cb=lambda user, keep=summed: user is not keep)
+        placed[item] = choice[member].output
+
+
 def rewrite(gm: torch.fx.GraphModule, choice: dict, rank: int, world: int, group: str,
             checkpoint=None, device: torch.device | None = None, gather_outputs: bool = True) -> torch.fx.GraphModule:
     """Mutates ``gm`` (a fresh capture) into this rank's sharded program."""
@@ -175,20 +198,11 @@ def rewrite(gm: torch.fx.GraphModule, choice: dict, rank: int, world: int, group
         return converted[key]
 
     params = {}
-    trainable = {name for name, p in gm.named_parameters(remove_duplicate=False) if p.requires_grad}
+    for members in gradient_sums(gm, choice, world):
+        _sum_gradients(graph, members, choice, placed, rank, world, group)
     for node in list(graph.nodes):
         if node.op == "get_attr" and node in choice:
-            placed[node] = layout = choice[node].output
-            params[node.target] = layout
-            if isinstance(layout, Shard) and layout.grouped(world) and node.target in trainable:
-                # ranks sharing a unit each hold part of its gradient: sum them (vLLM's replicated KV heads)
-                with graph.inserting_after(node):
-                    summed = graph.call_function(collectives.sum_group_grad, (
-                        node, *collectives.shard_args(layout, _full_size(node, layout.dim), rank, world, group,
-                                                      _where(node))))
-                summed.meta = dict(node.meta)
-                node.replace_all_uses_with(summed, delete_user_cb=lambda user, keep=summed: user is not keep)
-                placed[summed] = layout
+            placed[node] = params[node.target] = choice[node].output
         elif node.op == "placeholder" and node in choice:
             placed[node] = R
         elif node.op == "output":

@@ -230,6 +230,21 @@ def getitem(node: Node, ctx: Context) -> list[Strategy]:
             for option in ctx.output_options(source) if isinstance(option, tuple)]
 
 
+def stack(node: Node, ctx: Context) -> list[Strategy]:
+    """torch.stack(parts, dim): every part sharded alike on another dim (those after the new dim move up one);
+    GPT-J's rotary, ``torch.stack((-x2, x1), dim=-1)``."""
+    parts = node.args[0]
+    n = len(ctx.shape(node))
+    at = positive_dim(node.args[1] if len(node.args) > 1 else 0, n)
+    found = []
+    if all(isinstance(p, Node) for p in parts) and len(set(parts)) == len(parts):
+        found.append(Strategy(ctx.fill(node, dict.fromkeys(parts, P)), P))
+        for d in range(n):
+            found += [Strategy(ctx.fill(node, dict.fromkeys(parts, s.at(d - (d > at)))), s)
+                      for s in ctx.shard_options(node, d) if d != at and s.chunks is None]
+    return found
+
+
 def cat(node: Node, ctx: Context) -> list[Strategy]:
     parts = node.args[0]
     n = len(ctx.shape(node))

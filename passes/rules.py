@@ -23,6 +23,7 @@ from .layout_rules import (
     positive_dim,
     slice_,
     split,
+    stack,
     t,
     transpose,
     unsqueeze,
@@ -284,5 +285,6 @@ RULES = {
     operator.getitem: getitem,
     **dict.fromkeys([aten.index_copy_.default, aten.index_copy.default], index_copy),
     aten.cat.default: cat,
+    aten.stack.default: stack,
 }
 

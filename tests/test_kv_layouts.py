@@ -46,6 +46,11 @@ def build(kind: str):
         return GPTBigCodeForCausalLM(GPTBigCodeConfig(
             vocab_size=96, n_embd=64, n_layer=LAYERS, n_head=8, multi_query=True, n_positions=64, use_cache=False,
             bos_token_id=0, eos_token_id=0, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)).eval()
+    if kind == "gptj":  # rotary on interleaved pairs: x[..., ::2], x[..., 1::2], stack and flatten back
+        from transformers import GPTJConfig, GPTJForCausalLM
+        return GPTJForCausalLM(GPTJConfig(
+            vocab_size=96, n_embd=64, n_layer=LAYERS, n_head=8, rotary_dim=4, n_positions=64, use_cache=False,
+            attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0, eos_token_id=0)).eval()
     if kind.startswith("falcon"):  # falcon-<multi_query><new_decoder_architecture><bias>, e.g. falcon-101
         from transformers import FalconConfig, FalconForCausalLM
         multi_query, new, bias = (c == "1" for c in kind.split("-")[1])
@@ -131,7 +136,7 @@ def _check(rank: int, world: int, kinds: list) -> None:
 
 @pytest.mark.parametrize(("world", "kinds"), [
     (2, ["phi3", "bigcode", "llama-8-1", "falcon-101", "falcon-010"]),  # falcon: qkv cut by constant index
-    (3, ["phi3", "bigcode", "llama-8-2"]),   # 8 heads 3,3,2; rank 1's heads need both KV heads
+    (3, ["phi3", "bigcode", "llama-8-2", "gptj"]),   # 8 heads 3,3,2; rank 1's heads need both KV heads
     (4, ["phi3", "bigcode", "llama-6-3", "falcon-100"]),   # 3 KV heads do not divide 4 ranks
 ])
 def test_heads_split_whatever_the_kv_layout(world, kinds):

@@ -167,7 +167,7 @@ def whole_spellings(node: Node, ctx: Context) -> list[Shard]:
     return [s for d in range(len(ctx.shape(node))) for s in ctx.shard_options(node, d) if s.whole(ctx.world)]
 
 
-def slice_(node: Node, ctx: Context) -> list[Strategy]:
+def slice_(node: Node, ctx: Context) -> list[Strategy] | None:
     """Slicing (or indexing by a constant run, see cut_range) along an unsharded dim (select drops that
     dim); or cutting one whole block out of a fused dim sharded block by block (Phi-3's qkv[..., a:b],
     Falcon's heads[..., [-2], :]), which leaves a plain shard, or one every rank holds whole."""
@@ -175,7 +175,7 @@ def slice_(node: Node, ctx: Context) -> list[Strategy]:
     n = len(ctx.shape(x))
     bounds = cut_range(node)
     if node.target == aten.index.Tensor and bounds is None:
-        return []  # positions known only at run time
+        return None  # positions known only at run time: no rule (replicated, and said)
     at = bounds[0] if bounds else positive_dim(node.args[1] if len(node.args) > 1 else 0, n)
     drop = node.target == aten.select.int
     found = _mapped(node, ctx, lambda d: None if d == at else (d - 1 if drop and d > at else d))
@@ -230,29 +230,18 @@ def getitem(node: Node, ctx: Context) -> list[Strategy]:
             for option in ctx.output_options(source) if isinstance(option, tuple)]
 
 
-def stack(node: Node, ctx: Context) -> list[Strategy]:
-    """torch.stack(parts, dim): every part sharded alike on another dim (those after the new dim move up one);
-    GPT-J's rotary, ``torch.stack((-x2, x1), dim=-1)``."""
-    parts = node.args[0]
-    n = len(ctx.shape(node))
-    at = positive_dim(node.args[1] if len(node.args) > 1 else 0, n)
-    found = []
-    if all(isinstance(p, Node) for p in parts) and len(set(parts)) == len(parts):
-        found.append(Strategy(ctx.fill(node, dict.fromkeys(parts, P)), P))
-        for d in range(n):
-            found += [Strategy(ctx.fill(node, dict.fromkeys(parts, s.at(d - (d > at)))), s)
-                      for s in ctx.shard_options(node, d) if d != at and s.chunks is None]
-    return found
-
-
 def cat(node: Node, ctx: Context) -> list[Strategy]:
+    """cat / stack of parts sharded alike on another dim (stack: those after its new dim move up one; GPT-J's
+    rotary, ``torch.stack((-x2, x1), dim=-1)``), or on the joined dim where every rank holds all of it."""
     parts = node.args[0]
     n = len(ctx.shape(node))
     at = positive_dim(node.args[1] if len(node.args) > 1 else 0, n)
+    stacked = node.target == aten.stack.default
     found = []
     if all(isinstance(p, Node) for p in parts) and len(set(parts)) == len(parts):
         found.append(Strategy(ctx.fill(node, dict.fromkeys(parts, P)), P))
-        for d in range(n):
-            found += [Strategy(ctx.fill(node, dict.fromkeys(parts, s)), s) for s in ctx.shard_options(node, d)
-                      if s.chunks is None and (d != at or s.whole(ctx.world))]  # whole: every rank holds all
+        for d in range(n):  # whole on the joined dim: every rank holds all of it
+            found += [Strategy(ctx.fill(node, dict.fromkeys(parts, s.at(d - (stacked and d > at)))), s)
+                      for s in ctx.shard_options(node, d)
+                      if s.chunks is None and (d != at or (s.whole(ctx.world) and not stacked))]
     return found

@@ -46,6 +46,9 @@ def _localize(node: Node, strategy, rank: int, world: int) -> None:
         node.args = (node.args[0], _local_sizes(node.args[1], strategy.output, rank, world), *node.args[2:])
     elif target in (aten.slice.Tensor, aten.index.Tensor) and isinstance(src, Shard) and src.chunks:
         bounds = cut_range(node)  # one whole block of a fused dim: its range in the local layout
+        if bounds is None and target == aten.index.Tensor:
+            raise RuntimeError(f"{node.name} indexes a fused dim the plan splits block by block, but its positions "
+                               "are not known in this capture (a constant on the meta device?): plan with this model")
         k = block_of(src, *bounds[1:]) if bounds and bounds[0] == src.dim else None
         if k is not None:
             lengths = [n for _, n in src.ranges(sum(src.chunks), rank, world)]

@@ -23,7 +23,6 @@ from .layout_rules import (
     positive_dim,
     slice_,
     split,
-    stack,
     t,
     transpose,
     unsqueeze,
@@ -284,7 +283,6 @@ RULES = {
     **dict.fromkeys([aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default], split),
     operator.getitem: getitem,
     **dict.fromkeys([aten.index_copy_.default, aten.index_copy.default], index_copy),
-    aten.cat.default: cat,
-    aten.stack.default: stack,
+    **dict.fromkeys([aten.cat.default, aten.stack.default], cat),
 }
 

@@ -234,9 +234,10 @@ def enumerate_strategies(gm: torch.fx.GraphModule, ctx: Context, rules: dict) ->
             continue
         all_r = Strategy(ctx.fill(node, {}), replicated_like(node))
         found = [all_r]
-        if node.op == "call_function" and node.target in rules:
-            found += [s for s in rules[node.target](node, ctx) if s not in found]
-        elif node.op == "call_function" and node in weighted:
+        rule = rules.get(node.target) if node.op == "call_function" else None
+        proposed = rule(node, ctx) if rule is not None else None  # None: no rule for this use of the op
+        found += [s for s in proposed or () if s not in found]
+        if proposed is None and node.op == "call_function" and node in weighted:
             ctx.unruled.add(str(node.target))
         ctx.strategies[node] = found
     _add_parameter_options(gm, ctx)

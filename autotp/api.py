@@ -22,8 +22,8 @@ from autotp.passes.prepare import (
 )
 from autotp.passes.rewrite import rewrite
 from autotp.passes.rules import RULES
-from autotp.passes.solve import PlanningError, Sizes, solve
-from autotp.passes.strategies import Context, Strategy, enumerate_strategies, input_slots
+from autotp.passes.solve import DoesNotFit, PlanningError, Sizes, activation_bytes, solve
+from autotp.passes.strategies import Context, Strategy, enumerate_strategies, input_slots, needs_grad
 from autotp.passes.styles import param_styles
 
 from .agree import DEFAULT_TIMEOUT, InputCheck, Rendezvous, inputs_digest
@@ -61,14 +61,31 @@ def _graph(model: torch.nn.Module, args, kwargs, fold: bool = False) -> torch.fx
 
 def _solve(gm: torch.fx.GraphModule, world_size: int, topology, min_shard_fraction: float = 0.02,
            training: bool = True, memory_limit: float | None = None, sizes: Sizes | None = None,
-           fixed: dict | None = None, gather_outputs: bool = True) -> Plan:
+           fixed: dict | None = None, gather_outputs: bool = True, sequence_parallel: bool | None = None) -> Plan:
+    """``sequence_parallel``: True forces it, False rules it out, None offers it only when no plan without
+    it fits in memory (the plain plan's all-reduces become reduce-scatters and all-gathers either way)."""
+    if sequence_parallel not in (None, True, False):
+        raise ValueError(f"sequence_parallel must be None, True or False, got {sequence_parallel!r}")
+    try:
+        return _solve_once(gm, world_size, topology, min_shard_fraction, training, memory_limit, sizes, fixed,
+                           gather_outputs, bool(sequence_parallel), force=bool(sequence_parallel))
+    except DoesNotFit:
+        if sequence_parallel is not None or not training:
+            raise
+        return _solve_once(gm, world_size, topology, min_shard_fraction, training, memory_limit, sizes, fixed,
+                           gather_outputs, True, force=False)
+
+
+def _solve_once(gm: torch.fx.GraphModule, world_size: int, topology, min_shard_fraction: float,
+                training: bool, memory_limit: float | None, sizes: Sizes | None, fixed: dict | None,
+                gather_outputs: bool, tokens: bool, force: bool) -> Plan:
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
     topo = load_topology(topology)
     if world_size > topo.devices:
         raise ValueError(f"world size {world_size} is larger than topology {topo.name} ({topo.devices} devices): "
                          "pick a topology with more devices (e.g. 2x-dgx-h100) or a smaller world size")
-    ctx = Context(world=world_size, min_shard_fraction=min_shard_fraction, fixed=fixed or {})
+    ctx = Context(world=world_size, min_shard_fraction=min_shard_fraction, fixed=fixed or {}, tokens=tokens)
     add_hints(gm, ctx)
     enumerate_strategies(gm, ctx, RULES)
     folding = gm.meta.get("autotp_fold")
@@ -80,7 +97,8 @@ def _solve(gm: torch.fx.GraphModule, world_size: int, topology, min_shard_fracti
                       f"replicated (correct, possibly slower): {', '.join(sorted(ctx.unruled))}", stacklevel=3)
     weights = folding.weights if folding else None
     solution = solve(gm, ctx, topo, training=training, memory_limit=memory_limit, sizes=sizes,
-                     gather_outputs=gather_outputs, weights=weights, ties=folding.ties if folding else ())
+                     gather_outputs=gather_outputs, weights=weights, ties=folding.ties if folding else (),
+                     sequence_parallel=force)
     choice = solution.choice
     expand = folding.fold.expand if folding else dict
     return Plan(
@@ -95,30 +113,46 @@ def _solve(gm: torch.fx.GraphModule, world_size: int, topology, min_shard_fracti
         styles=expand(param_styles(gm, choice, world_size)),
         shapes=expand({n.target: list(n.meta["val"].shape) for n in choice if n.op == "get_attr"}),
         alternatives=alternatives(gm, ctx, choice, topo, training, sizes),
-        cost={"seconds": solution.seconds, "memory": solution.memory, "training": training},
+        cost={"seconds": solution.seconds, "memory": solution.memory, "training": training,
+              **_activations_by_module(gm, ctx, choice, sizes, training)},
         replicated_ops=sorted(ctx.unruled),
         fold={"path": folding.fold.path, "count": folding.fold.count} if folding else None,
     )
 
 
+def _activations_by_module(gm: torch.fx.GraphModule, ctx: Context, choice: dict, sizes: Sizes | None,
+                           training: bool) -> dict:
+    """Bytes kept for backward per device by the module that computes them, and the modules that
+    split the tokens (sequence parallelism), for reports."""
+    kept: dict = {}
+    grad = needs_grad(gm) if training else set()
+    for node, held in activation_bytes(choice, sizes or Sizes(), ctx.world, grad, ctx.on_tokens).items():
+        kept[module_path(node)] = kept.get(module_path(node), 0.0) + held
+    split = sorted({module_path(n) for n, s in choice.items() if ctx.on_tokens(n, s)})
+    return {"activations": kept, "token_split": split}
+
+
 def plan(model: torch.nn.Module, args=None, kwargs=None, *, world_size: int, topology=None,
          min_shard_fraction: float = 0.02, training: bool = True, memory_limit: float | None = None,
-         fold: bool = True) -> Plan:
+         fold: bool = True, sequence_parallel: bool | None = None) -> Plan:
     """Find a sharding plan without any process group (the model may be on the meta device).
 
     Costs are estimated at the example inputs' sizes: pass realistic ones (on the meta device
     they cost nothing).  ``memory_limit``: bytes per device (default 90% of the topology's).
     ``fold``: plan a long stack of identical blocks from four of them (same plan, time independent of
-    depth; see passes/fold.py); ``fold=False`` captures and solves every block.
+    depth; see passes/fold.py); ``fold=False`` captures and solves every block.  ``sequence_parallel``:
+    split the norms, dropouts and residual adds by tokens (Megatron's sequence parallelism): True,
+    False, or None to take it only when memory demands it.
     """
-    return _solve(_graph(model, args, kwargs, fold), world_size, topology, min_shard_fraction, training, memory_limit)
+    return _solve(_graph(model, args, kwargs, fold), world_size, topology, min_shard_fraction, training, memory_limit,
+                  sequence_parallel=sequence_parallel)
 
 
 def parallelize(model: torch.nn.Module, args=None, kwargs=None, *, plan: Plan | None = None, topology=None,
                 group=None, checkpoint=None, min_shard_fraction: float = 0.02, training: bool = True,
                 memory_limit: float | None = None, timeout: float = DEFAULT_TIMEOUT, gather_outputs: bool = True,
                 fixed: dict | None = None, check_inputs: str | bool = "first",
-                verify: bool = False) -> torch.nn.Module:
+                verify: bool = False, sequence_parallel: bool | None = None) -> torch.nn.Module:
     """This rank's tensor-parallel copy of ``model``: same signature, full outputs on every rank.
 
     Rank 0 solves and shares the plan, so every rank runs the same program; ranks first check that
@@ -147,7 +181,7 @@ def parallelize(model: torch.nn.Module, args=None, kwargs=None, *, plan: Plan | 
     if plan is None:
         plan = Plan.from_json(rendezvous.share("plan", lambda: _solve(
             gm, world, topology, min_shard_fraction, training, memory_limit,
-            gather_outputs=gather_outputs, fixed=fixed).to_json()))
+            gather_outputs=gather_outputs, fixed=fixed, sequence_parallel=sequence_parallel).to_json()))
     rendezvous.agree("plan", hashlib.sha256(plan.to_json().encode()).hexdigest()[:16], "the plan")
     choice = _choice(gm, plan, graph_hash, world)
     source = checkpoint if checkpoint is None or hasattr(checkpoint, "read") else Checkpoint(checkpoint)

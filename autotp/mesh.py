@@ -19,8 +19,9 @@ from autotp.cost_models import load_topology
 from autotp.cost_models import pipeline as pipe
 from autotp.cost_models.layout import Candidate, Profile, Section, Setting, price
 from autotp.cost_models.topology import Topology
-from autotp.passes.solve import _MATMULS, PlanningError, Sizes, _compute_time, _memory
-from autotp.passes.strategies import Strategy
+from autotp.passes.fold import blocks
+from autotp.passes.solve import _MATMULS, PlanningError, Sizes, _compute_time, _memory, activation_bytes
+from autotp.passes.strategies import Strategy, needs_grad
 from autotp.runtime.placement import parse
 
 from .api import _graph, _solve
@@ -131,12 +132,13 @@ def _model_flops(gm: torch.fx.GraphModule, sizes: Sizes) -> float:
     return 3 * forward
 
 
-def _where(gm: torch.fx.GraphModule) -> tuple[dict, int | None, object]:
-    """node -> "pre" | "post" | kept block index; the real block count; the fold (None if not folded)."""
+def _where(gm: torch.fx.GraphModule, fold=None) -> tuple[dict, int | None, object]:
+    """node -> "pre" | "post" | kept block index; the real block count; the fold (None if not folded).  ``fold``:
+    the blocks of a graph captured whole (every block kept)."""
     folding = gm.meta.get("autotp_fold")
-    if folding is None:
+    if folding is None and fold is None:
         return dict.fromkeys(gm.graph.nodes, "pre"), None, None
-    fold, where = folding.fold, dict(folding.blocks.where)
+    fold, where = (folding.fold, dict(folding.blocks.where)) if folding else (fold, dict(blocks(gm, fold).where))
     for n in gm.graph.nodes:
         if where.get(n) == "attr":
             block = fold.block_of_name(n.target)
@@ -165,13 +167,17 @@ def _read_profile(gm: torch.fx.GraphModule, tp: int, topo: Topology, training: b
     nodes = {n.name: n for n in gm.graph.nodes}
     trainable = dict(gm.named_parameters(remove_duplicate=False))
     kept: dict = {}
-    for name, entry in plan.nodes.items():
-        node = nodes[name]
-        strategy = Strategy(tuple(parse(p) for p in entry["in"]), parse(entry["out"]))
+    choice = {nodes[name]: Strategy(tuple(parse(p) for p in entry["in"]), parse(entry["out"]))
+              for name, entry in plan.nodes.items()}
+    for node, strategy in choice.items():
         section = kept.setdefault(where[node], Section())
         section.seconds += _compute_time(node, strategy, sizes, tp, topo, training)
         for kind, held in _memory(node, strategy, sizes, tp, trainable, training).items():
             section.memory[kind] = section.memory.get(kind, 0.0) + held
+    grad = needs_grad(gm) if training else set()
+    for node, held in activation_bytes(choice, sizes, tp, grad).items():
+        section = kept.setdefault(where[node], Section())
+        section.memory["activations"] = section.memory.get("activations", 0.0) + held
     for c in plan.collectives:
         kept.setdefault(where[nodes[c["tensor"]]], Section()).seconds += c["seconds"]
     order = ["pre", *([fold.rep(i) for i in range(count)] if fold else []), "post"]

@@ -6,12 +6,14 @@ number of stages, replicas, micro-batches, a schedule and recomputation.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field, replace
 
 from . import pipeline as pipe
 from .topology import Topology
 
 STATE = ("params", "grads", "optimizer", "buffers")
+KEPT = ("activations", "kv_cache")  # held per micro-batch in flight
 
 
 @dataclass
@@ -32,7 +34,8 @@ class Profile:
     sections: list
     boundary: float
     stackable: bool  # blocks found (a folded stack): pipeline stages can fall between them
-    ranges: dict = field(default_factory=dict)  # stage count -> balanced [start, end) block ranges
+    ranges: dict = field(default_factory=dict)  # stage count -> time-balanced [start, end) block ranges
+    sums: dict = field(default_factory=dict)    # running totals over the blocks (stage_memory)
 
     @property
     def blocks(self) -> list:
@@ -78,7 +81,7 @@ def price(profile: Profile, layout: Candidate, setting: Setting) -> Candidate:
     stage boundaries, step time and MFU, or a note when its peak memory per device is over the limit."""
     pp, dp, b, v, topo = layout.pp, layout.dp, layout.microbatch_size, layout.virtual_stages, setting.topology
     m = setting.global_batch // dp // b
-    ranges = stage_ranges(profile, pp * v)
+    ranges = stage_ranges(profile, layout, setting) or profile.ranges[pp * v]  # none fits: the time-balanced one
     n, sections = len(profile.blocks), profile.sections
     chunk = []
     for start, end in ranges:  # a recomputed block runs its forward twice: 4/3 of forward + backward
@@ -106,44 +109,73 @@ def price(profile: Profile, layout: Candidate, setting: Setting) -> Candidate:
                      bubble=(pp - 1) / (v * m) if pp > 1 else 0.0, parts=parts)
     if peak > setting.limit:
         return replace(priced, note=f"needs {peak / 1e9:.1f} GB per device, over the {setting.limit / 1e9:.1f} GB "
-                                    "limit")
+                                    "limit" + (" with any split of the blocks" if pp > 1 and v == 1 else ""))
     devices = profile.tp * pp * dp
     return replace(priced, step_seconds=seconds,
                    mfu=setting.flops / (devices * topo.peak_flops * seconds) if setting.flops else None)
 
 
-def stage_ranges(profile: Profile, parts: int) -> list:
-    """Balanced [start, end) block ranges for ``parts`` (virtual) stages, kept on the profile."""
+def stage_ranges(profile: Profile, layout: Candidate, setting: Setting) -> list | None:
+    """[start, end) block ranges for the layout's pp x v (virtual) stages: the slowest stage as fast as each
+    stage's memory (``stage_memory``) under the limit allows; None when no split fits.  Interleaved stages share
+    a device with others, so their split balances time alone (``price`` then checks the devices' memory)."""
+    parts = layout.pp * layout.virtual_stages
     if parts == 1:
         return [(0, len(profile.blocks))]
+    costs = [s.seconds for s in profile.blocks]
+    costs[0] += profile.sections[0].seconds
+    costs[-1] += profile.sections[-1].seconds
     if parts not in profile.ranges:
-        costs = [s.seconds for s in profile.blocks]
-        costs[0] += profile.sections[0].seconds
-        costs[-1] += profile.sections[-1].seconds
         profile.ranges[parts] = pipe.balance_stages(costs, parts)
-    return profile.ranges[parts]
+    if layout.virtual_stages > 1:
+        return profile.ranges[parts]
+    m = setting.global_batch // layout.dp // layout.microbatch_size
+
+    def fits(stage: int, start: int, end: int) -> bool:
+        return stage_memory(profile, [(start, end)], stage, layout, m, setting.data_parallel)[0] <= setting.limit
+
+    if all(fits(k, a, b) for k, (a, b) in enumerate(profile.ranges[parts])):
+        return profile.ranges[parts]
+    return pipe.balance_stages(costs, parts, fits)
 
 
 def stage_memory(profile: Profile, ranges: list, stage: int, layout: Candidate, microbatches: int,
                  data_parallel: str) -> tuple[float, float, float]:
     """(peak bytes, parameter bytes, gradient bytes) on a device of pipeline stage ``stage``, which runs
     the blocks of ``ranges``; the embedding comes with block 0 and the head with the last block."""
-    pp, dp, sections = layout.pp, layout.dp, profile.sections
-    mine = [sections[1 + k] for start, end in ranges for k in range(start, end)]
+    pp, dp, sections, sums = layout.pp, layout.dp, profile.sections, _running_sums(profile)
     ends = ([sections[0]] if ranges[0][0] == 0 else []) + ([sections[-1]] if ranges[-1][1] == len(profile.blocks)
                                                            else [])
-    params, grads, optimizer, buffers = (sum(s.memory.get(k, 0.0) for s in mine + ends) for k in STATE)
+
+    def total(kind: str) -> float:
+        return sum(sums[kind][end] - sums[kind][start] for start, end in ranges)
+
+    params, grads, optimizer, buffers = (total(k) + sum(s.memory.get(k, 0.0) for s in ends) for k in STATE)
     if data_parallel == "ddp" or dp == 1:
         state = params + grads + optimizer
     elif pp == 1:  # FSDP: all sharded, one block's parameters and gradients gathered at a time
+        mine = [sections[1 + k] for start, end in ranges for k in range(start, end)]
         state = (params + grads + optimizer) / dp + max((s.held(("params", "grads")) for s in mine + ends), default=0)
     else:  # FSDP under a pipeline keeps parameters and gradients gathered across micro-batches (torchtitan)
         state = params + grads + optimizer / dp
-    kept = [s.held(("activations", "kv_cache")) for s in mine]
-    around = sum(s.held(("activations", "kv_cache")) for s in ends)
+    blocks = sum(end - start for start, end in ranges)
+    around = sum(s.held(KEPT) for s in ends)
     flight = pipe.in_flight(layout.schedule, pp, microbatches, stage, layout.virtual_stages)
-    if layout.recompute and kept:  # each block's input is kept; one block at a time is recomputed whole
-        activations = (profile.boundary * len(kept) + around) * flight + max(kept)
+    if layout.recompute and blocks:  # each block's input is kept; one block at a time is recomputed whole
+        largest = max(max(sums["kept_each"][start:end]) for start, end in ranges)
+        activations = (profile.boundary * blocks + around) * flight + largest
     else:
-        activations = (sum(kept) + around) * flight
+        activations = (total("kept") + around) * flight
     return state + buffers + layout.microbatch_size * activations, params, grads
+
+
+def _running_sums(profile: Profile) -> dict:
+    """Running totals over the blocks by kind (``kept``: what backward keeps), so that a stage's memory costs the
+    same for any number of blocks: the stage split asks for it many times."""
+    if not profile.sums:
+        blocks = profile.blocks
+        for kind in STATE:
+            profile.sums[kind] = list(itertools.accumulate((s.memory.get(kind, 0.0) for s in blocks), initial=0.0))
+        profile.sums["kept_each"] = [s.held(KEPT) for s in blocks]
+        profile.sums["kept"] = list(itertools.accumulate(profile.sums["kept_each"], initial=0.0))
+    return profile.sums

@@ -9,6 +9,7 @@ the virtual stages per device (1 for GPipe and 1F1B, more for interleaved 1F1B; 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 from .collectives import collective_time
@@ -17,13 +18,39 @@ from .topology import Topology
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 
 
-def balance_stages(costs: list[float], parts: int) -> list[tuple[int, int]]:
+def balance_stages(costs: list[float], parts: int, fits=None) -> list[tuple[int, int]] | None:
     """Contiguous ``[start, end)`` ranges of ``costs`` (one per block, the embedding's cost added to
     the first block and the head's to the last) into ``parts`` non-empty parts whose largest sum is
-    as small as possible: the stage boundaries that balance stage time."""
+    as small as possible: the stage boundaries that balance stage time.
+
+    ``fits(stage, start, end)``: whether stage ``stage`` holding blocks ``[start, end)`` fits in memory; it must
+    hold for every range inside one that fits (memory grows with blocks) and for a later stage wherever it holds
+    for an earlier one (GPipe and 1F1B: no more micro-batches in flight).  Then the slowest stage is as fast as
+    the memory allows, and None means no split fits."""
     n = len(costs)
     if not 1 <= parts <= n:
         raise ValueError(f"cannot cut {n} blocks into {parts} pipeline stages: use at most {n} stages")
+    balanced = _time_balanced(costs, parts)
+    if fits is None or all(fits(k, a, b) for k, (a, b) in enumerate(balanced)):
+        return balanced
+    if _cut(costs, parts, fits, math.inf) is None:
+        return None
+    prefix = list(itertools.accumulate(costs, initial=0.0))
+    fastest = max(prefix[b] - prefix[a] for a, b in balanced)  # no split is faster than the time-balanced one
+    bounds = sorted({prefix[b] - prefix[a] for a in range(n) for b in range(a + 1, n + 1)
+                     if prefix[b] - prefix[a] >= fastest})  # the slowest stage's time is one of these
+    lo, hi = 0, len(bounds)  # _cut(bounds[hi]) succeeds (math.inf when hi == len(bounds))
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _cut(costs, parts, fits, bounds[mid]) is None:
+            lo = mid + 1
+        else:
+            hi = mid
+    return _cut(costs, parts, fits, bounds[hi] if hi < len(bounds) else math.inf)
+
+
+def _time_balanced(costs: list[float], parts: int) -> list[tuple[int, int]]:
+    n = len(costs)
     lo, hi = max(costs), sum(costs)
     for _ in range(60):  # the smallest largest-part sum a greedy cut achieves with at most `parts` parts
         mid = (lo + hi) / 2
@@ -49,6 +76,27 @@ def _greedy_parts(costs: list[float], limit: float) -> int:
             parts, total = parts + 1, 0.0
         total += cost
     return parts
+
+
+def _cut(costs: list[float], parts: int, fits, limit: float) -> list[tuple[int, int]] | None:
+    """A split whose stages each take at most ``limit`` seconds and fit in memory, or None.
+
+    From the last stage back, each takes as many blocks as fit.  That is never worse than any other split: a
+    later stage holds no more micro-batches in flight than an earlier one, so what an earlier stage could hold
+    of the blocks left, the later one could too (``fits`` is monotone in the stage and in the range)."""
+    prefix = list(itertools.accumulate(costs, initial=0.0))
+    ranges, end = [], len(costs)
+    for stage in range(parts - 1, 0, -1):
+        start = end
+        while start > stage and prefix[end] - prefix[start - 1] <= limit and fits(stage, start - 1, end):
+            start -= 1  # leaving a block for every earlier stage
+        if start == end:
+            return None
+        ranges.append((start, end))
+        end = start
+    if prefix[end] > limit or not fits(0, 0, end):
+        return None
+    return [(0, end), *ranges[::-1]]
 
 
 def step_units(schedule: str | None, pp: int, microbatches: int, virtual: int) -> float:

@@ -10,7 +10,7 @@ from autotp.cost_models.topology import Topology
 from autotp.runtime.placement import R, Shard, dump
 
 from .capture import module_path
-from .solve import Sizes, _compute_time
+from .solve import Sizes, _activations, _compute_time, regathered
 from .strategies import Context, gradient_sums, input_slots, is_placed, needs_grad, partial_grad
 
 
@@ -21,6 +21,7 @@ def planned_collectives(gm: torch.fx.GraphModule, choice: dict, world: int, topo
     grad = needs_grad(gm)
     # ranks sharing a unit sum its gradient (a bias with its weight)
     found: dict = {(members[0], "group"): ("backward", "all_reduce") for members in gradient_sums(gm, choice, world)}
+    pieces = regathered(choice, grad, _on_tokens)
     for node in gm.graph.nodes:
         strategy = choice.get(node)
         wants = strategy.inputs if strategy is not None else [R] * len(input_slots(node))
@@ -33,6 +34,8 @@ def planned_collectives(gm: torch.fx.GraphModule, choice: dict, world: int, topo
             op = reshard_collective(have, want)
             if op:
                 found.setdefault((src, have, want), ("forward", op))
+            if op == "all_gather" and src in pieces:  # kept as this rank's tokens: gathered again
+                found.setdefault((src, have, want, "again"), ("backward", "all_gather"))
             back = backward_collective(have, want)
             if back and src in grad:
                 found.setdefault((src, have, want, "back"), ("backward", back))
@@ -46,6 +49,11 @@ def planned_collectives(gm: torch.fx.GraphModule, choice: dict, world: int, topo
             for (src, *_), (phase, op) in found.items()]
 
 
+def _on_tokens(node: torch.fx.Node, strategy) -> bool:
+    out = strategy.output
+    return isinstance(out, Shard) and isinstance(node.meta["val"].shape[out.dim], torch.SymInt)
+
+
 def _module(node: torch.fx.Node) -> str:
     """The module a tensor belongs to: its producer's, or for a parameter its owner's."""
     return module_path(node) or (node.target.rpartition(".")[0] if node.op == "get_attr" else "")
@@ -53,13 +61,15 @@ def _module(node: torch.fx.Node) -> str:
 
 def alternatives(gm: torch.fx.GraphModule, ctx: Context, choice: dict, topology: Topology, training: bool,
                  sizes: Sizes | None = None) -> dict:
-    """node name -> [{"in", "out", "seconds", "chosen"}] for ops that had a choice, cheapest first.
+    """node name -> [{"in", "out", "seconds", "kept", "chosen"}] for ops that had a choice, cheapest first
+    (``kept``: bytes per device its backward keeps under that option).
 
     Each alternative is priced as if only this op changed: its compute plus the conversions from its
     producers' chosen placements and into its users' chosen ones (None where impossible).
     """
     sizes = sizes or Sizes()
     world = ctx.world
+    grad = needs_grad(gm) if training else set()
     users_of: dict = {}
     for node in gm.graph.nodes:
         wants = choice[node].inputs if node in choice else [R] * len(input_slots(node))
@@ -80,7 +90,8 @@ def alternatives(gm: torch.fx.GraphModule, ctx: Context, choice: dict, topology:
             for have, want, tensor in moves:
                 t = reshard_time(have, want, sizes.nbytes(tensor), world, topology)
                 total = None if t is None or total is None else total + t
+            kept = sum(held for _, held in _activations(node, s, sizes, world, grad))
             priced.append({"in": [dump(p) for p in s.inputs], "out": dump(s.output), "seconds": total,
-                           "chosen": s == choice[node]})
+                           "kept": kept, "chosen": s == choice[node]})
         out[node.name] = sorted(priced, key=lambda a: (a["seconds"] is None, a["seconds"] or 0.0))
     return out

@@ -34,6 +34,13 @@ def _on_model_device(model: torch.nn.Module, tree):
     return tree_map(lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x, tree)
 
 
+def _standalone(tree):
+    """Views among the example inputs copied into tensors of their own: torch.export guards a view input on its
+    base (``x._base.size()``), so a graph captured from ``tokens[:, :-1]`` would fail on any input that is not a
+    view, as every tensor pipelining's stages receive (detached, or received from another rank)."""
+    return tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) and x._base is not None else x, tree)
+
+
 _SUPPORTED = {torch.float32, torch.float16, torch.bfloat16, torch.float64}
 
 
@@ -57,7 +64,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> 
     """An fx GraphModule of ATen ops with the model's parameter names; works on meta models."""
     check_inputs(model, args, kwargs)
     kwargs = dict(kwargs or {})
-    args, kwargs = _on_model_device(model, (tuple(args), kwargs))
+    args, kwargs = _standalone(_on_model_device(model, (tuple(args), kwargs)))
     was_training = model.training
     model.eval()  # dropout must be deterministic: every rank computes the same replicated values
     try:

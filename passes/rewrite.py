@@ -9,7 +9,7 @@ import torch
 from torch.fx import Node
 from torch.fx.node import map_arg
 
-from autotp.runtime import collectives, local_ops
+from autotp.runtime import collectives, local_ops, regather
 from autotp.runtime.placement import Partial, R, Replicate, Shard, take_local
 
 from .capture import module_path
@@ -178,6 +178,30 @@ def _sum_gradients(graph: torch.fx.Graph, members: list, choice: dict, placed: d
         placed[item] = choice[member].output
 
 
+class _TokenSizes:
+    """A token dim's full length at run time, read off the input that it sizes (made when first needed)."""
+
+    def __init__(self, graph: torch.fx.Graph):
+        self.graph, self.made = graph, {}
+        self.inputs = [n for n in graph.nodes if n.op == "placeholder"]
+
+    def get(self, size):
+        """The node for symbolic ``size`` if it is an input's dim, else ``size`` itself."""
+        if not isinstance(size, torch.SymInt) or not size.node.expr.is_Symbol:
+            return size
+        name = str(size.node.expr)
+        if name not in self.made:
+            for node in self.inputs:
+                shape = [str(n.node.expr) if isinstance(n, torch.SymInt) else None
+                         for n in getattr(node.meta.get("val"), "shape", ())]
+                if name in shape:
+                    with self.graph.inserting_after(self.inputs[-1]):
+                        self.made[name] = self.graph.call_function(aten.sym_size.int, (node, shape.index(name)))
+                    self.made[name].meta["val"] = size
+                    break
+        return self.made.get(name, size)
+
+
 def rewrite(gm: torch.fx.GraphModule, choice: dict, rank: int, world: int, group: str,
             checkpoint=None, device: torch.device | None = None, gather_outputs: bool = True) -> torch.fx.GraphModule:
     """Mutates ``gm`` (a fresh capture) into this rank's sharded program."""
@@ -186,11 +210,16 @@ def rewrite(gm: torch.fx.GraphModule, choice: dict, rank: int, world: int, group
     placed: dict = {}      # node -> placement of its local value
     converted: dict = {}   # (node, placement, with f) -> node holding that version
 
+    token_sizes = _TokenSizes(graph)
+
     def convert(src: Node, want, before: Node, reduce_grad: bool) -> Node:
         key = (src, want, reduce_grad)
         if key not in converted:
             value = src
             shape = getattr(src.meta["val"], "shape", None)  # None: a multi-output op's tuple, never converted
+            if shape is not None:  # a sharded token dim's length is read at run time
+                split = {p.dim for p in (placed[src], want) if isinstance(p, Shard)}
+                shape = [token_sizes.get(n) if d in split else n for d, n in enumerate(shape)]
             steps = collectives.conversion_steps(placed[src], want, shape, rank, world, group, reduce_grad,
                                                  _where(src))
             with graph.inserting_before(before):
@@ -230,8 +259,13 @@ def rewrite(gm: torch.fx.GraphModule, choice: dict, rank: int, world: int, group
             src, dim = node.args
             p = placed.get(src)
             if isinstance(p, Shard) and p.dim == dim % src.meta["val"].dim():
-                raise RuntimeError(f"{node.name} reads the size of sharded dim {dim}: rules must not allow this")
+                full = token_sizes.get(src.meta["val"].shape[p.dim])
+                if not isinstance(full, Node):
+                    raise RuntimeError(f"{node.name} reads the size of sharded dim {dim}: rules must not allow this")
+                node.replace_all_uses_with(full)  # the full length, not this rank's piece's
     graph.lint()
+    if any(node.target is collectives.gather_tokens for node in graph.nodes):
+        regather.keep_pieces(gm)
     shard_parameters(gm, params, rank, world, checkpoint, device)
     gm.recompile()
     return gm

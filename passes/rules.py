@@ -46,6 +46,8 @@ def _aligned(shard: Shard, shape: tuple, ad: int, size: int, ctx: Context):
     None where that is not known (a symbolic size): then the output dim cannot be sharded."""
     if ad < 0 or (ctx.static(shape[ad]) and shape[ad] == 1):
         return R
+    if not ctx.static(size):  # a token dim: the operand's equal symbolic size follows it
+        return shard.at(ad) if not ctx.static(shape[ad]) and ctx.probe(shape[ad]) == ctx.probe(size) else None
     return shard.at(ad) if ctx.static(shape[ad]) and shape[ad] == size else None
 
 
@@ -54,7 +56,7 @@ def pointwise(node: Node, ctx: Context) -> list[Strategy]:
     out = ctx.shape(node)
     found = []
     for d in range(len(out)):
-        for shard in ctx.shard_options(node, d):
+        for shard in ctx.shard_options(node, d) + ctx.token_options(node, d):
             placements = {a: _aligned(shard, ctx.shape(a), d - (len(out) - len(ctx.shape(a))), out[d], ctx)
                           for a in _tensor_inputs(node)}
             if None not in placements.values():
@@ -227,7 +229,7 @@ def reduction(node: Node, ctx: Context) -> list[Strategy]:
     keep = bool(node.args[2]) if len(node.args) > 2 else bool(node.kwargs.get("keepdim", False))
     found = [Strategy(ctx.fill(node, {x: P}), P)]
     for d in range(n):
-        for s in ctx.shard_options(x, d):
+        for s in ctx.shard_options(x, d) + [s for s in ctx.token_options(x, d) if d not in dims]:
             if d not in dims:
                 od = d if keep else d - sum(1 for r in dims if r < d)
                 found.append(Strategy(ctx.fill(node, {x: s}), s.at(od)))
@@ -248,7 +250,7 @@ def normalize(node: Node, ctx: Context) -> list[Strategy]:
     found = []
     for d in range(n):
         if d not in normed:
-            found += [Strategy(ctx.fill(node, {x: s}), s) for s in ctx.shard_options(x, d)]
+            found += [Strategy(ctx.fill(node, {x: s}), s) for s in ctx.shard_options(x, d) + ctx.token_options(x, d)]
     return found
 
 

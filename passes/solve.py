@@ -10,7 +10,6 @@ constraint is added only when the fastest plan does not fit.
 from __future__ import annotations
 
 import math
-import operator
 import warnings
 from dataclasses import dataclass
 
@@ -24,30 +23,11 @@ from autotp.cost_models.memory import breakdown, smallest_fitting_world, state_f
 from autotp.cost_models.topology import Topology
 from autotp.runtime.placement import P, R, Replicate, Shard
 
+from .saved import element_bytes, kept
 from .strategies import Context, bias_weights, input_slots, is_placed, needs_grad, partial_grad
 
 _MATMULS = {torch.ops.aten.linear.default, torch.ops.aten.mm.default, torch.ops.aten.bmm.default,
             torch.ops.aten.matmul.default, torch.ops.aten.scaled_dot_product_attention.default}
-# outputs that alias their input: no memory of their own is kept for backward
-_VIEWS = {getattr(torch.ops.aten, name).default for name in
-          ("view", "reshape", "_unsafe_view", "permute", "t", "expand", "unsqueeze", "alias", "detach")} | {
-    torch.ops.aten.transpose.int, torch.ops.aten.slice.Tensor, torch.ops.aten.select.int,
-    torch.ops.aten.split.Tensor, torch.ops.aten.chunk.default, operator.getitem}
-# ops whose backward needs no input value (a sum's gradient passes through; dropout keeps its mask):
-# an output read only by these is not kept for backward
-_KEEP_NO_INPUT = {torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor, torch.ops.aten.neg.default,
-                  torch.ops.aten.dropout.default, torch.ops.aten.sum.dim_IntList}
-
-
-def _kept_for_backward(node: Node) -> bool:
-    """Whether some op's backward reads this output (through views of it)."""
-    for user in node.users:
-        if user.target in _VIEWS:
-            if _kept_for_backward(user):
-                return True
-        elif user.target not in _KEEP_NO_INPUT:
-            return True
-    return False
 
 
 # Equal-cost plans are common (an all-gather before a matmul or a reduce-scatter after it move the
@@ -58,6 +38,10 @@ TIE_BREAK = 1e-10
 
 class PlanningError(RuntimeError):
     pass
+
+
+class DoesNotFit(PlanningError):
+    """No plan among the options fits the memory limit."""
 
 
 @dataclass
@@ -80,6 +64,9 @@ class Sizes:
         expr = size.node.expr
         hints = size.node.shape_env.backed_var_to_val
         return int(expr.xreplace({sym: self.overrides.get(str(sym), hints[sym]) for sym in expr.free_symbols}))
+
+    def numel(self, node: Node) -> float:
+        return float(math.prod(self(s) for s in node.meta["val"].shape))
 
     def nbytes(self, node: Node) -> float:
         v = node.meta.get("val")
@@ -147,31 +134,63 @@ def _memory(node: Node, strategy, sizes: Sizes, world: int, trainable: dict, tra
     if node.target == torch.ops.aten.scaled_dot_product_attention.default and not training:
         kv = zip(node.args[1:3], strategy.inputs[1:3], strict=True)
         return {"kv_cache": sum(_local(sizes.nbytes(a), p, world) for a, p in kv)}
-    if training and node.op == "call_function" and node.target not in _VIEWS and is_placed(node) and \
-            _kept_for_backward(node):
-        return {"activations": _local(sizes.nbytes(node), strategy.output, world)}
     return {}
+
+
+def _activations(node: Node, strategy, sizes: Sizes, world: int, grad: set) -> list[tuple]:
+    """(key, bytes per device) of each tensor ``node``'s backward keeps; equal keys are one tensor."""
+    found = []
+    for item in kept(node, strategy, grad):
+        share = _fraction(item.placement, world)
+        found.append(((item.tensor, item.kind, round(share, 9)),
+                      element_bytes(item, sizes.numel(item.tensor)) * share))
+    return found
+
+
+def regathered(choice: dict, grad: set, on_tokens) -> set:
+    """Token-split tensors that some op keeps gathered for its backward: the runtime stores this rank's
+    piece and gathers it again in the backward instead (autotp.runtime.regather)."""
+    return {item.tensor for node, strategy in choice.items() for item in kept(node, strategy, grad)
+            if item.kind == "value" and item.placement == R and item.tensor in choice
+            and on_tokens(item.tensor, choice[item.tensor])}
+
+
+def activation_bytes(choice: dict, sizes: Sizes, world: int, grad: set, on_tokens=None) -> dict:
+    """node -> bytes per device kept for backward of its output's storage (each tensor counted once)."""
+    held: dict = {}
+    for node, strategy in choice.items():
+        held.update(_activations(node, strategy, sizes, world, grad))
+    pieces = regathered(choice, grad, on_tokens) if on_tokens else set()
+    by_node: dict = {}
+    for (tensor, kind, share), nbytes in held.items():
+        whole = kind == "value" and share == 1.0 and tensor in pieces
+        by_node[tensor] = by_node.get(tensor, 0.0) + (nbytes / world if whole else nbytes)
+    return by_node
 
 
 def solve(gm: torch.fx.GraphModule, ctx: Context, topology: Topology, *, training: bool = True,
           memory_limit: float | None = None, sizes: Sizes | None = None, gather_outputs: bool = True,
-          weights: dict | None = None, ties: list = ()) -> Solution:
+          weights: dict | None = None, ties: list = (), sequence_parallel: bool = False) -> Solution:
     """The fastest plan whose estimated memory per device fits ``memory_limit`` (default 90% of the
     device's memory: CUDA context and fragmentation take the rest).
 
     ``weights``: node -> how many real nodes it stands for (folded blocks); a conversion or gradient
     sum is counted as often as its tensor.  ``ties``: node pairs that must choose alike.
+    ``sequence_parallel``: every op that may split the tokens (ctx.token_options) keeps its output split
+    (by tokens, or as tensor parallelism splits it), never whole or partial.
     """
     t = ctx.world
     w = (weights or {}).get
     sizes = sizes or Sizes()
     problem = pulp.LpProblem("autotp", pulp.LpMinimize)
     trainable = dict(gm.named_parameters(remove_duplicate=False))
+    grad = needs_grad(gm) if training else set()
     costs, memory, kinds, preference = [], [], {}, []
     pairs = {b: a for b, a in bias_weights(gm).items() if training and {a, b} <= ctx.strategies.keys()
              and {a.target, b.target} <= trainable.keys()}
     paired = set(pairs) | set(pairs.values())
     x = {}
+    saves: dict = {}       # kept tensor key -> (bytes, options that keep it)
     for i, (node, options) in enumerate(ctx.strategies.items()):
         x[node] = [problem.add_variable(f"x{i}_{k}", cat="Binary") for k in range(len(options))]
         problem += pulp.lpSum(x[node]) == 1
@@ -184,6 +203,25 @@ def solve(gm: torch.fx.GraphModule, ctx: Context, topology: Topology, *, trainin
                     term = var * weight * held
                     memory.append(term)
                     kinds.setdefault(kind, []).append(term)
+            for key, held in _activations(node, s, sizes, t, grad):
+                saves.setdefault(key, (held, []))[1].append(var)
+    for k, (key, (held, chosen)) in enumerate(saves.items()):
+        kept_var = problem.add_variable(f"a{k}", lowBound=0, upBound=1)  # 1 iff some chosen option keeps it
+        problem += kept_var <= pulp.lpSum(chosen)
+        for var in chosen:
+            problem += kept_var >= var
+        term = kept_var * w(key[0], 1) * held
+        split = [v for v, s in zip(x.get(key[0], ()), ctx.strategies.get(key[0], ()), strict=True)
+                 if ctx.on_tokens(key[0], s)]
+        if split and key[1:] == ("value", 1.0):  # gathered from tokens: only this rank's piece is kept
+            whole, piece = (problem.add_variable(f"a{k}{part}", lowBound=0) for part in "wp")
+            problem += whole >= kept_var - pulp.lpSum(split)
+            problem += piece >= kept_var + pulp.lpSum(split) - 1
+            term = w(key[0], 1) * held * (whole + piece / t)
+        memory.append(term)
+        kinds.setdefault("activations", []).append(term)
+    if sequence_parallel and t > 1:  # one rank splits nothing
+        _force_tokens(problem, ctx, x)
     for a, b in ties:
         for va, vb in zip(x.get(a, ()), x.get(b, ()), strict=True):
             problem += va == vb
@@ -196,7 +234,6 @@ def solve(gm: torch.fx.GraphModule, ctx: Context, topology: Topology, *, trainin
                     problem += summed >= var
         costs.append(summed * w(weight, 1) * latency)
 
-    grad = needs_grad(gm) if training else set()
     need: dict = {}        # (tensor, from, to) -> indicator that this reshard happens
     grad_reduce: dict = {}
     edges = []             # (producer, consumer choices [(var or 1, required placement)])
@@ -241,17 +278,30 @@ def solve(gm: torch.fx.GraphModule, ctx: Context, topology: Topology, *, trainin
     objective = pulp.lpSum(costs + preference)
     _run(problem, objective)
     if pulp.value(total_memory) > limit:
-        hint = _fit_hint(ctx, x, sizes, limit, trainable, training, w)
+        hint = _fit_hint(ctx, x, sizes, limit, trainable, training, w, grad)
         problem += total_memory <= limit, "memory_limit"
         try:
             _run(problem, objective)
         except PlanningError:
-            raise PlanningError(f"no plan fits {limit / 1e9:.1f} GB per device at world size {t}: {hint}") from None
+            raise DoesNotFit(f"no plan fits {limit / 1e9:.1f} GB per device at world size {t}: {hint}") from None
     seconds = float(pulp.value(pulp.lpSum(costs)))
     choice = {node: options[max(range(len(options)), key=lambda k: x[node][k].value() or 0)]
               for node, options in ctx.strategies.items()}
     by_kind = {kind: float(pulp.value(pulp.lpSum(terms)) or 0.0) for kind, terms in kinds.items()}
+    by_kind["activations"] = sum(w(node, 1) * held for node, held in  # exact, whatever slack the ILP left
+                                 activation_bytes(choice, sizes, t, grad, ctx.on_tokens).items())
     return Solution(choice, seconds, breakdown(by_kind))
+
+
+def _force_tokens(problem: pulp.LpProblem, ctx: Context, x: dict) -> None:
+    split = [node for node, options in ctx.strategies.items() if any(ctx.on_tokens(node, s) for s in options)]
+    if not split:
+        raise PlanningError("sequence_parallel=True, but no op can split the tokens: the inputs have no symbolic dim "
+                            "after the first (export them with a dynamic sequence), or pass sequence_parallel=None")
+    for node in split:
+        for var, s in zip(x[node], ctx.strategies[node], strict=True):
+            if s.output == R or s.output == P:
+                problem += var == 0
 
 
 def _run(problem: pulp.LpProblem, objective) -> None:
@@ -265,9 +315,11 @@ def _run(problem: pulp.LpProblem, objective) -> None:
         raise PlanningError(f"the sharding ILP ended {status}")
 
 
-def _fit_hint(ctx: Context, x: dict, sizes: Sizes, limit: float, trainable: dict, training: bool, w) -> str:
+def _fit_hint(ctx: Context, x: dict, sizes: Sizes, limit: float, trainable: dict, training: bool, w,
+              grad: set) -> str:
     """What would fit: the smallest world size for the current plan's memory, or the memory it needs."""
     replicated = sharded = 0.0
+    activations: dict = {}
     for node, options in ctx.strategies.items():
         for var, s in zip(x[node], options, strict=True):
             if (var.value() or 0) > 0.5:
@@ -275,6 +327,10 @@ def _fit_hint(ctx: Context, x: dict, sizes: Sizes, limit: float, trainable: dict
                 split = isinstance(s.output, Shard) or (node.op != "get_attr" and not s.replicated)
                 replicated += 0 if split else held
                 sharded += held * ctx.world if split else 0
+                activations.update(_activations(node, s, sizes, ctx.world, grad))
+    for (tensor, _, share), nbytes in activations.items():
+        replicated += w(tensor, 1) * nbytes if share == 1 else 0
+        sharded += w(tensor, 1) * nbytes * ctx.world if share < 1 else 0
     need = replicated + sharded / ctx.world
     fits = smallest_fitting_world(replicated, sharded, limit, [2 ** k for k in range(1, 11)])
     advice = f"try world size {fits}" if fits else "no world size helps: its replicated part alone is too large"

@@ -129,6 +129,9 @@ class Context:
     min_shard_fraction: float = 0.02                 # parameters this large (vs the largest) must shard
     unruled: set = field(default_factory=set)        # ops on the weights' path that have no rule
     fixed: dict = field(default_factory=dict)        # parameter name -> placement imposed (to price other plans)
+    tokens: bool = False                             # offer sequence parallelism (token_options)
+    token_symbols: set = field(default_factory=set)  # sizes of token dims: inputs' symbolic non-leading dims
+    grad: set = field(default_factory=set)           # values on the weights' path (gradients flow)
     _probes: dict = field(default_factory=dict)
     _options: dict = field(default_factory=dict)     # shard_options, once per (node, dim): hints are fixed by then
 
@@ -190,6 +193,21 @@ class Context:
                 found.append(option)
         return found
 
+    def token_options(self, node: Node, dim: int) -> list[Shard]:
+        """Sequence parallelism: a token dim (an input's symbolic dim after the first, e.g. the sequence) of
+        a value on the weights' path, in contiguous pieces, uneven when need be (11 tokens on 4 ranks:
+        3,3,3,2).  Only rules whose ops need no size arguments offer it (pointwise, norms, reductions)."""
+        shape = self.shape(node)
+        if not self.tokens or self.world < 2 or node not in self.grad or dim >= len(shape):
+            return []
+        size = shape[dim]
+        return [Shard(dim)] if isinstance(size, torch.SymInt) and str(size.node.expr) in self.token_symbols else []
+
+    def on_tokens(self, node: Node, strategy) -> bool:
+        """Whether ``strategy`` keeps ``node``'s output split along a token dim."""
+        out = strategy.output
+        return isinstance(out, Shard) and out.dim < len(self.shape(node)) and not self.static(self.shape(node)[out.dim])
+
     def _finer(self, units: tuple) -> list:
         """The query-head counts the blocks' units may follow (None: each block dealt out on its own)."""
         def valid(of):
@@ -223,8 +241,19 @@ def needs_grad(gm: torch.fx.GraphModule) -> set:
     return grad
 
 
+def token_symbols(gm: torch.fx.GraphModule) -> set:
+    """Names of the symbols that size the inputs' dims after the first (batch): the sequence."""
+    found = set()
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" and isinstance(value(node), torch.Tensor):
+            found |= {str(s.node.expr) for s in value(node).shape[1:]
+                      if isinstance(s, torch.SymInt) and s.node.expr.is_Symbol}
+    return found
+
+
 def enumerate_strategies(gm: torch.fx.GraphModule, ctx: Context, rules: dict) -> Context:
     weighted = needs_grad(gm)
+    ctx.grad, ctx.token_symbols = weighted, token_symbols(gm)
     for node in gm.graph.nodes:
         if node.op == "output" or is_observer(node):
             continue

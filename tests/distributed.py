@@ -1,12 +1,9 @@
 """Spawn N gloo ranks on this machine and run a test function on each (failures propagate)."""
 from __future__ import annotations
 
-import socket
 from collections import Counter
 
-import torch.multiprocessing as mp
-
-from autotp.tools.spawn import exit_quietly, run_local
+from autotp.tools.spawn import exit_quietly, free_port, local_context, run_local
 
 __all__ = ["comm_counts", "exit_quietly", "plan_ops", "run_ranks", "run_unsupervised"]
 
@@ -25,11 +22,9 @@ def run_ranks(world: int, fn, *args) -> None:
 def run_unsupervised(world: int, target, reports: int, timeout: float = 240) -> list:
     """Start ``target(rank, port, queue)`` on ``world`` processes that are not stopped when one of them dies
     (tests that kill a rank on purpose) and return the first ``reports`` items they put on the queue."""
-    ctx = mp.get_context("spawn")
+    ctx = local_context()
     queue = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     procs = [ctx.Process(target=target, args=(rank, port, queue)) for rank in range(world)]
     for p in procs:
         p.start()

@@ -5,17 +5,16 @@ import datetime
 import functools
 import os
 import re
-import socket
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import autotp
 from autotp.agree import RankDisagreement
 from autotp.runtime.collectives import CollectiveError
+from autotp.tools.spawn import free_port, local_context
 from distributed import run_ranks
 from examples import mlp
 
@@ -65,11 +64,9 @@ def test_ranks_given_different_input_values_are_told():
 def _spawn_pair(scenario, pg_timeout: float = 300, wait: float = 150) -> tuple[str, float]:
     """Run ``scenario(rank, queue)`` on 2 fresh gloo ranks; the first report (message, seconds) is returned
     and both processes are then ended (a stuck one would never leave)."""
-    ctx = mp.get_context("spawn")
+    ctx = local_context()
     queue = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     procs = [ctx.Process(target=_start, args=(r, port, pg_timeout, scenario, queue)) for r in range(2)]
     for p in procs:
         p.start()

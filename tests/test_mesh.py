@@ -59,8 +59,9 @@ def test_tp2_x_dp2_trains_like_one_process(tmp_path):
         torch.testing.assert_close(saved[name], p.detach(), **TOL)
 
 
-# TP 2 x DP 2 x PP 2 (1F1B, 4 micro-batches), 2 steps on a global batch of 8 (4 sequences per replica)
-EIGHT = ["--tp", "2", "--dp", "2", "--pp", "2", *TINY, "--steps", "2", "--batch", "8", "--microbatches", "4"]
+# TP 2 x DP 2 x PP 2 (1F1B, the default micro-batch count: one per stage), 2 steps on a global batch of 8
+# (4 sequences per replica, micro-batches of 2)
+EIGHT = ["--tp", "2", "--dp", "2", "--pp", "2", *TINY, "--steps", "2", "--batch", "8"]
 
 
 def _example(rank: int, world: int) -> list[float]:
@@ -72,6 +73,20 @@ def test_the_training_example_on_8_ranks():
     losses = run_local(8, _example)[0]
     expected = reference(parse(EIGHT))[1]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), **TOL)
+
+
+# PP 2 with the default micro-batch count: 2 micro-batches of 2 sequences, sliced from a view (tokens[:, :-1]) as a
+# training loop's inputs usually are
+SMALL = ["--tp", "1", "--pp", "2", *TINY, "--steps", "2"]
+
+
+def _small(rank: int, world: int) -> list[float]:
+    return train(parse(SMALL), display=False)[1]
+
+
+def test_default_microbatches_train_like_one_process():
+    losses = run_local(2, _small)[0]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference(parse(SMALL))[1]), **TOL)
 
 
 def test_meshes_name_their_dimensions():

@@ -153,3 +153,38 @@ def test_pipeline_formulas():
     assert in_flight("gpipe", 8, 96, 0, 1) == 96
     assert in_flight("1f1b", 8, 96, 0, 1) == 8 and in_flight("1f1b", 8, 96, 7, 1) == 1
     assert in_flight("1f1b", 8, 4, 0, 1) == 4
+
+
+def _memory_fits(per_block: list, limit: float, parts: int):
+    """1F1B-like memory: a stage holds its blocks' bytes times the micro-batches in flight (parts - stage)."""
+    return lambda stage, start, end: sum(per_block[start:end]) * (parts - stage) <= limit
+
+
+def test_stage_boundaries_balance_time_under_the_memory_limit():
+    costs = [1.0] * 8
+    assert balance_stages(costs, 2) == [(0, 4), (4, 8)]
+    # the time-balanced first stage holds 4 blocks x 2 in flight = 8 > 6: a block moves to the last stage
+    assert balance_stages(costs, 2, _memory_fits([1.0] * 8, 6, 2)) == [(0, 3), (3, 8)]
+    assert balance_stages(costs, 2, _memory_fits([1.0] * 8, 8, 2)) == [(0, 4), (4, 8)]  # ample: time decides
+    assert balance_stages(costs, 2, _memory_fits([1.0] * 8, 5, 2)) is None  # 2 + 5 blocks at most: none fits
+
+
+def test_stage_boundaries_are_the_best_that_fit():
+    """Against every split of a few blocks: the slowest stage is the fastest any fitting split achieves."""
+    import itertools
+    import random
+    rng = random.Random(0)
+    for _ in range(300):
+        n = rng.randint(1, 7)
+        parts = rng.randint(1, n)
+        costs = [rng.choice([0.5, 1.0, 2.0, 3.0]) for _ in range(n)]
+        fits = _memory_fits([rng.choice([1.0, 2.0, 4.0]) for _ in range(n)], rng.choice([4.0, 8.0, 12.0]), parts)
+        splits = [list(zip((0, *cuts), (*cuts, n), strict=True))
+                  for cuts in itertools.combinations(range(1, n), parts - 1)]
+        fitting = [r for r in splits if all(fits(k, a, b) for k, (a, b) in enumerate(r))]
+        found = balance_stages(costs, parts, fits)
+        if not fitting:
+            assert found is None
+            continue
+        assert found in fitting
+        assert max(sum(costs[a:b]) for a, b in found) == min(max(sum(costs[a:b]) for a, b in r) for r in fitting)

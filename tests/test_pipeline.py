@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import tempfile
 import time
@@ -12,8 +13,10 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from autotp.api import _graph
+from autotp.cost_models import load_topology
+from autotp.cost_models.layout import Candidate, Setting, stage_memory
 from autotp.parallel.split import split
-from autotp.parallel.stages import Costs, StageError, block_costs, find_blocks
+from autotp.parallel.stages import StageError, block_profile, find_blocks, stage_starts
 from autotp.tools.spawn import run_local
 from distributed import run_unsupervised
 
@@ -153,31 +156,51 @@ def test_gpipe_and_interleaved_1f1b_train_like_one_process():
     run_local(2, _schedules, _single_process())
 
 
-def test_stages_even_out_stage_time():
-    assert Costs([1.0] * 4).starts(2) == [0, 2]
-    assert Costs([1.0] * 4).starts(4) == [0, 1, 2, 3]
-    assert Costs([1.0] * 4, last=2.5).starts(2) == [0, 3]  # a heavy head: the last stage takes one block
-    assert Costs([1.0] * 4, first=2.5).starts(2) == [0, 1]
-    assert Costs([3.0, 1.0, 1.0, 1.0]).starts(2) == [0, 1]
-    with pytest.raises(StageError, match="3 pipeline stages need at least 3 blocks"):
-        Costs([1.0] * 2).starts(3)
+def _starts(profile, stages: int = 2, limit: float = math.inf) -> list:
+    """1F1B over ``stages`` ranks, 4 micro-batches of 1 sample."""
+    return stage_starts(profile, Candidate(1, stages, 1, microbatch_size=1, schedule="1f1b"),
+                        Setting(load_topology(None), 4, True, "fsdp", limit, 0.0))
 
 
-def test_block_costs_price_blocks_alike_and_the_head_on_the_last_stage():
+def test_block_profiles_price_blocks_alike_and_the_head_on_the_last_stage():
     x = torch.randint(0, VOCAB, (2, SEQ))
     model = _llama(layers=5)
     fold = find_blocks(model)
     assert (fold.path, fold.count) == ("model.layers", 5)
-    whole = block_costs(_graph(model, (x,), None), fold)
-    folded = block_costs(_graph(model, (x,), None, fold=True), fold)  # blocks 0, 1, 3, 4 captured
-    assert len(set(whole.seconds)) == 1
-    assert folded.seconds == pytest.approx(whole.seconds)
-    assert folded.first == pytest.approx(whole.first) and folded.last == pytest.approx(whole.last)
-    assert whole.first < whole.seconds[0] < whole.last * 100
-    big_head = block_costs(_graph(_llama(layers=5, vocab=4096), (x,), None, fold=True), fold)
-    assert big_head.last > 4 * whole.last and big_head.first == pytest.approx(whole.first, rel=0.5)
-    small, large = whole.starts(2), big_head.starts(2)
+    gm = _graph(model, (x,), None)
+    whole = block_profile(gm, fold)
+    folded = block_profile(_graph(model, (x,), None, fold=True), fold)  # blocks 0, 1, 3, 4 captured
+    for a, b in zip(whole.sections, folded.sections, strict=True):
+        assert a.seconds == pytest.approx(b.seconds)
+        assert a.memory == pytest.approx(b.memory)
+    assert len({s.seconds for s in whole.blocks}) == 1
+    block = sum(p.numel() * 4 for p in model.model.layers[0].parameters())
+    assert whole.blocks[0].memory["params"] == block and whole.blocks[0].memory["optimizer"] == 2 * block
+    assert block_profile(gm, fold, tp=2).blocks[0].memory["params"] == block / 2
+    first, last = whole.sections[0].seconds, whole.sections[-1].seconds
+    assert first < whole.blocks[0].seconds < last * 100
+    big_head = block_profile(_graph(_llama(layers=5, vocab=4096), (x,), None, fold=True), fold)
+    assert big_head.sections[-1].seconds > 4 * last
+    assert big_head.sections[0].seconds == pytest.approx(first, rel=0.5)
+    small, large = _starts(whole), _starts(big_head)
     assert large[1] > small[1], (small, large)  # a heavier head leaves fewer blocks on the last stage
+    with pytest.raises(StageError, match="6 pipeline stages need at least 6 blocks"):
+        _starts(whole, stages=6)
+    # 1F1B: the first stage holds two micro-batches in flight, the last one; under a limit the time-balanced
+    # split overflows on the first stage, a block moves to the last
+    k = small[1]
+    balanced, later = [(0, k), (k, 5)], [(0, k - 1), (k - 1, 5)]
+    limit = max(_stage_peaks(whole, later))
+    assert _stage_peaks(whole, balanced)[0] > limit
+    assert _starts(whole, limit=limit) == [0, k - 1]
+    assert _starts(whole, limit=max(_stage_peaks(whole, balanced))) == small  # enough memory: time alone decides
+    with pytest.raises(StageError, match=r"no split of the 5 blocks into 2 stages fits .* more pipeline stages"):
+        _starts(whole, limit=min(max(_stage_peaks(whole, r)) for r in (balanced, later)) / 2)
+
+
+def _stage_peaks(profile, ranges: list) -> list:
+    layout = Candidate(1, 2, 1, microbatch_size=1, schedule="1f1b")
+    return [stage_memory(profile, [r], i, layout, 4, "fsdp")[0] for i, r in enumerate(ranges)]
 
 
 def test_a_model_without_repeated_blocks_is_refused():
@@ -250,3 +273,37 @@ def test_parameters_shared_by_two_stages_are_refused():
     model.lm_head.weight = model.model.embed_tokens.weight  # tied input and output embeddings
     with pytest.raises(StageError, match="used by more than one stage"):
         split(model, (torch.randint(0, VOCAB, (1, SEQ)),), {}, "model.layers", [0, 2])
+
+
+def test_a_graph_captured_from_a_view_runs_on_any_tensor():
+    """torch.export guards a view input on its base; pipelining's stages receive detached tensors (no base)."""
+    from autotp.passes.capture import capture
+    model = _llama(layers=1)
+    tokens = torch.randint(0, VOCAB, (4, SEQ + 1))
+    gm = capture(model, (tokens[:, :-1].chunk(2)[0],))  # a training loop's inputs: a slice of a micro-batch
+    x = tokens[:2, :-1].clone()
+    torch.testing.assert_close(gm(x.detach())[0], model(x).logits)
+
+
+class _OneRankOfTwo:
+    """The "pp" dimension of a 2-stage mesh as pipeline() reads it before any communication."""
+    mesh_dim_names, ndim = ("pp",), 1
+
+    def __getitem__(self, name):
+        return self
+
+    def get_group(self):
+        return None
+
+    def size(self):
+        return 2
+
+    def get_local_rank(self):
+        return 0
+
+
+def test_parallelize_chooses_stages_under_its_memory_limit():
+    import autotp
+    x = torch.randint(0, VOCAB, (2, SEQ))
+    with pytest.raises(StageError, match="no split of the 4 blocks into 2 stages fits 1e-06 GB"):
+        autotp.parallelize(_llama(), (x,), mesh=_OneRankOfTwo(), loss_fn=_loss, memory_limit=1e3)

@@ -60,7 +60,8 @@ def parallelize(model: torch.nn.Module, args=None, kwargs=None, *, mesh: DeviceM
             raise NotImplementedError("pipeline stages ('pp' in the mesh) are not available in this build of autotp: "
                                       "use a mesh of 'dp' and 'tp' only") from exc
         return pipeline(model, args, kwargs, mesh=mesh, loss_fn=loss_fn, schedule=schedule,
-                        microbatches=microbatches, stages=stages, shard_stage=shard_stage)
+                        microbatches=microbatches, stages=stages, shard_stage=shard_stage, data_parallel=data_parallel,
+                        topology=options.get("topology"), memory_limit=options.get("memory_limit"))
     if loss_fn is not None or microbatches is not None or stages is not None:
         raise ValueError("loss_fn, microbatches and stages are for pipeline stages: add a 'pp' dimension to the mesh, "
                          "or drop them")

@@ -19,24 +19,29 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from autotp.agree import InputCheck
 from autotp.api import _device_of, _graph
+from autotp.cost_models import load_topology
+from autotp.cost_models.layout import Candidate, Setting
 from autotp.hf import no_kv_cache
 from autotp.runtime.checkpoint import full_state_dict
 
 from .split import split
-from .stages import StageError, block_costs, find_blocks
+from .stages import StageError, block_profile, find_blocks, stage_starts
 
 # schedule name -> (class, stages per rank)
 SCHEDULES = {"gpipe": (ScheduleGPipe, 1), "1f1b": (Schedule1F1B, 1), "interleaved-1f1b": (ScheduleInterleaved1F1B, 2)}
 
 
 def pipeline(model: torch.nn.Module, args, kwargs=None, *, mesh, loss_fn, schedule: str = "1f1b",
-             microbatches: int | None = None, stages: list | None = None, shard_stage=None) -> Pipelined:
+             microbatches: int | None = None, stages: list | None = None, shard_stage=None,
+             data_parallel: str = "fsdp", topology=None, memory_limit: float | None = None) -> Pipelined:
     """This rank's pipeline stages of ``model`` over ``mesh["pp"]``, ready to train with ``step``.
 
     ``args`` / ``kwargs``: example inputs of one step on this data-parallel rank (its share of the batch);
     they are cut into ``microbatches`` along dim 0 (default: one per pipeline rank).  ``stages``: the block
-    indices where stages begin (first 0), overriding the cost model's balanced split; interleaved 1F1B holds
-    two stages per rank.  ``shard_stage(module, args, kwargs) -> module`` shards one stage (identity by default).
+    indices where stages begin (first 0), overriding the cost model's split (stage time balanced under
+    ``memory_limit`` bytes per device, default 90% of the ``topology``'s, with ``data_parallel`` sharding over
+    the mesh's "dp"); interleaved 1F1B holds two stages per rank.  ``shard_stage(module, args, kwargs) ->
+    module`` shards one stage (identity by default).
     """
     if "pp" not in (mesh.mesh_dim_names or ()):
         raise ValueError(f"pipeline needs a mesh with a 'pp' dimension, got dims {mesh.mesh_dim_names}")
@@ -55,7 +60,12 @@ def pipeline(model: torch.nn.Module, args, kwargs=None, *, mesh, loss_fn, schedu
     mb_args, mb_kwargs = _first_microbatch(args, kwargs, microbatches)
     fold = find_blocks(model)
     if stages is None:
-        stages = block_costs(_graph(model, mb_args, mb_kwargs, fold=True), fold).starts(count)
+        tp, dp = (mesh[d].size() if d in mesh.mesh_dim_names else 1 for d in ("tp", "dp"))
+        topo, size = load_topology(topology), _batch_size(mb_args, mb_kwargs)
+        limit = memory_limit if memory_limit is not None else 0.9 * topo.memory_bytes
+        stages = stage_starts(block_profile(_graph(model, mb_args, mb_kwargs, fold=True), fold, tp, topo),
+                              Candidate(tp, pp, dp, microbatch_size=size, schedule=schedule, virtual_stages=per_rank),
+                              Setting(topo, size * microbatches * dp, True, data_parallel, limit, 0.0))
     stages = _checked_starts(list(stages), count, fold.count, schedule)
     with no_kv_cache(model):
         cut = split(model, mb_args, mb_kwargs, fold.path, stages)
@@ -137,9 +147,13 @@ def _full_parameters(module: torch.nn.Module) -> dict:
             for name, p in module.named_parameters()}
 
 
+def _batch_size(args: tuple, kwargs: dict) -> int | None:
+    return next((t.shape[0] for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.dim()), None)
+
+
 def _first_microbatch(args: tuple, kwargs: dict, microbatches: int) -> tuple:
     """One micro-batch of the example inputs: the shapes every stage is exported and sharded at."""
-    batch = next((t.shape[0] for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.dim()), None)
+    batch = _batch_size(args, kwargs)
     if not isinstance(microbatches, int) or microbatches < 1 or batch is None or batch % microbatches:
         raise ValueError(f"the batch ({batch}) must divide into {microbatches} equal micro-batches: "
                          "pass a batch that is a multiple of microbatches")

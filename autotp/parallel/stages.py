@@ -1,43 +1,32 @@
-"""Where pipeline stages begin: between the blocks of the model's repeated block list, balanced by estimated time.
+"""Where pipeline stages begin: between the blocks of the model's repeated block list, balancing estimated stage
+time under the memory limit.
 
 The blocks are found from the module tree (the longest ``nn.ModuleList`` of identical blocks, passes/fold.py),
-never by name.  Each block's time is priced on autotp's captured graph with the cost model (roofline time of its
-ops, forward and backward); what runs before the first block (the embedding) counts on the first stage, what runs
-after the last (norm, head, loss) on the last.  The split itself is the mesh planner's ``balance_stages``.
+never by name.  Each block is priced on autotp's captured graph with the cost model: roofline time of its ops
+(forward and backward) and what it holds (parameters with gradients and Adam state, activations kept for
+backward), taken as split evenly over the TP group; what runs before the first block (the embedding) counts on
+the first stage, what runs after the last (norm, head, loss) on the last.  The split itself is the mesh
+planner's: ``cost_models.layout.stage_ranges`` with each stage's memory as ``autotp.plan_mesh`` prices it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import replace
 
 import torch
 
 from autotp.cost_models import load_topology
 from autotp.cost_models.compute import op_time
-from autotp.cost_models.pipeline import balance_stages
-from autotp.passes.fold import Fold, blocks, find_fold
-from autotp.passes.solve import Sizes
+from autotp.cost_models.layout import Candidate, Profile, Section, Setting, stage_memory, stage_ranges
+from autotp.mesh import _unit, _where
+from autotp.passes.fold import Fold, find_fold
+from autotp.passes.solve import _memory, activation_bytes
+from autotp.passes.strategies import Strategy, input_slots, needs_grad, replicated_like
+from autotp.runtime.placement import R
 
 
 class StageError(ValueError):
     pass
-
-
-@dataclass
-class Costs:
-    """Estimated seconds per block, and of what runs before the first block / after the last."""
-    seconds: list
-    first: float = 0.0  # the embedding side
-    last: float = 0.0   # the head side
-
-    def starts(self, stages: int) -> list:
-        """The block where each of ``stages`` contiguous stages begins, balancing their time."""
-        if not 1 <= stages <= len(self.seconds):
-            raise StageError(f"{stages} pipeline stages need at least {stages} blocks; the model has "
-                             f"{len(self.seconds)}")
-        costs = list(self.seconds)
-        costs[0] += self.first
-        costs[-1] += self.last
-        return [start for start, _ in balance_stages(costs, stages)]
 
 
 def find_blocks(model: torch.nn.Module) -> Fold:
@@ -49,19 +38,46 @@ def find_blocks(model: torch.nn.Module) -> Fold:
     return found
 
 
-def block_costs(gm: torch.fx.GraphModule, fold: Fold, topology=None, training: bool = True) -> Costs:
-    """Price each block of ``gm`` (a graph captured whole, or folded: ``gm.meta["autotp_fold"]``, whose block 1
-    stands for the middle blocks) and the parts before and after the blocks."""
+def block_profile(gm: torch.fx.GraphModule, fold: Fold, tp: int = 1, topology=None) -> Profile:
+    """Each block of ``gm`` (a graph captured whole, or folded: ``gm.meta["autotp_fold"]``, whose block 1 stands
+    for the middle blocks) and the parts before and after them, per sample on one of ``tp`` ranks, for training."""
     topo = load_topology(topology)
-    folded = gm.meta.get("autotp_fold")
-    where = (folded.blocks if folded else blocks(gm, fold)).where
-    rep = fold.rep if folded else (lambda i: i)
-    sizes = Sizes()
-    passes = 3 if training else 1  # backward costs about twice the forward
-    seconds: dict = {}
+    where, _, _ = _where(gm, fold)
+    rep = fold.rep if gm.meta.get("autotp_fold") else (lambda i: i)
+    unit, sizes = _unit(gm)
+    trainable = dict(gm.named_parameters(remove_duplicate=False))
+    kept: dict = {}
     for node in gm.graph.nodes:
+        section = kept.setdefault(where.get(node, "pre"), Section())
         if node.op == "call_function":
-            place = where[node]
-            seconds[place] = seconds.get(place, 0.0) + passes * op_time(sizes.flops(node), sizes.nbytes(node), topo)
-    return Costs(seconds=[seconds.get(rep(i), 0.0) for i in range(fold.count)],
-                 first=seconds.get("pre", 0.0), last=seconds.get("post", 0.0))
+            # backward costs about twice the forward
+            section.seconds += 3 * op_time(sizes.flops(node), sizes.nbytes(node), topo) / unit / tp
+        for kind, held in _memory(node, Strategy((), R), sizes, 1, trainable, True).items():
+            per_sample = kind in ("activations", "kv_cache")
+            section.memory[kind] = section.memory.get(kind, 0.0) + held / tp / (unit if per_sample else 1)
+    replicated = {node: Strategy(tuple(map(replicated_like, input_slots(node))), replicated_like(node))
+                  for node in gm.graph.nodes if node.op == "call_function"}
+    for node, held in activation_bytes(replicated, sizes, 1, needs_grad(gm)).items():  # what backward keeps
+        section = kept.setdefault(where.get(node, "pre"), Section())
+        section.memory["activations"] = section.memory.get("activations", 0.0) + held / tp / unit
+    order = ["pre", *(rep(i) for i in range(fold.count)), "post"]
+    return Profile(tp, [kept.get(key, Section()) for key in order], boundary=0.0, stackable=True)
+
+
+def stage_starts(profile: Profile, layout: Candidate, setting: Setting) -> list:
+    """The block where each (virtual) stage of ``layout`` begins: the slowest stage as fast as each stage's
+    memory under ``setting.limit`` allows, or a StageError saying what would fit."""
+    stages, blocks = layout.pp * layout.virtual_stages, len(profile.blocks)
+    if not 1 <= stages <= blocks:
+        raise StageError(f"{stages} pipeline stages need at least {stages} blocks; the model has {blocks}")
+    ranges = stage_ranges(profile, layout, setting)
+    if ranges is None:
+        balanced = stage_ranges(profile, layout, replace(setting, limit=math.inf))
+        m = setting.global_batch // layout.dp // layout.microbatch_size
+        need = max(stage_memory(profile, balanced[i::layout.pp], i, layout, m, setting.data_parallel)[0]
+                   for i in range(layout.pp))
+        raise StageError(f"no split of the {blocks} blocks into {stages} stages fits {setting.limit / 1e9:.3g} GB per "
+                         f"device (the time-balanced one needs {need / 1e9:.3g} GB): use more pipeline stages or TP "
+                         "ranks, FSDP (data_parallel='fsdp') over more replicas, smaller micro-batches (more of "
+                         "them), or a larger memory_limit")
+    return [start for start, _ in ranges]

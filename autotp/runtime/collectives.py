@@ -20,7 +20,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
+from torch.fx import Node
 
+from . import regather
 from .placement import Partial, Replicate, Shard, assemble, take_local
 
 _c10d = torch.ops._c10d_functional
@@ -329,6 +331,17 @@ def gather_reduce_backward(x, dim, chunks, units, of, size, rank, world, group, 
         x, shard, size, rank, world, group, where)
 
 
+def gather_tokens(x, dim, chunks, units, of, size, rank, world, group, where, reduce_backward):
+    """A gather along a token dim (sequence parallelism): an op that saves the result for its backward
+    keeps this rank's tokens instead (autotp.runtime.regather)."""
+    full = (gather_reduce_backward if reduce_backward else gather)(x, dim, chunks, units, of, size, rank, world,
+                                                                    group, where)
+    if _no_grad():
+        return full
+    shard = Shard(dim, chunks, units, of)
+    return regather.remember(full, x, lambda piece: _gather_values(piece, shard, size, world, group, where))
+
+
 def scatter(x, dim, chunks, units, of, size, rank, world, group, where):
     shard = Shard(dim, chunks, units, of)
     if _no_grad():
@@ -353,9 +366,12 @@ def conversion_steps(src, dst, shape, rank: int, world: int, group: str, partial
     """The runtime calls (function, arguments after the tensor) that turn ``src`` into ``dst`` for a
     tensor of full ``shape``.  ``partial_grad``: the result feeds a sharded op as a replicated input,
     so its gradient comes back as partial sums that must be added up.  ``where``: the value, for errors."""
-    def args(shard: Shard) -> tuple:
-        return shard_args(shard, int(shape[shard.dim]), rank, world, group, where)
+    def args(shard: Shard) -> tuple:  # a size known only at run time (a token dim) is a graph node
+        size = shape[shard.dim]
+        return shard_args(shard, size if isinstance(size, Node) else int(size), rank, world, group, where)
 
+    if isinstance(src, Shard) and isinstance(dst, Replicate) and isinstance(shape[src.dim], Node):
+        return [(gather_tokens, (*args(src), partial_grad))]
     if partial_grad and isinstance(src, Shard) and isinstance(dst, Replicate):
         return [(gather_reduce_backward, args(src))]
     steps: list[tuple] = []

@@ -113,6 +113,8 @@ class Shard:
         blocks = self.blocks(size)
         for k, (block, (first, count)) in enumerate(zip(blocks, self.spans(rank, world, len(blocks)), strict=True)):
             unit = block // self.parts(world, k)
+            if self.units is None and block % world:  # a token dim of any length: the first ranks get one more
+                (first, count), unit = unit_span(block, rank, world), 1
             found.append((offset + first * unit, count * unit))
             offset += block
         return found

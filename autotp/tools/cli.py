@@ -49,7 +49,8 @@ def _plan(args) -> int:
     with _console().status("building the model on the meta device, capturing, solving ..."):
         model, example = load_model(args.model, args.batch, args.seq)
         result = autotp.plan(model, example, world_size=args.world_size, topology=args.topology,
-                             training=not args.inference, fold=not args.no_fold)
+                             training=not args.inference, fold=not args.no_fold,
+                             sequence_parallel={"auto": None, "on": True, "off": False}[args.sequence_parallel])
     if args.out:
         result.save(args.out)
     if args.json:
@@ -188,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--no-fold", action="store_true",
                       help="capture and solve every block (default: identical blocks planned from four)")
     plan.add_argument("--all", action="store_true", help="one row per parameter (default: blocks placed alike folded)")
+    plan.add_argument("--sequence-parallel", choices=("auto", "on", "off"), default="auto",
+                      help="split norms, dropouts and residual adds by tokens: when memory demands it (auto), always, "
+                           "never")
     mesh = sub.add_parser("mesh", help="choose tensor x pipeline x data parallel sizes, micro-batches, schedule "
                                        "and stage boundaries for a number of devices")
     _model_arguments(mesh)

@@ -141,14 +141,15 @@ def explain_table(plan: Plan, target: str) -> Table:
     if not names:
         raise KeyError(f"no op named {target!r} in this plan; give a node name (see --json) or a module path")
     table = Table(title=f"alternatives for {target} (each priced with its neighbours' choices fixed)")
-    for column in ("op", "inputs", "output", "est. µs", ""):
+    for column in ("op", "inputs", "output", "est. µs", "kept MB", ""):
         table.add_column(column)
     for name in names:
         options = plan.alternatives.get(name) or [{**plan.nodes[name], "seconds": None, "chosen": True}]
         for option in options:
             seconds = "impossible" if option["seconds"] is None else f"{option['seconds'] * 1e6:.2f}"
+            kept = "-" if option.get("kept") is None else f"{option['kept'] / 1e6:.3f}"
             table.add_row(f"{name} ({plan.nodes[name].get('op', '')})", ", ".join(map(str, option["in"])),
-                          str(option["out"]), seconds, "chosen" if option.get("chosen") else "")
+                          str(option["out"]), seconds, kept, "chosen" if option.get("chosen") else "")
     return table
 
 
@@ -157,6 +158,8 @@ def print_plan(plan: Plan, shapes: dict | None = None, console: Console | None =
     console.print(plan_table(plan, shapes or plan.shapes, every))
     console.print(collectives_table(plan))
     console.print(memory_table(plan))
+    if plan.cost.get("activations"):
+        console.print(activations_table(plan))
     if plan.fold:
         console.print(f"{plan.fold['count']} identical blocks of {plan.fold['path']} planned from four: blocks 1 to "
                       f"{plan.fold['count'] - 2} take the same decisions")
@@ -171,6 +174,20 @@ def memory_table(plan: Plan) -> Table:
     memory = plan.cost.get("memory", {})
     for kind in sorted(memory, key=lambda k: _ORDER.index(k) if k in _ORDER else len(_ORDER)):
         table.add_row(kind, f"{memory[kind] / 1e6:.3f}")
+    return table
+
+
+def activations_table(plan: Plan) -> Table:
+    """Bytes each block keeps for backward (per device) and whether it splits the tokens."""
+    table = Table(title="activations kept for backward, by block (estimated, per device)")
+    for column in ("block", "MB", "sequence parallel"):
+        table.add_column(column)
+    kept: dict = {}
+    for module, held in plan.cost["activations"].items():
+        kept[_block(module)] = kept.get(_block(module), 0.0) + held
+    split = {_block(m) for m in plan.cost.get("token_split", ())}
+    for block in sorted(kept, key=_natural):
+        table.add_row(block or "(top level)", f"{kept[block] / 1e6:.3f}", "yes" if block in split else "no")
     return table
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import os
 import socket
 import sys
@@ -11,16 +12,31 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+# Ranks start from a fork server that has imported these once: a fresh interpreter per rank spends
+# seconds importing torch and transformers, which dominated short multi-process runs (the test suite).
+_PRELOAD = ["torch", "torch.distributed", "transformers", "autotp"]
 
-def run_local(world: int, fn, *args, timeout: float = 120) -> list:
-    """``[fn(rank, world, *args) for each rank]`` from ``world`` spawned gloo processes (picklable
-    results); an exception on any rank is raised here."""
+
+def local_context():
+    """The multiprocessing context local ranks start from (the preloaded fork server)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([m for m in _PRELOAD if importlib.util.find_spec(m) is not None])
+    return ctx
+
+
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    queue = mp.get_context("spawn").Queue()
+        return s.getsockname()[1]
+
+
+def run_local(world: int, fn, *args, timeout: float = 120) -> list:
+    """``[fn(rank, world, *args) for each rank]`` from ``world`` new gloo processes (picklable
+    results); an exception on any rank is raised here."""
+    port = free_port()
+    queue = local_context().Queue()
     mp.start_processes(_worker, args=(world, port, fn, args, queue, timeout), nprocs=world, join=True,
-                       start_method="spawn")
+                       start_method="forkserver")
     results = dict(queue.get() for _ in range(world))
     return [results[rank] for rank in range(world)]
 

@@ -1,0 +1,140 @@
+"""Sequence parallelism (Korthikanti et al. 2022): norms, dropouts and residual adds split by tokens
+between the tensor-parallel regions, all-gathered before the column-parallel matmuls and
+reduce-scattered after the row-parallel ones.  Exact against one process, uneven lengths included;
+Megatron-SP's forward communication per block; activation memory measured with saved-tensor hooks."""
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+import pytest
+import torch
+from test_activations import saved_bytes
+from torch.distributed.tensor.debug import CommDebugMode
+
+import autotp
+from distributed import comm_counts, run_ranks
+from models import build, logits
+
+TOL = {"rtol": 1e-4, "atol": 1e-5}
+BLOCKS = 2
+# priced at 4096 tokens: bytes decide (at a few hundred tokens of these tiny models latency does, and a
+# one-shot all-reduce beats a reduce-scatter)
+EXAMPLE = (64, 64)
+
+
+def _block_of(module: str) -> int | None:
+    found = re.search(r"\.(\d+)(\.|$)", module)
+    return int(found.group(1)) if found else None
+
+
+def _exact(model, sharded, shapes, plan=None) -> None:
+    """Outputs for every (batch, sequence) and gradients equal one process's; forward and backward run
+    the collectives the plan lists."""
+    collectives = autotp.runtime.collectives
+    one_shot, collectives.ONE_SHOT_BYTES = collectives.ONE_SHOT_BYTES, 0  # count all-reduces as such
+    try:
+        for batch, seq in shapes:
+            x = torch.randint(0, 96, (batch, seq))
+            with CommDebugMode() as comm:
+                out = logits(sharded(x))
+            torch.testing.assert_close(out, logits(model(x)), **TOL)
+            if plan is not None:
+                assert sum(comm_counts(comm).values()) == sum(plan.collective_counts("forward").values())
+        x = torch.randint(0, 96, (2, 11))
+        loss = logits(sharded(x)).square().mean()
+        with CommDebugMode() as comm:  # kept tokens are gathered again once, however many ops kept them
+            loss.backward()
+        if plan is not None:
+            assert sum(comm_counts(comm).values()) == sum(plan.collective_counts("backward").values())
+    finally:
+        collectives.ONE_SHOT_BYTES = one_shot
+    logits(model(x)).square().mean().backward()
+    grads = autotp.full_state_dict(sharded, grads=True)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _two_ranks(rank: int, world: int) -> None:
+    for kind in ("llama", "gpt2"):
+        model, _, _ = build(kind, blocks=BLOCKS)
+        example = torch.randint(0, 96, EXAMPLE)
+        sharded = autotp.parallelize(model, (example,), sequence_parallel=True)
+        plan = sharded.autotp_plan
+        forward = [c for c in plan.collectives if c["phase"] == "forward"]
+        per_block = {b: Counter(c["op"] for c in forward if _block_of(c["module"]) == b) for b in range(BLOCKS)}
+        assert all(ops == {"all_gather": 2, "reduce_scatter": 2} for ops in per_block.values()), (kind, per_block)
+        _exact(model, sharded, [(2, 11), (1, 1), (3, 5)], plan)
+
+        # what autograd keeps is what the plan estimates, with and without sequence parallelism
+        programs = [sharded]
+        if kind == "gpt2":  # dropout, GELU, layer norm, materialized attention scores
+            programs.append(autotp.parallelize(model, (example,), sequence_parallel=False))
+            plain = programs[-1].autotp_plan
+            assert not any(c["op"] == "reduce_scatter" for c in plain.collectives)
+            assert plan.cost["memory"]["activations"] < plain.cost["memory"]["activations"]
+        for program in programs:
+            estimate = program.autotp_plan.cost["memory"]["activations"]
+            assert saved_bytes(program, example) == pytest.approx(estimate, rel=0.10), kind
+
+
+def test_sequence_parallel_at_two_ranks_is_exact_with_megatrons_collectives():
+    run_ranks(2, _two_ranks)
+
+
+def _eleven_tokens(rank: int, world: int) -> None:
+    model, _, _ = build("llama", blocks=1)
+    sharded = autotp.parallelize(model, (torch.randint(0, 96, (2, 16)),), sequence_parallel=True)
+    _exact(model, sharded, [(1, 11), (2, 3)])  # 3,3,3,2 tokens; 1,1,1,0
+
+
+def test_eleven_tokens_on_four_ranks():
+    run_ranks(4, _eleven_tokens)
+
+
+def test_taken_only_when_memory_demands_it():
+    """A GPT-2 (layer norms: the residual stream cannot be split by hidden instead) at 4 x 4096 tokens:
+    the default plan is plain tensor parallelism; under a limit it exceeds the tokens are split."""
+    from rich.console import Console
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from autotp.tools.report import activations_table
+    config = GPT2Config(n_layer=1, n_embd=256, n_head=8, n_positions=4096, vocab_size=512, activation_function="gelu")
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(config)
+    args = (torch.zeros(4, 4096, dtype=torch.long, device="meta"),)
+    plain = autotp.plan(model, args, world_size=2, sequence_parallel=False)
+    split = autotp.plan(model, args, world_size=2, sequence_parallel=True)
+    assert split.cost["memory"]["total"] < plain.cost["memory"]["total"]
+
+    def ops(plan):
+        return {c["op"] for c in plan.collectives if c["phase"] == "forward"}
+    assert "reduce_scatter" not in ops(autotp.plan(model, args, world_size=2))  # plenty of memory
+    limit = (plain.cost["memory"]["total"] + split.cost["memory"]["total"]) / 2
+    tight = autotp.plan(model, args, world_size=2, memory_limit=limit)
+    assert "reduce_scatter" in ops(tight) and tight.cost["memory"]["total"] <= limit
+    # reports: bytes kept per module (summing to the memory estimate) and the modules that split the tokens
+    assert sum(split.cost["activations"].values()) == pytest.approx(split.cost["memory"]["activations"])
+    assert "transformer.h.0.ln_1" in split.cost["token_split"] and not plain.cost["token_split"]
+    console = Console(width=200, record=True)
+    console.print(activations_table(split))
+    assert re.search(r"transformer\.h\.0 +│ +[\d.]+ +│ yes", console.export_text()), console.export_text()
+    with pytest.raises(ValueError, match="sequence_parallel"):
+        autotp.plan(model, args, world_size=2, sequence_parallel="yes")
+
+
+def test_cli_plan_with_sequence_parallelism(capsys):
+    import json
+
+    from autotp.tools.cli import main
+    assert main(["plan", "examples.nanogpt:build", "--world-size", "2", "--sequence-parallel", "on", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["cost"]["token_split"] and {"reduce_scatter", "all_gather"} <= {c["op"] for c in plan["collectives"]}
+
+
+def test_forcing_it_without_a_token_dim_says_why():
+    """A ViT's 17 tokens are fixed by its config (export makes them static): there is nothing to split."""
+    from autotp.passes.solve import PlanningError
+    from models import vit
+    with pytest.raises(PlanningError, match="no op can split the tokens"):
+        autotp.plan(vit(), (torch.randn(1, 3, 16, 16),), world_size=2, sequence_parallel=True)

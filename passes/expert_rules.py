@@ -18,7 +18,7 @@ from torch.fx import Node
 
 from autotp.runtime.placement import P, Shard, simplest
 
-from .layout_rules import _mapped, positive_dim, slice_
+from .layout_rules import _mapped, cut_range, positive_dim, slice_
 from .strategies import Context, Strategy, contractible, value
 
 aten = torch.ops.aten
@@ -48,12 +48,15 @@ def _integer_indices(indices) -> bool:
                                  value(i).dtype in (torch.int64, torch.int32) for i in indices)
 
 
-def index(node: Node, ctx: Context) -> list[Strategy]:
-    """``x[i0, i1, ...]`` with index tensors on x's leading dims: the other dims keep their shard (moved
+def index(node: Node, ctx: Context) -> list[Strategy] | None:
+    """Positions that are a constant run (Falcon's ``heads[..., [-2], :]``) cut like a slice; otherwise
+    ``x[i0, i1, ...]`` with index tensors on x's leading dims: the other dims keep their shard (moved
     behind the index's dims), a partial x stays partial; the indices are read whole."""
+    if cut_range(node) is not None:
+        return slice_(node, ctx)
     x, indices = node.args[0], node.args[1]
     if not _integer_indices(indices):
-        return []
+        return None  # no rule: replicated, and said
     k, n, out = len(indices), len(ctx.shape(x)), len(ctx.shape(node))
     shift = out - n  # x dim d (d >= k) is output dim d + shift: the indices' dims replace x's first k
     found = [Strategy(ctx.fill(node, {x: P}), P)]

@@ -6,6 +6,7 @@ which is always correct.  Nothing here looks at module or model names.
 """
 from __future__ import annotations
 
+import itertools
 import operator
 
 import torch
@@ -27,6 +28,7 @@ from .layout_rules import (
     transpose,
     unsqueeze,
     view,
+    whole_spellings,
 )
 from .strategies import ADDITIVE, Context, Strategy, contractible, input_slots, is_placed
 
@@ -138,18 +140,35 @@ def matmul(node: Node, ctx: Context) -> list[Strategy]:
 
 
 def attention(node: Node, ctx: Context) -> list[Strategy]:
-    """scaled_dot_product_attention split by heads (dim 1); GQA needs both head counts divisible."""
+    """scaled_dot_product_attention split by heads (dim 1); GQA needs both head counts divisible.  A single
+    KV head that attention broadcasts to every query head (Falcon's multi-query) is read whole: replicated,
+    or held whole by every rank (its gradient then partial sums, like the query heads' shares)."""
     q, k, v = node.args[:3]
     mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+    heads = ctx.shape(q)[1]
     found = []
     for s in ctx.shard_options(node, 1):
-        if s.chunks is None and s in ctx.shard_options(k, 1) and s in ctx.shard_options(v, 1):
-            placements = {q: s, k: s, v: s}
+        if s.chunks is not None:
+            continue
+        for pk, pv in itertools.product(_kv_reads(k, s, heads, ctx), _kv_reads(v, s, heads, ctx)):
+            if k is v and pk != pv:
+                continue
+            placements = {q: s, k: pk, v: pv}
             if isinstance(mask, Node):
                 mshape = ctx.shape(mask)
-                placements[mask] = s if len(mshape) == 4 and mshape[1] == ctx.shape(q)[1] else R
+                placements[mask] = s if len(mshape) == 4 and mshape[1] == heads else R
             found.append(Strategy(ctx.fill(node, placements), s))
     return found
+
+
+def _kv_reads(kv: Node, s: Shard, heads: int, ctx: Context) -> list:
+    """How attention split by query heads as ``s`` may read a key or value: split alike, or whole where
+    it is one head broadcast to all."""
+    if s in ctx.shard_options(kv, 1):
+        return [s]
+    if ctx.shape(kv)[1] == 1 and ctx.static(heads) and heads > 1:
+        return [R, *whole_spellings(kv, ctx)]
+    return []
 
 
 def embedding(node: Node, ctx: Context) -> list[Strategy]:
@@ -245,20 +264,21 @@ RULES = {
     aten.scaled_dot_product_attention.default: attention,
     aten.embedding.default: embedding,
     aten.repeat_interleave.self_int: repeat_heads,
-    **dict.fromkeys([aten.view.default, aten.reshape.default, aten._unsafe_view.default], view),
-    aten.expand.default: expand,
+    **dict.fromkeys([aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints],
+                    view),
+    **dict.fromkeys([aten.expand.default, aten.broadcast_to.default], expand),
     aten.transpose.int: transpose,
     aten.permute.default: permute,
     **dict.fromkeys([aten.t.default, aten.numpy_T.default], t),
     aten.unsqueeze.default: unsqueeze,
-    **dict.fromkeys([aten.slice.Tensor, aten.select.int], slice_),
+    **dict.fromkeys([aten.slice.Tensor, aten.select.int], slice_),  # index.Tensor: expert_rules.index
     **dict.fromkeys([aten.sum.dim_IntList, aten.mean.dim], reduction),
     **dict.fromkeys([aten._softmax.default, aten.softmax.int, aten._log_softmax.default,
                      aten.log_softmax.int, aten.layer_norm.default], normalize),
     **dict.fromkeys([aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default], split),
     operator.getitem: getitem,
     **dict.fromkeys([aten.index_copy_.default, aten.index_copy.default], index_copy),
-    aten.cat.default: cat,
+    **dict.fromkeys([aten.cat.default, aten.stack.default], cat),
     **EXPERT_RULES,  # mixture-of-experts layouts (3-D expert weights); its strided slice extends slice_
 }
 

@@ -50,6 +50,40 @@ def partial_grad(node: Node, strategy: Strategy, want) -> bool:
     return isinstance(want, Replicate) and not strategy.replicated and not adds_once(node, strategy)
 
 
+_PRODUCTS = {torch.ops.aten.linear.default, torch.ops.aten.mm.default, torch.ops.aten.matmul.default}
+_TRANSPOSES = {torch.ops.aten.t.default, torch.ops.aten.numpy_T.default, torch.ops.aten.transpose.int}
+
+
+def bias_weights(gm: torch.fx.GraphModule) -> dict:
+    """bias parameter node -> the weight parameter node of the product it is added to (``linear(x, w) + b``,
+    ``x @ w.t() + b``): where ranks share rows of both (a multi-query projection's K and V), one
+    backward all-reduce sums both gradients."""
+    found: dict = {}
+    for node in gm.graph.nodes:
+        if node.target not in ADDITIVE or len(node.args) < 2 or not isinstance(node.args[1], Node):
+            continue
+        product, bias = node.args[:2]
+        if bias.op != "get_attr" or not isinstance(product, Node) or product.target not in _PRODUCTS:
+            continue
+        weight = product.args[1]
+        while isinstance(weight, Node) and weight.target in _TRANSPOSES:
+            weight = weight.args[0]
+        if isinstance(weight, Node) and weight.op == "get_attr" and weight is not bias:
+            found[bias] = weight if found.get(bias, weight) is weight else None  # one weight, or none
+    return {bias: weight for bias, weight in found.items() if weight is not None}
+
+
+def gradient_sums(gm: torch.fx.GraphModule, choice: dict, world: int) -> list:
+    """The trainable parameters whose gradients ranks sum (held grouped), one list per all-reduce: a bias
+    goes with the weight of its product when both are grouped (bias_weights)."""
+    trainable = {name for name, p in gm.named_parameters(remove_duplicate=False) if p.requires_grad}
+    grouped = {n: None for n in gm.graph.nodes if n.op == "get_attr" and n in choice and n.target in trainable
+               and isinstance(choice[n].output, Shard) and choice[n].output.grouped(world)}
+    partner = {weight: bias for bias, weight in bias_weights(gm).items() if bias in grouped and weight in grouped}
+    paired = set(partner.values())
+    return [[n, partner[n]] if n in partner else [n] for n in grouped if n not in paired]
+
+
 def input_slots(node: Node) -> list[Node]:
     """The node's inputs in the order map_arg visits them; the rewriter relies on the same order."""
     slots: list[Node] = []
@@ -264,9 +298,9 @@ def enumerate_strategies(gm: torch.fx.GraphModule, ctx: Context, rules: dict) ->
         all_r = Strategy(ctx.fill(node, {}), replicated_like(node))
         found = [all_r]
         rule = rule_of(rules, node.target) if node.op == "call_function" else None
-        if rule is not None:
-            found += [s for s in rule(node, ctx) if s not in found]
-        elif node.op == "call_function" and node in weighted:
+        proposed = rule(node, ctx) if rule is not None else None  # None: no rule for this use of the op
+        found += [s for s in proposed or () if s not in found]
+        if proposed is None and node.op == "call_function" and node in weighted:
             ctx.unruled.add(str(node.target))
         ctx.strategies[node] = found
     _add_parameter_options(gm, ctx)

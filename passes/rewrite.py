@@ -93,6 +93,19 @@ def _attribute(gm: torch.nn.Module, target: str):
     return getattr(gm.get_submodule(owner), attr, None)
 
 
+def _written(gm: torch.fx.GraphModule) -> set:
+    """Tensors of the module that the program writes in place (a KV cache): their start is zeros."""
+    found = set()
+    for node in gm.graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        if node.op != "call_function" or schema is None:
+            continue
+        for arg, spec in zip(node.args, schema.arguments, strict=False):
+            if isinstance(arg, torch.fx.Node) and arg.op == "get_attr" and spec.alias_info and spec.alias_info.is_write:
+                found.add(arg.target)
+    return found
+
+
 def shard_parameters(gm: torch.fx.GraphModule, placements: dict, rank: int, world: int, checkpoint=None,
                      device: torch.device | None = None) -> None:
     """Give the module its own copy of every parameter and buffer, sharded as planned.
@@ -129,9 +142,13 @@ def shard_parameters(gm: torch.fx.GraphModule, placements: dict, rank: int, worl
                 piece = checkpoint.read(stored[0], placement, rank, world)
                 shares = getattr(checkpoint, "shares", False)  # another program's shards: the same memory
                 local = piece if shares else piece.to(device=device, dtype=tensor.dtype, copy=True)
-            elif tensor.is_meta and name in constants:  # state the program fills itself (a KV cache)
+            elif tensor.is_meta and name in _written(gm):  # state the program fills itself (a KV cache)
                 shape = _local_sizes(list(tensor.shape), placement, rank, world)
                 local = torch.zeros(shape, dtype=tensor.dtype, device=device)
+            elif tensor.is_meta and name in constants:  # e.g. x[..., [-2], :]'s positions: made up = wrong
+                raise CheckpointError(f"{name} is a tensor the model's forward creates (such as index positions) "
+                                      "and it was created on the meta device, so its values are unknown: build "
+                                      "this model on a real device (its weights may still come from checkpoint=DIR)")
             elif tensor.is_meta:
                 raise CheckpointError(f"{name} is on the meta device and no checkpoint provides it: pass "
                                       "checkpoint=DIR, or build the model with accelerate.init_empty_weights() "

@@ -133,6 +133,10 @@ def _meta_without_checkpoint(rank: int, world: int, directory: str) -> None:
         scaled = Scaled()
     with pytest.raises(autotp.CheckpointError, match=r"scale: computed at construction.*init_empty_weights"):
         autotp.parallelize(scaled, (torch.randn(2, 16),), checkpoint=directory)
+    with torch.device("meta"):  # positions its forward makes on the meta device: refused, never made up
+        picked = Picked()
+    with pytest.raises(autotp.CheckpointError, match=r"lifted_tensor.*created on the meta device"):
+        autotp.parallelize(picked, (torch.randn(2, 16),), checkpoint=directory)
     torch.distributed.barrier()  # a rank that returns early takes the rendezvous store with it
 
 
@@ -144,6 +148,15 @@ class Scaled(torch.nn.Module):
 
     def forward(self, x):
         return self.proj(x) * self.scale
+
+
+class Picked(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.proj(x)[..., [-1, 3]]  # a Python list: a tensor constant of the captured program
 
 
 def test_meta_model_without_checkpoint_is_refused(tmp_path):

@@ -30,8 +30,8 @@ from .agree import DEFAULT_TIMEOUT, InputCheck, Rendezvous, inputs_digest
 from .hf import default_inputs, fill_computed_buffers, no_kv_cache
 from .plan import Plan, PlanMismatch
 from .runtime.checkpoint import Checkpoint
-from .runtime.conversion import model_conversions
 from .runtime.collectives import register
+from .runtime.conversion import model_conversions
 
 
 def _graph(model: torch.nn.Module, args, kwargs, fold: bool = False) -> torch.fx.GraphModule:

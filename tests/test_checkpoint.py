@@ -263,8 +263,20 @@ def test_a_large_model_loads_within_a_quarter_per_rank(tmp_path):
 
 def _tiny(kind: str):
     """transformers stores these under other names or shapes than the model holds (its conversion mapping)."""
-    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, MixtralConfig, MixtralForCausalLM
+    from transformers import (
+        GPTNeoXConfig,
+        GPTNeoXForCausalLM,
+        MixtralConfig,
+        MixtralForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
     torch.manual_seed(0)
+    if kind == "qwen3_moe":
+        return Qwen3MoeForCausalLM(Qwen3MoeConfig(
+            vocab_size=96, hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2,
+            max_position_embeddings=64, use_cache=False)).eval()
     if kind == "mixtral":
         return MixtralForCausalLM(MixtralConfig(
             vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -275,37 +287,39 @@ def _tiny(kind: str):
 
 
 def test_stacked_experts_are_read_expert_by_expert_in_slices(tmp_path):
-    """Each piece of a stacked [E, 2I, H] / [E, H, I] tensor equals that slice of transformers' own load,
-    and reads only the rows of each stored expert matrix it needs."""
+    """Each piece of a stacked [E, 2I, H] / [E, H, I] tensor equals that slice of the model transformers
+    saved, and reads only the rows of each stored expert matrix it needs."""
     from autotp.runtime.checkpoint import Checkpoint
     from autotp.runtime.conversion import model_conversions
     from autotp.runtime.placement import Shard
-    model = _tiny("mixtral")
-    model.save_pretrained(tmp_path)
-    assert "model.layers.0.block_sparse_moe.experts.3.w1.weight" in load_file(tmp_path / "model.safetensors")
-    checkpoint = Checkpoint(tmp_path, model_conversions(model))
-    params = dict(model.named_parameters())
-    assert set(checkpoint.files) == set(params)
+    for kind in ("mixtral", "qwen3_moe"):
+        model = _tiny(kind)
+        model.save_pretrained(tmp_path / kind)
+        assert not any(".experts.gate_up_proj" in key for key in load_file(tmp_path / kind / "model.safetensors"))
+        checkpoint = Checkpoint(tmp_path / kind, model_conversions(model))
+        params = dict(model.named_parameters())
+        assert set(checkpoint.files) == set(params)
+        for name in [n for n, p in params.items() if p.dim() == 3 and n.startswith("model.layers.1.")]:
+            full = params[name].detach()
+            fused = [Shard(1, chunks=(full.shape[1] // 2,) * 2)] if "gate_up" in name else []  # gate | up, each split
+            for placement in [Shard(0), Shard(1), Shard(2), *fused]:
+                for world in (2, 3):
+                    for rank in range(world):
+                        expected = torch.cat([full.narrow(placement.dim, start, length) for start, length in
+                                              placement.ranges(full.shape[placement.dim], rank, world)],
+                                             placement.dim)
+                        assert torch.equal(checkpoint.read(name, placement, rank, world), expected), (name, placement)
     reads = []
     stored_read = checkpoint._read_stored
     checkpoint._read_stored = lambda key, box: reads.append((key, box)) or stored_read(key, box)
-    fused = [Shard(1, chunks=(48, 48))]  # gate | up, each split
-    for name, extra in [("model.layers.1.mlp.experts.gate_up_proj", fused), ("model.layers.1.mlp.experts.down_proj", [])]:
-        full = params[name].detach()
-        for placement in [Shard(0), Shard(1), Shard(2), *extra]:
-            for world in (2, 3):
-                for rank in range(world):
-                    expected = torch.cat([full.narrow(placement.dim, start, length) for start, length in
-                                          placement.ranges(full.shape[placement.dim], rank, world)], placement.dim)
-                    assert torch.equal(checkpoint.read(name, placement, rank, world), expected), (name, placement)
-    reads.clear()
-    checkpoint.read("model.layers.1.mlp.experts.gate_up_proj", Shard(1, chunks=(48, 48)), 1, 2)
+    checkpoint.read("model.layers.1.mlp.experts.gate_up_proj", Shard(1, chunks=(32, 32)), 1, 2)
     assert sorted((key.split(".")[-3:-1], box[0]) for key, box in reads) == sorted(
-        ([str(e), w], slice(24, 48)) for e in range(4) for w in ("w1", "w3"))  # half of each w1 and w3, no more
+        ([str(e), w], slice(16, 32)) for e in range(8) for w in ("gate_proj", "up_proj"))  # half of each, no more
 
 
 def test_conversions_autotp_cannot_slice_are_refused(tmp_path):
     from transformers.core_model_loading import Transpose, WeightConverter
+
     from autotp.runtime.checkpoint import Checkpoint
     save_file({f"layers.0.experts.{e}.w1.weight": torch.zeros(4, 2) for e in range(2)},
               tmp_path / "model.safetensors", metadata={"format": "pt"})

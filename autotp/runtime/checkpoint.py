@@ -16,15 +16,11 @@ from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
 from .collectives import gather_full
-from .conversion import Assembled, ConversionError, assemble, stored_layout
+from .conversion import Assembled, CheckpointError, assemble, stored_layout
 from .placement import Shard
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-
-
-class CheckpointError(ValueError):
-    pass
 
 
 class Checkpoint:
@@ -45,11 +41,8 @@ class Checkpoint:
         else:
             raise CheckpointError(f"no {SINGLE} or {INDEX} in {self.directory}")
         self.stored = {name: self.directory / file for name, file in weight_map.items()}
-        try:
-            self.files = assemble(self.stored, conversions) if conversions else {
-                name: Assembled.plain(name) for name in self.stored}
-        except ConversionError as exc:
-            raise CheckpointError(f"checkpoint {self.directory}: {exc}") from exc
+        self.files = assemble(self.stored, conversions) if conversions else {
+            name: Assembled.plain(name) for name in self.stored}
 
     def shape(self, name: str) -> tuple:
         return self.files[name].shape(self._stored_shape)

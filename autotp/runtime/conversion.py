@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 
-class ConversionError(ValueError):
+class CheckpointError(ValueError):
     pass
 
 
@@ -29,7 +29,7 @@ class Assembled:
     concat: int | None = None
 
     @staticmethod
-    def plain(key: str) -> "Assembled":
+    def plain(key: str) -> Assembled:
         return Assembled(((key,),))
 
     def shape(self, stored_shape) -> tuple:
@@ -96,16 +96,16 @@ def assemble(stored_keys, conversions: list) -> dict:
             if pattern is not None:
                 entry = grouped.setdefault(target, (converter, {}))
                 if entry[0] is not converter:
-                    raise ConversionError(f"{target} is the target of two conversions ({entry[0]}, {converter})")
+                    raise CheckpointError(f"{target} is the target of two conversions ({entry[0]}, {converter})")
                 entry[1].setdefault(pattern, []).append(key)
                 break
         else:
             if renamed in plain:
-                raise ConversionError(f"{plain[renamed].keys[0][0]} and {key} are both stored for {renamed}")
+                raise CheckpointError(f"{plain[renamed].keys[0][0]} and {key} are both stored for {renamed}")
             plain[renamed] = Assembled.plain(key)
     for target, (converter, by_pattern) in grouped.items():
         if target in plain:
-            raise ConversionError(f"{target} is stored both whole and as parts ({converter})")
+            raise CheckpointError(f"{target} is stored both whole and as parts ({converter})")
         plain[target] = _converted(target, converter, by_pattern)
     return plain
 
@@ -114,18 +114,14 @@ def _converted(target: str, converter, by_pattern: dict) -> Assembled:
     """The stack-then-concatenate converters (MergeModulelist, Concatenate); any other is refused."""
     from transformers.core_model_loading import Concatenate, MergeModulelist
     ops = converter.operations
-    stack = ops[0].dim if ops and type(ops[0]) is MergeModulelist else None
-    rest = ops[1:] if stack is not None else ops
-    concat = rest[0].dim if len(rest) == 1 and type(rest[0]) is Concatenate else None
-    understood = len(rest) == (concat is not None) and (stack is not None or concat is not None)
-    patterns = [p for p in converter.source_patterns if p in by_pattern]
-    keys = tuple(tuple(by_pattern[p]) for p in patterns)
-    if concat is None and len(keys) > 1:
-        understood = False
-    if stack is None and any(len(k) > 1 for k in keys):
-        understood = False
+    kinds = tuple(type(op) for op in ops)
+    stack = ops[0].dim if kinds in ((MergeModulelist,), (MergeModulelist, Concatenate)) else None
+    concat = ops[-1].dim if kinds in ((Concatenate,), (MergeModulelist, Concatenate)) else None
+    keys = tuple(tuple(by_pattern[p]) for p in converter.source_patterns if p in by_pattern)
+    understood = ((stack is not None or concat is not None) and (len(keys) == 1 or concat is not None)
+                  and (stack is not None or all(len(k) == 1 for k in keys)))
     if not understood:
-        raise ConversionError(
+        raise CheckpointError(
             f"{target}: transformers converts the stored tensors {sorted(k for ks in keys for k in ks)[:4]} with "
             f"{[type(op).__name__ for op in ops]}, which autotp cannot read in slices (it reads renames, "
             "MergeModulelist and Concatenate): load the model with transformers' from_pretrained and pass it to "
@@ -141,10 +137,12 @@ def stored_layout(model, named_tensors):
         yield from named_tensors
         return
     from transformers.core_model_loading import WeightConverter, revert_weight_conversion
-    joint = [c.reverse_transform() for c in conversions if isinstance(c, WeightConverter) and len(c.target_patterns) > 1]
+    joint = [c.reverse_transform() for c in conversions
+             if isinstance(c, WeightConverter) and len(c.target_patterns) > 1]
     for name, tensor in named_tensors:
         for reverse in joint:
             if reverse.rename_source_key(name)[1] is not None:
-                raise ConversionError(f"saving {name} needs {reverse.source_patterns} together to reverse transformers' "
-                                      "conversion; autotp writes one tensor at a time: save with transformers instead")
+                raise CheckpointError(f"saving {name} needs {reverse.source_patterns} together to reverse "
+                                      "transformers' conversion; autotp writes one tensor at a time: save with "
+                                      "transformers instead")
         yield from revert_weight_conversion(model, {name: tensor}).items()

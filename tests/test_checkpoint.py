@@ -275,8 +275,8 @@ def _tiny(kind: str):
     if kind == "qwen3_moe":
         return Qwen3MoeForCausalLM(Qwen3MoeConfig(
             vocab_size=96, hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2,
-            max_position_embeddings=64, use_cache=False)).eval()
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=12, num_experts_per_tok=2,
+            max_position_embeddings=64, use_cache=False)).eval()  # 12: expert 10 comes after 9, not after 1
     if kind == "mixtral":
         return MixtralForCausalLM(MixtralConfig(
             vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -314,7 +314,7 @@ def test_stacked_experts_are_read_expert_by_expert_in_slices(tmp_path):
     checkpoint._read_stored = lambda key, box: reads.append((key, box)) or stored_read(key, box)
     checkpoint.read("model.layers.1.mlp.experts.gate_up_proj", Shard(1, chunks=(32, 32)), 1, 2)
     assert sorted((key.split(".")[-3:-1], box[0]) for key, box in reads) == sorted(
-        ([str(e), w], slice(16, 32)) for e in range(8) for w in ("gate_proj", "up_proj"))  # half of each, no more
+        ([str(e), w], slice(16, 32)) for e in range(12) for w in ("gate_proj", "up_proj"))  # half of each, no more
 
 
 def test_conversions_autotp_cannot_slice_are_refused(tmp_path):

@@ -329,18 +329,12 @@ def test_conversions_autotp_cannot_slice_are_refused(tmp_path):
 
 
 def _stored_layout_round_trip(rank: int, world: int, root: str) -> None:
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
     x = torch.randint(0, 96, (3, 11), generator=torch.Generator().manual_seed(1))
     for kind in ("mixtral", "gpt_neox"):
         directory = f"{root}/{kind}"
         reference = AutoModelForCausalLM.from_pretrained(directory).eval()
-        config = AutoConfig.from_pretrained(directory)
-        # transformers' default grouped_mm experts, captured on the meta device, take the GPU branch (README)
-        config._experts_implementation = "batched_mm"
-        with init_empty_weights(include_buffers=False):
-            empty = AutoModelForCausalLM.from_config(config).eval()
-        sharded = autotp.parallelize(empty, (x,), checkpoint=directory)
+        sharded = autotp.from_pretrained(directory)  # Mixtral: transformers' grouped_mm experts, captured on meta
         if kind == "mixtral":  # the experts are split, not replicated
             assert sharded.autotp_plan.params["model.layers.0.mlp.experts.gate_up_proj"] != "R"
         torch.testing.assert_close(logits(sharded(x)), logits(reference(x)), **TOL)

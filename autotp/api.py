@@ -31,6 +31,7 @@ from .hf import default_inputs, fill_computed_buffers, no_kv_cache
 from .plan import Plan, PlanMismatch
 from .runtime.checkpoint import Checkpoint
 from .runtime.collectives import register
+from .runtime.conversion import model_conversions
 
 
 def _graph(model: torch.nn.Module, args, kwargs, fold: bool = False) -> torch.fx.GraphModule:
@@ -184,7 +185,8 @@ def parallelize(model: torch.nn.Module, args=None, kwargs=None, *, plan: Plan | 
             gather_outputs=gather_outputs, fixed=fixed, sequence_parallel=sequence_parallel).to_json()))
     rendezvous.agree("plan", hashlib.sha256(plan.to_json().encode()).hexdigest()[:16], "the plan")
     choice = _choice(gm, plan, graph_hash, world)
-    source = checkpoint if checkpoint is None or hasattr(checkpoint, "read") else Checkpoint(checkpoint)
+    source = checkpoint if checkpoint is None or hasattr(checkpoint, "read") else Checkpoint(
+        checkpoint, model_conversions(model))
     device = _device_of(group)
     if source is not None:
         retarget_device(gm, device)

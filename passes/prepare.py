@@ -6,6 +6,8 @@ import operator
 
 import torch
 
+from autotp.runtime import local_ops
+
 from .expert_rules import hint_sources
 from .layout_rules import cut_range, positive_dim, split, t, unsqueeze, view
 from .rules import RULES, matmul, pointwise
@@ -297,6 +299,9 @@ def retarget_device(gm: torch.fx.GraphModule, device: torch.device) -> None:
     for node in gm.graph.nodes:
         node.args = swap(node.args)
         node.kwargs = {k: swap(v) for k, v in node.kwargs.items()}
+        if (node.target is torch.ops.aten.histc.default and device.type == "cpu"
+                and not node.args[0].meta["val"].is_floating_point()):
+            node.target = local_ops.histc_of_integers  # the meta capture took the GPU branch: integers
     gm.recompile()
 
 

@@ -32,6 +32,7 @@ from .hf import default_inputs, fill_computed_buffers, no_kv_cache
 from .plan import Plan, PlanMismatch
 from .runtime.checkpoint import Checkpoint
 from .runtime.collectives import register
+from .runtime.conversion import model_conversions
 
 
 def _graph(model: torch.nn.Module, args, kwargs, fold: bool = False) -> torch.fx.GraphModule:
@@ -204,7 +205,8 @@ def parallelize(model: torch.nn.Module, args=None, kwargs=None, *, plan: Plan | 
     flagged: set = set()
     choice = _choice(gm, plan, graph_hash, world, flagged)
     again = [core for core in attention_cores(gm, needs_grad(gm)) if core[-1] in flagged]
-    source = checkpoint if checkpoint is None or hasattr(checkpoint, "read") else Checkpoint(checkpoint)
+    source = checkpoint if checkpoint is None or hasattr(checkpoint, "read") else Checkpoint(
+        checkpoint, model_conversions(model))
     device = _device_of(group)
     if source is not None:
         retarget_device(gm, device)

@@ -11,7 +11,7 @@ from autotp.runtime.placement import R, Shard, dump
 
 from .capture import module_path
 from .solve import Sizes, _activations, _compute_time, regathered
-from .strategies import Context, input_slots, is_placed, needs_grad, partial_grad
+from .strategies import Context, gradient_sums, input_slots, is_placed, needs_grad, partial_grad
 
 
 def planned_collectives(gm: torch.fx.GraphModule, choice: dict, world: int, topology: Topology,
@@ -19,13 +19,11 @@ def planned_collectives(gm: torch.fx.GraphModule, choice: dict, world: int, topo
     """The collectives the rewriter will insert for ``choice`` (one per tensor and target placement;
     ``count``: how many real tensors a folded graph's node stands for)."""
     grad = needs_grad(gm)
-    found: dict = {}
+    # ranks sharing a unit sum its gradient (a bias with its weight)
+    found: dict = {(members[0], "group"): ("backward", "all_reduce") for members in gradient_sums(gm, choice, world)}
     pieces = regathered(choice, grad, _on_tokens)
     for node in gm.graph.nodes:
         strategy = choice.get(node)
-        held = strategy.output if strategy is not None else None
-        if node.op == "get_attr" and node in grad and isinstance(held, Shard) and held.grouped(world):
-            found[(node, "group")] = ("backward", "all_reduce")  # ranks sharing a unit sum its gradient
         wants = strategy.inputs if strategy is not None else [R] * len(input_slots(node))
         if node.op != "output" and strategy is None:
             continue

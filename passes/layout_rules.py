@@ -5,13 +5,16 @@ the table and the compute ops).
 """
 from __future__ import annotations
 
+import operator
+from dataclasses import replace
+
 import torch
 from torch.fx import Node
 
 from autotp.runtime.placement import P, Shard
 
-from .strategies import Context, Strategy
-from .views import map_view_dim
+from .strategies import Context, Strategy, concrete
+from .views import map_view_dim, split_runs
 
 aten = torch.ops.aten
 
@@ -43,11 +46,28 @@ def view(node: Node, ctx: Context) -> list[Strategy]:
             mapped = map_view_dim(src, dst, d, s.parts(ctx.world))
             if s.whole(ctx.world) and s.chunks is None and static:  # every rank holds all: any static dim
                 mapped = (mapped[0] if mapped and mapped[0] in static else static[-1], True)
-            if mapped is None or (s.chunks is not None and not mapped[1]):
+            if s.chunks is not None and not (mapped and mapped[1]):
+                rows = _in_rows(s, src, dst, d, ctx.world)
+                found += [Strategy(ctx.fill(node, {x: s}), rows)] if rows else []
+                continue
+            if mapped is None:
                 continue
             if ctx.static(ctx.shape(node)[mapped[0]]):
                 found.append(Strategy(ctx.fill(node, {x: s}), s.at(mapped[0])))
     return found
+
+
+def _in_rows(shard: Shard, src: list, dst: list, d: int, world: int) -> Shard | None:
+    """A block-wise shard of a dim that the view splits into (rows, ...): the same pieces counted in rows,
+    if every rank's pieces are whole rows (Falcon's qkv, [H heads | k | v] x head dim, viewed as heads)."""
+    for dim, out, rest in split_runs(src, dst):
+        if dim == d and all(c % rest == 0 for c in shard.chunks):
+            rows = replace(shard, dim=out, chunks=tuple(c // rest for c in shard.chunks))
+            size = src[d]
+            if all([(a * rest, n * rest) for a, n in rows.ranges(size // rest, r, world)] ==
+                   shard.ranges(size, r, world) for r in range(world)):
+                return rows
+    return None
 
 
 def expand(node: Node, ctx: Context) -> list[Strategy]:
@@ -76,19 +96,60 @@ def unsqueeze(node: Node, ctx: Context) -> list[Strategy]:
     return _mapped(node, ctx, lambda d: d if d < at else d + 1)
 
 
-def slice_range(node: Node, ctx: Context) -> tuple[int, int, int] | None:
-    """(dim, start, end) of a step-1 slice with static bounds, end clamped to the size; else None."""
+def cut_range(node: Node) -> tuple[int, int, int] | None:
+    """(dim, start, end) of the step-1 range of a static dim that a slice cuts out (bounds counted from the
+    end when negative, clamped to the size), or an index by a constant run of positions (Falcon's
+    ``qkv[..., [-2], :]``); else None."""
+    shape = [concrete(size) for size in node.args[0].meta["val"].shape]
+    if node.target == aten.index.Tensor:
+        return _constant_run(node, shape)
     if node.target != aten.slice.Tensor:
         return None
-    x = node.args[0]
-    shape = ctx.shape(x)
     at = positive_dim(node.args[1] if len(node.args) > 1 else 0, len(shape))
     start = node.args[2] if len(node.args) > 2 and node.args[2] is not None else 0
     end = node.args[3] if len(node.args) > 3 and node.args[3] is not None else shape[at]
     step = node.args[4] if len(node.args) > 4 else 1
-    if step != 1 or not all(isinstance(v, int) for v in (start, end, shape[at])) or start < 0:
+    if step != 1 or not all(isinstance(v, int) for v in (start, end, shape[at])):
         return None
-    return at, start, min(end, shape[at])
+    start, end = (min(max(v + shape[at] if v < 0 else v, 0), shape[at]) for v in (start, end))
+    return (at, start, end) if start < end else None
+
+
+def _constant_run(node: Node, shape: list) -> tuple[int, int, int] | None:
+    """x[..., [a, a+1, ..., b-1], ...] with the positions a constant tensor of the graph: (dim, a, b).
+    Refused where the result is written in place (a slice, which the rewrite may use, would alias x)."""
+    indices = node.args[1]
+    given = [d for d, index in enumerate(indices) if index is not None]
+    if len(given) != 1 or not isinstance(shape[given[0]], int) or _written(node):
+        return None
+    at, source = given[0], indices[given[0]]
+    if source.target == aten.lift_fresh_copy.default:
+        source = source.args[0]
+    if source.op != "get_attr" or source.graph.owning_module is None:
+        return None
+    values = operator.attrgetter(source.target)(source.graph.owning_module)
+    if not isinstance(values, torch.Tensor) or values.is_meta or values.dim() != 1 or not len(values) or \
+            values.dtype not in (torch.int64, torch.int32):
+        return None
+    run = [v + shape[at] if v < 0 else v for v in values.tolist()]
+    if run != list(range(run[0], run[0] + len(run))) or run[0] < 0 or run[-1] >= shape[at]:
+        return None
+    return at, run[0], run[-1] + 1
+
+
+_ALIASING = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.transpose.int,
+             aten.permute.default, aten.t.default, aten.numpy_T.default, aten.expand.default,
+             aten.broadcast_to.default, aten.unsqueeze.default, aten.slice.Tensor, aten.select.int,
+             aten.flatten.using_ints, aten.alias.default, aten.squeeze.dim, aten.squeeze.default}
+
+
+def _written(node: Node) -> bool:
+    """Some op writes in place into ``node``'s value or a view of it."""
+    for user in node.users:
+        schema = getattr(user.target, "_schema", None)
+        if (schema is not None and schema.is_mutable) or (user.target in _ALIASING and _written(user)):
+            return True
+    return False
 
 
 def block_of(shard: Shard, start: int, end: int) -> int | None:
@@ -101,20 +162,30 @@ def block_of(shard: Shard, start: int, end: int) -> int | None:
     return None
 
 
-def slice_(node: Node, ctx: Context) -> list[Strategy]:
-    """Slicing along an unsharded dim (select drops that dim); or cutting one whole block out of a
-    fused dim sharded block by block (Phi-3's qkv[..., a:b]), which leaves a plain shard."""
+def whole_spellings(node: Node, ctx: Context) -> list[Shard]:
+    """The ways to name "every rank holds all of it" on ``node`` (one per dim that may carry it)."""
+    return [s for d in range(len(ctx.shape(node))) for s in ctx.shard_options(node, d) if s.whole(ctx.world)]
+
+
+def slice_(node: Node, ctx: Context) -> list[Strategy] | None:
+    """Slicing (or indexing by a constant run, see cut_range) along an unsharded dim (select drops that
+    dim); or cutting one whole block out of a fused dim sharded block by block (Phi-3's qkv[..., a:b],
+    Falcon's heads[..., [-2], :]), which leaves a plain shard, or one every rank holds whole."""
     x = node.args[0]
     n = len(ctx.shape(x))
-    at = positive_dim(node.args[1] if len(node.args) > 1 else 0, n)
+    bounds = cut_range(node)
+    if node.target == aten.index.Tensor and bounds is None:
+        return None  # positions known only at run time: no rule (replicated, and said)
+    at = bounds[0] if bounds else positive_dim(node.args[1] if len(node.args) > 1 else 0, n)
     drop = node.target == aten.select.int
     found = _mapped(node, ctx, lambda d: None if d == at else (d - 1 if drop and d > at else d))
-    bounds = slice_range(node, ctx)
     if bounds:
         for s in ctx.shard_options(x, at):
             k = block_of(s, bounds[1], bounds[2]) if s.chunks else None
             if k is not None:
-                found.append(Strategy(ctx.fill(node, {x: s}), s.block(k, s.chunks[k], ctx.world)))
+                out = s.block(k, s.chunks[k], ctx.world)
+                outs = (whole_spellings(node, ctx) or [out]) if out.whole(ctx.world) else [out]
+                found += [Strategy(ctx.fill(node, {x: s}), o) for o in outs]
             elif s.whole(ctx.world) and bounds[2] - bounds[1] > 1:  # a piece of what every rank holds
                 found.append(Strategy(ctx.fill(node, {x: s}), s))
     return found
@@ -160,13 +231,17 @@ def getitem(node: Node, ctx: Context) -> list[Strategy]:
 
 
 def cat(node: Node, ctx: Context) -> list[Strategy]:
+    """cat / stack of parts sharded alike on another dim (stack: those after its new dim move up one; GPT-J's
+    rotary, ``torch.stack((-x2, x1), dim=-1)``), or on the joined dim where every rank holds all of it."""
     parts = node.args[0]
     n = len(ctx.shape(node))
     at = positive_dim(node.args[1] if len(node.args) > 1 else 0, n)
+    stacked = node.target == aten.stack.default
     found = []
     if all(isinstance(p, Node) for p in parts) and len(set(parts)) == len(parts):
         found.append(Strategy(ctx.fill(node, dict.fromkeys(parts, P)), P))
-        for d in range(n):
-            found += [Strategy(ctx.fill(node, dict.fromkeys(parts, s)), s) for s in ctx.shard_options(node, d)
-                      if s.chunks is None and (d != at or s.whole(ctx.world))]  # whole: every rank holds all
+        for d in range(n):  # whole on the joined dim: every rank holds all of it
+            found += [Strategy(ctx.fill(node, dict.fromkeys(parts, s.at(d - (stacked and d > at)))), s)
+                      for s in ctx.shard_options(node, d)
+                      if s.chunks is None and (d != at or (s.whole(ctx.world) and not stacked))]
     return found

@@ -6,10 +6,13 @@ import operator
 
 import torch
 
-from .layout_rules import positive_dim, slice_range, split, unsqueeze, view
-from .rules import RULES, pointwise
+from autotp.runtime import local_ops
+
+from .expert_rules import hint_sources
+from .layout_rules import cut_range, positive_dim, split, t, unsqueeze, view
+from .rules import RULES, matmul, pointwise
 from .strategies import Context, is_placed
-from .views import inverse_view_dim, view_groups
+from .views import inverse_view_dim, split_runs, view_groups
 
 aten = torch.ops.aten
 
@@ -31,12 +34,24 @@ def merge_aliases(gm: torch.fx.GraphModule) -> None:
     gm.graph.lint()
 
 
+# ops whose output is a new tensor, not a view of an input
+_FRESH = {aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.linear.default,
+          aten.matmul.default, aten.mm.default, aten.bmm.default}
+
+
 def drop_no_ops(gm: torch.fx.GraphModule) -> None:
-    """Remove what only costs dispatch time at run time: torch.export's dtype/device assertions and
-    casts to the dtype a tensor already has (``to`` without copy returns its input)."""
+    """Remove what only costs dispatch time at run time and hides the graph's structure from the rules:
+    torch.export's dtype/device assertions, casts to the dtype a tensor already has (``to`` without copy
+    returns its input), slices of everything (``x[:, :, a:b]`` slices dims 0 and 1 whole first), and
+    in-place adds into a new tensor that nothing else reads (Falcon's ``mlp_output += attention_output``)."""
     for node in list(gm.graph.nodes):
         if node.target == aten._assert_tensor_metadata.default and not node.users:
             gm.graph.erase_node(node)
+        elif node.target == aten.slice.Tensor and len(node.args) <= 4 and _whole(node):
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+        elif node.target == aten.add_.Tensor and node.args[0].target in _FRESH and len(node.args[0].users) == 1:
+            node.target = aten.add.Tensor
         elif node.target == aten.to.dtype and len(node.args) == 2 and not node.kwargs:
             source, out = node.args[0].meta.get("val"), node.meta.get("val")
             if isinstance(source, torch.Tensor) and isinstance(out, torch.Tensor) and source.dtype == out.dtype:
@@ -121,18 +136,34 @@ def block_unit_hints(gm: torch.fx.GraphModule, ctx: Context) -> dict:
     Needs ``ctx.units`` and ``ctx.covers`` (unit_hints, repeat_hints)."""
     work = []
     for x, dim, sizes, pieces in _fused_cuts(gm, ctx):
-        units = [max(ctx.units.get((p, dim), {1 if 1 in ctx.covers else 0})) if p is not None else 0
-                 for p in pieces]
+        if _heads_dim(x, dim, ctx):  # each position is a head: a piece of n positions is n units
+            units = list(sizes)
+        else:
+            units = [max(ctx.units.get((p, dim), {1 if 1 in ctx.covers else 0})) if p is not None else 0
+                     for p in pieces]
         if all(units) and any(u > 1 for u in units) and all(s % u == 0 for s, u in zip(sizes, units, strict=True)):
             work.append((x, dim, (sizes, tuple(units))))
     return _walk_back(work, ctx)
 
 
+def _heads_dim(node, dim: int, ctx: Context) -> bool:
+    """``dim`` of ``node`` is the heads of a view that split a flat dim into (heads, head dim)."""
+    if RULES.get(node.target) is not view:
+        return False
+    src = [ctx.probe(s) for s in ctx.shape(node.args[0])]
+    return any(out == dim for _, out, _ in split_runs(src, [ctx.probe(s) for s in ctx.shape(node)]))
+
+
 def repeat_hints(gm: torch.fx.GraphModule) -> dict:
     """KV heads -> {query heads}: grouped-query attention's repeat_interleave (fuse_repeat_kv), so that
-    KV heads can be held where the query heads that use them are."""
+    KV heads can be held where the query heads that use them are; a single KV head that attention
+    broadcasts to every query head (Falcon's multi-query) serves them all."""
     covers: dict = {}
     for node in gm.graph.nodes:
+        if node.target == aten.scaled_dot_product_attention.default:
+            heads = [a.meta["val"].shape[1] if a.meta["val"].dim() == 4 else None for a in node.args[:3]]
+            if heads[1:] == [1, 1] and isinstance(heads[0], int) and heads[0] > 1:
+                covers.setdefault(1, set()).add(heads[0])
         if node.target == aten.repeat_interleave.self_int:
             x, repeats, at = node.args[:3]
             kv = x.meta["val"].shape[at]
@@ -175,6 +206,12 @@ def _walk_back(work: list, ctx: Context) -> dict:
             d = inverse_view_dim(src, dst, dim)
             if d is not None:
                 work.append((node.args[0], d, sizes))
+            work += [(node.args[0], d, _in_flat_units(sizes, rest)) for d, out, rest in split_runs(src, dst)
+                     if out == dim]
+        elif rule is t:
+            work.append((node.args[0], 1 - dim if len(ctx.shape(node)) == 2 else dim, sizes))
+        elif rule is matmul and dim == len(ctx.shape(node)) - 1 and len(ctx.shape(node.args[1])) >= 2:
+            work.append((node.args[1], len(ctx.shape(node.args[1])) - 1, sizes))  # x @ w.t(): columns of w.t()
         elif rule is unsqueeze and dim != positive_dim(node.args[1], len(ctx.shape(node))):
             work.append((node.args[0], dim - (dim > positive_dim(node.args[1], len(ctx.shape(node)))), sizes))
         elif rule is pointwise:
@@ -184,7 +221,19 @@ def _walk_back(work: list, ctx: Context) -> dict:
                 ad = dim - (len(out) - len(shape))
                 if ad >= 0 and shape[ad] == out[dim]:
                     work.append((a, ad, sizes))
+        else:
+            work += [(src, d, sizes) for src, d in hint_sources(node, dim, ctx)]
     return hints
+
+
+def _in_flat_units(hint, rest: int):
+    """A hint on a heads dim, for the flat dim the heads were viewed from (blocks ``rest`` times longer)."""
+    if isinstance(hint, int):
+        return hint  # a unit count
+    if isinstance(hint[0], int):
+        return tuple(c * rest for c in hint)  # block sizes
+    chunks, units = hint
+    return tuple(c * rest for c in chunks), units
 
 
 def fuse_repeat_kv(gm: torch.fx.GraphModule) -> None:
@@ -250,6 +299,9 @@ def retarget_device(gm: torch.fx.GraphModule, device: torch.device) -> None:
     for node in gm.graph.nodes:
         node.args = swap(node.args)
         node.kwargs = {k: swap(v) for k, v in node.kwargs.items()}
+        if (node.target is torch.ops.aten.histc.default and device.type == "cpu"
+                and not node.args[0].meta["val"].is_floating_point()):
+            node.target = local_ops.histc_of_integers  # the meta capture took the GPU branch: integers
     gm.recompile()
 
 
@@ -259,7 +311,8 @@ def _tiling_slices(gm: torch.fx.GraphModule, ctx: Context) -> list:
     for node in gm.graph.nodes:
         ranges: dict = {}
         for user in node.users:
-            bounds = slice_range(user, ctx) if user.args and user.args[0] is node else None
+            cuts = user.target in (aten.slice.Tensor, aten.index.Tensor) and user.args[0] is node
+            bounds = cut_range(user) if cuts else None
             if bounds:
                 ranges.setdefault(bounds[0], {})[bounds[1:]] = user
         for dim, cut in ranges.items():

@@ -3,6 +3,7 @@ and size arguments of view/reshape/expand/split adjusted to local shapes."""
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 from torch.fx import Node
@@ -12,9 +13,9 @@ from autotp.runtime import collectives, local_ops, regather
 from autotp.runtime.placement import Partial, R, Replicate, Shard, take_local
 
 from .capture import module_path
-from .layout_rules import block_of
+from .layout_rules import block_of, cut_range
 from .rules import held_heads
-from .strategies import adds_once, is_observer, needs_grad, partial_grad
+from .strategies import adds_once, gradient_sums, is_observer, needs_grad, partial_grad
 
 aten = torch.ops.aten
 
@@ -40,16 +41,20 @@ def _localize(node: Node, strategy, rank: int, world: int) -> None:
     """Size arguments that describe a sharded dim must describe the local shard instead."""
     target = node.target
     src = strategy.inputs[0] if strategy.inputs else None
-    if target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default):
+    if target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default,
+                  aten.broadcast_to.default):
         node.args = (node.args[0], _local_sizes(node.args[1], strategy.output, rank, world), *node.args[2:])
-    elif target == aten.slice.Tensor and isinstance(src, Shard) and src.chunks:
-        full = sum(src.chunks)  # one whole block of a fused dim: its range in the local layout
-        end = node.args[3] if len(node.args) > 3 and node.args[3] is not None else full
-        k = block_of(src, node.args[2] or 0, min(end, full))
-        if k is not None and src.dim == node.args[1] % node.args[0].meta["val"].dim():
-            lengths = [n for _, n in src.ranges(full, rank, world)]
+    elif target in (aten.slice.Tensor, aten.index.Tensor) and isinstance(src, Shard) and src.chunks:
+        bounds = cut_range(node)  # one whole block of a fused dim: its range in the local layout
+        if bounds is None and target == aten.index.Tensor:
+            raise RuntimeError(f"{node.name} indexes a fused dim the plan splits block by block, but its positions "
+                               "are not known in this capture (a constant on the meta device?): plan with this model")
+        k = block_of(src, *bounds[1:]) if bounds and bounds[0] == src.dim else None
+        if k is not None:
+            lengths = [n for _, n in src.ranges(sum(src.chunks), rank, world)]
             start = sum(lengths[:k])
-            node.args = (node.args[0], node.args[1], start, start + lengths[k], *node.args[4:])
+            node.target, node.kwargs = aten.slice.Tensor, {}
+            node.args = (node.args[0], src.dim, start, start + lengths[k])
     elif target in (aten.split.Tensor, aten.split_with_sizes.default):
         at = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
         if isinstance(src, Shard) and src.dim == at % node.args[0].meta["val"].dim():
@@ -88,6 +93,19 @@ def _attribute(gm: torch.nn.Module, target: str):
     return getattr(gm.get_submodule(owner), attr, None)
 
 
+def _written(gm: torch.fx.GraphModule) -> set:
+    """Tensors of the module that the program writes in place (a KV cache): their start is zeros."""
+    found = set()
+    for node in gm.graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        if node.op != "call_function" or schema is None:
+            continue
+        for arg, spec in zip(node.args, schema.arguments, strict=False):
+            if isinstance(arg, torch.fx.Node) and arg.op == "get_attr" and spec.alias_info and spec.alias_info.is_write:
+                found.add(arg.target)
+    return found
+
+
 def shard_parameters(gm: torch.fx.GraphModule, placements: dict, rank: int, world: int, checkpoint=None,
                      device: torch.device | None = None) -> None:
     """Give the module its own copy of every parameter and buffer, sharded as planned.
@@ -124,9 +142,13 @@ def shard_parameters(gm: torch.fx.GraphModule, placements: dict, rank: int, worl
                 piece = checkpoint.read(stored[0], placement, rank, world)
                 shares = getattr(checkpoint, "shares", False)  # another program's shards: the same memory
                 local = piece if shares else piece.to(device=device, dtype=tensor.dtype, copy=True)
-            elif tensor.is_meta and name in constants:  # state the program fills itself (a KV cache)
+            elif tensor.is_meta and name in _written(gm):  # state the program fills itself (a KV cache)
                 shape = _local_sizes(list(tensor.shape), placement, rank, world)
                 local = torch.zeros(shape, dtype=tensor.dtype, device=device)
+            elif tensor.is_meta and name in constants:  # e.g. x[..., [-2], :]'s positions: made up = wrong
+                raise CheckpointError(f"{name} is a tensor the model's forward creates (such as index positions) "
+                                      "and it was created on the meta device, so its values are unknown: build "
+                                      "this model on a real device (its weights may still come from checkpoint=DIR)")
             elif tensor.is_meta:
                 raise CheckpointError(f"{name} is on the meta device and no checkpoint provides it: pass "
                                       "checkpoint=DIR, or build the model with accelerate.init_empty_weights() "
@@ -150,6 +172,27 @@ def _where(node: Node) -> str:
     if node.op == "get_attr":
         return f"parameter {node.target}"
     return f"{node.name} ({node.target}) in {module_path(node) or 'the top-level module'}"
+
+
+def _sum_gradients(graph: torch.fx.Graph, members: list, choice: dict, placed: dict, rank: int, world: int,
+                   group: str) -> None:
+    """Ranks sharing a unit of these parameters each hold part of its gradient: one backward all-reduce sums
+    them all (vLLM's replicated KV heads; a multi-query projection's weight and bias together)."""
+    for member in members[1:]:  # side by side (a get_attr reads nothing), so the sum can follow them
+        members[0].append(member)
+    last = members[0]
+    while last.next in members:
+        last = last.next
+    layouts = [(s.dim, s.chunks, s.units, s.of, _full_size(m, s.dim)) for m in members for s in [choice[m].output]]
+    with graph.inserting_after(last):
+        summed = graph.call_function(collectives.sum_group_grads, (
+            list(members), layouts, rank, world, group, " and ".join(_where(m) for m in members)))
+    for i, member in reversed(list(enumerate(members))):
+        with graph.inserting_after(summed):
+            item = graph.call_function(operator.getitem, (summed, i))
+        item.meta = dict(member.meta)
+        member.replace_all_uses_with(item, delete_user_cb=lambda user, keep=summed: user is not keep)
+        placed[item] = choice[member].output
 
 
 class _TokenSizes:
@@ -204,20 +247,11 @@ def rewrite(gm: torch.fx.GraphModule, choice: dict, rank: int, world: int, group
         return converted[key]
 
     params = {}
-    trainable = {name for name, p in gm.named_parameters(remove_duplicate=False) if p.requires_grad}
+    for members in gradient_sums(gm, choice, world):
+        _sum_gradients(graph, members, choice, placed, rank, world, group)
     for node in list(graph.nodes):
         if node.op == "get_attr" and node in choice:
-            placed[node] = layout = choice[node].output
-            params[node.target] = layout
-            if isinstance(layout, Shard) and layout.grouped(world) and node.target in trainable:
-                # ranks sharing a unit each hold part of its gradient: sum them (vLLM's replicated KV heads)
-                with graph.inserting_after(node):
-                    summed = graph.call_function(collectives.sum_group_grad, (
-                        node, *collectives.shard_args(layout, _full_size(node, layout.dim), rank, world, group,
-                                                      _where(node))))
-                summed.meta = dict(node.meta)
-                node.replace_all_uses_with(summed, delete_user_cb=lambda user, keep=summed: user is not keep)
-                placed[summed] = layout
+            placed[node] = params[node.target] = choice[node].output
         elif node.op == "placeholder" and node in choice:
             placed[node] = R
         elif node.op == "output":

@@ -6,6 +6,7 @@ which is always correct.  Nothing here looks at module or model names.
 """
 from __future__ import annotations
 
+import itertools
 import operator
 
 import torch
@@ -13,6 +14,7 @@ from torch.fx import Node
 
 from autotp.runtime.placement import P, R, Shard
 
+from .expert_rules import EXPERT_RULES
 from .layout_rules import (
     cat,
     expand,
@@ -26,8 +28,9 @@ from .layout_rules import (
     transpose,
     unsqueeze,
     view,
+    whole_spellings,
 )
-from .strategies import ADDITIVE, Context, Strategy, input_slots, is_placed
+from .strategies import ADDITIVE, Context, Strategy, contractible, input_slots, is_placed
 
 aten = torch.ops.aten
 
@@ -105,19 +108,12 @@ def linear(node: Node, ctx: Context) -> list[Strategy]:
     out = ctx.shape(node)
     last, xlast = len(out) - 1, len(ctx.shape(x)) - 1
     found = [Strategy(ctx.fill(node, {w: s.at(0)}), s) for s in ctx.shard_options(node, last)]
-    for s in _contractible(ctx.output_options(x) + ctx.shard_options(x, xlast), xlast, ctx.world):
+    for s in contractible(ctx.output_options(x) + ctx.shard_options(x, xlast), xlast, ctx.world):
         found.append(Strategy(ctx.fill(node, {x: s, w: s.at(1)}), P))
     found.append(Strategy(ctx.fill(node, {x: P}), P))
     for d in range(last):
         found += [Strategy(ctx.fill(node, {x: s}), s) for s in ctx.shard_options(node, d) if s.chunks is None]
     return found
-
-
-def _contractible(options, dim: int, world: int) -> list[Shard]:
-    """Shards of a contracted dim whose partial products sum to the full one: each element is held
-    by exactly one rank (not grouped), and not block-wise (the other operand cannot follow)."""
-    found = [p for p in options if isinstance(p, Shard) and p.dim == dim and p.chunks is None and not p.grouped(world)]
-    return list(dict.fromkeys(found))
 
 
 def matmul(node: Node, ctx: Context) -> list[Strategy]:
@@ -128,8 +124,7 @@ def matmul(node: Node, ctx: Context) -> list[Strategy]:
     if len(sa) < 2 or len(sb) < 2:
         return []
     found = [Strategy(ctx.fill(node, {b: s.at(len(sb) - 1)}), s) for s in ctx.shard_options(node, n - 1)]
-    found += [Strategy(ctx.fill(node, {a: s.at(len(sa) - 2)}), s)
-              for s in ctx.shard_options(node, n - 2) if s.chunks is None]
+    found += [Strategy(ctx.fill(node, {a: s.at(len(sa) - 2)}), s) for s in ctx.shard_options(node, n - 2)]
     k = sa[-1]
     if ctx.static(k) and k % ctx.world == 0:
         found.append(Strategy(ctx.fill(node, {a: Shard(len(sa) - 1), b: Shard(len(sb) - 2)}), P))
@@ -145,18 +140,35 @@ def matmul(node: Node, ctx: Context) -> list[Strategy]:
 
 
 def attention(node: Node, ctx: Context) -> list[Strategy]:
-    """scaled_dot_product_attention split by heads (dim 1); GQA needs both head counts divisible."""
+    """scaled_dot_product_attention split by heads (dim 1); GQA needs both head counts divisible.  A single
+    KV head that attention broadcasts to every query head (Falcon's multi-query) is read whole: replicated,
+    or held whole by every rank (its gradient then partial sums, like the query heads' shares)."""
     q, k, v = node.args[:3]
     mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+    heads = ctx.shape(q)[1]
     found = []
     for s in ctx.shard_options(node, 1):
-        if s.chunks is None and s in ctx.shard_options(k, 1) and s in ctx.shard_options(v, 1):
-            placements = {q: s, k: s, v: s}
+        if s.chunks is not None:
+            continue
+        for pk, pv in itertools.product(_kv_reads(k, s, heads, ctx), _kv_reads(v, s, heads, ctx)):
+            if k is v and pk != pv:
+                continue
+            placements = {q: s, k: pk, v: pv}
             if isinstance(mask, Node):
                 mshape = ctx.shape(mask)
-                placements[mask] = s if len(mshape) == 4 and mshape[1] == ctx.shape(q)[1] else R
+                placements[mask] = s if len(mshape) == 4 and mshape[1] == heads else R
             found.append(Strategy(ctx.fill(node, placements), s))
     return found
+
+
+def _kv_reads(kv: Node, s: Shard, heads: int, ctx: Context) -> list:
+    """How attention split by query heads as ``s`` may read a key or value: split alike, or whole where
+    it is one head broadcast to all."""
+    if s in ctx.shard_options(kv, 1):
+        return [s]
+    if ctx.shape(kv)[1] == 1 and ctx.static(heads) and heads > 1:
+        return [R, *whole_spellings(kv, ctx)]
+    return []
 
 
 def embedding(node: Node, ctx: Context) -> list[Strategy]:
@@ -165,7 +177,7 @@ def embedding(node: Node, ctx: Context) -> list[Strategy]:
     weight = node.args[0]
     last = len(ctx.shape(node)) - 1
     found = [Strategy(ctx.fill(node, {weight: s.at(1)}), s) for s in ctx.shard_options(node, last) if s.chunks is None]
-    rows = _contractible(ctx.shard_options(weight, 0), 0, ctx.world)
+    rows = contractible(ctx.shard_options(weight, 0), 0, ctx.world)
     found += [Strategy(ctx.fill(node, {weight: s}), P) for s in rows]
     return found
 
@@ -252,19 +264,21 @@ RULES = {
     aten.scaled_dot_product_attention.default: attention,
     aten.embedding.default: embedding,
     aten.repeat_interleave.self_int: repeat_heads,
-    **dict.fromkeys([aten.view.default, aten.reshape.default, aten._unsafe_view.default], view),
-    aten.expand.default: expand,
+    **dict.fromkeys([aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints],
+                    view),
+    **dict.fromkeys([aten.expand.default, aten.broadcast_to.default], expand),
     aten.transpose.int: transpose,
     aten.permute.default: permute,
     **dict.fromkeys([aten.t.default, aten.numpy_T.default], t),
     aten.unsqueeze.default: unsqueeze,
-    **dict.fromkeys([aten.slice.Tensor, aten.select.int], slice_),
+    **dict.fromkeys([aten.slice.Tensor, aten.select.int], slice_),  # index.Tensor: expert_rules.index
     **dict.fromkeys([aten.sum.dim_IntList, aten.mean.dim], reduction),
     **dict.fromkeys([aten._softmax.default, aten.softmax.int, aten._log_softmax.default,
                      aten.log_softmax.int, aten.layer_norm.default], normalize),
     **dict.fromkeys([aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default], split),
     operator.getitem: getitem,
     **dict.fromkeys([aten.index_copy_.default, aten.index_copy.default], index_copy),
-    aten.cat.default: cat,
+    **dict.fromkeys([aten.cat.default, aten.stack.default], cat),
+    **EXPERT_RULES,  # mixture-of-experts layouts (3-D expert weights); its strided slice extends slice_
 }
 

@@ -23,12 +23,14 @@ from autotp.cost_models.memory import breakdown, smallest_fitting_world, state_f
 from autotp.cost_models.topology import Topology
 from autotp.runtime.placement import P, R, Replicate, Shard
 
+from .expert_rules import GROUPED_MM_FALLBACK
 from .recompute import attention_cores, dropped, price_recompute
 from .saved import element_bytes, kept
-from .strategies import Context, input_slots, is_placed, needs_grad, partial_grad
+from .strategies import Context, bias_weights, input_slots, is_placed, needs_grad, partial_grad, stored_views
 
 _MATMULS = {torch.ops.aten.linear.default, torch.ops.aten.mm.default, torch.ops.aten.bmm.default,
-            torch.ops.aten.matmul.default, torch.ops.aten.scaled_dot_product_attention.default}
+            torch.ops.aten.matmul.default, torch.ops.aten.scaled_dot_product_attention.default,
+            torch.ops.aten._grouped_mm.default, GROUPED_MM_FALLBACK}  # grouped: each routed token's expert
 
 
 # Equal-cost plans are common (an all-gather before a matmul or a reduce-scatter after it move the
@@ -81,7 +83,7 @@ class Sizes:
         if not isinstance(out, torch.Tensor):
             return 0.0
         numel = math.prod(self(s) for s in out.shape)
-        if node.target in _MATMULS:
+        if node.target in _MATMULS or str(node.target) in _MATMULS:
             return 2.0 * numel * self(node.args[0].meta["val"].shape[-1])
         return float(numel)
 
@@ -108,7 +110,10 @@ def _local(size: float, placement, world: int) -> float:
     return size * _fraction(placement, world)
 
 
-def _compute_time(node: Node, strategy, sizes: Sizes, world: int, topology: Topology, training: bool) -> float:
+def _compute_time(node: Node, strategy, sizes: Sizes, world: int, topology: Topology, training: bool,
+                  paired: bool = False) -> float:
+    """Seconds of the op (forward and backward when training); for a parameter held grouped, also the
+    all-reduce of its gradient (``paired``: shared with its weight or bias, so without the latency)."""
     moved = sizes.nbytes(node) + sum(sizes.nbytes(a) for a in node.all_input_nodes if is_placed(a))
     seconds = op_time(sizes.flops(node), moved, topology) if node.op == "call_function" else 0.0
     if not strategy.replicated:
@@ -118,6 +123,7 @@ def _compute_time(node: Node, strategy, sizes: Sizes, world: int, topology: Topo
     if training and node.op == "get_attr" and isinstance(out, Shard) and out.grouped(world):
         shared = sizes.nbytes(node) * _shared_fraction(out, world)
         seconds += collective_time("all_reduce", shared, world, topology)  # summing its gradient
+        seconds -= collective_time("all_reduce", 0.0, world, topology) if paired else 0.0
     return seconds
 
 
@@ -194,6 +200,9 @@ def solve(gm: torch.fx.GraphModule, ctx: Context, topology: Topology, *, trainin
     trainable = dict(gm.named_parameters(remove_duplicate=False))
     grad = needs_grad(gm) if training else set()
     costs, memory, kinds, preference = [], [], {}, []
+    pairs = {b: a for b, a in bias_weights(gm).items() if training and {a, b} <= ctx.strategies.keys()
+             and {a.target, b.target} <= trainable.keys()}
+    paired = set(pairs) | set(pairs.values())
     x = {}
     saves: dict = {}       # kept tensor key -> (bytes, options that keep it)
     for i, (node, options) in enumerate(ctx.strategies.items()):
@@ -201,7 +210,7 @@ def solve(gm: torch.fx.GraphModule, ctx: Context, topology: Topology, *, trainin
         problem += pulp.lpSum(x[node]) == 1
         weight = w(node, 1)
         for k, (var, s) in enumerate(zip(x[node], options, strict=True)):
-            costs.append(var * weight * _compute_time(node, s, sizes, t, topology, training))
+            costs.append(var * weight * _compute_time(node, s, sizes, t, topology, training, node in paired))
             preference.append(var * weight * k * TIE_BREAK)
             for kind, held in _memory(node, s, sizes, t, trainable, training).items():
                 if held:
@@ -242,6 +251,14 @@ def solve(gm: torch.fx.GraphModule, ctx: Context, topology: Topology, *, trainin
     for a, b in ties:
         for va, vb in zip(x.get(a, ()), x.get(b, ()), strict=True):
             problem += va == vb
+    latency = collective_time("all_reduce", 0.0, t, topology)
+    for k, (bias, weight) in enumerate(pairs.items()):  # one all-reduce sums a weight's and its bias's gradients
+        summed = problem.add_variable(f"pair{k}", lowBound=0)
+        for node in (bias, weight):
+            for var, s in zip(x[node], ctx.strategies[node], strict=True):
+                if isinstance(s.output, Shard) and s.output.grouped(t):
+                    problem += summed >= var
+        costs.append(summed * w(weight, 1) * latency)
 
     need: dict = {}        # (tensor, from, to) -> indicator that this reshard happens
     grad_reduce: dict = {}
@@ -262,9 +279,11 @@ def solve(gm: torch.fx.GraphModule, ctx: Context, topology: Topology, *, trainin
     else:  # shards stay where they are; partial sums are still reduced
         costs += [v * collective_time("all_reduce", sizes.nbytes(src), t, topology) for src in returned
                   for v, s in zip(x[src], ctx.strategies[src], strict=True) if s.output == P]
+    stored = stored_views(gm)
     for e, (src, wanted) in enumerate(edges):
         produced = [(v, s.output) for v, s in zip(x[src], ctx.strategies[src], strict=True)]
-        for (p, q), z in _link(problem, produced, wanted, lambda p, q, s=src: _reshard_ok(s, p, q, t, topology),
+        for (p, q), z in _link(problem, produced, wanted,
+                               lambda p, q, s=src: _reshard_ok(s in stored, p, q, t, topology),
                                f"z{e}_").items():
             if p != q:
                 key = (src, p, q)
@@ -364,9 +383,9 @@ def _link(problem, produced, wanted, ok, tag) -> dict:
     return z
 
 
-def _reshard_ok(src: Node, p, q, world: int, topology: Topology) -> bool:
+def _reshard_ok(stored: bool, p, q, world: int, topology: Topology) -> bool:
     if p == q:
         return True
-    if src.op == "get_attr" and not (isinstance(p, Replicate) and isinstance(q, Shard)):
-        return False  # parameters are stored as used; never gathered at run time
+    if stored and not (isinstance(p, Replicate) and isinstance(q, Shard)):
+        return False  # parameters (and views of them) are stored as used; never gathered at run time
     return reshard_time(p, q, 1.0, world, topology) is not None

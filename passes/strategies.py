@@ -50,11 +50,52 @@ def partial_grad(node: Node, strategy: Strategy, want) -> bool:
     return isinstance(want, Replicate) and not strategy.replicated and not adds_once(node, strategy)
 
 
+_PRODUCTS = {torch.ops.aten.linear.default, torch.ops.aten.mm.default, torch.ops.aten.matmul.default}
+_TRANSPOSES = {torch.ops.aten.t.default, torch.ops.aten.numpy_T.default, torch.ops.aten.transpose.int}
+
+
+def bias_weights(gm: torch.fx.GraphModule) -> dict:
+    """bias parameter node -> the weight parameter node of the product it is added to (``linear(x, w) + b``,
+    ``x @ w.t() + b``): where ranks share rows of both (a multi-query projection's K and V), one
+    backward all-reduce sums both gradients."""
+    found: dict = {}
+    for node in gm.graph.nodes:
+        if node.target not in ADDITIVE or len(node.args) < 2 or not isinstance(node.args[1], Node):
+            continue
+        product, bias = node.args[:2]
+        if bias.op != "get_attr" or not isinstance(product, Node) or product.target not in _PRODUCTS:
+            continue
+        weight = product.args[1]
+        while isinstance(weight, Node) and weight.target in _TRANSPOSES:
+            weight = weight.args[0]
+        if isinstance(weight, Node) and weight.op == "get_attr" and weight is not bias:
+            found[bias] = weight if found.get(bias, weight) is weight else None  # one weight, or none
+    return {bias: weight for bias, weight in found.items() if weight is not None}
+
+
+def gradient_sums(gm: torch.fx.GraphModule, choice: dict, world: int) -> list:
+    """The trainable parameters whose gradients ranks sum (held grouped), one list per all-reduce: a bias
+    goes with the weight of its product when both are grouped (bias_weights)."""
+    trainable = {name for name, p in gm.named_parameters(remove_duplicate=False) if p.requires_grad}
+    grouped = {n: None for n in gm.graph.nodes if n.op == "get_attr" and n in choice and n.target in trainable
+               and isinstance(choice[n].output, Shard) and choice[n].output.grouped(world)}
+    partner = {weight: bias for bias, weight in bias_weights(gm).items() if bias in grouped and weight in grouped}
+    paired = set(partner.values())
+    return [[n, partner[n]] if n in partner else [n] for n in grouped if n not in paired]
+
+
 def input_slots(node: Node) -> list[Node]:
     """The node's inputs in the order map_arg visits them; the rewriter relies on the same order."""
     slots: list[Node] = []
     map_arg((node.args, node.kwargs), lambda n: slots.append(n) or n)
     return slots
+
+
+def contractible(options, dim: int, world: int) -> list[Shard]:
+    """Shards of a contracted dim whose partial products sum to the full one: each element is held
+    by exactly one rank (not grouped), and not block-wise (the other operand cannot follow)."""
+    found = [p for p in options if isinstance(p, Shard) and p.dim == dim and p.chunks is None and not p.grouped(world)]
+    return list(dict.fromkeys(found))
 
 
 def concrete(size):
@@ -197,11 +238,33 @@ def is_observer(node: Node) -> bool:
     )
 
 
+_aten = torch.ops.aten
+# ops whose output is the same data as their first input, seen another way (or a cast of it): a parameter
+# seen through them is still the parameter, and is never gathered either (no weight travels at run time)
+LAYOUT_OPS = {_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default, _aten.permute.default,
+              _aten.t.default, _aten.numpy_T.default, _aten.transpose.int, _aten.unsqueeze.default,
+              _aten.squeeze.dim, _aten.expand.default, _aten.slice.Tensor, _aten.select.int, _aten.alias.default,
+              _aten.detach.default, _aten.index.Tensor, _aten.to.dtype, _aten._to_copy.default}
+
+
+def stored_views(gm: torch.fx.GraphModule) -> set:
+    """Parameters and buffers, and what layout ops make of them (``w.transpose(-2, -1)``, ``w[expert_ids]``)."""
+    found: set = set()
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" or (node.target in LAYOUT_OPS and node.args and node.args[0] in found):
+            found.add(node)
+    return found
+
+
 def needs_grad(gm: torch.fx.GraphModule) -> set:
-    """Nodes whose value depends on a trainable parameter (their gradients flow)."""
+    """Nodes whose value depends on a trainable parameter (their gradients flow); integer values (expert
+    ids sorted by a router's scores) have none."""
     params = {name for name, p in gm.named_parameters() if p.requires_grad}
     grad: set = set()
     for node in gm.graph.nodes:
+        v = value(node)
+        if isinstance(v, torch.Tensor) and not (v.is_floating_point() or v.is_complex()):
+            continue
         if (node.op == "get_attr" and node.target in params) or any(a in grad for a in node.all_input_nodes):
             grad.add(node)
     return grad
@@ -217,6 +280,11 @@ def token_symbols(gm: torch.fx.GraphModule) -> set:
     return found
 
 
+def rule_of(rules: dict, target):
+    """The rule for an op; other libraries' custom ops are keyed by name (they exist once imported)."""
+    return rules.get(target) or rules.get(str(target))
+
+
 def enumerate_strategies(gm: torch.fx.GraphModule, ctx: Context, rules: dict) -> Context:
     weighted = needs_grad(gm)
     ctx.grad, ctx.token_symbols = weighted, token_symbols(gm)
@@ -229,9 +297,10 @@ def enumerate_strategies(gm: torch.fx.GraphModule, ctx: Context, rules: dict) ->
             continue
         all_r = Strategy(ctx.fill(node, {}), replicated_like(node))
         found = [all_r]
-        if node.op == "call_function" and node.target in rules:
-            found += [s for s in rules[node.target](node, ctx) if s not in found]
-        elif node.op == "call_function" and node in weighted:
+        rule = rule_of(rules, node.target) if node.op == "call_function" else None
+        proposed = rule(node, ctx) if rule is not None else None  # None: no rule for this use of the op
+        found += [s for s in proposed or () if s not in found]
+        if proposed is None and node.op == "call_function" and node in weighted:
             ctx.unruled.add(str(node.target))
         ctx.strategies[node] = found
     _add_parameter_options(gm, ctx)
@@ -250,15 +319,29 @@ def _add_parameter_options(gm: torch.fx.GraphModule, ctx: Context) -> None:
     sizes = {n: value(n).numel() * value(n).element_size() for n in nodes}
     largest = max((sizes[n] for n in nodes if n.target in trainable), default=0)
     for node in nodes:
-        per_user = []
-        for user in node.users:
-            per_user.append({p for strategy in ctx.strategies.get(user, [])
-                             for slot, p in zip(input_slots(user), strategy.inputs, strict=True) if slot is node})
-        wanted = {R}.union(*per_user)
+        wanted = {R}.union(*(_wanted(node, user, ctx) for user in node.users))
         options = {p for p in wanted if isinstance(p, (Replicate, Shard))}
-        suits_all = {p for p in options if isinstance(p, Shard) and all(p in u for u in per_user)}
+        suits_all = {p for p in options if isinstance(p, Shard) and _carried(node, p, ctx, {})}
         if node.target in trainable and suits_all and sizes[node] >= ctx.min_shard_fraction * largest:
             options = suits_all
         if node.target in ctx.fixed:
             options = {ctx.fixed[node.target]}
         ctx.strategies[node] = [Strategy((), p) for p in sorted(options, key=str)]
+
+
+def _wanted(node: Node, user: Node, ctx: Context) -> set:
+    """The placements of ``node`` that some strategy of ``user`` reads it in."""
+    return {p for strategy in ctx.strategies.get(user, [])
+            for slot, p in zip(input_slots(user), strategy.inputs, strict=True) if slot is node}
+
+
+def _carried(node: Node, placement, ctx: Context, seen: dict) -> bool:
+    """Every user of ``node`` can read it in ``placement`` without a collective: a compute op has a strategy
+    for it; a layout op (a transpose, a view, an expert's slice ``w[ids]``) has one whose output is carried
+    on in turn.  A parameter offered only such shards is never gathered, however many views it passes."""
+    key = (node, placement)
+    if key not in seen:
+        seen[key] = all(placement in _wanted(node, user, ctx) and (user.target not in LAYOUT_OPS or any(
+            _carried(user, s.output, ctx, seen) for s in ctx.strategies.get(user, [])
+            if s.inputs[input_slots(user).index(node)] == placement)) for user in node.users)
+    return seen[key]

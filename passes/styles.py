@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from autotp.runtime.placement import Replicate, Shard
+from autotp.runtime.placement import Partial, Replicate, Shard
+
+from .strategies import LAYOUT_OPS
 
 aten = torch.ops.aten
 # (op, operand index) -> {sharded dim: style}, for a weight consumed directly by the op
@@ -37,6 +39,21 @@ def _units_note(placement: Shard, size: int, world: int) -> str:
     return ", " + "; ".join(notes) + follows
 
 
+def _expert_style(node: torch.fx.Node, choice: dict) -> str | None:
+    """A 3-D weight (one matrix per expert) reaching a matmul through layout ops (a transpose, ``w[ids]``):
+    its experts split like a dense MLP's, by output columns or, with partial sums, by input rows."""
+    if len(node.meta["val"].shape) != 3:
+        return None
+    work = list(node.users)
+    while work:
+        user = work.pop()
+        if user.target in LAYOUT_OPS:
+            work += user.users
+        elif user in choice and not isinstance(choice[user].output, Replicate):
+            return "expert FFN " + ("row split" if isinstance(choice[user].output, Partial) else "column split")
+    return None
+
+
 def param_styles(gm: torch.fx.GraphModule, choice: dict, world: int) -> dict:
     """parameter name -> 'column', 'row', 'replicate', ... from how its users compute with it."""
     styles = {}
@@ -52,6 +69,7 @@ def param_styles(gm: torch.fx.GraphModule, choice: dict, world: int) -> dict:
                     if table and placement.dim in table:
                         style = table[placement.dim]
                         break
+            style = _expert_style(node, choice) or style
             if style in ("shard dim 0", "column") and len(node.meta["val"].shape) == 1:
                 added = any(user.target == aten.add.Tensor for user in node.users)
                 style = "bias split" if added else "vector split"  # a bias, or a norm's scale

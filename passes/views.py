@@ -58,3 +58,16 @@ def inverse_view_dim(src: list[int], dst: list[int], out_dim: int) -> int | None
         if lead_out == [out_dim] and len(lead_in) == 1:
             return lead_in[0]
     return None
+
+
+def split_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
+    """(input dim, output dim, rest) for each input dim that the view splits into (output dim, *rest dims):
+    [b, s, (H+2)*d] -> [b, s, H+2, d] gives (2, 2, d).  A block-wise layout of the input dim counted in
+    units of ``rest`` is the same layout of the output dim."""
+    found = []
+    for gi, gj in view_groups(src, dst):
+        lead_in = [d for d in gi if src[d] != 1]
+        lead_out = [d for d in gj if dst[d] != 1]
+        if len(lead_in) == 1 and len(lead_out) > 1:
+            found.append((lead_in[0], lead_out[0], math.prod(dst[d] for d in lead_out[1:])))
+    return found

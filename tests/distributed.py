@@ -5,7 +5,7 @@ from collections import Counter
 
 from autotp.tools.spawn import exit_quietly, free_port, local_context, run_local
 
-__all__ = ["comm_counts", "exit_quietly", "plan_ops", "run_ranks", "run_unsupervised"]
+__all__ = ["comm_counts", "exit_quietly", "plan_ops", "run_ranks", "run_unsupervised", "weight_collectives"]
 
 # the eager c10d ops (gloo's polled waits) under the names of their functional twins
 _FUNCTIONAL = {"allreduce_": "all_reduce", "_allgather_base_": "all_gather_into_tensor",
@@ -51,3 +51,24 @@ def plan_ops(counts: dict) -> dict:
     for name, n in counts.items():
         found[_PLAN.get(name, name)] += n
     return dict(found)
+
+
+_GRADIENT_ONLY = {"reduce_grad", "sum_group_grad"}
+
+
+def weight_collectives(gm) -> list[str]:
+    """Collectives in a sharded program whose input is computed from parameters and buffers alone (a weight,
+    or a view, transpose, slice or cast of one): a weight travelling at run time, which plans must never do.
+    ``reduce_grad`` and ``sum_group_grad`` are not: their forward is the identity, their backward sums the
+    weight's gradient (a replicated norm weight read by sharded ops; a unit shared by several ranks)."""
+    from_weights: set = set()
+    found = []
+    for node in gm.graph.nodes:
+        inputs = node.all_input_nodes
+        if node.op == "get_attr" or (node.op == "call_function" and inputs and all(a in from_weights for a in inputs)):
+            from_weights.add(node)
+        fn = node.target
+        if getattr(fn, "__module__", "") == "autotp.runtime.collectives" and fn.__name__ not in _GRADIENT_ONLY and \
+                node.args[0] in from_weights:
+            found.append(f"{fn.__name__}({node.args[0].name})")
+    return found

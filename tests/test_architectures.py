@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import autotp
-from distributed import run_ranks
+from distributed import run_ranks, weight_collectives
 from models import llama_with
 
 TOL = {"rtol": 1e-4, "atol": 1e-5}
@@ -63,6 +63,7 @@ def _ids(batch: int, seq: int) -> torch.Tensor:
 
 def _same_as_unsharded(model, sharded, tol=TOL, inputs=_ids) -> None:
     """Outputs at other shapes (1 x 1 included) and gradients; ``inputs(batch, seq)`` makes the input."""
+    assert not weight_collectives(sharded), weight_collectives(sharded)  # weights are used where stored
     torch.manual_seed(1)
     for batch, seq in [(3, 7), (1, 1)]:
         x = inputs(batch, seq)

@@ -133,6 +133,10 @@ def _meta_without_checkpoint(rank: int, world: int, directory: str) -> None:
         scaled = Scaled()
     with pytest.raises(autotp.CheckpointError, match=r"scale: computed at construction.*init_empty_weights"):
         autotp.parallelize(scaled, (torch.randn(2, 16),), checkpoint=directory)
+    with torch.device("meta"):  # positions its forward makes on the meta device: refused, never made up
+        picked = Picked()
+    with pytest.raises(autotp.CheckpointError, match=r"lifted_tensor.*created on the meta device"):
+        autotp.parallelize(picked, (torch.randn(2, 16),), checkpoint=directory)
     torch.distributed.barrier()  # a rank that returns early takes the rendezvous store with it
 
 
@@ -144,6 +148,15 @@ class Scaled(torch.nn.Module):
 
     def forward(self, x):
         return self.proj(x) * self.scale
+
+
+class Picked(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.proj(x)[..., [-1, 3]]  # a Python list: a tensor constant of the captured program
 
 
 def test_meta_model_without_checkpoint_is_refused(tmp_path):
@@ -259,3 +272,99 @@ def test_a_large_model_loads_within_a_quarter_per_rank(tmp_path):
     full, largest = sum(sizes), max(sizes)
     del model
     run_ranks(4, _bounded_load, str(tmp_path), str(tmp_path / "expected.pt"), full, largest)
+
+
+def _tiny(kind: str):
+    """transformers stores these under other names or shapes than the model holds (its conversion mapping)."""
+    from transformers import (
+        GPTNeoXConfig,
+        GPTNeoXForCausalLM,
+        MixtralConfig,
+        MixtralForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
+    torch.manual_seed(0)
+    if kind == "qwen3_moe":
+        return Qwen3MoeForCausalLM(Qwen3MoeConfig(
+            vocab_size=96, hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=12, num_experts_per_tok=2,
+            max_position_embeddings=64, use_cache=False)).eval()  # 12: expert 10 comes after 9, not after 1
+    if kind == "mixtral":
+        return MixtralForCausalLM(MixtralConfig(
+            vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+            use_cache=False)).eval()
+    return GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                            num_attention_heads=4, use_cache=False)).eval()
+
+
+def test_stacked_experts_are_read_expert_by_expert_in_slices(tmp_path):
+    """Each piece of a stacked [E, 2I, H] / [E, H, I] tensor equals that slice of the model transformers
+    saved, and reads only the rows of each stored expert matrix it needs."""
+    from autotp.runtime.checkpoint import Checkpoint
+    from autotp.runtime.conversion import model_conversions
+    from autotp.runtime.placement import Shard
+    for kind in ("mixtral", "qwen3_moe"):
+        model = _tiny(kind)
+        model.save_pretrained(tmp_path / kind)
+        assert not any(".experts.gate_up_proj" in key for key in load_file(tmp_path / kind / "model.safetensors"))
+        checkpoint = Checkpoint(tmp_path / kind, model_conversions(model))
+        params = dict(model.named_parameters())
+        assert set(checkpoint.files) == set(params)
+        for name in [n for n, p in params.items() if p.dim() == 3 and n.startswith("model.layers.1.")]:
+            full = params[name].detach()
+            fused = [Shard(1, chunks=(full.shape[1] // 2,) * 2)] if "gate_up" in name else []  # gate | up, each split
+            for placement in [Shard(0), Shard(1), Shard(2), *fused]:
+                for world in (2, 3):
+                    for rank in range(world):
+                        expected = torch.cat([full.narrow(placement.dim, start, length) for start, length in
+                                              placement.ranges(full.shape[placement.dim], rank, world)],
+                                             placement.dim)
+                        assert torch.equal(checkpoint.read(name, placement, rank, world), expected), (name, placement)
+    reads = []
+    stored_read = checkpoint._read_stored
+    checkpoint._read_stored = lambda key, box: reads.append((key, box)) or stored_read(key, box)
+    checkpoint.read("model.layers.1.mlp.experts.gate_up_proj", Shard(1, chunks=(32, 32)), 1, 2)
+    assert sorted((key.split(".")[-3:-1], box[0]) for key, box in reads) == sorted(
+        ([str(e), w], slice(16, 32)) for e in range(12) for w in ("gate_proj", "up_proj"))  # half of each, no more
+
+
+def test_conversions_autotp_cannot_slice_are_refused(tmp_path):
+    from transformers.core_model_loading import Transpose, WeightConverter
+
+    from autotp.runtime.checkpoint import Checkpoint
+    save_file({f"layers.0.experts.{e}.w1.weight": torch.zeros(4, 2) for e in range(2)},
+              tmp_path / "model.safetensors", metadata={"format": "pt"})
+    transposed = WeightConverter(".experts.*.w1.weight", ".experts.gate_proj", operations=[Transpose(0, 1)])
+    with pytest.raises(autotp.CheckpointError, match=r"gate_proj.*\['Transpose'\].*cannot read"):
+        Checkpoint(tmp_path, [transposed])
+
+
+def _stored_layout_round_trip(rank: int, world: int, root: str) -> None:
+    from transformers import AutoModelForCausalLM
+    x = torch.randint(0, 96, (3, 11), generator=torch.Generator().manual_seed(1))
+    for kind in ("mixtral", "gpt_neox"):
+        directory = f"{root}/{kind}"
+        reference = AutoModelForCausalLM.from_pretrained(directory).eval()
+        sharded = autotp.from_pretrained(directory)  # Mixtral: transformers' grouped_mm experts, captured on meta
+        if kind == "mixtral":  # the experts are split, not replicated
+            assert sharded.autotp_plan.params["model.layers.0.mlp.experts.gate_up_proj"] != "R"
+        torch.testing.assert_close(logits(sharded(x)), logits(reference(x)), **TOL)
+        autotp.save_pretrained(sharded, f"{directory}-saved")
+        if rank == 0:
+            again = AutoModelForCausalLM.from_pretrained(f"{directory}-saved").eval()
+            assert torch.equal(logits(again(x)), logits(reference(x)))
+
+
+def test_transformers_stored_layouts_load_in_slices_and_save_bit_exactly(tmp_path):
+    """Mixtral (experts stored per expert, stacked on load) and GPT-NeoX (``embed_out`` stored for ``lm_head``):
+    loaded per rank, outputs equal transformers'; saved, every tensor is transformers' own, bit for bit."""
+    for kind in ("mixtral", "gpt_neox"):
+        _tiny(kind).save_pretrained(tmp_path / kind)
+    run_ranks(2, _stored_layout_round_trip, str(tmp_path))
+    for kind in ("mixtral", "gpt_neox"):
+        original = load_file(tmp_path / kind / "model.safetensors")
+        saved = load_file(tmp_path / f"{kind}-saved" / "model.safetensors")
+        assert saved.keys() == original.keys()
+        assert all(torch.equal(saved[name], tensor) for name, tensor in original.items())

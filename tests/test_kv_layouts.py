@@ -12,16 +12,17 @@ import torch
 from torch.distributed.tensor.debug import CommDebugMode
 
 import autotp
+from autotp.runtime.placement import parse, take_local
 from distributed import comm_counts, run_ranks
 from models import logits
 
 TOL = {"rtol": 1e-4, "atol": 1e-5}
 LAYERS = 2
-# Plans are priced at the example inputs' size: 4096 tokens.  At a few hundred tokens of these tiny models,
-# latency decides: a multi-query model's plan then row-splits the fused qkv and reduce-scatters its output
-# (3 forward collectives per block) to save the 2 small all-reduces that sum the gradients of the KV blocks
-# every rank holds (weight and bias); from 4096 tokens on, bytes decide and the plan is Megatron's.
-EXAMPLE = (64, 64)
+# Plans are priced at the example inputs' size: 1024 tokens.  There latency still weighs: a multi-query model's
+# plan keeps Megatron's layout because the gradients of the KV blocks every rank holds, weight and bias, are
+# summed by one all-reduce (priced with one latency); priced as two, a row-split qkv with a reduce-scatter
+# looked cheaper at this size (3 forward collectives per block).
+EXAMPLE = (16, 64)
 
 
 def build(kind: str):
@@ -45,7 +46,39 @@ def build(kind: str):
         return GPTBigCodeForCausalLM(GPTBigCodeConfig(
             vocab_size=96, n_embd=64, n_layer=LAYERS, n_head=8, multi_query=True, n_positions=64, use_cache=False,
             bos_token_id=0, eos_token_id=0, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)).eval()
+    if kind == "gptj":  # rotary on interleaved pairs: x[..., ::2], x[..., 1::2], stack and flatten back
+        from transformers import GPTJConfig, GPTJForCausalLM
+        return GPTJForCausalLM(GPTJConfig(
+            vocab_size=96, n_embd=64, n_layer=LAYERS, n_head=8, rotary_dim=4, n_positions=64, use_cache=False,
+            attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0, eos_token_id=0)).eval()
+    if kind.startswith("falcon"):  # falcon-<multi_query><new_decoder_architecture><bias>, e.g. falcon-101
+        from transformers import FalconConfig, FalconForCausalLM
+        multi_query, new, bias = (c == "1" for c in kind.split("-")[1])
+        return FalconForCausalLM(FalconConfig(
+            vocab_size=96, hidden_size=64, num_hidden_layers=LAYERS, num_attention_heads=8,
+            num_kv_heads=FALCON_GROUPS if new else 8, multi_query=multi_query, new_decoder_architecture=new,
+            bias=bias, alibi=False, max_position_embeddings=64, use_cache=False, attention_dropout=0.0,
+            hidden_dropout=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=0)).eval()
     raise ValueError(kind)
+
+
+FALCON_GROUPS = 2  # new_decoder_architecture: 2 groups of [4 query heads | k | v]
+
+
+def falcon_qkv_rows(kind: str, rank: int, world: int) -> set:
+    """The rows of Falcon's fused query_key_value weight that a rank computing its share of the 8 query heads
+    (dealt in order) needs, from the packing transformers' FalconAttention._split_heads reads (head dim 8):
+    multi-query [8 q | k | v]; new architecture per group [4 q | k | v]; otherwise per head [q | k | v]."""
+    heads = range(rank * 8 // world, (rank + 1) * 8 // world)
+    multi_query, new = (c == "1" for c in kind.split("-")[1][:2])
+    if new:
+        group = 8 // FALCON_GROUPS
+        units = {g * (group + 2) + u for h in heads for g in [h // group] for u in [h % group, group, group + 1]}
+    elif multi_query:
+        units = set(heads) | {8, 9}
+    else:
+        units = {3 * h + u for h in heads for u in range(3)}
+    return {8 * u + i for u in units for i in range(8)}
 
 
 def _block_of(module: str) -> int | None:
@@ -59,6 +92,17 @@ def _check(rank: int, world: int, kinds: list) -> None:
         model = build(kind)
         sharded = autotp.parallelize(model, (torch.randint(0, 96, EXAMPLE),))
         plan = sharded.autotp_plan
+        if kind.startswith("falcon"):  # the fused qkv is split by heads: each rank holds what its heads need
+            for b in range(LAYERS):
+                held = parse(plan.params[f"transformer.h.{b}.self_attention.query_key_value.weight"])
+                rows = set(take_local(torch.arange(len(falcon_qkv_rows(kind, 0, 1))), held, rank, world).tolist())
+                assert rows == falcon_qkv_rows(kind, rank, world), (kind, held)
+
+        if kind in ("bigcode", "falcon-101"):  # every rank holds the KV rows and bias: one all-reduce sums both
+            qkv = "attn.c_attn" if kind == "bigcode" else "self_attention.query_key_value"
+            sums = Counter(c["module"] for c in plan.collectives
+                           if c["phase"] == "backward" and c["module"].endswith(qkv))
+            assert sums == {f"transformer.h.{b}.{qkv}": 1 for b in range(LAYERS)}, (kind, sums)
 
         # Megatron's forward communication: per block 2 all-reduces, at most 2 more for the model
         # (a vocab-parallel embedding's all-reduce may be deferred into block 0)
@@ -66,7 +110,7 @@ def _check(rank: int, world: int, kinds: list) -> None:
         assert all(per_block[b] <= 2 for b in range(1, LAYERS)) and per_block[0] <= 3, (kind, per_block)
         one_shot, collectives.ONE_SHOT_BYTES = collectives.ONE_SHOT_BYTES, 0  # count all-reduces as such
         try:
-            for batch, seq in [(3, 5), (1, 1)]:
+            for batch, seq in [(3, 11), (1, 1)]:
                 x = torch.randint(0, 96, (batch, seq))
                 with CommDebugMode() as comm:
                     out = logits(sharded(x))
@@ -91,9 +135,9 @@ def _check(rank: int, world: int, kinds: list) -> None:
 
 
 @pytest.mark.parametrize(("world", "kinds"), [
-    (2, ["phi3", "bigcode", "llama-8-1"]),   # one KV head, separate k_proj / v_proj
-    (3, ["phi3", "bigcode", "llama-8-2"]),   # 8 heads 3,3,2; rank 1's heads need both KV heads
-    (4, ["phi3", "bigcode", "llama-6-3"]),   # 3 KV heads do not divide 4 ranks
+    (2, ["phi3", "bigcode", "llama-8-1", "falcon-101", "falcon-010"]),  # falcon: qkv cut by constant index
+    (3, ["phi3", "bigcode", "llama-8-2", "gptj"]),   # 8 heads 3,3,2; rank 1's heads need both KV heads
+    (4, ["phi3", "bigcode", "llama-6-3", "falcon-100"]),   # 3 KV heads do not divide 4 ranks
 ])
 def test_heads_split_whatever_the_kv_layout(world, kinds):
     run_ranks(world, _check, kinds)
@@ -106,7 +150,6 @@ def test_explain_prices_the_kv_layouts():
     heads' weight gradients."""
     from rich.console import Console
 
-    from autotp.runtime.placement import parse, take_local
     from autotp.tools.report import explain_table
 
     plan = autotp.plan(build("llama-8-2"), (torch.randint(0, 96, EXAMPLE),), world_size=3)

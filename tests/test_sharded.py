@@ -10,7 +10,7 @@ import torch
 from torch.distributed.tensor.debug import CommDebugMode
 
 import autotp
-from distributed import comm_counts, plan_ops, run_ranks
+from distributed import comm_counts, plan_ops, run_ranks, weight_collectives
 from models import build, example_input, logits
 
 TOL = {"rtol": 1e-4, "atol": 1e-5}
@@ -43,6 +43,7 @@ def _check(rank: int, world: int, kind: str) -> None:
             assert p.numel() * world == full[name].numel(), (name, tuple(p.shape))
 
     # outputs for shapes other than traced, including batch 1 x sequence 1
+    assert not weight_collectives(sharded), weight_collectives(sharded)  # weights are used where stored
     plan = sharded.autotp_plan
     forward_ops = plan.collective_counts("forward")
     torch.manual_seed(1)

@@ -1,7 +1,8 @@
 """Safetensors checkpoints: each rank reads only its own slices; saving gathers one tensor at a time.
 
 Hugging Face layout: ``model.safetensors``, or ``model-0000k-of-0000n.safetensors`` files listed in
-``model.safetensors.index.json``.  Tensor names are the model's parameter and persistent buffer names.
+``model.safetensors.index.json``.  Tensor names are the model's parameter and persistent buffer names, or the names
+transformers stores them under (its conversion mapping, see conversion.py).
 """
 from __future__ import annotations
 
@@ -15,20 +16,21 @@ from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
 from .collectives import gather_full
+from .conversion import Assembled, CheckpointError, assemble, stored_layout
 from .placement import Shard
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 
 
-class CheckpointError(ValueError):
-    pass
-
-
 class Checkpoint:
-    """Lazy, sliceable view of a checkpoint directory (nothing is read until asked for)."""
+    """Lazy, sliceable view of a checkpoint directory (nothing is read until asked for).
 
-    def __init__(self, directory: str | Path):
+    ``conversions``: transformers' conversion mapping of the model (``conversion.model_conversions``):
+    stored names are renamed and per-expert tensors assembled as transformers does on load, so that
+    ``files`` lists the model's tensor names."""
+
+    def __init__(self, directory: str | Path, conversions: list = ()):
         self.directory = Path(directory)
         index, single = self.directory / INDEX, self.directory / SINGLE
         if index.exists():
@@ -38,28 +40,36 @@ class Checkpoint:
                 weight_map = dict.fromkeys(f.keys(), SINGLE)
         else:
             raise CheckpointError(f"no {SINGLE} or {INDEX} in {self.directory}")
-        self.files = {name: self.directory / file for name, file in weight_map.items()}
+        self.stored = {name: self.directory / file for name, file in weight_map.items()}
+        self.files = assemble(self.stored, conversions) if conversions else {
+            name: Assembled.plain(name) for name in self.stored}
 
     def shape(self, name: str) -> tuple:
-        with safe_open(self.files[name], framework="pt") as f:
-            return tuple(f.get_slice(name).get_shape())
+        return self.files[name].shape(self._stored_shape)
+
+    def _stored_shape(self, key: str) -> tuple:
+        with safe_open(self.stored[key], framework="pt") as f:
+            return tuple(f.get_slice(key).get_shape())
+
+    def _read_stored(self, key: str, box: list) -> torch.Tensor:
+        """The file is mapped for this one piece and unmapped after: a column slice touches every page
+        of its tensor, and those pages must not stay resident once the piece is copied out."""
+        with safe_open(self.stored[key], framework="pt") as f:
+            return f.get_slice(key)[tuple(box)]
 
     def read(self, name: str, placement, rank: int, world: int) -> torch.Tensor:
-        """This rank's piece: only the bytes of its slices (block by block for fused tensors).
-
-        The file is mapped for this one tensor and unmapped after: a column slice touches every page
-        of its tensor, and those pages must not stay resident once the piece is copied out.
-        """
-        with safe_open(self.files[name], framework="pt") as f:
-            tensor = f.get_slice(name)
-            shape = tensor.get_shape()
-            if not isinstance(placement, Shard):
-                return tensor[tuple(slice(None) for _ in shape)]
-            pieces = []
-            for start, length in placement.ranges(shape[placement.dim], rank, world):
-                index = [slice(None)] * len(shape)
-                index[placement.dim] = slice(start, start + length)
-                pieces.append(tensor[tuple(index)])
+        """This rank's piece: only the bytes of its slices (block by block for fused tensors, expert by
+        expert for stacked ones)."""
+        assembled = self.files[name]
+        shape = assembled.shape(self._stored_shape)
+        whole = [slice(0, size) for size in shape]
+        if not isinstance(placement, Shard):
+            return assembled.read(whole, self._stored_shape, self._read_stored)
+        pieces = []
+        for start, length in placement.ranges(shape[placement.dim], rank, world):
+            box = list(whole)
+            box[placement.dim] = slice(start, start + length)
+            pieces.append(assembled.read(box, self._stored_shape, self._read_stored))
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, placement.dim)
 
 
@@ -105,6 +115,9 @@ def save_pretrained(sharded, directory: str | Path, max_shard_bytes: int = 5 * 2
     placements = _placements_by_id(sharded)
     gathered = ((name, gather_whole(tensor, placements.get(id(tensor), (None, None)), group))
                 for name, tensor in _persistent_tensors(sharded))
+    source = getattr(sharded, "autotp_source", None)
+    if source is not None:  # the names and per-expert layout transformers writes
+        gathered = stored_layout(source, gathered)
     _write(gathered, directory, max_shard_bytes, _is_writer(sharded), getattr(sharded, "autotp_config", None))
     dist.barrier(group if mesh is None else None)  # the writer may be in another TP group
     return directory

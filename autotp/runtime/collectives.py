@@ -263,32 +263,38 @@ class _Scatter(torch.autograd.Function):
         return _gather_grads(grad, *ctx.args), None, None, None, None, None, None
 
 
-def _sum_shared(grad: torch.Tensor, shard: Shard, size: int, rank: int, world: int, group: str,
-                where: str) -> torch.Tensor:
-    """A grouped parameter's gradient summed over the ranks sharing each unit, in one all-reduce of
-    the shared blocks only (a fused [q|k|v] weight's query block is no rank's to share)."""
-    blocks = shard.blocks(size)
-    layouts = [shard.block(k, block, world) for k, block in enumerate(blocks)]
-    pieces = list(grad.split([n for _, n in shard.ranges(size, rank, world)], shard.dim))
-    shared = [k for k, layout in enumerate(layouts) if layout.grouped(world)]
-    full = [_embed(pieces[k], layouts[k], blocks[k], rank, world) for k in shared]
-    summed = _all_reduce(torch.cat([f.reshape(-1) for f in full]), group, where)
-    for k, f, total in zip(shared, full, summed.split([f.numel() for f in full]), strict=True):
-        pieces[k] = take_local(total.view_as(f), layouts[k], rank, world)
-    return torch.cat(pieces, shard.dim).contiguous()
+def _sum_shared(grads: list, layouts: list, rank: int, world: int, group: str, where: str) -> list:
+    """Grouped parameters' gradients summed over the ranks sharing each unit, in one all-reduce of their
+    shared blocks only (a fused [q|k|v] weight's query block is no rank's to share; a multi-query
+    projection's weight and bias go together).  ``layouts``: (Shard, full size) per gradient."""
+    jobs = []
+    for grad, (shard, size) in zip(grads, layouts, strict=True):
+        blocks = shard.blocks(size)
+        parts = [shard.block(k, block, world) for k, block in enumerate(blocks)]
+        pieces = list(grad.split([n for _, n in shard.ranges(size, rank, world)], shard.dim))
+        shared = [k for k, layout in enumerate(parts) if layout.grouped(world)]
+        jobs.append((pieces, parts, shared, [_embed(pieces[k], parts[k], blocks[k], rank, world) for k in shared]))
+    flat = [f.reshape(-1) for *_, full in jobs for f in full]
+    summed = iter(_all_reduce(torch.cat(flat), group, where).split([f.numel() for f in flat]))
+    out = []
+    for (pieces, parts, shared, full), (shard, _) in zip(jobs, layouts, strict=True):
+        for k, f in zip(shared, full, strict=True):
+            pieces[k] = take_local(next(summed).view_as(f), parts[k], rank, world)
+        out.append(torch.cat(pieces, shard.dim).contiguous())
+    return out
 
 
-class _SumGroupGrad(torch.autograd.Function):
-    """Identity forward; backward sums the gradient over the ranks sharing each unit (grouped weights)."""
+class _SumGroupGrads(torch.autograd.Function):
+    """Identity forward; backward sums the gradients over the ranks sharing each unit (grouped weights)."""
 
     @staticmethod
-    def forward(ctx, x, shard, size, rank, world, group, where):
-        ctx.args = (shard, size, rank, world, group, where)
-        return x.view_as(x)
+    def forward(ctx, layouts, rank, world, group, where, *xs):
+        ctx.args = (layouts, rank, world, group, where)
+        return tuple(x.view_as(x) for x in xs)
 
     @staticmethod
-    def backward(ctx, grad):
-        return _sum_shared(grad, *ctx.args), None, None, None, None, None, None
+    def backward(ctx, *grads):
+        return (None,) * 5 + tuple(_sum_shared(list(grads), *ctx.args))
 
 
 def _no_grad() -> bool:
@@ -343,8 +349,12 @@ def scatter(x, dim, chunks, units, of, size, rank, world, group, where):
     return _Scatter.apply(x, shard, size, rank, world, group, where)
 
 
-def sum_group_grad(x, dim, chunks, units, of, size, rank, world, group, where):
-    return x if _no_grad() else _SumGroupGrad.apply(x, Shard(dim, chunks, units, of), size, rank, world, group, where)
+def sum_group_grads(xs, layouts, rank, world, group, where):
+    """``layouts``: (dim, chunks, units, of, full size) per tensor of ``xs``; one all-reduce for all of them."""
+    if _no_grad():
+        return tuple(xs)
+    return _SumGroupGrads.apply([(Shard(*layout[:4]), layout[4]) for layout in layouts], rank, world, group, where,
+                                *xs)
 
 
 def shard_args(shard: Shard, size: int, rank: int, world: int, group: str, where: str) -> tuple:

@@ -49,3 +49,10 @@ class _AddedByRank0(torch.autograd.Function):
 
 def added_by_rank0(x: torch.Tensor) -> torch.Tensor:
     return _AddedByRank0.apply(x) if torch.is_grad_enabled() else x.new_zeros(()).expand(x.shape)
+
+
+def histc_of_integers(x: torch.Tensor, bins: int = 100, min: float = 0, max: float = 0) -> torch.Tensor:
+    """``histc`` of integer values on the CPU, which has no integer kernel: a graph captured on the meta
+    device takes the GPU branch of code that picks the dtype by device (transformers' grouped experts).
+    The same counts from the values as floats (exact below 2**24), in the captured dtype."""
+    return torch.histc(x.float(), bins, min, max).to(x.dtype)

@@ -1,0 +1,152 @@
+"""Mixture-of-experts: experts are computed where they are stored (issue 17).
+
+Mixtral and Qwen3-MoE (3-D expert weights, grouped matmuls) and a hand-written MoE (examples/moe.py: index +
+bmm, interleaved gate/up columns with biases) split each expert Megatron-style: gate/up by output rows, down
+by input columns, router replicated, one forward all-reduce per MoE layer; no weight is ever gathered."""
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor.debug import CommDebugMode
+
+import autotp
+from distributed import comm_counts, plan_ops, run_ranks, weight_collectives
+from examples import moe
+
+TOL = {"rtol": 1e-4, "atol": 1e-5}
+
+
+def mixtral(experts: int = 4, layers: int = 2, implementation: str | None = None):
+    from transformers import MixtralConfig, MixtralForCausalLM
+    torch.manual_seed(0)
+    config = MixtralConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=experts,
+                           num_experts_per_tok=2, max_position_embeddings=64, use_cache=False)
+    if implementation:
+        config._experts_implementation = implementation
+    return MixtralForCausalLM(config).eval()
+
+
+def qwen3_moe(experts: int = 8, layers: int = 2):
+    """Experts of 32 rows: a router of 2% of an expert tensor's size would count as large (strategies.py)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    torch.manual_seed(0)
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=experts, num_experts_per_tok=2,
+        max_position_embeddings=64, use_cache=False)).eval()
+
+
+MODELS = {"mixtral": mixtral, "qwen3-moe": qwen3_moe}  # grouped matmuls (transformers' default experts)
+
+
+def expert_params(model) -> list[str]:
+    return [name for name, p in model.named_parameters() if p.dim() == 3]
+
+
+def _logits(out):
+    return getattr(out, "logits", out)
+
+
+def _same_as_unsharded(model, sharded, inputs) -> None:
+    """Outputs at batch 3 x 11 and 1 x 1, and every gradient."""
+    torch.manual_seed(1)
+    for batch, seq in [(3, 11), (1, 1)]:
+        x = inputs(batch, seq)
+        torch.testing.assert_close(_logits(sharded(x)), _logits(model(x)), **TOL)
+    x = inputs(2, 5)
+    _logits(sharded(x)).square().mean().backward()
+    _logits(model(x)).square().mean().backward()
+    grads = autotp.full_state_dict(sharded, grads=True)
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(grads[name], p.grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _runs_the_plan(sharded, plan, x) -> None:
+    """No weight travels; CommDebugMode counts what the plan says, forward and backward."""
+    assert not weight_collectives(sharded), weight_collectives(sharded)
+    collectives = autotp.runtime.collectives
+    one_shot, collectives.ONE_SHOT_BYTES = collectives.ONE_SHOT_BYTES, 0  # count all-reduces as such
+    with CommDebugMode() as forward:
+        out = _logits(sharded(x)).square().mean()
+    with CommDebugMode() as backward:
+        out.backward()
+    collectives.ONE_SHOT_BYTES = one_shot
+    assert plan_ops(comm_counts(forward)) == plan.collective_counts("forward"), comm_counts(forward)
+    assert plan_ops(comm_counts(backward)) == plan.collective_counts("backward"), comm_counts(backward)
+    sharded.zero_grad(set_to_none=True)
+
+
+def _hf_exact(rank: int, world: int) -> None:
+    for name, build in MODELS.items():
+        model = build()
+        sharded = autotp.parallelize(model)
+        plan = sharded.autotp_plan
+        local = dict(sharded.named_parameters())
+        for param in expert_params(model):  # every expert kept on every rank, each split Megatron-style
+            assert plan.params[param] in ("S(1|48,48)", "S(1|32,32)", "S(2)"), (name, param, plan.params[param])
+            assert local[param].numel() * world == model.get_parameter(param).numel(), param
+        layers = model.config.num_hidden_layers
+        # Megatron's count: one all-reduce for attention and one for the MoE layer, per block (+ the head)
+        assert plan.collective_counts("forward")["all_reduce"] <= 2 * layers + 1, (name, plan.collectives)
+        routed = 2 * 2 * 8 * 32 * 4  # what the MoE layer's activations need: top-2 copies of 2 x 8 tokens x 32, fp32
+        for layer in range(layers):
+            moved = sum(c["bytes"] for c in plan.collectives
+                        if c["phase"] == "forward" and c["module"].startswith(f"model.layers.{layer}.mlp"))
+            assert 0 < moved <= routed, (name, layer, plan.collectives)
+        _runs_the_plan(sharded, plan, torch.randint(0, 96, (2, 5)))
+        _same_as_unsharded(model, sharded, lambda b, s: torch.randint(0, 96, (b, s)))
+        if name == "mixtral":  # greedy decoding with a sharded KV cache, token for token
+            ids = torch.randint(3, 96, (2, 5))
+            mask = torch.ones_like(ids)
+            mask[1, :2] = 0  # left padding
+            ids = ids.masked_fill(mask == 0, 0)
+            got = autotp.generate(sharded, ids, mask, max_new_tokens=6, pad_token_id=0)
+            want = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+            assert torch.equal(got, want), (got, want)
+
+
+def test_hf_moe_is_exact_with_expert_tensor_parallelism():
+    """Mixtral and Qwen3-MoE at 2 ranks; Mixtral's greedy generation equals transformers'."""
+    run_ranks(2, _hf_exact)
+
+
+def _example_exact(rank: int, world: int) -> None:
+    """Gate and up columns interleaved, biases on every expert projection (plain gate|up: Mixtral above)."""
+    torch.manual_seed(0)
+    model, args = moe.build(experts=6, interleaved=True, bias=True)
+    sharded = autotp.parallelize(model.eval(), args)
+    plan = sharded.autotp_plan
+    full, local = dict(model.named_parameters()), dict(sharded.named_parameters())
+    for name in expert_params(model):  # each rank holds 1/N of every expert's weights
+        assert local[name].numel() * world == full[name].numel(), (name, plan.params[name])
+    # every rank holds whole (gate, up) column pairs, and their biases
+    assert plan.params["0.gate_up"] == plan.params["0.gate_up_bias"] == "S(1)", plan.params
+    assert plan.collective_counts("forward") == {"all_reduce": 2}, plan.collectives  # one per MoE layer
+    _runs_the_plan(sharded, plan, torch.randn(2, 5, 32))
+    _same_as_unsharded(model, sharded, lambda b, s: torch.randn(b, s, 32))
+
+
+def test_hand_written_moe_with_six_experts_on_four_ranks():
+    run_ranks(4, _example_exact)
+
+
+def test_interleaved_columns_split_only_in_whole_pairs():
+    """Gate in even, up in odd columns: 2 x 6 columns on 4 ranks would cut pairs (3 columns each), so the
+    strided slices read them whole; 2 x 48 on 4 (24 each) keeps pairs and says how each expert is split."""
+    for ffn, split in ((6, False), (48, True)):
+        model, args = moe.build(blocks=1, ffn=ffn, interleaved=True, bias=True)
+        plan = autotp.plan(model, args, world_size=4)
+        strided = [n for n in plan.nodes.values() if n["op"] == "aten.slice.Tensor"]
+        assert len(strided) == 2 and all(n["in"][0] == ("S(1)" if split else "R") for n in strided), strided
+        if split:
+            assert plan.styles["0.gate_up"] == "expert FFN column split", plan.styles
+            assert plan.styles["0.down"] == "expert FFN row split", plan.styles
+
+
+def test_batched_experts_are_split_alike():
+    """transformers' other experts implementation, w[expert_ids] then bmm: the same Megatron layout."""
+    model = mixtral(implementation="batched_mm")
+    plan = autotp.plan(model, world_size=2)
+    assert {plan.params[p] for p in expert_params(model)} == {"S(1|48,48)", "S(2)"}, plan.params
+    assert plan.collective_counts("forward")["all_reduce"] <= 2 * 2 + 1, plan.collectives

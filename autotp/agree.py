@@ -169,6 +169,8 @@ class Rendezvous:
     def agree(self, name: str, value: str, what: str, fix: str = "every rank must build the same model and pass "
               "example inputs of the same shapes and dtypes") -> None:
         """Every rank publishes ``value``; all must be equal."""
+        if self.world == 1:
+            return  # nothing to agree on, and no store to lean on (its host may have exited)
         presence = self._presence()
         self.store.set(f"{self.prefix}/{name}/{self.rank}", value)
         keys = [f"{self.prefix}/{name}/{r}" for r in range(self.world)]
@@ -184,6 +186,8 @@ class Rendezvous:
 
     def share(self, name: str, make) -> str:
         """Rank 0 computes ``make()`` (or its error) and every rank receives it."""
+        if self.world == 1:
+            return make()
         presence = self._presence()
         key = f"{self.prefix}/{name}"
         if self.rank == 0:

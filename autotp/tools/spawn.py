@@ -47,6 +47,10 @@ def _worker(rank: int, world: int, port: int, fn, args, queue, timeout: float) -
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout))
     try:
         result = fn(rank, world, *args)
+        try:  # rank 0 hosts the store: it leaves last, after every rank's final reads of it
+            dist.barrier()
+        except RuntimeError:  # gloo: connection closed
+            pass  # another rank failed: its own error is the one reported
     finally:
         dist.destroy_process_group()
     queue.put((rank, result))

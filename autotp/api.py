@@ -19,6 +19,7 @@ from autotp.passes.prepare import (
     merge_aliases,
     retarget_device,
     split_bias,
+    unflatten_products,
 )
 from autotp.passes.recompute import attention_cores, checkpoint_cores
 from autotp.passes.rewrite import rewrite
@@ -56,6 +57,7 @@ def _graph(model: torch.nn.Module, args, kwargs, fold: bool = False) -> torch.fx
         gm = capture(model, args if args is not None else (), kwargs)
     merge_aliases(gm)
     split_bias(gm)
+    unflatten_products(gm)
     fuse_repeat_kv(gm)
     drop_no_ops(gm)
     return gm

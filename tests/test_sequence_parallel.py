@@ -138,3 +138,18 @@ def test_forcing_it_without_a_token_dim_says_why():
     from models import vit
     with pytest.raises(PlanningError, match="no op can split the tokens"):
         autotp.plan(vit(), (torch.randn(1, 3, 16, 16),), world_size=2, sequence_parallel=True)
+
+
+def test_gradients_of_gathered_tokens_are_reduce_scattered():
+    """Megatron-SP's backward: what the forward all-gathers along tokens, the backward reduce-scatters; the
+    only all-reduces left sum parameter gradients (norms, biases added to token pieces).  GPT-2's Conv1D
+    flattens tokens into rows before its product (view, mm, view): planned on the unflattened input."""
+    for kind in ("llama", "gpt2"):
+        model, _, _ = build(kind, blocks=BLOCKS)
+        plan = autotp.plan(model, (torch.randint(0, 96, EXAMPLE),), world_size=2, sequence_parallel=True)
+        params = {name.replace(".", "_") for name in plan.shapes}
+        summed = [c["tensor"] for c in plan.collectives
+                  if c["phase"] == "backward" and c["op"] == "all_reduce" and c["tensor"] not in params]
+        assert summed == [], f"{kind}: activation gradients all-reduced: {summed}"
+        counts = plan.collective_counts("backward")
+        assert counts["reduce_scatter"] >= 2 * BLOCKS, f"{kind}: {counts}"

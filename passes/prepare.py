@@ -105,7 +105,7 @@ def unflatten_products(gm: torch.fx.GraphModule) -> None:
     """
     graph = gm.graph
     for flat in list(graph.nodes):
-        if flat.target not in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+        if RULES.get(flat.target) is not view:
             continue
         x = flat.args[0]
         if not isinstance(x, Node) or len(flat.users) != 1 or not _flattens_rows(x, flat):
@@ -116,7 +116,7 @@ def unflatten_products(gm: torch.fx.GraphModule) -> None:
         tail, last = [mm], next(iter(mm.users))
         if last.target == aten.add.Tensor and last.args[0] is mm and _is_vector(last.args[1]) and len(last.users) == 1:
             tail, last = [mm, last], next(iter(last.users))
-        if last.target not in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+        if RULES.get(last.target) is not view:
             continue
         out = last.meta.get("val")
         if not isinstance(out, torch.Tensor) or tuple(out.shape[:-1]) != tuple(x.meta["val"].shape[:-1]):

@@ -122,6 +122,7 @@ def shard_parameters(gm: torch.fx.GraphModule, placements: dict, rank: int, worl
                  if node.op == "get_attr" and node.target not in known and isinstance(_attribute(gm, node.target),
                                                                                      torch.Tensor)}
     tensors += [(name, _attribute(gm, name)) for name in sorted(constants)]
+    written = _written(gm)
     aliases: dict = {}
     for name, tensor in tensors:
         aliases.setdefault(id(tensor), []).append(name)
@@ -142,7 +143,7 @@ def shard_parameters(gm: torch.fx.GraphModule, placements: dict, rank: int, worl
                 piece = checkpoint.read(stored[0], placement, rank, world)
                 shares = getattr(checkpoint, "shares", False)  # another program's shards: the same memory
                 local = piece if shares else piece.to(device=device, dtype=tensor.dtype, copy=True)
-            elif tensor.is_meta and name in _written(gm):  # state the program fills itself (a KV cache)
+            elif tensor.is_meta and name in written:  # state the program fills itself (a KV cache)
                 shape = _local_sizes(list(tensor.shape), placement, rank, world)
                 local = torch.zeros(shape, dtype=tensor.dtype, device=device)
             elif tensor.is_meta and name in constants:  # e.g. x[..., [-2], :]'s positions: made up = wrong

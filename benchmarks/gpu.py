@@ -246,6 +246,9 @@ def main() -> None:
         if args.out:
             Path(args.out).write_text(json.dumps(RESULTS, indent=1, default=str))
     print(json.dumps(RESULTS.get("environment", {})))
+    failed = [name for name, result in RESULTS.items() if "error" in result and name != "two_ranks_one_gpu"]
+    if failed or RESULTS.get("exactness", {}).get("exact") is False:
+        sys.exit(f"failed: {failed or 'exactness'}")
 
 
 if __name__ == "__main__":

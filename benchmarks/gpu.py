@@ -199,6 +199,31 @@ def roofline(seq: int = 4096, layers: int = 4, hidden: int = 4096) -> dict:
     return out
 
 
+def experts(tokens: int = 4096, hidden: int = 4096, ffn: int = 14336, count: int = 8, top: int = 2,
+            tp: int = 8) -> dict:
+    """One rank's MoE layer of a Mixtral-8x7B shape at TP 8 (transformers' grouped_mm experts, bf16, forward +
+    backward): expert TP (every expert, 1/tp of its FFN dim, all tokens) against expert parallelism (one whole
+    expert, the tokens routed to it: tokens x top / count).  The collective after it is the same all-reduce."""
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    def layer(experts_here: int, top_k: int, width: int, rows: int) -> float:
+        config = MixtralConfig(hidden_size=hidden, intermediate_size=width, num_local_experts=experts_here,
+                               num_experts_per_tok=top_k, experts_implementation="grouped_mm")
+        block = MixtralSparseMoeBlock(config).to(DEVICE, torch.bfloat16)
+        x = torch.randn(1, rows, hidden, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+        return _timed(lambda: block(x).float().mean().backward(), warmup=3, repeat=10)
+
+    tensor = layer(count, top, ffn // tp, tokens)
+    whole = layer(1, 1, ffn, tokens * top // count)
+    flops = 6 * 3 * tokens * top * hidden * ffn / tp  # gate, up, down: forward + backward, this rank's share
+    out = {"expert_tp_ms": round(tensor * 1e3, 3), "expert_parallel_ms": round(whole * 1e3, 3),
+           "expert_tp_tflops": round(flops / tensor / 1e12, 1),
+           "expert_parallel_tflops": round(flops / whole / 1e12, 1)}
+    print("  ", out, flush=True)
+    return out
+
+
 _TWO_RANKS = """
 import os, sys, torch, torch.distributed as dist
 rank = int(sys.argv[1]); torch.cuda.set_device(0)
@@ -229,8 +254,8 @@ def two_ranks_one_gpu() -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None)
-    parser.add_argument("--sections", default="environment,matmuls,exactness,roofline,two_ranks_one_gpu")
-    parser.add_argument("--roofline", default="{}", help='e.g. {"seq": 128, "layers": 1, "hidden": 256} to rehearse')
+    parser.add_argument("--sections", default="environment,matmuls,exactness,roofline,experts,two_ranks_one_gpu")
+    parser.add_argument("--sizes", default="{}", help='section -> sizes, e.g. {"roofline": {"seq": 128}} to rehearse')
     args = parser.parse_args()
     for name in args.sections.split(","):
         print(f"== {name}", flush=True)
@@ -238,7 +263,7 @@ def main() -> None:
         try:
             if name in ("exactness", "roofline") and not torch.distributed.is_initialized():
                 _init_process_group()
-            RESULTS[name] = globals()[name](**(json.loads(args.roofline) if name == "roofline" else {}))
+            RESULTS[name] = globals()[name](**json.loads(args.sizes).get(name, {}))
         except Exception:
             RESULTS[name] = {"error": traceback.format_exc()[-3000:]}
             print(RESULTS[name]["error"], flush=True)

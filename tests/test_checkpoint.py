@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 import autotp
 from distributed import run_ranks
-from models import build, example_input, llama_with, logits
+from models import build, example_input, llama_with, logits, padded_prompts
 
 TOL = {"rtol": 1e-4, "atol": 1e-5}
 
@@ -352,10 +352,7 @@ def _stored_layout_round_trip(rank: int, world: int, root: str) -> None:
             assert sharded.autotp_plan.params["model.layers.0.mlp.experts.gate_up_proj"] != "R"
         torch.testing.assert_close(logits(sharded(x)), logits(reference(x)), **TOL)
         if kind == "mixtral":  # greedy decoding from the slices read through the conversion mapping
-            ids = torch.randint(3, 96, (2, 5), generator=torch.Generator().manual_seed(2))
-            mask = torch.ones_like(ids)
-            mask[1, :2] = 0  # left padding
-            ids = ids.masked_fill(mask == 0, 0)
+            ids, mask = padded_prompts(96)
             got = autotp.generate(sharded, ids, mask, max_new_tokens=5, pad_token_id=0)
             want = reference.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
             assert torch.equal(got, want), (got, want)

@@ -98,7 +98,8 @@ def save_pretrained(sharded, directory: str | Path, max_shard_bytes: int = 5 * 2
     Tensors are gathered one at a time and rank 0 writes a file whenever ``max_shard_bytes`` is
     reached, so no rank ever holds the whole model; an index file lists them when there are several.
     A pipeline (``autotp.parallelize`` over a mesh with "pp") gathers its stages' parameters itself,
-    and the first rank of the whole mesh writes them.
+    and the first rank of the whole mesh writes them.  Every path writes the names and layout
+    transformers' own ``save_pretrained`` writes for the model (conversion.py).
     """
     directory = Path(directory)
     if not isinstance(sharded, torch.nn.Module) and hasattr(sharded, "full_state_dict"):
@@ -121,8 +122,8 @@ def save_pretrained(sharded, directory: str | Path, max_shard_bytes: int = 5 * 2
 
 
 def _stored(sharded, named_tensors):
-    """The names and per-expert layout transformers writes for the model ``sharded`` was made from (every save
-    path: TP, TP x DP, pipelines), so that transformers' ``from_pretrained`` reads the directory."""
+    """The names and per-expert layout transformers writes for the model ``sharded`` was made from, so that
+    transformers' ``from_pretrained`` reads the directory."""
     source = getattr(sharded, "autotp_source", None)
     return named_tensors if source is None else stored_layout(source, named_tensors)
 

@@ -131,9 +131,9 @@ def _converted(target: str, converter, by_pattern: dict) -> Assembled:
 
 
 def weightless(model):
-    """What ``stored_layout`` needs of ``model`` and nothing more: None when transformers stores it under the
-    model's own names, else a copy whose parameters and buffers are on the meta device (classes, config and
-    module tree kept), for holders that must not keep every weight of the model alive (a pipeline's stages)."""
+    """What ``stored_layout`` needs of ``model`` and nothing more, for holders that must not keep every weight of
+    the model alive (a pipeline's stages): a copy whose parameters and buffers are on the meta device (classes,
+    config and module tree kept), or None for a model transformers has no conversion mapping for."""
     if not model_conversions(model):
         return None
     tensors = [*model.parameters(), *model.buffers()]

@@ -23,6 +23,7 @@ from autotp.cost_models import load_topology
 from autotp.cost_models.layout import Candidate, Setting
 from autotp.hf import no_kv_cache
 from autotp.runtime.checkpoint import full_state_dict
+from autotp.runtime.conversion import weightless
 
 from .split import split
 from .stages import StageError, block_profile, find_blocks, stage_starts
@@ -83,15 +84,16 @@ def pipeline(model: torch.nn.Module, args, kwargs=None, *, mesh, loss_fn, schedu
         return loss_fn(_unflatten(output, out_spec), target)
 
     runner = kind(built if per_rank > 1 else built[0], microbatches, loss_fn=flat_loss, scale_grads=True)
-    return Pipelined(runner, modules, group, out_spec, stages, getattr(model, "config", None))
+    return Pipelined(runner, modules, group, out_spec, stages, getattr(model, "config", None), weightless(model))
 
 
 class Pipelined:
     """This rank's stages and the schedule that runs them; the parameters keep their original names."""
 
-    def __init__(self, schedule, modules: dict, group, out_spec, starts: list, config=None):
+    def __init__(self, schedule, modules: dict, group, out_spec, starts: list, config=None, source=None):
         self.schedule = schedule
         self.autotp_config = config  # written beside the weights by autotp.save_pretrained
+        self.autotp_source = source  # the model without its weights: save_pretrained writes transformers' layout of it
         self.modules = modules  # stage index -> this rank's (sharded) stage module
         self.group = group
         self.out_spec = out_spec

@@ -98,13 +98,13 @@ def save_pretrained(sharded, directory: str | Path, max_shard_bytes: int = 5 * 2
     Tensors are gathered one at a time and rank 0 writes a file whenever ``max_shard_bytes`` is
     reached, so no rank ever holds the whole model; an index file lists them when there are several.
     A pipeline (``autotp.parallelize`` over a mesh with "pp") gathers its stages' parameters itself,
-    and the first rank of the whole mesh writes them.
+    and the first rank of the whole mesh writes them.  Every path writes the names and layout
+    transformers' own ``save_pretrained`` writes for the model (conversion.py).
     """
     directory = Path(directory)
     if not isinstance(sharded, torch.nn.Module) and hasattr(sharded, "full_state_dict"):
-        full = sharded.full_state_dict()
-        _write(iter(full.items()), directory, max_shard_bytes, dist.get_rank() == 0,
-               getattr(sharded, "autotp_config", None))
+        full = _stored(sharded, iter(sharded.full_state_dict().items()))
+        _write(full, directory, max_shard_bytes, dist.get_rank() == 0, getattr(sharded, "autotp_config", None))
         dist.barrier()
         return directory
     mesh = getattr(sharded, "autotp_mesh", None)
@@ -115,12 +115,17 @@ def save_pretrained(sharded, directory: str | Path, max_shard_bytes: int = 5 * 2
     placements = _placements_by_id(sharded)
     gathered = ((name, gather_whole(tensor, placements.get(id(tensor), (None, None)), group))
                 for name, tensor in _persistent_tensors(sharded))
-    source = getattr(sharded, "autotp_source", None)
-    if source is not None:  # the names and per-expert layout transformers writes
-        gathered = stored_layout(source, gathered)
-    _write(gathered, directory, max_shard_bytes, _is_writer(sharded), getattr(sharded, "autotp_config", None))
+    _write(_stored(sharded, gathered), directory, max_shard_bytes, _is_writer(sharded),
+           getattr(sharded, "autotp_config", None))
     dist.barrier(group if mesh is None else None)  # the writer may be in another TP group
     return directory
+
+
+def _stored(sharded, named_tensors):
+    """The names and per-expert layout transformers writes for the model ``sharded`` was made from, so that
+    transformers' ``from_pretrained`` reads the directory."""
+    source = getattr(sharded, "autotp_source", None)
+    return named_tensors if source is None else stored_layout(source, named_tensors)
 
 
 def _write(named_tensors, directory: Path, max_shard_bytes: int, writer: bool, config) -> None:

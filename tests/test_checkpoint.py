@@ -378,7 +378,7 @@ def test_transformers_stored_layouts_load_in_slices_and_save_bit_exactly(tmp_pat
 def _mesh_saves(rank: int, world: int, root: str) -> None:
     """A Mixtral pipeline (2 stages x TP world/2) and the same Mixtral over DP 2 (FSDP2) x TP world/2, each saved."""
     from torch.distributed.device_mesh import init_device_mesh
-    model = _tiny("mixtral")
+    model = _with_buffer(_tiny("mixtral"))
     x = torch.randint(0, 96, (2, 6), generator=torch.Generator().manual_seed(1))
 
     def loss_fn(output, target):
@@ -394,12 +394,20 @@ def _mesh_saves(rank: int, world: int, root: str) -> None:
     autotp.save_pretrained(data_parallel, f"{root}/dp")
 
 
+def _with_buffer(model):
+    """A persistent buffer the forward reads (transformers' own models keep none): a checkpoint must hold it."""
+    norm = model.model.norm
+    norm.register_buffer("shift", torch.arange(norm.weight.numel(), dtype=torch.float32))
+    norm.register_forward_hook(lambda module, args, out: out + 0 * module.shift)
+    return model
+
+
 def test_mesh_and_pipeline_saves_are_transformers_own_files(tmp_path):
-    """Every save path writes transformers' stored names and per-expert layout: a Mixtral saved from pipeline
-    stages and from DP x TP (2 ranks: TP 1, the cheapest mesh that runs each path) is transformers' own file, bit
-    for bit, and transformers' from_pretrained reads it."""
+    """Every save path writes transformers' stored names and per-expert layout, persistent buffers included: a
+    Mixtral saved from pipeline stages and from DP x TP (2 ranks: TP 1, the cheapest mesh that runs each path) is
+    transformers' own file, bit for bit, and transformers' from_pretrained reads it."""
     from transformers import AutoModelForCausalLM
-    model = _tiny("mixtral")
+    model = _with_buffer(_tiny("mixtral"))
     model.save_pretrained(tmp_path / "transformers")
     original = load_file(tmp_path / "transformers" / "model.safetensors")
     run_ranks(2, _mesh_saves, str(tmp_path))
@@ -408,5 +416,6 @@ def test_mesh_and_pipeline_saves_are_transformers_own_files(tmp_path):
         assert saved.keys() == original.keys(), sorted(saved.keys() ^ original.keys())[:6]
         assert all(torch.equal(saved[name], tensor) for name, tensor in original.items()), path
     x = torch.randint(0, 96, (3, 11), generator=torch.Generator().manual_seed(1))
+    assert "model.norm.shift" in original
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "pp").eval()
     assert torch.equal(logits(again(x)), logits(model(x)))

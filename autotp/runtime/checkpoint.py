@@ -103,7 +103,7 @@ def save_pretrained(sharded, directory: str | Path, max_shard_bytes: int = 5 * 2
     """
     directory = Path(directory)
     if not isinstance(sharded, torch.nn.Module) and hasattr(sharded, "full_state_dict"):
-        full = _stored(sharded, iter(sharded.full_state_dict().items()))
+        full = _stored(sharded, iter(sharded.full_state_dict(buffers=True).items()))
         _write(full, directory, max_shard_bytes, dist.get_rank() == 0, getattr(sharded, "autotp_config", None))
         dist.barrier()
         return directory
@@ -111,13 +111,9 @@ def save_pretrained(sharded, directory: str | Path, max_shard_bytes: int = 5 * 2
     if mesh is not None and "pp" in mesh.mesh_dim_names:
         raise ValueError("save_pretrained got one pipeline stage's module, which holds only that stage's parameters: "
                          "save the pipeline as a whole")
-    group = sharded.autotp_group
-    placements = _placements_by_id(sharded)
-    gathered = ((name, gather_whole(tensor, placements.get(id(tensor), (None, None)), group))
-                for name, tensor in _persistent_tensors(sharded))
-    _write(_stored(sharded, gathered), directory, max_shard_bytes, _is_writer(sharded),
+    _write(_stored(sharded, full_checkpoint_tensors(sharded)), directory, max_shard_bytes, _is_writer(sharded),
            getattr(sharded, "autotp_config", None))
-    dist.barrier(group if mesh is None else None)  # the writer may be in another TP group
+    dist.barrier(sharded.autotp_group if mesh is None else None)  # the writer may be in another TP group
     return directory
 
 
@@ -179,6 +175,13 @@ def is_persistent(module: torch.nn.Module, name: str, tensor: torch.Tensor) -> b
     holder = module.get_submodule(owner)
     return isinstance(tensor, torch.nn.Parameter) or (attr in holder._buffers and
                                                        attr not in holder._non_persistent_buffers_set)
+
+
+def full_checkpoint_tensors(sharded: torch.nn.Module):
+    """(name, full tensor) for every parameter and persistent buffer, gathered one at a time (a collective)."""
+    placements = _placements_by_id(sharded)
+    for name, tensor in _persistent_tensors(sharded):
+        yield name, gather_whole(tensor, placements.get(id(tensor), (None, None)), sharded.autotp_group)
 
 
 def _persistent_tensors(module: torch.nn.Module):

@@ -53,6 +53,8 @@ class Solution:
     seconds: float        # estimated step time of the chosen plan
     memory: dict          # estimated bytes per device by kind (cost_models.memory.breakdown)
     recomputed: list = field(default_factory=list)  # attention cores whose backward computes them again
+    regathers: dict = field(default_factory=dict)   # tensor kept as token pieces -> its backward re-gather's
+    #                                                 {"bytes", "count" (folded), "seconds" (all counts)}
 
 
 class Sizes:
@@ -151,12 +153,25 @@ def _activations(node: Node, strategy, sizes: Sizes, world: int, grad: set) -> l
     return found
 
 
+def regather_time(nbytes: float, world: int, topology: Topology) -> float:
+    """A tensor kept as this rank's tokens is all-gathered again when the backward reads it."""
+    return collective_time("all_gather", nbytes, world, topology)
+
+
+def kept_whole(choice: dict, grad: set) -> dict:
+    """tensor -> the ops that keep it whole (gathered) for their backward."""
+    found: dict = {}
+    for node, strategy in choice.items():
+        for item in kept(node, strategy, grad):
+            if item.kind == "value" and item.placement == R:
+                found.setdefault(item.tensor, set()).add(node)
+    return found
+
+
 def regathered(choice: dict, grad: set, on_tokens) -> set:
     """Token-split tensors that some op keeps gathered for its backward: the runtime stores this rank's
     piece and gathers it again in the backward instead (autotp.runtime.regather)."""
-    return {item.tensor for node, strategy in choice.items() for item in kept(node, strategy, grad)
-            if item.kind == "value" and item.placement == R and item.tensor in choice
-            and on_tokens(item.tensor, choice[item.tensor])}
+    return {tensor for tensor in kept_whole(choice, grad) if tensor in choice and on_tokens(tensor, choice[tensor])}
 
 
 def activation_bytes(choice: dict, sizes: Sizes, world: int, grad: set, on_tokens=None, recomputed=()) -> dict:
@@ -227,6 +242,7 @@ def solve(gm: torch.fx.GraphModule, ctx: Context, topology: Topology, *, trainin
     costs += recompute_costs
     frees = {key: r for core, r in zip(cores, again, strict=True)
              for key in dropped({key: nodes for key, (_, _, nodes) in saves.items()}, core)}
+    gathers: dict = {}     # tensor kept as token pieces -> (1 iff re-gathered in the backward, its seconds)
     for k, (key, (held, chosen, _)) in enumerate(saves.items()):
         kept_var = problem.add_variable(f"a{k}", lowBound=0, upBound=1)  # 1 iff some chosen option keeps it
         problem += kept_var <= pulp.lpSum(chosen)
@@ -240,6 +256,9 @@ def solve(gm: torch.fx.GraphModule, ctx: Context, topology: Topology, *, trainin
             problem += whole >= kept_var - pulp.lpSum(split)
             problem += piece >= kept_var + pulp.lpSum(split) - 1
             term = w(key[0], 1) * held * (whole + piece / t)
+            gathers[key[0]] = (piece, {"bytes": held, "count": w(key[0], 1),
+                                       "seconds": w(key[0], 1) * regather_time(held, t, topology)})
+            costs.append(piece * gathers[key[0]][1]["seconds"])
         elif key in frees:  # kept unless its attention core is recomputed
             still = problem.add_variable(f"a{k}r", lowBound=0)
             problem += still >= kept_var - frees[key]
@@ -319,7 +338,8 @@ def solve(gm: torch.fx.GraphModule, ctx: Context, topology: Topology, *, trainin
     recomputed = [core for core, r in zip(cores, again, strict=True) if pulp.value(r) > 0.5]
     by_kind["activations"] = sum(w(node, 1) * held for node, held in  # exact, whatever slack the ILP left
                                  activation_bytes(choice, sizes, t, grad, ctx.on_tokens, recomputed).items())
-    return Solution(choice, seconds, breakdown(by_kind), recomputed)
+    regathers = {node: priced for node, (piece, priced) in gathers.items() if pulp.value(piece) > 0.5}
+    return Solution(choice, seconds, breakdown(by_kind), recomputed, regathers)
 
 
 def _force_tokens(problem: pulp.LpProblem, ctx: Context, x: dict) -> None:

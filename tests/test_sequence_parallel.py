@@ -153,3 +153,53 @@ def test_gradients_of_gathered_tokens_are_reduce_scattered():
         assert summed == [], f"{kind}: activation gradients all-reduced: {summed}"
         counts = plan.collective_counts("backward")
         assert counts["reduce_scatter"] >= 2 * BLOCKS, f"{kind}: {counts}"
+
+
+def _priced_as(plan, monkeypatch, model, args, regather_time):
+    """``plan`` (sequence parallel, 2 ranks) priced again by the solver with every op held to its choice and the
+    re-gathers priced by ``regather_time``; the alternatives are the full ones."""
+    from autotp.api import solve as api_solve
+    from autotp.passes import accounting, solve
+    from autotp.plan import Plan
+
+    def held(gm, ctx, *a, **k):
+        options = ctx.strategies
+        ctx.strategies = {n: [s for s in opts if Plan.encode(s) == {f: plan.nodes[n.name][f] for f in ("in", "out")}]
+                          for n, opts in options.items()}
+        try:
+            return api_solve(gm, ctx, *a, **k)
+        finally:
+            ctx.strategies = options
+    with monkeypatch.context() as patch:
+        patch.setattr("autotp.api.solve", held)
+        patch.setattr(solve, "regather_time", regather_time)
+        patch.setattr(accounting, "regather_time", regather_time)
+        return autotp.plan(model, args, world_size=2, sequence_parallel=True)
+
+
+def test_backward_regathers_are_priced(monkeypatch):
+    """Tokens a column-parallel matmul keeps as this rank's piece are all-gathered again in its backward: the
+    solver prices each such all-gather (plan.cost["regathers"]) as the plan lists it, and the step time
+    (`autotp plan`) and each op's alternatives (`autotp explain`) include exactly that much."""
+    from autotp.cost_models import collective_time, load_topology
+    topology = load_topology(None)
+    for kind in ("llama", "gpt2"):
+        model, _, _ = build(kind, blocks=BLOCKS)
+        args = (torch.randint(0, 96, EXAMPLE),)
+        plan = autotp.plan(model, args, world_size=2, sequence_parallel=True)
+        listed = sorted((c["tensor"], c["bytes"]) for c in plan.collectives if c.get("regather"))
+        assert all(c["phase"] == "backward" and c["op"] == "all_gather" for c in plan.collectives if c.get("regather"))
+        priced = plan.cost["regathers"]
+        assert sorted((r["tensor"], r["bytes"]) for r in priced) == listed, kind
+        assert len(listed) >= 2 * BLOCKS, (kind, listed)  # the attention's and the MLP's input, per block
+        for r in priced:
+            assert r["seconds"] == pytest.approx(collective_time("all_gather", r["bytes"], 2, topology))
+        free = _priced_as(plan, monkeypatch, model, args, lambda nbytes, world, topology: 0.0)
+        assert not any(r["seconds"] for r in free.cost["regathers"])
+        total = sum(r["seconds"] for r in priced)
+        assert plan.cost["seconds"] - free.cost["seconds"] == pytest.approx(total, rel=1e-6)
+
+        def chosen(p, name):
+            return next(a["seconds"] for a in p.alternatives[name] if a["chosen"])
+        for r in priced:  # the op that splits the tokens pays its tensor's re-gather among its alternatives
+            assert chosen(plan, r["tensor"]) - chosen(free, r["tensor"]) == pytest.approx(r["seconds"], rel=1e-6)

@@ -12,18 +12,21 @@ from autotp.runtime.placement import R, Shard, dump
 from .capture import module_path
 from .saved import kept
 from .solve import Sizes, _activations, _compute_time, kept_whole, regather_time, regathered
-from .strategies import Context, gradient_sums, input_slots, is_placed, needs_grad, partial_grad
+from .strategies import Context, gradient_sums, input_slots, is_placed, needs_grad, partial_grad, partial_params
 
 
 def planned_collectives(gm: torch.fx.GraphModule, choice: dict, world: int, topology: Topology,
                         sizes: Sizes | None = None, weights: dict | None = None) -> list[dict]:
     """The collectives the rewriter will insert for ``choice`` (one per tensor and target placement;
     ``count``: how many real tensors a folded graph's node stands for; ``regather``: a backward all-gather of
-    tokens kept as this rank's piece, runtime/regather.py)."""
+    tokens kept as this rank's piece, runtime/regather.py; ``tensors``: the replicated parameters whose partial
+    gradients one all-reduce sums, passes/strategies.partial_params)."""
     grad = needs_grad(gm)
     # ranks sharing a unit sum its gradient (a bias with its weight)
     found: dict = {(members[0], "group"): ("backward", "all_reduce") for members in gradient_sums(gm, choice, world)}
     pieces = regathered(choice, grad, _on_tokens)
+    together = partial_params(gm, choice, grad)  # one all-reduce for each list (of a dtype)
+    alone = {member for members in together for member in members}
     for node in gm.graph.nodes:
         strategy = choice.get(node)
         wants = strategy.inputs if strategy is not None else [R] * len(input_slots(node))
@@ -41,15 +44,23 @@ def planned_collectives(gm: torch.fx.GraphModule, choice: dict, world: int, topo
             back = backward_collective(have, want)
             if back and src in grad:
                 found.setdefault((src, have, want, "back"), ("backward", back))
-            if strategy is not None and partial_grad(node, strategy, want) and src in grad:
+            if strategy is not None and partial_grad(node, strategy, want) and src in grad and src not in alone:
                 # partial gradients summed: a reduce-scatter where the input was gathered from shards
                 found.setdefault((src, want, "grad"), ("backward", "reduce_scatter" if isinstance(have, Shard)
                                                        else "all_reduce"))
     sizes = sizes or Sizes()
-    return [{"op": op, "phase": phase, "tensor": src.name, "module": _module(src), "bytes": sizes.nbytes(src),
-             "seconds": collective_time(op, sizes.nbytes(src), world, topology), "count": (weights or {}).get(src, 1),
-             **(mark[0] if mark else {})}
-            for (src, *_), (phase, op, *mark) in found.items()]
+    count = (weights or {}).get
+    listed = [{"op": op, "phase": phase, "tensor": src.name, "module": _module(src), "bytes": sizes.nbytes(src),
+               "seconds": collective_time(op, sizes.nbytes(src), world, topology), "count": count(src, 1),
+               **(mark[0] if mark else {})}
+              for (src, *_), (phase, op, *mark) in found.items()]
+    for members in together:
+        nbytes = sum(count(m, 1) * sizes.nbytes(m) for m in members)
+        listed.append({"op": "all_reduce", "phase": "backward", "tensor": members[0].name,
+                       "module": _module(members[0]), "bytes": nbytes, "count": 1,
+                       "seconds": collective_time("all_reduce", nbytes, world, topology),
+                       "tensors": [m.name for m in members]})
+    return listed
 
 
 def _on_tokens(node: torch.fx.Node, strategy) -> bool:

@@ -26,7 +26,16 @@ from autotp.runtime.placement import P, R, Replicate, Shard
 from .expert_rules import GROUPED_MM_FALLBACK
 from .recompute import attention_cores, dropped, price_recompute
 from .saved import element_bytes, kept
-from .strategies import Context, bias_weights, input_slots, is_placed, needs_grad, partial_grad, stored_views
+from .strategies import (
+    Context,
+    bias_weights,
+    coalesced,
+    input_slots,
+    is_placed,
+    needs_grad,
+    partial_grad,
+    stored_views,
+)
 
 _MATMULS = {torch.ops.aten.linear.default, torch.ops.aten.mm.default, torch.ops.aten.bmm.default,
             torch.ops.aten.matmul.default, torch.ops.aten.scaled_dot_product_attention.default,
@@ -310,8 +319,14 @@ def solve(gm: torch.fx.GraphModule, ctx: Context, topology: Topology, *, trainin
                 problem += need[key] >= z
     for (src, p, q), var in need.items():
         costs.append(var * w(src, 1) * reshard_time(p, q, sizes.nbytes(src), t, topology, backward=src in grad))
+    together = problem.add_variable("together", lowBound=0)  # replicated parameters' partial gradients: one latency
+    costs.append(together * latency)
     for k, (src, g) in enumerate(grad_reduce.items()):
         summed = collective_time("all_reduce", sizes.nbytes(src), t, topology)
+        if coalesced(src):  # summed with the others in one all-reduce (partial_params)
+            problem += together >= g
+            costs.append(g * w(src, 1) * (summed - latency))
+            continue
         costs.append(g * w(src, 1) * summed)
         sharded = [v for v, s in zip(x[src], ctx.strategies[src], strict=True) if isinstance(s.output, Shard)]
         if sharded:  # gathered from shards: the summed gradient is reduce-scattered back instead

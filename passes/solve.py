@@ -2,7 +2,8 @@
 
 The objective is estimated time per training step: compute (divided by N when sharded) +
 resharding collectives (each (tensor, target placement) paid once, however many users share it) +
-the backward all-reduce that a replicated input of a sharded op needs (Megatron's ``f``).
+the backward all-reduce that a replicated input of a sharded op needs (Megatron's ``f``; replicated
+parameters' in one all-reduce, one latency) + the backward all-gather of tokens kept as this rank's piece.
 Memory enters through the parameter options (strategies.py): large parameters are only offered
 sharded, so no global constraint couples the blocks and CBC stays fast; the per-device capacity
 constraint is added only when the fastest plan does not fit.

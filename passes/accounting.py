@@ -10,8 +10,8 @@ from autotp.cost_models.topology import Topology
 from autotp.runtime.placement import R, Shard, dump
 
 from .capture import module_path
-from .saved import kept
-from .solve import Sizes, _activations, _compute_time, kept_whole, regather_time, regathered
+from .saved import kept, kept_whole, regathered
+from .solve import Sizes, _activations, _compute_time, regather_time
 from .strategies import Context, gradient_sums, input_slots, is_placed, needs_grad, partial_grad, partial_params
 
 
@@ -116,7 +116,7 @@ def alternatives(gm: torch.fx.GraphModule, ctx: Context, choice: dict, topology:
 
 
 def _regathered_near(node: torch.fx.Node, strategy, choice: dict, whole: dict, grad: set, on_tokens) -> set:
-    """The tensors re-gathered in the backward (solve.regathered) that ``node`` produces or keeps, were it to
+    """The tensors re-gathered in the backward (saved.regathered) that ``node`` produces or keeps, were it to
     take ``strategy`` with every other op as chosen (``whole``: kept_whole of the chosen plan)."""
     keeps = {item.tensor for item in kept(node, strategy, grad) if item.kind == "value" and item.placement == R}
     found = set()

@@ -26,17 +26,8 @@ from autotp.runtime.placement import P, R, Replicate, Shard
 
 from .expert_rules import GROUPED_MM_FALLBACK
 from .recompute import attention_cores, dropped, price_recompute
-from .saved import element_bytes, kept
-from .strategies import (
-    Context,
-    bias_weights,
-    coalesced,
-    input_slots,
-    is_placed,
-    needs_grad,
-    partial_grad,
-    stored_views,
-)
+from .saved import element_bytes, kept, regathered
+from .strategies import Context, bias_weights, coalesced, input_slots, is_placed, needs_grad, partial_grad, stored_views
 
 _MATMULS = {torch.ops.aten.linear.default, torch.ops.aten.mm.default, torch.ops.aten.bmm.default,
             torch.ops.aten.matmul.default, torch.ops.aten.scaled_dot_product_attention.default,
@@ -166,22 +157,6 @@ def _activations(node: Node, strategy, sizes: Sizes, world: int, grad: set) -> l
 def regather_time(nbytes: float, world: int, topology: Topology) -> float:
     """A tensor kept as this rank's tokens is all-gathered again when the backward reads it."""
     return collective_time("all_gather", nbytes, world, topology)
-
-
-def kept_whole(choice: dict, grad: set) -> dict:
-    """tensor -> the ops that keep it whole (gathered) for their backward."""
-    found: dict = {}
-    for node, strategy in choice.items():
-        for item in kept(node, strategy, grad):
-            if item.kind == "value" and item.placement == R:
-                found.setdefault(item.tensor, set()).add(node)
-    return found
-
-
-def regathered(choice: dict, grad: set, on_tokens) -> set:
-    """Token-split tensors that some op keeps gathered for its backward: the runtime stores this rank's
-    piece and gathers it again in the backward instead (autotp.runtime.regather)."""
-    return {tensor for tensor in kept_whole(choice, grad) if tensor in choice and on_tokens(tensor, choice[tensor])}
 
 
 def activation_bytes(choice: dict, sizes: Sizes, world: int, grad: set, on_tokens=None, recomputed=()) -> dict:

@@ -129,6 +129,7 @@ def _solve_once(gm: torch.fx.GraphModule, world_size: int, topology, min_shard_f
         shapes=expand({n.target: list(n.meta["val"].shape) for n in choice if n.op == "get_attr"}),
         alternatives=alternatives(gm, ctx, choice, topo, training, sizes),
         cost={"seconds": solution.seconds, "memory": solution.memory, "training": training,
+              "regathers": [{"tensor": n.name, **priced} for n, priced in solution.regathers.items()],
               **_activations_by_module(gm, ctx, choice, sizes, training, solution.recomputed)},
         replicated_ops=sorted(ctx.unruled),
         fold={"path": folding.fold.path, "count": folding.fold.count} if folding else None,

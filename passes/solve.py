@@ -2,7 +2,8 @@
 
 The objective is estimated time per training step: compute (divided by N when sharded) +
 resharding collectives (each (tensor, target placement) paid once, however many users share it) +
-the backward all-reduce that a replicated input of a sharded op needs (Megatron's ``f``).
+the backward all-reduce that a replicated input of a sharded op needs (Megatron's ``f``; replicated
+parameters' in one all-reduce, one latency) + the backward all-gather of tokens kept as this rank's piece.
 Memory enters through the parameter options (strategies.py): large parameters are only offered
 sharded, so no global constraint couples the blocks and CBC stays fast; the per-device capacity
 constraint is added only when the fastest plan does not fit.
@@ -25,8 +26,8 @@ from autotp.runtime.placement import P, R, Replicate, Shard
 
 from .expert_rules import GROUPED_MM_FALLBACK
 from .recompute import attention_cores, dropped, price_recompute
-from .saved import element_bytes, kept
-from .strategies import Context, bias_weights, input_slots, is_placed, needs_grad, partial_grad, stored_views
+from .saved import element_bytes, kept, regathered
+from .strategies import Context, bias_weights, coalesced, input_slots, is_placed, needs_grad, partial_grad, stored_views
 
 _MATMULS = {torch.ops.aten.linear.default, torch.ops.aten.mm.default, torch.ops.aten.bmm.default,
             torch.ops.aten.matmul.default, torch.ops.aten.scaled_dot_product_attention.default,
@@ -53,6 +54,8 @@ class Solution:
     seconds: float        # estimated step time of the chosen plan
     memory: dict          # estimated bytes per device by kind (cost_models.memory.breakdown)
     recomputed: list = field(default_factory=list)  # attention cores whose backward computes them again
+    regathers: dict = field(default_factory=dict)   # tensor kept as token pieces -> its backward re-gather's
+    #                                                 {"bytes", "count" (folded), "seconds" (all counts)}
 
 
 class Sizes:
@@ -151,12 +154,9 @@ def _activations(node: Node, strategy, sizes: Sizes, world: int, grad: set) -> l
     return found
 
 
-def regathered(choice: dict, grad: set, on_tokens) -> set:
-    """Token-split tensors that some op keeps gathered for its backward: the runtime stores this rank's
-    piece and gathers it again in the backward instead (autotp.runtime.regather)."""
-    return {item.tensor for node, strategy in choice.items() for item in kept(node, strategy, grad)
-            if item.kind == "value" and item.placement == R and item.tensor in choice
-            and on_tokens(item.tensor, choice[item.tensor])}
+def regather_time(nbytes: float, world: int, topology: Topology) -> float:
+    """A tensor kept as this rank's tokens is all-gathered again when the backward reads it."""
+    return collective_time("all_gather", nbytes, world, topology)
 
 
 def activation_bytes(choice: dict, sizes: Sizes, world: int, grad: set, on_tokens=None, recomputed=()) -> dict:
@@ -227,6 +227,7 @@ def solve(gm: torch.fx.GraphModule, ctx: Context, topology: Topology, *, trainin
     costs += recompute_costs
     frees = {key: r for core, r in zip(cores, again, strict=True)
              for key in dropped({key: nodes for key, (_, _, nodes) in saves.items()}, core)}
+    gathers: dict = {}     # tensor kept as token pieces -> (1 iff re-gathered in the backward, its seconds)
     for k, (key, (held, chosen, _)) in enumerate(saves.items()):
         kept_var = problem.add_variable(f"a{k}", lowBound=0, upBound=1)  # 1 iff some chosen option keeps it
         problem += kept_var <= pulp.lpSum(chosen)
@@ -240,6 +241,9 @@ def solve(gm: torch.fx.GraphModule, ctx: Context, topology: Topology, *, trainin
             problem += whole >= kept_var - pulp.lpSum(split)
             problem += piece >= kept_var + pulp.lpSum(split) - 1
             term = w(key[0], 1) * held * (whole + piece / t)
+            gathers[key[0]] = (piece, {"bytes": held, "count": w(key[0], 1),
+                                       "seconds": w(key[0], 1) * regather_time(held, t, topology)})
+            costs.append(piece * gathers[key[0]][1]["seconds"])
         elif key in frees:  # kept unless its attention core is recomputed
             still = problem.add_variable(f"a{k}r", lowBound=0)
             problem += still >= kept_var - frees[key]
@@ -291,8 +295,14 @@ def solve(gm: torch.fx.GraphModule, ctx: Context, topology: Topology, *, trainin
                 problem += need[key] >= z
     for (src, p, q), var in need.items():
         costs.append(var * w(src, 1) * reshard_time(p, q, sizes.nbytes(src), t, topology, backward=src in grad))
+    together = problem.add_variable("together", lowBound=0)  # replicated parameters' partial gradients: one latency
+    costs.append(together * latency)
     for k, (src, g) in enumerate(grad_reduce.items()):
         summed = collective_time("all_reduce", sizes.nbytes(src), t, topology)
+        if coalesced(src):  # summed with the others in one all-reduce (partial_params)
+            problem += together >= g
+            costs.append(g * w(src, 1) * (summed - latency))
+            continue
         costs.append(g * w(src, 1) * summed)
         sharded = [v for v, s in zip(x[src], ctx.strategies[src], strict=True) if isinstance(s.output, Shard)]
         if sharded:  # gathered from shards: the summed gradient is reduce-scattered back instead
@@ -319,7 +329,8 @@ def solve(gm: torch.fx.GraphModule, ctx: Context, topology: Topology, *, trainin
     recomputed = [core for core, r in zip(cores, again, strict=True) if pulp.value(r) > 0.5]
     by_kind["activations"] = sum(w(node, 1) * held for node, held in  # exact, whatever slack the ILP left
                                  activation_bytes(choice, sizes, t, grad, ctx.on_tokens, recomputed).items())
-    return Solution(choice, seconds, breakdown(by_kind), recomputed)
+    regathers = {node: priced for node, (piece, priced) in gathers.items() if pulp.value(piece) > 0.5}
+    return Solution(choice, seconds, breakdown(by_kind), recomputed, regathers)
 
 
 def _force_tokens(problem: pulp.LpProblem, ctx: Context, x: dict) -> None:

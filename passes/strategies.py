@@ -84,6 +84,25 @@ def gradient_sums(gm: torch.fx.GraphModule, choice: dict, world: int) -> list:
     return [[n, partner[n]] if n in partner else [n] for n in grouped if n not in paired]
 
 
+def coalesced(src: Node) -> bool:
+    """A replicated parameter (of at least one dim) whose gradients, partial where sharded ops read it, are summed
+    in one backward all-reduce with the others of its dtype (Megatron-SP's norm weights): see partial_params."""
+    return src.op == "get_attr" and isinstance(value(src), torch.Tensor) and value(src).dim() > 0
+
+
+def partial_params(gm: torch.fx.GraphModule, choice: dict, grad: set) -> list:
+    """Lists of replicated parameters (graph order, one list per dtype) that some sharded op reads: each rank
+    holds part of their gradients (a norm's weight under sequence parallelism), summed by one all-reduce."""
+    read = {src for node, strategy in choice.items() for src, want in zip(input_slots(node), strategy.inputs,
+                                                                          strict=True)
+            if src in grad and coalesced(src) and partial_grad(node, strategy, want)}
+    found: dict = {}
+    for node in gm.graph.nodes:
+        if node in read:
+            found.setdefault(value(node).dtype, []).append(node)
+    return list(found.values())
+
+
 def input_slots(node: Node) -> list[Node]:
     """The node's inputs in the order map_arg visits them; the rewriter relies on the same order."""
     slots: list[Node] = []

@@ -336,7 +336,7 @@ def gather_tokens(x, dim, chunks, units, of, size, rank, world, group, where, re
     keeps this rank's tokens instead (autotp.runtime.regather)."""
     full = (gather_reduce_backward if reduce_backward else gather)(x, dim, chunks, units, of, size, rank, world,
                                                                     group, where)
-    if _no_grad():
+    if _no_grad() or torch.compiler.is_compiling():  # compiled: the compiler decides what its backward keeps
         return full
     shard = Shard(dim, chunks, units, of)
     return regather.remember(full, x, lambda piece: _gather_values(piece, shard, size, world, group, where))

@@ -136,7 +136,7 @@ def test_interleaved_columns_split_only_in_whole_pairs():
     strided slices read them whole; 2 x 48 on 4 (24 each) keeps pairs and says how each expert is split."""
     for ffn, split in ((6, False), (48, True)):
         model, args = moe.build(blocks=1, ffn=ffn, interleaved=True, bias=True)
-        plan = autotp.plan(model, args, world_size=4)
+        plan = autotp.plan(model, args, world_size=4, experts="tensor")
         strided = [n for n in plan.nodes.values() if n["op"] == "aten.slice.Tensor"]
         assert len(strided) == 2 and all(n["in"][0] == ("S(1)" if split else "R") for n in strided), strided
         if split:
@@ -150,3 +150,33 @@ def test_batched_experts_are_split_alike():
     plan = autotp.plan(model, world_size=2)
     assert {plan.params[p] for p in expert_params(model)} == {"S(1|48,48)", "S(2)"}, plan.params
     assert plan.collective_counts("forward")["all_reduce"] <= 2 * 2 + 1, plan.collectives
+
+
+def _expert_parallel_exact(rank: int, world: int) -> None:
+    """Whole experts per rank (imposed): 4 experts as 2 + 2 with grouped matmuls and with ``w[ids]`` + bmm,
+    3 experts as 2 + 1; each rank computes its own experts' tokens and the MoE layer's one all-reduce sums
+    the disjoint rows."""
+    for experts, implementation in ((4, None), (4, "batched_mm"), (3, None)):
+        model = mixtral(experts=experts, implementation=implementation)
+        sharded = autotp.parallelize(model, experts="parallel")
+        plan = sharded.autotp_plan
+        local = dict(sharded.named_parameters())
+        held = [(0, 2), (2, 2)] if experts == 4 else [(0, 2), (2, 1)]
+        first, count = held[rank]
+        for param in expert_params(model):  # whole experts: this rank's rows of the full tensor, nothing else
+            full = model.get_parameter(param)
+            torch.testing.assert_close(local[param], full[first:first + count], rtol=0, atol=0)
+            span = "0-1|2-3" if experts == 4 else "0-1|2"
+            assert plan.styles[param].startswith(f"experts {span} of {experts}"), plan.styles[param]
+        layers = model.config.num_hidden_layers
+        assert plan.collective_counts("forward")["all_reduce"] <= 2 * layers + 1, plan.collectives  # Megatron's
+        _runs_the_plan(sharded, plan, torch.randint(0, 96, (2, 5)))
+        _same_as_unsharded(model, sharded, lambda b, s: torch.randint(0, 96, (b, s)))
+        if implementation is None and experts == 4:  # greedy decoding through whole experts
+            ids = torch.randint(3, 96, (2, 5))
+            got = autotp.generate(sharded, ids, max_new_tokens=4)
+            assert torch.equal(got, model.generate(ids, max_new_tokens=4, do_sample=False)), got
+
+
+def test_expert_parallelism_is_exact():
+    run_ranks(2, _expert_parallel_exact)

@@ -67,11 +67,13 @@ def _graph(model: torch.nn.Module, args, kwargs, fold: bool = False) -> torch.fx
 def _solve(gm: torch.fx.GraphModule, world_size: int, topology, min_shard_fraction: float = 0.02,
            training: bool = True, memory_limit: float | None = None, sizes: Sizes | None = None,
            fixed: dict | None = None, gather_outputs: bool = True, sequence_parallel: bool | None = None,
-           recompute: str | bool | None = None, experts: str | None = None) -> Plan:
+           recompute: str | bool | None = None, experts: str | None = None, price_experts: bool = False) -> Plan:
     """``sequence_parallel``: True forces it, False rules it out, None offers it only when no plan without
     it fits in memory (the plain plan's all-reduces become reduce-scatters and all-gathers either way).
     ``recompute``: "selective" recomputes every attention core, False none, None offers it (priced per
-    core) only when no plan fits without it -- after sequence parallelism, as Korthikanti et al. order them."""
+    core) only when no plan fits without it -- after sequence parallelism, as Korthikanti et al. order them.
+    ``experts``: "tensor" or "parallel" imposes that split of mixture-of-experts layers, None lets the cost
+    choose; ``price_experts``: also price the best plan with each imposed (``plan.cost["experts"]``, reports)."""
     if sequence_parallel not in (None, True, False):
         raise ValueError(f"sequence_parallel must be None, True or False, got {sequence_parallel!r}")
     if recompute not in (None, "selective", False):
@@ -88,7 +90,7 @@ def _solve(gm: torch.fx.GraphModule, world_size: int, topology, min_shard_fracti
         try:
             return _solve_once(gm, world_size, topology, min_shard_fraction, training, memory_limit, sizes, fixed,
                                gather_outputs, tokens, force=bool(sequence_parallel), recompute=again,
-                               experts=experts)
+                               experts=experts, price_experts=price_experts)
         except DoesNotFit:
             if k == len(tries) - 1:
                 raise
@@ -97,7 +99,7 @@ def _solve(gm: torch.fx.GraphModule, world_size: int, topology, min_shard_fracti
 def _solve_once(gm: torch.fx.GraphModule, world_size: int, topology, min_shard_fraction: float,
                 training: bool, memory_limit: float | None, sizes: Sizes | None, fixed: dict | None,
                 gather_outputs: bool, tokens: bool, force: bool, recompute: str = "off",
-                experts: str | None = None) -> Plan:
+                experts: str | None = None, price_experts: bool = False) -> Plan:
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
     topo = load_topology(topology)
@@ -121,8 +123,8 @@ def _solve_once(gm: torch.fx.GraphModule, world_size: int, topology, min_shard_f
     solution = run(ctx)
     choice = solution.choice
     offered = any(isinstance(s.output, Disjoint) for options in ctx.strategies.values() for s in options)
-    experts_cost = None if not offered or fixed or experts else _expert_costs(choice, lambda mode: run(
-        _strategies(gm, world_size, min_shard_fraction, fixed, tokens, mode)).seconds)
+    experts_cost = None if not (offered and price_experts) or fixed or experts else _expert_costs(
+        choice, lambda mode: run(_strategies(gm, world_size, min_shard_fraction, fixed, tokens, mode)).seconds)
     again = {node for core in solution.recomputed for node in core}
     expand = folding.fold.expand if folding else dict
     return Plan(
@@ -201,7 +203,7 @@ def plan(model: torch.nn.Module, args=None, kwargs=None, *, world_size: int, top
     Megatron-style), or None to let the cost model choose (``plan.experts`` prices both).
     """
     return _solve(_graph(model, args, kwargs, fold), world_size, topology, min_shard_fraction, training, memory_limit,
-                  sequence_parallel=sequence_parallel, recompute=recompute, experts=experts)
+                  sequence_parallel=sequence_parallel, recompute=recompute, experts=experts, price_experts=True)
 
 
 def parallelize(model: torch.nn.Module, args=None, kwargs=None, *, plan: Plan | None = None, topology=None,

@@ -40,22 +40,22 @@ def _units_note(placement: Shard, size: int, world: int) -> str:
 
 
 def _expert_style(node: torch.fx.Node, choice: dict, world: int) -> str | None:
-    """A 3-D weight (one matrix per expert) reaching a matmul through layout ops (a transpose, ``w[ids]``):
-    whole experts dealt out to the ranks (expert parallelism), or its experts split like a dense MLP's, by
-    output columns or, with partial sums, by input rows."""
-    if len(node.meta["val"].shape) != 3:
-        return None
+    """A weight reaching an expert op through layout ops (a transpose, ``w[ids]``): whole experts dealt out
+    to the ranks (expert parallelism: its users compute disjoint partial sums), or, for a 3-D weight (one
+    matrix per expert), its experts split like a dense MLP's, by output columns or, with partial sums, by
+    input rows."""
     work = list(node.users)
     while work:
         user = work.pop()
-        if user.target in LAYOUT_OPS:
-            work += user.users
-        elif user in choice and isinstance(choice[user].output, Disjoint):
-            held = [choice[user].output.owned(int(node.meta["val"].shape[0]), r, world) for r in range(world)]
+        out = choice[user].output if user in choice else None
+        if isinstance(out, Disjoint):
+            held = [out.owned(int(node.meta["val"].shape[0]), r, world) for r in range(world)]
             return "experts " + "|".join(f"{a}" if n == 1 else f"{a}-{a + n - 1}" for a, n in held) + \
                 f" of {node.meta['val'].shape[0]} (whole experts by rank)"
-        elif user in choice and not isinstance(choice[user].output, Replicate):
-            return "expert FFN " + ("row split" if isinstance(choice[user].output, Partial) else "column split")
+        if user.target in LAYOUT_OPS:
+            work += user.users
+        elif out is not None and not isinstance(out, Replicate) and len(node.meta["val"].shape) == 3:
+            return "expert FFN " + ("row split" if isinstance(out, Partial) else "column split")
     return None
 
 

@@ -153,26 +153,22 @@ def test_batched_experts_are_split_alike():
 
 
 def _expert_parallel_exact(rank: int, world: int) -> None:
-    """Whole experts per rank (imposed): 4 experts as 2 + 2 with grouped matmuls and with ``w[ids]`` + bmm,
-    3 experts as 2 + 1; each rank computes its own experts' tokens and the MoE layer's one all-reduce sums
-    the disjoint rows."""
-    for experts, implementation in ((4, None), (4, "batched_mm"), (3, None)):
-        model = mixtral(experts=experts, implementation=implementation)
+    """Whole experts per rank (imposed): 4 experts as 2 + 2 with grouped matmuls, and 3 as 2 + 1 with ``w[ids]``
+    + bmm; each rank computes its own experts' tokens and the MoE layer's one all-reduce sums the disjoint rows."""
+    for experts, implementation in ((4, None), (3, "batched_mm")):
+        model = mixtral(experts=experts, layers=1, implementation=implementation)
         sharded = autotp.parallelize(model, experts="parallel")
         plan = sharded.autotp_plan
         local = dict(sharded.named_parameters())
-        held = [(0, 2), (2, 2)] if experts == 4 else [(0, 2), (2, 1)]
-        first, count = held[rank]
+        first, count = [(0, 2), (2, experts - 2)][rank]
         for param in expert_params(model):  # whole experts: this rank's rows of the full tensor, nothing else
-            full = model.get_parameter(param)
-            torch.testing.assert_close(local[param], full[first:first + count], rtol=0, atol=0)
+            torch.testing.assert_close(local[param], model.get_parameter(param)[first:first + count], rtol=0, atol=0)
             span = "0-1|2-3" if experts == 4 else "0-1|2"
             assert plan.styles[param].startswith(f"experts {span} of {experts}"), plan.styles[param]
-        layers = model.config.num_hidden_layers
-        assert plan.collective_counts("forward")["all_reduce"] <= 2 * layers + 1, plan.collectives  # Megatron's
+        assert plan.collective_counts("forward")["all_reduce"] <= 2 + 1, plan.collectives  # Megatron's, 1 block
         _runs_the_plan(sharded, plan, torch.randint(0, 96, (2, 5)))
         _same_as_unsharded(model, sharded, lambda b, s: torch.randint(0, 96, (b, s)))
-        if implementation is None and experts == 4:  # greedy decoding through whole experts
+        if experts == 4:  # greedy decoding through whole experts
             ids = torch.randint(3, 96, (2, 5))
             got = autotp.generate(sharded, ids, max_new_tokens=4)
             assert torch.equal(got, model.generate(ids, max_new_tokens=4, do_sample=False)), got
@@ -180,3 +176,36 @@ def _expert_parallel_exact(rank: int, world: int) -> None:
 
 def test_expert_parallelism_is_exact():
     run_ranks(2, _expert_parallel_exact)
+
+
+def test_the_cost_model_chooses_the_expert_strategy():
+    """Left free, the solver takes the cheaper way to split experts, priced beside the other (each the best
+    plan with it imposed).  Gate/up pairs interleaved in 2 x 6 columns cannot be split in whole pairs on 4
+    ranks, so expert tensor parallelism leaves the gate/up work whole on every rank and costs more: whole
+    experts are chosen.  With 2 x 48 columns both can split; whichever is cheaper is taken."""
+    for ffn in (6, 48):
+        model, args = moe.build(blocks=1, ffn=ffn, interleaved=True, bias=True)
+        plan = autotp.plan(model, args, world_size=4)
+        seconds = plan.cost["experts"]["seconds"]
+        assert plan.cost["seconds"] <= min(seconds.values()) * (1 + 1e-6), (plan.cost, seconds)
+        cheaper = min(seconds, key=seconds.get)
+        assert plan.cost["experts"]["chosen"] == cheaper, plan.cost["experts"]
+        if ffn == 6:
+            assert cheaper == "parallel", seconds
+            assert plan.params["0.gate_up"] == plan.params["0.down"] == "S(0/6)", plan.params  # 2,2,1,1 experts
+            assert plan.styles["0.gate_up"].startswith("experts 0-1|2-3|4|5 of 6"), plan.styles
+
+
+def test_compare_prices_transformers_expert_plans():
+    """transformers' Mixtral tp_plan (experts split: packed gate|up columns, down rows) and its ep_plan (whole
+    experts) read as autotp placements and priced beside autotp's own plan, which is never slower."""
+    from autotp.interop import hf_parameter_placements
+    from autotp.tools.compare import compare
+    model = mixtral(layers=1)
+    tp, ep = hf_parameter_placements(model), hf_parameter_placements(model, expert_parallel=True)
+    experts = "model.layers.0.mlp.experts"
+    assert (str(tp[f"{experts}.gate_up_proj"]), str(tp[f"{experts}.down_proj"])) == ("S(1|48,48)", "S(2)"), tp
+    assert str(ep[f"{experts}.gate_up_proj"]) == str(ep[f"{experts}.down_proj"]) == "S(0)", ep
+    result = compare(model, world_size=2)
+    assert result["hf"] and result["hf_ep"], result
+    assert result["autotp"]["seconds"] <= min(result["hf"]["seconds"], result["hf_ep"]["seconds"]) * (1 + 1e-6)

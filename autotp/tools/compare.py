@@ -17,17 +17,24 @@ def summary(plan: Plan) -> dict:
 
 
 def compare(model: torch.nn.Module, args=None, kwargs=None, *, world_size: int, topology=None,
-            training: bool = True) -> dict:
+            training: bool = True, memory_limit: float | None = None) -> dict:
     """{"autotp": summary, "hf": summary or None (no tp_plan for this architecture), "hf_invalid": why
-    HF's plan cannot run this model exactly (e.g. heads not divisible by the world size), or None}."""
+    HF's plan cannot run this model exactly (e.g. heads not divisible by the world size), or None, "hf_ep":
+    HF's expert-parallel plan (its ep_plan over the tp_plan: whole experts per rank), where it has one and
+    it runs exactly}."""
     gm = _graph(model, args, kwargs, fold=True)
-    ours = summary(_solve(gm, world_size, topology, training=training))
-    fixed = hf_parameter_placements(model)
-    theirs, invalid = None, None
-    if fixed:
+    ours = summary(_solve(gm, world_size, topology, training=training, memory_limit=memory_limit))
+    priced = {}
+    for kind in ("tp", "ep"):
+        fixed = hf_parameter_placements(model, expert_parallel=kind == "ep")
+        if kind == "ep" and fixed == priced.get("tp", (None, fixed))[1]:
+            break  # no ep_plan
         try:
-            theirs = summary(_solve(gm, world_size, topology, training=training, fixed=fixed))
+            priced[kind] = (summary(_solve(gm, world_size, topology, training=training, memory_limit=memory_limit,
+                                           fixed=fixed)), fixed) if fixed else (None, fixed)
         except PlanningError:
-            invalid = (f"its even splits cut through attention heads or other whole units at TP {world_size}, so no "
-                       "exact program uses those placements")
-    return {"autotp": ours, "hf": theirs, "hf_invalid": invalid}
+            priced[kind] = (False, fixed)
+    theirs = priced["tp"][0]
+    invalid = (f"its even splits cut through attention heads or other whole units at TP {world_size}, so no "
+               "exact program uses those placements") if theirs is False else None
+    return {"autotp": ours, "hf": theirs or None, "hf_invalid": invalid, "hf_ep": priced.get("ep", (None,))[0] or None}

@@ -59,7 +59,7 @@ def grouped_mm(node: Node, ctx: Context) -> list[Strategy]:
                 found.append(Strategy(ctx.fill(node, {x: s, w: s}), P))
     for s, out in _whole_experts(w, ctx):
         found.append(Strategy(ctx.fill(node, {w: s}), out))
-        if out in ctx.output_options(x) and routing(x, ctx.routes) is offsets(node):
+        if out in ctx.output_options(x) and routing(x, ctx.routes) == routing(node, ctx.routes):
             found.append(Strategy(ctx.fill(node, {x: out, w: s}), out))
     found.append(Strategy(ctx.fill(node, {x: P}), P))
     return found
@@ -167,24 +167,26 @@ _ROW_KEEPING = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.def
 _PRODUCTS = {aten.mul.Tensor, aten.add.Tensor, aten.bmm.default}
 
 
-def routing(node: Node, memo: dict | None = None) -> Node | None:
-    """The tensor that routed ``node``'s rows to experts, where its rows come from an expert op through ops
-    that keep rows: a grouped matmul's offsets, or the ids of a weight's lookup ``w[ids]``.  Two disjoint
-    partials of one routing hold the same rows on the same rank (when their experts are dealt alike)."""
+def routing(node: Node, memo: dict | None = None) -> tuple[Node, int] | None:
+    """What routed ``node``'s rows to experts, where its rows come from an expert op through ops that keep
+    rows: (a grouped matmul's offsets, or the ids of a weight's lookup ``w[ids]``; the number of experts).
+    Two disjoint partials of one routing hold the same rows on the same rank (when their experts are dealt
+    alike: the same shard of the same number of experts)."""
     memo = {} if memo is None else memo
     if node not in memo:
         memo[node] = _routing(node, memo) if isinstance(node, Node) and node.op == "call_function" else None
     return memo[node]
 
 
-def _routing(node: Node, memo: dict) -> Node | None:
+def _routing(node: Node, memo: dict) -> tuple[Node, int] | None:
     if is_grouped_mm(node):
-        return offsets(node)
+        return offsets(node), value(node.args[1]).shape[0]
     if node.target == aten.index.Tensor:
         ids, weight = node.args[1], node.args[0]
         while weight.op == "call_function" and weight.target in LAYOUT_OPS:
             weight = weight.args[0]
-        return ids[0] if len(ids) == 1 and _integer_indices(ids) and weight.op == "get_attr" else None
+        found = len(ids) == 1 and _integer_indices(ids) and weight.op == "get_attr"
+        return (ids[0], value(node.args[0]).shape[0]) if found else None
     if node.target in _ZERO_KEEPING or node.target in _ROW_KEEPING or node.target is operator.getitem:
         return routing(node.args[0], memo)
     if node.target in _PRODUCTS:
@@ -220,7 +222,7 @@ def disjoint(node: Node, ctx: Context) -> list[Strategy]:
                len(ctx.shape(a)) == len(shape) and ctx.probe(ctx.shape(a)[0]) == ctx.probe(shape[0])}
     a, b = node.args[:2]
     found = []
-    alike = a is not b and routing(a, ctx.routes) is routing(b, ctx.routes)
+    alike = a is not b and routing(a, ctx.routes) == routing(b, ctx.routes)
     for d in dict.fromkeys([*options.get(a, []), *options.get(b, [])]):
         if node.target != aten.add.Tensor:  # a product: the other operand may be whole
             found += [Strategy(ctx.fill(node, {x: d}), d) for x in (a, b) if d in options.get(x, [])]

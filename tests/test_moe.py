@@ -234,3 +234,34 @@ def test_why_whole_experts_cost_more_for_mixtral_8x7b():
     kept = {mode: plan.cost["activations"][experts] for mode, plan in plans.items()}
     assert kept["parallel"] > 2 * kept["tensor"], kept
     assert plans["parallel"].cost["seconds"] > plans["tensor"].cost["seconds"]
+
+
+class _Lookups(torch.nn.Module):
+    """Rows of expert tables looked up by ids and multiplied: only rows routed by the same ids to tables of
+    as many experts are held by the same rank, so only their product may stay a disjoint partial sum."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.c = torch.nn.Parameter(torch.randn(4, 8)), torch.nn.Parameter(torch.randn(4, 8))
+        self.b = torch.nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x, ids, other):
+        same = self.a[ids] * self.c[ids]
+        rerouted = self.a[ids] * self.c[other]
+        more_experts = self.a[ids] * self.b[ids]
+        return x + same + rerouted + more_experts
+
+
+def test_disjoint_rows_multiply_only_when_routed_alike():
+    """The solver is offered the product of two disjoint partials only for rows routed by the same ids to
+    tables of as many experts (the others are exact only reduced first)."""
+    ids, other = torch.tensor([0, 3, 1, 2, 3]), torch.tensor([2, 0, 0, 3, 1])
+    plan = autotp.plan(_Lookups(), (torch.randn(5, 8), ids, other), world_size=2, experts="parallel")
+    lookups = {name: n["args"][:2] for name, n in plan.nodes.items() if n["op"] == "aten.index.Tensor"}
+    products = {name: n["args"] for name, n in plan.nodes.items() if n["op"] == "aten.mul.Tensor"}
+    alike = {name: lookups[x][1] == lookups[y][1] and {lookups[x][0], lookups[y][0]} <= {"a", "c"}
+             for name, (x, y) in products.items()}
+    assert sorted(alike.values()) == [False, False, True], (lookups, products)
+    for name, both in alike.items():
+        offered = [option["in"] for option in plan.alternatives[name]]
+        assert (["D(0)", "D(0)"] in offered) == both, (name, offered)

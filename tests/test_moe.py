@@ -166,6 +166,8 @@ def _expert_parallel_exact(rank: int, world: int) -> None:
             span = "0-1|2-3" if experts == 4 else "0-1|2"
             assert plan.styles[param].startswith(f"experts {span} of {experts}"), plan.styles[param]
         assert plan.collective_counts("forward")["all_reduce"] <= 2 + 1, plan.collectives  # Megatron's, 1 block
+        moe = [c for c in plan.collectives if c["phase"] == "forward" and ".mlp" in c["module"]]
+        assert [c["op"] for c in moe] == ["all_reduce"], moe  # the MoE layer's one all-reduce sums the experts
         _runs_the_plan(sharded, plan, torch.randint(0, 96, (2, 5)))
         _same_as_unsharded(model, sharded, lambda b, s: torch.randint(0, 96, (b, s)))
         if experts == 4:  # greedy decoding through whole experts

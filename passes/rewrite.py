@@ -83,7 +83,7 @@ def _localize(node: Node, strategy, rank: int, world: int) -> None:
         zeros.meta = dict(node.args[at].meta)
         node.update_arg(at, zeros)
     elif isinstance(strategy.output, Disjoint) and (is_grouped_mm(node) or target == aten.index.Tensor):
-        _whole_experts(node, strategy, rank, world)
+        _own_experts(node, strategy, rank, world)
     elif target == aten.embedding.default and isinstance(src, Shard) and src.dim == 0:
         weight, ids = node.args[:2]
         (start, _), = src.ranges(weight.meta["val"].shape[0], rank, world)
@@ -91,7 +91,7 @@ def _localize(node: Node, strategy, rank: int, world: int) -> None:
         node.target, node.args, node.kwargs = local_ops.vocab_embedding, (weight, ids, start, padding), {}
 
 
-def _whole_experts(node: Node, strategy, rank: int, world: int) -> None:
+def _own_experts(node: Node, strategy, rank: int, world: int) -> None:
     """Expert parallelism: this rank's experts compute their own tokens' rows, zeros the others'."""
     if is_grouped_mm(node):
         x, weight = node.args[:2]

@@ -24,17 +24,18 @@ def compare(model: torch.nn.Module, args=None, kwargs=None, *, world_size: int, 
     it runs exactly}."""
     gm = _graph(model, args, kwargs, fold=True)
     ours = summary(_solve(gm, world_size, topology, training=training, memory_limit=memory_limit))
-    priced = {}
-    for kind in ("tp", "ep"):
-        fixed = hf_parameter_placements(model, expert_parallel=kind == "ep")
-        if kind == "ep" and fixed == priced.get("tp", (None, fixed))[1]:
-            break  # no ep_plan
+
+    def priced(fixed: dict):
+        """HF's placements imposed: a summary, None where there are none, False where none runs exactly."""
         try:
-            priced[kind] = (summary(_solve(gm, world_size, topology, training=training, memory_limit=memory_limit,
-                                           fixed=fixed)), fixed) if fixed else (None, fixed)
+            return summary(_solve(gm, world_size, topology, training=training, memory_limit=memory_limit,
+                                  fixed=fixed)) if fixed else None
         except PlanningError:
-            priced[kind] = (False, fixed)
-    theirs = priced["tp"][0]
+            return False
+
+    tp, ep = hf_parameter_placements(model), hf_parameter_placements(model, expert_parallel=True)
+    theirs = priced(tp)
     invalid = (f"its even splits cut through attention heads or other whole units at TP {world_size}, so no "
                "exact program uses those placements") if theirs is False else None
-    return {"autotp": ours, "hf": theirs or None, "hf_invalid": invalid, "hf_ep": priced.get("ep", (None,))[0] or None}
+    whole_experts = (priced(ep) or None) if ep != tp else None  # an ep_plan changes some placements
+    return {"autotp": ours, "hf": theirs or None, "hf_invalid": invalid, "hf_ep": whole_experts}

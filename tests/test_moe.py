@@ -152,12 +152,16 @@ def test_batched_experts_are_split_alike():
     assert plan.collective_counts("forward")["all_reduce"] <= 2 * 1 + 1, plan.collectives
 
 
-def _expert_parallel_exact(rank: int, world: int) -> None:
-    """Whole experts per rank (imposed): 4 experts as 2 + 2 with grouped matmuls, and 3 as 2 + 1 with ``w[ids]``
-    + bmm; each rank computes its own experts' tokens and the MoE layer's one all-reduce sums the disjoint rows."""
+def _expert_parallel_exact(rank: int, world: int, directory: str) -> None:
+    """Whole experts per rank (imposed): 4 experts as 2 + 2 with grouped matmuls, read per rank from transformers'
+    per-expert checkpoint and saved back, and 3 as 2 + 1 with ``w[ids]`` + bmm; each rank computes its own
+    experts' tokens and the MoE layer's one all-reduce sums the disjoint rows."""
     for experts, implementation in ((4, None), (3, "batched_mm")):
         model = mixtral(experts=experts, layers=1, implementation=implementation)
-        sharded = autotp.parallelize(model, experts="parallel")
+        if implementation is None:
+            sharded = autotp.from_pretrained(directory, experts="parallel")
+        else:
+            sharded = autotp.parallelize(model, experts="parallel")
         plan = sharded.autotp_plan
         local = dict(sharded.named_parameters())
         first, count = [(0, 2), (2, experts - 2)][rank]
@@ -170,14 +174,19 @@ def _expert_parallel_exact(rank: int, world: int) -> None:
         assert [c["op"] for c in moe] == ["all_reduce"], moe  # the MoE layer's one all-reduce sums the experts
         _runs_the_plan(sharded, plan, torch.randint(0, 96, (2, 5)))
         _same_as_unsharded(model, sharded, lambda b, s: torch.randint(0, 96, (b, s)))
-        if experts == 4:  # greedy decoding through whole experts
+        if implementation is None:  # greedy decoding through whole experts; written back as transformers does
             ids = torch.randint(3, 96, (2, 5))
             got = autotp.generate(sharded, ids, max_new_tokens=4)
             assert torch.equal(got, model.generate(ids, max_new_tokens=4, do_sample=False)), got
+            autotp.save_pretrained(sharded, f"{directory}/saved")
 
 
-def test_expert_parallelism_is_exact():
-    run_ranks(2, _expert_parallel_exact)
+def test_expert_parallelism_is_exact(tmp_path):
+    from safetensors.torch import load_file
+    mixtral(layers=1).save_pretrained(tmp_path)  # experts stored one by one (experts.E.w1.weight, ...)
+    run_ranks(2, _expert_parallel_exact, str(tmp_path))
+    stored, saved = load_file(tmp_path / "model.safetensors"), load_file(tmp_path / "saved" / "model.safetensors")
+    assert stored.keys() == saved.keys() and all(torch.equal(stored[k], saved[k]) for k in stored)
 
 
 def test_the_cost_model_chooses_the_expert_strategy():

@@ -10,9 +10,10 @@ from torch.fx import Node
 from torch.fx.node import map_arg
 
 from autotp.runtime import collectives, local_ops, regather
-from autotp.runtime.placement import Partial, R, Replicate, Shard, take_local
+from autotp.runtime.placement import Disjoint, Partial, R, Replicate, Shard, take_local
 
 from .capture import module_path
+from .expert_rules import GROUPED_MM_FALLBACK, is_grouped_mm, offsets
 from .layout_rules import block_of, cut_range
 from .rules import held_heads
 from .strategies import adds_once, gradient_sums, is_observer, needs_grad, partial_grad, partial_params
@@ -81,11 +82,27 @@ def _localize(node: Node, strategy, rank: int, world: int) -> None:
             zeros = node.graph.call_function(local_ops.added_by_rank0, (node.args[at],))
         zeros.meta = dict(node.args[at].meta)
         node.update_arg(at, zeros)
+    elif isinstance(strategy.output, Disjoint) and (is_grouped_mm(node) or target == aten.index.Tensor):
+        _own_experts(node, strategy, rank, world)
     elif target == aten.embedding.default and isinstance(src, Shard) and src.dim == 0:
         weight, ids = node.args[:2]
         (start, _), = src.ranges(weight.meta["val"].shape[0], rank, world)
         padding = node.args[2] if len(node.args) > 2 else -1
         node.target, node.args, node.kwargs = local_ops.vocab_embedding, (weight, ids, start, padding), {}
+
+
+def _own_experts(node: Node, strategy, rank: int, world: int) -> None:
+    """Expert parallelism: this rank's experts compute their own tokens' rows, zeros the others'."""
+    if is_grouped_mm(node):
+        x, weight = node.args[:2]
+        first, _ = strategy.output.owned(_full_size(weight, 0), rank, world)
+        fallback = str(node.target) == GROUPED_MM_FALLBACK
+        node.target, node.args, node.kwargs = local_ops.expert_grouped_mm, (x, weight, offsets(node), first,
+                                                                            fallback), {}
+    else:
+        weight, (ids,) = node.args
+        first, _ = strategy.output.owned(_full_size(weight, 0), rank, world)
+        node.target, node.args, node.kwargs = local_ops.expert_rows, (weight, ids, first), {}
 
 
 def _attribute(gm: torch.nn.Module, target: str):

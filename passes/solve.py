@@ -22,7 +22,7 @@ from autotp.cost_models import collective_time, reshard_time
 from autotp.cost_models.compute import op_time
 from autotp.cost_models.memory import breakdown, smallest_fitting_world, state_factor
 from autotp.cost_models.topology import Topology
-from autotp.runtime.placement import P, R, Replicate, Shard
+from autotp.runtime.placement import Disjoint, Partial, R, Replicate, Shard
 
 from .expert_rules import GROUPED_MM_FALLBACK
 from .recompute import attention_cores, dropped, price_recompute
@@ -86,9 +86,13 @@ class Sizes:
         if not isinstance(out, torch.Tensor):
             return 0.0
         numel = math.prod(self(s) for s in out.shape)
-        if node.target in _MATMULS or str(node.target) in _MATMULS:
+        if _is_matmul(node):
             return 2.0 * numel * self(node.args[0].meta["val"].shape[-1])
         return float(numel)
+
+
+def _is_matmul(node: Node) -> bool:
+    return node.target in _MATMULS or str(node.target) in _MATMULS
 
 
 def _fraction(placement, world: int) -> float:
@@ -119,7 +123,9 @@ def _compute_time(node: Node, strategy, sizes: Sizes, world: int, topology: Topo
     all-reduce of its gradient (``paired``: shared with its weight or bias, so without the latency)."""
     moved = sizes.nbytes(node) + sum(sizes.nbytes(a) for a in node.all_input_nodes if is_placed(a))
     seconds = op_time(sizes.flops(node), moved, topology) if node.op == "call_function" else 0.0
-    if not strategy.replicated:
+    if isinstance(strategy.output, Disjoint):  # whole experts: the busiest rank's share of the products;
+        seconds *= _fraction(strategy.output.experts, world) if _is_matmul(node) else 1.0  # zeros are full size
+    elif not strategy.replicated:
         seconds *= _fraction(strategy.output, world) if isinstance(strategy.output, Shard) else 1 / world
     seconds = 3 * seconds if training else seconds  # backward costs about twice the forward
     out = strategy.output
@@ -282,7 +288,7 @@ def solve(gm: torch.fx.GraphModule, ctx: Context, topology: Topology, *, trainin
         edges += [(src, [(1, R)]) for src in returned]  # returned full on every rank
     else:  # shards stay where they are; partial sums are still reduced
         costs += [v * collective_time("all_reduce", sizes.nbytes(src), t, topology) for src in returned
-                  for v, s in zip(x[src], ctx.strategies[src], strict=True) if s.output == P]
+                  for v, s in zip(x[src], ctx.strategies[src], strict=True) if isinstance(s.output, Partial)]
     stored = stored_views(gm)
     for e, (src, wanted) in enumerate(edges):
         produced = [(v, s.output) for v, s in zip(x[src], ctx.strategies[src], strict=True)]
@@ -340,7 +346,7 @@ def _force_tokens(problem: pulp.LpProblem, ctx: Context, x: dict) -> None:
                             "after the first (export them with a dynamic sequence), or pass sequence_parallel=None")
     for node in split:
         for var, s in zip(x[node], ctx.strategies[node], strict=True):
-            if s.output == R or s.output == P:
+            if s.output == R or isinstance(s.output, Partial):
                 problem += var == 0
 
 

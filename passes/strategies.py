@@ -158,6 +158,8 @@ class Context:
     tokens: bool = False                             # offer sequence parallelism (token_options)
     token_symbols: set = field(default_factory=set)  # sizes of token dims: inputs' symbolic non-leading dims
     grad: set = field(default_factory=set)           # values on the weights' path (gradients flow)
+    experts: str | None = None                       # impose "tensor" or "parallel" experts (expert_rules.py)
+    routes: dict = field(default_factory=dict)       # node -> what routed its rows to experts, once
     _probes: dict = field(default_factory=dict)
     _options: dict = field(default_factory=dict)     # shard_options, once per (node, dim): hints are fixed by then
 
@@ -304,7 +306,9 @@ def rule_of(rules: dict, target):
     return rules.get(target) or rules.get(str(target))
 
 
-def enumerate_strategies(gm: torch.fx.GraphModule, ctx: Context, rules: dict) -> Context:
+def enumerate_strategies(gm: torch.fx.GraphModule, ctx: Context, rules: dict,
+                         more_rules: dict | None = None) -> Context:
+    """Every node's strategies: all-replicated, what its rule proposes, and what ``more_rules`` add to it."""
     weighted = needs_grad(gm)
     ctx.grad, ctx.token_symbols = weighted, token_symbols(gm)
     for node in gm.graph.nodes:
@@ -318,6 +322,9 @@ def enumerate_strategies(gm: torch.fx.GraphModule, ctx: Context, rules: dict) ->
         found = [all_r]
         rule = rule_of(rules, node.target) if node.op == "call_function" else None
         proposed = rule(node, ctx) if rule is not None else None  # None: no rule for this use of the op
+        more = rule_of(more_rules or {}, node.target) if node.op == "call_function" else None
+        added = more(node, ctx) if more is not None else []
+        proposed = proposed if not added else [*(proposed or ()), *added]
         found += [s for s in proposed or () if s not in found]
         if proposed is None and node.op == "call_function" and node in weighted:
             ctx.unruled.add(str(node.target))

@@ -375,7 +375,7 @@ def conversion_steps(src, dst, shape, rank: int, world: int, group: str, partial
     if partial_grad and isinstance(src, Shard) and isinstance(dst, Replicate):
         return [(gather_reduce_backward, args(src))]
     steps: list[tuple] = []
-    if src == dst:
+    if src == dst or (isinstance(src, Partial) and type(dst) is Partial):  # a disjoint partial is a partial sum
         return [(reduce_grad, (group, where))] if partial_grad else steps
     if isinstance(src, Partial) and isinstance(dst, Shard):
         return [(reduce_scatter, args(dst))]

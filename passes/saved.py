@@ -27,7 +27,8 @@ aten = torch.ops.aten
 VIEWS = {getattr(aten, name).default for name in
          ("view", "reshape", "_unsafe_view", "permute", "t", "expand", "unsqueeze", "alias", "detach",
           "split_with_sizes", "chunk")} | {
-    aten.transpose.int, aten.slice.Tensor, aten.select.int, aten.split.Tensor, aten.unbind.int, operator.getitem}
+    aten.transpose.int, aten.slice.Tensor, aten.select.int, aten.split.Tensor, aten.unbind.int, aten.squeeze.dim,
+    aten.squeeze.dims, operator.getitem}
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from autotp.runtime.placement import Disjoint, Partial, R, Replicate, Shard
 
 from .expert_rules import GROUPED_MM_FALLBACK
 from .recompute import attention_cores, dropped, price_recompute
-from .saved import element_bytes, kept, regathered
+from .saved import VIEWS, element_bytes, kept, regathered
 from .strategies import Context, bias_weights, coalesced, input_slots, is_placed, needs_grad, partial_grad, stored_views
 
 _MATMULS = {torch.ops.aten.linear.default, torch.ops.aten.mm.default, torch.ops.aten.bmm.default,
@@ -121,7 +121,8 @@ def _compute_time(node: Node, strategy, sizes: Sizes, world: int, topology: Topo
                   paired: bool = False) -> float:
     """Seconds of the op (forward and backward when training); for a parameter held grouped, also the
     all-reduce of its gradient (``paired``: shared with its weight or bias, so without the latency)."""
-    moved = sizes.nbytes(node) + sum(sizes.nbytes(a) for a in node.all_input_nodes if is_placed(a))
+    moved = 0.0 if node.target in VIEWS else (  # a view's output is its input: nothing is read or written
+        sizes.nbytes(node) + sum(sizes.nbytes(a) for a in node.all_input_nodes if is_placed(a)))
     seconds = op_time(sizes.flops(node), moved, topology) if node.op == "call_function" else 0.0
     if isinstance(strategy.output, Disjoint):  # whole experts: the busiest rank's share of the products;
         seconds *= _fraction(strategy.output.experts, world) if _is_matmul(node) else 1.0  # zeros are full size

@@ -20,6 +20,7 @@ from autotp.cost_models.compute import op_time
 from autotp.cost_models.layout import Candidate, Profile, Section, Setting, stage_memory, stage_ranges
 from autotp.mesh import _unit, _where
 from autotp.passes.fold import Fold, find_fold
+from autotp.passes.saved import VIEWS
 from autotp.passes.solve import _memory, activation_bytes
 from autotp.passes.strategies import Strategy, input_slots, needs_grad, replicated_like
 from autotp.runtime.placement import R
@@ -49,9 +50,9 @@ def block_profile(gm: torch.fx.GraphModule, fold: Fold, tp: int = 1, topology=No
     kept: dict = {}
     for node in gm.graph.nodes:
         section = kept.setdefault(where.get(node, "pre"), Section())
-        if node.op == "call_function":
-            # backward costs about twice the forward
-            section.seconds += 3 * op_time(sizes.flops(node), sizes.nbytes(node), topo) / unit / tp
+        if node.op == "call_function":  # backward costs about twice the forward; a view moves no bytes
+            moved = 0.0 if node.target in VIEWS else sizes.nbytes(node)
+            section.seconds += 3 * op_time(sizes.flops(node), moved, topo) / unit / tp
         for kind, held in _memory(node, Strategy((), R), sizes, 1, trainable, True).items():
             per_sample = kind in ("activations", "kv_cache")
             section.memory[kind] = section.memory.get(kind, 0.0) + held / tp / (unit if per_sample else 1)

@@ -167,7 +167,7 @@ def exactness() -> dict:
 
 def moe() -> dict:
     """A tiny Mixtral through autotp on CUDA, fp32 and bf16 (bf16 takes torch's own grouped_mm kernel on Hopper):
-    logits and gradients against the model, greedy generation."""
+    logits (the plan's strategy and whole experts imposed) and gradients against the model, greedy generation."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
     import autotp
@@ -180,8 +180,10 @@ def moe() -> dict:
         model = MixtralForCausalLM(config).to(DEVICE, dtype).eval()
         ids = torch.randint(0, 128, (3, 11), device=DEVICE)
         sharded = autotp.parallelize(model, (ids,), check_inputs=False)
+        whole = autotp.parallelize(model, (ids,), check_inputs=False, experts="parallel")  # the rank's own experts
         with torch.no_grad():
-            logits = _max_diff(sharded(ids).logits, model(ids).logits)
+            logits = max(_max_diff(sharded(ids).logits, model(ids).logits),
+                         _max_diff(whole(ids).logits, model(ids).logits))
         sharded(ids).logits.float().pow(2).mean().backward()
         model(ids).logits.float().pow(2).mean().backward()
         grads = autotp.full_state_dict(sharded, grads=True)

@@ -18,7 +18,7 @@ from torch.fx import Node
 
 from autotp.runtime.placement import P, Shard, simplest
 
-from .layout_rules import _mapped, cut_range, positive_dim, slice_
+from .layout_rules import _mapped, constant_positions, cut_range, gather, positive_dim, slice_
 from .strategies import Context, Strategy, contractible, value
 
 aten = torch.ops.aten
@@ -54,6 +54,8 @@ def index(node: Node, ctx: Context) -> list[Strategy] | None:
     behind the index's dims), a partial x stays partial; the indices are read whole."""
     if cut_range(node) is not None:
         return slice_(node, ctx)
+    if constant_positions(node) is not None:
+        return gather(node, ctx)
     x, indices = node.args[0], node.args[1]
     if not _integer_indices(indices):
         return None  # no rule: replicated, and said

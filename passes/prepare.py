@@ -10,6 +10,7 @@ from torch.fx import Node
 from autotp.runtime import local_ops
 
 from .expert_rules import hint_sources
+from .group_cuts import group_blocks
 from .layout_rules import cut_range, positive_dim, split, t, unsqueeze, view
 from .rules import RULES, matmul, pointwise
 from .strategies import Context, is_placed
@@ -180,7 +181,8 @@ def fused_block_hints(gm: torch.fx.GraphModule, ctx: Context) -> dict:
 def block_unit_hints(gm: torch.fx.GraphModule, ctx: Context) -> dict:
     """(node, dim) -> {(block sizes, units per block)}: fused projections whose pieces are cut into
     heads of their own (Phi-3's [8 query heads | 2 KV heads | 2 KV heads]).  A piece without heads of
-    its own is one unit when single KV heads are repeated (multi-query: every rank holds it).
+    its own is one unit when single KV heads are repeated (multi-query: every rank holds it).  Blocks
+    repeated per group and read by gathers add (blocks, units, finer units, groups) (passes/group_cuts.py).
 
     Needs ``ctx.units`` and ``ctx.covers`` (unit_hints, repeat_hints)."""
     work = []
@@ -192,7 +194,7 @@ def block_unit_hints(gm: torch.fx.GraphModule, ctx: Context) -> dict:
                      for p in pieces]
         if all(units) and any(u > 1 for u in units) and all(s % u == 0 for s, u in zip(sizes, units, strict=True)):
             work.append((x, dim, (sizes, tuple(units))))
-    return _walk_back(work, ctx)
+    return _walk_back(work + group_blocks(gm, ctx), ctx)
 
 
 def _heads_dim(node, dim: int, ctx: Context) -> bool:
@@ -281,8 +283,8 @@ def _in_flat_units(hint, rest: int):
         return hint  # a unit count
     if isinstance(hint[0], int):
         return tuple(c * rest for c in hint)  # block sizes
-    chunks, units = hint
-    return tuple(c * rest for c in chunks), units
+    chunks, *units = hint  # units per block, and the finer units and groups they follow, if any
+    return tuple(c * rest for c in chunks), *units
 
 
 def fuse_repeat_kv(gm: torch.fx.GraphModule) -> None:

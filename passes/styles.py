@@ -31,9 +31,9 @@ def _units_note(placement: Shard, size: int, world: int) -> str:
         counts = [placement.local_size(size, r, world) * units // size for r in range(world)]
         return f", uneven {name}: {','.join(map(str, counts))} of {units}"
     notes = []
-    for k in range(len(placement.chunks or (0,))):
+    for k in range(placement.count()):
         held = [placement.spans(r, world, k + 1)[k] for r in range(world)]
-        text = "|".join(str(first) if count == 1 else f"{first}-{first + count - 1}" for first, count in held)
+        text = "|".join({0: "-", 1: str(first)}.get(count, f"{first}-{first + count - 1}") for first, count in held)
         notes.append(f"heads {text} of {placement.parts(world, k)}")
     follows = f" (each rank holds what its share of {placement.of} query heads needs)" if placement.of else ""
     return ", " + "; ".join(notes) + follows

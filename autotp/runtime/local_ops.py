@@ -18,6 +18,12 @@ def repeat_heads(x: torch.Tensor, repeats: int, dim: int, in_start: int, out_sta
     return needed.narrow(dim, out_start - (first + in_start) * repeats, out_len)
 
 
+def gather_positions(x: torch.Tensor, dim: int, positions: tuple[int, ...]):
+    """``x.index_select(dim, positions)`` with this rank's positions in its own piece (a gather of heads whose
+    pieces several ranks hold: passes/group_cuts.py)."""
+    return x.index_select(dim, torch.tensor(positions, device=x.device))
+
+
 def vocab_embedding(weight: torch.Tensor, ids: torch.Tensor, start: int, padding_idx: int = -1):
     """Megatron's vocab-parallel lookup: rows [start, start + len) live here, other ids give zeros
     (the partial sums are all-reduced afterwards).  Zeros by masking, not by multiplying: the row

@@ -74,7 +74,8 @@ def param_styles(gm: torch.fx.GraphModule, choice: dict, world: int) -> dict:
                 added = any(user.target == aten.add.Tensor for user in node.users)
                 style = "bias split" if added else "vector split"  # a bias, or a norm's scale
             if placement.chunks:
-                style += f" (fused {len(placement.chunks)} blocks)"
+                groups = f" x {placement.groups} groups" if placement.groups else ""
+                style += f" (fused {len(placement.chunks)} blocks{groups})"
             style += _units_note(placement, int(node.meta["val"].shape[placement.dim]), world)
         styles[node.target] = style
     return styles

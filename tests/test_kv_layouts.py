@@ -173,3 +173,44 @@ def test_explain_prices_the_kv_layouts():
     chosen = next((ins.strip(), out.strip()) for _, ins, out, _ in rows if str(held) in ins)
     assert ("R, R", "R") in costs and len(costs) >= 3, rows  # replicated K projection, priced
     assert costs[chosen] <= costs[("R, R", "R")], costs
+
+
+def test_explain_prices_falcon_groups_split_inside():
+    """Falcon's new decoder architecture with 2 KV groups at 4 ranks: its fused query_key_value is split by
+    query heads inside each group, each rank holding its group's k and v rows too (the rows transformers'
+    packing gives its query heads); `autotp explain` prices that beside the replicated and the plain
+    row- and column-split products, and it costs least."""
+    from rich.console import Console
+
+    from autotp.tools.report import explain_table
+
+    plan = autotp.plan(build("falcon-010"), (torch.randint(0, 96, EXAMPLE),), world_size=4)
+    module = "transformer.h.0.self_attention.query_key_value"
+    held = parse(plan.params[f"{module}.weight"])
+    rows = len(falcon_qkv_rows("falcon-010", 0, 1))
+    assert [set(take_local(torch.arange(rows), held, r, 4).tolist()) for r in range(4)] == [
+        falcon_qkv_rows("falcon-010", r, 4) for r in range(4)], held
+
+    console = Console(width=250, record=True)
+    console.print(explain_table(plan, module))
+    lines = [line.split("│")[1:6] for line in console.export_text().splitlines() if "aten.matmul.default" in line]
+    costs = {(ins.strip(), out.strip()): cost.strip() for _, ins, out, cost, _ in lines}
+    chosen = next((ins.strip(), out.strip()) for _, ins, out, _, _ in lines if str(held.at(1)) in ins)
+    others = [("R, R", "R"), ("R, S(1)", "S(2)"), ("S(2), S(0)", "P")]  # replicated, column split, row split
+    assert all(costs[o] != "impossible" and float(costs[chosen]) < float(costs[o]) for o in others), costs
+
+
+
+def _from_pretrained_refused(rank: int, world: int, directory: str) -> None:
+    with pytest.raises(autotp.CheckpointError, match=r"lifted_tensor_0 is a tensor the model's forward creates.*"
+                                                     r"meta device.*build this model on a real device"):
+        autotp.from_pretrained(directory)
+    torch.distributed.barrier()  # a rank that returns early takes the rendezvous store with it
+
+
+def test_falcon_groups_from_pretrained_is_refused_clearly(tmp_path):
+    """from_pretrained builds the model on the meta device, where the positions Falcon's forward cuts its KV
+    groups with (``[-2]``, ``[-1]``) are unknown: refused with what to do, never run with made-up positions
+    (whatever the world size: one rank shows it)."""
+    build("falcon-010").save_pretrained(tmp_path)
+    run_ranks(1, _from_pretrained_refused, str(tmp_path))

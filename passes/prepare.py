@@ -224,7 +224,9 @@ def repeat_hints(gm: torch.fx.GraphModule) -> dict:
 
 
 def unit_hints(gm: torch.fx.GraphModule, ctx: Context) -> dict:
-    """(node, dim) -> unit counts, for flat dims later viewed as (units, rest): the heads of [b, s, H*d].
+    """(node, dim) -> unit counts, for flat dims later viewed as (units, rest): the heads of [b, s, H*d];
+    and for the rows of a product's second operand that contract heads merged back ([b, s, H, d] viewed as
+    [b, s, H*d], then ``@ w.T``: Falcon's dense), so its weight can be split by whole heads too.
 
     The producing matmul may then shard whole heads when H is not divisible by the world size
     (uneven), or hold one head of several ranks' worth when there are fewer heads than ranks.
@@ -239,6 +241,10 @@ def unit_hints(gm: torch.fx.GraphModule, ctx: Context) -> dict:
                 lead_out = [d for d in gj if dst[d] != 1]
                 if len(lead_in) == 1 and len(lead_out) > 1:
                     work.append((node.args[0], lead_in[0], dst[lead_out[0]]))
+                if len(lead_in) > 1 and len(lead_out) == 1 and lead_out[0] == len(dst) - 1:  # heads merged back
+                    work += [(b, len(ctx.shape(b)) - 2, src[lead_in[0]]) for user in node.users
+                             if RULES.get(user.target) is matmul and user.args[0] is node
+                             for b in [user.args[1]] if len(ctx.shape(b)) >= 2]
     return _walk_back(work, ctx)
 
 

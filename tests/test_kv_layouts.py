@@ -68,9 +68,11 @@ PARALLEL = ("falcon", "gptj")  # attention and MLP read the same input and their
 
 def falcon_qkv_rows(kind: str, rank: int, world: int) -> set:
     """The rows of Falcon's fused query_key_value weight that a rank computing its share of the 8 query heads
-    (dealt in order) needs, from the packing transformers' FalconAttention._split_heads reads (head dim 8):
-    multi-query [8 q | k | v]; new architecture per group [4 q | k | v]; otherwise per head [q | k | v]."""
-    heads = range(rank * 8 // world, (rank + 1) * 8 // world)
+    (dealt in order, the first 8 % world ranks one more) needs, from the packing transformers'
+    FalconAttention._split_heads reads (head dim 8): multi-query [8 q | k | v]; new architecture per group
+    [4 q | k | v]; otherwise per head [q | k | v]."""
+    base, extra = divmod(8, world)
+    heads = range(rank * base + min(rank, extra), (rank + 1) * base + min(rank + 1, extra))
     multi_query, new = (c == "1" for c in kind.split("-")[1][:2])
     if new:
         group = 8 // FALCON_GROUPS
@@ -138,7 +140,7 @@ def _check(rank: int, world: int, kinds: list) -> None:
 
 @pytest.mark.parametrize(("world", "kinds"), [
     (2, ["phi3", "bigcode", "llama-8-1", "falcon-101", "falcon-010"]),  # falcon: qkv cut by constant index
-    (3, ["phi3", "bigcode", "llama-8-2", "gptj"]),   # 8 heads 3,3,2; rank 1's heads need both KV heads
+    (3, ["phi3", "bigcode", "llama-8-2", "gptj", "falcon-010"]),  # 8 heads 3,3,2; rank 1 needs both KV heads
     (4, ["phi3", "bigcode", "llama-6-3", "falcon-100",    # 3 KV heads do not divide 4 ranks
          "falcon-010"]),  # 2 KV groups at 4 ranks: each rank holds 2 query heads and its group's k and v
 ])

@@ -80,23 +80,28 @@ def _group_chains(view: Node) -> list | None:
         at, start, end = bounds
         if not all(isinstance(n, int) for n in shape[at - 1:at + 1]) or shape[at - 1] < 2:
             return None
-        chain, piece = [cut], [concrete(n) for n in cut.meta["val"].shape]
+        chain, piece = [cut], _sizes(cut)
         user = next(iter(cut.users))
         if user.target in _BROADCASTS and end - start == 1 and len(user.users) == 1:
-            out = [concrete(n) for n in user.meta["val"].shape]
+            out = _sizes(user)
             if out[:at] + out[at + 1:] != piece[:at] + piece[at + 1:]:
                 return None
             chain, piece, user = [cut, user], out, next(iter(user.users))
-        merged = [concrete(n) for n in user.meta["val"].shape] if user.target in (*_VIEWS, aten.flatten.using_ints) \
-            else None
+        merged = _sizes(user) if user.target in (*_VIEWS, aten.flatten.using_ints) else None
         if merged != [*piece[:at - 1], piece[at - 1] * piece[at], *piece[at + 1:]]:
             return None
         chains.append((at, start, end - start, piece[at], cut, [*chain, user]))
     return chains if len({c[0] for c in chains}) == 1 else None
 
 
+def _sizes(node: Node) -> list:
+    """Static sizes as ints, symbolic ones by name (compared without guarding on them)."""
+    return [n if isinstance(n, int) else str(n) for n in map(concrete, node.meta["val"].shape)]
+
+
 def _constant(gm: torch.fx.GraphModule, near: Node, positions: list[int], device) -> tuple[str, torch.Tensor]:
-    """Store the positions as a constant of the module that made the cut (so identical blocks stay alike)."""
+    """Store the positions as a constant of the module that made the cut (so identical blocks stay alike); real
+    even for a meta model: they are known from the graph alone."""
     owner = module_path(near)
     try:
         module = gm.get_submodule(owner)
@@ -105,7 +110,7 @@ def _constant(gm: torch.fx.GraphModule, near: Node, positions: list[int], device
     k = 0
     while hasattr(module, f"autotp_positions_{k}"):
         k += 1
-    value = torch.tensor(positions, dtype=torch.int64, device=device)
+    value = torch.tensor(positions, dtype=torch.int64, device="cpu" if device.type == "meta" else device)
     setattr(module, f"autotp_positions_{k}", value)
     return (f"{owner}.autotp_positions_{k}" if owner else f"autotp_positions_{k}"), value
 

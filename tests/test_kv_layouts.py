@@ -51,34 +51,40 @@ def build(kind: str):
         return GPTJForCausalLM(GPTJConfig(
             vocab_size=96, n_embd=64, n_layer=LAYERS, n_head=8, rotary_dim=4, n_positions=64, use_cache=False,
             attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0, eos_token_id=0)).eval()
-    if kind.startswith("falcon"):  # falcon-<multi_query><new_decoder_architecture><bias>, e.g. falcon-101
+    if kind.startswith("falcon"):  # falcon-<multi_query><new_decoder_architecture><bias>[-heads-groups]
         from transformers import FalconConfig, FalconForCausalLM
         multi_query, new, bias = (c == "1" for c in kind.split("-")[1])
+        heads, groups = falcon_heads(kind)
         return FalconForCausalLM(FalconConfig(
-            vocab_size=96, hidden_size=64, num_hidden_layers=LAYERS, num_attention_heads=8,
-            num_kv_heads=FALCON_GROUPS if new else 8, multi_query=multi_query, new_decoder_architecture=new,
+            vocab_size=96, hidden_size=heads * 8, num_hidden_layers=LAYERS, num_attention_heads=heads,
+            num_kv_heads=groups if new else heads, multi_query=multi_query, new_decoder_architecture=new,
             bias=bias, alibi=False, max_position_embeddings=64, use_cache=False, attention_dropout=0.0,
             hidden_dropout=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=0)).eval()
     raise ValueError(kind)
 
 
-FALCON_GROUPS = 2  # new_decoder_architecture: 2 groups of [4 query heads | k | v]
 PARALLEL = ("falcon", "gptj")  # attention and MLP read the same input and their outputs are added
 
 
+def falcon_heads(kind: str) -> tuple[int, int]:
+    """Query heads and KV groups (new_decoder_architecture) of a falcon kind: 8 and 2 unless named."""
+    return tuple(map(int, kind.split("-")[2:])) or (8, 2)
+
+
 def falcon_qkv_rows(kind: str, rank: int, world: int) -> set:
-    """The rows of Falcon's fused query_key_value weight that a rank computing its share of the 8 query heads
-    (dealt in order, the first 8 % world ranks one more) needs, from the packing transformers'
-    FalconAttention._split_heads reads (head dim 8): multi-query [8 q | k | v]; new architecture per group
-    [4 q | k | v]; otherwise per head [q | k | v]."""
-    base, extra = divmod(8, world)
+    """The rows of Falcon's fused query_key_value weight that a rank computing its share of the H query heads
+    (dealt in order, the first H % world ranks one more) needs, from the packing transformers'
+    FalconAttention._split_heads reads (head dim 8): multi-query [H q | k | v]; new architecture per KV
+    group [H/groups q | k | v]; otherwise per head [q | k | v]."""
+    total, groups = falcon_heads(kind)
+    base, extra = divmod(total, world)
     heads = range(rank * base + min(rank, extra), (rank + 1) * base + min(rank + 1, extra))
     multi_query, new = (c == "1" for c in kind.split("-")[1][:2])
     if new:
-        group = 8 // FALCON_GROUPS
+        group = total // groups
         units = {g * (group + 2) + u for h in heads for g in [h // group] for u in [h % group, group, group + 1]}
     elif multi_query:
-        units = set(heads) | {8, 9}
+        units = set(heads) | {total, total + 1}
     else:
         units = {3 * h + u for h in heads for u in range(3)}
     return {8 * u + i for u in units for i in range(8)}
@@ -178,20 +184,24 @@ def test_explain_prices_the_kv_layouts():
 
 
 def test_explain_prices_falcon_groups_split_inside():
-    """Falcon's new decoder architecture with 2 KV groups at 4 ranks: its fused query_key_value is split by
-    query heads inside each group, each rank holding its group's k and v rows too (the rows transformers'
-    packing gives its query heads); `autotp explain` prices that beside the replicated and the plain
-    row- and column-split products, and it costs least."""
+    """Falcon's new decoder architecture with 3 KV groups of 4 query heads at 4 ranks (the groups do not
+    divide the ranks: rank 1's heads 3, 4, 5 span groups 0 and 1): its fused query_key_value is split by
+    query heads inside each group, each rank holding the k and v rows of its heads' groups too (the rows
+    transformers' packing gives its query heads); the plan's forward is Megatron's, and `autotp explain`
+    prices the split beside the replicated and the plain row- and column-split products: it costs least."""
     from rich.console import Console
 
     from autotp.tools.report import explain_table
 
-    plan = autotp.plan(build("falcon-010"), (torch.randint(0, 96, EXAMPLE),), world_size=4)
+    kind = "falcon-010-12-3"
+    plan = autotp.plan(build(kind), (torch.randint(0, 96, EXAMPLE),), world_size=4)
     module = "transformer.h.0.self_attention.query_key_value"
     held = parse(plan.params[f"{module}.weight"])
-    rows = len(falcon_qkv_rows("falcon-010", 0, 1))
+    rows = len(falcon_qkv_rows(kind, 0, 1))
     assert [set(take_local(torch.arange(rows), held, r, 4).tolist()) for r in range(4)] == [
-        falcon_qkv_rows("falcon-010", r, 4) for r in range(4)], held
+        falcon_qkv_rows(kind, r, 4) for r in range(4)], held
+    per_block = Counter(_block_of(c["module"]) for c in plan.collectives if c["phase"] == "forward")
+    assert all(per_block[b] <= 1 for b in range(1, LAYERS)) and per_block[0] <= 2, per_block
 
     console = Console(width=250, record=True)
     console.print(explain_table(plan, module))
@@ -200,7 +210,6 @@ def test_explain_prices_falcon_groups_split_inside():
     chosen = next((ins.strip(), out.strip()) for _, ins, out, _, _ in lines if str(held.at(1)) in ins)
     others = [("R, R", "R"), ("R, S(1)", "S(2)"), ("S(2), S(0)", "P")]  # replicated, column split, row split
     assert all(costs[o] != "impossible" and float(costs[chosen]) < float(costs[o]) for o in others), costs
-
 
 
 def _from_pretrained_refused(rank: int, world: int, directory: str) -> None:

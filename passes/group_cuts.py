@@ -47,6 +47,8 @@ def cuts_to_gathers(gm: torch.fx.GraphModule) -> None:
         with graph.inserting_before(node):
             flat = graph.call_function(node.target, (node.args[0], [*sizes[:at - 1], merged, *sizes[at + 1:]]))
         flat.meta = {**node.meta, "val": node.meta["val"].flatten(at - 1, at)}
+        for size in [user for user in node.users if user not in _cuts(node)]:
+            size.args = (flat, *size.args[1:])  # a leading dim, the same in both views (_group_chains)
         for _, start, length, copies, cut, chain in chains:
             positions = [g * width + start + (j if length == copies else 0) for g in range(groups)
                          for j in range(copies)]
@@ -73,7 +75,7 @@ def _group_chains(view: Node) -> list | None:
     [cut, broadcast?, merge]); None unless every use is such a chain."""
     shape = [concrete(n) for n in view.meta["val"].shape]
     chains = []
-    for cut in view.users:
+    for cut in _cuts(view):
         bounds = cut_range(cut) if cut.target in (aten.slice.Tensor, aten.index.Tensor) else None
         if bounds is None or bounds[0] < 1 or len(cut.users) != 1:
             return None
@@ -91,7 +93,14 @@ def _group_chains(view: Node) -> list | None:
         if merged != [*piece[:at - 1], piece[at - 1] * piece[at], *piece[at + 1:]]:
             return None
         chains.append((at, start, end - start, piece[at], cut, [*chain, user]))
-    return chains if len({c[0] for c in chains}) == 1 else None
+    at = {c[0] for c in chains}
+    leading = all(user.args[1] % len(shape) < min(at) - 1 for user in view.users if user not in _cuts(view))
+    return chains if len(at) == 1 and leading else None
+
+
+def _cuts(view: Node) -> list:
+    """The uses of ``view`` other than reading one of its sizes (a decode step reads the batch size)."""
+    return [user for user in view.users if user.target != aten.sym_size.int]
 
 
 def _sizes(node: Node) -> list:

@@ -186,12 +186,21 @@ _ALIASING = {aten.view.default, aten.reshape.default, aten._unsafe_view.default,
 
 
 def _written(node: Node) -> bool:
-    """Some op writes in place into ``node``'s value or a view of it."""
+    """Some op writes in place into ``node``'s value or a view of it (not merely reads it: a KV cache's
+    ``index_copy_`` writes the cache, not the new keys it is given)."""
     for user in node.users:
         schema = getattr(user.target, "_schema", None)
-        if (schema is not None and schema.is_mutable) or (user.target in _ALIASING and _written(user)):
+        if (schema is not None and schema.is_mutable and _writes(user, schema, node)) or \
+                (user.target in _ALIASING and _written(user)):
             return True
     return False
+
+
+def _writes(user: Node, schema, node: Node) -> bool:
+    """``user`` (a mutating op) writes into the argument ``node`` is passed as."""
+    given = {**dict(zip([a.name for a in schema.arguments], user.args, strict=False)), **user.kwargs}
+    return any(given.get(a.name) is node and a.alias_info is not None and a.alias_info.is_write
+               for a in schema.arguments)
 
 
 def block_of(shard: Shard, start: int, end: int) -> int | None:

@@ -152,6 +152,9 @@ def group_blocks(gm: torch.fx.GraphModule, ctx: Context) -> list:
 
 
 def _grouping(lists: list, size: int):
+    """(blocks, units, finer units, groups) that the gathers' position lists (one per gather, over a dim of
+    ``size``) read as, for the fewest groups (more than one) that fit; None if none does.  Only an offer:
+    the gather's rule still checks every rank."""
     of = len(lists[0])
     if any(len(p) != of for p in lists) or not isinstance(size, int):
         return None

@@ -24,7 +24,7 @@ from autotp.passes.prepare import (
 )
 from autotp.passes.recompute import attention_cores, checkpoint_cores
 from autotp.passes.rewrite import rewrite
-from autotp.passes.rules import RULES
+from autotp.passes.rules import MORE_RULES, RULES
 from autotp.passes.solve import DoesNotFit, PlanningError, Sizes, activation_bytes, solve
 from autotp.passes.strategies import Context, Strategy, enumerate_strategies, input_slots, needs_grad
 from autotp.passes.styles import param_styles
@@ -35,6 +35,7 @@ from .plan import Plan, PlanMismatch
 from .runtime.checkpoint import Checkpoint
 from .runtime.collectives import register
 from .runtime.conversion import model_conversions
+from .runtime.placement import Disjoint, Shard
 
 
 def _graph(model: torch.nn.Module, args, kwargs, fold: bool = False) -> torch.fx.GraphModule:
@@ -68,15 +69,19 @@ def _graph(model: torch.nn.Module, args, kwargs, fold: bool = False) -> torch.fx
 def _solve(gm: torch.fx.GraphModule, world_size: int, topology, min_shard_fraction: float = 0.02,
            training: bool = True, memory_limit: float | None = None, sizes: Sizes | None = None,
            fixed: dict | None = None, gather_outputs: bool = True, sequence_parallel: bool | None = None,
-           recompute: str | bool | None = None) -> Plan:
+           recompute: str | bool | None = None, experts: str | None = None, price_experts: bool = False) -> Plan:
     """``sequence_parallel``: True forces it, False rules it out, None offers it only when no plan without
     it fits in memory (the plain plan's all-reduces become reduce-scatters and all-gathers either way).
     ``recompute``: "selective" recomputes every attention core, False none, None offers it (priced per
-    core) only when no plan fits without it -- after sequence parallelism, as Korthikanti et al. order them."""
+    core) only when no plan fits without it -- after sequence parallelism, as Korthikanti et al. order them.
+    ``experts``: "tensor" or "parallel" imposes that split of mixture-of-experts layers, None lets the cost
+    choose; ``price_experts``: also price the best plan with each imposed (``plan.cost["experts"]``, reports)."""
     if sequence_parallel not in (None, True, False):
         raise ValueError(f"sequence_parallel must be None, True or False, got {sequence_parallel!r}")
     if recompute not in (None, "selective", False):
         raise ValueError(f'recompute must be None, "selective" or False, got {recompute!r}')
+    if experts not in (None, "tensor", "parallel"):
+        raise ValueError(f'experts must be None, "tensor" or "parallel", got {experts!r}')
     tries = [(tokens, "forced" if recompute else "off") for tokens in
              ([bool(sequence_parallel)] if sequence_parallel is not None else [False, True])]
     if recompute is None:
@@ -86,7 +91,8 @@ def _solve(gm: torch.fx.GraphModule, world_size: int, topology, min_shard_fracti
     for k, (tokens, again) in enumerate(tries):
         try:
             return _solve_once(gm, world_size, topology, min_shard_fraction, training, memory_limit, sizes, fixed,
-                               gather_outputs, tokens, force=bool(sequence_parallel), recompute=again)
+                               gather_outputs, tokens, force=bool(sequence_parallel), recompute=again,
+                               experts=experts, price_experts=price_experts)
         except DoesNotFit:
             if k == len(tries) - 1:
                 raise
@@ -94,16 +100,15 @@ def _solve(gm: torch.fx.GraphModule, world_size: int, topology, min_shard_fracti
 
 def _solve_once(gm: torch.fx.GraphModule, world_size: int, topology, min_shard_fraction: float,
                 training: bool, memory_limit: float | None, sizes: Sizes | None, fixed: dict | None,
-                gather_outputs: bool, tokens: bool, force: bool, recompute: str = "off") -> Plan:
+                gather_outputs: bool, tokens: bool, force: bool, recompute: str = "off",
+                experts: str | None = None, price_experts: bool = False) -> Plan:
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
     topo = load_topology(topology)
     if world_size > topo.devices:
         raise ValueError(f"world size {world_size} is larger than topology {topo.name} ({topo.devices} devices): "
                          "pick a topology with more devices (e.g. 2x-dgx-h100) or a smaller world size")
-    ctx = Context(world=world_size, min_shard_fraction=min_shard_fraction, fixed=fixed or {}, tokens=tokens)
-    add_hints(gm, ctx)
-    enumerate_strategies(gm, ctx, RULES)
+    ctx = _strategies(gm, world_size, min_shard_fraction, fixed, tokens, experts)
     folding = gm.meta.get("autotp_fold")
     if folding and any(ctx.strategies.get(a) != ctx.strategies.get(b) for a, b in folding.ties):
         raise PlanningError(f"the blocks of {folding.fold.path} look identical but offer different shardings: "
@@ -112,10 +117,16 @@ def _solve_once(gm: torch.fx.GraphModule, world_size: int, topology, min_shard_f
         warnings.warn(f"autotp: {len(ctx.unruled)} op(s) on the weights' path have no sharding rule and run "
                       f"replicated (correct, possibly slower): {', '.join(sorted(ctx.unruled))}", stacklevel=3)
     weights = folding.weights if folding else None
-    solution = solve(gm, ctx, topo, training=training, memory_limit=memory_limit, sizes=sizes,
+
+    def run(ctx: Context):
+        return solve(gm, ctx, topo, training=training, memory_limit=memory_limit, sizes=sizes,
                      gather_outputs=gather_outputs, weights=weights, ties=folding.ties if folding else (),
                      sequence_parallel=force, recompute=recompute)
+    solution = run(ctx)
     choice = solution.choice
+    offered = any(isinstance(s.output, Disjoint) for options in ctx.strategies.values() for s in options)
+    experts_cost = None if not (offered and price_experts) or fixed or experts else _expert_costs(
+        choice, lambda mode: run(_strategies(gm, world_size, min_shard_fraction, fixed, tokens, mode)).seconds)
     again = {node for core in solution.recomputed for node in core}
     expand = folding.fold.expand if folding else dict
     return Plan(
@@ -131,10 +142,36 @@ def _solve_once(gm: torch.fx.GraphModule, world_size: int, topology, min_shard_f
         shapes=expand({n.target: list(n.meta["val"].shape) for n in choice if n.op == "get_attr"}),
         alternatives=alternatives(gm, ctx, choice, topo, training, sizes),
         cost={"seconds": solution.seconds, "memory": solution.memory, "training": training,
-              **_activations_by_module(gm, ctx, choice, sizes, training, solution.recomputed)},
+              "regathers": [{"tensor": n.name, **priced} for n, priced in solution.regathers.items()],
+              **_activations_by_module(gm, ctx, choice, sizes, training, solution.recomputed),
+              **({"experts": experts_cost} if experts_cost else {})},
         replicated_ops=sorted(ctx.unruled),
         fold={"path": folding.fold.path, "count": folding.fold.count} if folding else None,
     )
+
+
+def _strategies(gm: torch.fx.GraphModule, world_size: int, min_shard_fraction: float, fixed: dict | None,
+                tokens: bool, experts: str | None) -> Context:
+    ctx = Context(world=world_size, min_shard_fraction=min_shard_fraction, fixed=fixed or {}, tokens=tokens,
+                  experts=experts)
+    add_hints(gm, ctx)
+    enumerate_strategies(gm, ctx, RULES, MORE_RULES)
+    return ctx
+
+
+def _expert_costs(choice: dict, step_seconds) -> dict:
+    """How the plan holds its experts (3-D parameters): whole experts per rank ("parallel"), each expert
+    split ("tensor"), both ("mixed") or neither ("replicated"); and the estimated step time of the best
+    plan with each imposed (None where none fits), for reports: the solver chose among all at once."""
+    kinds = {"parallel" if s.output.dim == 0 else "tensor" for n, s in choice.items()
+             if n.op == "get_attr" and n.meta["val"].dim() == 3 and isinstance(s.output, Shard)}
+    seconds = {}
+    for mode in ("tensor", "parallel"):
+        try:
+            seconds[mode] = step_seconds(mode)
+        except PlanningError:
+            seconds[mode] = None
+    return {"chosen": kinds.pop() if len(kinds) == 1 else "mixed" if kinds else "replicated", "seconds": seconds}
 
 
 def _activations_by_module(gm: torch.fx.GraphModule, ctx: Context, choice: dict, sizes: Sizes | None,
@@ -153,7 +190,8 @@ def _activations_by_module(gm: torch.fx.GraphModule, ctx: Context, choice: dict,
 
 def plan(model: torch.nn.Module, args=None, kwargs=None, *, world_size: int, topology=None,
          min_shard_fraction: float = 0.02, training: bool = True, memory_limit: float | None = None,
-         fold: bool = True, sequence_parallel: bool | None = None, recompute: str | bool | None = None) -> Plan:
+         fold: bool = True, sequence_parallel: bool | None = None, recompute: str | bool | None = None,
+         experts: str | None = None) -> Plan:
     """Find a sharding plan without any process group (the model may be on the meta device).
 
     Costs are estimated at the example inputs' sizes: pass realistic ones (on the meta device
@@ -163,10 +201,12 @@ def plan(model: torch.nn.Module, args=None, kwargs=None, *, world_size: int, top
     split the norms, dropouts and residual adds by tokens (Megatron's sequence parallelism): True,
     False, or None to take it only when memory demands it.  ``recompute``: recompute the attention cores
     in the backward instead of keeping their scores (Megatron's selective recomputation): "selective",
-    False, or None to take it where memory demands it (after sequence parallelism).
+    False, or None to take it where memory demands it (after sequence parallelism).  ``experts``: how
+    mixture-of-experts layers are split: "parallel" (whole experts per rank), "tensor" (every expert split
+    Megatron-style), or None to let the cost model choose (``plan.experts`` prices both).
     """
     return _solve(_graph(model, args, kwargs, fold), world_size, topology, min_shard_fraction, training, memory_limit,
-                  sequence_parallel=sequence_parallel, recompute=recompute)
+                  sequence_parallel=sequence_parallel, recompute=recompute, experts=experts, price_experts=True)
 
 
 def parallelize(model: torch.nn.Module, args=None, kwargs=None, *, plan: Plan | None = None, topology=None,
@@ -174,7 +214,7 @@ def parallelize(model: torch.nn.Module, args=None, kwargs=None, *, plan: Plan | 
                 memory_limit: float | None = None, timeout: float = DEFAULT_TIMEOUT, gather_outputs: bool = True,
                 fixed: dict | None = None, check_inputs: str | bool = "first",
                 verify: bool = False, sequence_parallel: bool | None = None,
-                recompute: str | bool | None = None) -> torch.nn.Module:
+                recompute: str | bool | None = None, experts: str | None = None) -> torch.nn.Module:
     """This rank's tensor-parallel copy of ``model``: same signature, full outputs on every rank.
 
     Rank 0 solves and shares the plan, so every rank runs the same program; ranks first check that
@@ -204,7 +244,7 @@ def parallelize(model: torch.nn.Module, args=None, kwargs=None, *, plan: Plan | 
         plan = Plan.from_json(rendezvous.share("plan", lambda: _solve(
             gm, world, topology, min_shard_fraction, training, memory_limit,
             gather_outputs=gather_outputs, fixed=fixed, sequence_parallel=sequence_parallel,
-            recompute=recompute).to_json()))
+            recompute=recompute, experts=experts).to_json()))
     rendezvous.agree("plan", hashlib.sha256(plan.to_json().encode()).hexdigest()[:16], "the plan")
     flagged: set = set()
     choice = _choice(gm, plan, graph_hash, world, flagged)

@@ -118,24 +118,41 @@ def to_hf_tp_plan(plan: Plan) -> tuple[dict, dict]:
     return out, unsupported
 
 
-_HF_WEIGHT = {"colwise": Shard(0), "colwise_gather_output": Shard(0), "local_colwise": Shard(0),
-              "rowwise": Shard(1), "rowwise_split_input": Shard(1), "local_rowwise": Shard(1)}
+# HF styles -> the dim of the weight they split, counted from the end as transformers counts it (a 3-D expert
+# tensor [E, out, in] splits like its 2-D matrices); "packed": gate|up split block by block; experts: dim 0
+_HF_WEIGHT = {"colwise": -2, "colwise_gather_output": -2, "local_colwise": -2, "packed_colwise": -2,
+              "rowwise": -1, "rowwise_split_input": -1, "local_rowwise": -1, "grouped_gemm": 0}
 
 
-def hf_parameter_placements(model) -> dict:
-    """Hugging Face's hand-written plan for this architecture, as parameter placements."""
+def _hf_shard(style: str, shape) -> Shard:
+    dim = _HF_WEIGHT[style] % len(shape)
+    return Shard(dim, (shape[dim] // 2,) * 2) if style == "packed_colwise" else Shard(dim)
+
+
+def hf_parameter_placements(model, expert_parallel: bool = False) -> dict:
+    """Hugging Face's hand-written plan for this architecture, as parameter placements; ``expert_parallel``:
+    its ep_plan (whole experts per rank) over the tp_plan."""
     config = getattr(model, "config", None)
     rules = {}
     prefix = getattr(model, "base_model_prefix", "")
-    for pattern, style in (getattr(config, "base_model_tp_plan", None) or {}).items():
-        rules[f"{prefix}.{pattern}" if prefix else pattern] = style
+    plans = [getattr(config, "base_model_tp_plan", None)]
+    plans += [getattr(config, "base_model_ep_plan", None)] if expert_parallel else []
+    for plan in plans:
+        for pattern, style in (plan or {}).items():
+            rules[f"{prefix}.{pattern}" if prefix else pattern] = style
     rules.update(getattr(type(model), "_tp_plan", None) or {})
     placements = {}
-    for name, _ in model.named_parameters(remove_duplicate=False):
+    for name, param in model.named_parameters(remove_duplicate=False):
         module, _, attr = name.rpartition(".")
         for pattern, style in rules.items():
-            if re.fullmatch(pattern.replace(".", r"\.").replace("*", r"\d+"), module) and style in _HF_WEIGHT:
-                weight = _HF_WEIGHT[style]
-                placements[name] = weight if attr == "weight" or weight.dim == 0 else R
+            regex = pattern.replace(".", r"\.").replace("*", r"\d+")
+            if style not in _HF_WEIGHT:
+                continue
+            if re.fullmatch(regex, name):  # a parameter the plan names (3-D experts)
+                placements[name] = _hf_shard(style, param.shape)
+                break
+            if re.fullmatch(regex, module):
+                weight = _hf_shard(style, param.shape) if attr == "weight" else None
+                placements[name] = weight or (Shard(0) if _HF_WEIGHT[style] == -2 else R)
                 break
     return placements

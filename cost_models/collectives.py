@@ -81,8 +81,8 @@ def reshard_collective(src, dst) -> str | None:
     """The collective that turns placement ``src`` into ``dst`` ('' if local, None if impossible)."""
     if src == dst:
         return ""
-    if isinstance(src, Partial):
-        return {Replicate: "all_reduce", Shard: "reduce_scatter"}.get(type(dst))
+    if isinstance(src, Partial):  # a disjoint partial (expert parallelism) is a partial sum as it stands
+        return {Replicate: "all_reduce", Shard: "reduce_scatter", Partial: ""}.get(type(dst))
     if isinstance(src, Replicate):
         return "" if isinstance(dst, Shard) else None
     if isinstance(src, Shard) and isinstance(dst, (Replicate, Shard)):
@@ -104,7 +104,7 @@ def reshard_time(src, dst, nbytes: float, group_size: int, topology: Topology | 
     if op is None:
         return None
     seconds = collective_time(op, nbytes, group_size, topology) if op else 0.0
-    if op == "" and src != dst:
+    if op == "" and isinstance(dst, Shard) and src != dst:
         seconds = nbytes / group_size / (topology.hbm_bandwidth * topology.memory_efficiency)  # a local slice
     back = backward_collective(src, dst) if backward else ""
     return seconds + (collective_time(back, nbytes, group_size, topology) if back else 0.0)

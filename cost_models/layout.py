@@ -167,7 +167,9 @@ def stage_memory(profile: Profile, ranges: list, stage: int, layout: Candidate, 
     flight = pipe.in_flight(layout.schedule, pp, microbatches, stage, layout.virtual_stages)
     if layout.recompute and blocks:  # each block's input is kept; one block at a time is recomputed whole
         largest = max(max(sums["kept_each"][start:end]) for start, end in ranges)
-        activations = (profile.boundary * blocks + around) * flight + largest
+        # under sequence parallelism a block's input is this rank's tokens (Korthikanti et al. 2022: 2sbh/t a layer)
+        kept_input = profile.boundary / profile.tp if profile.sequence_parallel else profile.boundary
+        activations = (kept_input * blocks + around) * flight + largest
     else:
         activations = (total("kept") + around) * flight
     return state + buffers + layout.microbatch_size * activations, params, grads

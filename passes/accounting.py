@@ -10,18 +10,23 @@ from autotp.cost_models.topology import Topology
 from autotp.runtime.placement import R, Shard, dump
 
 from .capture import module_path
-from .solve import Sizes, _activations, _compute_time, regathered
-from .strategies import Context, gradient_sums, input_slots, is_placed, needs_grad, partial_grad
+from .saved import kept, kept_whole, regathered
+from .solve import Sizes, _activations, _compute_time, regather_time
+from .strategies import Context, gradient_sums, input_slots, is_placed, needs_grad, partial_grad, partial_params
 
 
 def planned_collectives(gm: torch.fx.GraphModule, choice: dict, world: int, topology: Topology,
                         sizes: Sizes | None = None, weights: dict | None = None) -> list[dict]:
     """The collectives the rewriter will insert for ``choice`` (one per tensor and target placement;
-    ``count``: how many real tensors a folded graph's node stands for)."""
+    ``count``: how many real tensors a folded graph's node stands for; ``regather``: a backward all-gather of
+    tokens kept as this rank's piece, runtime/regather.py; ``tensors``: the replicated parameters whose partial
+    gradients one all-reduce sums, passes/strategies.partial_params)."""
     grad = needs_grad(gm)
     # ranks sharing a unit sum its gradient (a bias with its weight)
     found: dict = {(members[0], "group"): ("backward", "all_reduce") for members in gradient_sums(gm, choice, world)}
     pieces = regathered(choice, grad, _on_tokens)
+    together = partial_params(gm, choice, grad)  # one all-reduce for each list (of a dtype)
+    alone = {member for members in together for member in members}
     for node in gm.graph.nodes:
         strategy = choice.get(node)
         wants = strategy.inputs if strategy is not None else [R] * len(input_slots(node))
@@ -35,18 +40,27 @@ def planned_collectives(gm: torch.fx.GraphModule, choice: dict, world: int, topo
             if op:
                 found.setdefault((src, have, want), ("forward", op))
             if op == "all_gather" and src in pieces:  # kept as this rank's tokens: gathered again
-                found.setdefault((src, have, want, "again"), ("backward", "all_gather"))
+                found.setdefault((src, have, want, "again"), ("backward", "all_gather", {"regather": True}))
             back = backward_collective(have, want)
             if back and src in grad:
                 found.setdefault((src, have, want, "back"), ("backward", back))
-            if strategy is not None and partial_grad(node, strategy, want) and src in grad:
+            if strategy is not None and partial_grad(node, strategy, want) and src in grad and src not in alone:
                 # partial gradients summed: a reduce-scatter where the input was gathered from shards
                 found.setdefault((src, want, "grad"), ("backward", "reduce_scatter" if isinstance(have, Shard)
                                                        else "all_reduce"))
     sizes = sizes or Sizes()
-    return [{"op": op, "phase": phase, "tensor": src.name, "module": _module(src), "bytes": sizes.nbytes(src),
-             "seconds": collective_time(op, sizes.nbytes(src), world, topology), "count": (weights or {}).get(src, 1)}
-            for (src, *_), (phase, op) in found.items()]
+    count = (weights or {}).get
+    listed = [{"op": op, "phase": phase, "tensor": src.name, "module": _module(src), "bytes": sizes.nbytes(src),
+               "seconds": collective_time(op, sizes.nbytes(src), world, topology), "count": count(src, 1),
+               **(mark[0] if mark else {})}
+              for (src, *_), (phase, op, *mark) in found.items()]
+    for members in together:
+        nbytes = sum(count(m, 1) * sizes.nbytes(m) for m in members)
+        listed.append({"op": "all_reduce", "phase": "backward", "tensor": members[0].name,
+                       "module": _module(members[0]), "bytes": nbytes, "count": 1,
+                       "seconds": collective_time("all_reduce", nbytes, world, topology),
+                       "tensors": [m.name for m in members]})
+    return listed
 
 
 def _on_tokens(node: torch.fx.Node, strategy) -> bool:
@@ -65,7 +79,8 @@ def alternatives(gm: torch.fx.GraphModule, ctx: Context, choice: dict, topology:
     (``kept``: bytes per device its backward keeps under that option).
 
     Each alternative is priced as if only this op changed: its compute plus the conversions from its
-    producers' chosen placements and into its users' chosen ones (None where impossible).
+    producers' chosen placements and into its users' chosen ones (None where impossible), and the backward
+    re-gather of a tensor it splits by tokens or keeps gathered from tokens (sequence parallelism).
     """
     sizes = sizes or Sizes()
     world = ctx.world
@@ -77,6 +92,7 @@ def alternatives(gm: torch.fx.GraphModule, ctx: Context, choice: dict, topology:
             for src, want in zip(input_slots(node), wants, strict=True):
                 if src in choice and is_placed(src) and want is not None:
                     users_of.setdefault(src, []).append(want)
+    whole = kept_whole(choice, grad)
     out = {}
     for node, options in ctx.strategies.items():
         if len(options) < 2:
@@ -90,8 +106,23 @@ def alternatives(gm: torch.fx.GraphModule, ctx: Context, choice: dict, topology:
             for have, want, tensor in moves:
                 t = reshard_time(have, want, sizes.nbytes(tensor), world, topology)
                 total = None if t is None or total is None else total + t
-            kept = sum(held for _, held in _activations(node, s, sizes, world, grad))
+            for tensor in _regathered_near(node, s, choice, whole, grad, ctx.on_tokens):
+                total = None if total is None else total + regather_time(sizes.nbytes(tensor), world, topology)
+            held = sum(held for _, held in _activations(node, s, sizes, world, grad))
             priced.append({"in": [dump(p) for p in s.inputs], "out": dump(s.output), "seconds": total,
-                           "kept": kept, "chosen": s == choice[node]})
+                           "kept": held, "chosen": s == choice[node]})
         out[node.name] = sorted(priced, key=lambda a: (a["seconds"] is None, a["seconds"] or 0.0))
     return out
+
+
+def _regathered_near(node: torch.fx.Node, strategy, choice: dict, whole: dict, grad: set, on_tokens) -> set:
+    """The tensors re-gathered in the backward (saved.regathered) that ``node`` produces or keeps, were it to
+    take ``strategy`` with every other op as chosen (``whole``: kept_whole of the chosen plan)."""
+    keeps = {item.tensor for item in kept(node, strategy, grad) if item.kind == "value" and item.placement == R}
+    found = set()
+    for tensor in keeps | {node}:
+        producer = strategy if tensor is node else choice.get(tensor)
+        keepers = (whole.get(tensor, set()) - {node}) | ({node} & keeps)
+        if producer is not None and keepers and on_tokens(tensor, producer):
+            found.add(tensor)
+    return found

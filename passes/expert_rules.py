@@ -1,6 +1,11 @@
 """Sharding rules for mixture-of-experts layouts: expert weights as 3-D parameters ``[E, out, in]``.
 
-Experts are computed where they are stored.  Expert tensor parallelism (Megatron's) keeps every expert on
+Experts are computed where they are stored, in one of two ways the solver prices against each other.
+Expert parallelism deals whole experts out to the ranks (``S(0)``, or ``S(0/E)`` unevenly: 6 experts on 4
+ranks hold 2,2,1,1): a rank computes the rows routed to its own experts and zeros elsewhere, a disjoint
+partial sum ``D`` (placement.py), which ops mapping 0 to 0 carry on (silu, products of rows routed alike)
+until the all-reduce the layer needs anyway sums it -- the all-reduce variant of Megatron's expert
+parallelism, without token dispatch.  Expert tensor parallelism (Megatron's) keeps every expert on
 every rank and splits each one like a dense MLP: gate/up by output rows, down by input columns, so the
 expert outputs are partial sums and the layer needs one all-reduce.  The ops that carry such a shard:
   grouped matmuls  ``grouped_mm(x[S, K], w[E, K, N], offs)`` (torch's ``_grouped_mm`` and transformers'
@@ -13,32 +18,61 @@ expert outputs are partial sums and the layer needs one all-reduce.  The ops tha
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch.fx import Node
 
-from autotp.runtime.placement import P, Shard, simplest
+from autotp.runtime.placement import Disjoint, P, Shard, simplest
 
 from .layout_rules import _mapped, constant_positions, cut_range, gather, positive_dim, slice_
-from .strategies import Context, Strategy, contractible, value
+from .strategies import LAYOUT_OPS, Context, Strategy, contractible, is_placed, value
 
 aten = torch.ops.aten
 # transformers registers its op when its MoE integration is imported; rules find it by name
 GROUPED_MM_FALLBACK = "transformers.grouped_mm_fallback.default"
 
 
+def offsets(node: Node):
+    """A grouped matmul's ``offs`` (each expert's rows end there: tokens sorted by expert)."""
+    return node.args[2] if len(node.args) > 2 else node.kwargs.get("offs")
+
+
+def is_grouped_mm(node: Node) -> bool:
+    return node.target == aten._grouped_mm.default or str(node.target) == GROUPED_MM_FALLBACK
+
+
 def grouped_mm(node: Node, ctx: Context) -> list[Strategy]:
     """``x[S, K] @ w[e]`` for the rows of each expert group e: split N (w's last dim; the output's columns),
-    or contract a split K (x's columns and w's rows: partial sums); a partial x gives partial outputs."""
+    or contract a split K (x's columns and w's rows: partial sums); a partial x gives partial outputs.
+    Or whole experts (w's dim 0): this rank's experts' rows, from x whole or from x's rows computed by the
+    same experts under the same offsets (a disjoint partial)."""
     x, w = node.args[0], node.args[1]
     bias = node.args[3] if len(node.args) > 3 else node.kwargs.get("bias")
-    if len(ctx.shape(x)) != 2 or len(ctx.shape(w)) != 3 or bias is not None:
+    if len(ctx.shape(x)) != 2 or len(ctx.shape(w)) != 3 or bias is not None or offsets(node) is None:
         return []
-    found = [Strategy(ctx.fill(node, {w: s.at(2)}), s) for s in ctx.shard_options(node, 1)]
-    for s in contractible(ctx.output_options(x) + ctx.shard_options(x, 1), 1, ctx.world):
-        if s in ctx.shard_options(w, 1):
-            found.append(Strategy(ctx.fill(node, {x: s, w: s}), P))
+    found = []
+    if ctx.experts != "parallel":
+        found += [Strategy(ctx.fill(node, {w: s.at(2)}), s) for s in ctx.shard_options(node, 1)]
+        for s in contractible(ctx.output_options(x) + ctx.shard_options(x, 1), 1, ctx.world):
+            if s in ctx.shard_options(w, 1):
+                found.append(Strategy(ctx.fill(node, {x: s, w: s}), P))
+    for s, out in _whole_experts(w, ctx):
+        found.append(Strategy(ctx.fill(node, {w: s}), out))
+        if out in ctx.output_options(x) and routing(x, ctx.routes) == routing(node, ctx.routes):
+            found.append(Strategy(ctx.fill(node, {x: out, w: s}), out))
     found.append(Strategy(ctx.fill(node, {x: P}), P))
     return found
+
+
+def _whole_experts(w: Node, ctx: Context) -> list[tuple[Shard, Disjoint]]:
+    """Ways to deal out whole experts (``w``'s dim 0), each to one rank, and the disjoint partial sums
+    that computing with them gives; none when expert tensor parallelism is imposed."""
+    if ctx.experts == "tensor":
+        return []
+    count = ctx.shape(w)[0]
+    return [(s, Disjoint(simplest(s.at(0), count, ctx.world))) for s in ctx.shard_options(w, 0)
+            if s.chunks is None and not s.grouped(ctx.world) and not s.whole(ctx.world)]
 
 
 def _integer_indices(indices) -> bool:
@@ -62,7 +96,9 @@ def index(node: Node, ctx: Context) -> list[Strategy] | None:
     k, n, out = len(indices), len(ctx.shape(x)), len(ctx.shape(node))
     shift = out - n  # x dim d (d >= k) is output dim d + shift: the indices' dims replace x's first k
     found = [Strategy(ctx.fill(node, {x: P}), P)]
-    for d in range(k, n):
+    experts = _whole_experts(x, ctx) if routing(node, ctx.routes) is not None else []
+    found += [Strategy(ctx.fill(node, {x: s}), d) for s, d in experts]  # one expert's rows per routed token
+    for d in range(k if not (experts and ctx.experts == "parallel") else n, n):
         found += [Strategy(ctx.fill(node, {x: s}), s.at(d + shift)) for s in ctx.shard_options(x, d)
                   if ctx.shape(node)[d + shift] == ctx.shape(x)[d]]
     return found
@@ -122,6 +158,82 @@ def hint_sources(node: Node, dim: int, ctx: Context) -> list[tuple[Node, int]]:
         return [(args[0], d)] if d >= len(args[1]) else []
     return []
 
+
+# ops that map 0 to 0 element by element: a disjoint partial stays one (one nonzero summand per element)
+_ZERO_KEEPING = {aten.silu.default, aten.relu.default, aten.gelu.default, aten.tanh.default, aten.neg.default,
+                 aten.clone.default, aten.contiguous.default, aten.alias.default, aten.detach.default,
+                 aten.to.dtype, aten._to_copy.default, aten.mul.Scalar}
+# ops that keep the rows (dim 0) where they are: a dim-0 cut would lose which expert each row went to
+_ROW_KEEPING = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.slice.Tensor,
+                aten.squeeze.dim, aten.unsqueeze.default}
+_PRODUCTS = {aten.mul.Tensor, aten.add.Tensor, aten.bmm.default}
+
+
+def routing(node: Node, memo: dict | None = None) -> tuple[Node, int] | None:
+    """What routed ``node``'s rows to experts, where its rows come from an expert op through ops that keep
+    rows: (a grouped matmul's offsets, or the ids of a weight's lookup ``w[ids]``; the number of experts).
+    Two disjoint partials of one routing hold the same rows on the same rank (when their experts are dealt
+    alike: the same shard of the same number of experts)."""
+    memo = {} if memo is None else memo
+    if node not in memo:
+        memo[node] = _routing(node, memo) if isinstance(node, Node) and node.op == "call_function" else None
+    return memo[node]
+
+
+def _routing(node: Node, memo: dict) -> tuple[Node, int] | None:
+    if is_grouped_mm(node):
+        return offsets(node), value(node.args[1]).shape[0]
+    if node.target == aten.index.Tensor:
+        ids, weight = node.args[1], node.args[0]
+        while weight.op == "call_function" and weight.target in LAYOUT_OPS:
+            weight = weight.args[0]
+        found = len(ids) == 1 and _integer_indices(ids) and weight.op == "get_attr"
+        return (ids[0], value(node.args[0]).shape[0]) if found else None
+    if node.target in _ZERO_KEEPING or node.target in _ROW_KEEPING or node.target is operator.getitem:
+        return routing(node.args[0], memo)
+    if node.target in _PRODUCTS:
+        found = {routing(a, memo) for a in node.args[:2]} - {None}
+        return found.pop() if len(found) == 1 else None
+    return None
+
+
+def _keeps_rows(node: Node) -> bool:
+    """Whether a layout op leaves dim 0 (the routed rows) alone: it splits, cuts or adds another dim."""
+    if node.target not in _ROW_KEEPING:
+        return True
+    splits = node.target in (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default)
+    at = node.args[2 if splits else 1] if len(node.args) > (2 if splits else 1) else node.kwargs.get("dim", 0)
+    shaped = node if node.target == aten.unsqueeze.default else node.args[0]
+    return positive_dim(at, len(value(shaped).shape)) != 0
+
+
+def disjoint(node: Node, ctx: Context) -> list[Strategy]:
+    """A disjoint partial through ops that keep it one: zero-keeping ops and row-keeping layout ops of it;
+    its product with a whole tensor; the sum or product of two routed alike (same routing, same experts)."""
+    if ctx.experts == "tensor" or not _keeps_rows(node) or routing(node, ctx.routes) is None:
+        return []
+    def held(a: Node) -> list:
+        return [p for p in ctx.output_options(a) if isinstance(p, Disjoint)] if isinstance(a, Node) else []
+
+    if node.target not in _PRODUCTS:
+        x = node.args[0]
+        count = len(value(node)) if isinstance(value(node), (list, tuple)) else None
+        return [Strategy(ctx.fill(node, {x: d}), d if count is None else (d,) * count) for d in held(x)]
+    shape = ctx.shape(node)
+    options = {a: held(a) for a in node.args[:2] if isinstance(a, Node) and is_placed(a) and  # rows not broadcast
+               len(ctx.shape(a)) == len(shape) and ctx.probe(ctx.shape(a)[0]) == ctx.probe(shape[0])}
+    a, b = node.args[:2]
+    found = []
+    alike = a is not b and routing(a, ctx.routes) == routing(b, ctx.routes)
+    for d in dict.fromkeys([*options.get(a, []), *options.get(b, [])]):
+        if node.target != aten.add.Tensor:  # a product: the other operand may be whole
+            found += [Strategy(ctx.fill(node, {x: d}), d) for x in (a, b) if d in options.get(x, [])]
+        if alike and d in options.get(a, []) and d in options.get(b, []):
+            found.append(Strategy(ctx.fill(node, {a: d, b: d}), d))
+    return found
+
+
+DISJOINT_OPS = _ZERO_KEEPING | _ROW_KEEPING | _PRODUCTS
 
 EXPERT_RULES = {
     aten._grouped_mm.default: grouped_mm,

@@ -10,12 +10,13 @@ from torch.fx import Node
 from torch.fx.node import map_arg
 
 from autotp.runtime import collectives, local_ops, regather
-from autotp.runtime.placement import Partial, R, Replicate, Shard, take_local
+from autotp.runtime.placement import Disjoint, Partial, R, Replicate, Shard, take_local
 
 from .capture import module_path
+from .expert_rules import GROUPED_MM_FALLBACK, is_grouped_mm, offsets
 from .layout_rules import block_of, constant_positions, cut_range, gathered
 from .rules import held_heads
-from .strategies import adds_once, gradient_sums, is_observer, needs_grad, partial_grad
+from .strategies import adds_once, gradient_sums, is_observer, needs_grad, partial_grad, partial_params
 
 aten = torch.ops.aten
 
@@ -86,11 +87,27 @@ def _localize(node: Node, strategy, rank: int, world: int) -> None:
             zeros = node.graph.call_function(local_ops.added_by_rank0, (node.args[at],))
         zeros.meta = dict(node.args[at].meta)
         node.update_arg(at, zeros)
+    elif isinstance(strategy.output, Disjoint) and (is_grouped_mm(node) or target == aten.index.Tensor):
+        _own_experts(node, strategy, rank, world)
     elif target == aten.embedding.default and isinstance(src, Shard) and src.dim == 0:
         weight, ids = node.args[:2]
         (start, _), = src.ranges(weight.meta["val"].shape[0], rank, world)
         padding = node.args[2] if len(node.args) > 2 else -1
         node.target, node.args, node.kwargs = local_ops.vocab_embedding, (weight, ids, start, padding), {}
+
+
+def _own_experts(node: Node, strategy, rank: int, world: int) -> None:
+    """Expert parallelism: this rank's experts compute their own tokens' rows, zeros the others'."""
+    if is_grouped_mm(node):
+        x, weight = node.args[:2]
+        first, _ = strategy.output.owned(_full_size(weight, 0), rank, world)
+        fallback = str(node.target) == GROUPED_MM_FALLBACK
+        node.target, node.args, node.kwargs = local_ops.expert_grouped_mm, (x, weight, offsets(node), first,
+                                                                            fallback), {}
+    else:
+        weight, (ids,) = node.args
+        first, _ = strategy.output.owned(_full_size(weight, 0), rank, world)
+        node.target, node.args, node.kwargs = local_ops.expert_rows, (weight, ids, first), {}
 
 
 def _attribute(gm: torch.nn.Module, target: str):
@@ -180,26 +197,29 @@ def _where(node: Node) -> str:
     return f"{node.name} ({node.target}) in {module_path(node) or 'the top-level module'}"
 
 
-def _sum_gradients(graph: torch.fx.Graph, members: list, choice: dict, placed: dict, rank: int, world: int,
-                   group: str) -> None:
-    """Ranks sharing a unit of these parameters each hold part of its gradient: one backward all-reduce sums
-    them all (vLLM's replicated KV heads; a multi-query projection's weight and bias together)."""
+def _sum_gradients(graph: torch.fx.Graph, members: list, layouts: list, rank: int, world: int, group: str) -> list:
+    """One backward all-reduce sums the gradients of these parameters where ranks hold parts of them: units
+    shared by several ranks (vLLM's replicated KV heads; a multi-query projection's weight and bias together),
+    or replicated parameters that sharded ops read (``layouts``: S(0/1), one unit every rank holds).  Returns
+    the nodes to read each parameter through, in order; their backward runs once all of them have gradients."""
     for member in members[1:]:  # side by side (a get_attr reads nothing), so the sum can follow them
         members[0].append(member)
     last = members[0]
     while last.next in members:
         last = last.next
-    layouts = [(s.dim, s.chunks, s.units, s.of, s.groups, _full_size(m, s.dim))
-               for m in members for s in [choice[m].output]]
+    where = " and ".join(_where(m) for m in members[:3]) + (f" and {len(members) - 3} more" if len(members) > 3 else "")
     with graph.inserting_after(last):
-        summed = graph.call_function(collectives.sum_group_grads, (
-            list(members), layouts, rank, world, group, " and ".join(_where(m) for m in members)))
+        summed = graph.call_function(collectives.sum_group_grads, (list(members), layouts, rank, world, group, where))
+    items = []
     for i, member in reversed(list(enumerate(members))):
         with graph.inserting_after(summed):
-            item = graph.call_function(operator.getitem, (summed, i))
-        item.meta = dict(member.meta)
-        member.replace_all_uses_with(item, delete_user_cb=lambda user, keep=summed: user is not keep)
-        placed[item] = choice[member].output
+            items.append(graph.call_function(operator.getitem, (summed, i)))
+        items[-1].meta = dict(member.meta)
+    return items[::-1]
+
+
+def _layout(shard: Shard, node: Node) -> tuple:
+    return shard.dim, shard.chunks, shard.units, shard.of, shard.groups, _full_size(node, shard.dim)
 
 
 class _TokenSizes:
@@ -255,7 +275,14 @@ def rewrite(gm: torch.fx.GraphModule, choice: dict, rank: int, world: int, group
 
     params = {}
     for members in gradient_sums(gm, choice, world):
-        _sum_gradients(graph, members, choice, placed, rank, world, group)
+        layouts = [_layout(choice[m].output, m) for m in members]
+        for member, item in zip(members, _sum_gradients(graph, members, layouts, rank, world, group), strict=True):
+            member.replace_all_uses_with(item, delete_user_cb=lambda user, keep=item.args[0]: user is not keep)
+            placed[item] = choice[member].output
+    for members in partial_params(gm, choice, grad):  # read as replicated by sharded ops: where those read them
+        layouts = [_layout(Shard(0, units=1), m) for m in members]
+        for member, item in zip(members, _sum_gradients(graph, members, layouts, rank, world, group), strict=True):
+            converted[(member, R, True)] = item
     for node in list(graph.nodes):
         if node.op == "get_attr" and node in choice:
             placed[node] = params[node.target] = choice[node].output

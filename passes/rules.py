@@ -14,7 +14,7 @@ from torch.fx import Node
 
 from autotp.runtime.placement import P, R, Shard
 
-from .expert_rules import EXPERT_RULES
+from .expert_rules import DISJOINT_OPS, EXPERT_RULES, disjoint
 from .layout_rules import (
     cat,
     expand,
@@ -281,4 +281,5 @@ RULES = {
     **dict.fromkeys([aten.cat.default, aten.stack.default], cat),
     **EXPERT_RULES,  # mixture-of-experts layouts (3-D expert weights); its strided slice extends slice_
 }
-
+# rules that add to an op's own (expert parallelism's disjoint partials carried through it)
+MORE_RULES = dict.fromkeys(DISJOINT_OPS, disjoint)

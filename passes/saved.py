@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Node
 
+from autotp.runtime.placement import R
+
 from .strategies import input_slots, is_placed
 
 aten = torch.ops.aten
@@ -155,3 +157,19 @@ def element_bytes(item: Kept, numel: float) -> float:
             return 2 * 4 * rows
         return 4 * numel / val.shape[-1]  # attention: one fp32 log-sum-exp per query row
     return numel * val.element_size()
+
+
+def kept_whole(choice: dict, grad: set) -> dict:
+    """tensor -> the ops that keep it whole (gathered) for their backward."""
+    found: dict = {}
+    for node, strategy in choice.items():
+        for item in kept(node, strategy, grad):
+            if item.kind == "value" and item.placement == R:
+                found.setdefault(item.tensor, set()).add(node)
+    return found
+
+
+def regathered(choice: dict, grad: set, on_tokens) -> set:
+    """Token-split tensors that some op keeps gathered for its backward: the runtime stores this rank's
+    piece and gathers it again in the backward instead (autotp.runtime.regather)."""
+    return {tensor for tensor in kept_whole(choice, grad) if tensor in choice and on_tokens(tensor, choice[tensor])}

@@ -2,7 +2,8 @@
 
 The objective is estimated time per training step: compute (divided by N when sharded) +
 resharding collectives (each (tensor, target placement) paid once, however many users share it) +
-the backward all-reduce that a replicated input of a sharded op needs (Megatron's ``f``).
+the backward all-reduce that a replicated input of a sharded op needs (Megatron's ``f``; replicated
+parameters' in one all-reduce, one latency) + the backward all-gather of tokens kept as this rank's piece.
 Memory enters through the parameter options (strategies.py): large parameters are only offered
 sharded, so no global constraint couples the blocks and CBC stays fast; the per-device capacity
 constraint is added only when the fastest plan does not fit.
@@ -21,12 +22,12 @@ from autotp.cost_models import collective_time, reshard_time
 from autotp.cost_models.compute import op_time
 from autotp.cost_models.memory import breakdown, smallest_fitting_world, state_factor
 from autotp.cost_models.topology import Topology
-from autotp.runtime.placement import P, R, Replicate, Shard
+from autotp.runtime.placement import Disjoint, Partial, R, Replicate, Shard
 
 from .expert_rules import GROUPED_MM_FALLBACK
 from .recompute import attention_cores, dropped, price_recompute
-from .saved import element_bytes, kept
-from .strategies import Context, bias_weights, input_slots, is_placed, needs_grad, partial_grad, stored_views
+from .saved import element_bytes, kept, regathered
+from .strategies import Context, bias_weights, coalesced, input_slots, is_placed, needs_grad, partial_grad, stored_views
 
 _MATMULS = {torch.ops.aten.linear.default, torch.ops.aten.mm.default, torch.ops.aten.bmm.default,
             torch.ops.aten.matmul.default, torch.ops.aten.scaled_dot_product_attention.default,
@@ -53,6 +54,8 @@ class Solution:
     seconds: float        # estimated step time of the chosen plan
     memory: dict          # estimated bytes per device by kind (cost_models.memory.breakdown)
     recomputed: list = field(default_factory=list)  # attention cores whose backward computes them again
+    regathers: dict = field(default_factory=dict)   # tensor kept as token pieces -> its backward re-gather's
+    #                                                 {"bytes", "count" (folded), "seconds" (all counts)}
 
 
 class Sizes:
@@ -83,9 +86,13 @@ class Sizes:
         if not isinstance(out, torch.Tensor):
             return 0.0
         numel = math.prod(self(s) for s in out.shape)
-        if node.target in _MATMULS or str(node.target) in _MATMULS:
+        if _is_matmul(node):
             return 2.0 * numel * self(node.args[0].meta["val"].shape[-1])
         return float(numel)
+
+
+def _is_matmul(node: Node) -> bool:
+    return node.target in _MATMULS or str(node.target) in _MATMULS
 
 
 def _fraction(placement, world: int) -> float:
@@ -116,7 +123,9 @@ def _compute_time(node: Node, strategy, sizes: Sizes, world: int, topology: Topo
     all-reduce of its gradient (``paired``: shared with its weight or bias, so without the latency)."""
     moved = sizes.nbytes(node) + sum(sizes.nbytes(a) for a in node.all_input_nodes if is_placed(a))
     seconds = op_time(sizes.flops(node), moved, topology) if node.op == "call_function" else 0.0
-    if not strategy.replicated:
+    if isinstance(strategy.output, Disjoint):  # whole experts: the busiest rank's share of the products;
+        seconds *= _fraction(strategy.output.experts, world) if _is_matmul(node) else 1.0  # zeros are full size
+    elif not strategy.replicated:
         seconds *= _fraction(strategy.output, world) if isinstance(strategy.output, Shard) else 1 / world
     seconds = 3 * seconds if training else seconds  # backward costs about twice the forward
     out = strategy.output
@@ -151,12 +160,9 @@ def _activations(node: Node, strategy, sizes: Sizes, world: int, grad: set) -> l
     return found
 
 
-def regathered(choice: dict, grad: set, on_tokens) -> set:
-    """Token-split tensors that some op keeps gathered for its backward: the runtime stores this rank's
-    piece and gathers it again in the backward instead (autotp.runtime.regather)."""
-    return {item.tensor for node, strategy in choice.items() for item in kept(node, strategy, grad)
-            if item.kind == "value" and item.placement == R and item.tensor in choice
-            and on_tokens(item.tensor, choice[item.tensor])}
+def regather_time(nbytes: float, world: int, topology: Topology) -> float:
+    """A tensor kept as this rank's tokens is all-gathered again when the backward reads it."""
+    return collective_time("all_gather", nbytes, world, topology)
 
 
 def activation_bytes(choice: dict, sizes: Sizes, world: int, grad: set, on_tokens=None, recomputed=()) -> dict:
@@ -227,6 +233,7 @@ def solve(gm: torch.fx.GraphModule, ctx: Context, topology: Topology, *, trainin
     costs += recompute_costs
     frees = {key: r for core, r in zip(cores, again, strict=True)
              for key in dropped({key: nodes for key, (_, _, nodes) in saves.items()}, core)}
+    gathers: dict = {}     # tensor kept as token pieces -> (1 iff re-gathered in the backward, its seconds)
     for k, (key, (held, chosen, _)) in enumerate(saves.items()):
         kept_var = problem.add_variable(f"a{k}", lowBound=0, upBound=1)  # 1 iff some chosen option keeps it
         problem += kept_var <= pulp.lpSum(chosen)
@@ -240,6 +247,9 @@ def solve(gm: torch.fx.GraphModule, ctx: Context, topology: Topology, *, trainin
             problem += whole >= kept_var - pulp.lpSum(split)
             problem += piece >= kept_var + pulp.lpSum(split) - 1
             term = w(key[0], 1) * held * (whole + piece / t)
+            gathers[key[0]] = (piece, {"bytes": held, "count": w(key[0], 1),
+                                       "seconds": w(key[0], 1) * regather_time(held, t, topology)})
+            costs.append(piece * gathers[key[0]][1]["seconds"])
         elif key in frees:  # kept unless its attention core is recomputed
             still = problem.add_variable(f"a{k}r", lowBound=0)
             problem += still >= kept_var - frees[key]
@@ -278,7 +288,7 @@ def solve(gm: torch.fx.GraphModule, ctx: Context, topology: Topology, *, trainin
         edges += [(src, [(1, R)]) for src in returned]  # returned full on every rank
     else:  # shards stay where they are; partial sums are still reduced
         costs += [v * collective_time("all_reduce", sizes.nbytes(src), t, topology) for src in returned
-                  for v, s in zip(x[src], ctx.strategies[src], strict=True) if s.output == P]
+                  for v, s in zip(x[src], ctx.strategies[src], strict=True) if isinstance(s.output, Partial)]
     stored = stored_views(gm)
     for e, (src, wanted) in enumerate(edges):
         produced = [(v, s.output) for v, s in zip(x[src], ctx.strategies[src], strict=True)]
@@ -291,8 +301,14 @@ def solve(gm: torch.fx.GraphModule, ctx: Context, topology: Topology, *, trainin
                 problem += need[key] >= z
     for (src, p, q), var in need.items():
         costs.append(var * w(src, 1) * reshard_time(p, q, sizes.nbytes(src), t, topology, backward=src in grad))
+    together = problem.add_variable("together", lowBound=0)  # replicated parameters' partial gradients: one latency
+    costs.append(together * latency)
     for k, (src, g) in enumerate(grad_reduce.items()):
         summed = collective_time("all_reduce", sizes.nbytes(src), t, topology)
+        if coalesced(src):  # summed with the others in one all-reduce (partial_params)
+            problem += together >= g
+            costs.append(g * w(src, 1) * (summed - latency))
+            continue
         costs.append(g * w(src, 1) * summed)
         sharded = [v for v, s in zip(x[src], ctx.strategies[src], strict=True) if isinstance(s.output, Shard)]
         if sharded:  # gathered from shards: the summed gradient is reduce-scattered back instead
@@ -319,7 +335,8 @@ def solve(gm: torch.fx.GraphModule, ctx: Context, topology: Topology, *, trainin
     recomputed = [core for core, r in zip(cores, again, strict=True) if pulp.value(r) > 0.5]
     by_kind["activations"] = sum(w(node, 1) * held for node, held in  # exact, whatever slack the ILP left
                                  activation_bytes(choice, sizes, t, grad, ctx.on_tokens, recomputed).items())
-    return Solution(choice, seconds, breakdown(by_kind), recomputed)
+    regathers = {node: priced for node, (piece, priced) in gathers.items() if pulp.value(piece) > 0.5}
+    return Solution(choice, seconds, breakdown(by_kind), recomputed, regathers)
 
 
 def _force_tokens(problem: pulp.LpProblem, ctx: Context, x: dict) -> None:
@@ -329,7 +346,7 @@ def _force_tokens(problem: pulp.LpProblem, ctx: Context, x: dict) -> None:
                             "after the first (export them with a dynamic sequence), or pass sequence_parallel=None")
     for node in split:
         for var, s in zip(x[node], ctx.strategies[node], strict=True):
-            if s.output == R or s.output == P:
+            if s.output == R or isinstance(s.output, Partial):
                 problem += var == 0
 
 

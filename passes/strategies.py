@@ -84,6 +84,25 @@ def gradient_sums(gm: torch.fx.GraphModule, choice: dict, world: int) -> list:
     return [[n, partner[n]] if n in partner else [n] for n in grouped if n not in paired]
 
 
+def coalesced(src: Node) -> bool:
+    """A replicated parameter (of at least one dim) whose gradients, partial where sharded ops read it, are summed
+    in one backward all-reduce with the others of its dtype (Megatron-SP's norm weights): see partial_params."""
+    return src.op == "get_attr" and isinstance(value(src), torch.Tensor) and value(src).dim() > 0
+
+
+def partial_params(gm: torch.fx.GraphModule, choice: dict, grad: set) -> list:
+    """Lists of replicated parameters (graph order, one list per dtype) that some sharded op reads: each rank
+    holds part of their gradients (a norm's weight under sequence parallelism), summed by one all-reduce."""
+    read = {src for node, strategy in choice.items() for src, want in zip(input_slots(node), strategy.inputs,
+                                                                          strict=True)
+            if src in grad and coalesced(src) and partial_grad(node, strategy, want)}
+    found: dict = {}
+    for node in gm.graph.nodes:
+        if node in read:
+            found.setdefault(value(node).dtype, []).append(node)
+    return list(found.values())
+
+
 def input_slots(node: Node) -> list[Node]:
     """The node's inputs in the order map_arg visits them; the rewriter relies on the same order."""
     slots: list[Node] = []
@@ -139,6 +158,8 @@ class Context:
     tokens: bool = False                             # offer sequence parallelism (token_options)
     token_symbols: set = field(default_factory=set)  # sizes of token dims: inputs' symbolic non-leading dims
     grad: set = field(default_factory=set)           # values on the weights' path (gradients flow)
+    experts: str | None = None                       # impose "tensor" or "parallel" experts (expert_rules.py)
+    routes: dict = field(default_factory=dict)       # node -> what routed its rows to experts, once
     _probes: dict = field(default_factory=dict)
     _options: dict = field(default_factory=dict)     # shard_options, once per (node, dim): hints are fixed by then
 
@@ -288,7 +309,9 @@ def rule_of(rules: dict, target):
     return rules.get(target) or rules.get(str(target))
 
 
-def enumerate_strategies(gm: torch.fx.GraphModule, ctx: Context, rules: dict) -> Context:
+def enumerate_strategies(gm: torch.fx.GraphModule, ctx: Context, rules: dict,
+                         more_rules: dict | None = None) -> Context:
+    """Every node's strategies: all-replicated, what its rule proposes, and what ``more_rules`` add to it."""
     weighted = needs_grad(gm)
     ctx.grad, ctx.token_symbols = weighted, token_symbols(gm)
     for node in gm.graph.nodes:
@@ -302,6 +325,9 @@ def enumerate_strategies(gm: torch.fx.GraphModule, ctx: Context, rules: dict) ->
         found = [all_r]
         rule = rule_of(rules, node.target) if node.op == "call_function" else None
         proposed = rule(node, ctx) if rule is not None else None  # None: no rule for this use of the op
+        more = rule_of(more_rules or {}, node.target) if node.op == "call_function" else None
+        added = more(node, ctx) if more is not None else []
+        proposed = proposed if not added else [*(proposed or ()), *added]
         found += [s for s in proposed or () if s not in found]
         if proposed is None and node.op == "call_function" and node in weighted:
             ctx.unruled.add(str(node.target))

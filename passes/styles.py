@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from autotp.runtime.placement import Partial, Replicate, Shard
+from autotp.runtime.placement import Disjoint, Partial, Replicate, Shard
 
 from .strategies import LAYOUT_OPS
 
@@ -39,18 +39,23 @@ def _units_note(placement: Shard, size: int, world: int) -> str:
     return ", " + "; ".join(notes) + follows
 
 
-def _expert_style(node: torch.fx.Node, choice: dict) -> str | None:
-    """A 3-D weight (one matrix per expert) reaching a matmul through layout ops (a transpose, ``w[ids]``):
-    its experts split like a dense MLP's, by output columns or, with partial sums, by input rows."""
-    if len(node.meta["val"].shape) != 3:
-        return None
+def _expert_style(node: torch.fx.Node, choice: dict, world: int) -> str | None:
+    """A weight reaching an expert op through layout ops (a transpose, ``w[ids]``): whole experts dealt out
+    to the ranks (expert parallelism: its users compute disjoint partial sums), or, for a 3-D weight (one
+    matrix per expert), its experts split like a dense MLP's, by output columns or, with partial sums, by
+    input rows."""
     work = list(node.users)
     while work:
         user = work.pop()
+        out = choice[user].output if user in choice else None
+        if isinstance(out, Disjoint):
+            held = [out.owned(int(node.meta["val"].shape[0]), r, world) for r in range(world)]
+            return "experts " + "|".join(f"{a}" if n == 1 else f"{a}-{a + n - 1}" for a, n in held) + \
+                f" of {node.meta['val'].shape[0]} (whole experts by rank)"
         if user.target in LAYOUT_OPS:
             work += user.users
-        elif user in choice and not isinstance(choice[user].output, Replicate):
-            return "expert FFN " + ("row split" if isinstance(choice[user].output, Partial) else "column split")
+        elif out is not None and not isinstance(out, Replicate) and len(node.meta["val"].shape) == 3:
+            return "expert FFN " + ("row split" if isinstance(out, Partial) else "column split")
     return None
 
 
@@ -69,13 +74,14 @@ def param_styles(gm: torch.fx.GraphModule, choice: dict, world: int) -> dict:
                     if table and placement.dim in table:
                         style = table[placement.dim]
                         break
-            style = _expert_style(node, choice) or style
+            style = _expert_style(node, choice, world) or style
             if style in ("shard dim 0", "column") and len(node.meta["val"].shape) == 1:
                 added = any(user.target == aten.add.Tensor for user in node.users)
                 style = "bias split" if added else "vector split"  # a bias, or a norm's scale
             if placement.chunks:
                 groups = f" x {placement.groups} groups" if placement.groups else ""
                 style += f" (fused {len(placement.chunks)} blocks{groups})"
-            style += _units_note(placement, int(node.meta["val"].shape[placement.dim]), world)
+            if not style.startswith("experts"):
+                style += _units_note(placement, int(node.meta["val"].shape[placement.dim]), world)
         styles[node.target] = style
     return styles

@@ -53,13 +53,13 @@ def plan_ops(counts: dict) -> dict:
     return dict(found)
 
 
-_GRADIENT_ONLY = {"reduce_grad", "sum_group_grad"}
+_GRADIENT_ONLY = {"reduce_grad", "sum_group_grads"}
 
 
 def weight_collectives(gm) -> list[str]:
     """Collectives in a sharded program whose input is computed from parameters and buffers alone (a weight,
     or a view, transpose, slice or cast of one): a weight travelling at run time, which plans must never do.
-    ``reduce_grad`` and ``sum_group_grad`` are not: their forward is the identity, their backward sums the
+    ``reduce_grad`` and ``sum_group_grads`` are not: their forward is the identity, their backward sums the
     weight's gradient (a replicated norm weight read by sharded ops; a unit shared by several ranks)."""
     from_weights: set = set()
     found = []

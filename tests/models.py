@@ -117,6 +117,16 @@ def vit(image: int = 16, patch: int = 4, layers: int = 2):
         num_hidden_layers=layers, num_attention_heads=4, num_labels=5)).eval()
 
 
+def padded_prompts(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Three prompts of 6 tokens, two of them left-padded (as generate expects), and their attention mask."""
+    torch.manual_seed(3)
+    ids = torch.randint(3, vocab, (3, 6))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    mask[2, :4] = 0
+    return ids.masked_fill(mask == 0, 0), mask
+
+
 def logits(out):
     return getattr(out, "logits", out)
 

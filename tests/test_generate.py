@@ -12,21 +12,12 @@ import torch.distributed as dist
 import autotp
 from autotp.generation import decoder
 from distributed import run_ranks
-from models import build, llama_with
-
-
-def _padded_prompts(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    torch.manual_seed(3)
-    ids = torch.randint(3, vocab, (3, 6))
-    mask = torch.ones_like(ids)
-    mask[1, :2] = 0  # left padding, as generate expects
-    mask[2, :4] = 0
-    return ids.masked_fill(mask == 0, 0), mask
+from models import build, llama_with, padded_prompts
 
 
 def _greedy(rank: int, world: int) -> None:
     for model in (llama_with(heads=8, kv=2, vocab=128, layers=2), build("gpt2")[0]):
-        ids, mask = _padded_prompts(128)
+        ids, mask = padded_prompts(128)
         sharded = autotp.parallelize(model, (ids,))
         got = autotp.generate(sharded, ids, mask, max_new_tokens=8, pad_token_id=0)
         want = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
@@ -49,7 +40,7 @@ def test_greedy_is_token_exact_with_transformers(world):
 
 def _sampling(rank: int, world: int) -> None:
     model = llama_with(heads=4, kv=2, vocab=128, layers=1)
-    ids, mask = _padded_prompts(128)
+    ids, mask = padded_prompts(128)
     sharded = autotp.parallelize(model, (ids,))
     options = {"max_new_tokens": 12, "do_sample": True, "temperature": 0.8, "top_k": 50, "top_p": 0.9}
     first = autotp.generate(sharded, ids, mask, seed=7, **options)

@@ -79,6 +79,23 @@ def test_activations_per_layer_lie_within_korthikantis_bounds(gpt3):
     assert profile.boundary == s * h * 2  # a stage hands on one bf16 hidden state per token
 
 
+def test_whole_block_recomputation_under_sequence_parallelism_keeps_each_layers_tokens(gpt3):
+    """Korthikanti et al. 2022 (§4.3, Table 2): with sequence parallelism and full recomputation a layer keeps
+    only its input, split over the t ranks: 2sbh/t bytes (bf16)."""
+    from autotp.cost_models.layout import KEPT, Candidate, Profile, Section, stage_memory
+    from autotp.mesh import _profile, _unit
+    unit, sizes = _unit(gpt3)
+    s, h, t = 2048, 12288, 8
+    split = _profile(gpt3, t, load_topology("dgx-a100", nodes=128), True, sizes, unit, tokens=True)
+    assert split.sequence_parallel
+    # the activations alone (no weights or optimizer state), one sample, no pipeline
+    kept = Profile(t, [Section(x.seconds, {k: v for k, v in x.memory.items() if k in KEPT}) for x in split.sections],
+                   split.boundary, True, sequence_parallel=True)
+    layout = Candidate(t, 1, 1, microbatch_size=1, recompute=True, sequence_parallel=True)
+    two, four = (stage_memory(kept, [(1, 1 + n)], 0, layout, 1, "ddp")[0] for n in (2, 4))
+    assert (four - two) / 2 == pytest.approx(2 * s * h / t)
+
+
 @pytest.fixture(scope="module")
 def small_llama():
     """(8-layer LLaMA graph, bytes of its fp32 training state), captured once."""

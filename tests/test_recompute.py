@@ -88,3 +88,69 @@ def test_cli_plan_with_recomputation(capsys):
     assert main(["plan", "examples.nanogpt:build", "--world-size", "2", "--recompute", "selective", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["cost"]["recompute"] and not plan["cost"]["token_split"]
+
+
+def _pipelined(rank: int, world: int, want: tuple) -> None:
+    """PP 2 x TP 2 through parallelize(mesh=...): each stage's plan recomputes its attention cores, the
+    stage's backward runs each core again once per micro-batch, and training equals one process."""
+    from test_pipeline import STEPS, _batch, _llama, _loss, _optimizer
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    x, y = _batch()
+    pipelined = autotp.parallelize(_llama(), (x,), mesh=mesh, loss_fn=_loss, microbatches=2, recompute="selective")
+    again = []
+    for stage in pipelined.modules.values():
+        cores = [m for m in stage.modules() if isinstance(m, Recomputed)]
+        assert cores and len(cores) == len(stage.autotp_plan.cost["recompute"]), stage.autotp_plan.cost["recompute"]
+        for core in cores:
+            forward = core.region.forward
+
+            def counted(*args, forward=forward):
+                again.append(torch._C._current_autograd_node() is not None)  # run by the backward
+                return forward(*args)
+            core.region.forward = counted
+    optimizer, losses = _optimizer(pipelined.parameters()), []
+    for step in range(STEPS):
+        per_microbatch = []
+        pipelined.step(x, target=y, losses=per_microbatch)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses += [torch.stack(per_microbatch).mean().item()] if per_microbatch else []
+        if step == 0:  # the first also runs pipelining's shape inference
+            again.clear()
+    assert sum(again) == 2 * len(cores) * (STEPS - 1), again  # each core again in the backward, per micro-batch
+    want_losses, want_params = want
+    if losses:  # the last stage
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-4, atol=1e-5)
+    params = pipelined.full_state_dict()
+    for name, value in want_params.items():
+        torch.testing.assert_close(params[name], torch.from_numpy(value), rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_pipeline_stages_recompute_their_attention():
+    from test_pipeline import _single_process
+    run_ranks(4, _pipelined, _single_process())
+
+
+def _compiled(rank: int, world: int) -> None:
+    """GPT-2 with materialized scores, sequence parallel, attention recomputed: torch.compile of the sharded
+    program (checkpointed cores; gathered tokens, which compiled code keeps as its compiler decides)."""
+    from models import example_input, logits
+    model, args, _ = build("gpt2")
+    model.set_attn_implementation("eager")
+    sharded = autotp.parallelize(model, args, sequence_parallel=True, recompute="selective")
+    assert any(isinstance(m, Recomputed) for m in sharded.modules())
+    compiled = torch.compile(sharded, backend="aot_eager")  # inductor works too, at many times the compile time
+    x = example_input("gpt2", 3, 5)
+    out = logits(compiled(x))
+    torch.testing.assert_close(out, logits(model(x)), rtol=1e-4, atol=1e-5)
+    out.square().mean().backward()
+    logits(model(x)).square().mean().backward()
+    grads = autotp.full_state_dict(sharded, grads=True)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_torch_compile_of_recomputed_attention():
+    run_ranks(2, _compiled)

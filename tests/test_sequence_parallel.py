@@ -28,9 +28,9 @@ def _block_of(module: str) -> int | None:
     return int(found.group(1)) if found else None
 
 
-def _exact(model, sharded, shapes, plan=None) -> None:
+def _exact(model, sharded, shapes, plan=None) -> dict:
     """Outputs for every (batch, sequence) and gradients equal one process's; forward and backward run
-    the collectives the plan lists."""
+    the collectives the plan lists.  Returns the backward's collectives (CommDebugMode, all-reduces as such)."""
     collectives = autotp.runtime.collectives
     one_shot, collectives.ONE_SHOT_BYTES = collectives.ONE_SHOT_BYTES, 0  # count all-reduces as such
     try:
@@ -53,6 +53,7 @@ def _exact(model, sharded, shapes, plan=None) -> None:
     grads = autotp.full_state_dict(sharded, grads=True)
     for name, p in model.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+    return comm_counts(comm)
 
 
 def _two_ranks(rank: int, world: int) -> None:
@@ -64,7 +65,9 @@ def _two_ranks(rank: int, world: int) -> None:
         forward = [c for c in plan.collectives if c["phase"] == "forward"]
         per_block = {b: Counter(c["op"] for c in forward if _block_of(c["module"]) == b) for b in range(BLOCKS)}
         assert all(ops == {"all_gather": 2, "reduce_scatter": 2} for ops in per_block.values()), (kind, per_block)
-        _exact(model, sharded, [(2, 11), (1, 1), (3, 5)], plan)
+        backward = _exact(model, sharded, [(2, 11), (1, 1), (3, 5)], plan)
+        # the norms' weights and biases (and the biases added to token pieces) in one all-reduce, as Megatron-SP
+        assert backward.get("all_reduce") == 1, (kind, backward)
 
         # what autograd keeps is what the plan estimates, with and without sequence parallelism
         programs = [sharded]
@@ -153,3 +156,67 @@ def test_gradients_of_gathered_tokens_are_reduce_scattered():
         assert summed == [], f"{kind}: activation gradients all-reduced: {summed}"
         counts = plan.collective_counts("backward")
         assert counts["reduce_scatter"] >= 2 * BLOCKS, f"{kind}: {counts}"
+        # every norm's weight (and bias) in the blocks has its partial gradients summed by one all-reduce
+        norms = {name.replace(".", "_") for name, _ in model.named_parameters()
+                 if (".h." in name or ".layers." in name) and ("norm" in name or ".ln_" in name)}
+        together, = [c for c in plan.collectives if c["phase"] == "backward" and c["op"] == "all_reduce"]
+        assert norms <= set(together["tensors"]), (kind, together)
+
+
+def _priced_as(plan, monkeypatch, model, args, **patches):
+    """``plan`` (sequence parallel, 2 ranks) priced again by the solver with every op held to its choice and
+    ``patches`` (name -> value) set in passes/solve.py and passes/accounting.py; the alternatives are the full ones."""
+    from autotp.api import solve as api_solve
+    from autotp.passes import accounting, solve
+    from autotp.plan import Plan
+
+    def held(gm, ctx, *a, **k):
+        options = ctx.strategies
+        ctx.strategies = {n: [s for s in opts if Plan.encode(s) == {f: plan.nodes[n.name][f] for f in ("in", "out")}]
+                          for n, opts in options.items()}
+        try:
+            return api_solve(gm, ctx, *a, **k)
+        finally:
+            ctx.strategies = options
+    with monkeypatch.context() as patch:
+        patch.setattr("autotp.api.solve", held)
+        for name, replacement in patches.items():
+            for module in (solve, accounting):
+                if hasattr(module, name):
+                    patch.setattr(module, name, replacement)
+        return autotp.plan(model, args, world_size=2, sequence_parallel=True)
+
+
+def test_backward_collectives_of_sequence_parallelism_are_priced(monkeypatch):
+    """Tokens a column-parallel matmul keeps as this rank's piece are all-gathered again in its backward: the
+    solver prices each such all-gather (plan.cost["regathers"]) as the plan lists it, and the step time
+    (`autotp plan`) and each op's alternatives (`autotp explain`) include exactly that much.  The partial
+    gradients of replicated parameters (norms) are summed in one all-reduce: priced with one latency."""
+    from autotp.cost_models import collective_time, load_topology
+    topology = load_topology(None)
+    latency = collective_time("all_reduce", 0.0, 2, topology)
+    for kind in ("llama", "gpt2"):
+        model, _, _ = build(kind, blocks=BLOCKS)
+        args = (torch.randint(0, 96, EXAMPLE),)
+        plan = autotp.plan(model, args, world_size=2, sequence_parallel=True)
+        listed = sorted((c["tensor"], c["bytes"]) for c in plan.collectives if c.get("regather"))
+        assert all(c["phase"] == "backward" and c["op"] == "all_gather" for c in plan.collectives if c.get("regather"))
+        priced = plan.cost["regathers"]
+        assert sorted((r["tensor"], r["bytes"]) for r in priced) == listed, kind
+        assert len(listed) >= 2 * BLOCKS, (kind, listed)  # the attention's and the MLP's input, per block
+        for r in priced:
+            assert r["seconds"] == pytest.approx(collective_time("all_gather", r["bytes"], 2, topology))
+        free = _priced_as(plan, monkeypatch, model, args, regather_time=lambda nbytes, world, topology: 0.0)
+        assert not any(r["seconds"] for r in free.cost["regathers"])
+        total = sum(r["seconds"] for r in priced)
+        assert plan.cost["seconds"] - free.cost["seconds"] == pytest.approx(total, rel=1e-6)
+
+        def chosen(p, name):
+            return next(a["seconds"] for a in p.alternatives[name] if a["chosen"])
+        for r in priced:  # the op that splits the tokens pays its tensor's re-gather among its alternatives
+            assert chosen(plan, r["tensor"]) - chosen(free, r["tensor"]) == pytest.approx(r["seconds"], rel=1e-6)
+
+        together, = [c for c in plan.collectives if c.get("tensors")]
+        apart = _priced_as(plan, monkeypatch, model, args, coalesced=lambda src: False)  # one all-reduce each
+        saved = (len(together["tensors"]) - 1) * latency
+        assert apart.cost["seconds"] - plan.cost["seconds"] == pytest.approx(saved, rel=1e-6), kind

@@ -22,7 +22,8 @@ from autotp.api import _device_of, _graph
 from autotp.cost_models import load_topology
 from autotp.cost_models.layout import Candidate, Setting
 from autotp.hf import no_kv_cache
-from autotp.runtime.checkpoint import full_state_dict
+from autotp.runtime.checkpoint import full_checkpoint_tensors, full_state_dict
+from autotp.runtime.conversion import weightless
 
 from .split import split
 from .stages import StageError, block_profile, find_blocks, stage_starts
@@ -83,15 +84,19 @@ def pipeline(model: torch.nn.Module, args, kwargs=None, *, mesh, loss_fn, schedu
         return loss_fn(_unflatten(output, out_spec), target)
 
     runner = kind(built if per_rank > 1 else built[0], microbatches, loss_fn=flat_loss, scale_grads=True)
-    return Pipelined(runner, modules, group, out_spec, stages, getattr(model, "config", None))
+    return Pipelined(runner, modules, group, out_spec, stages, getattr(model, "config", None), weightless(model),
+                     frozenset(model.state_dict()))
 
 
 class Pipelined:
     """This rank's stages and the schedule that runs them; the parameters keep their original names."""
 
-    def __init__(self, schedule, modules: dict, group, out_spec, starts: list, config=None):
+    def __init__(self, schedule, modules: dict, group, out_spec, starts: list, config=None, source=None,
+                 stored: frozenset = frozenset()):
         self.schedule = schedule
+        self.stored = stored  # the model's parameter and persistent buffer names: what a checkpoint holds
         self.autotp_config = config  # written beside the weights by autotp.save_pretrained
+        self.autotp_source = source  # the model without its weights: save_pretrained writes transformers' layout of it
         self.modules = modules  # stage index -> this rank's (sharded) stage module
         self.group = group
         self.out_spec = out_spec
@@ -116,12 +121,13 @@ class Pipelined:
         for _, param in self.named_parameters():
             yield param
 
-    def full_state_dict(self) -> dict:
-        """Every stage's full parameters by original name, on every rank of this pipeline (a collective over
-        the pipeline group and each stage's TP and DP groups)."""
+    def full_state_dict(self, buffers: bool = False) -> dict:
+        """Every stage's full parameters (and persistent buffers, for a checkpoint) by original name, on every rank
+        of this pipeline (a collective over the pipeline group and each stage's TP and DP groups)."""
         mine = {}
-        for index in sorted(self.modules):
-            mine.update(_full_parameters(self.modules[index]))
+        for index in sorted(self.modules):  # the cut loses which buffers were persistent: the model says
+            mine.update((name, t) for name, t in _full_tensors(self.modules[index], buffers).items()
+                        if not buffers or name in self.stored)
         everyone = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(everyone, mine, group=self.group)
         return {name: tensor for stage in everyone for name, tensor in stage.items()}
@@ -138,13 +144,13 @@ def _check_first_inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> N
             hook(module, args, kwargs)
 
 
-def _full_parameters(module: torch.nn.Module) -> dict:
-    """One stage's full parameters: autotp's gather (over DP, then TP) for a sharded stage; a stage left
-    unsharded by ``shard_stage`` holds its parameters whole (FSDP's DTensors gathered)."""
+def _full_tensors(module: torch.nn.Module, buffers: bool) -> dict:
+    """One stage's full parameters (and persistent buffers): autotp's gather (over DP, then TP) for a sharded
+    stage; a stage left unsharded by ``shard_stage`` holds them whole (FSDP's DTensors gathered)."""
     if hasattr(module, "autotp_group"):
-        return full_state_dict(module)
-    return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-            for name, p in module.named_parameters()}
+        return dict(full_checkpoint_tensors(module)) if buffers else full_state_dict(module)
+    named = [*module.named_parameters(), *(module.named_buffers() if buffers else ())]
+    return {name: (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone() for name, t in named}
 
 
 def _batch_size(args: tuple, kwargs: dict) -> int | None:

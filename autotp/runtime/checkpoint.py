@@ -98,29 +98,30 @@ def save_pretrained(sharded, directory: str | Path, max_shard_bytes: int = 5 * 2
     Tensors are gathered one at a time and rank 0 writes a file whenever ``max_shard_bytes`` is
     reached, so no rank ever holds the whole model; an index file lists them when there are several.
     A pipeline (``autotp.parallelize`` over a mesh with "pp") gathers its stages' parameters itself,
-    and the first rank of the whole mesh writes them.
+    and the first rank of the whole mesh writes them.  Every path writes the names and layout
+    transformers' own ``save_pretrained`` writes for the model (conversion.py).
     """
     directory = Path(directory)
     if not isinstance(sharded, torch.nn.Module) and hasattr(sharded, "full_state_dict"):
-        full = sharded.full_state_dict()
-        _write(iter(full.items()), directory, max_shard_bytes, dist.get_rank() == 0,
-               getattr(sharded, "autotp_config", None))
+        full = _stored(sharded, iter(sharded.full_state_dict(buffers=True).items()))
+        _write(full, directory, max_shard_bytes, dist.get_rank() == 0, getattr(sharded, "autotp_config", None))
         dist.barrier()
         return directory
     mesh = getattr(sharded, "autotp_mesh", None)
     if mesh is not None and "pp" in mesh.mesh_dim_names:
         raise ValueError("save_pretrained got one pipeline stage's module, which holds only that stage's parameters: "
                          "save the pipeline as a whole")
-    group = sharded.autotp_group
-    placements = _placements_by_id(sharded)
-    gathered = ((name, gather_whole(tensor, placements.get(id(tensor), (None, None)), group))
-                for name, tensor in _persistent_tensors(sharded))
-    source = getattr(sharded, "autotp_source", None)
-    if source is not None:  # the names and per-expert layout transformers writes
-        gathered = stored_layout(source, gathered)
-    _write(gathered, directory, max_shard_bytes, _is_writer(sharded), getattr(sharded, "autotp_config", None))
-    dist.barrier(group if mesh is None else None)  # the writer may be in another TP group
+    _write(_stored(sharded, full_checkpoint_tensors(sharded)), directory, max_shard_bytes, _is_writer(sharded),
+           getattr(sharded, "autotp_config", None))
+    dist.barrier(sharded.autotp_group if mesh is None else None)  # the writer may be in another TP group
     return directory
+
+
+def _stored(sharded, named_tensors):
+    """The names and per-expert layout transformers writes for the model ``sharded`` was made from, so that
+    transformers' ``from_pretrained`` reads the directory."""
+    source = getattr(sharded, "autotp_source", None)
+    return named_tensors if source is None else stored_layout(source, named_tensors)
 
 
 def _write(named_tensors, directory: Path, max_shard_bytes: int, writer: bool, config) -> None:
@@ -174,6 +175,13 @@ def is_persistent(module: torch.nn.Module, name: str, tensor: torch.Tensor) -> b
     holder = module.get_submodule(owner)
     return isinstance(tensor, torch.nn.Parameter) or (attr in holder._buffers and
                                                        attr not in holder._non_persistent_buffers_set)
+
+
+def full_checkpoint_tensors(sharded: torch.nn.Module):
+    """(name, full tensor) for every parameter and persistent buffer, gathered one at a time (a collective)."""
+    placements = _placements_by_id(sharded)
+    for name, tensor in _persistent_tensors(sharded):
+        yield name, gather_whole(tensor, placements.get(id(tensor), (None, None)), sharded.autotp_group)
 
 
 def _persistent_tensors(module: torch.nn.Module):

@@ -342,7 +342,7 @@ def gather_tokens(x, dim, chunks, units, of, groups, size, rank, world, group, w
     keeps this rank's tokens instead (autotp.runtime.regather)."""
     full = (gather_reduce_backward if reduce_backward else gather)(x, dim, chunks, units, of, groups, size, rank,
                                                                     world, group, where)
-    if _no_grad():
+    if _no_grad() or torch.compiler.is_compiling():  # compiled: the compiler decides what its backward keeps
         return full
     shard = Shard(dim, chunks, units, of, groups)
     return regather.remember(full, x, lambda piece: _gather_values(piece, shard, size, world, group, where))
@@ -381,7 +381,7 @@ def conversion_steps(src, dst, shape, rank: int, world: int, group: str, partial
     if partial_grad and isinstance(src, Shard) and isinstance(dst, Replicate):
         return [(gather_reduce_backward, args(src))]
     steps: list[tuple] = []
-    if src == dst:
+    if src == dst or (isinstance(src, Partial) and type(dst) is Partial):  # a disjoint partial is a partial sum
         return [(reduce_grad, (group, where))] if partial_grad else steps
     if isinstance(src, Partial) and isinstance(dst, Shard):
         return [(reduce_scatter, args(dst))]

@@ -10,6 +10,7 @@ needs.  Any other conversion that matches a stored tensor is refused rather than
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -127,6 +128,18 @@ def _converted(target: str, converter, by_pattern: dict) -> Assembled:
             "MergeModulelist and Concatenate): load the model with transformers' from_pretrained and pass it to "
             "autotp.parallelize instead")
     return Assembled(keys, stack, concat)
+
+
+def weightless(model):
+    """What ``stored_layout`` needs of ``model`` and nothing more, for holders that must not keep every weight of
+    the model alive (a pipeline's stages): a copy whose parameters and buffers are on the meta device (classes,
+    config and module tree kept), or None for a model transformers has no conversion mapping for."""
+    if not model_conversions(model):
+        return None
+    tensors = [*model.parameters(), *model.buffers()]
+    memo = {id(t): torch.nn.Parameter(t.detach().to("meta"), t.requires_grad) if isinstance(t, torch.nn.Parameter)
+            else t.to("meta") for t in tensors}
+    return copy.deepcopy(model, memo)
 
 
 def stored_layout(model, named_tensors):

@@ -24,15 +24,38 @@ def gather_positions(x: torch.Tensor, dim: int, positions: tuple[int, ...]):
     return x.index_select(dim, torch.tensor(positions, device=x.device))
 
 
+def _held_rows(ids: torch.Tensor, start: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which ids this rank holds (rows [start, start + rows)), and the local row of each (0 for the others)."""
+    mine = (ids >= start) & (ids < start + rows)
+    return mine, torch.where(mine, ids - start, torch.zeros_like(ids))
+
+
 def vocab_embedding(weight: torch.Tensor, ids: torch.Tensor, start: int, padding_idx: int = -1):
     """Megatron's vocab-parallel lookup: rows [start, start + len) live here, other ids give zeros
     (the partial sums are all-reduced afterwards).  Zeros by masking, not by multiplying: the row
     looked up in their place may hold an Inf or NaN, and 0 x Inf would leak it into the sum."""
     rows = weight.shape[0]
-    mine = (ids >= start) & (ids < start + rows)
-    local = torch.where(mine, ids - start, torch.zeros_like(ids))
+    mine, local = _held_rows(ids, start, rows)
     pad = padding_idx - start if 0 <= padding_idx - start < rows else -1
     return aten.embedding.default(weight, local, pad).masked_fill(~mine.unsqueeze(-1), 0)
+
+
+def expert_rows(weight: torch.Tensor, ids: torch.Tensor, start: int) -> torch.Tensor:
+    """``w[ids]`` with only experts [start, start + len) here: their matrices, zeros for other experts'
+    tokens (masked, as vocab_embedding does), so the products computed from them are disjoint partial sums."""
+    mine, local = _held_rows(ids, start, weight.shape[0])
+    return weight[local].masked_fill(~mine.view(*mine.shape, *[1] * (weight.dim() - 1)), 0)
+
+
+def expert_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, first: int, fallback: bool):
+    """A grouped matmul (tokens sorted by expert, ``offs`` their cumulative counts) with only experts
+    [first, first + len(weight)) here: their rows of x go through them, the other rows are zeros.  One host
+    read of the offsets, as transformers' fallback does."""
+    ends = offs.tolist()
+    start, end = (ends[first - 1] if first else 0), ends[first + weight.shape[0] - 1]
+    grouped = torch.ops.transformers.grouped_mm_fallback if fallback else aten._grouped_mm
+    mine = grouped(x[start:end], weight, offs[first:first + weight.shape[0]] - start)
+    return torch.cat([mine.new_zeros(start, mine.shape[1]), mine, mine.new_zeros(x.shape[0] - end, mine.shape[1])])
 
 
 def partial_mean(x: torch.Tensor, dims, keepdim: bool = False, count: int = 1, *, dtype=None):

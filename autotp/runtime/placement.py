@@ -3,7 +3,9 @@
 Three kinds, as in Megatron and DTensor:
   R      every rank holds the full tensor;
   P      every rank holds a summand, the full tensor is their sum;
-  S(d)   every rank holds a contiguous 1/N slice of dim d.
+  S(d)   every rank holds a contiguous 1/N slice of dim d;
+  D(e)   a partial sum whose summands are disjoint (expert parallelism): each rank holds rows that only
+         its own experts computed (dealt like S(e) deals the experts) and zeros elsewhere.
 A Shard may carry ``chunks``: the dim is a concatenation of blocks (a fused
 [q|k|v] projection), and each block is sliced separately, so rank r holds
 [q_r|k_r|v_r].  It may also carry ``units``: each block is made of that many
@@ -43,6 +45,24 @@ class Replicate:
 class Partial:
     def __str__(self) -> str:
         return "P"
+
+
+@dataclass(frozen=True)
+class Disjoint(Partial):
+    """A partial sum in which every element is nonzero on at most one rank: the rows routed to experts that
+    this rank holds (``experts``: how the experts are dealt out, a Shard of their dim).  Being a partial sum
+    it converts like one (all-reduce), and it is one for free; unlike a partial sum it stays exact through
+    ops that map 0 to 0 (silu, products of rows split alike), since only one summand of each element is
+    nonzero."""
+    experts: Shard
+
+    def __str__(self) -> str:
+        return "D" + str(self.experts)[1:]
+
+    def owned(self, count: int, rank: int, world: int) -> tuple[int, int]:
+        """(first expert, number of experts) that ``rank`` holds out of ``count``."""
+        (first, n), = self.experts.ranges(count, rank, world)
+        return first, n
 
 
 def unit_span(units: int, rank: int, world: int, of: int | None = None) -> tuple[int, int]:
@@ -201,6 +221,8 @@ def parse(text: str | list | None):
         return R
     if text == "P":
         return P
+    if text.startswith("D("):
+        return Disjoint(parse("S" + text[1:]))
     m = _SHARD.match(text)
     if not m:
         raise ValueError(f"not a placement: {text!r} (expected R, P, S(dim), S(dim|a,b,c), "

@@ -51,7 +51,8 @@ def _plan(args) -> int:
         result = autotp.plan(model, example, world_size=args.world_size, topology=args.topology,
                              training=not args.inference, fold=not args.no_fold,
                              sequence_parallel={"auto": None, "on": True, "off": False}[args.sequence_parallel],
-                             recompute={"auto": None, "selective": "selective", "off": False}[args.recompute])
+                             recompute={"auto": None, "selective": "selective", "off": False}[args.recompute],
+                             experts=None if args.experts == "auto" else args.experts, memory_limit=_limit(args))
     if args.out:
         result.save(args.out)
     if args.json:
@@ -59,6 +60,10 @@ def _plan(args) -> int:
         return 0
     print_plan(result, tensor_shapes(model), every=args.all)
     return _print_mesh(model, example, args) if args.devices else 0
+
+
+def _limit(args) -> float | None:
+    return args.memory_limit * 1e9 if args.memory_limit is not None else None
 
 
 def _mesh(args) -> int:
@@ -79,7 +84,7 @@ def _print_mesh(model, example, args) -> int:
         try:
             result = plan_mesh(model, example, devices=args.devices, topology=args.topology, nodes=args.nodes,
                                global_batch=args.global_batch or args.batch, training=not args.inference,
-                               data_parallel=args.data_parallel)
+                               data_parallel=args.data_parallel, memory_limit=_limit(args))
         except (PlanningError, ValueError) as exc:
             print(f"autotp: {exc}", file=sys.stderr)
             return 1
@@ -143,7 +148,7 @@ def _compare(args) -> int:
     with _console().status("pricing Hugging Face's tp_plan and autotp's plan ..."):
         model, example = load_model(args.model, args.batch, args.seq)
         result = compare(model, example, world_size=args.world_size, topology=args.topology,
-                         training=not args.inference)
+                         training=not args.inference, memory_limit=_limit(args))
     if result["hf_invalid"]:
         print(f"{type(model).__name__}: Hugging Face's tp_plan is not valid here: {result['hf_invalid']}; "
               f"autotp's plan: {result['autotp']['seconds'] * 1e6:.1f} µs per step (estimated)")
@@ -152,7 +157,9 @@ def _compare(args) -> int:
         print(f"{type(model).__name__} has no Hugging Face tp_plan to compare with")
         return 1
     title = f"{type(model).__name__} at TP {args.world_size}: HF tp_plan vs autotp (same cost model)"
-    Console(width=140).print(compare_table(result["hf"], result["autotp"], title))
+    plans = {"HF tp_plan": result["hf"], **({"HF ep_plan": result["hf_ep"]} if result.get("hf_ep") else {}),
+             "autotp": result["autotp"]}
+    Console(width=140).print(compare_table(plans, title))
     return 0
 
 
@@ -173,6 +180,8 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=1, help="batch to price Hugging Face models at")
     parser.add_argument("--seq", type=int, default=2048, help="sequence length to price Hugging Face models at")
     parser.add_argument("--inference", action="store_true", help="price a forward pass: no gradients or optimizer")
+    parser.add_argument("--memory-limit", type=float, default=None,
+                        help="GB per device a plan may use (default: 90%% of the topology's device memory)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -193,6 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--sequence-parallel", choices=("auto", "on", "off"), default="auto",
                       help="split norms, dropouts and residual adds by tokens: when memory demands it (auto), always, "
                            "never")
+    plan.add_argument("--experts", choices=("auto", "tensor", "parallel"), default="auto",
+                      help="mixture-of-experts layers: whole experts per rank (parallel), every expert split (tensor), "
+                           "or whichever the cost model prices lower (auto)")
     plan.add_argument("--recompute", choices=("auto", "selective", "off"), default="auto",
                       help="compute the attention cores again in the backward instead of keeping their scores: when "
                            "memory demands it (auto), always, never")
@@ -210,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     diff.add_argument("b")
     explain = sub.add_parser("explain", help="the solver's alternatives for one op and their costs")
     explain.add_argument("plan")
-    explain.add_argument("node", help="a node name, module path or parameter name")
+    explain.add_argument("node", help="a node name, module path or parameter name; 'experts': the expert "
+                                      "strategies' estimated step times")
     compare = sub.add_parser("compare", help="price transformers' own tp_plan beside autotp's plan")
     _model_arguments(compare)
     compare.add_argument("--world-size", type=int, required=True)

@@ -17,17 +17,25 @@ def summary(plan: Plan) -> dict:
 
 
 def compare(model: torch.nn.Module, args=None, kwargs=None, *, world_size: int, topology=None,
-            training: bool = True) -> dict:
+            training: bool = True, memory_limit: float | None = None) -> dict:
     """{"autotp": summary, "hf": summary or None (no tp_plan for this architecture), "hf_invalid": why
-    HF's plan cannot run this model exactly (e.g. heads not divisible by the world size), or None}."""
+    HF's plan cannot run this model exactly (e.g. heads not divisible by the world size), or None, "hf_ep":
+    HF's expert-parallel plan (its ep_plan over the tp_plan: whole experts per rank), where it has one and
+    it runs exactly}."""
     gm = _graph(model, args, kwargs, fold=True)
-    ours = summary(_solve(gm, world_size, topology, training=training))
-    fixed = hf_parameter_placements(model)
-    theirs, invalid = None, None
-    if fixed:
+    ours = summary(_solve(gm, world_size, topology, training=training, memory_limit=memory_limit))
+
+    def priced(fixed: dict):
+        """HF's placements imposed: a summary, None where there are none, False where none runs exactly."""
         try:
-            theirs = summary(_solve(gm, world_size, topology, training=training, fixed=fixed))
+            return summary(_solve(gm, world_size, topology, training=training, memory_limit=memory_limit,
+                                  fixed=fixed)) if fixed else None
         except PlanningError:
-            invalid = (f"its even splits cut through attention heads or other whole units at TP {world_size}, so no "
-                       "exact program uses those placements")
-    return {"autotp": ours, "hf": theirs, "hf_invalid": invalid}
+            return False
+
+    tp, ep = hf_parameter_placements(model), hf_parameter_placements(model, expert_parallel=True)
+    theirs = priced(tp)
+    invalid = (f"its even splits cut through attention heads or other whole units at TP {world_size}, so no "
+               "exact program uses those placements") if theirs is False else None
+    whole_experts = (priced(ep) or None) if ep != tp else None  # an ep_plan changes some placements
+    return {"autotp": ours, "hf": theirs or None, "hf_invalid": invalid, "hf_ep": whole_experts}

@@ -133,8 +133,27 @@ def diff_tables(a: Plan, b: Plan) -> list:
     return [changed if changed.row_count else "no parameter is placed differently", cost, same]
 
 
+def experts_table(plan: Plan) -> Table:
+    """The expert strategies' estimated step times, each the best plan with it imposed (plan.cost["experts"])."""
+    experts = plan.cost.get("experts")
+    if not experts:
+        raise KeyError("this plan had no choice of expert strategy (no experts, or one imposed)")
+    table = Table(title=f"expert strategies at TP {plan.world_size} on {plan.topology} (estimated step time "
+                        "of the best plan with each imposed)")
+    for column in ("strategy", "est. step ms", ""):
+        table.add_column(column)
+    names = {"tensor": "expert tensor parallelism (every expert split)",
+             "parallel": "expert parallelism (whole experts)"}
+    for mode, seconds in experts["seconds"].items():
+        table.add_row(names[mode], "does not fit" if seconds is None else f"{seconds * 1e3:.3f}",
+                      "chosen" if experts["chosen"] == mode else "")
+    return table
+
+
 def explain_table(plan: Plan, target: str) -> Table:
     """The solver's options for the ops matching ``target`` (a node, module or parameter name)."""
+    if target == "experts":
+        return experts_table(plan)
     module = target.removesuffix(".weight").removesuffix(".bias")
     names = [n for n, e in plan.nodes.items() if target in (n, e.get("module")) or module == e.get("module")]
     names = [n for n in names if n in plan.alternatives] or names
@@ -163,6 +182,8 @@ def print_plan(plan: Plan, shapes: dict | None = None, console: Console | None =
     if plan.fold:
         console.print(f"{plan.fold['count']} identical blocks of {plan.fold['path']} planned from four: blocks 1 to "
                       f"{plan.fold['count'] - 2} take the same decisions")
+    if plan.cost.get("experts"):
+        console.print(f"experts: {plan.cost['experts']['chosen']} (`autotp explain PLAN experts` prices each)")
     console.print(f"estimated {'training step' if plan.cost.get('training') else 'forward'} time "
                   f"{plan.cost.get('seconds', 0) * 1e6:.1f} µs per device")
 
@@ -227,15 +248,15 @@ def _stages(stages: list) -> str:
     return f"{len(stages)} stages, blocks {' | '.join(shown)}"
 
 
-def compare_table(hf: dict, ours: dict, title: str) -> Table:
-    """Two plan summaries (autotp.tools.compare.summary) side by side."""
+def compare_table(plans: dict, title: str) -> Table:
+    """Plan summaries (autotp.tools.compare.summary) side by side, one column per {name: summary}."""
     table = Table(title=title)
-    for column in ("", "HF tp_plan", "autotp"):
+    for column in ("", *plans):
         table.add_column(column, justify="right")
-    table.add_row("est. step µs", f"{hf['seconds'] * 1e6:.1f}", f"{ours['seconds'] * 1e6:.1f}")
+    table.add_row("est. step µs", *(f"{p['seconds'] * 1e6:.1f}" for p in plans.values()))
     for phase in ("forward", "backward"):
-        for op in sorted(set(hf[phase]) | set(ours[phase])):
-            table.add_row(f"{phase} {op}", str(hf[phase].get(op, 0)), str(ours[phase].get(op, 0)))
-    table.add_row("parameter MB/device", f"{hf['param_bytes'] / 1e6:.3f}", f"{ours['param_bytes'] / 1e6:.3f}")
-    table.add_row("memory MB/device", f"{hf['memory'] / 1e6:.3f}", f"{ours['memory'] / 1e6:.3f}")
+        for op in sorted(set().union(*(p[phase] for p in plans.values()))):
+            table.add_row(f"{phase} {op}", *(str(p[phase].get(op, 0)) for p in plans.values()))
+    table.add_row("parameter MB/device", *(f"{p['param_bytes'] / 1e6:.3f}" for p in plans.values()))
+    table.add_row("memory MB/device", *(f"{p['memory'] / 1e6:.3f}" for p in plans.values()))
     return table

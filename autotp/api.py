@@ -12,6 +12,7 @@ from autotp.passes.accounting import alternatives, planned_collectives
 from autotp.passes.capture import CaptureError, capture, fingerprint, module_path
 from autotp.passes.capture import check_inputs as check_example_inputs
 from autotp.passes.fold import Fold, NotFoldable, find_fold, fold_graph, folded
+from autotp.passes.group_cuts import cuts_to_gathers
 from autotp.passes.prepare import (
     add_hints,
     drop_no_ops,
@@ -61,6 +62,7 @@ def _graph(model: torch.nn.Module, args, kwargs, fold: bool = False) -> torch.fx
     unflatten_products(gm)
     fuse_repeat_kv(gm)
     drop_no_ops(gm)
+    cuts_to_gathers(gm)
     return gm
 
 

@@ -80,7 +80,7 @@ class Megatron(torch.nn.Module):
         """Every rank's slice of the vocabulary, concatenated along the last dim."""
         if self.autotp_collectives:
             last = logits.dim() - 1
-            return collectives.gather(logits, last, None, None, None, self.vocab, self.rank, self.world,
+            return collectives.gather(logits, last, None, None, None, None, self.vocab, self.rank, self.world,
                                       self.group.group_name, "reference logits")
         pieces = [torch.empty_like(logits) for _ in range(self.world)]
         dist.all_gather(pieces, logits.contiguous())

@@ -25,7 +25,7 @@ from torch.fx import Node
 
 from autotp.runtime.placement import Disjoint, P, Shard, simplest
 
-from .layout_rules import _mapped, cut_range, positive_dim, slice_
+from .layout_rules import _mapped, constant_positions, cut_range, gather, positive_dim, slice_
 from .strategies import LAYOUT_OPS, Context, Strategy, contractible, is_placed, value
 
 aten = torch.ops.aten
@@ -88,6 +88,8 @@ def index(node: Node, ctx: Context) -> list[Strategy] | None:
     behind the index's dims), a partial x stays partial; the indices are read whole."""
     if cut_range(node) is not None:
         return slice_(node, ctx)
+    if constant_positions(node) is not None:
+        return gather(node, ctx)
     x, indices = node.args[0], node.args[1]
     if not _integer_indices(indices):
         return None  # no rule: replicated, and said

@@ -11,7 +11,7 @@ from dataclasses import replace
 import torch
 from torch.fx import Node
 
-from autotp.runtime.placement import P, Shard
+from autotp.runtime.placement import P, Shard, dealt
 
 from .strategies import Context, Strategy, concrete
 from .views import map_view_dim, split_runs
@@ -118,9 +118,22 @@ def cut_range(node: Node) -> tuple[int, int, int] | None:
 def _constant_run(node: Node, shape: list) -> tuple[int, int, int] | None:
     """x[..., [a, a+1, ..., b-1], ...] with the positions a constant tensor of the graph: (dim, a, b).
     Refused where the result is written in place (a slice, which the rewrite may use, would alias x)."""
+    found = constant_positions(node)
+    if found is None or _written(node):
+        return None
+    at, run = found
+    return (at, run[0], run[-1] + 1) if run == list(range(run[0], run[0] + len(run))) else None
+
+
+def constant_positions(node: Node) -> tuple[int, list[int]] | None:
+    """(dim, positions) of ``x[..., positions, ...]`` indexing one static dim by a constant 1-D tensor of the
+    graph (negative positions counted from the end); None if they are known only at run time (or on meta)."""
+    if node.target != aten.index.Tensor:
+        return None
+    shape = [concrete(size) for size in node.args[0].meta["val"].shape]
     indices = node.args[1]
     given = [d for d, index in enumerate(indices) if index is not None]
-    if len(given) != 1 or not isinstance(shape[given[0]], int) or _written(node):
+    if len(given) != 1 or not isinstance(shape[given[0]], int):
         return None
     at, source = given[0], indices[given[0]]
     if source.target == aten.lift_fresh_copy.default:
@@ -131,10 +144,39 @@ def _constant_run(node: Node, shape: list) -> tuple[int, int, int] | None:
     if not isinstance(values, torch.Tensor) or values.is_meta or values.dim() != 1 or not len(values) or \
             values.dtype not in (torch.int64, torch.int32):
         return None
-    run = [v + shape[at] if v < 0 else v for v in values.tolist()]
-    if run != list(range(run[0], run[0] + len(run))) or run[0] < 0 or run[-1] >= shape[at]:
+    positions = [v + shape[at] if v < 0 else v for v in values.tolist()]
+    return (at, positions) if all(0 <= v < shape[at] for v in positions) else None
+
+
+def gather(node: Node, ctx: Context) -> list[Strategy] | None:
+    """x[..., positions, ...] by constant positions that are no run (cuts of [groups, q|k|v] heads read as
+    one gather, passes/group_cuts.py): other dims keep their shard; along the indexed dim each rank's output
+    reads only positions its own piece holds -- checked rank by rank, so any layout that passes is exact."""
+    found = constant_positions(node)
+    if found is None or _written(node):
         return None
-    return at, run[0], run[-1] + 1
+    at, positions = found
+    x, size = node.args[0], len(positions)
+    strategies = _mapped(node, ctx, lambda d: None if d == at else d)
+    for s in ctx.shard_options(x, at):
+        outs = ctx.shard_options(node, at)
+        if s.of == size and dealt(size, ctx.world):  # the finer units the input's pieces follow, dealt whole
+            outs = [*outs, Shard(at, units=size)]
+        strategies += [Strategy(ctx.fill(node, {x: s}), o) for o in dict.fromkeys(outs)
+                       if o.chunks is None and all(gathered(s, o, positions, ctx.shape(x)[at], r, ctx.world)
+                                                   is not None for r in range(ctx.world))]
+    return strategies
+
+
+def gathered(held: Shard, out: Shard, positions: list[int], size: int, rank: int, world: int) -> list[int] | None:
+    """The positions in this rank's piece (laid out as ``held``, of a dim of ``size``) that its share of the
+    output (``out``) reads, or None if it does not hold them all."""
+    local, offset = {}, 0
+    for start, length in held.ranges(size, rank, world):
+        local.update({start + i: offset + i for i in range(length)})
+        offset += length
+    wanted = [positions[start + i] for start, length in out.ranges(len(positions), rank, world) for i in range(length)]
+    return [local[p] for p in wanted] if all(p in local for p in wanted) else None
 
 
 _ALIASING = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.transpose.int,
@@ -144,18 +186,27 @@ _ALIASING = {aten.view.default, aten.reshape.default, aten._unsafe_view.default,
 
 
 def _written(node: Node) -> bool:
-    """Some op writes in place into ``node``'s value or a view of it."""
+    """Some op writes in place into ``node``'s value or a view of it (not merely reads it: a KV cache's
+    ``index_copy_`` writes the cache, not the new keys it is given)."""
     for user in node.users:
         schema = getattr(user.target, "_schema", None)
-        if (schema is not None and schema.is_mutable) or (user.target in _ALIASING and _written(user)):
+        if (schema is not None and schema.is_mutable and _writes(user, schema, node)) or \
+                (user.target in _ALIASING and _written(user)):
             return True
     return False
+
+
+def _writes(user: Node, schema, node: Node) -> bool:
+    """``user`` (a mutating op) writes into the argument ``node`` is passed as."""
+    given = {**dict(zip([a.name for a in schema.arguments], user.args, strict=False)), **user.kwargs}
+    return any(given.get(a.name) is node and a.alias_info is not None and a.alias_info.is_write
+               for a in schema.arguments)
 
 
 def block_of(shard: Shard, start: int, end: int) -> int | None:
     """Which block of a fused dim the range [start, end) is exactly, if any."""
     offset = 0
-    for k, block in enumerate(shard.chunks or ()):
+    for k, block in enumerate(shard.chunks if shard.groups is None else ()):  # a repeated block is not one range
         if (start, end) == (offset, offset + block):
             return k
         offset += block
@@ -205,7 +256,7 @@ def split(node: Node, ctx: Context) -> list[Strategy]:
         for s in ctx.shard_options(x, d):
             if d != at and s.chunks is None:
                 found.append(Strategy(ctx.fill(node, {x: s}), (s,) * k))
-            elif d == at and split_dim_ok and s.chunks == sizes:
+            elif d == at and split_dim_ok and s.chunks == sizes and s.groups is None:
                 found.append(Strategy(ctx.fill(node, {x: s}), tuple(s.block(i, n, ctx.world)
                                                                      for i, n in enumerate(sizes))))
             elif d == at and split_dim_ok and k == 1 and s.chunks is None:

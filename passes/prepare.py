@@ -10,6 +10,7 @@ from torch.fx import Node
 from autotp.runtime import local_ops
 
 from .expert_rules import hint_sources
+from .group_cuts import group_blocks
 from .layout_rules import cut_range, positive_dim, split, t, unsqueeze, view
 from .rules import RULES, matmul, pointwise
 from .strategies import Context, is_placed
@@ -180,7 +181,8 @@ def fused_block_hints(gm: torch.fx.GraphModule, ctx: Context) -> dict:
 def block_unit_hints(gm: torch.fx.GraphModule, ctx: Context) -> dict:
     """(node, dim) -> {(block sizes, units per block)}: fused projections whose pieces are cut into
     heads of their own (Phi-3's [8 query heads | 2 KV heads | 2 KV heads]).  A piece without heads of
-    its own is one unit when single KV heads are repeated (multi-query: every rank holds it).
+    its own is one unit when single KV heads are repeated (multi-query: every rank holds it).  Blocks
+    repeated per group and read by gathers add (blocks, units, finer units, groups) (passes/group_cuts.py).
 
     Needs ``ctx.units`` and ``ctx.covers`` (unit_hints, repeat_hints)."""
     work = []
@@ -192,7 +194,7 @@ def block_unit_hints(gm: torch.fx.GraphModule, ctx: Context) -> dict:
                      for p in pieces]
         if all(units) and any(u > 1 for u in units) and all(s % u == 0 for s, u in zip(sizes, units, strict=True)):
             work.append((x, dim, (sizes, tuple(units))))
-    return _walk_back(work, ctx)
+    return _walk_back(work + group_blocks(gm, ctx), ctx)
 
 
 def _heads_dim(node, dim: int, ctx: Context) -> bool:
@@ -222,7 +224,9 @@ def repeat_hints(gm: torch.fx.GraphModule) -> dict:
 
 
 def unit_hints(gm: torch.fx.GraphModule, ctx: Context) -> dict:
-    """(node, dim) -> unit counts, for flat dims later viewed as (units, rest): the heads of [b, s, H*d].
+    """(node, dim) -> unit counts, for flat dims later viewed as (units, rest): the heads of [b, s, H*d];
+    and for the rows of a product's second operand that contract heads merged back ([b, s, H, d] viewed as
+    [b, s, H*d], then ``@ w.T``: Falcon's dense), so its weight can be split by whole heads too.
 
     The producing matmul may then shard whole heads when H is not divisible by the world size
     (uneven), or hold one head of several ranks' worth when there are fewer heads than ranks.
@@ -237,6 +241,10 @@ def unit_hints(gm: torch.fx.GraphModule, ctx: Context) -> dict:
                 lead_out = [d for d in gj if dst[d] != 1]
                 if len(lead_in) == 1 and len(lead_out) > 1:
                     work.append((node.args[0], lead_in[0], dst[lead_out[0]]))
+                if len(lead_in) > 1 and len(lead_out) == 1 and lead_out[0] == len(dst) - 1:  # heads merged back
+                    work += [(b, len(ctx.shape(b)) - 2, src[lead_in[0]]) for user in node.users
+                             if RULES.get(user.target) is matmul and user.args[0] is node
+                             for b in [user.args[1]] if len(ctx.shape(b)) >= 2]
     return _walk_back(work, ctx)
 
 
@@ -281,8 +289,8 @@ def _in_flat_units(hint, rest: int):
         return hint  # a unit count
     if isinstance(hint[0], int):
         return tuple(c * rest for c in hint)  # block sizes
-    chunks, units = hint
-    return tuple(c * rest for c in chunks), units
+    chunks, *units = hint  # units per block, and the finer units and groups they follow, if any
+    return tuple(c * rest for c in chunks), *units
 
 
 def fuse_repeat_kv(gm: torch.fx.GraphModule) -> None:

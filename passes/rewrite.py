@@ -14,7 +14,7 @@ from autotp.runtime.placement import Disjoint, Partial, R, Replicate, Shard, tak
 
 from .capture import module_path
 from .expert_rules import GROUPED_MM_FALLBACK, is_grouped_mm, offsets
-from .layout_rules import block_of, cut_range
+from .layout_rules import block_of, constant_positions, cut_range, gathered
 from .rules import held_heads
 from .strategies import adds_once, gradient_sums, is_observer, needs_grad, partial_grad, partial_params
 
@@ -45,6 +45,11 @@ def _localize(node: Node, strategy, rank: int, world: int) -> None:
     if target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default,
                   aten.broadcast_to.default):
         node.args = (node.args[0], _local_sizes(node.args[1], strategy.output, rank, world), *node.args[2:])
+    elif target == aten.index.Tensor and isinstance(src, Shard) and cut_range(node) is None and \
+            (found := constant_positions(node)) is not None and found[0] == src.dim:
+        at, positions = found  # a gather along the sharded dim: this rank's heads, from its piece
+        local = gathered(src, strategy.output, positions, node.args[0].meta["val"].shape[at], rank, world)
+        node.target, node.args, node.kwargs = local_ops.gather_positions, (node.args[0], at, tuple(local)), {}
     elif target in (aten.slice.Tensor, aten.index.Tensor) and isinstance(src, Shard) and src.chunks:
         bounds = cut_range(node)  # one whole block of a fused dim: its range in the local layout
         if bounds is None and target == aten.index.Tensor:
@@ -214,7 +219,7 @@ def _sum_gradients(graph: torch.fx.Graph, members: list, layouts: list, rank: in
 
 
 def _layout(shard: Shard, node: Node) -> tuple:
-    return shard.dim, shard.chunks, shard.units, shard.of, _full_size(node, shard.dim)
+    return shard.dim, shard.chunks, shard.units, shard.of, shard.groups, _full_size(node, shard.dim)
 
 
 class _TokenSizes:

@@ -125,9 +125,9 @@ def matmul(node: Node, ctx: Context) -> list[Strategy]:
         return []
     found = [Strategy(ctx.fill(node, {b: s.at(len(sb) - 1)}), s) for s in ctx.shard_options(node, n - 1)]
     found += [Strategy(ctx.fill(node, {a: s.at(len(sa) - 2)}), s) for s in ctx.shard_options(node, n - 2)]
-    k = sa[-1]
-    if ctx.static(k) and k % ctx.world == 0:
-        found.append(Strategy(ctx.fill(node, {a: Shard(len(sa) - 1), b: Shard(len(sb) - 2)}), P))
+    k = len(sa) - 1  # contracted: a static dim (never tokens), evenly or by whole heads, as linear
+    for s in contractible(ctx.output_options(a) + ctx.shard_options(a, k), k, ctx.world) if ctx.static(sa[-1]) else ():
+        found.append(Strategy(ctx.fill(node, {a: s, b: s.at(len(sb) - 2)}), P))
     found += [Strategy(ctx.fill(node, {a: P}), P), Strategy(ctx.fill(node, {b: P}), P)]
     for d in range(n - 2):  # batch dims, right-aligned against each operand
         for s in ctx.shard_options(node, d):

@@ -99,7 +99,7 @@ def _fraction(placement, world: int) -> float:
     """The largest share of a tensor that one rank holds (uneven and grouped shards hold more than 1/N)."""
     if not isinstance(placement, Shard):
         return 1.0
-    sizes = placement.chunks or (1,)
+    sizes = placement.blocks(1)
     held = [sum(size * count / placement.parts(world, k) for k, (size, (_, count))
                 in enumerate(zip(sizes, placement.spans(r, world, len(sizes)), strict=True))) for r in range(world)]
     return max(held) / sum(sizes)
@@ -109,8 +109,8 @@ def _shared_fraction(placement: Shard, world: int) -> float:
     """How much of a grouped tensor lies in blocks that several ranks hold (its gradient is summed)."""
     if not placement.chunks:
         return 1.0
-    chunks = placement.chunks
-    return sum(c for k, c in enumerate(chunks) if placement.block(k, c, world).grouped(world)) / sum(chunks)
+    chunks = placement.blocks(1)
+    return sum(c for c, shared in zip(chunks, placement.shared_blocks(world), strict=True) if shared) / sum(chunks)
 
 
 def _local(size: float, placement, world: int) -> float:

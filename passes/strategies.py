@@ -211,8 +211,11 @@ class Context:
         for chunks in sorted(self.hints.get((node, dim), ())):
             if all(c % self.world == 0 for c in chunks):
                 options.append(Shard(dim, chunks))
-        for chunks, units in sorted(self.block_units.get((node, dim), ())):
-            options += [Shard(dim, chunks, units, of) for of in self._finer(units)]
+        for chunks, units, *grouping in sorted(self.block_units.get((node, dim), ())):
+            if not grouping:
+                options += [Shard(dim, chunks, units, of) for of in self._finer(units)]
+            elif sum(chunks) * grouping[1] == size and (grouping[0] >= self.world or self.world % grouping[0] == 0):
+                options.append(Shard(dim, chunks, units, *grouping))  # the blocks of one group, repeated
         seen, found = set(), []
         for option in options:
             layout = tuple(tuple(option.ranges(size, r, self.world)) for r in range(self.world))

@@ -31,9 +31,9 @@ def _units_note(placement: Shard, size: int, world: int) -> str:
         counts = [placement.local_size(size, r, world) * units // size for r in range(world)]
         return f", uneven {name}: {','.join(map(str, counts))} of {units}"
     notes = []
-    for k in range(len(placement.chunks or (0,))):
+    for k in range(placement.count()):
         held = [placement.spans(r, world, k + 1)[k] for r in range(world)]
-        text = "|".join(str(first) if count == 1 else f"{first}-{first + count - 1}" for first, count in held)
+        text = "|".join({0: "-", 1: str(first)}.get(count, f"{first}-{first + count - 1}") for first, count in held)
         notes.append(f"heads {text} of {placement.parts(world, k)}")
     follows = f" (each rank holds what its share of {placement.of} query heads needs)" if placement.of else ""
     return ", " + "; ".join(notes) + follows
@@ -79,7 +79,8 @@ def param_styles(gm: torch.fx.GraphModule, choice: dict, world: int) -> dict:
                 added = any(user.target == aten.add.Tensor for user in node.users)
                 style = "bias split" if added else "vector split"  # a bias, or a norm's scale
             if placement.chunks:
-                style += f" (fused {len(placement.chunks)} blocks)"
+                groups = f" x {placement.groups} groups" if placement.groups else ""
+                style += f" (fused {len(placement.chunks)} blocks{groups})"
             if not style.startswith("experts"):
                 style += _units_note(placement, int(node.meta["val"].shape[placement.dim]), world)
         styles[node.target] = style

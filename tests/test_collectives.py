@@ -9,9 +9,11 @@ from autotp.runtime.placement import P, R, Shard, assemble, parse, take_local
 from distributed import comm_counts, run_ranks
 
 # even, fused blocks, dim 0, whole units (uneven at 4 ranks: 2,2,1,1), units shared by ranks (grouped at 4),
-# 3 KV heads for 6 query heads (held 0-1, 1-2 at 2 ranks; 0, 1, 2, 2 at 4), fused [4 query heads | 1 KV | 1 KV]
+# 3 KV heads for 6 query heads (held 0-1, 1-2 at 2 ranks; 0, 1, 2, 2 at 4), fused [4 query heads | 1 KV | 1 KV],
+# [4 query heads | 1 KV | 1 KV] per group for 3 groups (12 query heads: at 4 ranks, rank 1's heads 3-5 span
+# groups 0 and 1, so it holds both groups' KV)
 SHARDS = [Shard(1), Shard(1, (4, 8, 12)), Shard(0), Shard(1, units=6), Shard(1, units=2), Shard(1, units=3, of=6),
-          Shard(1, (12, 6, 6), (4, 1, 1), of=4)]
+          Shard(1, (12, 6, 6), (4, 1, 1), of=4), Shard(1, (4, 2, 2), (4, 1, 1), of=12, groups=3)]
 
 
 def _conversions(rank: int, world: int, gloo_paths: bool) -> None:

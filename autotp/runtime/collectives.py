@@ -270,16 +270,22 @@ def _sum_shared(grads: list, layouts: list, rank: int, world: int, group: str, w
     jobs = []
     for grad, (shard, size) in zip(grads, layouts, strict=True):
         blocks = shard.blocks(size)
-        parts = [shard.block(k, block, world) for k, block in enumerate(blocks)]
-        pieces = list(grad.split([n for _, n in shard.ranges(size, rank, world)], shard.dim))
-        shared = [k for k, layout in enumerate(parts) if layout.grouped(world)]
-        jobs.append((pieces, parts, shared, [_embed(pieces[k], parts[k], blocks[k], rank, world) for k in shared]))
+        ranges = shard.ranges(size, rank, world)
+        offsets = [sum(blocks[:k]) for k in range(len(blocks))]
+        pieces = list(grad.split([n for _, n in ranges], shard.dim))
+        shared = [k for k, both in enumerate(shard.shared_blocks(world)) if both]
+        full = []
+        for k in shared:  # zeros of the whole block with this rank's units in place
+            block = pieces[k].new_zeros(*grad.shape[:shard.dim], blocks[k], *grad.shape[shard.dim + 1:])
+            block.narrow(shard.dim, ranges[k][0] - offsets[k], ranges[k][1]).copy_(pieces[k])
+            full.append(block)
+        jobs.append((pieces, [ranges[k][0] - offsets[k] for k in shared], shared, full))
     flat = [f.reshape(-1) for *_, full in jobs for f in full]
     summed = iter(_all_reduce(torch.cat(flat), group, where).split([f.numel() for f in flat]))
     out = []
-    for (pieces, parts, shared, full), (shard, _) in zip(jobs, layouts, strict=True):
-        for k, f in zip(shared, full, strict=True):
-            pieces[k] = take_local(next(summed).view_as(f), parts[k], rank, world)
+    for (pieces, starts, shared, full), (shard, _) in zip(jobs, layouts, strict=True):
+        for k, start, f in zip(shared, starts, full, strict=True):
+            pieces[k] = next(summed).view_as(f).narrow(shard.dim, start, pieces[k].shape[shard.dim])
         out.append(torch.cat(pieces, shard.dim).contiguous())
     return out
 
@@ -302,7 +308,7 @@ def _no_grad() -> bool:
     return not torch.is_grad_enabled()
 
 
-# Graph-callable forms: a Shard is passed as (dim, chunks, units, of) so generated code can print it;
+# Graph-callable forms: a Shard is passed as (dim, chunks, units, of, groups) so generated code can print it;
 # ``where`` is the rewrite's description of the value, shown only when the collective fails.
 def all_reduce(x, group, where):
     return _all_reduce(x, group, where) if _no_grad() else _ReduceForward.apply(x, group, where)
@@ -312,53 +318,53 @@ def reduce_grad(x, group, where):
     return x if _no_grad() else _ReduceBackward.apply(x, group, where)
 
 
-def reduce_scatter(x, dim, chunks, units, of, size, rank, world, group, where):
-    shard = Shard(dim, chunks, units, of)
+def reduce_scatter(x, dim, chunks, units, of, groups, size, rank, world, group, where):
+    shard = Shard(dim, chunks, units, of, groups)
     if _no_grad():
         return _reduce_scatter(x, shard, size, rank, world, group, where)
     return _ReduceScatter.apply(x, shard, size, rank, world, group, where)
 
 
-def gather(x, dim, chunks, units, of, size, rank, world, group, where):
-    shard = Shard(dim, chunks, units, of)
+def gather(x, dim, chunks, units, of, groups, size, rank, world, group, where):
+    shard = Shard(dim, chunks, units, of, groups)
     return _gather_values(x, shard, size, world, group, where) if _no_grad() else _Gather.apply(
         x, shard, size, rank, world, group, where)
 
 
-def gather_reduce_backward(x, dim, chunks, units, of, size, rank, world, group, where):
-    shard = Shard(dim, chunks, units, of)
+def gather_reduce_backward(x, dim, chunks, units, of, groups, size, rank, world, group, where):
+    shard = Shard(dim, chunks, units, of, groups)
     return _gather_values(x, shard, size, world, group, where) if _no_grad() else _GatherReduceBackward.apply(
         x, shard, size, rank, world, group, where)
 
 
-def gather_tokens(x, dim, chunks, units, of, size, rank, world, group, where, reduce_backward):
+def gather_tokens(x, dim, chunks, units, of, groups, size, rank, world, group, where, reduce_backward):
     """A gather along a token dim (sequence parallelism): an op that saves the result for its backward
     keeps this rank's tokens instead (autotp.runtime.regather)."""
-    full = (gather_reduce_backward if reduce_backward else gather)(x, dim, chunks, units, of, size, rank, world,
-                                                                    group, where)
+    full = (gather_reduce_backward if reduce_backward else gather)(x, dim, chunks, units, of, groups, size, rank,
+                                                                    world, group, where)
     if _no_grad() or torch.compiler.is_compiling():  # compiled: the compiler decides what its backward keeps
         return full
-    shard = Shard(dim, chunks, units, of)
+    shard = Shard(dim, chunks, units, of, groups)
     return regather.remember(full, x, lambda piece: _gather_values(piece, shard, size, world, group, where))
 
 
-def scatter(x, dim, chunks, units, of, size, rank, world, group, where):
-    shard = Shard(dim, chunks, units, of)
+def scatter(x, dim, chunks, units, of, groups, size, rank, world, group, where):
+    shard = Shard(dim, chunks, units, of, groups)
     if _no_grad():
         return take_local(x, shard, rank, world)
     return _Scatter.apply(x, shard, size, rank, world, group, where)
 
 
 def sum_group_grads(xs, layouts, rank, world, group, where):
-    """``layouts``: (dim, chunks, units, of, full size) per tensor of ``xs``; one all-reduce for all of them."""
+    """``layouts``: (dim, chunks, units, of, groups, full size) per tensor of ``xs``; one all-reduce for all."""
     if _no_grad():
         return tuple(xs)
-    return _SumGroupGrads.apply([(Shard(*layout[:4]), layout[4]) for layout in layouts], rank, world, group, where,
+    return _SumGroupGrads.apply([(Shard(*layout[:5]), layout[5]) for layout in layouts], rank, world, group, where,
                                 *xs)
 
 
 def shard_args(shard: Shard, size: int, rank: int, world: int, group: str, where: str) -> tuple:
-    return (shard.dim, shard.chunks, shard.units, shard.of, size, rank, world, group, where)
+    return (shard.dim, shard.chunks, shard.units, shard.of, shard.groups, size, rank, world, group, where)
 
 
 def conversion_steps(src, dst, shape, rank: int, world: int, group: str, partial_grad: bool = False,

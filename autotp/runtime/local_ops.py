@@ -18,6 +18,12 @@ def repeat_heads(x: torch.Tensor, repeats: int, dim: int, in_start: int, out_sta
     return needed.narrow(dim, out_start - (first + in_start) * repeats, out_len)
 
 
+def gather_positions(x: torch.Tensor, dim: int, positions: tuple[int, ...]):
+    """``x.index_select(dim, positions)`` with this rank's positions in its own piece (a gather of heads whose
+    pieces several ranks hold: passes/group_cuts.py)."""
+    return x.index_select(dim, torch.tensor(positions, device=x.device))
+
+
 def _held_rows(ids: torch.Tensor, start: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Which ids this rank holds (rows [start, start + rows)), and the local row of each (0 for the others)."""
     mine = (ids >= start) & (ids < start + rows)

@@ -19,8 +19,12 @@ of/units of them, and every rank holds the units its own finer ones need -- grou
 KV heads for the query heads a rank computes, whatever the counts (8 query heads, 2 KV heads, 3 ranks:
 ranks hold KV heads {0}, {0,1}, {1}).  A unit held by several ranks is "grouped"; the gradient of a
 grouped value is split like a partial sum among the ranks that share a unit.
+With ``groups`` the dim is that many copies of the blocks, copy i serving finer units i*of/groups up to
+(i+1)*of/groups (Falcon's new decoder architecture: per KV group [4 query heads | k | v]); a rank holds in
+each copy the units its share of the finer ones needs, possibly none (8 query heads, 2 groups, 4 ranks:
+rank 1 holds query heads 2, 3 and group 0's k and v).
 Placements print and parse as short strings for the plan JSON: S(0), S(0|64,64,64), S(1/10),
-S(2|64,16,16/8,2,2@8), S(1/2@8).
+S(2|64,16,16/8,2,2@8), S(1/2@8), S(0|32,8,8/4,1,1@8x2).
 """
 from __future__ import annotations
 
@@ -80,6 +84,7 @@ class Shard:
     chunks: tuple[int, ...] | None = None  # sizes of the fused blocks along dim
     units: int | tuple[int, ...] | None = None  # indivisible pieces per block (or for each block); None: N slices
     of: int | None = None                  # units follow the split of this many finer units (see above)
+    groups: int | None = None              # the blocks repeat this many times, each copy serving of/groups
 
     def __str__(self) -> str:
         text = str(self.dim)
@@ -89,6 +94,8 @@ class Shard:
             text += "/" + (",".join(map(str, self.units)) if isinstance(self.units, tuple) else str(self.units))
         if self.of is not None:
             text += f"@{self.of}"
+        if self.groups is not None:
+            text += f"x{self.groups}"
         return f"S({text})"
 
     def at(self, dim: int) -> Shard:
@@ -99,23 +106,47 @@ class Shard:
         """How many pieces block ``block`` is dealt out in."""
         if self.units is None:
             return world
+        if self.groups is not None:
+            block %= len(self.chunks)
         return self.units[block] if isinstance(self.units, tuple) else self.units
+
+    def count(self) -> int:
+        """How many blocks the dim is made of (the repeated ones counted each time)."""
+        return len(self.chunks or (0,)) * (self.groups or 1)
 
     def spans(self, rank: int, world: int, blocks: int = 1) -> list[tuple[int, int]]:
         """(first piece, number of pieces) this rank holds of each block."""
+        if self.groups is not None:
+            return [self._group_span(k, rank, world) for k in range(blocks)]
         return [unit_span(self.parts(world, k), rank, world, self.of if self.units is not None else None)
                 for k in range(blocks)]
 
+    def _group_span(self, k: int, rank: int, world: int) -> tuple[int, int]:
+        """The units of block ``k`` (in copy k // len(chunks)) that this rank's finer units need: none is
+        (0, 0) before the rank's finer units and (units, 0) after them, so pieces stay in rank order."""
+        units, serves = self.parts(world, k), self.of // self.groups
+        low = k // len(self.chunks) * serves
+        first, count = unit_span(self.of, rank, world)
+        start, end = max(first, low), min(first + count, low + serves)
+        if start >= end:
+            return (0, 0) if first + count <= low else (units, 0)
+        per = serves // units
+        return (start - low) // per, (end - 1 - low) // per - (start - low) // per + 1
+
+    def shared_blocks(self, world: int) -> list[bool]:
+        """Per block: some unit of it is held by several ranks (its gradient is split like a partial sum)."""
+        spans = [self.spans(r, world, self.count()) for r in range(world)]
+        return [any(right[k][0] < left[k][0] + left[k][1] for left, right in itertools.pairwise(spans))
+                for k in range(self.count())]
+
     def grouped(self, world: int) -> bool:
         """Some unit is held by several ranks (its gradient is split among them like a partial sum)."""
-        blocks = len(self.chunks or (0,))
-        spans = [self.spans(r, world, blocks) for r in range(world)]
-        return any(b[0] < a[0] + a[1] for left, right in itertools.pairwise(spans)
-                   for a, b in zip(left, right, strict=True))
+        return any(self.shared_blocks(world))
 
     def whole(self, world: int) -> bool:
         """Every rank holds all of it (one unit per block, shared by all): the dim it names does not matter."""
-        return self.units is not None and all(self.parts(world, k) == 1 for k in range(len(self.chunks or (0,))))
+        return self.units is not None and self.groups is None and all(
+            self.parts(world, k) == 1 for k in range(self.count()))
 
     def block(self, k: int, size: int, world: int) -> Shard:
         """The layout of block ``k`` (``size`` long) cut out on its own, in its simplest spelling, so that
@@ -125,7 +156,7 @@ class Shard:
         return simplest(Shard(self.dim, units=units, of=of), size, world)
 
     def blocks(self, size: int) -> tuple[int, ...]:
-        return self.chunks if self.chunks is not None else (size,)
+        return self.chunks * (self.groups or 1) if self.chunks is not None else (size,)
 
     def ranges(self, size: int, rank: int, world: int) -> list[tuple[int, int]]:
         """(start, length) along ``dim`` of each piece this rank holds, in the full tensor."""
@@ -177,7 +208,7 @@ Placement = Replicate | Partial | Shard
 R = Replicate()
 P = Partial()
 
-_SHARD = re.compile(r"S\((-?\d+)(?:\|([\d,]+))?(?:/([\d,]+))?(?:@(\d+))?\)$")
+_SHARD = re.compile(r"S\((-?\d+)(?:\|([\d,]+))?(?:/([\d,]+))?(?:@(\d+))?(?:x(\d+))?\)$")
 
 
 def parse(text: str | list | None):
@@ -195,11 +226,14 @@ def parse(text: str | list | None):
     m = _SHARD.match(text)
     if not m:
         raise ValueError(f"not a placement: {text!r} (expected R, P, S(dim), S(dim|a,b,c), "
-                         "S(dim/units) or S(dim|a,b,c/units,units,units@finer))")
+                         "S(dim/units), S(dim|a,b,c/units,units,units@finer) or S(dim|a,b,c/u,u,u@finerxgroups))")
     chunks = tuple(int(c) for c in m.group(2).split(",")) if m.group(2) else None
     units = tuple(int(u) for u in m.group(3).split(",")) if m.group(3) else None
     units = units[0] if units is not None and len(units) == 1 else units
-    return Shard(int(m.group(1)), chunks, units, int(m.group(4)) if m.group(4) else None)
+    of, groups = (int(m.group(k)) if m.group(k) else None for k in (4, 5))
+    if groups is not None and (chunks is None or units is None or of is None or of % groups):
+        raise ValueError(f"not a placement: {text!r} (groups need blocks, units and finer units they divide)")
+    return Shard(int(m.group(1)), chunks, units, of, groups)
 
 
 def dump(placement):

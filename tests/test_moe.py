@@ -5,6 +5,7 @@ bmm, interleaved gate/up columns with biases) split each expert Megatron-style: 
 by input columns, router replicated, one forward all-reduce per MoE layer; no weight is ever gathered."""
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.distributed.tensor.debug import CommDebugMode
 
@@ -106,9 +107,10 @@ def _hf_exact(rank: int, world: int) -> None:
             assert torch.equal(got, want), (got, want)
 
 
-def test_hf_moe_is_exact_with_expert_tensor_parallelism():
-    """Mixtral and Qwen3-MoE at 2 ranks; Mixtral's greedy generation equals transformers'."""
-    run_ranks(2, _hf_exact)
+@pytest.mark.parametrize("world", [2, 4])
+def test_hf_moe_is_exact_with_expert_tensor_parallelism(world):
+    """Mixtral and Qwen3-MoE at 2 and 4 ranks; Mixtral's greedy generation equals transformers'."""
+    run_ranks(world, _hf_exact)
 
 
 def _example_exact(rank: int, world: int) -> None:

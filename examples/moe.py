@@ -2,7 +2,8 @@
 with one ``bmm`` per projection over the weights each routed token picks (``w[expert_ids]``).
 
 ``interleaved=True`` keeps gate and up columns interleaved in one tensor (gate in even, up in odd columns,
-as gpt-oss does) and ``bias=True`` gives every expert projection a bias."""
+as gpt-oss does) and ``bias=True`` gives every expert projection a bias.  ``ModuleMoE`` keeps its experts as a list
+of modules instead."""
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -37,8 +38,33 @@ class MoE(nn.Module):
         return x + combined.view(x.shape)
 
 
+class ModuleMoE(nn.Module):
+    """Experts as a list of modules (one gated MLP each) and routing as weights: every expert runs on every token
+    and its output is scaled by the token's routing weight for it, zero where the router did not pick it."""
+
+    def __init__(self, hidden: int = 32, ffn: int = 48, experts: int = 6, top_k: int = 2):
+        super().__init__()
+        self.top_k = top_k
+        self.norm = nn.LayerNorm(hidden)
+        self.router = nn.Linear(hidden, experts, bias=False)
+        self.experts = nn.ModuleList(
+            nn.ModuleDict({"gate": nn.Linear(hidden, ffn, bias=False), "up": nn.Linear(hidden, ffn, bias=False),
+                           "down": nn.Linear(ffn, hidden, bias=False)}) for _ in range(experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = self.norm(x)
+        weights, ids = self.router(tokens).softmax(-1).topk(self.top_k, dim=-1)
+        routing = torch.zeros(*tokens.shape[:-1], len(self.experts), dtype=x.dtype).scatter(-1, ids, weights)
+        out = sum(routing[..., e:e + 1] * expert["down"](F.silu(expert["gate"](tokens)) * expert["up"](tokens))
+                  for e, expert in enumerate(self.experts))
+        return x + out
+
+
 def build(blocks: int = 2, hidden: int = 32, ffn: int = 48, experts: int = 6, top_k: int = 2,
-          interleaved: bool = False, bias: bool = False):
-    """The model and example inputs, as ``autotp plan examples.moe:build`` expects."""
-    model = nn.Sequential(*(MoE(hidden, ffn, experts, top_k, interleaved, bias) for _ in range(blocks)))
+          interleaved: bool = False, bias: bool = False, modules: bool = False):
+    """The model and example inputs, as ``autotp plan examples.moe:build`` expects (``modules=True``: experts as a
+    list of modules, ``ModuleMoE``)."""
+    layer = (lambda: ModuleMoE(hidden, ffn, experts, top_k)) if modules else (
+        lambda: MoE(hidden, ffn, experts, top_k, interleaved, bias))
+    model = nn.Sequential(*(layer() for _ in range(blocks)))
     return model, (torch.randn(2, 8, hidden),)

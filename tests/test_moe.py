@@ -133,6 +133,49 @@ def test_hand_written_moe_with_six_experts_on_four_ranks():
     run_ranks(4, _example_exact)
 
 
+def qwen2_moe(layers: int = 2):
+    """Routed experts beside an always-on shared expert (and its sigmoid gate), as Qwen2-MoE and DeepSeek do."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+    torch.manual_seed(0)
+    return Qwen2MoeForCausalLM(Qwen2MoeConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+        num_experts=4, num_experts_per_tok=2, max_position_embeddings=64, use_cache=False)).eval()
+
+
+def _shared_and_listed_experts_exact(rank: int, world: int) -> None:
+    """Shared experts split like any MLP, and experts kept as a list of modules: each rank holds 1/N of every
+    expert's weights, outputs and gradients are exact, CommDebugMode counts what the plan says."""
+    for name in ("qwen2-moe", "modules"):
+        if name == "qwen2-moe":
+            model, inputs = qwen2_moe(), (lambda b, s: torch.randint(0, 96, (b, s)))
+            x = torch.randint(0, 96, (2, 5))
+            sharded = autotp.parallelize(model)
+            blocks, experts = model.config.num_hidden_layers, [*expert_params(model), *(
+                n for n, p in model.named_parameters() if ".shared_expert." in n)]
+        else:
+            torch.manual_seed(0)
+            model, args = moe.build(experts=4, modules=True)
+            model.eval()
+            inputs, x = (lambda b, s: torch.randn(b, s, 32)), torch.randn(2, 5, 32)
+            sharded = autotp.parallelize(model, args)
+            blocks, experts = 2, [n for n, _ in model.named_parameters() if ".experts." in n]
+        plan = sharded.autotp_plan
+        local = dict(sharded.named_parameters())
+        for param in experts:
+            assert local[param].numel() * world == model.get_parameter(param).numel(), (name, param, plan.params[param])
+        if name == "qwen2-moe":  # Megatron's count a block: attention's all-reduce, the routed experts' and the
+            # shared expert's (its RowParallelLinear reduces on its own); at most two more for the whole model
+            forward = plan.collective_counts("forward")
+            assert sum(forward.values()) <= 3 * blocks + 2, (name, plan.collectives)
+        _runs_the_plan(sharded, plan, x)
+        _same_as_unsharded(model, sharded, inputs)
+
+
+def test_shared_experts_and_expert_modules_are_split_like_mlps():
+    run_ranks(2, _shared_and_listed_experts_exact)
+
+
 def test_interleaved_columns_split_only_in_whole_pairs():
     """Gate in even, up in odd columns: 2 x 6 columns on 4 ranks would cut pairs (3 columns each), so the
     strided slices read them whole; 2 x 48 on 4 (24 each) keeps pairs and says how each expert is split."""

@@ -23,7 +23,7 @@ from autotp.cost_models.layout import Candidate, Profile, Section, Setting, pric
 from autotp.cost_models.topology import Topology
 from autotp.passes.fold import blocks
 from autotp.passes.recompute import attention_cores
-from autotp.passes.solve import _MATMULS, PlanningError, Sizes, _compute_time, _memory, activation_bytes
+from autotp.passes.solve import PlanningError, Sizes, _compute_time, _memory, activation_bytes, is_matmul
 from autotp.passes.strategies import Context, Strategy, needs_grad
 from autotp.runtime.placement import parse
 
@@ -140,7 +140,7 @@ def _model_flops(gm: torch.fx.GraphModule, sizes: Sizes) -> float:
         if n.target == torch.ops.aten.scaled_dot_product_attention.default:
             b, a, sq, d = (sizes(x) for x in n.args[0].meta["val"].shape)
             forward += 4 * b * a * sq * sizes(n.args[1].meta["val"].shape[-2]) * d * weight(n, 1)
-        elif n.target in _MATMULS:
+        elif is_matmul(n):
             forward += sizes.flops(n) * weight(n, 1)
     return 3 * forward
 

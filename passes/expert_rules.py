@@ -143,7 +143,7 @@ def hint_sources(node: Node, dim: int, ctx: Context) -> list[tuple[Node, int]]:
     is offered the block-wise shard: through a grouped matmul's or bmm's output columns to the weight's,
     a bmm's rows to its first operand's, and through transposes, squeezes and ``w[ids]``."""
     target, args, n = node.target, node.args, len(ctx.shape(node))
-    if target in (aten._grouped_mm.default, aten.bmm.default) or str(target) == GROUPED_MM_FALLBACK:
+    if is_grouped_mm(node) or target == aten.bmm.default:
         if dim == n - 1:
             return [(args[1], len(ctx.shape(args[1])) - 1)]
         return [(args[0], 1)] if target == aten.bmm.default and dim == 1 else []

@@ -98,15 +98,14 @@ def _localize(node: Node, strategy, rank: int, world: int) -> None:
 
 def _own_experts(node: Node, strategy, rank: int, world: int) -> None:
     """Expert parallelism: this rank's experts compute their own tokens' rows, zeros the others'."""
+    weight = node.args[1] if is_grouped_mm(node) else node.args[0]
+    first, _ = strategy.output.owned(_full_size(weight, 0), rank, world)
     if is_grouped_mm(node):
-        x, weight = node.args[:2]
-        first, _ = strategy.output.owned(_full_size(weight, 0), rank, world)
         fallback = str(node.target) == GROUPED_MM_FALLBACK
-        node.target, node.args, node.kwargs = local_ops.expert_grouped_mm, (x, weight, offsets(node), first,
-                                                                            fallback), {}
+        node.target, node.args, node.kwargs = local_ops.expert_grouped_mm, (node.args[0], weight, offsets(node),
+                                                                            first, fallback), {}
     else:
-        weight, (ids,) = node.args
-        first, _ = strategy.output.owned(_full_size(weight, 0), rank, world)
+        (ids,) = node.args[1]
         node.target, node.args, node.kwargs = local_ops.expert_rows, (weight, ids, first), {}
 
 

@@ -24,14 +24,13 @@ from autotp.cost_models.memory import breakdown, smallest_fitting_world, state_f
 from autotp.cost_models.topology import Topology
 from autotp.runtime.placement import Disjoint, Partial, R, Replicate, Shard
 
-from .expert_rules import GROUPED_MM_FALLBACK
+from .expert_rules import is_grouped_mm
 from .recompute import attention_cores, dropped, price_recompute
 from .saved import VIEWS, element_bytes, kept, regathered
 from .strategies import Context, bias_weights, coalesced, input_slots, is_placed, needs_grad, partial_grad, stored_views
 
 _MATMULS = {torch.ops.aten.linear.default, torch.ops.aten.mm.default, torch.ops.aten.bmm.default,
-            torch.ops.aten.matmul.default, torch.ops.aten.scaled_dot_product_attention.default,
-            torch.ops.aten._grouped_mm.default, GROUPED_MM_FALLBACK}  # grouped: each routed token's expert
+            torch.ops.aten.matmul.default, torch.ops.aten.scaled_dot_product_attention.default}
 
 
 # Equal-cost plans are common (an all-gather before a matmul or a reduce-scatter after it move the
@@ -86,13 +85,14 @@ class Sizes:
         if not isinstance(out, torch.Tensor):
             return 0.0
         numel = math.prod(self(s) for s in out.shape)
-        if _is_matmul(node):
+        if is_matmul(node):
             return 2.0 * numel * self(node.args[0].meta["val"].shape[-1])
         return float(numel)
 
 
-def _is_matmul(node: Node) -> bool:
-    return node.target in _MATMULS or str(node.target) in _MATMULS
+def is_matmul(node: Node) -> bool:
+    """A product (grouped ones too: each routed token's rows by its expert's matrix)."""
+    return node.target in _MATMULS or is_grouped_mm(node)
 
 
 def _fraction(placement, world: int) -> float:
@@ -125,7 +125,7 @@ def _compute_time(node: Node, strategy, sizes: Sizes, world: int, topology: Topo
         sizes.nbytes(node) + sum(sizes.nbytes(a) for a in node.all_input_nodes if is_placed(a)))
     seconds = op_time(sizes.flops(node), moved, topology) if node.op == "call_function" else 0.0
     if isinstance(strategy.output, Disjoint):  # whole experts: the busiest rank's share of the products;
-        seconds *= _fraction(strategy.output.experts, world) if _is_matmul(node) else 1.0  # zeros are full size
+        seconds *= _fraction(strategy.output.experts, world) if is_matmul(node) else 1.0  # zeros are full size
     elif not strategy.replicated:
         seconds *= _fraction(strategy.output, world) if isinstance(strategy.output, Shard) else 1 / world
     seconds = 3 * seconds if training else seconds  # backward costs about twice the forward

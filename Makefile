@@ -24,7 +24,7 @@ test: $(VENV)/.installed
 	$(BIN)/python -m pytest -q
 
 lint: $(VENV)/.installed
-	$(BIN)/ruff check autotp passes cost_models examples tests benchmarks
+	$(BIN)/ruff check autotp examples tests benchmarks
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -32,9 +32,9 @@ from autotp.passes.styles import param_styles
 from .agree import DEFAULT_TIMEOUT, InputCheck, Rendezvous, inputs_digest
 from .hf import default_inputs, fill_computed_buffers, no_kv_cache
 from .plan import Plan, PlanMismatch
-from .runtime.checkpoint import Checkpoint
 from .runtime.collectives import register
 from .runtime.conversion import model_conversions
+from .runtime.hf_checkpoint import Checkpoint
 from .runtime.placement import Disjoint, Shard
 
 

@@ -56,9 +56,9 @@ def test_activations_match_korthikanti_table_2(gpt3_block, t):
 def saved_bytes(module: torch.nn.Module, *inputs) -> int:
     """Bytes of the tensors autograd keeps during ``module(*inputs)``, each storage once; parameters,
     buffers and the inputs are not activations.  A sequence-parallel program stores the pieces of
-    gathered tensors through its own hooks (autotp.runtime.regather): what those keep is counted."""
-    from autotp.runtime import regather
-    from autotp.runtime.recompute import Recomputed
+    gathered tensors through its own hooks (autotp.runtime.activations): what those keep is counted."""
+    from autotp.runtime import activations
+    from autotp.runtime.activations import Recomputed
     held = {t.untyped_storage().data_ptr() for t in [*module.parameters(), *module.buffers(), *inputs]}
     seen: dict = {}
 
@@ -69,8 +69,8 @@ def saved_bytes(module: torch.nn.Module, *inputs) -> int:
             seen[storage.data_ptr()] = storage.nbytes()
         return stored
 
-    pack = regather._pack
-    regather._pack = lambda tensor: count(pack(tensor))
+    pack = activations._pack
+    activations._pack = lambda tensor: count(pack(tensor))
     # a recomputed piece (torch.utils.checkpoint) keeps its inputs, and nothing its ops save
     def count_inputs(mod, args):
         for arg in args:
@@ -82,7 +82,7 @@ def saved_bytes(module: torch.nn.Module, *inputs) -> int:
         with torch.autograd.graph.saved_tensors_hooks(count, lambda tensor: tensor):
             out = module(*inputs)
     finally:
-        regather._pack = pack
+        activations._pack = pack
         for hook in hooks:
             hook.remove()
     del out

@@ -122,7 +122,7 @@ def test_bad_checkpoints_name_the_tensors(tmp_path):
         save_file(content, directory / "model.safetensors", metadata={"format": "pt"})
         run_ranks(2, _expect_error, str(directory), message)
     with pytest.raises(autotp.CheckpointError, match=r"no model\.safetensors"):
-        autotp.runtime.checkpoint.Checkpoint(tmp_path)
+        autotp.runtime.hf_checkpoint.Checkpoint(tmp_path)
 
 
 def _meta_without_checkpoint(rank: int, world: int, directory: str) -> None:
@@ -302,8 +302,8 @@ def _tiny(kind: str):
 def test_stacked_experts_are_read_expert_by_expert_in_slices(tmp_path):
     """Each piece of a stacked [E, 2I, H] / [E, H, I] tensor equals that slice of the model transformers
     saved, and reads only the rows of each stored expert matrix it needs."""
-    from autotp.runtime.checkpoint import Checkpoint
     from autotp.runtime.conversion import model_conversions
+    from autotp.runtime.hf_checkpoint import Checkpoint
     from autotp.runtime.placement import Shard
     for kind in ("mixtral", "qwen3_moe"):
         model = _tiny(kind)
@@ -333,7 +333,7 @@ def test_stacked_experts_are_read_expert_by_expert_in_slices(tmp_path):
 def test_conversions_autotp_cannot_slice_are_refused(tmp_path):
     from transformers.core_model_loading import Transpose, WeightConverter
 
-    from autotp.runtime.checkpoint import Checkpoint
+    from autotp.runtime.hf_checkpoint import Checkpoint
     save_file({f"layers.0.experts.{e}.w1.weight": torch.zeros(4, 2) for e in range(2)},
               tmp_path / "model.safetensors", metadata={"format": "pt"})
     transposed = WeightConverter(".experts.*.w1.weight", ".experts.gate_proj", operations=[Transpose(0, 1)])

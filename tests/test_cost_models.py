@@ -9,7 +9,7 @@ import torch
 
 import autotp
 from autotp.cost_models import collective_time, load_topology, reshard_time
-from autotp.cost_models.collectives import OPS
+from autotp.cost_models.communication import OPS
 from autotp.cost_models.compute import op_time
 from autotp.cost_models.memory import state_factor
 from autotp.cost_models.topology import PROFILES, profile_names

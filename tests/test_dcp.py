@@ -9,7 +9,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import autotp
-from autotp.parallel.checkpoint import _dtensor_placements, _Layout
+from autotp.parallel.dcp import _dtensor_placements, _Layout
 from autotp.runtime.placement import Shard
 from autotp.tools.spawn import run_local
 from examples.train import Trainer, build, global_batch, parse, reference, train_whole

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from autotp.api import _graph, _solve
-from autotp.mesh import plan_mesh_for_graph
+from autotp.mesh_planner import plan_mesh_for_graph
 from autotp.passes.solve import Sizes
 
 H, FFN, LAYERS, HEADS, KV, VOCAB = 8192, 28672, 80, 64, 8, 128256

@@ -15,7 +15,7 @@ import autotp
 from autotp.api import _graph, _solve
 from autotp.passes.recompute import attention_cores
 from autotp.passes.strategies import needs_grad
-from autotp.runtime.recompute import Recomputed
+from autotp.runtime.activations import Recomputed
 from distributed import run_ranks
 from models import build
 

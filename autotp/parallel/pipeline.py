@@ -22,8 +22,8 @@ from autotp.api import _device_of, _graph
 from autotp.cost_models import load_topology
 from autotp.cost_models.layout import Candidate, Setting
 from autotp.hf import no_kv_cache
-from autotp.runtime.checkpoint import full_checkpoint_tensors, full_state_dict
 from autotp.runtime.conversion import weightless
+from autotp.runtime.hf_checkpoint import full_checkpoint_tensors, full_state_dict
 
 from .split import split
 from .stages import StageError, block_profile, find_blocks, stage_starts

@@ -18,7 +18,7 @@ import torch
 from autotp.cost_models import load_topology
 from autotp.cost_models.compute import op_time
 from autotp.cost_models.layout import Candidate, Profile, Section, Setting, stage_memory, stage_ranges
-from autotp.mesh import _unit, _where
+from autotp.mesh_planner import _unit, _where
 from autotp.passes.fold import Fold, find_fold
 from autotp.passes.saved import VIEWS
 from autotp.passes.solve import _memory, activation_bytes

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.fx import Node
 
-from . import regather
+from . import activations
 from .placement import Partial, Replicate, Shard, assemble, take_local
 
 _c10d = torch.ops._c10d_functional
@@ -339,13 +339,13 @@ def gather_reduce_backward(x, dim, chunks, units, of, groups, size, rank, world,
 
 def gather_tokens(x, dim, chunks, units, of, groups, size, rank, world, group, where, reduce_backward):
     """A gather along a token dim (sequence parallelism): an op that saves the result for its backward
-    keeps this rank's tokens instead (autotp.runtime.regather)."""
+    keeps this rank's tokens instead (autotp.runtime.activations)."""
     full = (gather_reduce_backward if reduce_backward else gather)(x, dim, chunks, units, of, groups, size, rank,
                                                                     world, group, where)
     if _no_grad() or torch.compiler.is_compiling():  # compiled: the compiler decides what its backward keeps
         return full
     shard = Shard(dim, chunks, units, of, groups)
-    return regather.remember(full, x, lambda piece: _gather_values(piece, shard, size, world, group, where))
+    return activations.remember(full, x, lambda piece: _gather_values(piece, shard, size, world, group, where))
 
 
 def scatter(x, dim, chunks, units, of, groups, size, rank, world, group, where):

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from autotp.cost_models import collective_time, load_topology
-from autotp.cost_models.collectives import _ring
+from autotp.cost_models.communication import _ring
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
 SIZES = tuple(4096 * 4 ** k for k in range(8))  # 4 KiB .. 64 MiB

@@ -76,7 +76,7 @@ def _print_mesh(model, example, args) -> int:
     """Price every tp x pp x dp layout of ``args.devices``; exit status 1 when nothing fits."""
     from rich.console import Console
 
-    from autotp.mesh import plan_mesh
+    from autotp.mesh_planner import plan_mesh
     from autotp.passes.solve import PlanningError
 
     from .report import mesh_table

@@ -216,8 +216,8 @@ def activations_table(plan: Plan) -> Table:
 
 
 def mesh_table(result) -> list:
-    """The best layout per (TP, PP, DP) of autotp.mesh.plan_mesh, fastest first, then the choice."""
-    from autotp.mesh import activation_options
+    """The best layout per (TP, PP, DP) of autotp.mesh_planner.plan_mesh, fastest first, then the choice."""
+    from autotp.mesh_planner import activation_options
     table = Table(title=f"mesh candidates: {result.devices} devices of {result.topology}, global batch "
                         f"{result.global_batch}, data parallel {result.data_parallel} (estimated)")
     for column in ("TP", "PP", "DP", "micro-batches", "schedule", "SP", "recompute", "step s", "memory/device GB",

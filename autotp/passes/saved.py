@@ -172,5 +172,5 @@ def kept_whole(choice: dict, grad: set) -> dict:
 
 def regathered(choice: dict, grad: set, on_tokens) -> set:
     """Token-split tensors that some op keeps gathered for its backward: the runtime stores this rank's
-    piece and gathers it again in the backward instead (autotp.runtime.regather)."""
+    piece and gathers it again in the backward instead (autotp.runtime.activations)."""
     return {tensor for tensor in kept_whole(choice, grad) if tensor in choice and on_tokens(tensor, choice[tensor])}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from autotp.cost_models import collective_time, reshard_time
-from autotp.cost_models.collectives import backward_collective, reshard_collective
+from autotp.cost_models.communication import backward_collective, reshard_collective
 from autotp.cost_models.topology import Topology
 from autotp.runtime.placement import R, Shard, dump
 
@@ -19,7 +19,7 @@ def planned_collectives(gm: torch.fx.GraphModule, choice: dict, world: int, topo
                         sizes: Sizes | None = None, weights: dict | None = None) -> list[dict]:
     """The collectives the rewriter will insert for ``choice`` (one per tensor and target placement;
     ``count``: how many real tensors a folded graph's node stands for; ``regather``: a backward all-gather of
-    tokens kept as this rank's piece, runtime/regather.py; ``tensors``: the replicated parameters whose partial
+    tokens kept as this rank's piece, runtime/activations.py; ``tensors``: the replicated parameters whose partial
     gradients one all-reduce sums, passes/strategies.partial_params)."""
     grad = needs_grad(gm)
     # ranks sharing a unit sum its gradient (a bias with its weight)

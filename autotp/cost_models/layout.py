@@ -1,6 +1,6 @@
 """What one tensor x pipeline x data parallel layout costs, given a TP plan read per block: pure functions.
 
-A ``Profile`` is one TP plan's time and memory per block for one sample (autotp/mesh.py reads it
+A ``Profile`` is one TP plan's time and memory per block for one sample (autotp/mesh_planner.py reads it
 from the solved graph); ``price`` turns it into a step time and a peak memory per device for a
 number of stages, replicas, micro-batches, a schedule and recomputation.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field, replace
 
-from . import pipeline as pipe
+from . import schedules as pipe
 from .topology import Topology
 
 STATE = ("params", "grads", "optimizer", "buffers")

@@ -12,7 +12,7 @@ import dataclasses
 import itertools
 import math
 
-from .collectives import collective_time
+from .communication import collective_time
 from .topology import Topology
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")

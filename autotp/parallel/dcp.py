@@ -28,7 +28,7 @@ from torch.distributed.tensor import Shard as DShard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from autotp.runtime.checkpoint import gather_whole
+from autotp.runtime.hf_checkpoint import gather_whole
 from autotp.runtime.placement import Shard, take_local
 
 

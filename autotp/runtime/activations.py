@@ -1,4 +1,9 @@
-"""Sequence parallelism keeps tokens, not gathered copies, for the backward (Megatron-SP; Korthikanti
+"""What the sharded program keeps for its backward, at run time.
+
+Recomputed regions: a piece of the program whose backward computes it again instead of keeping what its ops
+save (torch.utils.checkpoint, non-reentrant: its inputs are kept, its RNG state restored for dropout).
+
+Token pieces: sequence parallelism keeps tokens, not gathered copies, for the backward (Megatron-SP; Korthikanti
 et al. 2022 §4.2.2): when an op saves a tensor all-gathered along the tokens (a column-parallel
 matmul's input), autograd stores this rank's piece instead and gathers it again when the backward
 unpacks it.  The saving is made through saved-tensor hooks that the sharded program enters for its
@@ -9,6 +14,7 @@ from __future__ import annotations
 import weakref
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 _PIECES: dict = {}  # storage address of a live gathered tensor -> [piece, gather, saves not yet unpacked, gathered]
 
@@ -60,3 +66,15 @@ def keep_pieces(module: torch.nn.Module) -> None:
 
     module.register_forward_pre_hook(enter)
     module.register_forward_hook(leave, always_call=True)
+
+
+class Recomputed(torch.nn.Module):
+    def __init__(self, region: torch.nn.Module):
+        super().__init__()
+        self.region = region
+
+    def forward(self, *args):
+        if not torch.is_grad_enabled():
+            return self.region(*args)
+        # its forward, not the module: module hooks (CommDebugMode's tracker) must not see it run in backward
+        return checkpoint(self.region.forward, *args, use_reentrant=False)

@@ -16,7 +16,7 @@ import pulp
 import torch
 from torch.fx import GraphModule, Node
 
-from autotp.runtime.recompute import Recomputed
+from autotp.runtime.activations import Recomputed
 
 from .saved import storage
 

@@ -9,7 +9,7 @@ import torch
 from torch.fx import Node
 from torch.fx.node import map_arg
 
-from autotp.runtime import collectives, local_ops, regather
+from autotp.runtime import activations, collectives, local_ops
 from autotp.runtime.placement import Disjoint, Partial, R, Replicate, Shard, take_local
 
 from .capture import module_path
@@ -131,11 +131,11 @@ def shard_parameters(gm: torch.fx.GraphModule, placements: dict, rank: int, worl
                      device: torch.device | None = None) -> None:
     """Give the module its own copy of every parameter and buffer, sharded as planned.
 
-    From ``checkpoint`` (autotp.runtime.checkpoint.Checkpoint) each rank reads only its slices; otherwise
+    From ``checkpoint`` (autotp.runtime.hf_checkpoint.Checkpoint) each rank reads only its slices; otherwise
     from the captured model's tensors, copied (never views) so that the user's model is untouched.
     Tied tensors stay tied.
     """
-    from autotp.runtime.checkpoint import CheckpointError, check_names, is_persistent
+    from autotp.runtime.hf_checkpoint import CheckpointError, check_names, is_persistent
 
     tensors = [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]
     known = {name for name, _ in tensors}
@@ -315,7 +315,7 @@ def rewrite(gm: torch.fx.GraphModule, choice: dict, rank: int, world: int, group
                 node.replace_all_uses_with(full)  # the full length, not this rank's piece's
     graph.lint()
     if any(node.target is collectives.gather_tokens for node in graph.nodes):
-        regather.keep_pieces(gm)
+        activations.keep_pieces(gm)
     shard_parameters(gm, params, rank, world, checkpoint, device)
     gm.recompile()
     return gm

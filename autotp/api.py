@@ -13,6 +13,7 @@ from autotp.passes.capture import CaptureError, capture, fingerprint, module_pat
 from autotp.passes.capture import check_inputs as check_example_inputs
 from autotp.passes.fold import Fold, NotFoldable, find_fold, fold_graph, folded
 from autotp.passes.group_cuts import cuts_to_gathers
+from autotp.passes.ops import TABLE
 from autotp.passes.prepare import (
     add_hints,
     drop_no_ops,
@@ -22,15 +23,16 @@ from autotp.passes.prepare import (
     split_bias,
     unflatten_products,
 )
+from autotp.passes.pricing import Sizes, activation_bytes
 from autotp.passes.recompute import attention_cores, checkpoint_cores
 from autotp.passes.rewrite import rewrite
-from autotp.passes.rules import MORE_RULES, RULES
-from autotp.passes.solve import DoesNotFit, PlanningError, Sizes, activation_bytes, solve
-from autotp.passes.strategies import Context, Strategy, enumerate_strategies, input_slots, needs_grad
+from autotp.passes.solve import DoesNotFit, PlanningError, solve
+from autotp.passes.strategies import Context, Strategy, enumerate_strategies, input_slots, needs_grad, on_tokens
 from autotp.passes.styles import param_styles
 
 from .agree import DEFAULT_TIMEOUT, InputCheck, Rendezvous, inputs_digest
 from .hf import default_inputs, fill_computed_buffers, no_kv_cache
+from .options import Options
 from .plan import Plan, PlanMismatch
 from .runtime.collectives import register
 from .runtime.conversion import model_conversions
@@ -38,9 +40,9 @@ from .runtime.hf_checkpoint import Checkpoint
 from .runtime.placement import Disjoint, Shard
 
 
-def _graph(model: torch.nn.Module, args, kwargs, fold: bool = False) -> torch.fx.GraphModule:
-    """The prepared graph.  ``fold=True``: a long list of identical blocks is captured as four of them
-    (passes/fold.py; ``gm.meta["autotp_fold"]`` says how), for planning only -- never for running."""
+def prepared_graph(model: torch.nn.Module, args=None, kwargs=None, fold: bool = False) -> torch.fx.GraphModule:
+    """The captured graph, prepared for the rules.  ``fold=True``: a long list of identical blocks is captured as
+    four of them (passes/fold.py; ``gm.meta["autotp_fold"]`` says how), for planning only -- never for running."""
     if args is None and kwargs is None:
         args = default_inputs(model)
     repeats = None
@@ -50,7 +52,7 @@ def _graph(model: torch.nn.Module, args, kwargs, fold: bool = False) -> torch.fx
     if repeats is not None:
         try:
             with folded(model, repeats):
-                gm = _graph(model, args, kwargs)
+                gm = prepared_graph(model, args, kwargs)
             gm.meta["autotp_fold"] = fold_graph(gm, repeats)
             return gm
         except (CaptureError, NotFoldable):
@@ -66,67 +68,55 @@ def _graph(model: torch.nn.Module, args, kwargs, fold: bool = False) -> torch.fx
     return gm
 
 
-def _solve(gm: torch.fx.GraphModule, world_size: int, topology, min_shard_fraction: float = 0.02,
-           training: bool = True, memory_limit: float | None = None, sizes: Sizes | None = None,
-           fixed: dict | None = None, gather_outputs: bool = True, sequence_parallel: bool | None = None,
-           recompute: str | bool | None = None, experts: str | None = None, price_experts: bool = False) -> Plan:
-    """``sequence_parallel``: True forces it, False rules it out, None offers it only when no plan without
-    it fits in memory (the plain plan's all-reduces become reduce-scatters and all-gathers either way).
-    ``recompute``: "selective" recomputes every attention core, False none, None offers it (priced per
-    core) only when no plan fits without it -- after sequence parallelism, as Korthikanti et al. order them.
-    ``experts``: "tensor" or "parallel" imposes that split of mixture-of-experts layers, None lets the cost
-    choose; ``price_experts``: also price the best plan with each imposed (``plan.cost["experts"]``, reports)."""
-    if sequence_parallel not in (None, True, False):
-        raise ValueError(f"sequence_parallel must be None, True or False, got {sequence_parallel!r}")
-    if recompute not in (None, "selective", False):
-        raise ValueError(f'recompute must be None, "selective" or False, got {recompute!r}')
-    if experts not in (None, "tensor", "parallel"):
-        raise ValueError(f'experts must be None, "tensor" or "parallel", got {experts!r}')
+def solve_plan(gm: torch.fx.GraphModule, world_size: int, options: Options | None = None, *,
+               sizes: Sizes | None = None, price_experts: bool = False) -> Plan:
+    """The plan for ``world_size`` ranks.  Sequence parallelism and recomputation are tried in Korthikanti et
+    al.'s order when ``options`` leave them open (None) and the plain plan does not fit; ``price_experts``: also
+    price the best plan with each expert split imposed (``plan.cost["experts"]``, for reports)."""
+    options = options or Options()
+    sequence_parallel, recompute = options.sequence_parallel, options.recompute
     tries = [(tokens, "forced" if recompute else "off") for tokens in
              ([bool(sequence_parallel)] if sequence_parallel is not None else [False, True])]
     if recompute is None:
         tries.append((tries[-1][0], "priced"))
-    if not training:
+    if not options.training:
         tries = tries[:1]
     for k, (tokens, again) in enumerate(tries):
         try:
-            return _solve_once(gm, world_size, topology, min_shard_fraction, training, memory_limit, sizes, fixed,
-                               gather_outputs, tokens, force=bool(sequence_parallel), recompute=again,
-                               experts=experts, price_experts=price_experts)
+            return _solve_once(gm, world_size, options, sizes, tokens, again, price_experts)
         except DoesNotFit:
             if k == len(tries) - 1:
                 raise
 
 
-def _solve_once(gm: torch.fx.GraphModule, world_size: int, topology, min_shard_fraction: float,
-                training: bool, memory_limit: float | None, sizes: Sizes | None, fixed: dict | None,
-                gather_outputs: bool, tokens: bool, force: bool, recompute: str = "off",
-                experts: str | None = None, price_experts: bool = False) -> Plan:
+def _solve_once(gm: torch.fx.GraphModule, world_size: int, options: Options, sizes: Sizes | None, tokens: bool,
+                recompute: str, price_experts: bool) -> Plan:
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
-    topo = load_topology(topology)
+    topo = load_topology(options.topology)
     if world_size > topo.devices:
         raise ValueError(f"world size {world_size} is larger than topology {topo.name} ({topo.devices} devices): "
                          "pick a topology with more devices (e.g. 2x-dgx-h100) or a smaller world size")
-    ctx = _strategies(gm, world_size, min_shard_fraction, fixed, tokens, experts)
+    ctx = _strategies(gm, world_size, options, tokens, options.experts)
     folding = gm.meta.get("autotp_fold")
     if folding and any(ctx.strategies.get(a) != ctx.strategies.get(b) for a, b in folding.ties):
         raise PlanningError(f"the blocks of {folding.fold.path} look identical but offer different shardings: "
                             "plan with fold=False")
     if ctx.unruled:
         warnings.warn(f"autotp: {len(ctx.unruled)} op(s) on the weights' path have no sharding rule and run "
-                      f"replicated (correct, possibly slower): {', '.join(sorted(ctx.unruled))}", stacklevel=3)
+                      f"replicated (correct, possibly slower): {', '.join(sorted(ctx.unruled))}", stacklevel=4)
     weights = folding.weights if folding else None
+    training = options.training
 
     def run(ctx: Context):
-        return solve(gm, ctx, topo, training=training, memory_limit=memory_limit, sizes=sizes,
-                     gather_outputs=gather_outputs, weights=weights, ties=folding.ties if folding else (),
-                     sequence_parallel=force, recompute=recompute)
+        return solve(gm, ctx, topo, training=training, memory_limit=options.memory_limit, sizes=sizes,
+                     gather_outputs=options.gather_outputs, weights=weights, ties=folding.ties if folding else (),
+                     sequence_parallel=bool(options.sequence_parallel), recompute=recompute)
     solution = run(ctx)
     choice = solution.choice
-    offered = any(isinstance(s.output, Disjoint) for options in ctx.strategies.values() for s in options)
-    experts_cost = None if not (offered and price_experts) or fixed or experts else _expert_costs(
-        choice, lambda mode: run(_strategies(gm, world_size, min_shard_fraction, fixed, tokens, mode)).seconds)
+    offered = any(isinstance(s.output, Disjoint) for options_ in ctx.strategies.values() for s in options_)
+    experts_cost = None if not (offered and price_experts) or options.fixed or options.experts else _expert_costs(
+        choice, lambda mode: run(_strategies(gm, world_size, options, tokens, mode)).seconds)
     again = {node for core in solution.recomputed for node in core}
     expand = folding.fold.expand if folding else dict
     return Plan(
@@ -143,19 +133,19 @@ def _solve_once(gm: torch.fx.GraphModule, world_size: int, topology, min_shard_f
         alternatives=alternatives(gm, ctx, choice, topo, training, sizes),
         cost={"seconds": solution.seconds, "memory": solution.memory, "training": training,
               "regathers": [{"tensor": n.name, **priced} for n, priced in solution.regathers.items()],
-              **_activations_by_module(gm, ctx, choice, sizes, training, solution.recomputed),
+              **_activations_by_module(gm, choice, sizes, world_size, training, solution.recomputed),
               **({"experts": experts_cost} if experts_cost else {})},
         replicated_ops=sorted(ctx.unruled),
         fold={"path": folding.fold.path, "count": folding.fold.count} if folding else None,
     )
 
 
-def _strategies(gm: torch.fx.GraphModule, world_size: int, min_shard_fraction: float, fixed: dict | None,
-                tokens: bool, experts: str | None) -> Context:
-    ctx = Context(world=world_size, min_shard_fraction=min_shard_fraction, fixed=fixed or {}, tokens=tokens,
-                  experts=experts)
+def _strategies(gm: torch.fx.GraphModule, world_size: int, options: Options, tokens: bool,
+                experts: str | None) -> Context:
+    ctx = Context(world=world_size, min_shard_fraction=options.min_shard_fraction, fixed=options.fixed or {},
+                  tokens=tokens, experts=experts, ops=TABLE)
     add_hints(gm, ctx)
-    enumerate_strategies(gm, ctx, RULES, MORE_RULES)
+    enumerate_strategies(gm, ctx)
     return ctx
 
 
@@ -174,16 +164,15 @@ def _expert_costs(choice: dict, step_seconds) -> dict:
     return {"chosen": kinds.pop() if len(kinds) == 1 else "mixed" if kinds else "replicated", "seconds": seconds}
 
 
-def _activations_by_module(gm: torch.fx.GraphModule, ctx: Context, choice: dict, sizes: Sizes | None,
+def _activations_by_module(gm: torch.fx.GraphModule, choice: dict, sizes: Sizes | None, world: int,
                            training: bool, recomputed: list) -> dict:
     """Bytes kept for backward per device by the module that computes them, the modules that split
     the tokens (sequence parallelism) and those whose attention core is recomputed, for reports."""
     kept: dict = {}
     grad = needs_grad(gm) if training else set()
-    for node, held in activation_bytes(choice, sizes or Sizes(), ctx.world, grad, ctx.on_tokens,
-                                       recomputed).items():
+    for node, held in activation_bytes(choice, sizes or Sizes(), world, grad, recomputed).items():
         kept[module_path(node)] = kept.get(module_path(node), 0.0) + held
-    split = sorted({module_path(n) for n, s in choice.items() if ctx.on_tokens(n, s)})
+    split = sorted({module_path(n) for n, s in choice.items() if on_tokens(n, s)})
     return {"activations": kept, "token_split": split,
             "recompute": sorted({module_path(core[-1]) for core in recomputed})}
 
@@ -205,17 +194,20 @@ def plan(model: torch.nn.Module, args=None, kwargs=None, *, world_size: int, top
     mixture-of-experts layers are split: "parallel" (whole experts per rank), "tensor" (every expert split
     Megatron-style), or None to let the cost model choose (``plan.experts`` prices both).
     """
-    return _solve(_graph(model, args, kwargs, fold), world_size, topology, min_shard_fraction, training, memory_limit,
-                  sequence_parallel=sequence_parallel, recompute=recompute, experts=experts, price_experts=True)
+    options = Options(topology=topology, min_shard_fraction=min_shard_fraction, training=training,
+                      memory_limit=memory_limit, sequence_parallel=sequence_parallel, recompute=recompute,
+                      experts=experts)
+    return solve_plan(prepared_graph(model, args, kwargs, fold), world_size, options, price_experts=True)
 
 
-def parallelize(model: torch.nn.Module, args=None, kwargs=None, *, plan: Plan | None = None, topology=None,
-                group=None, checkpoint=None, min_shard_fraction: float = 0.02, training: bool = True,
-                memory_limit: float | None = None, timeout: float = DEFAULT_TIMEOUT, gather_outputs: bool = True,
-                fixed: dict | None = None, check_inputs: str | bool = "first",
-                verify: bool = False, sequence_parallel: bool | None = None,
-                recompute: str | bool | None = None, experts: str | None = None) -> torch.nn.Module:
-    """This rank's tensor-parallel copy of ``model``: same signature, full outputs on every rank.
+def tensor_parallel(model: torch.nn.Module, args=None, kwargs=None, *, plan: Plan | None = None, topology=None,
+                    group=None, checkpoint=None, min_shard_fraction: float = 0.02, training: bool = True,
+                    memory_limit: float | None = None, timeout: float = DEFAULT_TIMEOUT, gather_outputs: bool = True,
+                    fixed: dict | None = None, check_inputs: str | bool = "first",
+                    verify: bool = False, sequence_parallel: bool | None = None,
+                    recompute: str | bool | None = None, experts: str | None = None) -> torch.nn.Module:
+    """This rank's tensor-parallel copy of ``model`` over ``group``: same signature, full outputs on every rank
+    (``autotp.parallelize`` without a mesh).
 
     Rank 0 solves and shares the plan, so every rank runs the same program; ranks first check that
     they hold the same model and input shapes, and a rank that fails or dies makes the others raise
@@ -232,26 +224,26 @@ def parallelize(model: torch.nn.Module, args=None, kwargs=None, *, plan: Plan | 
                            "(launch with torchrun), or use autotp.plan(...) to inspect a plan without one")
     if check_inputs not in ("first", "always", False):
         raise ValueError(f'check_inputs must be "first", "always" or False, got {check_inputs!r}')
+    options = Options(topology=topology, min_shard_fraction=min_shard_fraction, training=training,
+                      memory_limit=memory_limit, gather_outputs=gather_outputs, fixed=fixed,
+                      sequence_parallel=sequence_parallel, recompute=recompute, experts=experts)
     group = group or dist.group.WORLD
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     rendezvous = Rendezvous(group, timeout)
     if args is None and kwargs is None:
         args = default_inputs(model)
-    gm = _graph(model, args, kwargs)
+    gm = prepared_graph(model, args, kwargs)
     graph_hash = fingerprint(gm)
     rendezvous.agree("model", f"{graph_hash}/{inputs_digest(args, kwargs)}", "the model and input shapes")
     if plan is None:
-        plan = Plan.from_json(rendezvous.share("plan", lambda: _solve(
-            gm, world, topology, min_shard_fraction, training, memory_limit,
-            gather_outputs=gather_outputs, fixed=fixed, sequence_parallel=sequence_parallel,
-            recompute=recompute, experts=experts).to_json()))
+        plan = Plan.from_json(rendezvous.share("plan", lambda: solve_plan(gm, world, options).to_json()))
     rendezvous.agree("plan", hashlib.sha256(plan.to_json().encode()).hexdigest()[:16], "the plan")
     flagged: set = set()
-    choice = _choice(gm, plan, graph_hash, world, flagged)
+    choice = plan_choice(gm, plan, graph_hash, world, flagged)
     again = [core for core in attention_cores(gm, needs_grad(gm)) if core[-1] in flagged]
     source = checkpoint if checkpoint is None or hasattr(checkpoint, "read") else Checkpoint(
         checkpoint, model_conversions(model))
-    device = _device_of(group)
+    device = device_of(group)
     if source is not None:
         retarget_device(gm, device)
         fill_computed_buffers(gm, model, device, source.files)
@@ -270,7 +262,7 @@ def parallelize(model: torch.nn.Module, args=None, kwargs=None, *, plan: Plan | 
             raise ValueError("verify=True compares with the unsharded model, whose weights are on the meta device: "
                              "verify with a model that fits in memory, or drop verify")
         from .verify import verify as check
-        check(sharded, _graph(model, args, kwargs), args, kwargs)
+        check(sharded, prepared_graph(model, args, kwargs), args, kwargs)
     return sharded
 
 
@@ -283,10 +275,11 @@ def from_pretrained(directory, *, dtype: torch.dtype | None = None, **options) -
     with init_empty_weights(include_buffers=False):  # computed buffers (rotary tables) stay real
         model = AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
     model.tie_weights()  # transformers ties input/output embeddings only when asked, on empty weights
-    return parallelize(model.eval(), checkpoint=directory, **options)
+    return tensor_parallel(model.eval(), checkpoint=directory, **options)
 
 
-def _choice(gm: torch.fx.GraphModule, plan: Plan, graph_hash: str, world: int, recomputed: set | None = None) -> dict:
+def plan_choice(gm: torch.fx.GraphModule, plan: Plan, graph_hash: str, world: int,
+                recomputed: set | None = None) -> dict:
     """node -> Strategy from the plan; a folded plan's block-1 decisions stamped on every middle block.
     ``recomputed`` (filled in): the nodes the plan recomputes in the backward."""
     names = {node: node.name for node in gm.graph.nodes}
@@ -311,7 +304,7 @@ def _choice(gm: torch.fx.GraphModule, plan: Plan, graph_hash: str, world: int, r
     return choice
 
 
-def _device_of(group) -> torch.device:
+def device_of(group) -> torch.device:
     """Where this rank's shards live: its GPU under NCCL, the CPU otherwise."""
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())

@@ -83,7 +83,7 @@ def _choose(logits: torch.Tensor, do_sample: bool, temperature: float, top_k: in
 
 def decoder(sharded: torch.nn.Module, batch: int, max_len: int) -> torch.nn.Module:
     """The sharded decode program for ``batch`` sequences of up to ``max_len`` tokens (a collective)."""
-    from .api import parallelize
+    from .api import tensor_parallel
     source = sharded.autotp_source
     group = sharded.autotp_group
     device = next(sharded.parameters()).device
@@ -94,7 +94,7 @@ def decoder(sharded: torch.nn.Module, batch: int, max_len: int) -> torch.nn.Modu
                torch.zeros(batch, 2, dtype=torch.long, device=where),      # position_ids
                torch.arange(2, device=where))                               # cache_position
     fixed = {f"model.{name}": sharded.autotp_plan.placement(name) for name in sharded.autotp_plan.params}
-    return parallelize(wrapper, example, group=group, topology=sharded.autotp_plan.topology, training=False,
+    return tensor_parallel(wrapper, example, group=group, topology=sharded.autotp_plan.topology, training=False,
                        fixed=fixed, checkpoint=_Resident(sharded, "model."))
 
 

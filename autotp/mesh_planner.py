@@ -21,13 +21,15 @@ from autotp.cost_models import load_topology
 from autotp.cost_models import schedules as pipe
 from autotp.cost_models.layout import Candidate, Profile, Section, Setting, price
 from autotp.cost_models.topology import Topology
-from autotp.passes.fold import blocks
+from autotp.passes.fold import sections
+from autotp.passes.pricing import Sizes, activation_bytes, model_flops, op_memory, op_seconds, priced_unit
 from autotp.passes.recompute import attention_cores
-from autotp.passes.solve import PlanningError, Sizes, _compute_time, _memory, activation_bytes, is_matmul
-from autotp.passes.strategies import Context, Strategy, needs_grad
+from autotp.passes.solve import PlanningError
+from autotp.passes.strategies import Strategy, needs_grad
 from autotp.runtime.placement import parse
 
-from .api import _graph, _solve
+from .api import prepared_graph, solve_plan
+from .options import Options
 
 ACTIVATION_MODEL = ("activations: every op output the backward keeps, counted per block on the TP plan's graph "
                     "(with sequence parallelism split by tokens, with selective recomputation without the attention "
@@ -66,7 +68,7 @@ def plan_mesh(model: torch.nn.Module, args=None, kwargs=None, *, devices: int | 
     ``nodes``: a cluster of that many of the topology's nodes.  Raises PlanningError, saying what
     would fit, when nothing does."""
     _cluster(topology, nodes, devices, data_parallel)  # a bad request fails before the capture
-    return plan_mesh_for_graph(_graph(model, args, kwargs, fold=True), devices=devices, topology=topology,
+    return plan_mesh_for_graph(prepared_graph(model, args, kwargs, fold=True), devices=devices, topology=topology,
                                nodes=nodes, global_batch=global_batch, training=training,
                                data_parallel=data_parallel, memory_limit=memory_limit)
 
@@ -76,10 +78,10 @@ def plan_mesh_for_graph(gm: torch.fx.GraphModule, *, devices: int | None = None,
                         data_parallel: str = "fsdp", memory_limit: float | None = None) -> MeshPlan:
     """plan_mesh on an already captured (folded) graph."""
     topo, devices = _cluster(topology, nodes, devices, data_parallel)
-    unit, sizes = _unit(gm)
+    unit, sizes = priced_unit(gm)
     global_batch = global_batch or unit
     limit = memory_limit if memory_limit is not None else 0.9 * topo.memory_bytes
-    flops = _model_flops(gm, sizes) / unit * global_batch if training else 0.0
+    flops = model_flops(gm, sizes) / unit * global_batch if training else 0.0
     profiles = [_profile(gm, tp, topo, training, sizes, unit) for tp in pipe.divisors(devices)
                 if tp <= topo.gpus_per_node]  # TP stays inside a node (Narayanan et al. 2021 section 3.3)
     setting = Setting(topo, global_batch, training, data_parallel, limit, flops)
@@ -118,50 +120,6 @@ def _layouts(profiles: list, devices: int, setting: Setting) -> list[Candidate]:
     return list(best.values())
 
 
-def _unit(gm: torch.fx.GraphModule) -> tuple[int, Sizes]:
-    """(samples the priced inputs hold, sizes to price at): one sample when the batch dim is symbolic."""
-    for node in gm.graph.nodes:
-        v = node.meta.get("val")
-        if node.op == "placeholder" and isinstance(v, torch.Tensor) and v.dim():
-            if isinstance(v.shape[0], int):
-                return v.shape[0], Sizes()
-            return 1, Sizes({str(v.shape[0].node.expr): 1})
-    return 1, Sizes()
-
-
-def _model_flops(gm: torch.fx.GraphModule, sizes: Sizes) -> float:
-    """Model FLOPs of one training step at ``sizes``, three times the forward's (Narayanan et al. 2021, no
-    recomputation): every matrix product (2 x parameters x tokens for a weight) and attention scores
-    (4 b a s_q s_k d for a fused attention); lookups and elementwise ops are not counted."""
-    folding = gm.meta.get("autotp_fold")
-    weight = folding.weights.get if folding else (lambda n, d: d)
-    forward = 0.0
-    for n in gm.graph.nodes:
-        if n.target == torch.ops.aten.scaled_dot_product_attention.default:
-            b, a, sq, d = (sizes(x) for x in n.args[0].meta["val"].shape)
-            forward += 4 * b * a * sq * sizes(n.args[1].meta["val"].shape[-2]) * d * weight(n, 1)
-        elif is_matmul(n):
-            forward += sizes.flops(n) * weight(n, 1)
-    return 3 * forward
-
-
-def _where(gm: torch.fx.GraphModule, fold=None) -> tuple[dict, int | None, object]:
-    """node -> "pre" | "post" | kept block index; the real block count; the fold (None if not folded).  ``fold``:
-    the blocks of a graph captured whole (every block kept)."""
-    folding = gm.meta.get("autotp_fold")
-    if folding is None and fold is None:
-        return dict.fromkeys(gm.graph.nodes, "pre"), None, None
-    fold, where = (folding.fold, dict(folding.blocks.where)) if folding else (fold, dict(blocks(gm, fold).where))
-    for n in gm.graph.nodes:
-        if where.get(n) == "attr":
-            block = fold.block_of_name(n.target)
-            users = [where[u] for u in n.users if where.get(u) not in (None, "attr")]
-            where[n] = block if block is not None else (users[0] if users else "pre")
-        elif where.get(n) in (None, "input"):
-            where[n] = "pre"
-    return where, fold.count, fold
-
-
 def _profile(gm: torch.fx.GraphModule, tp: int, topo: Topology, training: bool, sizes: Sizes,
              unit: int, tokens: bool = False, cores: bool = False) -> Profile | None:
     """Solve the TP plan once and read its time and memory per section, per sample (kept on the graph:
@@ -181,9 +139,10 @@ def _profile(gm: torch.fx.GraphModule, tp: int, topo: Topology, training: bool, 
 
 def _read_profile(gm: torch.fx.GraphModule, tp: int, topo: Topology, training: bool, sizes: Sizes,
                   unit: int, tokens: bool, cores: bool) -> Profile:
-    plan = _solve(gm, tp, topo, training=training, memory_limit=math.inf, sizes=sizes, sequence_parallel=tokens,
-                  recompute="selective" if cores else False)
-    where, count, fold = _where(gm)
+    plan = solve_plan(gm, tp, Options(topology=topo, training=training, memory_limit=math.inf,
+                                      sequence_parallel=tokens, recompute="selective" if cores else False),
+                      sizes=sizes)
+    where, count, fold = sections(gm)
     nodes = {n.name: n for n in gm.graph.nodes}
     trainable = dict(gm.named_parameters(remove_duplicate=False))
     kept: dict = {}
@@ -191,22 +150,22 @@ def _read_profile(gm: torch.fx.GraphModule, tp: int, topo: Topology, training: b
               for name, entry in plan.nodes.items()}
     for node, strategy in choice.items():
         section = kept.setdefault(where[node], Section())
-        section.seconds += _compute_time(node, strategy, sizes, tp, topo, training)
-        for kind, held in _memory(node, strategy, sizes, tp, trainable, training).items():
+        section.seconds += op_seconds(node, strategy, sizes, tp, topo, training)
+        for kind, held in op_memory(node, strategy, sizes, tp, trainable, training).items():
             section.memory[kind] = section.memory.get(kind, 0.0) + held
     grad = needs_grad(gm) if training else set()
     again = [core for core in attention_cores(gm, grad) if plan.nodes.get(core[-1].name, {}).get("recompute")]
-    for node, held in activation_bytes(choice, sizes, tp, grad, Context(world=tp).on_tokens, again).items():
+    for node, held in activation_bytes(choice, sizes, tp, grad, again).items():
         section = kept.setdefault(where[node], Section())
         section.memory["activations"] = section.memory.get("activations", 0.0) + held
     for c in plan.collectives:
         kept.setdefault(where[nodes[c["tensor"]]], Section()).seconds += c["seconds"]
     order = ["pre", *([fold.rep(i) for i in range(count)] if fold else []), "post"]
-    sections = [kept.get(key, Section()) for key in order]
-    total = sum(s.seconds for s in sections)
+    parts = [kept.get(key, Section()) for key in order]
+    total = sum(s.seconds for s in parts)
     scale = plan.cost["seconds"] / total if total else 1.0  # the solver's total; the split follows each section's
     per_sample = [Section(s.seconds * scale / unit, {k: (v / unit if k in ("activations", "kv_cache") else v)
-                                                      for k, v in s.memory.items()}) for s in sections]
+                                                      for k, v in s.memory.items()}) for s in parts]
     boundary = 0.0
     if fold:  # tensors block 1 hands to the next kept block (N-2): what a stage sends to the next
         boundary = sum(sizes.nbytes(n) for n in gm.graph.nodes

@@ -70,30 +70,31 @@ def yardstick() -> float:
 
 
 def measure(layers: int, world: int, whole: bool) -> dict:
-    from autotp.api import _choice, _graph, _solve
+    from autotp.api import plan_choice, prepared_graph, solve_plan
+    from autotp.options import Options
     from autotp.passes.capture import fingerprint
     from autotp.passes.rewrite import rewrite
     times = {}
     start = time.perf_counter()
     model, ids = _model(layers), _ids()
-    folded = _graph(model, (ids,), None, fold=True)  # what autotp.plan captures
+    folded = prepared_graph(model, (ids,), None, fold=True)  # what autotp.plan captures
     times["capture"] = time.perf_counter() - start
     start = time.perf_counter()
-    plan = _solve(folded, world, "dgx-h100", training=False)
+    plan = solve_plan(folded, world, Options(topology="dgx-h100", training=False))
     times["solve"] = time.perf_counter() - start
     times["plan"] = times["capture"] + times["solve"]
     if not whole:
         return times
     start = time.perf_counter()
-    gm = _graph(model, (ids,), None)  # the program each rank runs has every block
+    gm = prepared_graph(model, (ids,), None)  # the program each rank runs has every block
     times["full capture"] = time.perf_counter() - start
     start = time.perf_counter()
-    reference = _solve(gm, world, "dgx-h100", training=False)
+    reference = solve_plan(gm, world, Options(topology="dgx-h100", training=False))
     times["whole solve"] = time.perf_counter() - start
     start = time.perf_counter()
-    choice = _choice(gm, plan, fingerprint(gm), world)  # the folded plan stamped on every block
+    choice = plan_choice(gm, plan, fingerprint(gm), world)  # the folded plan stamped on every block
     times["rewrite"] = time.perf_counter() - start
-    same = choice == _choice(gm, reference, fingerprint(gm), world) and plan.params == reference.params
+    same = choice == plan_choice(gm, reference, fingerprint(gm), world) and plan.params == reference.params
     times["same"] = "yes" if same else "NO"
     start = time.perf_counter()
     rewrite(gm, choice, 0, world, "unused", _EmptyShards(model), torch.device("meta"))  # rewrites gm in place

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autotp.api import _graph, _solve
+from autotp.api import prepared_graph, solve_plan
+from autotp.options import Options
 
 S, H, HEADS = 2048, 2048, 16
 
@@ -24,7 +25,7 @@ def gpt3_block():
                         activation_function="gelu", attn_implementation="eager")
     with torch.device("meta"):
         model = GPT2LMHeadModel(config).to(torch.bfloat16)
-    gm = _graph(model.eval(), (torch.zeros(1, S, dtype=torch.long, device="meta"),), None)
+    gm = prepared_graph(model.eval(), (torch.zeros(1, S, dtype=torch.long, device="meta"),), None)
     for node in gm.graph.nodes:
         if node.target == torch.ops.aten.dropout.default:
             node.args = (node.args[0], 0.1, True)
@@ -40,15 +41,16 @@ def _per_layer(plan) -> float:
 @pytest.mark.parametrize("t", [1, 2, 4, 8])
 def test_activations_match_korthikanti_table_2(gpt3_block, t):
     s, b, h, a = S, 1, H, HEADS
-    plan = _solve(gpt3_block, t, None, memory_limit=float("inf"), sequence_parallel=False)
+    plan = solve_plan(gpt3_block, t, Options(memory_limit=float("inf"), sequence_parallel=False))
     paper = s * b * h * (34 + 5 * a * s / h) if t == 1 else s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
     assert _per_layer(plan) == pytest.approx(paper, rel=0.05)
     assert plan.cost["memory"]["activations"] >= 3 * paper  # three layers, plus the embedding and the head
     if t > 1:  # sequence parallelism: the norms, dropouts and residual adds split too
-        split = _solve(gpt3_block, t, None, memory_limit=float("inf"), sequence_parallel=True)
+        split = solve_plan(gpt3_block, t, Options(memory_limit=float("inf"), sequence_parallel=True))
         assert _per_layer(split) == pytest.approx(s * b * h * (34 / t + 5 * a * s / (h * t)), rel=0.05)
         # selective recomputation: the attention core (scores, softmax, dropout) keeps nothing of its own
-        again = _solve(gpt3_block, t, None, memory_limit=float("inf"), sequence_parallel=True, recompute="selective")
+        again = solve_plan(gpt3_block, t, Options(memory_limit=float("inf"), sequence_parallel=True,
+                                                   recompute="selective"))
         assert _per_layer(again) == pytest.approx(34 * s * b * h / t, rel=0.05)
         assert "transformer.h.1.attn" in again.cost["recompute"] and not split.cost["recompute"]
 

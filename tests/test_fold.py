@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import autotp
-from autotp.api import _choice, _graph
+from autotp.api import plan_choice, prepared_graph
 from autotp.passes.capture import fingerprint
 from autotp.plan import Plan, PlanMismatch
 from distributed import run_ranks
@@ -52,10 +52,10 @@ def _stamped(model, args, world: int) -> tuple[Plan, Plan, dict, dict]:
     """The folded and whole-graph plans, each applied to the whole graph (node -> strategy)."""
     folded = autotp.plan(model, args, world_size=world)
     whole = autotp.plan(model, args, world_size=world, fold=False)
-    gm = _graph(model, args, None)
+    gm = prepared_graph(model, args, None)
     by_name = lambda choice: {n.name: s for n, s in choice.items()}  # noqa: E731
-    return (folded, whole, by_name(_choice(gm, Plan.from_json(folded.to_json()), fingerprint(gm), world)),
-            by_name(_choice(gm, whole, fingerprint(gm), world)))
+    return (folded, whole, by_name(plan_choice(gm, Plan.from_json(folded.to_json()), fingerprint(gm), world)),
+            by_name(plan_choice(gm, whole, fingerprint(gm), world)))
 
 
 @pytest.mark.parametrize("kind,blocks,world", [("llama", 6, 2), ("gpt2", 5, 4), ("phi3", 7, 3), ("stack", 6, 2)])
@@ -88,9 +88,9 @@ def test_a_folded_plan_is_refused_where_a_middle_block_differs_in_the_graph():
     model, args = Stack(odd="position"), (torch.randn(2, 4, 32),)
     plan = autotp.plan(model, args, world_size=2)  # the four kept blocks look alike ...
     assert plan.fold is not None
-    gm = _graph(model, args, None)  # ... the whole graph shows block 3 computing something else
+    gm = prepared_graph(model, args, None)  # ... the whole graph shows block 3 computing something else
     with pytest.raises(PlanMismatch, match=r"blocks\.3 computes something different.*fold=False"):
-        _choice(gm, plan, fingerprint(gm), 2)
+        plan_choice(gm, plan, fingerprint(gm), 2)
 
 
 def _run_folded(rank: int, world: int, plan_json: str) -> None:

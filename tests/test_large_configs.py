@@ -4,9 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autotp.api import _graph, _solve
+from autotp.api import prepared_graph, solve_plan
 from autotp.mesh_planner import plan_mesh_for_graph
-from autotp.passes.solve import Sizes
+from autotp.options import Options
+from autotp.passes.pricing import Sizes
 
 H, FFN, LAYERS, HEADS, KV, VOCAB = 8192, 28672, 80, 64, 8, 128256
 
@@ -19,11 +20,11 @@ def llama70b():
     with torch.device("meta"):
         model = LlamaForCausalLM(config).to(torch.bfloat16)
     ids = torch.zeros(8, 2048, dtype=torch.long, device="meta")  # the global batch the costs are priced at
-    return _graph(model, (ids,), None, fold=True)  # 80 blocks planned from four (passes/fold.py)
+    return prepared_graph(model, (ids,), None, fold=True)  # 80 blocks planned from four (passes/fold.py)
 
 
 def test_parameter_bytes_at_tp8_match_the_analytic_figure(llama70b):
-    plan = _solve(llama70b, 8, "dgx-h100", training=False)
+    plan = solve_plan(llama70b, 8, Options(topology="dgx-h100", training=False))
     kv_width = KV * (H // HEADS)
     sharded = 2 * VOCAB * H + LAYERS * (2 * H * H + 2 * H * kv_width + 3 * H * FFN)
     replicated = (2 * LAYERS + 1) * H  # RMSNorm weights
@@ -35,8 +36,8 @@ def test_tp_inside_the_node_beats_tp_across_nodes(llama70b):
     """Why the mesh planner keeps TP inside a node: TP 16 over two DGX H100 is slower than TP 8 on half the batch."""
     batch = next(n for n in llama70b.graph.nodes if n.op == "placeholder").meta["val"].shape[0]
     half = Sizes({str(batch.node.expr): 4})
-    across = _solve(llama70b, 16, "2x-dgx-h100", training=False).cost["seconds"]
-    inside = _solve(llama70b, 8, "2x-dgx-h100", training=False, sizes=half).cost["seconds"]
+    across = solve_plan(llama70b, 16, Options(topology="2x-dgx-h100", training=False)).cost["seconds"]
+    inside = solve_plan(llama70b, 8, Options(topology="2x-dgx-h100", training=False), sizes=half).cost["seconds"]
     assert inside < across
     result = plan_mesh_for_graph(llama70b, topology="dgx-h100", nodes=2, training=False)
     assert result.choice.tp == 8 and result.choice.tp * result.choice.pp * result.choice.dp == 16
@@ -56,7 +57,7 @@ def test_long_sequences_on_one_node_plan_sequence_parallelism_and_recomputation(
                          max_position_embeddings=32768)
     with torch.device("meta"):
         model = LlamaForCausalLM(config).to(torch.bfloat16)
-    gm = _graph(model, (torch.zeros(1, 32768, dtype=torch.long, device="meta"),), None, fold=True)
+    gm = prepared_graph(model, (torch.zeros(1, 32768, dtype=torch.long, device="meta"),), None, fold=True)
     with pytest.raises(PlanningError, match=r"leanest layout \([^)]*sequence parallel, recomputing attention") as error:
         plan_mesh_for_graph(gm, topology="dgx-h100")
     devices = int(re.search(r"(\d+) devices \(nodes=(\d+)\) fit", str(error.value)).group(1))

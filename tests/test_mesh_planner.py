@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from autotp.api import _graph
+from autotp.api import prepared_graph
 from autotp.cost_models import load_topology
 from autotp.cost_models.schedules import balance_stages, in_flight, step_units
 from autotp.mesh_planner import plan_mesh, plan_mesh_for_graph
@@ -28,7 +28,7 @@ def gpt3():
         model = GPT2LMHeadModel(config).to(torch.bfloat16)
     params = sum(p.numel() for p in model.parameters())
     assert 174e9 < params < 176e9
-    return _graph(model, (torch.zeros(2, 2048, dtype=torch.long, device="meta"),), None, fold=True)
+    return prepared_graph(model, (torch.zeros(2, 2048, dtype=torch.long, device="meta"),), None, fold=True)
 
 
 def _covers(stages: list, blocks: int) -> bool:
@@ -70,8 +70,9 @@ def test_gpt3_175b_with_fsdp_fits_wherever_ddp_does(gpt3):
 def test_activations_per_layer_lie_within_korthikantis_bounds(gpt3):
     """The planner counts kept op outputs on the graph; Korthikanti et al. 2022 (TP t, bf16, dropout masks):
     sbh(10 + 24/t) without the attention-score terms (fused SDPA), sbh(10 + 24/t + 5as/(ht)) with them."""
-    from autotp.mesh_planner import _profile, _unit
-    unit, sizes = _unit(gpt3)
+    from autotp.mesh_planner import _profile
+    from autotp.passes.pricing import priced_unit
+    unit, sizes = priced_unit(gpt3)
     profile = _profile(gpt3, 8, load_topology("dgx-a100", nodes=128), True, sizes, unit)
     s, h, a, t = 2048, 12288, 96, 8
     per_layer = profile.blocks[LAYERS // 2].memory["activations"]
@@ -83,8 +84,9 @@ def test_whole_block_recomputation_under_sequence_parallelism_keeps_each_layers_
     """Korthikanti et al. 2022 (§4.3, Table 2): with sequence parallelism and full recomputation a layer keeps
     only its input, split over the t ranks: 2sbh/t bytes (bf16)."""
     from autotp.cost_models.layout import KEPT, Candidate, Profile, Section, stage_memory
-    from autotp.mesh_planner import _profile, _unit
-    unit, sizes = _unit(gpt3)
+    from autotp.mesh_planner import _profile
+    from autotp.passes.pricing import priced_unit
+    unit, sizes = priced_unit(gpt3)
     s, h, t = 2048, 12288, 8
     split = _profile(gpt3, t, load_topology("dgx-a100", nodes=128), True, sizes, unit, tokens=True)
     assert split.sequence_parallel
@@ -105,7 +107,7 @@ def small_llama():
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     state = 16 * sum(p.numel() for p in model.parameters())  # fp32 weights, grads, Adam m and v
-    return _graph(model, (torch.zeros(1, 16, dtype=torch.long, device="meta"),), None, fold=True), state
+    return prepared_graph(model, (torch.zeros(1, 16, dtype=torch.long, device="meta"),), None, fold=True), state
 
 
 @pytest.fixture(scope="module")

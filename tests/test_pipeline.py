@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from autotp.api import _graph
+from autotp.api import prepared_graph
 from autotp.cost_models import load_topology
 from autotp.cost_models.layout import Candidate, Setting, stage_memory
 from autotp.parallel.split import split
@@ -75,7 +75,7 @@ def _train(rank: int, world: int, dims: tuple, names: tuple, schedule: str, stag
 
     def shard_stage(module, args, kwargs):
         if "tp" in names:
-            module = autotp.api.parallelize(module, args, kwargs, group=mesh["tp"].get_group())
+            module = autotp.api.tensor_parallel(module, args, kwargs, group=mesh["tp"].get_group())
         return fully_shard(module, mesh=mesh["dp"]) if "dp" in names else module
 
     x, y = _batch()
@@ -167,9 +167,9 @@ def test_block_profiles_price_blocks_alike_and_the_head_on_the_last_stage():
     model = _llama(layers=5)
     fold = find_blocks(model)
     assert (fold.path, fold.count) == ("model.layers", 5)
-    gm = _graph(model, (x,), None)
+    gm = prepared_graph(model, (x,), None)
     whole = block_profile(gm, fold)
-    folded = block_profile(_graph(model, (x,), None, fold=True), fold)  # blocks 0, 1, 3, 4 captured
+    folded = block_profile(prepared_graph(model, (x,), None, fold=True), fold)  # blocks 0, 1, 3, 4 captured
     for a, b in zip(whole.sections, folded.sections, strict=True):
         assert a.seconds == pytest.approx(b.seconds)
         assert a.memory == pytest.approx(b.memory)
@@ -179,7 +179,7 @@ def test_block_profiles_price_blocks_alike_and_the_head_on_the_last_stage():
     assert block_profile(gm, fold, tp=2).blocks[0].memory["params"] == block / 2
     first, last = whole.sections[0].seconds, whole.sections[-1].seconds
     assert first < whole.blocks[0].seconds < last * 100
-    big_head = block_profile(_graph(_llama(layers=5, vocab=4096), (x,), None, fold=True), fold)
+    big_head = block_profile(prepared_graph(_llama(layers=5, vocab=4096), (x,), None, fold=True), fold)
     assert big_head.sections[-1].seconds > 4 * last
     assert big_head.sections[0].seconds == pytest.approx(first, rel=0.5)
     small, large = _starts(whole), _starts(big_head)

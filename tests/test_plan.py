@@ -127,7 +127,7 @@ def test_a_plan_is_refused_for_another_split_of_heads(kind, fold):
     """Same parameter shapes, other heads x head dim: only view sizes (and LLaMA's rotary table) differ."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from autotp.api import _choice, _graph
+    from autotp.api import plan_choice, prepared_graph
     from autotp.passes.capture import fingerprint
     from models import llama_with
 
@@ -142,9 +142,9 @@ def test_a_plan_is_refused_for_another_split_of_heads(kind, fold):
     args = (torch.randint(0, 96, (2, 8)),)
     plan = autotp.plan(model(4), args, world_size=2, fold=fold)
     assert (plan.fold is not None) == fold
-    other = _graph(model(2), args, None)
+    other = prepared_graph(model(2), args, None)
     differs = "constant arguments" + (".*buffer shapes" if kind == "llama" else "")
     with pytest.raises(PlanMismatch, match=f"another model.*differing: [^:]*{differs}[^:]*: re-plan"):
-        _choice(other, plan, fingerprint(other), 2)
+        plan_choice(other, plan, fingerprint(other), 2)
     with pytest.raises(PlanMismatch, match=r"differing: the ops and how they connect\): re-plan"):
         plan.check("0" * 8 + plan.fingerprint[8:], 2)

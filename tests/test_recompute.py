@@ -12,7 +12,8 @@ from test_activations import saved_bytes
 from test_sequence_parallel import EXAMPLE, _exact
 
 import autotp
-from autotp.api import _graph, _solve
+from autotp.api import prepared_graph, solve_plan
+from autotp.options import Options
 from autotp.passes.recompute import attention_cores
 from autotp.passes.strategies import needs_grad
 from autotp.runtime.activations import Recomputed
@@ -55,30 +56,30 @@ def test_taken_only_when_sequence_parallelism_does_not_fit():
                         attn_implementation="eager")
     with torch.device("meta"):
         model = GPT2LMHeadModel(config).eval()
-    gm = _graph(model, (torch.zeros(4, 2048, dtype=torch.long, device="meta"),), None)
+    gm = prepared_graph(model, (torch.zeros(4, 2048, dtype=torch.long, device="meta"),), None)
     core, = attention_cores(gm, needs_grad(gm))  # one block: QK^T, scale, mask, softmax, ·V
     assert [n.target for n in core if n.target in (aten.matmul.default, aten.softmax.int)] == [
         aten.matmul.default, aten.softmax.int, aten.matmul.default]
     mlp, mlp_args, _ = build("mlp")
-    plain = _graph(mlp, mlp_args, None)
+    plain = prepared_graph(mlp, mlp_args, None)
     assert attention_cores(plain, needs_grad(plain)) == []  # no softmax between products: nothing to recompute
-    split = _solve(gm, 2, None, sequence_parallel=True, recompute=False)
-    again = _solve(gm, 2, None, sequence_parallel=True, recompute="selective")
+    split = solve_plan(gm, 2, Options(sequence_parallel=True, recompute=False))
+    again = solve_plan(gm, 2, Options(sequence_parallel=True, recompute="selective"))
     assert again.cost["memory"]["total"] < split.cost["memory"]["total"]
     assert again.cost["seconds"] > split.cost["seconds"]  # the core's forward, run twice
-    assert not _solve(gm, 2, None).cost["recompute"]  # plenty of memory
+    assert not solve_plan(gm, 2, Options()).cost["recompute"]  # plenty of memory
     limit = (split.cost["memory"]["total"] + again.cost["memory"]["total"]) / 2
-    tight = _solve(gm, 2, None, memory_limit=limit)
+    tight = solve_plan(gm, 2, Options(memory_limit=limit))
     assert tight.cost["recompute"] == ["transformer.h.0.attn"] and tight.cost["memory"]["total"] <= limit
     assert any(entry.get("recompute") for entry in tight.nodes.values())
     # just above what both together need (the scores dominate here: recomputation alone nearly fits)
-    tighter = _solve(gm, 2, None, memory_limit=1.02 * again.cost["memory"]["total"])
+    tighter = solve_plan(gm, 2, Options(memory_limit=1.02 * again.cost["memory"]["total"]))
     assert tighter.cost["recompute"] and tighter.cost["token_split"]
     console = Console(width=200, record=True)
     console.print(activations_table(tighter))
     assert re.search(r"transformer\.h\.0 +│ +[\d.]+ +│ yes +│ attention", console.export_text()), console.export_text()
     with pytest.raises(ValueError, match="recompute"):
-        _solve(gm, 2, None, recompute=True)
+        solve_plan(gm, 2, Options(recompute=True))
 
 
 def test_cli_plan_with_recomputation(capsys):

@@ -17,7 +17,7 @@ from .topology import Topology, load_topology
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 
 
-def _ring(op: str, n: int) -> tuple[int, float]:
+def ring_steps(op: str, n: int) -> tuple[int, float]:
     """(latency steps, bus-bandwidth factor) of a ring over n ranks (nccl-tests PERFORMANCE.md)."""
     if op == "all_reduce":
         return 2 * (n - 1), 2 * (n - 1) / n
@@ -29,7 +29,7 @@ def _ring(op: str, n: int) -> tuple[int, float]:
 def _intra(op: str, nbytes: float, n: int, topo: Topology) -> float:
     if n <= 1:
         return 0.0
-    steps, factor = _ring(op, n)
+    steps, factor = ring_steps(op, n)
     ring = topo.intra_base_latency_s + steps * topo.intra_step_latency_s + factor * nbytes / topo.intra_busbw
     if op == "all_reduce" and topo.intra_busbw_nvls:
         nvls = topo.intra_base_latency_s + 2 * topo.intra_step_latency_s + factor * nbytes / topo.intra_busbw_nvls
@@ -44,7 +44,7 @@ def _inter(op: str, nbytes: float, m: int, topo: Topology) -> float:
     if not topo.nics_per_node:
         raise ValueError(f"topology {topo.name} has {topo.nodes} nodes but no NICs (nics_per_node)")
     bandwidth = topo.nic_bandwidth * topo.nics_per_node
-    steps, factor = _ring(op, m)
+    steps, factor = ring_steps(op, m)
     if op == "all_to_all":
         nbytes /= m  # only the part leaving each node crosses its NICs
     ring = topo.inter_base_latency_s + steps * topo.inter_step_latency_s
@@ -63,7 +63,7 @@ def collective_time(op: str, nbytes: float, group_size: int, topology: Topology 
         return 0.0
     measured = topology.measured.get(op)
     if measured:  # a calibrated profile: the line fitted to this collective on the measured group
-        return measured["latency_s"] + _ring(op, group_size)[1] * nbytes / measured["busbw"]
+        return measured["latency_s"] + ring_steps(op, group_size)[1] * nbytes / measured["busbw"]
     per_node = min(group_size, topology.gpus_per_node)
     nodes = math.ceil(group_size / per_node)
     if nodes > topology.nodes:

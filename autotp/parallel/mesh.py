@@ -35,7 +35,7 @@ def parallelize(model: torch.nn.Module, args=None, kwargs=None, *, mesh: DeviceM
     """This rank's parallel copy of ``model``.
 
     Without ``mesh``: tensor parallelism over ``group`` (default: every rank), exactly
-    ``autotp.api.parallelize(model, args, kwargs, **options)``.  With ``mesh``: autotp's plan on the
+    ``autotp.api.tensor_parallel(model, args, kwargs, **options)``.  With ``mesh``: autotp's plan on the
     "tp" sub-group, then FSDP2 ``fully_shard`` (``data_parallel="ddp"``: DDP) over the "dp" sub-group;
     the result has the model's call signature and parameter names.  A "pp" dimension splits the model
     into pipeline stages (``loss_fn(output, target)`` required; ``schedule``, ``microbatches`` and
@@ -43,7 +43,7 @@ def parallelize(model: torch.nn.Module, args=None, kwargs=None, *, mesh: DeviceM
     ``step(*inputs, target=..., losses=[])``.  ``args`` are one DP rank's share of the batch.
     """
     if mesh is None:
-        return api.parallelize(model, args, kwargs, **options)
+        return api.tensor_parallel(model, args, kwargs, **options)
     dims = mesh_dims(mesh)
     if options.get("group") is not None:
         raise ValueError("pass either mesh= or group=, not both: with a mesh, TP runs on its 'tp' dimension")
@@ -75,9 +75,9 @@ def _shard(module: torch.nn.Module, args, kwargs, *, mesh: DeviceMesh, kind: str
     The pipeline passes each stage's module here: one code path with and without stages."""
     dims = mesh.mesh_dim_names
     if "tp" in dims:
-        sharded = api.parallelize(module, args, kwargs, group=mesh["tp"].get_group(), **options)
+        sharded = api.tensor_parallel(module, args, kwargs, group=mesh["tp"].get_group(), **options)
     else:  # a one-rank TP group: autotp still plans (everything replicated) and keeps its bookkeeping
-        sharded = api.parallelize(module, args, kwargs, group=_own_group(), **options)
+        sharded = api.tensor_parallel(module, args, kwargs, group=_own_group(), **options)
     sharded.autotp_mesh = mesh
     if "dp" in dims and mesh["dp"].size() > 1:
         sharded = data_parallel(sharded, mesh["dp"], kind)

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from autotp.agree import InputCheck
-from autotp.api import _device_of, _graph
+from autotp.api import device_of, prepared_graph
 from autotp.cost_models import load_topology
 from autotp.cost_models.layout import Candidate, Setting
 from autotp.hf import no_kv_cache
@@ -64,7 +64,7 @@ def pipeline(model: torch.nn.Module, args, kwargs=None, *, mesh, loss_fn, schedu
         tp, dp = (mesh[d].size() if d in mesh.mesh_dim_names else 1 for d in ("tp", "dp"))
         topo, size = load_topology(topology), _batch_size(mb_args, mb_kwargs)
         limit = memory_limit if memory_limit is not None else 0.9 * topo.memory_bytes
-        stages = stage_starts(block_profile(_graph(model, mb_args, mb_kwargs, fold=True), fold, tp, topo),
+        stages = stage_starts(block_profile(prepared_graph(model, mb_args, mb_kwargs, fold=True), fold, tp, topo),
                               Candidate(tp, pp, dp, microbatch_size=size, schedule=schedule, virtual_stages=per_rank),
                               Setting(topo, size * microbatches * dp, True, data_parallel, limit, 0.0))
     stages = _checked_starts(list(stages), count, fold.count, schedule)
@@ -72,7 +72,7 @@ def pipeline(model: torch.nn.Module, args, kwargs=None, *, mesh, loss_fn, schedu
         cut = split(model, mb_args, mb_kwargs, fold.path, stages)
     out_spec = cut.out_spec
     shard_stage = shard_stage or (lambda module, stage_args, stage_kwargs: module)
-    device = _device_of(group)
+    device = device_of(group)
     modules, built = {}, []
     for index in range(pp_rank, count, pp):
         modules[index] = shard_stage(cut.modules[index], *cut.inputs[index])

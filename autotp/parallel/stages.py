@@ -16,14 +16,10 @@ from dataclasses import replace
 import torch
 
 from autotp.cost_models import load_topology
-from autotp.cost_models.compute import op_time
 from autotp.cost_models.layout import Candidate, Profile, Section, Setting, stage_memory, stage_ranges
-from autotp.mesh_planner import _unit, _where
-from autotp.passes.fold import Fold, find_fold
-from autotp.passes.saved import VIEWS
-from autotp.passes.solve import _memory, activation_bytes
+from autotp.passes.fold import Fold, find_fold, sections
+from autotp.passes.pricing import activation_bytes, op_memory, op_seconds, priced_unit
 from autotp.passes.strategies import Strategy, input_slots, needs_grad, replicated_like
-from autotp.runtime.placement import R
 
 
 class StageError(ValueError):
@@ -43,22 +39,21 @@ def block_profile(gm: torch.fx.GraphModule, fold: Fold, tp: int = 1, topology=No
     """Each block of ``gm`` (a graph captured whole, or folded: ``gm.meta["autotp_fold"]``, whose block 1 stands
     for the middle blocks) and the parts before and after them, per sample on one of ``tp`` ranks, for training."""
     topo = load_topology(topology)
-    where, _, _ = _where(gm, fold)
+    where, _, _ = sections(gm, fold)
     rep = fold.rep if gm.meta.get("autotp_fold") else (lambda i: i)
-    unit, sizes = _unit(gm)
+    unit, sizes = priced_unit(gm)
     trainable = dict(gm.named_parameters(remove_duplicate=False))
+    replicated = {node: Strategy(tuple(map(replicated_like, input_slots(node))), replicated_like(node))
+                  for node in gm.graph.nodes if node.op in ("call_function", "get_attr")}
     kept: dict = {}
-    for node in gm.graph.nodes:
+    for node, strategy in replicated.items():  # priced on one rank, then taken as split evenly over tp
         section = kept.setdefault(where.get(node, "pre"), Section())
-        if node.op == "call_function":  # backward costs about twice the forward; a view moves no bytes
-            moved = 0.0 if node.target in VIEWS else sizes.nbytes(node)
-            section.seconds += 3 * op_time(sizes.flops(node), moved, topo) / unit / tp
-        for kind, held in _memory(node, Strategy((), R), sizes, 1, trainable, True).items():
+        section.seconds += op_seconds(node, strategy, sizes, 1, topo, True) / unit / tp
+        for kind, held in op_memory(node, strategy, sizes, 1, trainable, True).items():
             per_sample = kind in ("activations", "kv_cache")
             section.memory[kind] = section.memory.get(kind, 0.0) + held / tp / (unit if per_sample else 1)
-    replicated = {node: Strategy(tuple(map(replicated_like, input_slots(node))), replicated_like(node))
-                  for node in gm.graph.nodes if node.op == "call_function"}
-    for node, held in activation_bytes(replicated, sizes, 1, needs_grad(gm)).items():  # what backward keeps
+    for node, held in activation_bytes({n: s for n, s in replicated.items() if n.op == "call_function"}, sizes, 1,
+                                       needs_grad(gm)).items():  # what backward keeps
         section = kept.setdefault(where.get(node, "pre"), Section())
         section.memory["activations"] = section.memory.get("activations", 0.0) + held / tp / unit
     order = ["pre", *(rep(i) for i in range(fold.count)), "post"]

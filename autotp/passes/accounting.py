@@ -10,9 +10,10 @@ from autotp.cost_models.topology import Topology
 from autotp.runtime.placement import R, Shard, dump
 
 from .capture import module_path
+from .gradients import gradient_sums, partial_grad, partial_params
+from .pricing import Sizes, kept_bytes, op_seconds, regather_time
 from .saved import kept, kept_whole, regathered
-from .solve import Sizes, _activations, _compute_time, regather_time
-from .strategies import Context, gradient_sums, input_slots, is_placed, needs_grad, partial_grad, partial_params
+from .strategies import Context, input_slots, is_placed, needs_grad, on_tokens
 
 
 def planned_collectives(gm: torch.fx.GraphModule, choice: dict, world: int, topology: Topology,
@@ -24,7 +25,7 @@ def planned_collectives(gm: torch.fx.GraphModule, choice: dict, world: int, topo
     grad = needs_grad(gm)
     # ranks sharing a unit sum its gradient (a bias with its weight)
     found: dict = {(members[0], "group"): ("backward", "all_reduce") for members in gradient_sums(gm, choice, world)}
-    pieces = regathered(choice, grad, _on_tokens)
+    pieces = regathered(choice, grad)
     together = partial_params(gm, choice, grad)  # one all-reduce for each list (of a dtype)
     alone = {member for members in together for member in members}
     for node in gm.graph.nodes:
@@ -63,11 +64,6 @@ def planned_collectives(gm: torch.fx.GraphModule, choice: dict, world: int, topo
     return listed
 
 
-def _on_tokens(node: torch.fx.Node, strategy) -> bool:
-    out = strategy.output
-    return isinstance(out, Shard) and isinstance(node.meta["val"].shape[out.dim], torch.SymInt)
-
-
 def _module(node: torch.fx.Node) -> str:
     """The module a tensor belongs to: its producer's, or for a parameter its owner's."""
     return module_path(node) or (node.target.rpartition(".")[0] if node.op == "get_attr" else "")
@@ -99,23 +95,23 @@ def alternatives(gm: torch.fx.GraphModule, ctx: Context, choice: dict, topology:
             continue
         priced = []
         for s in options:
-            total = _compute_time(node, s, sizes, world, topology, training)
+            total = op_seconds(node, s, sizes, world, topology, training)
             moves = [(choice[src].output, want, src) for src, want in zip(input_slots(node), s.inputs, strict=True)
                      if src in choice and is_placed(src) and want is not None]
             moves += [(s.output, want, node) for want in users_of.get(node, [])]
             for have, want, tensor in moves:
                 t = reshard_time(have, want, sizes.nbytes(tensor), world, topology)
                 total = None if t is None or total is None else total + t
-            for tensor in _regathered_near(node, s, choice, whole, grad, ctx.on_tokens):
+            for tensor in _regathered_near(node, s, choice, whole, grad):
                 total = None if total is None else total + regather_time(sizes.nbytes(tensor), world, topology)
-            held = sum(held for _, held in _activations(node, s, sizes, world, grad))
+            held = sum(held for _, held in kept_bytes(node, s, sizes, world, grad))
             priced.append({"in": [dump(p) for p in s.inputs], "out": dump(s.output), "seconds": total,
                            "kept": held, "chosen": s == choice[node]})
         out[node.name] = sorted(priced, key=lambda a: (a["seconds"] is None, a["seconds"] or 0.0))
     return out
 
 
-def _regathered_near(node: torch.fx.Node, strategy, choice: dict, whole: dict, grad: set, on_tokens) -> set:
+def _regathered_near(node: torch.fx.Node, strategy, choice: dict, whole: dict, grad: set) -> set:
     """The tensors re-gathered in the backward (saved.regathered) that ``node`` produces or keeps, were it to
     take ``strategy`` with every other op as chosen (``whole``: kept_whole of the chosen plan)."""
     keeps = {item.tensor for item in kept(node, strategy, grad) if item.kind == "value" and item.placement == R}

@@ -25,8 +25,8 @@ from torch.fx import Node
 
 from autotp.runtime.placement import Disjoint, P, Shard, simplest
 
-from .layout_rules import _mapped, constant_positions, cut_range, gather, positive_dim, slice_
-from .strategies import LAYOUT_OPS, Context, Strategy, contractible, is_placed, value
+from .layout_rules import constant_positions, cut_range, gather, mapped, positive_dim, slice_
+from .strategies import Context, Strategy, contractible, is_placed, value
 
 aten = torch.ops.aten
 # transformers registers its op when its MoE integration is imported; rules find it by name
@@ -59,7 +59,7 @@ def grouped_mm(node: Node, ctx: Context) -> list[Strategy]:
                 found.append(Strategy(ctx.fill(node, {x: s, w: s}), P))
     for s, out in _whole_experts(w, ctx):
         found.append(Strategy(ctx.fill(node, {w: s}), out))
-        if out in ctx.output_options(x) and routing(x, ctx.routes) == routing(node, ctx.routes):
+        if out in ctx.output_options(x) and routing(x, ctx) == routing(node, ctx):
             found.append(Strategy(ctx.fill(node, {x: out, w: s}), out))
     found.append(Strategy(ctx.fill(node, {x: P}), P))
     return found
@@ -96,7 +96,7 @@ def index(node: Node, ctx: Context) -> list[Strategy] | None:
     k, n, out = len(indices), len(ctx.shape(x)), len(ctx.shape(node))
     shift = out - n  # x dim d (d >= k) is output dim d + shift: the indices' dims replace x's first k
     found = [Strategy(ctx.fill(node, {x: P}), P)]
-    experts = _whole_experts(x, ctx) if routing(node, ctx.routes) is not None else []
+    experts = _whole_experts(x, ctx) if routing(node, ctx) is not None else []
     found += [Strategy(ctx.fill(node, {x: s}), d) for s, d in experts]  # one expert's rows per routed token
     for d in range(k if not (experts and ctx.experts == "parallel") else n, n):
         found += [Strategy(ctx.fill(node, {x: s}), s.at(d + shift)) for s in ctx.shard_options(x, d)
@@ -108,8 +108,8 @@ def squeeze(node: Node, ctx: Context) -> list[Strategy]:
     n = len(ctx.shape(node.args[0]))
     at = positive_dim(node.args[1], n)
     if ctx.shape(node.args[0])[at] != 1:
-        return _mapped(node, ctx, lambda d: d)  # squeezing a dim that is not 1 keeps the shape
-    return _mapped(node, ctx, lambda d: None if d == at else d - (d > at))
+        return mapped(node, ctx, lambda d: d)  # squeezing a dim that is not 1 keeps the shape
+    return mapped(node, ctx, lambda d: None if d == at else d - (d > at))
 
 
 def strided_slice(node: Node, ctx: Context) -> list[Strategy]:
@@ -159,49 +159,39 @@ def hint_sources(node: Node, dim: int, ctx: Context) -> list[tuple[Node, int]]:
     return []
 
 
-# ops that map 0 to 0 element by element: a disjoint partial stays one (one nonzero summand per element)
-_ZERO_KEEPING = {aten.silu.default, aten.relu.default, aten.gelu.default, aten.tanh.default, aten.neg.default,
-                 aten.clone.default, aten.contiguous.default, aten.alias.default, aten.detach.default,
-                 aten.to.dtype, aten._to_copy.default, aten.mul.Scalar}
-# ops that keep the rows (dim 0) where they are: a dim-0 cut would lose which expert each row went to
-_ROW_KEEPING = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.slice.Tensor,
-                aten.squeeze.dim, aten.unsqueeze.default}
-_PRODUCTS = {aten.mul.Tensor, aten.add.Tensor, aten.bmm.default}
-
-
-def routing(node: Node, memo: dict | None = None) -> tuple[Node, int] | None:
+def routing(node: Node, ctx: Context) -> tuple[Node, int] | None:
     """What routed ``node``'s rows to experts, where its rows come from an expert op through ops that keep
-    rows: (a grouped matmul's offsets, or the ids of a weight's lookup ``w[ids]``; the number of experts).
-    Two disjoint partials of one routing hold the same rows on the same rank (when their experts are dealt
-    alike: the same shard of the same number of experts)."""
-    memo = {} if memo is None else memo
-    if node not in memo:
-        memo[node] = _routing(node, memo) if isinstance(node, Node) and node.op == "call_function" else None
-    return memo[node]
+    rows (their rows' ``experts``): (a grouped matmul's offsets, or the ids of a weight's lookup ``w[ids]``;
+    the number of experts).  Two disjoint partials of one routing hold the same rows on the same rank (when
+    their experts are dealt alike: the same shard of the same number of experts).  Memoized in ctx.routes."""
+    if node not in ctx.routes:
+        ctx.routes[node] = _routing(node, ctx) if isinstance(node, Node) and node.op == "call_function" else None
+    return ctx.routes[node]
 
 
-def _routing(node: Node, memo: dict) -> tuple[Node, int] | None:
+def _routing(node: Node, ctx: Context) -> tuple[Node, int] | None:
     if is_grouped_mm(node):
         return offsets(node), value(node.args[1]).shape[0]
     if node.target == aten.index.Tensor:
         ids, weight = node.args[1], node.args[0]
-        while weight.op == "call_function" and weight.target in LAYOUT_OPS:
+        while weight.op == "call_function" and ctx.op(weight.target).layout:
             weight = weight.args[0]
         found = len(ids) == 1 and _integer_indices(ids) and weight.op == "get_attr"
         return (ids[0], value(node.args[0]).shape[0]) if found else None
-    if node.target in _ZERO_KEEPING or node.target in _ROW_KEEPING or node.target is operator.getitem:
-        return routing(node.args[0], memo)
-    if node.target in _PRODUCTS:
-        found = {routing(a, memo) for a in node.args[:2]} - {None}
+    kind = ctx.op(node.target).experts
+    if kind in ("zeros", "rows") or node.target is operator.getitem:
+        return routing(node.args[0], ctx)
+    if kind == "combine":
+        found = {routing(a, ctx) for a in node.args[:2]} - {None}
         return found.pop() if len(found) == 1 else None
     return None
 
 
-def _keeps_rows(node: Node) -> bool:
+def _keeps_rows(node: Node, ctx: Context) -> bool:
     """Whether a layout op leaves dim 0 (the routed rows) alone: it splits, cuts or adds another dim."""
-    if node.target not in _ROW_KEEPING:
+    if ctx.op(node.target).experts != "rows":
         return True
-    splits = node.target in (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default)
+    splits = ctx.op(node.target).family == "split"
     at = node.args[2 if splits else 1] if len(node.args) > (2 if splits else 1) else node.kwargs.get("dim", 0)
     shaped = node if node.target == aten.unsqueeze.default else node.args[0]
     return positive_dim(at, len(value(shaped).shape)) != 0
@@ -210,12 +200,12 @@ def _keeps_rows(node: Node) -> bool:
 def disjoint(node: Node, ctx: Context) -> list[Strategy]:
     """A disjoint partial through ops that keep it one: zero-keeping ops and row-keeping layout ops of it;
     its product with a whole tensor; the sum or product of two routed alike (same routing, same experts)."""
-    if ctx.experts == "tensor" or not _keeps_rows(node) or routing(node, ctx.routes) is None:
+    if ctx.experts == "tensor" or not _keeps_rows(node, ctx) or routing(node, ctx) is None:
         return []
     def held(a: Node) -> list:
         return [p for p in ctx.output_options(a) if isinstance(p, Disjoint)] if isinstance(a, Node) else []
 
-    if node.target not in _PRODUCTS:
+    if ctx.op(node.target).experts != "combine":
         x = node.args[0]
         count = len(value(node)) if isinstance(value(node), (list, tuple)) else None
         return [Strategy(ctx.fill(node, {x: d}), d if count is None else (d,) * count) for d in held(x)]
@@ -224,21 +214,10 @@ def disjoint(node: Node, ctx: Context) -> list[Strategy]:
                len(ctx.shape(a)) == len(shape) and ctx.probe(ctx.shape(a)[0]) == ctx.probe(shape[0])}
     a, b = node.args[:2]
     found = []
-    alike = a is not b and routing(a, ctx.routes) == routing(b, ctx.routes)
+    alike = a is not b and routing(a, ctx) == routing(b, ctx)
     for d in dict.fromkeys([*options.get(a, []), *options.get(b, [])]):
         if node.target != aten.add.Tensor:  # a product: the other operand may be whole
             found += [Strategy(ctx.fill(node, {x: d}), d) for x in (a, b) if d in options.get(x, [])]
         if alike and d in options.get(a, []) and d in options.get(b, []):
             found.append(Strategy(ctx.fill(node, {a: d, b: d}), d))
     return found
-
-
-DISJOINT_OPS = _ZERO_KEEPING | _ROW_KEEPING | _PRODUCTS
-
-EXPERT_RULES = {
-    aten._grouped_mm.default: grouped_mm,
-    GROUPED_MM_FALLBACK: grouped_mm,
-    aten.index.Tensor: index,
-    aten.squeeze.dim: squeeze,
-    aten.slice.Tensor: strided_slice,
-}

@@ -274,3 +274,20 @@ def fold_graph(gm: torch.fx.GraphModule, fold: Fold) -> Folded:
     b = blocks(gm, fold)
     check_repeats(gm, fold, b)
     return Folded(fold, b, *weights_and_ties(fold, b))
+
+
+def sections(gm: torch.fx.GraphModule, fold: Fold | None = None) -> tuple[dict, int | None, Fold | None]:
+    """node -> "pre" | "post" | kept block index; the real block count; the fold (None if not folded).  ``fold``:
+    the blocks of a graph captured whole (every block kept)."""
+    folding = gm.meta.get("autotp_fold")
+    if folding is None and fold is None:
+        return dict.fromkeys(gm.graph.nodes, "pre"), None, None
+    fold, where = (folding.fold, dict(folding.blocks.where)) if folding else (fold, dict(blocks(gm, fold).where))
+    for n in gm.graph.nodes:
+        if where.get(n) == "attr":
+            block = fold.block_of_name(n.target)
+            users = [where[u] for u in n.users if where.get(u) not in (None, "attr")]
+            where[n] = block if block is not None else (users[0] if users else "pre")
+        elif where.get(n) in (None, "input"):
+            where[n] = "pre"
+    return where, fold.count, fold

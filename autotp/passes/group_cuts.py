@@ -20,11 +20,10 @@ from torch.fx import Node
 
 from .capture import module_path
 from .layout_rules import constant_positions, cut_range
+from .ops import op
 from .strategies import Context, concrete
 
 aten = torch.ops.aten
-_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
-_BROADCASTS = (aten.expand.default, aten.broadcast_to.default)
 
 
 def cuts_to_gathers(gm: torch.fx.GraphModule) -> None:
@@ -34,7 +33,7 @@ def cuts_to_gathers(gm: torch.fx.GraphModule) -> None:
     a use does anything else or the cut positions are unknown (a meta capture)."""
     graph = gm.graph
     for node in list(graph.nodes):
-        chains = _group_chains(node) if node.target in _VIEWS and node.users else None
+        chains = _group_chains(node) if _resizes(node) and node.users else None
         if chains is None:
             continue
         shape = [concrete(n) for n in node.meta["val"].shape]
@@ -70,6 +69,11 @@ def cuts_to_gathers(gm: torch.fx.GraphModule) -> None:
     gm.recompile()
 
 
+def _resizes(node: Node) -> bool:
+    """A view given its new sizes (view / reshape; not flatten)."""
+    return op(node.target).family == "view" and len(node.args) > 1 and isinstance(node.args[1], (list, tuple))
+
+
 def _group_chains(view: Node) -> list | None:
     """For a view splitting a dim into (A, B, ..) with A > 1: per use, (B's dim, start, length, copies, cut,
     [cut, broadcast?, merge]); None unless every use is such a chain."""
@@ -84,12 +88,12 @@ def _group_chains(view: Node) -> list | None:
             return None
         chain, piece = [cut], _sizes(cut)
         user = next(iter(cut.users))
-        if user.target in _BROADCASTS and end - start == 1 and len(user.users) == 1:
+        if op(user.target).family == "expand" and end - start == 1 and len(user.users) == 1:
             out = _sizes(user)
             if out[:at] + out[at + 1:] != piece[:at] + piece[at + 1:]:
                 return None
             chain, piece, user = [cut, user], out, next(iter(user.users))
-        merged = _sizes(user) if user.target in (*_VIEWS, aten.flatten.using_ints) else None
+        merged = _sizes(user) if op(user.target).family == "view" else None
         if merged != [*piece[:at - 1], piece[at - 1] * piece[at], *piece[at + 1:]]:
             return None
         chains.append((at, start, end - start, piece[at], cut, [*chain, user]))

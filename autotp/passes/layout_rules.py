@@ -13,6 +13,7 @@ from torch.fx import Node
 
 from autotp.runtime.placement import P, Shard, dealt
 
+from .semantics import written
 from .strategies import Context, Strategy, concrete
 from .views import map_view_dim, split_runs
 
@@ -24,7 +25,7 @@ def positive_dim(d: int, ndim: int) -> int:
     return d + ndim if d < 0 else d
 
 
-def _mapped(node: Node, ctx: Context, dim_map) -> list[Strategy]:
+def mapped(node: Node, ctx: Context, dim_map) -> list[Strategy]:
     """Single-input layout ops, from a function input dim -> output dim (None: may not be sharded)."""
     x = node.args[0]
     found = [Strategy(ctx.fill(node, {x: P}), P)]
@@ -72,28 +73,28 @@ def _in_rows(shard: Shard, src: list, dst: list, d: int, world: int) -> Shard | 
 
 def expand(node: Node, ctx: Context) -> list[Strategy]:
     offset = len(ctx.shape(node)) - len(ctx.shape(node.args[0]))
-    return _mapped(node, ctx, lambda d: d + offset)
+    return mapped(node, ctx, lambda d: d + offset)
 
 
 def transpose(node: Node, ctx: Context) -> list[Strategy]:
     n = len(ctx.shape(node))
     a, b = positive_dim(node.args[1], n), positive_dim(node.args[2], n)
-    return _mapped(node, ctx, lambda d: {a: b, b: a}.get(d, d))
+    return mapped(node, ctx, lambda d: {a: b, b: a}.get(d, d))
 
 
 def permute(node: Node, ctx: Context) -> list[Strategy]:
     n = len(ctx.shape(node))
     order = [positive_dim(d, n) for d in node.args[1]]
-    return _mapped(node, ctx, lambda d: order.index(d))
+    return mapped(node, ctx, lambda d: order.index(d))
 
 
 def t(node: Node, ctx: Context) -> list[Strategy]:
-    return _mapped(node, ctx, lambda d: 1 - d if len(ctx.shape(node)) == 2 else d)
+    return mapped(node, ctx, lambda d: 1 - d if len(ctx.shape(node)) == 2 else d)
 
 
 def unsqueeze(node: Node, ctx: Context) -> list[Strategy]:
     at = positive_dim(node.args[1], len(ctx.shape(node)))
-    return _mapped(node, ctx, lambda d: d if d < at else d + 1)
+    return mapped(node, ctx, lambda d: d if d < at else d + 1)
 
 
 def cut_range(node: Node) -> tuple[int, int, int] | None:
@@ -119,7 +120,7 @@ def _constant_run(node: Node, shape: list) -> tuple[int, int, int] | None:
     """x[..., [a, a+1, ..., b-1], ...] with the positions a constant tensor of the graph: (dim, a, b).
     Refused where the result is written in place (a slice, which the rewrite may use, would alias x)."""
     found = constant_positions(node)
-    if found is None or _written(node):
+    if found is None or written(node):
         return None
     at, run = found
     return (at, run[0], run[-1] + 1) if run == list(range(run[0], run[0] + len(run))) else None
@@ -153,11 +154,11 @@ def gather(node: Node, ctx: Context) -> list[Strategy] | None:
     one gather, passes/group_cuts.py): other dims keep their shard; along the indexed dim each rank's output
     reads only positions its own piece holds -- checked rank by rank, so any layout that passes is exact."""
     found = constant_positions(node)
-    if found is None or _written(node):
+    if found is None or written(node):
         return None
     at, positions = found
     x, size = node.args[0], len(positions)
-    strategies = _mapped(node, ctx, lambda d: None if d == at else d)
+    strategies = mapped(node, ctx, lambda d: None if d == at else d)
     for s in ctx.shard_options(x, at):
         outs = ctx.shard_options(node, at)
         if s.of == size and dealt(size, ctx.world):  # the finer units the input's pieces follow, dealt whole
@@ -177,30 +178,6 @@ def gathered(held: Shard, out: Shard, positions: list[int], size: int, rank: int
         offset += length
     wanted = [positions[start + i] for start, length in out.ranges(len(positions), rank, world) for i in range(length)]
     return [local[p] for p in wanted] if all(p in local for p in wanted) else None
-
-
-_ALIASING = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.transpose.int,
-             aten.permute.default, aten.t.default, aten.numpy_T.default, aten.expand.default,
-             aten.broadcast_to.default, aten.unsqueeze.default, aten.slice.Tensor, aten.select.int,
-             aten.flatten.using_ints, aten.alias.default, aten.squeeze.dim, aten.squeeze.default}
-
-
-def _written(node: Node) -> bool:
-    """Some op writes in place into ``node``'s value or a view of it (not merely reads it: a KV cache's
-    ``index_copy_`` writes the cache, not the new keys it is given)."""
-    for user in node.users:
-        schema = getattr(user.target, "_schema", None)
-        if (schema is not None and schema.is_mutable and _writes(user, schema, node)) or \
-                (user.target in _ALIASING and _written(user)):
-            return True
-    return False
-
-
-def _writes(user: Node, schema, node: Node) -> bool:
-    """``user`` (a mutating op) writes into the argument ``node`` is passed as."""
-    given = {**dict(zip([a.name for a in schema.arguments], user.args, strict=False)), **user.kwargs}
-    return any(given.get(a.name) is node and a.alias_info is not None and a.alias_info.is_write
-               for a in schema.arguments)
 
 
 def block_of(shard: Shard, start: int, end: int) -> int | None:
@@ -229,7 +206,7 @@ def slice_(node: Node, ctx: Context) -> list[Strategy] | None:
         return None  # positions known only at run time: no rule (replicated, and said)
     at = bounds[0] if bounds else positive_dim(node.args[1] if len(node.args) > 1 else 0, n)
     drop = node.target == aten.select.int
-    found = _mapped(node, ctx, lambda d: None if d == at else (d - 1 if drop and d > at else d))
+    found = mapped(node, ctx, lambda d: None if d == at else (d - 1 if drop and d > at else d))
     if bounds:
         for s in ctx.shard_options(x, at):
             k = block_of(s, bounds[1], bounds[2]) if s.chunks else None

@@ -11,8 +11,9 @@ from autotp.runtime import local_ops
 
 from .expert_rules import hint_sources
 from .group_cuts import group_blocks
-from .layout_rules import cut_range, positive_dim, split, t, unsqueeze, view
-from .rules import RULES, matmul, pointwise
+from .layout_rules import cut_range, positive_dim
+from .ops import op
+from .semantics import may_alias
 from .strategies import Context, is_placed
 from .views import inverse_view_dim, split_runs, view_groups
 
@@ -36,11 +37,6 @@ def merge_aliases(gm: torch.fx.GraphModule) -> None:
     gm.graph.lint()
 
 
-# ops whose output is a new tensor, not a view of an input
-_FRESH = {aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.linear.default,
-          aten.matmul.default, aten.mm.default, aten.bmm.default}
-
-
 def drop_no_ops(gm: torch.fx.GraphModule) -> None:
     """Remove what only costs dispatch time at run time and hides the graph's structure from the rules:
     torch.export's dtype/device assertions, casts to the dtype a tensor already has (``to`` without copy
@@ -52,7 +48,7 @@ def drop_no_ops(gm: torch.fx.GraphModule) -> None:
         elif node.target == aten.slice.Tensor and len(node.args) <= 4 and _whole(node):
             node.replace_all_uses_with(node.args[0])
             gm.graph.erase_node(node)
-        elif node.target == aten.add_.Tensor and node.args[0].target in _FRESH and len(node.args[0].users) == 1:
+        elif node.target == aten.add_.Tensor and _fresh(node.args[0]) and len(node.args[0].users) == 1:
             node.target = aten.add.Tensor
         elif node.target == aten.to.dtype and len(node.args) == 2 and not node.kwargs:
             source, out = node.args[0].meta.get("val"), node.meta.get("val")
@@ -60,6 +56,11 @@ def drop_no_ops(gm: torch.fx.GraphModule) -> None:
                 node.replace_all_uses_with(node.args[0])
                 gm.graph.erase_node(node)
     gm.graph.lint()
+
+
+def _fresh(node: Node) -> bool:
+    """A tensor an op made anew (its schema says it aliases no input), not an input, parameter or view."""
+    return node.op == "call_function" and not may_alias(node.target)
 
 
 def getattr_path(gm: torch.nn.Module, target: str):
@@ -106,7 +107,7 @@ def unflatten_products(gm: torch.fx.GraphModule) -> None:
     """
     graph = gm.graph
     for flat in list(graph.nodes):
-        if RULES.get(flat.target) is not view:
+        if op(flat.target).family != "view":
             continue
         x = flat.args[0]
         if not isinstance(x, Node) or len(flat.users) != 1 or not _flattens_rows(x, flat):
@@ -117,7 +118,7 @@ def unflatten_products(gm: torch.fx.GraphModule) -> None:
         tail, last = [mm], next(iter(mm.users))
         if last.target == aten.add.Tensor and last.args[0] is mm and _is_vector(last.args[1]) and len(last.users) == 1:
             tail, last = [mm, last], next(iter(last.users))
-        if RULES.get(last.target) is not view:
+        if op(last.target).family != "view":
             continue
         out = last.meta.get("val")
         if not isinstance(out, torch.Tensor) or tuple(out.shape[:-1]) != tuple(x.meta["val"].shape[:-1]):
@@ -158,7 +159,7 @@ def _fused_cuts(gm: torch.fx.GraphModule, ctx: Context) -> list:
     dim: by split / chunk, or by slices that tile it ([q|k|v] cut with x[..., a:b])."""
     cuts = []
     for node in gm.graph.nodes:
-        if RULES.get(node.target) is split:
+        if op(node.target).family == "split":
             x = node.args[0]
             n = len(ctx.shape(x))
             at = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
@@ -199,7 +200,7 @@ def block_unit_hints(gm: torch.fx.GraphModule, ctx: Context) -> dict:
 
 def _heads_dim(node, dim: int, ctx: Context) -> bool:
     """``dim`` of ``node`` is the heads of a view that split a flat dim into (heads, head dim)."""
-    if RULES.get(node.target) is not view:
+    if op(node.target).family != "view":
         return False
     src = [ctx.probe(s) for s in ctx.shape(node.args[0])]
     return any(out == dim for _, out, _ in split_runs(src, [ctx.probe(s) for s in ctx.shape(node)]))
@@ -233,7 +234,7 @@ def unit_hints(gm: torch.fx.GraphModule, ctx: Context) -> dict:
     """
     work = []
     for node in gm.graph.nodes:
-        if RULES.get(node.target) is view:
+        if op(node.target).family == "view":
             src = [ctx.probe(s) for s in ctx.shape(node.args[0])]
             dst = [ctx.probe(s) for s in ctx.shape(node)]
             for gi, gj in view_groups(src, dst):
@@ -243,7 +244,7 @@ def unit_hints(gm: torch.fx.GraphModule, ctx: Context) -> dict:
                     work.append((node.args[0], lead_in[0], dst[lead_out[0]]))
                 if len(lead_in) > 1 and len(lead_out) == 1 and lead_out[0] == len(dst) - 1:  # heads merged back
                     work += [(b, len(ctx.shape(b)) - 2, src[lead_in[0]]) for user in node.users
-                             if RULES.get(user.target) is matmul and user.args[0] is node
+                             if op(user.target).family == "matmul" and user.args[0] is node
                              for b in [user.args[1]] if len(ctx.shape(b)) >= 2]
     return _walk_back(work, ctx)
 
@@ -256,8 +257,8 @@ def _walk_back(work: list, ctx: Context) -> dict:
         if sizes in hints.setdefault((node, dim), set()):
             continue
         hints[(node, dim)].add(sizes)
-        rule = RULES.get(node.target)
-        if rule is view:
+        family = op(node.target).family
+        if family == "view":
             src = [ctx.probe(s) for s in ctx.shape(node.args[0])]
             dst = [ctx.probe(s) for s in ctx.shape(node)]
             d = inverse_view_dim(src, dst, dim)
@@ -265,13 +266,13 @@ def _walk_back(work: list, ctx: Context) -> dict:
                 work.append((node.args[0], d, sizes))
             work += [(node.args[0], d, _in_flat_units(sizes, rest)) for d, out, rest in split_runs(src, dst)
                      if out == dim]
-        elif rule is t:
+        elif family == "t":
             work.append((node.args[0], 1 - dim if len(ctx.shape(node)) == 2 else dim, sizes))
-        elif rule is matmul and dim == len(ctx.shape(node)) - 1 and len(ctx.shape(node.args[1])) >= 2:
+        elif family == "matmul" and dim == len(ctx.shape(node)) - 1 and len(ctx.shape(node.args[1])) >= 2:
             work.append((node.args[1], len(ctx.shape(node.args[1])) - 1, sizes))  # x @ w.t(): columns of w.t()
-        elif rule is unsqueeze and dim != positive_dim(node.args[1], len(ctx.shape(node))):
+        elif family == "unsqueeze" and dim != positive_dim(node.args[1], len(ctx.shape(node))):
             work.append((node.args[0], dim - (dim > positive_dim(node.args[1], len(ctx.shape(node)))), sizes))
-        elif rule is pointwise:
+        elif family == "elementwise":
             out = ctx.shape(node)
             for a in node.all_input_nodes:
                 shape = ctx.shape(a) if is_placed(a) else ()
@@ -300,7 +301,7 @@ def fuse_repeat_kv(gm: torch.fx.GraphModule) -> None:
     even when ranks outnumber KV heads (passes/rules.py: repeat_heads).
     """
     for node in list(gm.graph.nodes):
-        if node.target not in (aten.reshape.default, aten.view.default, aten._unsafe_view.default):
+        if op(node.target).family != "view":
             continue
         expanded = _skip_noop_slices(node.args[0])
         if expanded.target != aten.expand.default:

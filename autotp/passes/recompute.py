@@ -18,14 +18,15 @@ from torch.fx import GraphModule, Node
 
 from autotp.runtime.activations import Recomputed
 
+from .ops import is_product, op
 from .saved import storage
 
-aten = torch.ops.aten
-
-_PRODUCTS = {aten.bmm.default, aten.matmul.default, aten.mm.default}
-_STOPS = _PRODUCTS | {aten.linear.default, aten.scaled_dot_product_attention.default, aten.addmm.default}
-_SOFTMAX = {aten.softmax.int, aten._softmax.default}
 _LARGEST = 64  # an attention core is a handful of ops; a longer walk is something else
+
+
+def _activation_product(node: Node) -> bool:
+    """A product of two computed tensors (not parameters, buffers or inputs): q·k, p·v."""
+    return op(node.target).family == "matmul" and _of_activations(node)
 
 
 def _of_activations(node: Node) -> bool:
@@ -40,7 +41,7 @@ def _core_from(first: Node) -> list[Node] | None:
         for user in todo.pop().users:
             if user in region:
                 continue
-            if user.target in _STOPS:
+            if is_product(user):
                 ends.add(user)
             elif user.op != "call_function" or len(region) >= _LARGEST:
                 return None  # reaches the output, or runs on past any attention core
@@ -50,7 +51,7 @@ def _core_from(first: Node) -> list[Node] | None:
     if len(ends) != 1:
         return None
     last = ends.pop()
-    if last.target not in _PRODUCTS or not _of_activations(last) or not any(n.target in _SOFTMAX for n in region):
+    if not _activation_product(last) or not any(op(n.target).family == "softmax" for n in region):
         return None
     order = {n: i for i, n in enumerate(first.graph.nodes)}
     return sorted(region | {last}, key=order.__getitem__)
@@ -62,9 +63,9 @@ def attention_cores(gm: GraphModule, grad: set) -> list[list[Node]]:
     for node in gm.graph.nodes:
         if node not in grad or node.op != "call_function":
             continue
-        if node.target == aten.scaled_dot_product_attention.default:
+        if op(node.target).family == "attention":
             cores.append([node])
-        elif node.target in _PRODUCTS and _of_activations(node):
+        elif _activation_product(node):
             core = _core_from(node)
             if core is not None and core[-1] in grad:
                 cores.append(core)

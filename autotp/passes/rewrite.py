@@ -2,111 +2,23 @@
 and size arguments of view/reshape/expand/split adjusted to local shapes."""
 from __future__ import annotations
 
-import math
 import operator
 
 import torch
 from torch.fx import Node
 from torch.fx.node import map_arg
 
-from autotp.runtime import activations, collectives, local_ops
-from autotp.runtime.placement import Disjoint, Partial, R, Replicate, Shard, take_local
+from autotp.runtime import activations, collectives
+from autotp.runtime.placement import Partial, R, Replicate, Shard, take_local
 
 from .capture import module_path
-from .expert_rules import GROUPED_MM_FALLBACK, is_grouped_mm, offsets
-from .layout_rules import block_of, constant_positions, cut_range, gathered
-from .rules import held_heads
-from .strategies import adds_once, gradient_sums, is_observer, needs_grad, partial_grad, partial_params
+from .gradients import gradient_sums, partial_grad, partial_params
+from .localize import full_size, local_sizes
+from .ops import op
+from .semantics import writes
+from .strategies import needs_grad, token_inputs
 
 aten = torch.ops.aten
-
-
-def _full_size(node: Node, dim: int) -> int:
-    return int(node.meta["val"].shape[dim])
-
-
-def _local_sizes(sizes, placement, rank: int, world: int):
-    """A size list with the sharded dim cut to this rank's piece (-1 is left to infer)."""
-    if not isinstance(placement, Shard):
-        return sizes
-    sizes = list(sizes)
-    size = sizes[placement.dim]
-    if isinstance(size, Node):
-        raise AssertionError(f"sharded dim {placement.dim} has a symbolic size: rules must not allow this")
-    if size != -1:
-        sizes[placement.dim] = placement.local_size(size, rank, world)
-    return sizes
-
-
-def _localize(node: Node, strategy, rank: int, world: int) -> None:
-    """Size arguments that describe a sharded dim must describe the local shard instead."""
-    target = node.target
-    src = strategy.inputs[0] if strategy.inputs else None
-    if target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default,
-                  aten.broadcast_to.default):
-        node.args = (node.args[0], _local_sizes(node.args[1], strategy.output, rank, world), *node.args[2:])
-    elif target == aten.index.Tensor and isinstance(src, Shard) and cut_range(node) is None and \
-            (found := constant_positions(node)) is not None and found[0] == src.dim:
-        at, positions = found  # a gather along the sharded dim: this rank's heads, from its piece
-        local = gathered(src, strategy.output, positions, node.args[0].meta["val"].shape[at], rank, world)
-        node.target, node.args, node.kwargs = local_ops.gather_positions, (node.args[0], at, tuple(local)), {}
-    elif target in (aten.slice.Tensor, aten.index.Tensor) and isinstance(src, Shard) and src.chunks:
-        bounds = cut_range(node)  # one whole block of a fused dim: its range in the local layout
-        if bounds is None and target == aten.index.Tensor:
-            raise RuntimeError(f"{node.name} indexes a fused dim the plan splits block by block, but its positions "
-                               "are not known in this capture (a constant on the meta device?): plan with this model")
-        k = block_of(src, *bounds[1:]) if bounds and bounds[0] == src.dim else None
-        if k is not None:
-            lengths = [n for _, n in src.ranges(sum(src.chunks), rank, world)]
-            start = sum(lengths[:k])
-            node.target, node.kwargs = aten.slice.Tensor, {}
-            node.args = (node.args[0], src.dim, start, start + lengths[k])
-    elif target in (aten.split.Tensor, aten.split_with_sizes.default):
-        at = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
-        if isinstance(src, Shard) and src.dim == at % node.args[0].meta["val"].dim():
-            sizes = node.args[1]
-            ranges = src.ranges(node.args[0].meta["val"].shape[src.dim], rank, world)
-            local = [n for _, n in ranges] if isinstance(sizes, (list, tuple)) else ranges[0][1]
-            node.args = (node.args[0], local, *node.args[2:])
-    elif target == aten.repeat_interleave.self_int and isinstance(strategy.output, Shard):
-        x, repeats, at = node.args[:3]
-        kv, heads = x.meta["val"].shape[at], node.meta["val"].shape[at]
-        in_start = held_heads(src, at, kv, rank, world)[0]
-        (out_start, out_len), = strategy.output.ranges(heads, rank, world)
-        node.target, node.args, node.kwargs = local_ops.repeat_heads, (x, repeats, at, in_start, out_start, out_len), {}
-    elif target == aten.mean.dim and isinstance(src, Shard) and isinstance(strategy.output, Partial):
-        x, dims = node.args[:2]
-        shape = x.meta["val"].shape
-        count = math.prod(int(shape[d]) for d in dims)
-        keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
-        node.target, node.args = local_ops.partial_mean, (x, dims, keepdim, count)
-        node.kwargs = {k: v for k, v in node.kwargs.items() if k == "dtype"}
-    elif adds_once(node, strategy) and rank != 0:  # rank 0 alone adds the replicated operand
-        at = strategy.inputs.index(R)
-        with node.graph.inserting_before(node):
-            zeros = node.graph.call_function(local_ops.added_by_rank0, (node.args[at],))
-        zeros.meta = dict(node.args[at].meta)
-        node.update_arg(at, zeros)
-    elif isinstance(strategy.output, Disjoint) and (is_grouped_mm(node) or target == aten.index.Tensor):
-        _own_experts(node, strategy, rank, world)
-    elif target == aten.embedding.default and isinstance(src, Shard) and src.dim == 0:
-        weight, ids = node.args[:2]
-        (start, _), = src.ranges(weight.meta["val"].shape[0], rank, world)
-        padding = node.args[2] if len(node.args) > 2 else -1
-        node.target, node.args, node.kwargs = local_ops.vocab_embedding, (weight, ids, start, padding), {}
-
-
-def _own_experts(node: Node, strategy, rank: int, world: int) -> None:
-    """Expert parallelism: this rank's experts compute their own tokens' rows, zeros the others'."""
-    weight = node.args[1] if is_grouped_mm(node) else node.args[0]
-    first, _ = strategy.output.owned(_full_size(weight, 0), rank, world)
-    if is_grouped_mm(node):
-        fallback = str(node.target) == GROUPED_MM_FALLBACK
-        node.target, node.args, node.kwargs = local_ops.expert_grouped_mm, (node.args[0], weight, offsets(node),
-                                                                            first, fallback), {}
-    else:
-        (ids,) = node.args[1]
-        node.target, node.args, node.kwargs = local_ops.expert_rows, (weight, ids, first), {}
 
 
 def _attribute(gm: torch.nn.Module, target: str):
@@ -116,15 +28,8 @@ def _attribute(gm: torch.nn.Module, target: str):
 
 def _written(gm: torch.fx.GraphModule) -> set:
     """Tensors of the module that the program writes in place (a KV cache): their start is zeros."""
-    found = set()
-    for node in gm.graph.nodes:
-        schema = getattr(node.target, "_schema", None)
-        if node.op != "call_function" or schema is None:
-            continue
-        for arg, spec in zip(node.args, schema.arguments, strict=False):
-            if isinstance(arg, torch.fx.Node) and arg.op == "get_attr" and spec.alias_info and spec.alias_info.is_write:
-                found.add(arg.target)
-    return found
+    return {node.target for node in gm.graph.nodes
+            if node.op == "get_attr" and any(writes(user, node) for user in node.users)}
 
 
 def shard_parameters(gm: torch.fx.GraphModule, placements: dict, rank: int, world: int, checkpoint=None,
@@ -165,7 +70,7 @@ def shard_parameters(gm: torch.fx.GraphModule, placements: dict, rank: int, worl
                 shares = getattr(checkpoint, "shares", False)  # another program's shards: the same memory
                 local = piece if shares else piece.to(device=device, dtype=tensor.dtype, copy=True)
             elif tensor.is_meta and name in written:  # state the program fills itself (a KV cache)
-                shape = _local_sizes(list(tensor.shape), placement, rank, world)
+                shape = local_sizes(list(tensor.shape), placement, rank, world)
                 local = torch.zeros(shape, dtype=tensor.dtype, device=device)
             elif tensor.is_meta and name in constants:  # e.g. x[..., [-2], :]'s positions: made up = wrong
                 raise CheckpointError(f"{name} is a tensor the model's forward creates (such as index positions) "
@@ -218,7 +123,7 @@ def _sum_gradients(graph: torch.fx.Graph, members: list, layouts: list, rank: in
 
 
 def _layout(shard: Shard, node: Node) -> tuple:
-    return shard.dim, shard.chunks, shard.units, shard.of, shard.groups, _full_size(node, shard.dim)
+    return shard.dim, shard.chunks, shard.units, shard.of, shard.groups, full_size(node, shard.dim)
 
 
 class _TokenSizes:
@@ -226,22 +131,19 @@ class _TokenSizes:
 
     def __init__(self, graph: torch.fx.Graph):
         self.graph, self.made = graph, {}
-        self.inputs = [n for n in graph.nodes if n.op == "placeholder"]
+        self.sources = token_inputs(graph)
+        self.last_input = [n for n in graph.nodes if n.op == "placeholder"][-1:]
 
     def get(self, size):
         """The node for symbolic ``size`` if it is an input's dim, else ``size`` itself."""
         if not isinstance(size, torch.SymInt) or not size.node.expr.is_Symbol:
             return size
         name = str(size.node.expr)
-        if name not in self.made:
-            for node in self.inputs:
-                shape = [str(n.node.expr) if isinstance(n, torch.SymInt) else None
-                         for n in getattr(node.meta.get("val"), "shape", ())]
-                if name in shape:
-                    with self.graph.inserting_after(self.inputs[-1]):
-                        self.made[name] = self.graph.call_function(aten.sym_size.int, (node, shape.index(name)))
-                    self.made[name].meta["val"] = size
-                    break
+        if name not in self.made and name in self.sources:
+            node, dim = self.sources[name]
+            with self.graph.inserting_after(self.last_input[0]):
+                self.made[name] = self.graph.call_function(aten.sym_size.int, (node, dim))
+            self.made[name].meta["val"] = size
         return self.made.get(name, size)
 
 
@@ -303,9 +205,11 @@ def rewrite(gm: torch.fx.GraphModule, choice: dict, rank: int, world: int, group
                 return convert(n, want, node, f)
 
             node.args, node.kwargs = map_arg((node.args, node.kwargs), swap)
-            _localize(node, strategy, rank, world)
+            local = op(node.target).local
+            if local is not None:
+                local(node, strategy, rank, world)
             placed[node] = strategy.output
-        elif is_observer(node) and node.target == aten.sym_size.int:
+        elif node.target == aten.sym_size.int:
             src, dim = node.args
             p = placed.get(src)
             if isinstance(p, Shard) and p.dim == dim % src.meta["val"].dim():

@@ -1,36 +1,21 @@
-"""Sharding rules: one small function per op family, looked up in RULES by ATen op.
+"""Sharding rules of compute ops: one small function per op family (the op table, passes/ops.py, says
+which op uses which).
 
-A rule returns the sharded strategies it is sure of; the all-replicated one is
-always added by the caller.  An op missing from RULES is computed replicated,
-which is always correct.  Nothing here looks at module or model names.
+A rule returns the sharded strategies it is sure of; the all-replicated one is always added by the caller.
+An op without a rule is computed replicated, which is always correct.  Nothing here looks at module or model
+names.
 """
 from __future__ import annotations
 
 import itertools
-import operator
 
 import torch
 from torch.fx import Node
 
 from autotp.runtime.placement import P, R, Shard
 
-from .expert_rules import DISJOINT_OPS, EXPERT_RULES, disjoint
-from .layout_rules import (
-    cat,
-    expand,
-    getitem,
-    index_copy,
-    permute,
-    positive_dim,
-    slice_,
-    split,
-    t,
-    transpose,
-    unsqueeze,
-    view,
-    whole_spellings,
-)
-from .strategies import ADDITIVE, Context, Strategy, contractible, input_slots, is_placed
+from .layout_rules import positive_dim, whole_spellings
+from .strategies import Context, Strategy, contractible, input_slots, is_placed
 
 aten = torch.ops.aten
 
@@ -65,38 +50,29 @@ def pointwise(node: Node, ctx: Context) -> list[Strategy]:
     return found + _partial(node, ctx)
 
 
-def _same_dtype(node: Node) -> bool:
-    src = node.args[0].meta.get("val")
-    return src is not None and src.dtype == node.meta["val"].dtype
-
-
-# Ops linear in their partial operand(s): sum_r f(p_r) == f(sum_r p_r).
-_LINEAR_UNARY = {aten.neg.default, aten.clone.default, aten.contiguous.default, aten.alias.default,
-                 aten.detach.default}
-_CASTS = {aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default}
-# which operand may be the partial one
-_SCALING = {aten.mul.Tensor: (0, 1), aten.div.Tensor: (0,), aten.mul.Scalar: (0,)}
+def _summable(node: Node) -> bool:
+    v = node.meta.get("val")
+    return isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())
 
 
 def _partial(node: Node, ctx: Context) -> list[Strategy]:
+    """Partial sums through an op linear in them (its row's ``linear`` operands, one at a time); a sum of two
+    partial sums, or of a partial sum and a replicated operand that one rank adds (its row's ``additive``)."""
     tensors = _tensor_inputs(node)
-    target = node.target
-    if target in _LINEAR_UNARY or (target in _CASTS and _same_dtype(node)):
-        return [Strategy(ctx.fill(node, {tensors[0]: P}), P)]
-    if target == aten.dropout.default and node.args[2] is False:
-        return [Strategy(ctx.fill(node, {tensors[0]: P}), P)]
-    if target in ADDITIVE and len(tensors) == len(node.args[:2]) and len(set(tensors)) == len(tensors):
-        # both partial; or one partial and the other replicated, added by one rank (strategies.adds_once)
+    if not all(_summable(a) for a in tensors):
+        return []  # a mask or an index is no sum of parts
+    row = ctx.op(node.target)
+    if row.additive and len(tensors) == len(node.args[:2]) and len(set(tensors)) == len(tensors):
         return [Strategy(ctx.fill(node, dict.fromkeys(tensors, P)), P),
                 *(Strategy(ctx.fill(node, {a: P}), P) for a in tensors)]
-    if target in _SCALING:
-        found = []
-        for i in _SCALING[target]:
-            a = node.args[i]
-            if isinstance(a, Node) and is_placed(a) and tensors.count(a) == 1:
-                found.append(Strategy(ctx.fill(node, {a: P}), P))
-        return found
-    return []
+    if row.linear_if is not None and not row.linear_if(node):
+        return []
+    found = []
+    for i in row.linear:
+        a = node.args[i] if i < len(node.args) else None
+        if isinstance(a, Node) and is_placed(a) and tensors.count(a) == 1:
+            found.append(Strategy(ctx.fill(node, {a: P}), P))
+    return found
 
 
 # ---- matrix products -----------------------------------------------------------------------
@@ -245,41 +221,3 @@ def normalize(node: Node, ctx: Context) -> list[Strategy]:
         if d not in normed:
             found += [Strategy(ctx.fill(node, {x: s}), s) for s in ctx.shard_options(x, d) + ctx.token_options(x, d)]
     return found
-
-
-_POINTWISE = [
-    aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.neg.default, aten.pow.Tensor_Scalar,
-    aten.rsqrt.default, aten.sqrt.default, aten.exp.default, aten.tanh.default, aten.sigmoid.default,
-    aten.silu.default, aten.gelu.default, aten.relu.default, aten.erf.default, aten.abs.default,
-    aten.cos.default, aten.sin.default, aten.clone.default, aten.contiguous.default, aten.alias.default,
-    aten.detach.default, aten.dropout.default, aten.where.self, aten.masked_fill.Scalar, aten.eq.Tensor,
-    aten.ne.Tensor, aten.lt.Tensor, aten.gt.Tensor, aten.le.Tensor, aten.ge.Tensor, aten.mul.Scalar,
-    aten.add.Scalar, *_CASTS,
-]
-
-RULES = {
-    **dict.fromkeys(_POINTWISE, pointwise),
-    aten.linear.default: linear,
-    **dict.fromkeys([aten.mm.default, aten.bmm.default, aten.matmul.default], matmul),
-    aten.scaled_dot_product_attention.default: attention,
-    aten.embedding.default: embedding,
-    aten.repeat_interleave.self_int: repeat_heads,
-    **dict.fromkeys([aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints],
-                    view),
-    **dict.fromkeys([aten.expand.default, aten.broadcast_to.default], expand),
-    aten.transpose.int: transpose,
-    aten.permute.default: permute,
-    **dict.fromkeys([aten.t.default, aten.numpy_T.default], t),
-    aten.unsqueeze.default: unsqueeze,
-    **dict.fromkeys([aten.slice.Tensor, aten.select.int], slice_),  # index.Tensor: expert_rules.index
-    **dict.fromkeys([aten.sum.dim_IntList, aten.mean.dim], reduction),
-    **dict.fromkeys([aten._softmax.default, aten.softmax.int, aten._log_softmax.default,
-                     aten.log_softmax.int, aten.layer_norm.default], normalize),
-    **dict.fromkeys([aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default], split),
-    operator.getitem: getitem,
-    **dict.fromkeys([aten.index_copy_.default, aten.index_copy.default], index_copy),
-    **dict.fromkeys([aten.cat.default, aten.stack.default], cat),
-    **EXPERT_RULES,  # mixture-of-experts layouts (3-D expert weights); its strided slice extends slice_
-}
-# rules that add to an op's own (expert parallelism's disjoint partials carried through it)
-MORE_RULES = dict.fromkeys(DISJOINT_OPS, disjoint)

@@ -10,28 +10,22 @@ constraint is added only when the fastest plan does not fit.
 """
 from __future__ import annotations
 
-import math
 import warnings
 from dataclasses import dataclass, field
 
 import pulp
 import torch
-from torch.fx import Node
 
 from autotp.cost_models import collective_time, reshard_time
-from autotp.cost_models.compute import op_time
-from autotp.cost_models.memory import breakdown, smallest_fitting_world, state_factor
+from autotp.cost_models.memory import breakdown, smallest_fitting_world
 from autotp.cost_models.topology import Topology
-from autotp.runtime.placement import Disjoint, Partial, R, Replicate, Shard
+from autotp.runtime.placement import Partial, R, Replicate, Shard
 
-from .expert_rules import is_grouped_mm
+from .gradients import bias_weights, coalesced, partial_grad
+from .ops import stored_views
+from .pricing import Sizes, activation_bytes, kept_bytes, op_memory, op_seconds, regather_time
 from .recompute import attention_cores, dropped, price_recompute
-from .saved import VIEWS, element_bytes, kept, regathered
-from .strategies import Context, bias_weights, coalesced, input_slots, is_placed, needs_grad, partial_grad, stored_views
-
-_MATMULS = {torch.ops.aten.linear.default, torch.ops.aten.mm.default, torch.ops.aten.bmm.default,
-            torch.ops.aten.matmul.default, torch.ops.aten.scaled_dot_product_attention.default}
-
+from .strategies import Context, input_slots, is_placed, needs_grad, on_tokens
 
 # Equal-cost plans are common (an all-gather before a matmul or a reduce-scatter after it move the
 # same bytes); a tenth of a nanosecond per option index makes the solver prefer the rules' earlier
@@ -55,135 +49,6 @@ class Solution:
     recomputed: list = field(default_factory=list)  # attention cores whose backward computes them again
     regathers: dict = field(default_factory=dict)   # tensor kept as token pieces -> its backward re-gather's
     #                                                 {"bytes", "count" (folded), "seconds" (all counts)}
-
-
-class Sizes:
-    """Concrete sizes to price the graph at: the example inputs' sizes (pass realistic ones on the
-    meta device), with some symbols overridden (``{"s0": 4}``: e.g. the batch of one replica)."""
-
-    def __init__(self, overrides: dict | None = None):
-        self.overrides = overrides or {}
-
-    def __call__(self, size) -> int:
-        if isinstance(size, int):
-            return size
-        expr = size.node.expr
-        hints = size.node.shape_env.backed_var_to_val
-        return int(expr.xreplace({sym: self.overrides.get(str(sym), hints[sym]) for sym in expr.free_symbols}))
-
-    def numel(self, node: Node) -> float:
-        return float(math.prod(self(s) for s in node.meta["val"].shape))
-
-    def nbytes(self, node: Node) -> float:
-        v = node.meta.get("val")
-        vals = v if isinstance(v, (list, tuple)) else [v]
-        return float(sum(math.prod(self(s) for s in t.shape) * t.element_size()
-                         for t in vals if isinstance(t, torch.Tensor)))
-
-    def flops(self, node: Node) -> float:
-        out = node.meta.get("val")
-        if not isinstance(out, torch.Tensor):
-            return 0.0
-        numel = math.prod(self(s) for s in out.shape)
-        if is_matmul(node):
-            return 2.0 * numel * self(node.args[0].meta["val"].shape[-1])
-        return float(numel)
-
-
-def is_matmul(node: Node) -> bool:
-    """A product (grouped ones too: each routed token's rows by its expert's matrix)."""
-    return node.target in _MATMULS or is_grouped_mm(node)
-
-
-def _fraction(placement, world: int) -> float:
-    """The largest share of a tensor that one rank holds (uneven and grouped shards hold more than 1/N)."""
-    if not isinstance(placement, Shard):
-        return 1.0
-    sizes = placement.blocks(1)
-    held = [sum(size * count / placement.parts(world, k) for k, (size, (_, count))
-                in enumerate(zip(sizes, placement.spans(r, world, len(sizes)), strict=True))) for r in range(world)]
-    return max(held) / sum(sizes)
-
-
-def _shared_fraction(placement: Shard, world: int) -> float:
-    """How much of a grouped tensor lies in blocks that several ranks hold (its gradient is summed)."""
-    if not placement.chunks:
-        return 1.0
-    chunks = placement.blocks(1)
-    return sum(c for c, shared in zip(chunks, placement.shared_blocks(world), strict=True) if shared) / sum(chunks)
-
-
-def _local(size: float, placement, world: int) -> float:
-    return size * _fraction(placement, world)
-
-
-def _compute_time(node: Node, strategy, sizes: Sizes, world: int, topology: Topology, training: bool,
-                  paired: bool = False) -> float:
-    """Seconds of the op (forward and backward when training); for a parameter held grouped, also the
-    all-reduce of its gradient (``paired``: shared with its weight or bias, so without the latency)."""
-    moved = 0.0 if node.target in VIEWS else (  # a view's output is its input: nothing is read or written
-        sizes.nbytes(node) + sum(sizes.nbytes(a) for a in node.all_input_nodes if is_placed(a)))
-    seconds = op_time(sizes.flops(node), moved, topology) if node.op == "call_function" else 0.0
-    if isinstance(strategy.output, Disjoint):  # whole experts: the busiest rank's share of the products;
-        seconds *= _fraction(strategy.output.experts, world) if is_matmul(node) else 1.0  # zeros are full size
-    elif not strategy.replicated:
-        seconds *= _fraction(strategy.output, world) if isinstance(strategy.output, Shard) else 1 / world
-    seconds = 3 * seconds if training else seconds  # backward costs about twice the forward
-    out = strategy.output
-    if training and node.op == "get_attr" and isinstance(out, Shard) and out.grouped(world):
-        shared = sizes.nbytes(node) * _shared_fraction(out, world)
-        seconds += collective_time("all_reduce", shared, world, topology)  # summing its gradient
-        seconds -= collective_time("all_reduce", 0.0, world, topology) if paired else 0.0
-    return seconds
-
-
-def _memory(node: Node, strategy, sizes: Sizes, world: int, trainable: dict, training: bool) -> dict:
-    """Bytes this node keeps on a device under ``strategy``, by kind."""
-    if node.op == "get_attr":
-        held = _local(sizes.nbytes(node), strategy.output, world)
-        if node.target not in trainable:
-            return {"buffers": held}
-        state = held * state_factor(node.meta["val"].element_size(), training) - held
-        return {"params": held, "grads": held if training else 0.0, "optimizer": state - (held if training else 0)}
-    if node.target == torch.ops.aten.scaled_dot_product_attention.default and not training:
-        kv = zip(node.args[1:3], strategy.inputs[1:3], strict=True)
-        return {"kv_cache": sum(_local(sizes.nbytes(a), p, world) for a, p in kv)}
-    return {}
-
-
-def _activations(node: Node, strategy, sizes: Sizes, world: int, grad: set) -> list[tuple]:
-    """(key, bytes per device) of each tensor ``node``'s backward keeps; equal keys are one tensor."""
-    found = []
-    for item in kept(node, strategy, grad):
-        share = _fraction(item.placement, world)
-        found.append(((item.tensor, item.kind, round(share, 9)),
-                      element_bytes(item, sizes.numel(item.tensor)) * share))
-    return found
-
-
-def regather_time(nbytes: float, world: int, topology: Topology) -> float:
-    """A tensor kept as this rank's tokens is all-gathered again when the backward reads it."""
-    return collective_time("all_gather", nbytes, world, topology)
-
-
-def activation_bytes(choice: dict, sizes: Sizes, world: int, grad: set, on_tokens=None, recomputed=()) -> dict:
-    """node -> bytes per device kept for backward of its output's storage (each tensor counted once);
-    ``recomputed``: attention cores (passes/recompute.py) that keep nothing of their own."""
-    held: dict = {}
-    keepers: dict = {}
-    for node, strategy in choice.items():
-        for key, nbytes in _activations(node, strategy, sizes, world, grad):
-            held[key] = nbytes
-            keepers.setdefault(key, set()).add(node)
-    gone = set().union(*(dropped(keepers, core) for core in recomputed))
-    pieces = regathered(choice, grad, on_tokens) if on_tokens else set()
-    by_node: dict = {}
-    for (tensor, kind, share), nbytes in held.items():
-        if (tensor, kind, share) in gone:
-            continue
-        whole = kind == "value" and share == 1.0 and tensor in pieces
-        by_node[tensor] = by_node.get(tensor, 0.0) + (nbytes / world if whole else nbytes)
-    return by_node
 
 
 def solve(gm: torch.fx.GraphModule, ctx: Context, topology: Topology, *, training: bool = True,
@@ -217,20 +82,20 @@ def solve(gm: torch.fx.GraphModule, ctx: Context, topology: Topology, *, trainin
         problem += pulp.lpSum(x[node]) == 1
         weight = w(node, 1)
         for k, (var, s) in enumerate(zip(x[node], options, strict=True)):
-            costs.append(var * weight * _compute_time(node, s, sizes, t, topology, training, node in paired))
+            costs.append(var * weight * op_seconds(node, s, sizes, t, topology, training, node in paired))
             preference.append(var * weight * k * TIE_BREAK)
-            for kind, held in _memory(node, s, sizes, t, trainable, training).items():
+            for kind, held in op_memory(node, s, sizes, t, trainable, training).items():
                 if held:
                     term = var * weight * held
                     memory.append(term)
                     kinds.setdefault(kind, []).append(term)
-            for key, held in _activations(node, s, sizes, t, grad):
+            for key, held in kept_bytes(node, s, sizes, t, grad):
                 saves.setdefault(key, (held, [], set()))[1].append(var)
                 saves[key][2].add(node)
     cores = attention_cores(gm, grad) if recompute != "off" else []
     again, recompute_costs = price_recompute(
         problem, cores, ctx, x, recompute == "forced", ties,
-        lambda node, s: w(node, 1) * _compute_time(node, s, sizes, t, topology, training) / 3)
+        lambda node, s: w(node, 1) * op_seconds(node, s, sizes, t, topology, training) / 3)
     costs += recompute_costs
     frees = {key: r for core, r in zip(cores, again, strict=True)
              for key in dropped({key: nodes for key, (_, _, nodes) in saves.items()}, core)}
@@ -242,7 +107,7 @@ def solve(gm: torch.fx.GraphModule, ctx: Context, topology: Topology, *, trainin
             problem += kept_var >= var
         term = kept_var * w(key[0], 1) * held
         split = [v for v, s in zip(x.get(key[0], ()), ctx.strategies.get(key[0], ()), strict=True)
-                 if ctx.on_tokens(key[0], s)]
+                 if on_tokens(key[0], s)]
         if split and key[1:] == ("value", 1.0):  # gathered from tokens: only this rank's piece is kept
             whole, piece = (problem.add_variable(f"a{k}{part}", lowBound=0) for part in "wp")
             problem += whole >= kept_var - pulp.lpSum(split)
@@ -335,13 +200,13 @@ def solve(gm: torch.fx.GraphModule, ctx: Context, topology: Topology, *, trainin
     by_kind = {kind: float(pulp.value(pulp.lpSum(terms)) or 0.0) for kind, terms in kinds.items()}
     recomputed = [core for core, r in zip(cores, again, strict=True) if pulp.value(r) > 0.5]
     by_kind["activations"] = sum(w(node, 1) * held for node, held in  # exact, whatever slack the ILP left
-                                 activation_bytes(choice, sizes, t, grad, ctx.on_tokens, recomputed).items())
+                                 activation_bytes(choice, sizes, t, grad, recomputed).items())
     regathers = {node: priced for node, (piece, priced) in gathers.items() if pulp.value(piece) > 0.5}
     return Solution(choice, seconds, breakdown(by_kind), recomputed, regathers)
 
 
 def _force_tokens(problem: pulp.LpProblem, ctx: Context, x: dict) -> None:
-    split = [node for node, options in ctx.strategies.items() if any(ctx.on_tokens(node, s) for s in options)]
+    split = [node for node, options in ctx.strategies.items() if any(on_tokens(node, s) for s in options)]
     if not split:
         raise PlanningError("sequence_parallel=True, but no op can split the tokens: the inputs have no symbolic dim "
                             "after the first (export them with a dynamic sequence), or pass sequence_parallel=None")
@@ -370,11 +235,11 @@ def _fit_hint(ctx: Context, x: dict, sizes: Sizes, limit: float, trainable: dict
     for node, options in ctx.strategies.items():
         for var, s in zip(x[node], options, strict=True):
             if (var.value() or 0) > 0.5:
-                held = w(node, 1) * sum(_memory(node, s, sizes, ctx.world, trainable, training).values())
+                held = w(node, 1) * sum(op_memory(node, s, sizes, ctx.world, trainable, training).values())
                 split = isinstance(s.output, Shard) or (node.op != "get_attr" and not s.replicated)
                 replicated += 0 if split else held
                 sharded += held * ctx.world if split else 0
-                activations.update(_activations(node, s, sizes, ctx.world, grad))
+                activations.update(kept_bytes(node, s, sizes, ctx.world, grad))
     for (tensor, _, share), nbytes in activations.items():
         replicated += w(tensor, 1) * nbytes if share == 1 else 0
         sharded += w(tensor, 1) * nbytes * ctx.world if share < 1 else 0

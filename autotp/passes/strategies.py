@@ -1,11 +1,13 @@
 """Candidate strategies per node: what each op can do with sharded inputs.
 
 A Strategy fixes the placement of every tensor input slot and of the output.
-Rules (passes/rules.py, passes/layout_rules.py) propose the sharded ones; every node also gets the
-all-replicated strategy, which is always correct.  The solver picks one each.
+Rules (the op table, passes/ops.py) propose the sharded ones; every node also gets the all-replicated
+strategy, which is always correct.  The solver picks one each.  Rules read other ops' rows through
+``Context.op`` (the table sits above the rule modules, which it names).
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import sympy
@@ -13,7 +15,9 @@ import torch
 from torch.fx import Node
 from torch.fx.node import map_arg
 
-from autotp.runtime.placement import Partial, R, Replicate, Shard, dealt
+from autotp.runtime.placement import R, Replicate, Shard, dealt
+
+from .semantics import Op, row_of
 
 # Symbolic sizes are compared by evaluating them at distinct large primes:
 # two monomials in batch/sequence symbols agree iff their products agree.
@@ -30,77 +34,6 @@ class Strategy:
         def rep(p):
             return p is None or isinstance(p, Replicate) or (isinstance(p, tuple) and all(map(rep, p)))
         return rep(self.output) and all(map(rep, self.inputs))
-
-
-ADDITIVE = {torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor}
-
-
-def adds_once(node: Node, strategy: Strategy) -> bool:
-    """A partial sum plus (or minus) a replicated operand -- a bias, the residual stream -- stays a
-    partial sum when one rank adds that operand (passes/rewrite.py); the others add zeros."""
-    return (node.target in ADDITIVE and isinstance(strategy.output, Partial)
-            and any(isinstance(p, Replicate) for p in strategy.inputs))
-
-
-def partial_grad(node: Node, strategy: Strategy, want) -> bool:
-    """Whether an input that ``strategy`` reads replicated (``want``) gets back only this rank's share
-    of its gradient, which a backward all-reduce must sum (Megatron's f).  An operand added once to a
-    partial sum does not: the gradient arriving at a partial sum is whole on every rank (the forward
-    all-reduce's backward is the identity), and it passes to the operand unchanged."""
-    return isinstance(want, Replicate) and not strategy.replicated and not adds_once(node, strategy)
-
-
-_PRODUCTS = {torch.ops.aten.linear.default, torch.ops.aten.mm.default, torch.ops.aten.matmul.default}
-_TRANSPOSES = {torch.ops.aten.t.default, torch.ops.aten.numpy_T.default, torch.ops.aten.transpose.int}
-
-
-def bias_weights(gm: torch.fx.GraphModule) -> dict:
-    """bias parameter node -> the weight parameter node of the product it is added to (``linear(x, w) + b``,
-    ``x @ w.t() + b``): where ranks share rows of both (a multi-query projection's K and V), one
-    backward all-reduce sums both gradients."""
-    found: dict = {}
-    for node in gm.graph.nodes:
-        if node.target not in ADDITIVE or len(node.args) < 2 or not isinstance(node.args[1], Node):
-            continue
-        product, bias = node.args[:2]
-        if bias.op != "get_attr" or not isinstance(product, Node) or product.target not in _PRODUCTS:
-            continue
-        weight = product.args[1]
-        while isinstance(weight, Node) and weight.target in _TRANSPOSES:
-            weight = weight.args[0]
-        if isinstance(weight, Node) and weight.op == "get_attr" and weight is not bias:
-            found[bias] = weight if found.get(bias, weight) is weight else None  # one weight, or none
-    return {bias: weight for bias, weight in found.items() if weight is not None}
-
-
-def gradient_sums(gm: torch.fx.GraphModule, choice: dict, world: int) -> list:
-    """The trainable parameters whose gradients ranks sum (held grouped), one list per all-reduce: a bias
-    goes with the weight of its product when both are grouped (bias_weights)."""
-    trainable = {name for name, p in gm.named_parameters(remove_duplicate=False) if p.requires_grad}
-    grouped = {n: None for n in gm.graph.nodes if n.op == "get_attr" and n in choice and n.target in trainable
-               and isinstance(choice[n].output, Shard) and choice[n].output.grouped(world)}
-    partner = {weight: bias for bias, weight in bias_weights(gm).items() if bias in grouped and weight in grouped}
-    paired = set(partner.values())
-    return [[n, partner[n]] if n in partner else [n] for n in grouped if n not in paired]
-
-
-def coalesced(src: Node) -> bool:
-    """A replicated parameter (of at least one dim) whose gradients, partial where sharded ops read it, are summed
-    in one backward all-reduce with the others of its dtype (Megatron-SP's norm weights): see partial_params."""
-    return src.op == "get_attr" and isinstance(value(src), torch.Tensor) and value(src).dim() > 0
-
-
-def partial_params(gm: torch.fx.GraphModule, choice: dict, grad: set) -> list:
-    """Lists of replicated parameters (graph order, one list per dtype) that some sharded op reads: each rank
-    holds part of their gradients (a norm's weight under sequence parallelism), summed by one all-reduce."""
-    read = {src for node, strategy in choice.items() for src, want in zip(input_slots(node), strategy.inputs,
-                                                                          strict=True)
-            if src in grad and coalesced(src) and partial_grad(node, strategy, want)}
-    found: dict = {}
-    for node in gm.graph.nodes:
-        if node in read:
-            found.setdefault(value(node).dtype, []).append(node)
-    return list(found.values())
 
 
 def input_slots(node: Node) -> list[Node]:
@@ -126,6 +59,33 @@ def concrete(size):
 
 def value(node: Node):
     return node.meta.get("val")
+
+
+def shape(node) -> tuple:
+    """Sizes as ints where they are fixed, even where export left them as constant SymInts (a dim of an input
+    it specialized: a ViT's image size, hence its number of patches); symbolic sizes stay SymInts."""
+    v = value(node) if isinstance(node, Node) else None
+    return tuple(map(concrete, v.shape)) if isinstance(v, torch.Tensor) else ()
+
+
+def on_tokens(node: Node, strategy) -> bool:
+    """Whether ``strategy`` keeps ``node``'s output split along a token dim (a size that is not fixed)."""
+    out = strategy.output
+    sizes = shape(node)
+    return isinstance(out, Shard) and out.dim < len(sizes) and not isinstance(sizes[out.dim], int)
+
+
+def token_inputs(graph: torch.fx.Graph) -> dict:
+    """Token sizes and where to read them: the name of each symbol that sizes an input's dim after the first
+    (batch) -> (that input, the dim).  Sequence parallelism splits these dims; the rewrite reads their full
+    length off the input at run time."""
+    found: dict = {}
+    for node in graph.nodes:
+        if node.op == "placeholder" and isinstance(value(node), torch.Tensor):
+            for d, s in enumerate(value(node).shape):
+                if d and isinstance(s, torch.SymInt) and s.node.expr.is_Symbol:
+                    found.setdefault(str(s.node.expr), (node, d))
+    return found
 
 
 def is_placed(node: Node) -> bool:
@@ -160,14 +120,16 @@ class Context:
     grad: set = field(default_factory=set)           # values on the weights' path (gradients flow)
     experts: str | None = None                       # impose "tensor" or "parallel" experts (expert_rules.py)
     routes: dict = field(default_factory=dict)       # node -> what routed its rows to experts, once
+    ops: Mapping = field(default_factory=dict)       # the op table (passes/ops.py): target -> Op
     _probes: dict = field(default_factory=dict)
     _options: dict = field(default_factory=dict)     # shard_options, once per (node, dim): hints are fixed by then
 
+    def op(self, target) -> Op:
+        """What the op table says of ``target`` (an empty row for ops it does not know)."""
+        return row_of(self.ops, target)
+
     def shape(self, node) -> tuple:
-        """Sizes as ints where they are fixed, even where export left them as constant SymInts (a dim
-        of an input it specialized: a ViT's image size, hence its number of patches)."""
-        v = value(node) if isinstance(node, Node) else None
-        return tuple(map(concrete, v.shape)) if isinstance(v, torch.Tensor) else ()
+        return shape(node)
 
     def static(self, size) -> bool:
         return isinstance(size, int)
@@ -234,10 +196,6 @@ class Context:
         size = shape[dim]
         return [Shard(dim)] if isinstance(size, torch.SymInt) and str(size.node.expr) in self.token_symbols else []
 
-    def on_tokens(self, node: Node, strategy) -> bool:
-        """Whether ``strategy`` keeps ``node``'s output split along a token dim."""
-        out = strategy.output
-        return isinstance(out, Shard) and out.dim < len(self.shape(node)) and not self.static(self.shape(node)[out.dim])
 
     def _finer(self, units: tuple) -> list:
         """The query-head counts the blocks' units may follow (None: each block dealt out on its own)."""
@@ -255,31 +213,6 @@ class Context:
         return list(dict.fromkeys(s.output for s in self.strategies.get(node, [])))
 
 
-def is_observer(node: Node) -> bool:
-    """Ops that only read metadata of unsharded dims: they adopt any placement and need no choice."""
-    return node.op == "call_module" or node.target in (
-        torch.ops.aten.sym_size.int, torch.ops.aten._assert_tensor_metadata.default,
-    )
-
-
-_aten = torch.ops.aten
-# ops whose output is the same data as their first input, seen another way (or a cast of it): a parameter
-# seen through them is still the parameter, and is never gathered either (no weight travels at run time)
-LAYOUT_OPS = {_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default, _aten.permute.default,
-              _aten.t.default, _aten.numpy_T.default, _aten.transpose.int, _aten.unsqueeze.default,
-              _aten.squeeze.dim, _aten.expand.default, _aten.slice.Tensor, _aten.select.int, _aten.alias.default,
-              _aten.detach.default, _aten.index.Tensor, _aten.to.dtype, _aten._to_copy.default}
-
-
-def stored_views(gm: torch.fx.GraphModule) -> set:
-    """Parameters and buffers, and what layout ops make of them (``w.transpose(-2, -1)``, ``w[expert_ids]``)."""
-    found: set = set()
-    for node in gm.graph.nodes:
-        if node.op == "get_attr" or (node.target in LAYOUT_OPS and node.args and node.args[0] in found):
-            found.add(node)
-    return found
-
-
 def needs_grad(gm: torch.fx.GraphModule) -> set:
     """Nodes whose value depends on a trainable parameter (their gradients flow); integer values (expert
     ids sorted by a router's scores) have none."""
@@ -294,28 +227,12 @@ def needs_grad(gm: torch.fx.GraphModule) -> set:
     return grad
 
 
-def token_symbols(gm: torch.fx.GraphModule) -> set:
-    """Names of the symbols that size the inputs' dims after the first (batch): the sequence."""
-    found = set()
-    for node in gm.graph.nodes:
-        if node.op == "placeholder" and isinstance(value(node), torch.Tensor):
-            found |= {str(s.node.expr) for s in value(node).shape[1:]
-                      if isinstance(s, torch.SymInt) and s.node.expr.is_Symbol}
-    return found
-
-
-def rule_of(rules: dict, target):
-    """The rule for an op; other libraries' custom ops are keyed by name (they exist once imported)."""
-    return rules.get(target) or rules.get(str(target))
-
-
-def enumerate_strategies(gm: torch.fx.GraphModule, ctx: Context, rules: dict,
-                         more_rules: dict | None = None) -> Context:
-    """Every node's strategies: all-replicated, what its rule proposes, and what ``more_rules`` add to it."""
+def enumerate_strategies(gm: torch.fx.GraphModule, ctx: Context) -> Context:
+    """Every node's strategies: all-replicated, and what its row's rule (``ctx.ops``) proposes."""
     weighted = needs_grad(gm)
-    ctx.grad, ctx.token_symbols = weighted, token_symbols(gm)
+    ctx.grad, ctx.token_symbols = weighted, set(token_inputs(gm.graph))
     for node in gm.graph.nodes:
-        if node.op == "output" or is_observer(node):
+        if node.op in ("output", "call_module") or ctx.op(node.target).observer:
             continue
         if not is_placed(node):
             if node.op == "call_function":  # e.g. item(), mixed tuples: computed from full inputs
@@ -323,11 +240,8 @@ def enumerate_strategies(gm: torch.fx.GraphModule, ctx: Context, rules: dict,
             continue
         all_r = Strategy(ctx.fill(node, {}), replicated_like(node))
         found = [all_r]
-        rule = rule_of(rules, node.target) if node.op == "call_function" else None
+        rule = ctx.op(node.target).rule if node.op == "call_function" else None
         proposed = rule(node, ctx) if rule is not None else None  # None: no rule for this use of the op
-        more = rule_of(more_rules or {}, node.target) if node.op == "call_function" else None
-        added = more(node, ctx) if more is not None else []
-        proposed = proposed if not added else [*(proposed or ()), *added]
         found += [s for s in proposed or () if s not in found]
         if proposed is None and node.op == "call_function" and node in weighted:
             ctx.unruled.add(str(node.target))
@@ -370,7 +284,7 @@ def _carried(node: Node, placement, ctx: Context, seen: dict) -> bool:
     on in turn.  A parameter offered only such shards is never gathered, however many views it passes."""
     key = (node, placement)
     if key not in seen:
-        seen[key] = all(placement in _wanted(node, user, ctx) and (user.target not in LAYOUT_OPS or any(
+        seen[key] = all(placement in _wanted(node, user, ctx) and (not ctx.op(user.target).layout or any(
             _carried(user, s.output, ctx, seen) for s in ctx.strategies.get(user, [])
             if s.inputs[input_slots(user).index(node)] == placement)) for user in node.users)
     return seen[key]

@@ -5,15 +5,7 @@ import torch
 
 from autotp.runtime.placement import Disjoint, Partial, Replicate, Shard
 
-from .strategies import LAYOUT_OPS
-
-aten = torch.ops.aten
-# (op, operand index) -> {sharded dim: style}, for a weight consumed directly by the op
-_STYLES = {
-    (aten.linear.default, 1): {0: "column", 1: "row"},
-    (aten.mm.default, 1): {1: "column", 0: "row"},
-    (aten.embedding.default, 0): {1: "hidden split", 0: "vocab split"},
-}
+from .ops import op
 
 
 def _units_note(placement: Shard, size: int, world: int) -> str:
@@ -52,7 +44,7 @@ def _expert_style(node: torch.fx.Node, choice: dict, world: int) -> str | None:
             held = [out.owned(int(node.meta["val"].shape[0]), r, world) for r in range(world)]
             return "experts " + "|".join(f"{a}" if n == 1 else f"{a}-{a + n - 1}" for a, n in held) + \
                 f" of {node.meta['val'].shape[0]} (whole experts by rank)"
-        if user.target in LAYOUT_OPS:
+        if op(user.target).layout:
             work += user.users
         elif out is not None and not isinstance(out, Replicate) and len(node.meta["val"].shape) == 3:
             return "expert FFN " + ("row split" if isinstance(out, Partial) else "column split")
@@ -70,13 +62,13 @@ def param_styles(gm: torch.fx.GraphModule, choice: dict, world: int) -> dict:
         if isinstance(placement, Shard):
             for user in node.users:
                 if user.args and node in user.args:
-                    table = _STYLES.get((user.target, list(user.args).index(node)))
+                    table = op(user.target).styles.get(list(user.args).index(node))
                     if table and placement.dim in table:
                         style = table[placement.dim]
                         break
             style = _expert_style(node, choice, world) or style
             if style in ("shard dim 0", "column") and len(node.meta["val"].shape) == 1:
-                added = any(user.target == aten.add.Tensor for user in node.users)
+                added = any(op(user.target).additive for user in node.users)
                 style = "bias split" if added else "vector split"  # a bias, or a norm's scale
             if placement.chunks:
                 groups = f" x {placement.groups} groups" if placement.groups else ""

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from autotp.cost_models import collective_time, load_topology
-from autotp.cost_models.communication import _ring
+from autotp.cost_models.communication import ring_steps
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
 SIZES = tuple(4096 * 4 ** k for k in range(8))  # 4 KiB .. 64 MiB
@@ -64,7 +64,7 @@ def fit(op: str, samples: dict, world: int) -> dict:
     """t = latency + factor * bytes / busbw, by least median of relative errors (Rousseeuw's LMedS):
     the line through the pair of measured sizes that leaves the smallest median error over all
     sizes.  Robust against the few sizes where caches or the scheduler bend the curve."""
-    factor = _ring(op, world)[1]
+    factor = ring_steps(op, world)[1]
     points = sorted((factor * b, t) for b, t in samples.items())
     best = None
     for i, (c1, t1) in enumerate(points):

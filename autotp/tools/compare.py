@@ -2,10 +2,13 @@
 cost model (its parameter placements imposed, everything else solved), beside autotp's own plan."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
-from autotp.api import _graph, _solve
+from autotp.api import prepared_graph, solve_plan
 from autotp.interop import hf_parameter_placements
+from autotp.options import Options
 from autotp.passes.solve import PlanningError
 from autotp.plan import Plan
 
@@ -22,14 +25,14 @@ def compare(model: torch.nn.Module, args=None, kwargs=None, *, world_size: int, 
     HF's plan cannot run this model exactly (e.g. heads not divisible by the world size), or None, "hf_ep":
     HF's expert-parallel plan (its ep_plan over the tp_plan: whole experts per rank), where it has one and
     it runs exactly}."""
-    gm = _graph(model, args, kwargs, fold=True)
-    ours = summary(_solve(gm, world_size, topology, training=training, memory_limit=memory_limit))
+    gm = prepared_graph(model, args, kwargs, fold=True)
+    options = Options(topology=topology, training=training, memory_limit=memory_limit)
+    ours = summary(solve_plan(gm, world_size, options))
 
     def priced(fixed: dict):
         """HF's placements imposed: a summary, None where there are none, False where none runs exactly."""
         try:
-            return summary(_solve(gm, world_size, topology, training=training, memory_limit=memory_limit,
-                                  fixed=fixed)) if fixed else None
+            return summary(solve_plan(gm, world_size, replace(options, fixed=fixed))) if fixed else None
         except PlanningError:
             return False
 

@@ -1,0 +1,148 @@
+"""This rank's form of one op, where the sharded op is not the same op on smaller tensors: size arguments cut
+to the local piece, offsets of the rank's heads, rows, experts or blocks baked in (autotp/runtime/local_ops.py).
+
+Each function is an op row's ``local`` (passes/ops.py): ``(node, strategy, rank, world)``, mutating ``node``.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.fx import Node
+
+from autotp.runtime import local_ops
+from autotp.runtime.placement import Disjoint, Partial, R, Shard
+
+from .expert_rules import GROUPED_MM_FALLBACK, is_grouped_mm, offsets
+from .layout_rules import block_of, constant_positions, cut_range, gathered
+from .rules import held_heads
+
+
+def full_size(node: Node, dim: int) -> int:
+    return int(node.meta["val"].shape[dim])
+
+
+def local_sizes(sizes, placement, rank: int, world: int):
+    """A size list with the sharded dim cut to this rank's piece (-1 is left to infer)."""
+    if not isinstance(placement, Shard):
+        return sizes
+    sizes = list(sizes)
+    size = sizes[placement.dim]
+    if isinstance(size, Node):
+        raise AssertionError(f"sharded dim {placement.dim} has a symbolic size: rules must not allow this")
+    if size != -1:
+        sizes[placement.dim] = placement.local_size(size, rank, world)
+    return sizes
+
+
+def _source(strategy):
+    return strategy.inputs[0] if strategy.inputs else None
+
+
+def resize(node: Node, strategy, rank: int, world: int) -> None:
+    """view / reshape / expand: the output's sharded dim at its local size."""
+    node.args = (node.args[0], local_sizes(node.args[1], strategy.output, rank, world), *node.args[2:])
+
+
+def cut_block(node: Node, strategy, rank: int, world: int) -> None:
+    """A slice (or an index by a constant run) that cuts one whole block out of a fused dim dealt out block by
+    block: that block's range in this rank's piece."""
+    src = _source(strategy)
+    if not (isinstance(src, Shard) and src.chunks):
+        return
+    bounds = cut_range(node)
+    if bounds is None and node.target == torch.ops.aten.index.Tensor:
+        raise RuntimeError(f"{node.name} indexes a fused dim the plan splits block by block, but its positions "
+                           "are not known in this capture (a constant on the meta device?): plan with this model")
+    k = block_of(src, *bounds[1:]) if bounds and bounds[0] == src.dim else None
+    if k is not None:
+        lengths = [n for _, n in src.ranges(sum(src.chunks), rank, world)]
+        start = sum(lengths[:k])
+        node.target, node.kwargs = torch.ops.aten.slice.Tensor, {}
+        node.args = (node.args[0], src.dim, start, start + lengths[k])
+
+
+def index(node: Node, strategy, rank: int, world: int) -> None:
+    """``x[..., positions, ...]``: a gather along the sharded dim reads this rank's heads from its own piece;
+    a cut of one whole block, as a slice; ``w[ids]`` of whole experts, this rank's experts' rows."""
+    src = _source(strategy)
+    found = constant_positions(node) if cut_range(node) is None else None
+    if isinstance(src, Shard) and found is not None and found[0] == src.dim:
+        at, positions = found
+        local = gathered(src, strategy.output, positions, node.args[0].meta["val"].shape[at], rank, world)
+        node.target, node.args, node.kwargs = local_ops.gather_positions, (node.args[0], at, tuple(local)), {}
+    elif isinstance(strategy.output, Disjoint):
+        own_experts(node, strategy, rank, world)
+    else:
+        cut_block(node, strategy, rank, world)
+
+
+def split(node: Node, strategy, rank: int, world: int) -> None:
+    """split / split_with_sizes along the sharded dim: this rank's piece of each part."""
+    src = _source(strategy)
+    at = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+    if isinstance(src, Shard) and src.dim == at % node.args[0].meta["val"].dim():
+        sizes = node.args[1]
+        ranges = src.ranges(node.args[0].meta["val"].shape[src.dim], rank, world)
+        local = [n for _, n in ranges] if isinstance(sizes, (list, tuple)) else ranges[0][1]
+        node.args = (node.args[0], local, *node.args[2:])
+
+
+def repeat_heads(node: Node, strategy, rank: int, world: int) -> None:
+    """repeat_interleave of KV heads: this rank's query heads from the KV heads it holds."""
+    if not isinstance(strategy.output, Shard):
+        return
+    x, repeats, at = node.args[:3]
+    kv, heads = x.meta["val"].shape[at], node.meta["val"].shape[at]
+    in_start = held_heads(_source(strategy), at, kv, rank, world)[0]
+    (out_start, out_len), = strategy.output.ranges(heads, rank, world)
+    node.target, node.args, node.kwargs = local_ops.repeat_heads, (x, repeats, at, in_start, out_start, out_len), {}
+
+
+def partial_mean(node: Node, strategy, rank: int, world: int) -> None:
+    """A mean over a sharded dim: this rank's sum over the full count (a partial sum)."""
+    if not (isinstance(_source(strategy), Shard) and isinstance(strategy.output, Partial)):
+        return
+    x, dims = node.args[:2]
+    shape = x.meta["val"].shape
+    count = math.prod(int(shape[d]) for d in dims)
+    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    node.target, node.args = local_ops.partial_mean, (x, dims, keepdim, count)
+    node.kwargs = {k: v for k, v in node.kwargs.items() if k == "dtype"}
+
+
+def add_once(node: Node, strategy, rank: int, world: int) -> None:
+    """A partial sum plus a replicated operand: rank 0 alone adds the operand, the others add zeros."""
+    if rank == 0 or not (isinstance(strategy.output, Partial) and R in strategy.inputs):
+        return
+    at = strategy.inputs.index(R)
+    with node.graph.inserting_before(node):
+        zeros = node.graph.call_function(local_ops.added_by_rank0, (node.args[at],))
+    zeros.meta = dict(node.args[at].meta)
+    node.update_arg(at, zeros)
+
+
+def own_experts(node: Node, strategy, rank: int, world: int) -> None:
+    """Expert parallelism: this rank's experts compute their own tokens' rows, zeros the others'."""
+    if not isinstance(strategy.output, Disjoint):
+        return
+    weight = node.args[1] if is_grouped_mm(node) else node.args[0]
+    first, _ = strategy.output.owned(full_size(weight, 0), rank, world)
+    if is_grouped_mm(node):
+        fallback = str(node.target) == GROUPED_MM_FALLBACK
+        node.target, node.args, node.kwargs = local_ops.expert_grouped_mm, (node.args[0], weight, offsets(node),
+                                                                            first, fallback), {}
+    else:
+        (ids,) = node.args[1]
+        node.target, node.args, node.kwargs = local_ops.expert_rows, (weight, ids, first), {}
+
+
+def vocab_rows(node: Node, strategy, rank: int, world: int) -> None:
+    """An embedding split by vocabulary: Megatron's masked lookup of this rank's rows."""
+    src = _source(strategy)
+    if not (isinstance(src, Shard) and src.dim == 0):
+        return
+    weight, ids = node.args[:2]
+    (start, _), = src.ranges(weight.meta["val"].shape[0], rank, world)
+    padding = node.args[2] if len(node.args) > 2 else -1
+    node.target, node.args, node.kwargs = local_ops.vocab_embedding, (weight, ids, start, padding), {}

@@ -1,0 +1,238 @@
+"""The op table: what each ATen op autotp knows is, in one place.
+
+A row (passes/semantics.Op) says how the op may be sharded (its rule), whether its output is a view of its
+input and whether a parameter seen through it is still the parameter, how many FLOPs a product costs, in
+which operands it is linear (partial sums pass through), how it carries expert rows, what its backward keeps
+and how it is rewritten for one rank.  Rules, what the backward keeps (saved.py), recomputation, graph
+preparation, the rewrite, reports and pricing all read it.  An op without a row is computed replicated
+(always correct), keeps all its inputs for its backward and costs one FLOP per output element; adding an op
+is one row, and tests/test_ops.py checks every row's strategies rank by rank.
+"""
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+from torch.fx import Node
+
+from . import localize
+from .expert_rules import GROUPED_MM_FALLBACK, disjoint, grouped_mm, index, squeeze, strided_slice
+from .layout_rules import cat, expand, getitem, index_copy, permute, slice_, split, t, transpose, unsqueeze, view
+from .rules import attention, embedding, linear, matmul, normalize, pointwise, reduction, repeat_heads
+from .semantics import Op, may_alias, row_of
+
+aten = torch.ops.aten
+
+
+# ---- what the backward keeps: (input slot, or None for the output; kind, or None for the value) --------
+
+def keeps_nothing(node, grad):
+    return []
+
+
+def keeps_input(node, grad):
+    return [(0, None)]
+
+
+def keeps_output(node, grad):
+    return [(None, None)]
+
+
+def keeps_operands(node, grad):
+    """a * b or a @ b: a's gradient needs b and b's needs a."""
+    a, b = node.args[0], node.args[1]
+    if not (isinstance(a, Node) and isinstance(b, Node)):
+        return []  # scaled by a number: nothing kept
+    return [(1, None)] * (a in grad) + [(0, None)] * (b in grad)
+
+
+def keeps_divisor(node, grad):
+    a, b = node.args[0], node.args[1]
+    if not isinstance(b, Node):
+        return []
+    return [(1, None)] + [(0, None)] * (b in grad and isinstance(a, Node))
+
+
+def keeps_mask(node, grad):
+    """Dropout keeps a one-byte mask (CUDA's ``native_dropout``); eval mode and p = 0 return the input itself."""
+    p, train = node.args[1], node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
+    return [(None, "mask")] if train and 0 < p < 1 else []
+
+
+def keeps_normalized(node, grad):
+    """Layer norm: its input, and a mean and 1/std per row in fp32."""
+    return [(0, None), (None, "stats")]
+
+
+def keeps_attention(node, grad):
+    """SDPA's fused kernels keep q, k, v, the mask, the output and the log-sum-exp of each row (fp32)."""
+    mask = sum(isinstance(a, Node) for a in node.args[3:4]) + isinstance(node.kwargs.get("attn_mask"), Node)
+    return [(0, None), (1, None), (2, None), *((3, "additive") for _ in range(mask)), (None, None), (None, "stats")]
+
+
+def keeps_condition(node, grad):
+    return [(0, None)]  # where / masked_fill: the boolean condition
+
+
+# ---- FLOPs of products, at concrete sizes (``size``: a SymInt or int -> int) ----------------------------
+
+def product_flops(node, size) -> float:
+    """2 x output elements x contracted length (linear, mm, bmm, matmul; grouped matmuls: each routed row by
+    its expert's matrix)."""
+    out = node.meta["val"]
+    return 2.0 * math.prod(size(s) for s in out.shape) * size(node.args[0].meta["val"].shape[-1])
+
+
+def attention_flops(node, size) -> float:
+    """Q K^T and P V: 4 x batch x heads x queries x keys x head dim (Narayanan et al. 2021)."""
+    b, a, sq, d = (size(s) for s in node.args[0].meta["val"].shape)
+    return 4.0 * b * a * sq * size(node.args[1].meta["val"].shape[-2]) * d
+
+
+def same_dtype(node) -> bool:
+    """A cast to the dtype its input already has (linear then; a cast to another dtype rounds)."""
+    src = node.args[0].meta.get("val")
+    return src is not None and src.dtype == node.meta["val"].dtype
+
+
+def not_training(node) -> bool:
+    """Dropout in eval mode is the identity."""
+    return node.args[2] is False
+
+
+def _with_expert_rows(rule):
+    """A rule plus the disjoint partials (expert rows) the op carries on (expert_rules.disjoint)."""
+    def both(node, ctx):
+        proposed = rule(node, ctx) if rule is not None else None
+        added = disjoint(node, ctx)
+        return [*(proposed or ()), *added] if added else proposed
+    both.__name__ = getattr(rule, "__name__", "disjoint")
+    return both
+
+
+def _rows(targets, **facts) -> dict:
+    """One row for ops that share every fact; a row that carries expert rows gets the disjoint rule too.
+    ``view`` defaults to the op's schema (an output that may alias its input), where it has one."""
+    if facts.get("experts"):
+        facts["rule"] = _with_expert_rows(facts.get("rule"))
+    return {target: Op(**{"view": may_alias(target) if isinstance(target, torch._ops.OpOverload) else False,
+                          **facts}) for target in targets}
+
+
+_COMPARISONS = [aten.eq.Tensor, aten.ne.Tensor, aten.lt.Tensor, aten.gt.Tensor, aten.le.Tensor, aten.ge.Tensor]
+
+TABLE: dict = {
+    # elementwise: any output dim sharded alike in every input (broadcast dims replicated), or tokens split
+    **_rows([aten.add.Tensor], family="elementwise", rule=pointwise, additive=True, experts="combine",
+            keeps=keeps_nothing, local=localize.add_once),
+    **_rows([aten.sub.Tensor], family="elementwise", rule=pointwise, additive=True, keeps=keeps_nothing,
+            local=localize.add_once),
+    **_rows([aten.mul.Tensor], family="elementwise", rule=pointwise, linear=(0, 1), experts="combine",
+            keeps=keeps_operands),
+    **_rows([aten.div.Tensor], family="elementwise", rule=pointwise, linear=(0,), keeps=keeps_divisor),
+    **_rows([aten.mul.Scalar], family="elementwise", rule=pointwise, linear=(0,), experts="zeros",
+            keeps=keeps_nothing),
+    **_rows([aten.div.Scalar], family="elementwise", rule=pointwise, linear=(0,), keeps=keeps_nothing),
+    **_rows([aten.add.Scalar, aten.sub.Scalar], family="elementwise", rule=pointwise, keeps=keeps_nothing),
+    **_rows([aten.neg.default, aten.clone.default], family="elementwise", rule=pointwise, linear=(0,),
+            experts="zeros", keeps=keeps_nothing),
+    **_rows([aten.contiguous.default], family="elementwise", rule=pointwise, linear=(0,), experts="zeros",
+            keeps=keeps_nothing, view=False),  # a copy unless already contiguous: counted as its own tensor
+    **_rows([aten.alias.default, aten.detach.default], family="elementwise", rule=pointwise, linear=(0,),
+            experts="zeros", keeps=keeps_nothing, layout=True),
+    **_rows([aten.to.dtype, aten._to_copy.default], family="elementwise", rule=pointwise, linear=(0,),
+            linear_if=same_dtype, experts="zeros", keeps=keeps_nothing, layout=True, view=False),  # casts copy
+    **_rows([aten.to.dtype_layout, aten.to.device], family="elementwise", rule=pointwise, linear=(0,),
+            linear_if=same_dtype, keeps=keeps_nothing, view=False),
+    **_rows([aten.silu.default, aten.gelu.default], family="elementwise", rule=pointwise, experts="zeros",
+            keeps=keeps_input),
+    **_rows([aten.erf.default, aten.abs.default, aten.cos.default, aten.sin.default, aten.pow.Tensor_Scalar],
+            family="elementwise", rule=pointwise, keeps=keeps_input),
+    **_rows([aten.tanh.default, aten.relu.default], family="elementwise", rule=pointwise, experts="zeros",
+            keeps=keeps_output),
+    **_rows([aten.sigmoid.default, aten.exp.default, aten.rsqrt.default, aten.sqrt.default],
+            family="elementwise", rule=pointwise, keeps=keeps_output),
+    **_rows([aten.dropout.default], family="elementwise", rule=pointwise, linear=(0,), linear_if=not_training,
+            keeps=keeps_mask),
+    **_rows([aten.where.self, aten.masked_fill.Scalar], family="elementwise", rule=pointwise,
+            keeps=keeps_condition),
+    **_rows(_COMPARISONS, family="elementwise", rule=pointwise, keeps=keeps_nothing),
+    # products
+    **_rows([aten.linear.default], family="linear", rule=linear, flops=product_flops, keeps=keeps_operands,
+            styles={1: {0: "column", 1: "row"}}),
+    **_rows([aten.mm.default], family="matmul", rule=matmul, flops=product_flops, keeps=keeps_operands,
+            styles={1: {1: "column", 0: "row"}}),
+    **_rows([aten.matmul.default], family="matmul", rule=matmul, flops=product_flops, keeps=keeps_operands),
+    **_rows([aten.bmm.default], family="matmul", rule=matmul, flops=product_flops, keeps=keeps_operands,
+            experts="combine"),
+    **_rows([aten._grouped_mm.default, GROUPED_MM_FALLBACK], family="grouped_mm", rule=grouped_mm,
+            flops=product_flops, local=localize.own_experts),
+    **_rows([aten.scaled_dot_product_attention.default], family="attention", rule=attention,
+            flops=attention_flops, keeps=keeps_attention),
+    **_rows([aten.embedding.default], family="embedding", rule=embedding, keeps=keeps_nothing,
+            local=localize.vocab_rows, styles={0: {1: "hidden split", 0: "vocab split"}}),
+    **_rows([aten.repeat_interleave.self_int], family="repeat", rule=repeat_heads, keeps=keeps_nothing,
+            local=localize.repeat_heads),
+    # reductions and normalizations
+    **_rows([aten.sum.dim_IntList], family="reduction", rule=reduction, keeps=keeps_nothing),
+    **_rows([aten.mean.dim], family="reduction", rule=reduction, keeps=keeps_nothing, local=localize.partial_mean),
+    **_rows([aten._softmax.default, aten.softmax.int], family="softmax", rule=normalize, keeps=keeps_output),
+    **_rows([aten._log_softmax.default, aten.log_softmax.int], family="log_softmax", rule=normalize,
+            keeps=keeps_output),
+    **_rows([aten.layer_norm.default], family="layer_norm", rule=normalize, keeps=keeps_normalized),
+    # layout: the same data seen another way
+    **_rows([aten.view.default, aten.reshape.default, aten._unsafe_view.default], family="view", rule=view,
+            layout=True, keeps=keeps_nothing, local=localize.resize),
+    **_rows([aten.flatten.using_ints], family="view", rule=view, layout=True, keeps=keeps_nothing),
+    **_rows([aten.expand.default, aten.broadcast_to.default], family="expand", rule=expand, layout=True,
+            keeps=keeps_nothing, local=localize.resize),
+    **_rows([aten.transpose.int], family="transpose", rule=transpose, layout=True, keeps=keeps_nothing),
+    **_rows([aten.t.default, aten.numpy_T.default], family="t", rule=t, layout=True, keeps=keeps_nothing),
+    **_rows([aten.permute.default], family="permute", rule=permute, layout=True, keeps=keeps_nothing),
+    **_rows([aten.unsqueeze.default], family="unsqueeze", rule=unsqueeze, layout=True, experts="rows",
+            keeps=keeps_nothing),
+    **_rows([aten.squeeze.dim], family="squeeze", rule=squeeze, layout=True, experts="rows", keeps=keeps_nothing),
+    **_rows([aten.squeeze.default, aten.squeeze.dims, aten.unbind.int], family="squeeze", keeps=keeps_nothing),
+    **_rows([aten.slice.Tensor], family="slice", rule=strided_slice, layout=True, experts="rows",
+            keeps=keeps_nothing, local=localize.cut_block),
+    **_rows([aten.select.int], family="slice", rule=slice_, layout=True, keeps=keeps_nothing),
+    **_rows([aten.index.Tensor], family="index", rule=index, layout=True, local=localize.index),
+    **_rows([aten.split.Tensor, aten.split_with_sizes.default], family="split", rule=split, experts="rows",
+            keeps=keeps_nothing, local=localize.split),
+    **_rows([aten.chunk.default], family="split", rule=split, experts="rows", keeps=keeps_nothing),
+    **_rows([operator.getitem], family="getitem", rule=getitem, view=True, keeps=keeps_nothing),
+    **_rows([aten.cat.default, aten.stack.default], family="cat", rule=cat, keeps=keeps_nothing),
+    **_rows([aten.index_copy_.default, aten.index_copy.default], family="index_copy", rule=index_copy,
+            keeps=keeps_nothing),
+    # metadata only
+    **_rows([aten.sym_size.int, aten._assert_tensor_metadata.default], family="observer", observer=True),
+}
+
+
+def op(target) -> Op:
+    """The row of ``target`` (an empty row, ``family="unknown"``, for ops the table does not know)."""
+    return row_of(TABLE, target)
+
+
+def is_product(node: Node) -> bool:
+    """A matrix product (grouped ones too: each routed token's rows by its expert's matrix), or attention."""
+    return node.op == "call_function" and op(node.target).flops is not None
+
+
+def flops(node: Node, size) -> float:
+    """FLOPs of one forward of ``node`` at concrete sizes: a product's, else one per output element."""
+    row = op(node.target)
+    out = node.meta.get("val")
+    if not isinstance(out, torch.Tensor):
+        return 0.0
+    return row.flops(node, size) if row.flops else float(math.prod(size(s) for s in out.shape))
+
+
+def stored_views(gm: torch.fx.GraphModule) -> set:
+    """Parameters and buffers, and what layout ops make of them (``w.transpose(-2, -1)``, ``w[expert_ids]``)."""
+    found: set = set()
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" or (op(node.target).layout and node.args and node.args[0] in found):
+            found.add(node)
+    return found

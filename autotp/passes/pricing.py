@@ -1,0 +1,159 @@
+"""What an op costs under a strategy, one place for the TP solver, the pipeline stage splitter and the mesh
+planner: seconds (roofline of its FLOPs and the bytes it reads and writes, forward and backward), bytes it
+holds (parameters with their training state, KV cache) and bytes its backward keeps, at concrete sizes."""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.fx import Node
+
+from autotp.cost_models import collective_time
+from autotp.cost_models.compute import op_time
+from autotp.cost_models.memory import state_factor
+from autotp.cost_models.topology import Topology
+from autotp.runtime.placement import Disjoint, Shard
+
+from .ops import flops, is_product, op
+from .recompute import dropped
+from .saved import element_bytes, kept, regathered
+from .strategies import is_placed
+
+
+class Sizes:
+    """Concrete sizes to price the graph at: the example inputs' sizes (pass realistic ones on the
+    meta device), with some symbols overridden (``{"s0": 4}``: e.g. the batch of one replica)."""
+
+    def __init__(self, overrides: dict | None = None):
+        self.overrides = overrides or {}
+
+    def __call__(self, size) -> int:
+        if isinstance(size, int):
+            return size
+        expr = size.node.expr
+        hints = size.node.shape_env.backed_var_to_val
+        return int(expr.xreplace({sym: self.overrides.get(str(sym), hints[sym]) for sym in expr.free_symbols}))
+
+    def numel(self, node: Node) -> float:
+        return float(math.prod(self(s) for s in node.meta["val"].shape))
+
+    def nbytes(self, node: Node) -> float:
+        v = node.meta.get("val")
+        vals = v if isinstance(v, (list, tuple)) else [v]
+        return float(sum(math.prod(self(s) for s in t.shape) * t.element_size()
+                         for t in vals if isinstance(t, torch.Tensor)))
+
+    def flops(self, node: Node) -> float:
+        """One forward of ``node`` at these sizes (the op table's FLOPs)."""
+        return flops(node, self)
+
+
+def held_fraction(placement, world: int) -> float:
+    """The largest share of a tensor that one rank holds (uneven and grouped shards hold more than 1/N)."""
+    if not isinstance(placement, Shard):
+        return 1.0
+    sizes = placement.blocks(1)
+    held = [sum(size * count / placement.parts(world, k) for k, (size, (_, count))
+                in enumerate(zip(sizes, placement.spans(r, world, len(sizes)), strict=True))) for r in range(world)]
+    return max(held) / sum(sizes)
+
+
+def shared_fraction(placement: Shard, world: int) -> float:
+    """How much of a grouped tensor lies in blocks that several ranks hold (its gradient is summed)."""
+    if not placement.chunks:
+        return 1.0
+    chunks = placement.blocks(1)
+    return sum(c for c, shared in zip(chunks, placement.shared_blocks(world), strict=True) if shared) / sum(chunks)
+
+
+def local_bytes(size: float, placement, world: int) -> float:
+    return size * held_fraction(placement, world)
+
+
+def op_seconds(node: Node, strategy, sizes: Sizes, world: int, topology: Topology, training: bool,
+                  paired: bool = False) -> float:
+    """Seconds of the op (forward and backward when training); for a parameter held grouped, also the
+    all-reduce of its gradient (``paired``: shared with its weight or bias, so without the latency)."""
+    moved = 0.0 if op(node.target).view else (  # a view's output is its input: nothing is read or written
+        sizes.nbytes(node) + sum(sizes.nbytes(a) for a in node.all_input_nodes if is_placed(a)))
+    seconds = op_time(sizes.flops(node), moved, topology) if node.op == "call_function" else 0.0
+    if isinstance(strategy.output, Disjoint):  # whole experts: the busiest rank's share of the products;
+        seconds *= held_fraction(strategy.output.experts, world) if is_product(node) else 1.0  # zeros are full size
+    elif not strategy.replicated:
+        seconds *= held_fraction(strategy.output, world) if isinstance(strategy.output, Shard) else 1 / world
+    seconds = 3 * seconds if training else seconds  # backward costs about twice the forward
+    out = strategy.output
+    if training and node.op == "get_attr" and isinstance(out, Shard) and out.grouped(world):
+        shared = sizes.nbytes(node) * shared_fraction(out, world)
+        seconds += collective_time("all_reduce", shared, world, topology)  # summing its gradient
+        seconds -= collective_time("all_reduce", 0.0, world, topology) if paired else 0.0
+    return seconds
+
+
+def op_memory(node: Node, strategy, sizes: Sizes, world: int, trainable: dict, training: bool) -> dict:
+    """Bytes this node keeps on a device under ``strategy``, by kind."""
+    if node.op == "get_attr":
+        held = local_bytes(sizes.nbytes(node), strategy.output, world)
+        if node.target not in trainable:
+            return {"buffers": held}
+        state = held * state_factor(node.meta["val"].element_size(), training) - held
+        return {"params": held, "grads": held if training else 0.0, "optimizer": state - (held if training else 0)}
+    if op(node.target).family == "attention" and not training:
+        kv = zip(node.args[1:3], strategy.inputs[1:3], strict=True)
+        return {"kv_cache": sum(local_bytes(sizes.nbytes(a), p, world) for a, p in kv)}
+    return {}
+
+
+def kept_bytes(node: Node, strategy, sizes: Sizes, world: int, grad: set) -> list[tuple]:
+    """(key, bytes per device) of each tensor ``node``'s backward keeps; equal keys are one tensor."""
+    found = []
+    for item in kept(node, strategy, grad):
+        share = held_fraction(item.placement, world)
+        found.append(((item.tensor, item.kind, round(share, 9)),
+                      element_bytes(item, sizes.numel(item.tensor)) * share))
+    return found
+
+
+def regather_time(nbytes: float, world: int, topology: Topology) -> float:
+    """A tensor kept as this rank's tokens is all-gathered again when the backward reads it."""
+    return collective_time("all_gather", nbytes, world, topology)
+
+
+def activation_bytes(choice: dict, sizes: Sizes, world: int, grad: set, recomputed=()) -> dict:
+    """node -> bytes per device kept for backward of its output's storage (each tensor counted once);
+    ``recomputed``: attention cores (passes/recompute.py) that keep nothing of their own."""
+    held: dict = {}
+    keepers: dict = {}
+    for node, strategy in choice.items():
+        for key, nbytes in kept_bytes(node, strategy, sizes, world, grad):
+            held[key] = nbytes
+            keepers.setdefault(key, set()).add(node)
+    gone = set().union(*(dropped(keepers, core) for core in recomputed))
+    pieces = regathered(choice, grad)
+    by_node: dict = {}
+    for (tensor, kind, share), nbytes in held.items():
+        if (tensor, kind, share) in gone:
+            continue
+        whole = kind == "value" and share == 1.0 and tensor in pieces
+        by_node[tensor] = by_node.get(tensor, 0.0) + (nbytes / world if whole else nbytes)
+    return by_node
+
+
+def priced_unit(gm: torch.fx.GraphModule) -> tuple[int, Sizes]:
+    """(samples the priced inputs hold, sizes to price at): one sample when the batch dim is symbolic."""
+    for node in gm.graph.nodes:
+        v = node.meta.get("val")
+        if node.op == "placeholder" and isinstance(v, torch.Tensor) and v.dim():
+            if isinstance(v.shape[0], int):
+                return v.shape[0], Sizes()
+            return 1, Sizes({str(v.shape[0].node.expr): 1})
+    return 1, Sizes()
+
+
+def model_flops(gm: torch.fx.GraphModule, sizes: Sizes) -> float:
+    """Model FLOPs of one training step at ``sizes``, three times the forward's (Narayanan et al. 2021, no
+    recomputation): every product (2 x parameters x tokens for a weight) and attention (4 b a s_q s_k d);
+    lookups and elementwise ops are not counted."""
+    folding = gm.meta.get("autotp_fold")
+    weight = folding.weights.get if folding else (lambda n, d: d)
+    return 3 * sum(sizes.flops(n) * weight(n, 1) for n in gm.graph.nodes if is_product(n))

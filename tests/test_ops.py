@@ -1,0 +1,307 @@
+"""Every row of the op table (autotp/passes/ops.py), checked rank by rank in one process.
+
+Small programs that use each op are captured as autotp captures models; for every node, every strategy its
+row's rule proposes (at 2, 3 and 4 ranks, sequence parallelism offered) is run on each simulated rank: inputs
+laid out as the strategy reads them (a slice, the whole, or random summands of a partial sum), the node in
+its row's local form for that rank, and the pieces must be the full op's output laid out as the strategy
+says.  No process group is needed: a rule that proposes anything inexact fails here.
+"""
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+from torch import nn
+
+from autotp.api import prepared_graph
+from autotp.passes.ops import TABLE, op
+from autotp.passes.prepare import add_hints
+from autotp.passes.strategies import Context, enumerate_strategies, input_slots
+from autotp.runtime.placement import Disjoint, Partial, Replicate, Shard, take_local
+
+aten = torch.ops.aten
+H, FFN, HEADS, KV, D, VOCAB = 12, 24, 6, 2, 2, 16  # 6 query heads and 2 KV heads of 2: uneven and shared at 4 ranks
+
+
+class Program(nn.Module):
+    """``fn(self, *inputs)`` with parameters of the given shapes (their sizes make dims static)."""
+
+    def __init__(self, fn, **shapes):
+        super().__init__()
+        self.fn = fn
+        for name, shape in shapes.items():
+            setattr(self, name, nn.Parameter(torch.randn(*shape, dtype=torch.float64) / 4))
+
+    def forward(self, *inputs):
+        return self.fn(self, *inputs)
+
+
+def pointwise(m, x, y):
+    h = x * m.w + y  # mul.Tensor, add.Tensor
+    h = aten.sub.Tensor(h, m.w) / (m.w.abs() + 1)
+    h = aten.add.Scalar(aten.div.Scalar(aten.mul.Scalar(h, 2.0), 3.0), 1.0)
+    h = aten.sub.Scalar(aten.neg.default(aten.clone.default(h)), 0.5)
+    h = aten.detach.default(aten.alias.default(aten.contiguous.default(h))) + h
+    h = aten.to.dtype(aten._to_copy.default(h, dtype=torch.float32), torch.float64)
+    h = aten.to.device(aten.to.dtype_layout(h, dtype=torch.float64, layout=torch.strided), torch.device("cpu"),
+                       torch.float64)
+    h = torch.nn.functional.silu(h) + torch.nn.functional.gelu(h) + torch.erf(h) * torch.cos(h) - torch.sin(h) + h.pow(2)
+    h = torch.tanh(h) + torch.relu(h) + torch.sigmoid(h) * torch.exp(-h.abs()) + torch.rsqrt(h.abs() + 1)
+    h = aten.dropout.default(h + torch.sqrt(h.abs()), 0.1, False)
+    masks = [op(h, y) for op in (torch.eq, torch.ne, torch.lt, torch.gt, torch.le, torch.ge)]
+    h = torch.where(masks[3], h, y).masked_fill(masks[2], 0.0)
+    return h * m.w + masks[0] + masks[1] + masks[4] + masks[5]
+
+
+def products(m, x, rows):
+    h = torch.nn.functional.linear(x, m.up, m.up_bias)  # linear with a bias (split off, then linear + add)
+    h = torch.nn.functional.silu(h) @ m.down.t()  # matmul with a transposed weight
+    flat = h.reshape(-1, H)
+    h = aten.mm.default(flat, m.proj).view(x.shape[0], -1, H)
+    batched = torch.bmm(m.left, m.right)  # [4, 3, 6] @ [4, 6, 12]
+    return h + batched.sum(0).sum(0) + aten.mm.default(rows, m.proj).sum(0)  # rows: [tokens, H]
+
+
+def attention(m, x, mask):
+    b, s, _ = x.shape
+    q = torch.nn.functional.linear(x, m.q).view(b, s, HEADS, D).transpose(1, 2)
+    k = torch.nn.functional.linear(x, m.k).view(b, s, KV, D).transpose(1, 2)
+    v = torch.nn.functional.linear(x, m.v).view(b, s, KV, D).transpose(1, 2)
+    k, v = k.repeat_interleave(HEADS // KV, 1), v.repeat_interleave(HEADS // KV, 1)
+    fused = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    masked = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    scores = (q @ k.transpose(-2, -1)).softmax(-1)  # matmul, softmax.int
+    manual = aten._softmax.default(scores, -1, False) @ v
+    out = (fused + masked + manual).transpose(1, 2).reshape(b, s, HEADS * D)
+    return torch.nn.functional.linear(out, m.o)
+
+
+def fused_qkv(m, x):
+    b, s, _ = x.shape
+    q, k, v = torch.nn.functional.linear(x, m.qkv).split([HEADS * D, KV * D, KV * D], dim=-1)
+    q = q.view(b, s, HEADS, D).transpose(1, 2)
+    k = k.view(b, s, KV, D).transpose(1, 2).repeat_interleave(HEADS // KV, 1)
+    v = v.view(b, s, KV, D).transpose(1, 2).repeat_interleave(HEADS // KV, 1)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, s, -1)
+    gate, up = torch.nn.functional.linear(out, m.gate_up).chunk(2, dim=-1)
+    return torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, m.down)
+
+
+def language_model(m, ids):
+    h = torch.nn.functional.embedding(ids, m.table)
+    h = torch.nn.functional.layer_norm(h, (H,), m.scale, m.shift)
+    rms = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) + h.sum(-1, keepdim=True)
+    logits = torch.nn.functional.linear(rms, m.table)  # tied to the embedding
+    return logits.log_softmax(-1) + aten._log_softmax.default(logits, -1, False)
+
+
+def layouts(m, x):
+    b, s, _ = x.shape
+    h = x * m.w
+    heads = aten._unsafe_view.default(h, [b, s, 3, 4]).permute(0, 2, 1, 3).transpose(-1, -2)
+    h = h + heads.transpose(-1, -2).permute(0, 2, 1, 3).reshape(b, s, H)
+    h = h + torch.flatten(h.unsqueeze(-1), 2) + aten.broadcast_to.default(m.w, [b, s, H])
+    h = h + m.w.unsqueeze(0).expand(s, H) + aten.numpy_T.default(m.square).t()[0]
+    pieces = h.split([4, 8], dim=-1)
+    rows = torch.cat([pieces[1], pieces[0]], dim=-1) + torch.stack(h.chunk(2, -1), -1).flatten(-2)
+    rows = rows + torch.cat(h.split(6, dim=-1), -1)
+    return rows[:, :, 2:10].sum(-1) + h.select(-1, 3) + h.unsqueeze(2).squeeze(2)[..., 0]
+
+
+def constant_cuts(m, x):
+    """Falcon-style heads cut by constant positions: a run (a slice) and positions that are no run."""
+    b, s, _ = x.shape
+    heads = torch.nn.functional.linear(x, m.qkv).view(b, s, 4, D)  # [query | query | key | value]
+    q = heads[:, :, :-2]
+    k = heads[:, :, [-2]]
+    odd = heads[:, :, torch.tensor([0, 2, 3])]
+    return (q * k).sum(-1).sum(-1) + odd.sum(-1).sum(-1)
+
+
+def experts(m, x, ids):
+    """Routed rows: each token's expert weight by lookup (then bmm), and a grouped matmul over rows sorted by
+    expert (transformers' export-friendly twin of torch's, which wants bf16 and 16-byte rows)."""
+    import transformers.integrations.moe  # noqa: F401  (registers torch.ops.transformers.grouped_mm_fallback)
+    looked_up = torch.bmm(x.unsqueeze(1), m.w[ids]).squeeze(1)  # [T, 1, H] @ [T, H, 8]
+    offs = torch.tensor([3, 5, 8], dtype=torch.int32)
+    grouped = torch.ops.transformers.grouped_mm_fallback(x, m.w, offs)
+    return torch.nn.functional.silu(looked_up) + grouped
+
+
+def grouped_bf16(m, x):
+    return torch._grouped_mm(x, m.w, offs=torch.tensor([3, 5, 8], dtype=torch.int32))
+
+
+def cache_write(m, x, positions):
+    """A KV cache written in place at cache positions (generation's programs)."""
+    m.cache.index_copy_(1, positions, x * m.w)
+    return m.cache * 2 + m.cache.index_copy(1, positions, x)
+
+
+def _floats(*shape):
+    return torch.randn(*shape, dtype=torch.float64)
+
+
+SAMPLES = {
+    "pointwise": (lambda: Program(pointwise, w=(H,)), lambda: (_floats(2, 5, H), _floats(2, 5, H))),
+    "products": (lambda: Program(products, up=(FFN, H), up_bias=(FFN,), down=(H, FFN), proj=(H, H),
+                                 left=(4, 3, 6), right=(4, 6, H)), lambda: (_floats(2, 5, H), _floats(7, H))),
+    "attention": (lambda: Program(attention, q=(HEADS * D, H), k=(KV * D, H), v=(KV * D, H), o=(H, HEADS * D)),
+                  lambda: (_floats(2, 5, H), _floats(2, HEADS, 5, 5))),
+    "fused_qkv": (lambda: Program(fused_qkv, qkv=((HEADS + 2 * KV) * D, H), gate_up=(2 * FFN, HEADS * D),
+                                  down=(H, FFN)), lambda: (_floats(2, 5, H),)),
+    "language_model": (lambda: Program(language_model, table=(VOCAB, H), scale=(H,), shift=(H,)),
+                       lambda: (torch.randint(0, VOCAB, (2, 5)),)),
+    "layouts": (lambda: Program(layouts, w=(H,), square=(H, H)), lambda: (_floats(2, 5, H),)),
+    "constant_cuts": (lambda: Program(constant_cuts, qkv=(4 * D, H)), lambda: (_floats(2, 5, H),)),
+    "experts": (lambda: Program(experts, w=(3, H, 8)), lambda: (_floats(8, H), torch.tensor([0, 0, 0, 1, 1, 2, 2, 2]))),
+}
+
+
+def _cache_program():
+    program = Program(cache_write, w=(H,))
+    program.cache = torch.zeros(2, 8, H, dtype=torch.float64)  # a plain tensor: captured as a constant
+    return program
+
+
+def _bf16_program():
+    program = Program(grouped_bf16, w=(3, 16, 8))
+    return program.to(torch.bfloat16)
+
+
+SAMPLES["grouped_bf16"] = (_bf16_program, lambda: (torch.randn(8, 16, dtype=torch.bfloat16),))
+SAMPLES["cache_write"] = (_cache_program, lambda: (_floats(2, 3, H), torch.tensor([1, 4, 6])))
+
+
+def _values(gm: torch.fx.GraphModule, inputs: tuple) -> dict:
+    """Every node's full value on the inputs."""
+    values = {}
+
+    class Recorder(torch.fx.Interpreter):
+        def run_node(self, node):
+            values[node] = super().run_node(node)
+            return values[node]
+    Recorder(gm).run(*inputs)
+    return values
+
+
+def _piece(value, placement, rank: int, world: int, rng: torch.Generator):
+    """A rank's local value of a full ``value`` laid out as ``placement``."""
+    if isinstance(placement, tuple):
+        return type(value)(_piece(v, p, rank, world, rng) for v, p in zip(value, placement, strict=True))
+    if isinstance(placement, Shard):
+        return take_local(value, placement, rank, world)
+    if isinstance(placement, Partial):  # random summands, the same on every simulated rank (seeded per value)
+        state = rng.get_state()
+        others = [torch.randn(value.shape, dtype=value.dtype, generator=rng) for _ in range(world - 1)]
+        rng.set_state(state)
+        return value - sum(others) if rank == 0 else others[rank - 1]
+    return value
+
+
+def _local_output(gm: torch.fx.GraphModule, node: torch.fx.Node, strategy, values: dict, rank: int, world: int,
+                  rng: torch.Generator):
+    """``node`` run as ``rank`` under ``strategy``: a one-node program in the op's local form for that rank."""
+    graph, env, feed = torch.fx.Graph(), {}, []
+    wants = dict(zip(input_slots(node), strategy.inputs, strict=True))
+    for src in node.all_input_nodes:
+        want = wants.get(src)
+        whole = want is None or isinstance(want, Replicate)
+        if whole and (src.op == "get_attr" or src.target == aten.lift_fresh_copy.default):  # a constant: kept as is
+            env[src] = graph.node_copy(src, lambda a: graph.get_attr(a.target))
+        else:
+            env[src] = graph.placeholder(src.name)
+            feed.append(_piece(values[src], want, rank, world, rng))
+        env[src].meta = dict(src.meta)
+    copy = graph.node_copy(node, env.__getitem__)
+    graph.output(copy)
+    program = torch.fx.GraphModule(gm, graph)
+    local = op(node.target).local
+    if local is not None:
+        local(copy, strategy, rank, world)
+        program.recompile()
+    return program(*feed)
+
+
+def _expected(full, placement, rank: int, world: int):
+    if isinstance(placement, tuple):
+        return [_expected(v, p, rank, world) for v, p in zip(full, placement, strict=True)]
+    return take_local(full, placement, rank, world) if isinstance(placement, Shard) else full
+
+
+def _check(node, strategy, outputs: list, full, world: int) -> None:
+    where = f"{node.name} ({node.target}) {[str(p) for p in strategy.inputs]} -> {strategy.output}"
+    placements = strategy.output if isinstance(strategy.output, tuple) else (strategy.output,)
+    fulls = full if isinstance(strategy.output, tuple) else (full,)
+    for k, (placement, whole) in enumerate(zip(placements, fulls, strict=True)):
+        pieces = [out[k] if isinstance(strategy.output, tuple) else out for out in outputs]
+        low = {"atol": 0.05, "rtol": 0.05} if whole.dtype == torch.bfloat16 else {}  # summands rounded in bf16
+        if isinstance(placement, Partial):
+            torch.testing.assert_close(sum(pieces), whole, msg=lambda m: f"{where}: {m}", **low)
+            continue
+        for rank, piece in enumerate(pieces):
+            torch.testing.assert_close(piece, _expected(whole, placement, rank, world),
+                                       msg=lambda m, r=rank: f"{where}, rank {r}: {m}")
+
+
+def _has_disjoint(strategy) -> bool:
+    flat = [*strategy.inputs, *(strategy.output if isinstance(strategy.output, tuple) else (strategy.output,))]
+    return any(isinstance(p, Disjoint) for p in flat)
+
+
+@pytest.fixture(scope="module")
+def captured():
+    torch.manual_seed(0)
+    return {name: (prepared_graph(make(), args), args) for name, (make, inputs) in SAMPLES.items()
+            for args in [inputs()]}
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("name", list(SAMPLES))
+def test_every_strategy_of_every_row_is_exact_rank_by_rank(captured, name, world):
+    gm, args = captured[name]
+    values = _values(gm, args)
+    ctx = Context(world=world, tokens=True, ops=TABLE)
+    add_hints(gm, ctx)
+    enumerate_strategies(gm, ctx)
+    checked = 0
+    for node, options in ctx.strategies.items():
+        if node.op != "call_function":
+            continue
+        for strategy in options:
+            if strategy.replicated or _has_disjoint(strategy) or strategy.output is None:
+                continue  # whole experts (disjoint rows) are checked by test_moe.py on real ranks
+            rng = torch.Generator().manual_seed(checked)
+            outputs = [_local_output(gm, node, strategy, values, r, world, rng) for r in range(world)]
+            _check(node, strategy, outputs, values[node], world)
+            checked += 1
+    assert checked > 0
+
+
+def test_every_row_with_a_rule_is_exercised(captured):
+    """Adding a row means adding a use of it above: each op with a rule appears in some sample with a sharded
+    strategy proposed for it at some world size."""
+    proposed = set()
+    for gm, _ in captured.values():
+        for world in (2, 3, 4):
+            ctx = Context(world=world, tokens=True, ops=TABLE)
+            add_hints(gm, ctx)
+            enumerate_strategies(gm, ctx)
+            proposed |= {str(n.target) for n, options in ctx.strategies.items() if any(not s.replicated
+                                                                                        for s in options)}
+    ruled = {str(target) for target, row in TABLE.items() if row.rule is not None}
+    assert ruled - proposed == set()
+
+
+def test_rows_agree_with_the_schemas():
+    """What a row says of aliasing matches PyTorch's schema, except where the table says why (a copy unless
+    already contiguous, a cast that copies), and every layout op is a view or a lookup (``w[ids]``) or cast."""
+    from autotp.passes.semantics import may_alias
+    for target, row in TABLE.items():
+        if isinstance(target, torch._ops.OpOverload) and row.view:
+            assert may_alias(target), target
+        if row.layout:
+            assert row.view or row.family in ("index", "elementwise"), target
+    assert op(aten.flatten.using_ints).view and op(aten.numpy_T.default).view and op(aten.broadcast_to.default).view
+    assert op(operator.getitem).view and not op(aten.contiguous.default).view

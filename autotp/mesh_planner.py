@@ -3,10 +3,10 @@
 One tensor-parallel plan is solved per TP size (the plan of a block does not depend on how many
 stages or replicas there are) at one sample of the example inputs; its time and memory, read per
 block, are then priced analytically for every pipeline / data-parallel split
-(cost_models/layout.py, cost_models/schedules.py).  Activations are the planner's own count: every op output kept for
-backward, per block, under the chosen TP plan (or only each block's input with recomputation).  A TP size
-whose plain plan does not fit (or fits only recomputing whole blocks) is also planned with sequence parallelism
-and with its attention cores recomputed (Korthikanti et al. 2022), each priced like any other plan.
+(cost_models/mesh_layout.py, cost_models/schedules.py).  Activations are the planner's own count: every op
+output kept for backward, per block, under the chosen TP plan (or only each block's input with recomputation).
+A TP size whose plain plan does not fit (or fits only recomputing whole blocks) is also planned with sequence
+parallelism and with its attention cores recomputed (Korthikanti et al. 2022), each priced like any other plan.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import torch
 
 from autotp.cost_models import load_topology
 from autotp.cost_models import schedules as pipe
-from autotp.cost_models.layout import Candidate, Profile, Section, Setting, price
+from autotp.cost_models.mesh_layout import Candidate, Profile, Section, Setting, price
 from autotp.cost_models.topology import Topology
 from autotp.passes.fold import sections
 from autotp.passes.pricing import Sizes, activation_bytes, model_flops, op_memory, op_seconds, priced_unit

@@ -102,7 +102,7 @@ def _dies(stage: str, rank: int, queue) -> None:
         if stage == "before":
             os._exit(3)
         import autotp.api as api
-        setattr(api, "_solve" if stage == "planning" else "rewrite", lambda *a, **k: os._exit(3))
+        setattr(api, "solve_plan" if stage == "planning" else "rewrite", lambda *a, **k: os._exit(3))
     torch.manual_seed(0)
     model, args = mlp.build()
     _timed(queue, lambda: autotp.parallelize(model, args), RankDisagreement)  # the default timeout (120 s)

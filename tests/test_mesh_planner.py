@@ -83,7 +83,7 @@ def test_activations_per_layer_lie_within_korthikantis_bounds(gpt3):
 def test_whole_block_recomputation_under_sequence_parallelism_keeps_each_layers_tokens(gpt3):
     """Korthikanti et al. 2022 (§4.3, Table 2): with sequence parallelism and full recomputation a layer keeps
     only its input, split over the t ranks: 2sbh/t bytes (bf16)."""
-    from autotp.cost_models.layout import KEPT, Candidate, Profile, Section, stage_memory
+    from autotp.cost_models.mesh_layout import KEPT, Candidate, Profile, Section, stage_memory
     from autotp.mesh_planner import _profile
     from autotp.passes.pricing import priced_unit
     unit, sizes = priced_unit(gpt3)

@@ -46,7 +46,8 @@ def pointwise(m, x, y):
     h = aten.to.dtype(aten._to_copy.default(h, dtype=torch.float32), torch.float64)
     h = aten.to.device(aten.to.dtype_layout(h, dtype=torch.float64, layout=torch.strided), torch.device("cpu"),
                        torch.float64)
-    h = torch.nn.functional.silu(h) + torch.nn.functional.gelu(h) + torch.erf(h) * torch.cos(h) - torch.sin(h) + h.pow(2)
+    h = torch.nn.functional.silu(h) + torch.nn.functional.gelu(h) + torch.erf(h) * torch.cos(h) - torch.sin(h)
+    h = h + h.pow(2)
     h = torch.tanh(h) + torch.relu(h) + torch.sigmoid(h) * torch.exp(-h.abs()) + torch.rsqrt(h.abs() + 1)
     h = aten.dropout.default(h + torch.sqrt(h.abs()), 0.1, False)
     masks = [op(h, y) for op in (torch.eq, torch.ne, torch.lt, torch.gt, torch.le, torch.ge)]

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from autotp.api import prepared_graph
 from autotp.cost_models import load_topology
-from autotp.cost_models.layout import Candidate, Setting, stage_memory
+from autotp.cost_models.mesh_layout import Candidate, Setting, stage_memory
 from autotp.parallel.split import split
 from autotp.parallel.stages import StageError, block_profile, find_blocks, stage_starts
 from autotp.tools.spawn import run_local

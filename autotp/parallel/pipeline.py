@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from autotp.agree import InputCheck
 from autotp.api import device_of, prepared_graph
 from autotp.cost_models import load_topology
-from autotp.cost_models.layout import Candidate, Setting
+from autotp.cost_models.mesh_layout import Candidate, Setting
 from autotp.hf import no_kv_cache
 from autotp.runtime.conversion import weightless
 from autotp.runtime.hf_checkpoint import full_checkpoint_tensors, full_state_dict

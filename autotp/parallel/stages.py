@@ -6,7 +6,7 @@ never by name.  Each block is priced on autotp's captured graph with the cost mo
 (forward and backward) and what it holds (parameters with gradients and Adam state, activations kept for
 backward), taken as split evenly over the TP group; what runs before the first block (the embedding) counts on
 the first stage, what runs after the last (norm, head, loss) on the last.  The split itself is the mesh
-planner's: ``cost_models.layout.stage_ranges`` with each stage's memory as ``autotp.plan_mesh`` prices it.
+planner's: ``cost_models.mesh_layout.stage_ranges`` with each stage's memory as ``autotp.plan_mesh`` prices it.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from dataclasses import replace
 import torch
 
 from autotp.cost_models import load_topology
-from autotp.cost_models.layout import Candidate, Profile, Section, Setting, stage_memory, stage_ranges
+from autotp.cost_models.mesh_layout import Candidate, Profile, Section, Setting, stage_memory, stage_ranges
 from autotp.passes.fold import Fold, find_fold, sections
 from autotp.passes.pricing import activation_bytes, op_memory, op_seconds, priced_unit
 from autotp.passes.strategies import Strategy, input_slots, needs_grad, replicated_like

@@ -225,3 +225,48 @@ def _poisoned_rows(rank: int, world: int) -> None:
 
 def test_vocab_parallel_embedding_never_reads_other_ranks_rows():
     run_ranks(2, _poisoned_rows)
+
+
+class _ReadTwice(torch.nn.Module):
+    """The embedding, split by hidden dim, read whole both by a column-split projection (a sharded op: its
+    gradient comes back as partial sums) and by an op without a sharding rule (cumsum: replicated)."""
+
+    def __init__(self, vocab: int = 64, hidden: int = 48):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, hidden)
+        self.up = torch.nn.Linear(hidden, 4 * hidden, bias=False)
+        self.down = torch.nn.Linear(4 * hidden, hidden, bias=False)
+        self.head = torch.nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        return self.head(self.down(torch.nn.functional.gelu(self.up(x))) + torch.cumsum(x, -1))
+
+
+def _gathered_once(rank: int, world: int) -> None:
+    from autotp.runtime.placement import Shard
+    torch.manual_seed(0)
+    model, ids = _ReadTwice(), torch.randint(0, 64, (2, 7))
+    sharded = autotp.parallelize(model, (ids,), fixed={"emb.weight": Shard(1), "up.weight": Shard(0)})
+    gathers = [n for n in sharded.graph.nodes if getattr(n.target, "__name__", "").startswith("gather")]
+    assert [n.args[0].target for n in gathers] == [torch.ops.aten.embedding.default], gathers
+    plan = sharded.autotp_plan
+    collectives = autotp.runtime.collectives
+    one_shot, collectives.ONE_SHOT_BYTES = collectives.ONE_SHOT_BYTES, 0
+    with CommDebugMode() as forward:
+        out = sharded(ids)
+    with CommDebugMode() as backward:
+        out.square().mean().backward()
+    collectives.ONE_SHOT_BYTES = one_shot
+    assert plan_ops(comm_counts(forward)) == plan.collective_counts("forward"), comm_counts(forward)
+    assert plan_ops(comm_counts(backward)) == plan.collective_counts("backward"), comm_counts(backward)
+    model(ids).square().mean().backward()
+    torch.testing.assert_close(out, model(ids), **TOL)
+    grads = autotp.full_state_dict(sharded, grads=True)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_value_read_whole_by_sharded_and_replicated_ops_is_gathered_once(world):
+    run_ranks(world, _gathered_once)

@@ -16,7 +16,7 @@ from .gradients import gradient_sums, partial_grad, partial_params
 from .localize import full_size, local_sizes
 from .ops import op
 from .semantics import writes
-from .strategies import needs_grad, token_inputs
+from .strategies import input_slots, needs_grad, token_inputs
 
 aten = torch.ops.aten
 
@@ -147,6 +147,22 @@ class _TokenSizes:
         return self.made.get(name, size)
 
 
+def _gathered_both_ways(gm: torch.fx.GraphModule, choice: dict, grad: set) -> set:
+    """Split values gathered whole both for sharded ops (whose gradients come back as partial sums) and for
+    others (the output, replicated ops): one all-gather serves both, as the plan counts it."""
+    readers: dict = {}
+    for node in gm.graph.nodes:
+        strategy = choice.get(node)
+        wants = strategy.inputs if strategy is not None else [R] * len(input_slots(node))
+        if strategy is None and node.op != "output":
+            continue
+        for src, want in zip(input_slots(node), wants, strict=True):
+            if src in choice and isinstance(want, Replicate) and isinstance(choice[src].output, Shard):
+                f = strategy is not None and partial_grad(node, strategy, want) and src in grad
+                readers.setdefault(src, set()).add(f)
+    return {src for src, flags in readers.items() if flags == {True, False}}
+
+
 def rewrite(gm: torch.fx.GraphModule, choice: dict, rank: int, world: int, group: str,
             checkpoint=None, device: torch.device | None = None, gather_outputs: bool = True) -> torch.fx.GraphModule:
     """Mutates ``gm`` (a fresh capture) into this rank's sharded program."""
@@ -157,8 +173,17 @@ def rewrite(gm: torch.fx.GraphModule, choice: dict, rank: int, world: int, group
 
     token_sizes = _TokenSizes(graph)
 
+    summed_gathers = _gathered_both_ways(gm, choice, grad)
+
     def convert(src: Node, want, before: Node, reduce_grad: bool) -> Node:
         key = (src, want, reduce_grad)
+        if key not in converted and src in summed_gathers and not reduce_grad:
+            # read whole by sharded ops too: one all-gather whose backward reduce-scatters; this reader's whole
+            # gradient enters that sum as 1/N on each rank (it is the same on every rank)
+            gathered = convert(src, want, before, True)
+            with graph.inserting_after(gathered):
+                converted[key] = graph.call_function(collectives.scale_grad, (gathered, 1 / world))
+            converted[key].meta["val"] = src.meta["val"]
         if key not in converted:
             value = src
             shape = getattr(src.meta["val"], "shape", None)  # None: a multi-output op's tuple, never converted

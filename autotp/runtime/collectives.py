@@ -314,6 +314,22 @@ def all_reduce(x, group, where):
     return _all_reduce(x, group, where) if _no_grad() else _ReduceForward.apply(x, group, where)
 
 
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+def scale_grad(x, factor):
+    """Identity forward; the gradient scaled by ``factor`` (a whole gradient entering a reduce-scatter as 1/N)."""
+    return x if _no_grad() else _ScaleGrad.apply(x, factor)
+
+
 def reduce_grad(x, group, where):
     return x if _no_grad() else _ReduceBackward.apply(x, group, where)
 

@@ -90,6 +90,11 @@ def attention_flops(node, size) -> float:
     return 4.0 * b * a * sq * size(node.args[1].meta["val"].shape[-2]) * d
 
 
+def lookup_bytes(node, nbytes) -> float:
+    """A lookup reads the rows it returns and its indices, not the whole table: out + rows + ids."""
+    return 2 * nbytes(node) + sum(nbytes(a) for a in node.all_input_nodes[1:])
+
+
 def same_dtype(node) -> bool:
     """A cast to the dtype its input already has (linear then; a cast to another dtype rounds)."""
     src = node.args[0].meta.get("val")
@@ -170,7 +175,7 @@ TABLE: dict = {
             flops=product_flops, local=localize.own_experts),
     **_rows([aten.scaled_dot_product_attention.default], family="attention", rule=attention,
             flops=attention_flops, keeps=keeps_attention),
-    **_rows([aten.embedding.default], family="embedding", rule=embedding, keeps=keeps_nothing,
+    **_rows([aten.embedding.default], family="embedding", rule=embedding, keeps=keeps_nothing, moves=lookup_bytes,
             local=localize.vocab_rows, styles={0: {1: "hidden split", 0: "vocab split"}}),
     **_rows([aten.repeat_interleave.self_int], family="repeat", rule=repeat_heads, keeps=keeps_nothing,
             local=localize.repeat_heads),
@@ -197,7 +202,7 @@ TABLE: dict = {
     **_rows([aten.slice.Tensor], family="slice", rule=strided_slice, layout=True, experts="rows",
             keeps=keeps_nothing, local=localize.cut_block),
     **_rows([aten.select.int], family="slice", rule=slice_, layout=True, keeps=keeps_nothing),
-    **_rows([aten.index.Tensor], family="index", rule=index, layout=True, local=localize.index),
+    **_rows([aten.index.Tensor], family="index", rule=index, layout=True, moves=lookup_bytes, local=localize.index),
     **_rows([aten.split.Tensor, aten.split_with_sizes.default], family="split", rule=split, experts="rows",
             keeps=keeps_nothing, local=localize.split),
     **_rows([aten.chunk.default], family="split", rule=split, experts="rows", keeps=keeps_nothing),

@@ -74,7 +74,9 @@ def op_seconds(node: Node, strategy, sizes: Sizes, world: int, topology: Topolog
                   paired: bool = False) -> float:
     """Seconds of the op (forward and backward when training); for a parameter held grouped, also the
     all-reduce of its gradient (``paired``: shared with its weight or bias, so without the latency)."""
-    moved = 0.0 if op(node.target).view else (  # a view's output is its input: nothing is read or written
+    row = op(node.target)
+    moved = 0.0 if row.view else (  # a view's output is its input: nothing is read or written
+        row.moves(node, sizes.nbytes) if row.moves else
         sizes.nbytes(node) + sum(sizes.nbytes(a) for a in node.all_input_nodes if is_placed(a)))
     seconds = op_time(sizes.flops(node), moved, topology) if node.op == "call_function" else 0.0
     if isinstance(strategy.output, Disjoint):  # whole experts: the busiest rank's share of the products;

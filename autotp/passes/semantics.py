@@ -28,6 +28,7 @@ class Op:
     layout: bool = False      # the same data seen another way (or a cast): a parameter through it is still the
     #                           parameter, stored as used and never gathered at run time
     flops: Callable | None = None
+    moves: Callable | None = None  # (node, nbytes) -> bytes read and written (None: every input and the output)
     linear: tuple = ()        # operands a partial sum may be, one at a time: the op is linear in each
     linear_if: Callable | None = None  # node -> bool: the op is linear only then (a cast to the same dtype)
     additive: bool = False    # a + b: a partial sum plus a replicated operand stays one when one rank adds it

@@ -59,7 +59,7 @@ def test_hf_tp_plan_folds_layers_and_matches_transformers_own():
         assert hf_plan[f"model.{pattern}"] == style, pattern
 
 
-def _communicates_no_more_than_hf(rank: int, world: int, kind: str, directory: str) -> None:
+def _communicates_no_more_than_hf(rank: int, world: int, kind: str, directory: str, predicted: dict) -> None:
     import os
 
     from torch.distributed.tensor.debug import CommDebugMode
@@ -80,6 +80,7 @@ def _communicates_no_more_than_hf(rank: int, world: int, kind: str, directory: s
         return plan_ops(comm_counts(forward)), plan_ops(comm_counts(backward))
 
     (ours, ours_back), (theirs, theirs_back) = counts(sharded), counts(hf)
+    assert (predicted["forward"], predicted["backward"]) == (theirs, theirs_back), (predicted, theirs, theirs_back)
     plan = sharded.autotp_plan
     assert ours == plan.collective_counts("forward") and ours_back == plan.collective_counts("backward"), (
         ours, ours_back, plan.collectives)
@@ -102,6 +103,43 @@ def _communicates_no_more_than_hf(rank: int, world: int, kind: str, directory: s
 def test_no_more_communication_than_hf_tp_plan(kind, tmp_path):
     """Collectives of a training step counted with CommDebugMode: autotp vs transformers' tp_plan="auto"
     (the figures the README states), and autotp's against its plan's prediction and Megatron's count."""
+    from autotp.tools.compare import compare
     model, _, _ = build(kind)
     model.save_pretrained(tmp_path)
-    run_ranks(2, _communicates_no_more_than_hf, kind, str(tmp_path))
+    predicted = compare(model, (example_input(kind, 3, 5),), world_size=2)["hf"]  # `autotp compare`'s HF column
+    run_ranks(2, _communicates_no_more_than_hf, kind, str(tmp_path), predicted)
+
+
+def _transformers_counts(rank: int, world: int, directory: str, expert_parallel: bool, ids, predicted) -> None:
+    import os
+
+    from torch.distributed.tensor.debug import CommDebugMode
+    from transformers import MixtralForCausalLM
+    from transformers.distributed import DistributedConfig
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    config = DistributedConfig(tp_plan="auto", enable_expert_parallel=expert_parallel)
+    hf = MixtralForCausalLM.from_pretrained(directory, distributed_config=config)
+    with CommDebugMode() as forward:
+        loss = hf(ids).logits.float().square().mean()
+    with CommDebugMode() as backward:
+        loss.backward()
+    measured = plan_ops(comm_counts(forward)), plan_ops(comm_counts(backward))
+    assert measured == (predicted["forward"], predicted["backward"]), (measured, predicted)
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_compare_counts_what_transformers_runs_for_experts(expert_parallel, tmp_path):
+    """transformers' Mixtral plans as `autotp compare` prices them (experts split by its tp_plan; whole experts by
+    its ep_plan, tokens dispatched by all-to-all) run exactly the collectives compare counts, by kind."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from autotp.tools.compare import compare
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=2, num_local_experts=4))
+    model.save_pretrained(tmp_path)
+    ids = torch.randint(0, 64, (3, 5))
+    result = compare(model, (ids,), world_size=2)
+    predicted = result["hf_ep"] if expert_parallel else result["hf"]
+    assert not predicted["unpriced"], predicted
+    run_ranks(2, _transformers_counts, str(tmp_path), expert_parallel, ids, predicted)

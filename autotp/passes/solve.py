@@ -45,6 +45,7 @@ class DoesNotFit(PlanningError):
 class Solution:
     choice: dict          # node -> Strategy
     seconds: float        # estimated step time of the chosen plan
+    compute: float        # the ops' own part of it (recomputation and grouped weights' gradient sums included)
     memory: dict          # estimated bytes per device by kind (cost_models.memory.breakdown)
     recomputed: list = field(default_factory=list)  # attention cores whose backward computes them again
     regathers: dict = field(default_factory=dict)   # tensor kept as token pieces -> its backward re-gather's
@@ -71,7 +72,7 @@ def solve(gm: torch.fx.GraphModule, ctx: Context, topology: Topology, *, trainin
     problem = pulp.LpProblem("autotp", pulp.LpMinimize)
     trainable = dict(gm.named_parameters(remove_duplicate=False))
     grad = needs_grad(gm) if training else set()
-    costs, memory, kinds, preference = [], [], {}, []
+    costs, compute, memory, kinds, preference = [], [], [], {}, []
     pairs = {b: a for b, a in bias_weights(gm).items() if training and {a, b} <= ctx.strategies.keys()
              and {a.target, b.target} <= trainable.keys()}
     paired = set(pairs) | set(pairs.values())
@@ -82,7 +83,7 @@ def solve(gm: torch.fx.GraphModule, ctx: Context, topology: Topology, *, trainin
         problem += pulp.lpSum(x[node]) == 1
         weight = w(node, 1)
         for k, (var, s) in enumerate(zip(x[node], options, strict=True)):
-            costs.append(var * weight * op_seconds(node, s, sizes, t, topology, training, node in paired))
+            compute.append(var * weight * op_seconds(node, s, sizes, t, topology, training, node in paired))
             preference.append(var * weight * k * TIE_BREAK)
             for kind, held in op_memory(node, s, sizes, t, trainable, training).items():
                 if held:
@@ -96,7 +97,8 @@ def solve(gm: torch.fx.GraphModule, ctx: Context, topology: Topology, *, trainin
     again, recompute_costs = price_recompute(
         problem, cores, ctx, x, recompute == "forced", ties,
         lambda node, s: w(node, 1) * op_seconds(node, s, sizes, t, topology, training) / 3)
-    costs += recompute_costs
+    compute += recompute_costs
+    costs += compute
     frees = {key: r for core, r in zip(cores, again, strict=True)
              for key in dropped({key: nodes for key, (_, _, nodes) in saves.items()}, core)}
     gathers: dict = {}     # tensor kept as token pieces -> (1 iff re-gathered in the backward, its seconds)
@@ -202,7 +204,8 @@ def solve(gm: torch.fx.GraphModule, ctx: Context, topology: Topology, *, trainin
     by_kind["activations"] = sum(w(node, 1) * held for node, held in  # exact, whatever slack the ILP left
                                  activation_bytes(choice, sizes, t, grad, recomputed).items())
     regathers = {node: priced for node, (piece, priced) in gathers.items() if pulp.value(piece) > 0.5}
-    return Solution(choice, seconds, breakdown(by_kind), recomputed, regathers)
+    return Solution(choice, seconds, float(pulp.value(pulp.lpSum(compute)) or 0.0), breakdown(by_kind), recomputed,
+                    regathers)
 
 
 def _force_tokens(problem: pulp.LpProblem, ctx: Context, x: dict) -> None:

@@ -156,10 +156,14 @@ def _compare(args) -> int:
     if result["hf"] is None:
         print(f"{type(model).__name__} has no Hugging Face tp_plan to compare with")
         return 1
-    title = f"{type(model).__name__} at TP {args.world_size}: HF tp_plan vs autotp (same cost model)"
+    title = (f"{type(model).__name__} at TP {args.world_size}: transformers' plans as it runs them vs autotp "
+             "(same cost model)")
     plans = {"HF tp_plan": result["hf"], **({"HF ep_plan": result["hf_ep"]} if result.get("hf_ep") else {}),
              "autotp": result["autotp"]}
     Console(width=140).print(compare_table(plans, title))
+    for name, priced in plans.items():
+        if priced.get("unpriced"):
+            print(f"{name}: collectives of styles {', '.join(priced['unpriced'])} not counted (unknown to autotp)")
     return 0
 
 

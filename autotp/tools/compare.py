@@ -1,16 +1,48 @@
-"""`autotp compare`: Hugging Face's hand-written tp_plan for the architecture, priced with autotp's
-cost model (its parameter placements imposed, everything else solved), beside autotp's own plan."""
+"""`autotp compare`: transformers' own plans for the architecture (its tp_plan, and its ep_plan where it has
+one) priced as transformers runs them, beside autotp's plan, with one cost model.
+
+A transformers plan places parameters and hooks modules.  The collectives a hooked module runs are those of its
+style (transformers.distributed.tensor_parallel and expert_parallel, 5.x), counted per call from the captured
+graph and priced at the example's sizes; they are not re-solved.  Compute is priced with the parameters where
+transformers places them (autotp's solver around those placements only decides where activations live).
+tests/test_interop.py checks the counts against the collectives transformers is measured to run.
+"""
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import torch
 
 from autotp.api import prepared_graph, solve_plan
+from autotp.cost_models import collective_time
 from autotp.interop import hf_parameter_placements
 from autotp.options import Options
+from autotp.passes.capture import module_path
+from autotp.passes.pricing import priced_unit
 from autotp.passes.solve import PlanningError
 from autotp.plan import Plan
+
+# style -> (forward, backward) collectives per call of the hooked module, in training: (op, what it moves) with
+# "in" the module's input, "out" its output, "weights" its routing weights (an experts module), "rows" every routed
+# (token, expert) row, "counts" the rows' per-expert counts; parameter-only styles (packed_colwise, grouped_gemm on a
+# parameter) place weights and run nothing
+STYLES = {
+    "colwise": ((), (("all_reduce", "in"),)),
+    "colwise_gather_output": ((("all_gather", "out"),), (("all_reduce", "in"),)),
+    "colwise_rep": ((("all_gather", "out"),), (("all_reduce", "in"),)),
+    "rowwise": ((("all_reduce", "out"),), ()),
+    "rowwise_split_input": ((("all_reduce", "out"),), (("all_gather", "in"),)),
+    "rowwise_rep": ((("all_reduce", "out"),), (("all_gather", "in"),)),
+    "embedding_rowwise": ((("all_reduce", "out"),), ()),
+    "embedding_colwise": ((("all_gather", "out"),), ()),
+    "moe_tp_experts": ((("all_reduce", "out"),), (("all_reduce", "in"), ("all_reduce", "weights"))),
+    # the TP group's ranks each send their slice of the tokens, then gather the combined rows back
+    "ep_dispatch_experts": ((("all_to_all", "counts"), ("all_to_all", "rows"), ("all_to_all", "rows"),
+                             ("all_gather", "out")),
+                            (("all_to_all", "rows"), ("all_to_all", "rows"), ("all_gather", "in"),
+                             ("all_gather", "weights"))),
+}
 
 
 def summary(plan: Plan) -> dict:
@@ -21,24 +53,90 @@ def summary(plan: Plan) -> dict:
 
 def compare(model: torch.nn.Module, args=None, kwargs=None, *, world_size: int, topology=None,
             training: bool = True, memory_limit: float | None = None) -> dict:
-    """{"autotp": summary, "hf": summary or None (no tp_plan for this architecture), "hf_invalid": why
-    HF's plan cannot run this model exactly (e.g. heads not divisible by the world size), or None, "hf_ep":
-    HF's expert-parallel plan (its ep_plan over the tp_plan: whole experts per rank), where it has one and
-    it runs exactly}."""
+    """{"autotp": summary, "hf": its tp_plan as transformers runs it (None: no tp_plan for this architecture),
+    "hf_invalid": why transformers' placements cannot run this model exactly (e.g. heads not divisible by the
+    world size), or None, "hf_ep": its ep_plan over the tp_plan, where it has one}.  A transformers summary lists
+    under "unpriced" the styles whose collectives autotp does not know (never guessed)."""
     gm = prepared_graph(model, args, kwargs, fold=True)
     options = Options(topology=topology, training=training, memory_limit=memory_limit)
     ours = summary(solve_plan(gm, world_size, options))
 
-    def priced(fixed: dict):
-        """HF's placements imposed: a summary, None where there are none, False where none runs exactly."""
+    def priced(styles: dict, expert_parallel: bool):
+        placements = hf_parameter_placements(model, expert_parallel)
+        if not placements:
+            return None
         try:
-            return summary(solve_plan(gm, world_size, replace(options, fixed=fixed))) if fixed else None
+            placed = solve_plan(gm, world_size, replace(options, fixed=placements))
         except PlanningError:
             return False
+        return as_run(gm, placed, styles, world_size, topology, training)
 
-    tp, ep = hf_parameter_placements(model), hf_parameter_placements(model, expert_parallel=True)
-    theirs = priced(tp)
+    tp_styles = dict(getattr(model, "tp_plan", None) or {})
+    ep_styles = {**tp_styles, **(getattr(model, "ep_plan", None) or {})}
+    theirs = priced(tp_styles, False)
     invalid = (f"its even splits cut through attention heads or other whole units at TP {world_size}, so no "
                "exact program uses those placements") if theirs is False else None
-    whole_experts = (priced(ep) or None) if ep != tp else None  # an ep_plan changes some placements
+    whole_experts = (priced(ep_styles, True) or None) if ep_styles != tp_styles else None
     return {"autotp": ours, "hf": theirs or None, "hf_invalid": invalid, "hf_ep": whole_experts}
+
+
+def as_run(gm: torch.fx.GraphModule, placed: Plan, styles: dict, world: int, topology, training: bool) -> dict:
+    """A transformers plan's summary: compute as ``placed`` (transformers' parameter placements) prices it,
+    collectives as its hooked modules run them."""
+    collectives, unpriced = hooked_collectives(gm, styles, training)
+    counts: dict = {"forward": {}, "backward": {}}
+    seconds = placed.cost["compute_seconds"]
+    for phase, op, nbytes, count in collectives:
+        counts[phase][op] = counts[phase].get(op, 0) + count
+        seconds += count * collective_time(op, nbytes, world, topology)
+    return {"seconds": seconds, **counts, "param_bytes": placed.cost["memory"]["params"],
+            "memory": placed.cost["memory"]["total"], "unpriced": sorted(unpriced)}
+
+
+def hooked_collectives(gm: torch.fx.GraphModule, styles: dict, training: bool) -> tuple[list, set]:
+    """[(phase, op, bytes, calls)] for each module a style hooks, and the styles with no entry in STYLES."""
+    _, sizes = priced_unit(gm)
+    folding = gm.meta.get("autotp_fold")
+    weight = folding.weights.get if folding else (lambda n, d: d)
+    patterns = [(re.compile(pattern.replace(".", r"\.").replace("*", r"\d+")), style)
+                for pattern, style in styles.items()]
+    calls: dict = {}
+    for node in gm.graph.nodes:
+        path = module_path(node)
+        while path:
+            style = next((s for regex, s in patterns if regex.fullmatch(path)), None)
+            if style is not None:
+                calls.setdefault((path, style), []).append(node)
+                break
+            path = path.rpartition(".")[0]
+    found, unpriced = [], set()
+    for (_, style), nodes in calls.items():
+        if style not in STYLES:
+            unpriced.add(style)
+            continue
+        moved = _moved(nodes, sizes)
+        for phase, steps in zip(("forward", "backward"), STYLES[style], strict=True):
+            if phase == "backward" and not training:
+                continue
+            found += [(phase, op, moved[what], max(weight(n, 1) for n in nodes)) for op, what in steps]
+    return found, unpriced
+
+
+def _moved(nodes: list, sizes) -> dict:
+    """Bytes of what a module call moves: its input (the largest floating tensor it reads from outside), its
+    output (the last value used outside), its routing weights (the smallest floating input) and routed rows."""
+    inside = set(nodes)
+    outside = [a for n in nodes for a in n.all_input_nodes if a not in inside and _floating(a)]
+    out = [n for n in nodes if _floating(n) and any(u not in inside for u in n.users)]
+    by_size = sorted(dict.fromkeys(outside), key=sizes.nbytes)
+    moved = {"in": sizes.nbytes(by_size[-1]) if by_size else 0.0, "out": sizes.nbytes(out[-1]) if out else 0.0,
+             "weights": sizes.nbytes(by_size[0]) if by_size else 0.0}
+    if by_size:
+        rows = sizes.numel(by_size[0]) * sizes(by_size[-1].meta["val"].shape[-1])  # (token, expert) pairs x hidden
+        moved.update(rows=rows * by_size[-1].meta["val"].element_size(), counts=0.0)  # counts: a latency
+    return moved
+
+
+def _floating(node: torch.fx.Node) -> bool:
+    v = node.meta.get("val")
+    return isinstance(v, torch.Tensor) and v.is_floating_point()

@@ -82,7 +82,7 @@ def plan_mesh_for_graph(gm: torch.fx.GraphModule, *, devices: int | None = None,
     global_batch = global_batch or unit
     limit = memory_limit if memory_limit is not None else 0.9 * topo.memory_bytes
     flops = model_flops(gm, sizes) / unit * global_batch if training else 0.0
-    profiles = [_profile(gm, tp, topo, training, sizes, unit) for tp in pipe.divisors(devices)
+    profiles = [tp_profile(gm, tp, topo, training, sizes, unit) for tp in pipe.divisors(devices)
                 if tp <= topo.gpus_per_node]  # TP stays inside a node (Narayanan et al. 2021 section 3.3)
     setting = Setting(topo, global_batch, training, data_parallel, limit, flops)
     found = _layouts(profiles, devices, setting)
@@ -90,7 +90,7 @@ def plan_mesh_for_graph(gm: torch.fx.GraphModule, *, devices: int | None = None,
     if short:  # activations decide: sequence parallelism, then selective recomputation too
         variants = {tp: ((True, False), (True, True)) if tp > 1 else ((False, True),) for tp in short}
         profiles += [p for tp in short for tokens, cores in variants[tp]
-                     if (p := _profile(gm, tp, topo, training, sizes, unit, tokens, cores)) is not None]
+                     if (p := tp_profile(gm, tp, topo, training, sizes, unit, tokens, cores)) is not None]
         found = _layouts(profiles, devices, setting)
     if not found[0].fits:
         raise PlanningError(_advice(found, profiles, devices, setting))
@@ -120,7 +120,7 @@ def _layouts(profiles: list, devices: int, setting: Setting) -> list[Candidate]:
     return list(best.values())
 
 
-def _profile(gm: torch.fx.GraphModule, tp: int, topo: Topology, training: bool, sizes: Sizes,
+def tp_profile(gm: torch.fx.GraphModule, tp: int, topo: Topology, training: bool, sizes: Sizes,
              unit: int, tokens: bool = False, cores: bool = False) -> Profile | None:
     """Solve the TP plan once and read its time and memory per section, per sample (kept on the graph:
     pricing another cluster of the same nodes reuses it).  ``tokens``: with sequence parallelism;

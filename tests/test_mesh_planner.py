@@ -35,26 +35,39 @@ def _covers(stages: list, blocks: int) -> bool:
     return [b for start, end in stages for b in range(start, end)] == list(range(blocks))
 
 
-def test_gpt3_175b_on_128_dgx_a100_with_ddp_fits_like_megatron(gpt3):
+def test_gpt3_175b_on_128_dgx_a100_with_ddp_chooses_megatrons_layout(gpt3):
+    """Narayanan et al. 2021 trained this model on 1024 A100s (128 DGX A100) as TP 8 x PP 8 x DP 16 with a global
+    batch of 1536; the planner, given the same cluster, batch and replicated (DDP) optimizer state, chooses it."""
     result = plan_mesh_for_graph(gpt3, topology="dgx-a100", nodes=128, global_batch=1536, data_parallel="ddp")
     c = result.choice
-    assert c.tp * c.pp * c.dp == 1024 and 1536 % c.dp == 0
-    assert 8 % c.tp == 0                      # every TP group inside one node
-    assert c.pp > 1 and c.tp * c.dp >= 8      # pipeline stages on different nodes
+    assert (c.tp, c.pp, c.dp) == (8, 8, 16), result.to_dict()["choice"]
     assert c.memory_bytes <= A100_LIMIT
     assert _covers(c.stages, LAYERS) and len(c.stages) == c.pp * c.virtual_stages
     sizes = [end - start for start, end in c.stages]
     assert max(sizes) - min(sizes) <= 2       # balanced: the embedding and the head make their stages lighter
-    assert 0.25 <= c.mfu <= load_topology("dgx-a100").matmul_efficiency  # Megatron: 33.7% model FLOPs, 44.9% hw
-    megatron = next(x for x in result.candidates if (x.tp, x.pp, x.dp) == (8, 8, 16))
-    assert megatron.fits                      # it ran in 80 GB (Narayanan et al. 2021)
-    # its measured 140 TFLOP/s per GPU count 96 B s L h^2 (1 + s/6h + V/16Lh) FLOPs a step: forward, backward
-    # and the recomputed forward (31.5 s a step); a layout that keeps its activations does 72 of the 96
-    flops = (96 if megatron.recompute else 72) * 1536 * 2048 * LAYERS * 12288 ** 2 * (
-        1 + 2048 / (6 * 12288) + 51200 / (16 * LAYERS * 12288))
-    at_megatrons_rate = flops / (1024 * 140e12)
-    assert 0.75 * at_megatrons_rate <= megatron.step_seconds <= 1.25 * at_megatrons_rate
-    assert all(x.tp <= 8 for x in result.candidates)
+    assert all(x.tp <= 8 for x in result.candidates)  # every TP group inside one node
+
+
+@pytest.mark.parametrize("schedule, virtual", [("1f1b", 1), ("interleaved-1f1b", 2)])
+def test_gpt3_175b_as_megatron_ran_it_is_priced_near_its_measured_time(gpt3, schedule, virtual):
+    """Like with like: Megatron's run as it ran -- TP 8 x PP 8 x DP 16, micro-batches of 1, every block
+    recomputed, no sequence parallelism -- priced by the planner, against the step time its measured 140
+    TFLOP/s per GPU give for the FLOPs it did (Narayanan et al. 2021: 96 B s L h^2 (1 + s/6h + V/16Lh) a step,
+    forward, backward and the recomputed forward): 31.5 s.  The estimate may be faster (GEMMs at the profile's
+    efficiency, no kernel-launch or straggler time), within 25%."""
+    from autotp.cost_models.mesh_layout import Candidate, Setting, price
+    from autotp.mesh_planner import tp_profile
+    from autotp.passes.pricing import model_flops, priced_unit
+    unit, sizes = priced_unit(gpt3)
+    topo = load_topology("dgx-a100", nodes=128)
+    flops = 96 * 1536 * 2048 * LAYERS * 12288 ** 2 * (1 + 2048 / (6 * 12288) + 51200 / (16 * LAYERS * 12288))
+    measured = flops / (1024 * 140e12)
+    setting = Setting(topo, 1536, True, "ddp", A100_LIMIT, model_flops(gpt3, sizes) / unit * 1536)
+    megatron = price(tp_profile(gpt3, 8, topo, True, sizes, unit),
+                     Candidate(8, 8, 16, microbatch_size=1, schedule=schedule, virtual_stages=virtual, recompute=True),
+                     setting)
+    assert megatron.fits, megatron.note      # it ran in 80 GB
+    assert 0.75 * measured <= megatron.step_seconds <= 1.25 * measured, (megatron.step_seconds, measured)
 
 
 def test_gpt3_175b_with_fsdp_fits_wherever_ddp_does(gpt3):
@@ -70,10 +83,10 @@ def test_gpt3_175b_with_fsdp_fits_wherever_ddp_does(gpt3):
 def test_activations_per_layer_lie_within_korthikantis_bounds(gpt3):
     """The planner counts kept op outputs on the graph; Korthikanti et al. 2022 (TP t, bf16, dropout masks):
     sbh(10 + 24/t) without the attention-score terms (fused SDPA), sbh(10 + 24/t + 5as/(ht)) with them."""
-    from autotp.mesh_planner import _profile
+    from autotp.mesh_planner import tp_profile
     from autotp.passes.pricing import priced_unit
     unit, sizes = priced_unit(gpt3)
-    profile = _profile(gpt3, 8, load_topology("dgx-a100", nodes=128), True, sizes, unit)
+    profile = tp_profile(gpt3, 8, load_topology("dgx-a100", nodes=128), True, sizes, unit)
     s, h, a, t = 2048, 12288, 96, 8
     per_layer = profile.blocks[LAYERS // 2].memory["activations"]
     assert s * h * (10 + 24 / t) <= per_layer <= s * h * (10 + 24 / t + 5 * a * s / (h * t))
@@ -84,11 +97,11 @@ def test_whole_block_recomputation_under_sequence_parallelism_keeps_each_layers_
     """Korthikanti et al. 2022 (§4.3, Table 2): with sequence parallelism and full recomputation a layer keeps
     only its input, split over the t ranks: 2sbh/t bytes (bf16)."""
     from autotp.cost_models.mesh_layout import KEPT, Candidate, Profile, Section, stage_memory
-    from autotp.mesh_planner import _profile
+    from autotp.mesh_planner import tp_profile
     from autotp.passes.pricing import priced_unit
     unit, sizes = priced_unit(gpt3)
     s, h, t = 2048, 12288, 8
-    split = _profile(gpt3, t, load_topology("dgx-a100", nodes=128), True, sizes, unit, tokens=True)
+    split = tp_profile(gpt3, t, load_topology("dgx-a100", nodes=128), True, sizes, unit, tokens=True)
     assert split.sequence_parallel
     # the activations alone (no weights or optimizer state), one sample, no pipeline
     kept = Profile(t, [Section(x.seconds, {k: v for k, v in x.memory.items() if k in KEPT}) for x in split.sections],

@@ -16,7 +16,7 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
     ("plan_scaling.py", ["--layers", "6", "--world-size", "4", "--mesh-layers", "6", "--mesh-hidden", "512"], "yes"),
     ("runtime.py", ["--layers", "1", "--hidden", "64", "--repeats", "1", "--decode-steps", "1"],
      "reference, autotp collectives"),
-    ("generate.py", ["--layers", "1", "--hidden", "64", "--new", "3", "--batch", "2"], "autotp / hf"),
+    ("generate.py", ["--layers", "1", "--hidden", "64", "--new", "3", "--batch", "2", "--repeats", "1"], "autotp / hf"),
     ("train.py", ["--layers", "1", "--hidden", "32", "--seq", "8", "--batch", "4", "--repeats", "1"], "ratio"),
 ])
 def test_benchmark_runs(script, args, expect):

@@ -15,21 +15,21 @@ from torch.distributed.tensor.debug import CommDebugMode
 import autotp
 from autotp.runtime import collectives
 from autotp.runtime.placement import Shard
-from distributed import comm_counts, run_ranks
+from distributed import comm_counts, plan_ops, run_ranks
 from models import SignedBranches, phi2, vit
 
 BLOCKS = 1  # blocks are planned alike (tests/test_fold.py); one keeps the spawned ranks quick
 
 
-def _all_reduces(step) -> int:
-    """All-reduces ``step()`` runs, counted by CommDebugMode (small ones too: not one-shot)."""
+def _collectives(step) -> dict:
+    """The collectives ``step()`` runs by kind, counted by CommDebugMode (small all-reduces too: not one-shot)."""
     one_shot, collectives.ONE_SHOT_BYTES = collectives.ONE_SHOT_BYTES, 0
     try:
         with CommDebugMode() as comm:
             step()
     finally:
         collectives.ONE_SHOT_BYTES = one_shot
-    return comm_counts(comm).get("all_reduce", 0)
+    return plan_ops(comm_counts(comm))
 
 
 def _per_block(plan, phase: str) -> list[int]:
@@ -48,9 +48,9 @@ def _blocks(rank: int, world: int) -> None:
         plan = sharded.autotp_plan
         assert _per_block(plan, "forward") == [forward] * BLOCKS, plan.collectives
         assert _per_block(plan, "backward") == [backward] * BLOCKS, plan.collectives
-        assert _all_reduces(lambda s=sharded: s(x)) == plan.collective_counts("forward")["all_reduce"]
+        assert _collectives(lambda s=sharded: s(x)) == plan.collective_counts("forward")
         loss = sharded(x).logits.square().mean()
-        assert _all_reduces(loss.backward) == plan.collective_counts("backward")["all_reduce"]
+        assert _collectives(loss.backward) == plan.collective_counts("backward")
         model.zero_grad()
         sharded.zero_grad()
         _same_as_unsharded(model, sharded)  # outputs and every gradient: biases' and the residual stream's
@@ -62,7 +62,7 @@ def _signed(rank: int, world: int) -> None:
     x = torch.randn(2, 5, 32)
     sharded = autotp.parallelize(model, (x,))
     assert sharded.autotp_plan.params["a_out.weight"] == "S(1)", sharded.autotp_plan.params
-    assert _all_reduces(lambda: sharded(x)) == 1  # x - a + 0.5 b summed once, biases and x added by one rank
+    assert _collectives(lambda: sharded(x)) == {"all_reduce": 1}  # x - a + 0.5 b summed once, biases and x by rank 0
     _same_as_unsharded(model, sharded, inputs=lambda batch, seq: torch.randn(batch, seq, 32))
     grad = torch.randn(2, 5, 32)
     inputs = [x.clone().requires_grad_() for _ in range(2)]

@@ -17,6 +17,7 @@ from autotp.options import Options
 from autotp.passes.recompute import attention_cores
 from autotp.passes.strategies import needs_grad
 from autotp.runtime.activations import Recomputed
+from autotp.tools.spawn import run_local
 from distributed import run_ranks
 from models import build
 
@@ -91,7 +92,7 @@ def test_cli_plan_with_recomputation(capsys):
     assert plan["cost"]["recompute"] and not plan["cost"]["token_split"]
 
 
-def _pipelined(rank: int, world: int, want: tuple) -> None:
+def _pipelined(rank: int, world: int, want: tuple) -> int:
     """PP 2 x TP 2 through parallelize(mesh=...): each stage's plan recomputes its attention cores, the
     stage's backward runs each core again once per micro-batch, and training equals one process."""
     from test_pipeline import STEPS, _batch, _llama, _loss, _optimizer
@@ -127,11 +128,13 @@ def _pipelined(rank: int, world: int, want: tuple) -> None:
     params = pipelined.full_state_dict()
     for name, value in want_params.items():
         torch.testing.assert_close(params[name], torch.from_numpy(value), rtol=1e-4, atol=1e-5, msg=name)
+    return len(losses)
 
 
 def test_pipeline_stages_recompute_their_attention():
-    from test_pipeline import _single_process
-    run_ranks(4, _pipelined, _single_process())
+    from test_pipeline import STEPS, _single_process
+    reported = run_local(4, _pipelined, _single_process())
+    assert reported == [0, 0, STEPS, STEPS], reported  # the last stage's two TP ranks compared every step's loss
 
 
 def _compiled(rank: int, world: int) -> None:

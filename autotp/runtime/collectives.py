@@ -73,6 +73,11 @@ def register(group: dist.ProcessGroup) -> None:
     _gloo[group.group_name] = _Gloo(world, hasattr(os, "sched_yield") and local <= _cores(), timeout)
 
 
+def unregister(group: dist.ProcessGroup) -> None:
+    """Plain collectives on ``group`` from now on, as on NCCL (to compare with code that has no shortcuts)."""
+    _gloo.pop(group.group_name, None)
+
+
 def _eager_gloo(group: str) -> _Gloo | None:
     gloo = _gloo.get(group)
     return None if gloo is None or torch.compiler.is_compiling() else gloo

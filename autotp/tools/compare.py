@@ -85,12 +85,13 @@ def as_run(gm: torch.fx.GraphModule, placed: Plan, styles: dict, world: int, top
     collectives as its hooked modules run them."""
     collectives, unpriced = hooked_collectives(gm, styles, training)
     counts: dict = {"forward": {}, "backward": {}}
-    seconds = placed.cost["compute_seconds"]
+    comm = {"forward": 0.0, "backward": 0.0}
     for phase, op, nbytes, count in collectives:
         counts[phase][op] = counts[phase].get(op, 0) + count
-        seconds += count * collective_time(op, nbytes, world, topology)
-    return {"seconds": seconds, **counts, "param_bytes": placed.cost["memory"]["params"],
-            "memory": placed.cost["memory"]["total"], "unpriced": sorted(unpriced)}
+        comm[phase] += count * collective_time(op, nbytes, world, topology)
+    return {"seconds": placed.cost["compute_seconds"] + sum(comm.values()), **counts, "comm_seconds": comm,
+            "param_bytes": placed.cost["memory"]["params"], "memory": placed.cost["memory"]["total"],
+            "unpriced": sorted(unpriced)}
 
 
 def hooked_collectives(gm: torch.fx.GraphModule, styles: dict, training: bool) -> tuple[list, set]:

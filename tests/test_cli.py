@@ -192,3 +192,30 @@ def test_plan_folds_a_deep_model_and_its_table(tmp_path):
     assert rows["model.layers.1 … model.layers.4"][0] == "each as model.layers.0 (4 blocks)"
     assert rows["model.layers.5.mlp.down_proj.weight"][1] == "R" and "model.layers.6.mlp.up_proj.weight" in rows
     assert rows["model.layers.7 … model.layers.11"][0] == "each as model.layers.6 (5 blocks)"
+
+
+def test_plans_and_meshes_draw_as_pictures(tmp_path):
+    """`--svg` / `--html`: one block's shown ops each with its output placement's colour and every collective of
+    the block beside its value; the mesh planner's layouts one row each, the chosen one alone in green."""
+    import xml.etree.ElementTree as ET
+
+    config = _llama_config(tmp_path / "c.json", heads=8, kv=2, head_dim=16, vocab=1000, layers=6)
+    result = _autotp("plan", str(config), "--world-size", "2", "--svg", str(tmp_path / "p.svg"),
+                     "--html", str(tmp_path / "p.html"), "--out", str(tmp_path / "p.json"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    from autotp.plan import Plan
+    plan = Plan.load(tmp_path / "p.json")
+    texts = [e.text or "" for e in ET.parse(tmp_path / "p.svg").iter() if e.tag.endswith("text")]
+    block = [c for c in plan.collectives if c["module"] in ("model.layers.1", *(
+        m for m in [c["module"]] if m.startswith("model.layers.1.")))]
+    assert sum(t.startswith(("all_reduce", "all_gather", "reduce_scatter")) for t in texts) == len(block) > 0
+    assert any("q_proj" in t and "linear" in t for t in texts)
+    assert (tmp_path / "p.svg").read_text() in (tmp_path / "p.html").read_text()
+    mesh = _autotp("mesh", str(config), "--topology", "dgx-h100", "--global-batch", "8", "--json",
+                   "--svg", str(tmp_path / "m.svg"))
+    assert mesh.returncode == 0, mesh.stderr[-3000:]
+    candidates = json.loads(mesh.stdout)["candidates"]
+    root = ET.parse(tmp_path / "m.svg").getroot()
+    rows = [e.text for e in root.iter() if e.tag.endswith("text") and (e.text or "").startswith("TP ")]
+    assert len(rows) == len(candidates)
+    assert sum(e.get("fill") == "#27ae60" for e in root.iter() if e.tag.endswith("rect")) == 1

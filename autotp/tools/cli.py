@@ -55,11 +55,30 @@ def _plan(args) -> int:
                              experts=None if args.experts == "auto" else args.experts, memory_limit=_limit(args))
     if args.out:
         result.save(args.out)
+    _figures(args, "plan", result)
     if args.json:
         print(result.to_json())
         return 0
     print_plan(result, tensor_shapes(model), every=args.all)
     return _print_mesh(model, example, args) if args.devices else 0
+
+
+def _figures(args, kind: str, result) -> None:
+    """``--svg`` / ``--html``: the plan's middle block, or the mesh planner's layouts, as a picture."""
+    if not (getattr(args, "svg", None) or getattr(args, "html", None)):
+        return
+    from .figures import html_page, mesh_svg, plan_svg
+    svg = plan_svg(result) if kind == "plan" else mesh_svg(result)
+    if args.svg:
+        Path(args.svg).write_text(svg)
+    if args.html:
+        title = f"autotp {kind}: {getattr(args, 'model', None) or getattr(args, 'plan', '')}"
+        Path(args.html).write_text(html_page(title, svg, "Estimates of autotp's cost model."))
+
+
+def _figure_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--svg", default=None, help="also draw it as an SVG picture in this file")
+    parser.add_argument("--html", default=None, help="also draw it in an HTML page in this file")
 
 
 def _limit(args) -> float | None:
@@ -88,6 +107,8 @@ def _print_mesh(model, example, args) -> int:
         except (PlanningError, ValueError) as exc:
             print(f"autotp: {exc}", file=sys.stderr)
             return 1
+    if getattr(args, "command", "") == "mesh":
+        _figures(args, "mesh", result)
     if args.json:
         print(result.to_json())
         return 0
@@ -115,7 +136,9 @@ def _load_plan(path: str):
 
 def _show(args) -> int:
     from .report import print_plan
-    print_plan(_load_plan(args.plan), every=args.all)
+    plan = _load_plan(args.plan)
+    _figures(args, "plan", plan)
+    print_plan(plan, every=args.all)
     return 0
 
 
@@ -203,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--no-fold", action="store_true",
                       help="capture and solve every block (default: identical blocks planned from four)")
     plan.add_argument("--all", action="store_true", help="one row per parameter (default: blocks placed alike folded)")
+    _figure_arguments(plan)
     plan.add_argument("--sequence-parallel", choices=("auto", "on", "off"), default="auto",
                       help="split norms, dropouts and residual adds by tokens: when memory demands it (auto), always, "
                            "never")
@@ -218,9 +242,11 @@ def main(argv: list[str] | None = None) -> int:
     mesh.add_argument("--devices", type=int, default=None, help="how many devices (default: all of the topology)")
     _mesh_arguments(mesh)
     mesh.add_argument("--json", action="store_true", help="print the choice and every candidate as JSON")
+    _figure_arguments(mesh)
     show = sub.add_parser("show", help="print a saved plan")
     show.add_argument("plan")
     show.add_argument("--all", action="store_true", help="one row per parameter (default: blocks placed alike folded)")
+    _figure_arguments(show)
     diff = sub.add_parser("diff", help="what changed between two plans, and the cost difference")
     diff.add_argument("a")
     diff.add_argument("b")

@@ -12,6 +12,7 @@ import operator
 
 import pytest
 import torch
+import transformers.integrations.moe  # noqa: F401  (registers torch.ops.transformers.grouped_mm_fallback)
 from torch import nn
 
 from autotp.api import prepared_graph
@@ -123,7 +124,6 @@ def constant_cuts(m, x):
 def experts(m, x, ids):
     """Routed rows: each token's expert weight by lookup (then bmm), and a grouped matmul over rows sorted by
     expert (transformers' export-friendly twin of torch's, which wants bf16 and 16-byte rows)."""
-    import transformers.integrations.moe  # noqa: F401  (registers torch.ops.transformers.grouped_mm_fallback)
     looked_up = torch.bmm(x.unsqueeze(1), m.w[ids]).squeeze(1)  # [T, 1, H] @ [T, H, 8]
     offs = torch.tensor([3, 5, 8], dtype=torch.int32)
     grouped = torch.ops.transformers.grouped_mm_fallback(x, m.w, offs)

@@ -13,10 +13,12 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from rich.console import Console
 
 import autotp
 from autotp.runtime.dropout import Attention, Dropout, random_ops
 from autotp.runtime.placement import Shard, take_local
+from autotp.tools.report import print_plan
 from distributed import run_ranks
 
 TOL = {"rtol": 1e-4, "atol": 1e-5}
@@ -183,7 +185,8 @@ def _eval_mode(rank: int, world: int) -> None:
     warnings.simplefilter("ignore")
     x = torch.randint(0, 96, (3, 11))
     model = gpt2("sdpa")
-    trained = autotp.parallelize(model, (x,))  # captured in training mode
+    trained = autotp.parallelize(model, (x,), verify=True)  # captured in training mode; verified without dropout
+    assert model.training and trained.training
     ids, mask = padded_prompts(96)  # generation never drops, and leaves the model in its mode
     got = autotp.generate(trained, ids, mask, max_new_tokens=4, pad_token_id=0)
     assert model.training
@@ -212,6 +215,9 @@ def test_the_plan_says_the_program_drops():
         plan = autotp.plan(model, (torch.randint(0, 96, (2, 8)),), world_size=2)
     assert {"transformer.drop", "transformer.h.1.attn", "transformer.h.1.mlp.dropout"} <= set(
         plan.cost["dropout"])
+    console = Console(width=200, record=True)
+    print_plan(plan, console=console)
+    assert "dropout: the program drops in 7 modules" in console.export_text()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         quiet = autotp.plan(model.eval(), (torch.randint(0, 96, (2, 8)),), world_size=2)

@@ -14,8 +14,6 @@ memory order, and keeps its own piece, so the program equals one process exactly
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.nn.functional as F
 
@@ -33,14 +31,14 @@ def _default_generator(device: torch.device) -> torch.Generator:
     return module.default_generators[device.index if device.index is not None else module.current_device()]
 
 
-@contextlib.contextmanager
-def own_stream(device: torch.device, key: int):
-    """Run the body on this rank's stream ``key``: the default generator of ``device`` re-seeded from one
-    draw of the default CPU generator (the same draw on every rank) plus the key, and restored afterwards."""
+@torch.compiler.disable  # re-seeding and restoring generators: eager, also inside a compiled program
+def on_own_stream(key: int, device: torch.device, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` on this rank's stream ``key``: the default generator of ``device`` re-seeded
+    from one draw of the default CPU generator (the same draw on every rank) plus the key, and restored after."""
     seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
     with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device], device_type=device.type):
         _default_generator(device).manual_seed(seed + STREAM_OFFSET + key)
-        yield
+        return fn(*args, **kwargs)
 
 
 def _ones(shape: list, order: tuple, like: torch.Tensor) -> torch.Tensor:
@@ -74,8 +72,7 @@ class Dropout(torch.nn.Module):
             return x * (take_local(noise, self.layout, self.rank, self.world) if self.layout is not None else noise)
         if self.layout is None:
             return F.dropout(x, self.p, True)
-        with own_stream(x.device, self.key):
-            return F.dropout(x, self.p, True)
+        return on_own_stream(self.key, x.device, F.dropout, x, self.p, True)
 
     def extra_repr(self) -> str:
         return f"p={self.p}, split={self.layout}, reference={self.reference}"
@@ -104,10 +101,10 @@ class Attention(torch.nn.Module):
                 mask = torch.where(mask, 0.0, float("-inf")).to(q.dtype)
             return aten._scaled_dot_product_attention_math(q, k, v, mask, p, self.causal, keep, scale=self.scale,
                                                            enable_gqa=self.gqa)[0]
-        stream = own_stream(q.device, self.key) if p and self.layout is not None else contextlib.nullcontext()
-        with stream:
-            return F.scaled_dot_product_attention(q, k, v, mask, p, self.causal, scale=self.scale,
-                                                  enable_gqa=self.gqa)
+        if p and self.layout is not None:
+            return on_own_stream(self.key, q.device, F.scaled_dot_product_attention, q, k, v, mask, p, self.causal,
+                                 scale=self.scale, enable_gqa=self.gqa)
+        return F.scaled_dot_product_attention(q, k, v, mask, p, self.causal, scale=self.scale, enable_gqa=self.gqa)
 
     def extra_repr(self) -> str:
         return f"dropout_p={self.p}, heads split={self.layout}, reference={self.reference}"

@@ -9,6 +9,7 @@ import math
 
 import torch
 from torch.fx import Node
+from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.fx.operator_schemas import normalize_function
 
 from autotp.runtime import local_ops
@@ -167,10 +168,8 @@ def _to_module(node: Node, module: torch.nn.Module, args: tuple) -> None:
 
 
 def _memory_order(value: torch.Tensor) -> tuple:
-    """The dims of a (possibly symbolic) tensor from outermost to innermost in memory."""
-    def hint(s):
-        return s.node.hint if isinstance(s, torch.SymInt) else int(s)
-    return tuple(sorted(range(value.dim()), key=lambda d: (-hint(value.stride(d)), d)))
+    """The dims of a (possibly symbolic) tensor from outermost to innermost in memory, at the example's sizes."""
+    return tuple(sorted(range(value.dim()), key=lambda d: (-optimization_hint(value.stride(d), fallback=1), d)))
 
 
 def _run_time_size(node: Node, size) -> Node:
@@ -207,7 +206,6 @@ def attention(node: Node, strategy, rank: int, world: int) -> None:
     heads = full_size(bound["query"], 1)
     layout = strategy.output if isinstance(strategy.output, Shard) else None
     assert layout is None or separate_pieces(layout, heads, world), "attention heads split in overlapping pieces"
-    module = Attention(bound["dropout_p"], bool(bound["is_causal"]), bound["scale"],
-                                  bool(bound["enable_gqa"]), heads, layout, _stream_key(layout, heads, rank, world),
-                                  rank, world)
+    module = Attention(bound["dropout_p"], bool(bound["is_causal"]), bound["scale"], bool(bound["enable_gqa"]),
+                       heads, layout, _stream_key(layout, heads, rank, world), rank, world)
     _to_module(node, module, (bound["query"], bound["key"], bound["value"], bound["attn_mask"]))

@@ -106,6 +106,7 @@ def dropout_rate(node) -> float:
 
 
 def attention_dropout(node) -> float:
+    """Attention drops with its dropout_p (Hugging Face passes one only in training mode)."""
     return node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
 
 

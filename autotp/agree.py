@@ -225,3 +225,38 @@ class InputCheck:
         self.rendezvous.agree(f"inputs/{self.calls}", values_digest(args, kwargs), what,
                               "every rank must pass the same inputs to the sharded model (same batch; the same seed "
                               "for random inputs); check_inputs=False turns this check off")
+
+
+def random_digest(device: torch.device) -> str:
+    """The default generators' states, CPU and ``device``'s: what every dropout draws from."""
+    digest = hashlib.sha256(torch.get_rng_state().numpy().tobytes())
+    if device.type != "cpu":
+        digest.update(torch.get_device_module(device.type).get_rng_state(device).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+class RandomCheck:
+    """A forward pre-hook on a program that drops: ranks of a group draw replicated masks from their default
+    generators, which must be in the same state (or each rank drops differently, silently), so on the first call
+    that drops (or every one) the ranks compare them."""
+
+    def __init__(self, rendezvous: Rendezvous, every_call: bool, dropouts: list, device: torch.device):
+        self.rendezvous, self.every_call, self.dropouts, self.device = rendezvous, every_call, dropouts, device
+        self.calls = 0
+        self.handle = None
+
+    def attach(self, module: torch.nn.Module) -> None:
+        self.handle = module.register_forward_pre_hook(self)
+
+    @torch.compiler.disable
+    def __call__(self, module, args) -> None:
+        if not any(m.training for m in self.dropouts):
+            return
+        self.calls += 1
+        if not self.every_call:
+            self.handle.remove()
+        self.rendezvous.agree(f"random/{self.calls}", random_digest(self.device),
+                              f"the random generators' states at call {self.calls} that drops",
+                              "every rank of a tensor-parallel group must seed alike (torch.manual_seed(seed) with "
+                              "one seed) and draw the same random numbers outside the model; check_inputs=False "
+                              "turns this check off")

@@ -13,7 +13,7 @@ from autotp.passes.capture import CaptureError, capture, fingerprint, module_pat
 from autotp.passes.capture import check_inputs as check_example_inputs
 from autotp.passes.fold import Fold, NotFoldable, find_fold, fold_graph, folded
 from autotp.passes.group_cuts import cuts_to_gathers
-from autotp.passes.ops import TABLE
+from autotp.passes.ops import TABLE, drops
 from autotp.passes.prepare import (
     add_hints,
     drop_no_ops,
@@ -30,12 +30,13 @@ from autotp.passes.solve import DoesNotFit, PlanningError, solve
 from autotp.passes.strategies import Context, Strategy, enumerate_strategies, input_slots, needs_grad, on_tokens
 from autotp.passes.styles import param_styles
 
-from .agree import DEFAULT_TIMEOUT, InputCheck, Rendezvous, inputs_digest
+from .agree import DEFAULT_TIMEOUT, InputCheck, RandomCheck, Rendezvous, inputs_digest
 from .hf import default_inputs, fill_computed_buffers, no_kv_cache
 from .options import Options
 from .plan import Plan, PlanMismatch
 from .runtime.collectives import register
 from .runtime.conversion import model_conversions
+from .runtime.dropout import set_mode
 from .runtime.hf_checkpoint import Checkpoint
 from .runtime.placement import Disjoint, Shard
 
@@ -175,7 +176,8 @@ def _activations_by_module(gm: torch.fx.GraphModule, choice: dict, sizes: Sizes 
         kept[module_path(node)] = kept.get(module_path(node), 0.0) + held
     split = sorted({module_path(n) for n, s in choice.items() if on_tokens(n, s)})
     return {"activations": kept, "token_split": split,
-            "recompute": sorted({module_path(core[-1]) for core in recomputed})}
+            "recompute": sorted({module_path(core[-1]) for core in recomputed}),
+            "dropout": sorted({module_path(n) for n in choice if drops(n)})}
 
 
 def plan(model: torch.nn.Module, args=None, kwargs=None, *, world_size: int, topology=None,
@@ -206,7 +208,8 @@ def tensor_parallel(model: torch.nn.Module, args=None, kwargs=None, *, plan: Pla
                     memory_limit: float | None = None, timeout: float = DEFAULT_TIMEOUT, gather_outputs: bool = True,
                     fixed: dict | None = None, check_inputs: str | bool = "first",
                     verify: bool = False, sequence_parallel: bool | None = None,
-                    recompute: str | bool | None = None, experts: str | None = None) -> torch.nn.Module:
+                    recompute: str | bool | None = None, experts: str | None = None,
+                    dropout: str = "default") -> torch.nn.Module:
     """This rank's tensor-parallel copy of ``model`` over ``group``: same signature, full outputs on every rank
     (``autotp.parallelize`` without a mesh).
 
@@ -218,7 +221,10 @@ def tensor_parallel(model: torch.nn.Module, args=None, kwargs=None, *, plan: Pla
     ``gather_outputs=False`` leaves outputs sharded where the plan computes them sharded (vocab-parallel
     logits for ``autotp.parallel_cross_entropy``); partial sums are still reduced.  ``fixed``: parameter
     name -> placement to impose (another program's layout, to share its shards).  ``check_inputs``:
-    ranks compare a digest of the input values on the ``"first"`` call, on ``"always"``, or never (``False``).
+    ranks compare a digest of the input values on the ``"first"`` call, on ``"always"``, or never (``False``), and
+    so for a model captured in training mode that drops, their random generators' states on the first call that
+    drops.  ``dropout``: how the masks are drawn, "default" (Megatron's model-parallel streams) or "reference"
+    (each rank its piece of the masks one process draws for the same seed; for tests; docs/dropout.md).
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("autotp.parallelize needs torch.distributed: call dist.init_process_group(...) first "
@@ -227,7 +233,7 @@ def tensor_parallel(model: torch.nn.Module, args=None, kwargs=None, *, plan: Pla
         raise ValueError(f'check_inputs must be "first", "always" or False, got {check_inputs!r}')
     options = Options(topology=topology, min_shard_fraction=min_shard_fraction, training=training,
                       memory_limit=memory_limit, gather_outputs=gather_outputs, fixed=fixed,
-                      sequence_parallel=sequence_parallel, recompute=recompute, experts=experts)
+                      sequence_parallel=sequence_parallel, recompute=recompute, experts=experts, dropout=dropout)
     group = group or dist.group.WORLD
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     rendezvous = Rendezvous(group, timeout)
@@ -250,10 +256,13 @@ def tensor_parallel(model: torch.nn.Module, args=None, kwargs=None, *, plan: Pla
         fill_computed_buffers(gm, model, device, source.files)
     sharded = rewrite(gm, choice, rank, world, group.group_name, source, device, gather_outputs)
     checkpoint_cores(sharded, again)
+    dropouts = set_mode(sharded, options.dropout)
     register(group)
     rendezvous.agree("loaded", "ok", "the end of loading")
     if check_inputs:
         InputCheck(rendezvous, every_call=check_inputs == "always").attach(sharded)
+        if dropouts:
+            RandomCheck(rendezvous, check_inputs == "always", dropouts, device).attach(sharded)
     sharded.autotp_plan = plan
     sharded.autotp_group = group
     sharded.autotp_config = getattr(model, "config", None)

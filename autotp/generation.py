@@ -87,15 +87,19 @@ def decoder(sharded: torch.nn.Module, batch: int, max_len: int) -> torch.nn.Modu
     source = sharded.autotp_source
     group = sharded.autotp_group
     device = next(sharded.parameters()).device
-    wrapper = _CachedLM(source, batch, max_len, device).eval()
+    training = source.training
+    wrapper = _CachedLM(source, batch, max_len, device).eval()  # never drops; the model's mode is put back
     where = torch.device("meta") if _is_meta(source) else device  # example inputs live with the model
     example = (torch.zeros(batch, 2, dtype=torch.long, device=where),      # input_ids
                torch.ones(batch, max_len, dtype=torch.long, device=where),  # attention_mask
                torch.zeros(batch, 2, dtype=torch.long, device=where),      # position_ids
                torch.arange(2, device=where))                               # cache_position
     fixed = {f"model.{name}": sharded.autotp_plan.placement(name) for name in sharded.autotp_plan.params}
-    return tensor_parallel(wrapper, example, group=group, topology=sharded.autotp_plan.topology, training=False,
-                       fixed=fixed, checkpoint=_Resident(sharded, "model."))
+    try:
+        return tensor_parallel(wrapper, example, group=group, topology=sharded.autotp_plan.topology,
+                               training=False, fixed=fixed, checkpoint=_Resident(sharded, "model."))
+    finally:
+        source.train(training)
 
 
 def _is_meta(model: torch.nn.Module) -> bool:

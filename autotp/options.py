@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .runtime.dropout import MODES
+
 
 @dataclass(frozen=True)
 class Options:
@@ -23,6 +25,7 @@ class Options:
     sequence_parallel: bool | None = None
     recompute: str | bool | None = None
     experts: str | None = None
+    dropout: str = "default"
 
     def __post_init__(self):
         if self.sequence_parallel not in (None, True, False):
@@ -31,3 +34,5 @@ class Options:
             raise ValueError(f'recompute must be None, "selective" or False, got {self.recompute!r}')
         if self.experts not in (None, "tensor", "parallel"):
             raise ValueError(f'experts must be None, "tensor" or "parallel", got {self.experts!r}')
+        if self.dropout not in MODES:
+            raise ValueError(f'dropout must be "default" or "reference" (for tests), got {self.dropout!r}')

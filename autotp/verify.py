@@ -6,8 +6,10 @@ import torch
 import torch.distributed as dist
 from torch.fx._pytree import tree_flatten_spec
 
+from .passes.ops import drops, op
+from .passes.strategies import Strategy
 from .runtime.collectives import gather_full
-from .runtime.placement import Partial, Shard, parse
+from .runtime.placement import Partial, R, Shard, parse
 
 
 class VerificationError(AssertionError):
@@ -43,12 +45,28 @@ def _full(value: torch.Tensor, placement, shape, group) -> torch.Tensor:
     return value
 
 
+def _without_dropout(gm: torch.fx.GraphModule) -> None:
+    """The capture's ops that draw masks in their one-rank form, switched off (eval mode)."""
+    for node in list(gm.graph.nodes):
+        if drops(node):
+            op(node.target).local(node, Strategy((), R), 0, 1)
+    gm.recompile()
+    gm.eval()
+
+
 def verify(sharded: torch.fx.GraphModule, reference: torch.fx.GraphModule, args, kwargs=None,
            rtol: float = 1e-4, atol: float = 1e-5) -> None:
-    """A collective.  ``reference``: the unsharded capture of the same model (same node names)."""
+    """A collective.  ``reference``: the unsharded capture of the same model (same node names).  Masks are
+    random: a program that drops is compared with its dropouts off."""
     plan, group = sharded.autotp_plan, sharded.autotp_group
-    want = _record(reference, args, kwargs)
-    have = _record(sharded, args, kwargs)
+    _without_dropout(reference)
+    training = sharded.training
+    sharded.eval()
+    try:
+        want = _record(reference, args, kwargs)
+        have = _record(sharded, args, kwargs)
+    finally:
+        sharded.train(training)
     for node in sharded.graph.nodes:  # graph order: the first divergence is the cause
         entry = plan.nodes.get(node.name)
         if entry is None or node.name not in want or node.name not in have or isinstance(entry["out"], list):

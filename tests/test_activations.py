@@ -16,20 +16,16 @@ S, H, HEADS = 2048, 2048, 16
 
 @pytest.fixture(scope="module")
 def gpt3_block():
-    """A GPT-3 style stack on the meta device (LayerNorm, GELU MLP of 4h, dropout 0.1 everywhere,
-    eager attention that materializes the scores), bf16.  autotp captures dropout in eval mode (its
-    sharded models never drop); the paper's training run does, so the captured dropouts are switched
-    back to training, which is what the activation model must then count."""
+    """A GPT-3 style stack on the meta device (LayerNorm, GELU MLP of 4h, dropout 0.1 everywhere, eager
+    attention that materializes the scores), bf16, in training mode as the paper's run: its dropouts drop, and
+    the activation model counts their one-byte masks."""
     from transformers import GPT2Config, GPT2LMHeadModel
     config = GPT2Config(n_layer=3, n_embd=H, n_head=HEADS, n_positions=S, vocab_size=1024,
                         activation_function="gelu", attn_implementation="eager")
     with torch.device("meta"):
         model = GPT2LMHeadModel(config).to(torch.bfloat16)
-    gm = prepared_graph(model.eval(), (torch.zeros(1, S, dtype=torch.long, device="meta"),), None)
-    for node in gm.graph.nodes:
-        if node.target == torch.ops.aten.dropout.default:
-            node.args = (node.args[0], 0.1, True)
-    return gm
+    with pytest.warns(UserWarning, match="drops in the sharded model"):
+        return prepared_graph(model.train(), (torch.zeros(1, S, dtype=torch.long, device="meta"),), None)
 
 
 def _per_layer(plan) -> float:
@@ -43,15 +39,15 @@ def test_activations_match_korthikanti_table_2(gpt3_block, t):
     s, b, h, a = S, 1, H, HEADS
     plan = solve_plan(gpt3_block, t, Options(memory_limit=float("inf"), sequence_parallel=False))
     paper = s * b * h * (34 + 5 * a * s / h) if t == 1 else s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
-    assert _per_layer(plan) == pytest.approx(paper, rel=0.05)
+    assert _per_layer(plan) == pytest.approx(paper, rel=0.02)
     assert plan.cost["memory"]["activations"] >= 3 * paper  # three layers, plus the embedding and the head
     if t > 1:  # sequence parallelism: the norms, dropouts and residual adds split too
         split = solve_plan(gpt3_block, t, Options(memory_limit=float("inf"), sequence_parallel=True))
-        assert _per_layer(split) == pytest.approx(s * b * h * (34 / t + 5 * a * s / (h * t)), rel=0.05)
+        assert _per_layer(split) == pytest.approx(s * b * h * (34 / t + 5 * a * s / (h * t)), rel=0.02)
         # selective recomputation: the attention core (scores, softmax, dropout) keeps nothing of its own
         again = solve_plan(gpt3_block, t, Options(memory_limit=float("inf"), sequence_parallel=True,
                                                    recompute="selective"))
-        assert _per_layer(again) == pytest.approx(34 * s * b * h / t, rel=0.05)
+        assert _per_layer(again) == pytest.approx(34 * s * b * h / t, rel=0.02)
         assert "transformer.h.1.attn" in again.cost["recompute"] and not split.cost["recompute"]
 
 

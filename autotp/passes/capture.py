@@ -12,6 +12,8 @@ from torch.export import Dim
 from torch.fx.node import map_arg
 from torch.utils._pytree import tree_map
 
+from .ops import drops
+
 
 class CaptureError(RuntimeError):
     pass
@@ -65,9 +67,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> 
     check_inputs(model, args, kwargs)
     kwargs = dict(kwargs or {})
     args, kwargs = _standalone(_on_model_device(model, (tuple(args), kwargs)))
-    was_training = model.training
-    model.eval()  # dropout must be deterministic: every rank computes the same replicated values
-    try:
+    try:  # in the model's own mode: a model in training mode drops in the sharded program too
         program = torch.export.export(
             model, args, kwargs, dynamic_shapes=_dynamic_shapes(model, args, kwargs), strict=False
         )
@@ -79,13 +79,16 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> 
             "(if/while on a tensor's value, .item(), .tolist()), or pass example inputs that match the "
             "model's forward() signature."
         ) from exc
-    finally:
-        model.train(was_training)
     gm = program.module()
-    dropouts = [n for n in gm.graph.nodes if n.target == torch.ops.aten.dropout.default and n.args[1] > 0]
-    if was_training and dropouts:
-        warnings.warn(f"{type(model).__name__} is in training mode: its {len(dropouts)} dropout layers are captured "
-                      "in eval mode and do not drop in the sharded model (set dropout to 0 to silence this)",
+    for refused in ("train", "eval"):  # an exported module refuses both; the sharded program's dropouts follow them
+        gm.__dict__.pop(refused, None)
+    gm.train(model.training)
+    dropping = [n for n in gm.graph.nodes if drops(n)]
+    if dropping:
+        mode = "training" if model.training else "eval"
+        warnings.warn(f"{type(model).__name__} drops in the sharded model as in one process: {len(dropping)} dropout "
+                      f"op(s) captured in {mode} mode draw masks, each rank its part (every rank of a group must seed "
+                      "alike: torch.manual_seed(seed)); call model.eval() first for a model that never drops",
                       stacklevel=3)
     return gm
 

@@ -9,13 +9,17 @@ import math
 
 import torch
 from torch.fx import Node
+from torch.fx.experimental.symbolic_shapes import optimization_hint
+from torch.fx.operator_schemas import normalize_function
 
 from autotp.runtime import local_ops
+from autotp.runtime.dropout import Attention, Dropout
 from autotp.runtime.placement import Disjoint, Partial, R, Shard
 
 from .expert_rules import GROUPED_MM_FALLBACK, is_grouped_mm, offsets
 from .layout_rules import block_of, constant_positions, cut_range, gathered
-from .rules import held_heads
+from .rules import held_heads, separate_pieces
+from .strategies import token_inputs
 
 
 def full_size(node: Node, dim: int) -> int:
@@ -146,3 +150,62 @@ def vocab_rows(node: Node, strategy, rank: int, world: int) -> None:
     (start, _), = src.ranges(weight.meta["val"].shape[0], rank, world)
     padding = node.args[2] if len(node.args) > 2 else -1
     node.target, node.args, node.kwargs = local_ops.vocab_embedding, (weight, ids, start, padding), {}
+
+
+def _stream_key(layout: Shard | None, size, rank: int, world: int) -> int:
+    """Which stream a rank draws its piece of a mask from: the lowest rank holding the same piece."""
+    if layout is None or not isinstance(size, int):
+        return rank
+    mine = layout.ranges(size, rank, world)
+    return next(r for r in range(world) if layout.ranges(size, r, world) == mine)
+
+
+def _to_module(node: Node, module: torch.nn.Module, args: tuple) -> None:
+    """``node`` becomes a call of ``module``, a new submodule of the program."""
+    name = f"autotp_{node.name}"
+    node.graph.owning_module.add_submodule(name, module)
+    node.op, node.target, node.args, node.kwargs = "call_module", name, args, {}
+
+
+def _memory_order(value: torch.Tensor) -> tuple:
+    """The dims of a (possibly symbolic) tensor from outermost to innermost in memory, at the example's sizes."""
+    return tuple(sorted(range(value.dim()), key=lambda d: (-optimization_hint(value.stride(d), fallback=1), d)))
+
+
+def _run_time_size(node: Node, size) -> Node:
+    """The full length of a token dim at run time, read off the input it sizes."""
+    source, dim = token_inputs(node.graph)[str(size.node.expr)]
+    with node.graph.inserting_before(node):
+        found = node.graph.call_function(torch.ops.aten.sym_size.int, (source, dim))
+    found.meta["val"] = size
+    return found
+
+
+def dropout(node: Node, strategy, rank: int, world: int) -> None:
+    """A training dropout: this rank's piece of the mask, drawn as Megatron's model-parallel RNG draws it
+    (autotp/runtime/dropout.py)."""
+    x, p, train = node.args
+    if not train or p == 0:
+        return
+    value = x.meta["val"]
+    layout = strategy.output if isinstance(strategy.output, Shard) else None
+    size, args = None, (x,)
+    if layout is not None:
+        size = value.shape[layout.dim]
+        if not isinstance(size, int):
+            size, args = None, (x, _run_time_size(node, size))
+    key = _stream_key(layout, size, rank, world)
+    _to_module(node, Dropout(p, layout, size, _memory_order(value), key, rank, world), args)
+
+
+def attention(node: Node, strategy, rank: int, world: int) -> None:
+    """Attention with dropout_p: this rank's heads of the mask, drawn as ``dropout`` draws it."""
+    bound = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True).kwargs
+    if not bound["dropout_p"]:
+        return
+    heads = full_size(bound["query"], 1)
+    layout = strategy.output if isinstance(strategy.output, Shard) else None
+    assert layout is None or separate_pieces(layout, heads, world), "attention heads split in overlapping pieces"
+    module = Attention(bound["dropout_p"], bool(bound["is_causal"]), bound["scale"], bool(bound["enable_gqa"]),
+                       heads, layout, _stream_key(layout, heads, rank, world), rank, world)
+    _to_module(node, module, (bound["query"], bound["key"], bound["value"], bound["attn_mask"]))

@@ -19,7 +19,7 @@ from torch.fx import Node
 from . import localize
 from .expert_rules import GROUPED_MM_FALLBACK, disjoint, grouped_mm, index, squeeze, strided_slice
 from .layout_rules import cat, expand, getitem, index_copy, permute, slice_, split, t, transpose, unsqueeze, view
-from .rules import attention, embedding, linear, matmul, normalize, pointwise, reduction, repeat_heads
+from .rules import attention, dropout, embedding, linear, matmul, normalize, pointwise, reduction, repeat_heads
 from .semantics import Op, may_alias, row_of
 
 aten = torch.ops.aten
@@ -56,8 +56,7 @@ def keeps_divisor(node, grad):
 
 def keeps_mask(node, grad):
     """Dropout keeps a one-byte mask (CUDA's ``native_dropout``); eval mode and p = 0 return the input itself."""
-    p, train = node.args[1], node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
-    return [(None, "mask")] if train and 0 < p < 1 else []
+    return [(None, "mask")] if 0 < dropout_rate(node) < 1 else []
 
 
 def keeps_normalized(node, grad):
@@ -101,9 +100,14 @@ def same_dtype(node) -> bool:
     return src is not None and src.dtype == node.meta["val"].dtype
 
 
-def not_training(node) -> bool:
-    """Dropout in eval mode is the identity."""
-    return node.args[2] is False
+def dropout_rate(node) -> float:
+    """A dropout captured in training mode drops (in eval mode it is the identity)."""
+    return node.args[1] if node.args[2] else 0.0
+
+
+def attention_dropout(node) -> float:
+    """Attention drops with its dropout_p (Hugging Face passes one only in training mode)."""
+    return node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
 
 
 def _with_expert_rows(rule):
@@ -158,8 +162,9 @@ TABLE: dict = {
             keeps=keeps_output),
     **_rows([aten.sigmoid.default, aten.exp.default, aten.rsqrt.default, aten.sqrt.default],
             family="elementwise", rule=pointwise, keeps=keeps_output),
-    **_rows([aten.dropout.default], family="elementwise", rule=pointwise, linear=(0,), linear_if=not_training,
-            keeps=keeps_mask),
+    # every rank masks a whole (or partial) input alike: linear in training too (runtime/dropout.py)
+    **_rows([aten.dropout.default], family="elementwise", rule=dropout, linear=(0,), keeps=keeps_mask,
+            drops=dropout_rate, local=localize.dropout),
     **_rows([aten.where.self, aten.masked_fill.Scalar], family="elementwise", rule=pointwise,
             keeps=keeps_condition),
     **_rows(_COMPARISONS, family="elementwise", rule=pointwise, keeps=keeps_nothing),
@@ -174,7 +179,7 @@ TABLE: dict = {
     **_rows([aten._grouped_mm.default, GROUPED_MM_FALLBACK], family="grouped_mm", rule=grouped_mm,
             flops=product_flops, local=localize.own_experts),
     **_rows([aten.scaled_dot_product_attention.default], family="attention", rule=attention,
-            flops=attention_flops, keeps=keeps_attention),
+            flops=attention_flops, keeps=keeps_attention, drops=attention_dropout, local=localize.attention),
     **_rows([aten.embedding.default], family="embedding", rule=embedding, keeps=keeps_nothing, moves=lookup_bytes,
             local=localize.vocab_rows, styles={0: {1: "hidden split", 0: "vocab split"}}),
     **_rows([aten.repeat_interleave.self_int], family="repeat", rule=repeat_heads, keeps=keeps_nothing,
@@ -213,6 +218,12 @@ TABLE: dict = {
     # metadata only
     **_rows([aten.sym_size.int, aten._assert_tensor_metadata.default], family="observer", observer=True),
 }
+
+
+def drops(node: Node) -> bool:
+    """The op draws a random mask (a dropout captured in training mode, attention with dropout_p)."""
+    row = op(node.target) if node.op == "call_function" else None
+    return row is not None and row.drops is not None and row.drops(node) > 0
 
 
 def op(target) -> Op:

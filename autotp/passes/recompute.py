@@ -6,9 +6,9 @@ so their backward may compute them again instead of keeping them.
 Regions are found from the graph alone: a matmul of two activations whose downstream ops, followed
 until the next matmul, hold a softmax and all meet in one matmul of two activations (the score and
 value products), or an SDPA op.  Nothing leaves a region but its last node's output, so running it
-again under ``torch.utils.checkpoint`` reproduces every value (dropout masks included: the RNG state
-is restored).  What a recomputed region drops: the tensors its ops keep whose storage it computes
-itself and no op outside keeps.
+again under ``torch.utils.checkpoint`` reproduces every value (dropout masks included: the default
+generators are restored, and every mask is drawn from them; autotp/runtime/dropout.py).  What a recomputed
+region drops: the tensors its ops keep whose storage it computes itself and no op outside keeps.
 """
 from __future__ import annotations
 
@@ -131,7 +131,7 @@ def checkpoint_cores(gm: GraphModule, cores: list[list[Node]]) -> None:
             env[node] = sub.node_copy(node, env.__getitem__)
         sub.output(env[last])
         name = f"autotp_recompute_{k}"
-        gm.add_submodule(name, Recomputed(GraphModule(torch.nn.Module(), sub)))
+        gm.add_submodule(name, Recomputed(GraphModule(gm, sub)))  # its ops' modules (dropouts) are gm's
         with graph.inserting_before(last):
             call = graph.call_module(name, tuple(inputs))
         call.meta = dict(last.meta)

@@ -50,6 +50,26 @@ def pointwise(node: Node, ctx: Context) -> list[Strategy]:
     return found + _partial(node, ctx)
 
 
+def dropout(node: Node, ctx: Context) -> list[Strategy]:
+    """Pointwise; a training dropout not split so that two ranks hold overlapping pieces that differ: each piece's
+    mask is drawn by the ranks that hold it (runtime/dropout.py), so ranks sharing only part of one would mask
+    the shared part differently."""
+    found = pointwise(node, ctx)
+    if not node.args[2]:
+        return found
+    return [s for s in found
+            if not isinstance(s.output, Shard) or separate_pieces(s.output, ctx.shape(node)[s.output.dim], ctx.world)]
+
+
+def separate_pieces(shard: Shard, size, world: int) -> bool:
+    """Every two ranks hold the same piece of ``shard`` (``size`` long) or pieces that do not overlap."""
+    if not isinstance(size, int):
+        return shard.units is None and shard.chunks is None  # a token dim: N slices
+    cells = [frozenset(i for start, n in shard.ranges(size, r, world) for i in range(start, start + n))
+             for r in range(world)]
+    return all(a == b or not a & b for a, b in itertools.combinations(cells, 2))
+
+
 def _summable(node: Node) -> bool:
     v = node.meta.get("val")
     return isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())

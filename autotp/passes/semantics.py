@@ -38,6 +38,7 @@ class Op:
     local: Callable | None = None
     styles: Mapping = field(default_factory=dict)  # operand index -> {sharded dim: style} (reports)
     observer: bool = False    # reads only metadata of unsharded dims: adopts any placement, needs no choice
+    drops: Callable | None = None  # node -> the probability it zeroes an element (0: it draws nothing)
 
 
 UNKNOWN = Op()

@@ -48,6 +48,8 @@ def _plan(args) -> int:
     from .report import print_plan, tensor_shapes
     with _console().status("building the model on the meta device, capturing, solving ..."):
         model, example = load_model(args.model, args.batch, args.seq)
+        if args.inference:
+            model.eval()  # no dropout: a model in training mode drops (and keeps its masks)
         result = autotp.plan(model, example, world_size=args.world_size, topology=args.topology,
                              training=not args.inference, fold=not args.no_fold,
                              sequence_parallel={"auto": None, "on": True, "off": False}[args.sequence_parallel],

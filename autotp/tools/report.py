@@ -182,6 +182,9 @@ def print_plan(plan: Plan, shapes: dict | None = None, console: Console | None =
     if plan.fold:
         console.print(f"{plan.fold['count']} identical blocks of {plan.fold['path']} planned from four: blocks 1 to "
                       f"{plan.fold['count'] - 2} take the same decisions")
+    if plan.cost.get("dropout"):
+        console.print(f"dropout: the program drops in {len(plan.cost['dropout'])} modules (captured in training mode; "
+                      "sharded.eval() stops it; docs/dropout.md)")
     if plan.cost.get("experts"):
         console.print(f"experts: {plan.cost['experts']['chosen']} (`autotp explain PLAN experts` prices each)")
     console.print(f"estimated {'training step' if plan.cost.get('training') else 'forward'} time "

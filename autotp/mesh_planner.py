@@ -199,11 +199,27 @@ def _best_layout(profile: Profile, devices: int, setting: Setting) -> list[Candi
     return found
 
 
+# what the runtime runs (parallel/schedules.py): PyTorch's schedules by name, with their stages per rank
+SCHEDULES = (("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2), ("Interleaved1F1B", 4), ("InterleavedZeroBubble", 2),
+             ("InterleavedZeroBubble", 4), ("ZBVZeroBubble", 2), ("DualPipeV", 2))
+
+
 def _schedules(pp: int, microbatches: int, blocks: int) -> list:
+    """The schedules (and stages per rank) that run ``microbatches`` on ``pp`` ranks of ``blocks`` blocks; several
+    stages per rank only with whole rounds of micro-batches (a multiple of pp), which every such schedule runs."""
     if pp == 1:
         return [(None, 1)]
-    found = [("gpipe", 1), ("1f1b", 1)]
-    return found + [("interleaved-1f1b", v) for v in (2, 4) if blocks >= pp * v and microbatches % pp == 0]
+    return [(name, v) for name, v in SCHEDULES if blocks >= pp * v and (v == 1 or microbatches % pp == 0)
+            and _runs(name, pp, v, microbatches)]
+
+
+def _runs(name: str, pp: int, virtual: int, microbatches: int) -> bool:
+    try:
+        pipe.action_table(pipe.schedule_class(name), pp, virtual,
+                          pipe.simulated_microbatches(pp, microbatches, virtual))
+    except ValueError:  # the schedule's own rule (1F1B, DualPipeV: at least as many micro-batches as stages, ...)
+        return False
+    return True
 
 
 def _advice(candidates: list, profiles: list, devices: int, setting: Setting) -> str:

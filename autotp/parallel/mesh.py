@@ -30,16 +30,18 @@ def mesh_dims(mesh: DeviceMesh) -> tuple[str, ...]:
 
 
 def parallelize(model: torch.nn.Module, args=None, kwargs=None, *, mesh: DeviceMesh | None = None,
-                data_parallel: str = "fsdp", loss_fn=None, schedule: str = "1f1b", microbatches: int | None = None,
-                stages=None, **options):
+                data_parallel: str = "fsdp", loss_fn=None, schedule="1F1B", microbatches: int | None = None,
+                stages=None, virtual_stages: int | None = None, **options):
     """This rank's parallel copy of ``model``.
 
     Without ``mesh``: tensor parallelism over ``group`` (default: every rank), exactly
     ``autotp.api.tensor_parallel(model, args, kwargs, **options)``.  With ``mesh``: autotp's plan on the
     "tp" sub-group, then FSDP2 ``fully_shard`` (``data_parallel="ddp"``: DDP) over the "dp" sub-group;
     the result has the model's call signature and parameter names.  A "pp" dimension splits the model
-    into pipeline stages (``loss_fn(output, target)`` required; ``schedule``, ``microbatches`` and
-    ``stages`` choose the schedule, micro-batches and stage boundaries) and returns a pipeline with
+    into pipeline stages (``loss_fn(output, target)`` required; ``schedule`` (torch.distributed.pipelining's
+    name or class, e.g. "1F1B", "Interleaved1F1B", "ZBVZeroBubble"), ``virtual_stages`` (stages per rank of a
+    multi-stage schedule), ``microbatches`` and ``stages`` choose the schedule, micro-batches and stage
+    boundaries) and returns a pipeline with
     ``step(*inputs, target=..., losses=[])``.  ``args`` are one DP rank's share of the batch.
     """
     if mesh is None:
@@ -61,10 +63,11 @@ def parallelize(model: torch.nn.Module, args=None, kwargs=None, *, mesh: DeviceM
                                       "use a mesh of 'dp' and 'tp' only") from exc
         return pipeline(model, args, kwargs, mesh=mesh, loss_fn=loss_fn, schedule=schedule,
                         microbatches=microbatches, stages=stages, shard_stage=shard_stage, data_parallel=data_parallel,
-                        topology=options.get("topology"), memory_limit=options.get("memory_limit"))
-    if loss_fn is not None or microbatches is not None or stages is not None:
-        raise ValueError("loss_fn, microbatches and stages are for pipeline stages: add a 'pp' dimension to the mesh, "
-                         "or drop them")
+                        topology=options.get("topology"), memory_limit=options.get("memory_limit"),
+                        virtual_stages=virtual_stages)
+    if loss_fn is not None or microbatches is not None or stages is not None or virtual_stages is not None:
+        raise ValueError("loss_fn, microbatches, stages and virtual_stages are for pipeline stages: add a 'pp' "
+                         "dimension to the mesh, or drop them")
     return shard_stage(model, args, kwargs)
 
 

@@ -16,7 +16,7 @@ from dataclasses import replace
 import torch
 
 from autotp.cost_models import load_topology
-from autotp.cost_models.mesh_layout import Candidate, Profile, Section, Setting, stage_memory, stage_ranges
+from autotp.cost_models.mesh_layout import Candidate, Profile, Section, Setting, held_by, stage_memory, stage_ranges
 from autotp.passes.fold import Fold, find_fold, sections
 from autotp.passes.pricing import activation_bytes, op_memory, op_seconds, priced_unit
 from autotp.passes.strategies import Strategy, input_slots, needs_grad, replicated_like
@@ -70,7 +70,8 @@ def stage_starts(profile: Profile, layout: Candidate, setting: Setting) -> list:
     if ranges is None:
         balanced = stage_ranges(profile, layout, replace(setting, limit=math.inf))
         m = setting.global_batch // layout.dp // layout.microbatch_size
-        need = max(stage_memory(profile, balanced[i::layout.pp], i, layout, m, setting.data_parallel)[0]
+        need = max(stage_memory(profile, [balanced[s] for s in held_by(layout, i)], i, layout, m,
+                                setting.data_parallel)[0]
                    for i in range(layout.pp))
         raise StageError(f"no split of the {blocks} blocks into {stages} stages fits {setting.limit / 1e9:.3g} GB per "
                          f"device (the time-balanced one needs {need / 1e9:.3g} GB): use more pipeline stages or TP "

@@ -12,13 +12,14 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 import autotp
 from autotp.parallel.mesh import mesh_dims
 from autotp.tools.spawn import run_local
 from distributed import run_ranks, run_unsupervised
 from examples import mlp
-from examples.train import parse, reference, train
+from examples.train import build, global_batch, parse, reference, train
 
 TOL = {"rtol": 1e-4, "atol": 1e-5}
 # a LLaMA of 2 layers, hidden 32, 4 query heads sharing 2 KV heads; a global batch of 4 x 8 tokens
@@ -37,9 +38,35 @@ def _check_training(o):
     return trainer
 
 
+def _gathered_per_block(model: torch.nn.Module, x: torch.Tensor, layers: int) -> list:
+    """For each block's forward, as it starts: the blocks whose parameters are gathered (FSDP2 swaps a unit's
+    sharded DTensors for whole tensors while it is unsharded)."""
+    blocks, seen = [model.get_submodule(f"model.layers.{i}") for i in range(layers)], []
+
+    def gathered():
+        return [i for i, b in enumerate(blocks) if not any(isinstance(p, DTensor) for p in b.parameters())]
+
+    hooks = [b.register_forward_pre_hook(lambda m, a, i=i: seen.append((i, gathered()))) for i, b in enumerate(blocks)]
+    with torch.no_grad():
+        model(x)
+    for hook in hooks:
+        hook.remove()
+    return seen
+
+
+def _fsdp_units_are_blocks(trainer) -> None:
+    """FSDP2 units per block (torchtitan's layout): each block's parameters are gathered for its own forward only."""
+    layers = trainer.o.layers
+    assert trainer.model.autotp_units == [f"model.layers.{i}" for i in range(layers)]
+    assert {n for n, _ in trainer.model.named_parameters()} == {n for n, _ in build(trainer.o).named_parameters()}
+    x = global_batch(trainer.o, 0)[0][:1]
+    assert _gathered_per_block(trainer.model, x, layers) == [(i, [i]) for i in range(layers)]
+
+
 def _tp_dp(rank: int, world: int, directory: str) -> None:
     trainer = _check_training(parse(["--tp", "2", "--dp", "2", "--data-parallel", "fsdp", *TINY]))
     assert {type(p).__name__ for p in trainer.model.parameters()} == {"DTensor"}  # FSDP2 holds them
+    _fsdp_units_are_blocks(trainer)
     autotp.save_pretrained(trainer.model, directory)
     _check_training(parse(["--tp", "2", "--dp", "2", "--data-parallel", "ddp", *TINY]))
     # a mesh without "tp": FSDP2 alone over 4 replicas, each with the whole model
@@ -57,6 +84,14 @@ def test_tp2_x_dp2_trains_like_one_process(tmp_path):
     assert saved.keys() == dict(model.named_parameters()).keys()
     for name, p in model.named_parameters():
         torch.testing.assert_close(saved[name], p.detach(), **TOL)
+
+
+def _dp(rank: int, world: int) -> None:
+    _fsdp_units_are_blocks(_check_training(parse(["--tp", "1", "--dp", "2", *TINY])))
+
+
+def test_dp2_with_fsdp_units_per_block_trains_like_one_process():
+    run_ranks(2, _dp)
 
 
 # TP 2 x DP 2 x PP 2 (1F1B, the default micro-batch count: one per stage), 2 steps on a global batch of 8

@@ -6,14 +6,23 @@ autotp's tensor-parallel module holds plain local shards, identical on every ran
         optimizer state); parameters are all-gathered for the step, gradients reduce-scattered;
   ddp   composable ``replicate`` (DDP without a wrapper, so parameter names stay the model's):
         gradients all-reduced.
-The TP program is one fx graph whose forward never calls its submodules, so the whole module is one
-FSDP unit (no per-block prefetch or resharding).
+Under FSDP each repeated block is its own unit, as torchtitan applies it: the TP program is cut into one
+submodule per block (parallel/blocks.py), ``fully_shard`` goes on every block and then on the root (the
+embedding, the head and whatever is not in a block), and each block prefetches its neighbour's all-gather (the
+next block's in the forward, the previous one's in the backward).  So a rank holds one or two blocks' gathered
+parameters at a time instead of all of them.  A block is resharded after its forward unless the module is a
+pipeline stage, which runs several micro-batches' forwards before their backwards (torchtitan:
+``reshard_after_forward = not pp``).
 """
 from __future__ import annotations
+
+import itertools
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+
+from .blocks import block_units
 
 KINDS = ("fsdp", "ddp")
 
@@ -32,12 +41,23 @@ def same_start(module: torch.nn.Module, dp_mesh: DeviceMesh) -> None:
             dist.broadcast(tensor, src=source, group=group)
 
 
-def data_parallel(module: torch.nn.Module, dp_mesh: DeviceMesh, kind: str = "fsdp") -> torch.nn.Module:
-    """``module`` made data-parallel over ``dp_mesh`` in place (its class changes, names stay)."""
+def data_parallel(module: torch.nn.Module, dp_mesh: DeviceMesh, kind: str = "fsdp", blocks: str | None = None,
+                  pipelined: bool = False) -> torch.nn.Module:
+    """``module`` made data-parallel over ``dp_mesh`` in place (its class changes, names stay).  ``blocks``: the
+    path of the model's repeated block list, whose blocks become FSDP units; ``pipelined``: the module is a
+    pipeline stage (its blocks keep their parameters gathered between forward and backward)."""
     check_kind(kind)
     if kind == "ddp":
         from torch.distributed._composable.replicate import replicate
         return replicate(module, process_group=dp_mesh.get_group())
     from torch.distributed.fsdp import fully_shard
     same_start(module, dp_mesh)
-    return fully_shard(module, mesh=dp_mesh)
+    units = [module.get_submodule(path) for path in block_units(module, blocks)] if blocks else []
+    for unit in units:
+        fully_shard(unit, mesh=dp_mesh, reshard_after_forward=not pipelined)
+    sharded = fully_shard(module, mesh=dp_mesh)
+    for before, after in itertools.pairwise(units):
+        before.set_modules_to_forward_prefetch([after])
+        after.set_modules_to_backward_prefetch([before])
+    sharded.autotp_units = [name for name, sub in module.named_modules() if any(sub is u for u in units)]
+    return sharded

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from autotp import api
+from autotp.passes.fold import find_fold
 
 from .data import check_kind, data_parallel
 
@@ -50,7 +51,9 @@ def parallelize(model: torch.nn.Module, args=None, kwargs=None, *, mesh: DeviceM
     if options.get("group") is not None:
         raise ValueError("pass either mesh= or group=, not both: with a mesh, TP runs on its 'tp' dimension")
     check_kind(data_parallel)
-    shard_stage = functools.partial(_shard, mesh=mesh, kind=data_parallel, options=options)
+    blocks = find_fold(model, min_blocks=2)  # FSDP units: one per block of the repeated list, found on the model
+    shard_stage = functools.partial(_shard, mesh=mesh, kind=data_parallel, options=options,
+                                    blocks=blocks.path if blocks else None, pipelined="pp" in dims)
     if "pp" in dims:
         if loss_fn is None:
             raise ValueError("a mesh with a 'pp' dimension needs loss_fn(output, target): the last stage computes it")
@@ -71,9 +74,10 @@ def parallelize(model: torch.nn.Module, args=None, kwargs=None, *, mesh: DeviceM
     return shard_stage(model, args, kwargs)
 
 
-def _shard(module: torch.nn.Module, args, kwargs, *, mesh: DeviceMesh, kind: str, options: dict) -> torch.nn.Module:
+def _shard(module: torch.nn.Module, args, kwargs, *, mesh: DeviceMesh, kind: str, options: dict,
+           blocks: str | None = None, pipelined: bool = False) -> torch.nn.Module:
     """TP on this rank's "tp" group (a group of this rank alone when the mesh has none), then DP on its
-    "dp" group.
+    "dp" group (FSDP units per block of the list at ``blocks``).
 
     The pipeline passes each stage's module here: one code path with and without stages."""
     dims = mesh.mesh_dim_names
@@ -83,7 +87,7 @@ def _shard(module: torch.nn.Module, args, kwargs, *, mesh: DeviceMesh, kind: str
         sharded = api.tensor_parallel(module, args, kwargs, group=_own_group(), **options)
     sharded.autotp_mesh = mesh
     if "dp" in dims and mesh["dp"].size() > 1:
-        sharded = data_parallel(sharded, mesh["dp"], kind)
+        sharded = data_parallel(sharded, mesh["dp"], kind, blocks, pipelined)
     return sharded
 
 

@@ -3,6 +3,7 @@ a dead DP rank makes the others raise.  Runs through examples/train.py, the code
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import time
 from types import SimpleNamespace
@@ -172,6 +173,83 @@ def test_a_dead_dp_rank_makes_the_others_raise():
     for rank, message, seconds in reports:
         assert message != "no error", rank
         assert seconds < 60, (rank, message, seconds)  # the process group's timeout is 300 s
+
+
+class _Residual(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+
+    def forward(self, x):
+        return x + self.down(torch.tanh(self.up(x)))
+
+
+class _Blocks(torch.nn.Module):
+    """Four identical residual blocks and a head: pipeline stages and FSDP units without transformers."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_Residual() for _ in range(4))
+        self.head = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _stops(dims: tuple, names: tuple, rank: int, port: int, queue) -> None:
+    """Rank 3 stops (alive, stuck) after one training step; the others report how their second step ended.
+    The process group's timeout is 300 s; parallelize's is 15 s."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_WORLD_SIZE="4", OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=4, timeout=datetime.timedelta(seconds=300))
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 16), torch.randn(4, 4)
+    mesh = init_device_mesh("cpu", dims, mesh_dim_names=names)
+    pipelined = "pp" in names
+    options = {"loss_fn": torch.nn.functional.mse_loss, "microbatches": 2} if pipelined else {}
+    model = autotp.parallelize(_Blocks(), (x,), mesh=mesh, timeout=15, **options)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step():
+        if pipelined:
+            model.step(x, target=y, losses=[])
+        else:
+            torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+
+    step()
+    if rank == 3:
+        time.sleep(600)  # ended by the test
+    start = time.monotonic()
+    try:
+        step()
+        queue.put((rank, "no error", time.monotonic() - start))
+    except Exception as exc:
+        queue.put((rank, f"{type(exc).__name__}: {exc}", time.monotonic() - start))
+    time.sleep(600)  # its peers may still be waiting on it: ended by the test
+
+
+@pytest.mark.parametrize("dims, names, dim", [((2, 2), ("dp", "tp"), "dp"), ((2, 2), ("pp", "dp"), "pp")])
+def test_a_stopped_rank_makes_the_others_raise_within_parallelizes_timeout(dims, names, dim):
+    """Rank 3 stops: its peer in the named dimension (rank 1: FSDP's all-gather; a pipeline's receive from
+    stage 1) raises a CollectiveError naming the dimension within parallelize's 15 s, not the process group's
+    300 s (nor DeviceMesh's 30-minute default); the others fail through that peer or directly, as late as two
+    timeouts (slack for a loaded machine)."""
+    reports = {r: (message, seconds) for r, message, seconds in
+               run_unsupervised(4, functools.partial(_stops, dims, names), reports=3, end=True)}
+    assert sorted(reports) == [0, 1, 2]
+    for rank, (message, seconds) in reports.items():
+        assert message.startswith("CollectiveError") and "mesh dimension" in message, (rank, message)
+        assert seconds < 60, (rank, message, seconds)
+    message, seconds = reports[1]
+    assert f"mesh dimension {dim!r} (ranks [1, 3])" in message, message
+    assert 10 < seconds, (message, seconds)  # it waited for the stuck rank: the timeout, not a closed connection
+    if dim == "dp":
+        assert "FSDP all_gather" in message and "parameters" in message, message
+    else:
+        assert "pipeline stage(s) [0]" in message and "stage 1 on rank 3" in message, message
 
 
 def test_full_state_dict_of_a_pipeline_asks_the_pipeline():

@@ -12,7 +12,9 @@ embedding, the head and whatever is not in a block), and each block prefetches i
 next block's in the forward, the previous one's in the backward).  So a rank holds one or two blocks' gathered
 parameters at a time instead of all of them.  A block is resharded after its forward unless the module is a
 pipeline stage, which runs several micro-batches' forwards before their backwards (torchtitan:
-``reshard_after_forward = not pp``).
+``reshard_after_forward = not pp``).  Each unit's all-gather and reduce-scatter are FSDP's own collectives, given
+through ``set_custom_all_gather`` / ``set_custom_reduce_scatter`` so that one that fails or times out says which
+unit and which mesh dimension it waited on.
 """
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ import itertools
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+
+from autotp.runtime.collectives import failure
 
 from .blocks import block_units
 
@@ -52,12 +56,35 @@ def data_parallel(module: torch.nn.Module, dp_mesh: DeviceMesh, kind: str = "fsd
         return replicate(module, process_group=dp_mesh.get_group())
     from torch.distributed.fsdp import fully_shard
     same_start(module, dp_mesh)
-    units = [module.get_submodule(path) for path in block_units(module, blocks)] if blocks else []
-    for unit in units:
-        fully_shard(unit, mesh=dp_mesh, reshard_after_forward=not pipelined)
+    paths = block_units(module, blocks) if blocks else []
+    units = [fully_shard(module.get_submodule(path), mesh=dp_mesh, reshard_after_forward=not pipelined)
+             for path in paths]
     sharded = fully_shard(module, mesh=dp_mesh)
+    for unit, name in [*zip(units, paths, strict=True), (sharded, "the root unit (all but the blocks)")]:
+        unit.set_custom_all_gather(_Named("FSDP all_gather", f"of the parameters of {name}"))
+        unit.set_custom_reduce_scatter(_Named("FSDP reduce_scatter", f"of the gradients of {name}"))
     for before, after in itertools.pairwise(units):
         before.set_modules_to_forward_prefetch([after])
         after.set_modules_to_backward_prefetch([before])
-    sharded.autotp_units = [name for name, sub in module.named_modules() if any(sub is u for u in units)]
+    sharded.autotp_units = paths
     return sharded
+
+
+class _Named:
+    """FSDP2's default all-gather or reduce-scatter for one unit (its ``Comm`` protocol: ``allocate`` and a call);
+    a failure raises autotp's CollectiveError naming the collective, the unit and the group."""
+
+    def __init__(self, op: str, what: str):
+        self.op, self.what = op, what
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op=None,
+                 async_op: bool = False):
+        try:
+            if self.op.endswith("all_gather"):
+                return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+            return dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        except Exception as exc:
+            raise failure(self.op, self.what, group.group_name, exc) from exc

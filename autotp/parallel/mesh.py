@@ -6,6 +6,7 @@ consecutive (inside a node) and DP and PP groups span nodes, as Megatron and tor
 """
 from __future__ import annotations
 
+import datetime
 import functools
 
 import torch
@@ -13,7 +14,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from autotp import api
+from autotp.agree import DEFAULT_TIMEOUT
 from autotp.passes.fold import find_fold
+from autotp.runtime.collectives import describe
 
 from .data import check_kind, data_parallel
 
@@ -43,7 +46,9 @@ def parallelize(model: torch.nn.Module, args=None, kwargs=None, *, mesh: DeviceM
     name or class, e.g. "1F1B", "Interleaved1F1B", "ZBVZeroBubble"), ``virtual_stages`` (stages per rank of a
     multi-stage schedule), ``microbatches`` and ``stages`` choose the schedule, micro-batches and stage
     boundaries) and returns a pipeline with
-    ``step(*inputs, target=..., losses=[])``.  ``args`` are one DP rank's share of the batch.
+    ``step(*inputs, target=..., losses=[])``.  ``args`` are one DP rank's share of the batch.  Every
+    collective over the mesh (TP, FSDP or DDP, a stage's send or receive) gives up after ``timeout`` seconds
+    (an option, default 120) and raises a CollectiveError naming the mesh dimension.
     """
     if mesh is None:
         return api.tensor_parallel(model, args, kwargs, **options)
@@ -51,6 +56,8 @@ def parallelize(model: torch.nn.Module, args=None, kwargs=None, *, mesh: DeviceM
     if options.get("group") is not None:
         raise ValueError("pass either mesh= or group=, not both: with a mesh, TP runs on its 'tp' dimension")
     check_kind(data_parallel)
+    if isinstance(mesh, DeviceMesh):  # (a stand-in mesh has no groups to remake)
+        mesh = timed_mesh(mesh, options.get("timeout", DEFAULT_TIMEOUT))
     blocks = find_fold(model, min_blocks=2)  # FSDP units: one per block of the repeated list, found on the model
     shard_stage = functools.partial(_shard, mesh=mesh, kind=data_parallel, options=options,
                                     blocks=blocks.path if blocks else None, pipelined="pp" in dims)
@@ -89,6 +96,19 @@ def _shard(module: torch.nn.Module, args, kwargs, *, mesh: DeviceMesh, kind: str
     if "dp" in dims and mesh["dp"].size() > 1:
         sharded = data_parallel(sharded, mesh["dp"], kind, blocks, pipelined)
     return sharded
+
+
+def timed_mesh(mesh: DeviceMesh, seconds: float) -> DeviceMesh:
+    """``mesh`` with each dimension's group made anew, by its members alone, with ``seconds`` as its timeout and
+    named in autotp's errors.  DeviceMesh gives its sub-groups PyTorch's default timeout (30 minutes) whatever
+    init_process_group was told, and gloo's send and receive keep the timeout a group was made with."""
+    groups = []
+    for dim in mesh.mesh_dim_names:
+        ranks = dist.get_process_group_ranks(mesh[dim].get_group())
+        group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=seconds), use_local_synchronization=True)
+        describe(group, f"mesh dimension {dim!r} (ranks {ranks})")
+        groups.append(group)
+    return DeviceMesh.from_group(groups, mesh.device_type, mesh=mesh.mesh, mesh_dim_names=mesh.mesh_dim_names)
 
 
 def _own_group():

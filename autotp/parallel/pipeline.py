@@ -25,7 +25,7 @@ from autotp.hf import no_kv_cache
 from autotp.runtime.conversion import weightless
 from autotp.runtime.hf_checkpoint import full_checkpoint_tensors, full_state_dict
 
-from .schedules import check_evaluates, resolve
+from .schedules import check_evaluates, resolve, step_failure
 from .split import split
 from .stages import StageError, block_profile, find_blocks, stage_starts
 
@@ -87,15 +87,16 @@ def pipeline(model: torch.nn.Module, args, kwargs=None, *, mesh, loss_fn, schedu
 
     runner = plan.build(built, microbatches, flat_loss)
     return Pipelined(runner, modules, group, out_spec, stages, getattr(model, "config", None), weightless(model),
-                     frozenset(model.state_dict()))
+                     frozenset(model.state_dict()), plan.placement(pp))
 
 
 class Pipelined:
     """This rank's stages and the schedule that runs them; the parameters keep their original names."""
 
     def __init__(self, schedule, modules: dict, group, out_spec, starts: list, config=None, source=None,
-                 stored: frozenset = frozenset()):
+                 stored: frozenset = frozenset(), placement: tuple = ()):
         self.schedule = schedule
+        self.placement = placement  # stage index -> the pipeline rank that holds it
         self.stored = stored  # the model's parameter and persistent buffer names: what a checkpoint holds
         self.autotp_config = config  # written beside the weights by autotp.save_pretrained
         self.autotp_source = source  # the model without its weights: save_pretrained writes transformers' layout of it
@@ -107,8 +108,13 @@ class Pipelined:
     def step(self, *inputs, target=None, losses: list | None = None, **kwargs):
         """One training step's forward and backward over the micro-batches (the optimizer step is the caller's):
         inputs matter on the first stage, ``target`` on the last, where ``losses`` gets each micro-batch's loss
-        and the merged output is returned (None elsewhere)."""
-        return self._output(self.schedule.step(*inputs, target=target, losses=losses, **kwargs))
+        and the merged output is returned (None elsewhere).  A send, receive or collective that fails or outlives
+        the timeout raises a CollectiveError naming this rank's stages, the mesh dimension and the peers."""
+        try:
+            merged = self.schedule.step(*inputs, target=target, losses=losses, **kwargs)
+        except Exception as exc:
+            raise step_failure(exc, sorted(self.modules), self.placement, self.group) from exc
+        return self._output(merged)
 
     def evaluate(self, *inputs, target=None, losses: list | None = None, **kwargs):
         """Forward only (no gradients kept): the merged output on the last stage, losses if ``target`` is given."""

@@ -9,8 +9,10 @@ count is checked by the schedule's own constructor before any stage is built.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
+import torch.distributed as dist
 from torch.distributed.pipelining.schedules import (
     PipelineScheduleMulti,
     PipelineScheduleSingle,
@@ -19,9 +21,12 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from autotp.cost_models.schedules import action_table, schedule_class
+from autotp.runtime.collectives import CollectiveError
 
 V_SHAPED = (ScheduleZBVZeroBubble, ScheduleDualPipeV)  # two stages per rank, the first rank's first and last
 NAMES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+# how c10d reports a send or receive whose peer is gone or late (gloo, NCCL)
+_COMMUNICATION = re.compile(r"Timed out|timeout|Connection (closed|reset)|peer|recv|send|NCCL|gloo", re.IGNORECASE)
 DEFAULT_VIRTUAL = 2  # stages per rank of a multi-stage schedule unless told (interleaved 1F1B's smallest)
 
 
@@ -58,10 +63,13 @@ class Schedule:
                                 f"pipeline ranks x {self.per_rank} stages: {exc} Change microbatches (and the "
                                 "batch with it), virtual_stages or the schedule") from None
 
+    def placement(self, pp: int) -> tuple:
+        """The pipeline rank of each stage, as the schedule places them."""
+        return action_table(self.cls, pp, self.per_rank, 2 * self.stages(pp)).rank_of
+
     def stage_indices(self, pp: int, rank: int) -> list[int]:
-        """The stages pipeline rank ``rank`` holds, as the schedule places them (ascending)."""
-        rank_of = action_table(self.cls, pp, self.per_rank, 2 * self.stages(pp)).rank_of
-        return [s for s, r in enumerate(rank_of) if r == rank]
+        """The stages pipeline rank ``rank`` holds (ascending)."""
+        return [s for s, r in enumerate(self.placement(pp)) if r == rank]
 
     def build(self, stages: list, microbatches: int, loss_fn):
         """The runtime schedule over this rank's ``PipelineStage`` objects (ascending stage index)."""
@@ -106,3 +114,24 @@ def check_evaluates(runner) -> None:
         raise NotImplementedError(f"evaluate() with {type(runner).__name__}: PyTorch's forward-only run of V-shaped "
                                   "schedules fails (its eval still runs their backward hand-over); evaluate with a "
                                   "pipeline on another schedule, or on autotp.full_state_dict(pipeline) in one process")
+
+
+def step_failure(exc: Exception, mine: list, placement: tuple, group) -> Exception:
+    """What a pipeline step that raised ``exc`` reports: a collective's error (TP, FSDP) with this rank's stages
+    added; a failed send or receive (c10d's errors: a peer died, is stuck, or timed out) as a CollectiveError
+    naming the "pp" dimension, the stages and the peers; anything else as it is."""
+    where = f"pipeline stage(s) {mine}"
+    chain = [exc]  # pipelining re-raises a stage's error as "[Stage 1] failed to run forward" from it
+    while chain[-1].__cause__ is not None and len(chain) < 16:
+        chain.append(chain[-1].__cause__)
+    named = next((e for e in chain if isinstance(e, CollectiveError)), None)
+    if named is not None:
+        return CollectiveError(f"{where}: {named}")
+    if not isinstance(exc, (dist.DistError, RuntimeError)) or not any(_COMMUNICATION.search(str(e)) for e in chain):
+        return exc
+    ranks = dist.get_process_group_ranks(group)
+    peers = sorted({s for k in mine for s in (k - 1, k + 1) if 0 <= s < len(placement) and s not in mine})
+    with_whom = ", ".join(f"stage {s} on rank {ranks[placement[s]]}" for s in peers)
+    return CollectiveError(f"autotp: a send or receive of {where} over mesh dimension 'pp' (ranks {ranks}) with "
+                           f"{with_whom} did not complete: a peer died, is stuck, or runs other code (look at its "
+                           f"output); parallelize's timeout= bounds the wait. Cause: {chain[-1]}")

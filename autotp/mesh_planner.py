@@ -22,7 +22,15 @@ from autotp.cost_models import schedules as pipe
 from autotp.cost_models.mesh_layout import Candidate, Profile, Section, Setting, price
 from autotp.cost_models.topology import Topology
 from autotp.passes.fold import sections
-from autotp.passes.pricing import Sizes, activation_bytes, model_flops, op_memory, op_seconds, priced_unit
+from autotp.passes.pricing import (
+    Sizes,
+    activation_bytes,
+    model_flops,
+    op_memory,
+    op_seconds,
+    priced_unit,
+    read_at_both_ends,
+)
 from autotp.passes.recompute import attention_cores
 from autotp.passes.solve import PlanningError
 from autotp.passes.strategies import Strategy, needs_grad
@@ -148,11 +156,14 @@ def _read_profile(gm: torch.fx.GraphModule, tp: int, topo: Topology, training: b
     kept: dict = {}
     choice = {nodes[name]: Strategy(tuple(parse(p) for p in entry["in"]), parse(entry["out"]))
               for name, entry in plan.nodes.items()}
+    tied, both = {}, read_at_both_ends(where)
     for node, strategy in choice.items():
         section = kept.setdefault(where[node], Section())
         section.seconds += op_seconds(node, strategy, sizes, tp, topo, training)
         for kind, held in op_memory(node, strategy, sizes, tp, trainable, training).items():
             section.memory[kind] = section.memory.get(kind, 0.0) + held
+            if node in both:
+                tied[kind] = tied.get(kind, 0.0) + held
     grad = needs_grad(gm) if training else set()
     again = [core for core in attention_cores(gm, grad) if plan.nodes.get(core[-1].name, {}).get("recompute")]
     for node, held in activation_bytes(choice, sizes, tp, grad, again).items():
@@ -170,7 +181,7 @@ def _read_profile(gm: torch.fx.GraphModule, tp: int, topo: Topology, training: b
     if fold:  # tensors block 1 hands to the next kept block (N-2): what a stage sends to the next
         boundary = sum(sizes.nbytes(n) for n in gm.graph.nodes
                        if where[n] == 1 and any(where.get(u) == count - 2 for u in n.users)) / unit
-    return Profile(tp, per_sample, boundary, fold is not None, sequence_parallel=tokens, selective=cores)
+    return Profile(tp, per_sample, boundary, fold is not None, sequence_parallel=tokens, selective=cores, tied=tied)
 
 
 def _best_layout(profile: Profile, devices: int, setting: Setting) -> list[Candidate]:

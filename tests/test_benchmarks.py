@@ -17,7 +17,8 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
     ("runtime.py", ["--layers", "1", "--hidden", "64", "--repeats", "1", "--decode-steps", "1"],
      "reference, autotp collectives"),
     ("generate.py", ["--layers", "1", "--hidden", "64", "--new", "3", "--batch", "2"], "autotp / hf"),
-    ("train.py", ["--layers", "1", "--hidden", "32", "--seq", "8", "--batch", "4", "--repeats", "1"], "ratio"),
+    ("train.py", ["--layers", "1", "--hidden", "32", "--seq", "8", "--batch", "4", "--repeats", "1"],
+     "autotp / hand-written memory"),
 ])
 def test_benchmark_runs(script, args, expect):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -38,6 +38,8 @@ class Profile:
     sums: dict = field(default_factory=dict)    # running totals over the blocks (stage_memory)
     sequence_parallel: bool = False  # the TP plan splits norms, dropouts and residual adds by tokens
     selective: bool = False          # the TP plan recomputes the attention cores
+    tied: dict = field(default_factory=dict)  # bytes by kind of weights read before and after the blocks (tied
+    # embeddings), counted in sections[0]: a stage holding the head without the embedding holds its own copy
 
     @property
     def blocks(self) -> list:
@@ -160,14 +162,22 @@ def stage_memory(profile: Profile, ranges: list, stage: int, layout: Candidate, 
     def total(kind: str) -> float:
         return sum(sums[kind][end] - sums[kind][start] for start, end in ranges)
 
-    params, grads, optimizer, buffers = (total(k) + sum(s.memory.get(k, 0.0) for s in ends) for k in STATE)
+    copies = sum(1 for start, end in ranges if end == len(profile.blocks) and start > 0)  # a head stage's own copy
+    params, grads, optimizer, buffers = (total(k) + sum(s.memory.get(k, 0.0) for s in ends)
+                                         + copies * profile.tied.get(k, 0.0) for k in STATE)
     if data_parallel == "ddp" or dp == 1:
         state = params + grads + optimizer
-    elif pp == 1:  # FSDP: all sharded, one block's parameters and gradients gathered at a time
+    elif pp == 1:  # FSDP units per block (parallel/data.py): everything sharded; the root unit (embedding, head)
+        # gathered all step, its gradient whole until the end; a block's parameters gathered while it runs with the
+        # next one's prefetched, its gradient whole until reduce-scattered
         mine = [sections[1 + k] for start, end in ranges for k in range(start, end)]
-        state = (params + grads + optimizer) / dp + max((s.held(("params", "grads")) for s in mine + ends), default=0)
-    else:  # FSDP under a pipeline keeps parameters and gradients gathered across micro-batches (torchtitan)
-        state = params + grads + optimizer / dp
+        block_params = max((s.memory.get("params", 0.0) for s in mine), default=0.0)
+        block_grads = max((s.memory.get("grads", 0.0) for s in mine), default=0.0)
+        root = sum(s.held(("params", "grads")) for s in ends)
+        state = (params + grads + optimizer) / dp + root + 2 * block_params + block_grads
+    else:  # FSDP in a pipeline stage keeps parameters gathered and gradients whole from the first forward to the
+        # last backward (reshard_after_forward=False, as torchtitan), beside the sharded copies
+        state = params + grads + (params + grads + optimizer) / dp
     blocks = sum(end - start for start, end in ranges)
     around = sum(s.held(KEPT) for s in ends)
     flight = pipe.in_flight(layout.schedule, pp, microbatches, stage, layout.virtual_stages)

@@ -105,6 +105,23 @@ def plan_mesh_for_graph(gm: torch.fx.GraphModule, *, devices: int | None = None,
     return MeshPlan(found[0], found, devices, topo.name, data_parallel, global_batch)
 
 
+def price_layout(gm: torch.fx.GraphModule, layout: Candidate, *, topology=None, nodes: int | None = None,
+                 global_batch: int | None = None, training: bool = True, data_parallel: str = "fsdp",
+                 memory_limit: float | None = None) -> Candidate:
+    """``layout`` (tp, pp, dp, micro-batch size, schedule, virtual stages, recomputation) priced as plan_mesh prices
+    its candidates, on an already captured (folded) graph: its stages, step time and memory per device (a note
+    instead of a step time when that is over the limit).  What a runtime layout is promised, to compare with it."""
+    topo, _ = _cluster(topology, nodes, layout.tp * layout.pp * layout.dp, data_parallel)
+    unit, sizes = priced_unit(gm)
+    global_batch = global_batch or unit
+    limit = memory_limit if memory_limit is not None else 0.9 * topo.memory_bytes
+    flops = model_flops(gm, sizes) / unit * global_batch if training else 0.0
+    profile = _profile(gm, layout.tp, topo, training, sizes, unit, layout.sequence_parallel, layout.selective)
+    if profile is None:
+        raise PlanningError("the graph has no tokens to split: price the layout without sequence_parallel")
+    return price(profile, layout, Setting(topo, global_batch, training, data_parallel, limit, flops))
+
+
 def _cluster(topology, nodes: int | None, devices: int | None, data_parallel: str) -> tuple[Topology, int]:
     """The topology and device count of a request, checked."""
     if data_parallel not in ("fsdp", "ddp"):

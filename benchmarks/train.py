@@ -1,7 +1,7 @@
 """One AdamW training step on TP 2 x DP 2 (4 gloo ranks): per-rank peak memory (MemTracker) and step time of
 autotp against a torchtitan-style hand-written DTensor plan of the same model, same mesh, same batch, in one run.
 
-    python benchmarks/train.py [--layers 4] [--hidden 256] [--seq 128] [--batch 8] [--repeats 10] [--runs 3]
+    python benchmarks/train.py [--layers 8] [--hidden 256] [--seq 128] [--batch 8] [--repeats 10] [--runs 3]
 
 The hand-written plan is Megatron's, as torchtitan writes it for LLaMA (without sequence parallelism):
 ``parallelize_module`` with q/k/v and gate/up ``ColwiseParallel``, o/down ``RowwiseParallel``, the embedding
@@ -107,20 +107,18 @@ def run(rank: int, world: int, o: argparse.Namespace, repeats: int) -> dict:
 
 
 def _estimate(o: argparse.Namespace) -> float:
-    """The planner's bytes per device for TP 2 x DP 2 (FSDP) at this batch: what it promises for this layout."""
-    from autotp.mesh_planner import plan_mesh
-    model, per_replica = build(o), o.batch // 2
-    result = plan_mesh(model, (global_batch(o, 0)[0][:1],), devices=4, topology="dgx-h100", global_batch=o.batch,
-                       data_parallel="fsdp")
-    layout = next(c for c in result.candidates if (c.tp, c.pp, c.dp) == (2, 1, 2))
-    if layout.microbatches * layout.microbatch_size != per_replica:
-        raise AssertionError(f"the planner's layout runs {layout.microbatches} x {layout.microbatch_size}")
-    return layout.memory_bytes
+    """The planner's bytes per device for TP 2 x DP 2 (FSDP) running each replica's batch at once, as here."""
+    from autotp.api import prepared_graph
+    from autotp.cost_models.mesh_layout import Candidate
+    from autotp.mesh_planner import price_layout
+    gm = prepared_graph(build(o), (global_batch(o, 0)[0][:1],), None, fold=True)
+    layout = Candidate(2, 1, 2, microbatch_size=o.batch // 2)
+    return price_layout(gm, layout, topology="dgx-h100", global_batch=o.batch, data_parallel="fsdp").memory_bytes
 
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--layers", type=int, default=8, help="at least 5: the planner's estimate folds the blocks")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=8, help="global batch (half per DP replica)")

@@ -22,7 +22,7 @@ from .topology import Topology
 
 PASSES = ("F", "B", "I", "W")  # forward, whole backward, backward to the inputs, backward to the weights
 LEGACY = {"interleaved-1f1b": "Interleaved1F1B"}  # names autotp used before it took PyTorch's
-EXACT_MICROBATCHES = 64  # tables longer than this many micro-batches are extrapolated (steady state, see step_units)
+EXACT_MICROBATCHES = 16  # longer tables (and longer than two rounds of every stage) are extended by their steady state
 
 
 def schedule_class(name) -> type:
@@ -181,6 +181,7 @@ def in_flight(schedule: str | None, pp: int, microbatches: int, rank: int, virtu
     return _uniform(schedule, pp, microbatches, virtual)[1][rank]
 
 
+@functools.lru_cache(maxsize=256)
 def stage_ranks(schedule: str | None, pp: int, virtual: int) -> tuple:
     """The pipeline rank of each (virtual) stage: a loop (stage s on rank s mod pp) or, for V-shaped schedules
     (ZBVZeroBubble, DualPipeV), ranks 0..pp-1 then back."""

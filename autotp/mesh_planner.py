@@ -56,8 +56,8 @@ class MeshPlan:
 
     def to_dict(self) -> dict:
         c = self.choice
-        keys = ("tp", "pp", "dp", "microbatches", "microbatch_size", "schedule", "virtual_stages", "recompute",
-                "sequence_parallel", "selective", "stages")
+        keys = ("tp", "pp", "dp", "microbatches", "microbatch_size", "schedule", "virtual_stages", "bubble",
+                "recompute", "sequence_parallel", "selective", "stages")
         return {"choice": {k: getattr(c, k) for k in keys}, "step_seconds": c.step_seconds,
                 "memory_bytes": c.memory_bytes, "mfu": c.mfu, "devices": self.devices, "topology": self.topology,
                 "data_parallel": self.data_parallel, "global_batch": self.global_batch,

@@ -153,18 +153,23 @@ def _victim(rank: int, port: int, queue) -> None:
         sharded(x).square().mean().backward()
         optimizer.step()
 
+    _second_step(rank, step, queue, lambda: os._exit(3))
+    queue.close()
+    queue.join_thread()
+    os._exit(0)
+
+
+def _second_step(rank: int, step, queue, stop) -> None:
+    """One step, then rank 3 stops (``stop()``) and the others report how their second step ended."""
     step()
     if rank == 3:
-        os._exit(3)
+        stop()
     start = time.monotonic()
     try:
         step()
         queue.put((rank, "no error", time.monotonic() - start))
     except Exception as exc:
         queue.put((rank, f"{type(exc).__name__}: {exc}", time.monotonic() - start))
-    queue.close()
-    queue.join_thread()
-    os._exit(0)
 
 
 def test_a_dead_dp_rank_makes_the_others_raise():
@@ -219,15 +224,7 @@ def _stops(dims: tuple, names: tuple, rank: int, port: int, queue) -> None:
             torch.nn.functional.mse_loss(model(x), y).backward()
         optimizer.step()
 
-    step()
-    if rank == 3:
-        time.sleep(600)  # ended by the test
-    start = time.monotonic()
-    try:
-        step()
-        queue.put((rank, "no error", time.monotonic() - start))
-    except Exception as exc:
-        queue.put((rank, f"{type(exc).__name__}: {exc}", time.monotonic() - start))
+    _second_step(rank, step, queue, lambda: time.sleep(600))  # stuck: ended by the test
     time.sleep(600)  # its peers may still be waiting on it: ended by the test
 
 

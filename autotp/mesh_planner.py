@@ -22,7 +22,15 @@ from autotp.cost_models import schedules as pipe
 from autotp.cost_models.mesh_layout import Candidate, Profile, Section, Setting, price
 from autotp.cost_models.topology import Topology
 from autotp.passes.fold import sections
-from autotp.passes.pricing import Sizes, activation_bytes, model_flops, op_memory, op_seconds, priced_unit
+from autotp.passes.pricing import (
+    Sizes,
+    activation_bytes,
+    model_flops,
+    op_memory,
+    op_seconds,
+    priced_unit,
+    read_at_both_ends,
+)
 from autotp.passes.recompute import attention_cores
 from autotp.passes.solve import PlanningError
 from autotp.passes.strategies import Strategy, needs_grad
@@ -48,8 +56,8 @@ class MeshPlan:
 
     def to_dict(self) -> dict:
         c = self.choice
-        keys = ("tp", "pp", "dp", "microbatches", "microbatch_size", "schedule", "virtual_stages", "recompute",
-                "sequence_parallel", "selective", "stages")
+        keys = ("tp", "pp", "dp", "microbatches", "microbatch_size", "schedule", "virtual_stages", "bubble",
+                "recompute", "sequence_parallel", "selective", "stages")
         return {"choice": {k: getattr(c, k) for k in keys}, "step_seconds": c.step_seconds,
                 "memory_bytes": c.memory_bytes, "mfu": c.mfu, "devices": self.devices, "topology": self.topology,
                 "data_parallel": self.data_parallel, "global_batch": self.global_batch,
@@ -95,6 +103,23 @@ def plan_mesh_for_graph(gm: torch.fx.GraphModule, *, devices: int | None = None,
     if not found[0].fits:
         raise PlanningError(_advice(found, profiles, devices, setting))
     return MeshPlan(found[0], found, devices, topo.name, data_parallel, global_batch)
+
+
+def price_layout(gm: torch.fx.GraphModule, layout: Candidate, *, topology=None, nodes: int | None = None,
+                 global_batch: int | None = None, training: bool = True, data_parallel: str = "fsdp",
+                 memory_limit: float | None = None) -> Candidate:
+    """``layout`` (tp, pp, dp, micro-batch size, schedule, virtual stages, recomputation) priced as plan_mesh prices
+    its candidates, on an already captured (folded) graph: its stages, step time and memory per device (a note
+    instead of a step time when that is over the limit).  What a runtime layout is promised, to compare with it."""
+    topo, _ = _cluster(topology, nodes, layout.tp * layout.pp * layout.dp, data_parallel)
+    unit, sizes = priced_unit(gm)
+    global_batch = global_batch or unit
+    limit = memory_limit if memory_limit is not None else 0.9 * topo.memory_bytes
+    flops = model_flops(gm, sizes) / unit * global_batch if training else 0.0
+    profile = _profile(gm, layout.tp, topo, training, sizes, unit, layout.sequence_parallel, layout.selective)
+    if profile is None:
+        raise PlanningError("the graph has no tokens to split: price the layout without sequence_parallel")
+    return price(profile, layout, Setting(topo, global_batch, training, data_parallel, limit, flops))
 
 
 def _cluster(topology, nodes: int | None, devices: int | None, data_parallel: str) -> tuple[Topology, int]:
@@ -148,11 +173,14 @@ def _read_profile(gm: torch.fx.GraphModule, tp: int, topo: Topology, training: b
     kept: dict = {}
     choice = {nodes[name]: Strategy(tuple(parse(p) for p in entry["in"]), parse(entry["out"]))
               for name, entry in plan.nodes.items()}
+    tied, both = {}, read_at_both_ends(where)
     for node, strategy in choice.items():
         section = kept.setdefault(where[node], Section())
         section.seconds += op_seconds(node, strategy, sizes, tp, topo, training)
         for kind, held in op_memory(node, strategy, sizes, tp, trainable, training).items():
             section.memory[kind] = section.memory.get(kind, 0.0) + held
+            if node in both:
+                tied[kind] = tied.get(kind, 0.0) + held
     grad = needs_grad(gm) if training else set()
     again = [core for core in attention_cores(gm, grad) if plan.nodes.get(core[-1].name, {}).get("recompute")]
     for node, held in activation_bytes(choice, sizes, tp, grad, again).items():
@@ -170,7 +198,7 @@ def _read_profile(gm: torch.fx.GraphModule, tp: int, topo: Topology, training: b
     if fold:  # tensors block 1 hands to the next kept block (N-2): what a stage sends to the next
         boundary = sum(sizes.nbytes(n) for n in gm.graph.nodes
                        if where[n] == 1 and any(where.get(u) == count - 2 for u in n.users)) / unit
-    return Profile(tp, per_sample, boundary, fold is not None, sequence_parallel=tokens, selective=cores)
+    return Profile(tp, per_sample, boundary, fold is not None, sequence_parallel=tokens, selective=cores, tied=tied)
 
 
 def _best_layout(profile: Profile, devices: int, setting: Setting) -> list[Candidate]:
@@ -199,11 +227,27 @@ def _best_layout(profile: Profile, devices: int, setting: Setting) -> list[Candi
     return found
 
 
+# what the runtime runs (parallel/schedules.py): PyTorch's schedules by name, with their stages per rank
+SCHEDULES = (("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2), ("Interleaved1F1B", 4), ("InterleavedZeroBubble", 2),
+             ("InterleavedZeroBubble", 4), ("ZBVZeroBubble", 2), ("DualPipeV", 2))
+
+
 def _schedules(pp: int, microbatches: int, blocks: int) -> list:
+    """The schedules (and stages per rank) that run ``microbatches`` on ``pp`` ranks of ``blocks`` blocks; several
+    stages per rank only with whole rounds of micro-batches (a multiple of pp), which every such schedule runs."""
     if pp == 1:
         return [(None, 1)]
-    found = [("gpipe", 1), ("1f1b", 1)]
-    return found + [("interleaved-1f1b", v) for v in (2, 4) if blocks >= pp * v and microbatches % pp == 0]
+    return [(name, v) for name, v in SCHEDULES if blocks >= pp * v and (v == 1 or microbatches % pp == 0)
+            and _runs(name, pp, v, microbatches)]
+
+
+def _runs(name: str, pp: int, virtual: int, microbatches: int) -> bool:
+    try:
+        pipe.action_table(pipe.schedule_class(name), pp, virtual,
+                          pipe.simulated_microbatches(pp, microbatches, virtual))
+    except ValueError:  # the schedule's own rule (1F1B, DualPipeV: at least as many micro-batches as stages, ...)
+        return False
+    return True
 
 
 def _advice(candidates: list, profiles: list, devices: int, setting: Setting) -> str:

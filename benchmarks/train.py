@@ -1,20 +1,27 @@
-"""Training step time on TP 2 x DP 2 (4 gloo ranks): autotp against a torchtitan-style hand-written
-DTensor plan of the same model, same mesh, same batch, in one run.
+"""One AdamW training step on TP 2 x DP 2 (4 gloo ranks): per-rank peak memory (MemTracker) and step time of
+autotp against a torchtitan-style hand-written DTensor plan of the same model, same mesh, same batch, in one run.
 
-    python benchmarks/train.py [--layers 4] [--hidden 256] [--seq 128] [--batch 8] [--repeats 10]
+    python benchmarks/train.py [--layers 8] [--hidden 256] [--seq 128] [--batch 8] [--repeats 10] [--runs 3]
 
-The hand-written plan is Megatron's, as torchtitan writes it for LLaMA (without sequence
-parallelism): ``parallelize_module`` with q/k/v and gate/up ``ColwiseParallel``, o/down
-``RowwiseParallel``, the embedding ``RowwiseParallel`` and the head ``ColwiseParallel`` gathering the
-logits; then FSDP2 ``fully_shard`` on every block and the root over the "dp" dimension.  autotp:
-``autotp.parallelize(model, args, mesh=mesh)`` (its plan on "tp", one ``fully_shard`` over "dp").
-Each sample is one AdamW step (forward, loss, backward, optimizer); the two runners alternate, and
-the medians and their ratio are printed.  Both start from the same weights; their losses are checked
-equal before timing.
+The hand-written plan is Megatron's, as torchtitan writes it for LLaMA (without sequence parallelism):
+``parallelize_module`` with q/k/v and gate/up ``ColwiseParallel``, o/down ``RowwiseParallel``, the embedding
+``RowwiseParallel`` and the head ``ColwiseParallel`` gathering the logits; then FSDP2 ``fully_shard`` on every
+block and the root over "dp", with the same explicit prefetch autotp sets (each block prefetches the next one's
+all-gather in the forward, the previous one's in the backward).  autotp: ``autotp.parallelize(model, args,
+mesh=mesh)`` (its plan on "tp", FSDP2 per block and at the root on "dp").  autotp runs twice: with its gloo
+collectives (one-shot small all-reduces, polled waits) and with the plain functional c10d ops DTensor uses.
+
+Memory: after a warm-up step (the optimizer state exists), one step under
+``torch.distributed._tools.mem_tracker.MemTracker`` per runner; the peak of the rank that peaks highest, with
+its breakdown, and the planner's estimate for the same layout (``autotp.plan_mesh``'s per-device pricing).
+Time: the runners alternate step by step, medians per run.  Every run (``--runs``, fresh processes) prints its
+numbers, then the range over runs.  Both start from the same weights; their first losses are checked equal.
 """
 from __future__ import annotations
 
 import argparse
+import datetime
+import itertools
 import statistics
 import sys
 import time
@@ -24,11 +31,15 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from machine import describe
+
 from examples.train import build, global_batch, loss_fn, parse
+
+KINDS = ("Parameter", "Gradient", "Optstate", "Activation", "Temp", "Buffer")
 
 
 def hand_written(model: torch.nn.Module, mesh) -> torch.nn.Module:
-    """torchtitan's LLaMA plan on the "tp" dimension, FSDP2 per block and at the root on "dp"."""
+    """torchtitan's LLaMA plan on the "tp" dimension, FSDP2 per block and at the root on "dp", with prefetch."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -36,13 +47,17 @@ def hand_written(model: torch.nn.Module, mesh) -> torch.nn.Module:
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
         "lm_head": ColwiseParallel(output_layouts=Replicate()),
     })
-    for block in model.model.layers:
+    blocks = list(model.model.layers)
+    for block in blocks:
         parallelize_module(block, mesh["tp"], {
             "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
             "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
             "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel(),
         })
         fully_shard(block, mesh=mesh["dp"])
+    for before, after in itertools.pairwise(blocks):
+        before.set_modules_to_forward_prefetch([after])
+        after.set_modules_to_backward_prefetch([before])
     return fully_shard(model, mesh=mesh["dp"])
 
 
@@ -57,41 +72,83 @@ def _step(model, optimizer, x, y) -> tuple[float, float]:
     return time.perf_counter() - start, loss.item()
 
 
-def run(rank: int, world: int, o: argparse.Namespace, repeats: int) -> dict | None:
+def _peak(model, optimizer, x, y) -> dict:
+    """MemTracker's peak of one step: bytes by kind and their total."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+    tracker = MemTracker()
+    tracker.track_external(model, optimizer, x)
+    with tracker:  # one step per tracker
+        _step(model, optimizer, x, y)
+    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
+    return {"Total": peak["Total"], **{k: peak.get(k, 0) for k in KINDS}}
+
+
+def run(rank: int, world: int, o: argparse.Namespace, repeats: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     import autotp
+    from autotp.runtime.collectives import register
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     x, y = (t.chunk(2)[mesh["dp"].get_local_rank()] for t in global_batch(o, 0))
-    runners = {"autotp": autotp.parallelize(build(o), (x,), mesh=mesh), "hand-written": hand_written(build(o), mesh)}
+    plain = autotp.parallelize(build(o), (x,), mesh=mesh)
+    register(plain.autotp_group, shortcuts=False)  # its TP collectives as DTensor runs them
+    runners = {"autotp": autotp.parallelize(build(o), (x,), mesh=mesh), "autotp, plain c10d": plain,
+               "hand-written": hand_written(build(o), mesh)}
     optimizers = {name: torch.optim.AdamW(m.parameters(), lr=o.lr) for name, m in runners.items()}
     first = {name: _step(m, optimizers[name], x, y)[1] for name, m in runners.items()}
-    if abs(first["autotp"] - first["hand-written"]) > 1e-4 * abs(first["hand-written"]) + 1e-5:
-        raise AssertionError(f"the two runners disagree on the first loss: {first}")
+    if any(abs(loss - first["hand-written"]) > 1e-4 * abs(first["hand-written"]) + 1e-5 for loss in first.values()):
+        raise AssertionError(f"the runners disagree on the first loss: {first}")
+    peaks = {name: _peak(m, optimizers[name], x, y) for name, m in runners.items()}
     times: dict = {name: [] for name in runners}
     for _ in range(repeats):
         for name, m in runners.items():
             times[name].append(_step(m, optimizers[name], x, y)[0])
-    return {name: statistics.median(t) for name, t in times.items()} if rank == 0 else None
+    return {"peaks": peaks, "times": {name: statistics.median(t) for name, t in times.items()}}
+
+
+def _estimate(o: argparse.Namespace) -> float:
+    """The planner's bytes per device for TP 2 x DP 2 (FSDP) running each replica's batch at once, as here."""
+    from autotp.api import prepared_graph
+    from autotp.cost_models.mesh_layout import Candidate
+    from autotp.mesh_planner import price_layout
+    gm = prepared_graph(build(o), (global_batch(o, 0)[0][:1],), None, fold=True)
+    layout = Candidate(2, 1, 2, microbatch_size=o.batch // 2)
+    return price_layout(gm, layout, topology="dgx-h100", global_batch=o.batch, data_parallel="fsdp").memory_bytes
 
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--layers", type=int, default=8, help="at least 5: the planner's estimate folds the blocks")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--batch", type=int, default=8, help="global batch (4 sequences per DP replica)")
-    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--batch", type=int, default=8, help="global batch (half per DP replica)")
+    p.add_argument("--repeats", type=int, default=10, help="timed steps per runner and run")
+    p.add_argument("--runs", type=int, default=1, help="fresh 4-rank runs (the spread over them is printed)")
     a = p.parse_args(argv)
     o = parse(["--layers", str(a.layers), "--hidden", str(a.hidden), "--seq", str(a.seq), "--batch", str(a.batch),
                "--heads", "8", "--kv-heads", "4", "--vocab", "1024"])
     from autotp.tools.spawn import run_local
-    medians = run_local(4, run, o, a.repeats)[0]
-    ratio = medians["autotp"] / medians["hand-written"]
-    print(f"TP 2 x DP 2, 4 gloo ranks, LLaMA {a.layers} layers hidden {a.hidden}, global batch {a.batch} x {a.seq}: "
-          f"step autotp {medians['autotp'] * 1e3:.1f} ms, hand-written DTensor + FSDP2 "
-          f"{medians['hand-written'] * 1e3:.1f} ms, ratio {ratio:.2f}x (median of {a.repeats})")
-    return medians
+    print(f"{describe('gloo, 4 local ranks')}; {datetime.date.today()}")
+    print(f"TP 2 x DP 2, LLaMA {a.layers} layers hidden {a.hidden} vocab 1024, global batch {a.batch} x {a.seq}, "
+          "one AdamW step")
+    ratios: dict = {"memory": [], "time": [], "time (plain c10d)": []}
+    for k in range(a.runs):
+        results = run_local(4, run, o, a.repeats, timeout=600)
+        names = list(results[0]["peaks"])
+        peak = {n: max(r["peaks"][n]["Total"] for r in results) for n in names}
+        step = {n: statistics.median(r["times"][n] for r in results) for n in names}
+        for n in names:
+            top = max(results, key=lambda r, n=n: r["peaks"][n]["Total"])["peaks"][n]
+            parts = ", ".join(f"{kind.lower()} {top[kind] / 2**20:.2f}" for kind in KINDS if top[kind])
+            print(f"run {k + 1}: {n:20s} peak {peak[n] / 2**20:7.2f} MiB ({parts}), step {step[n] * 1e3:7.1f} ms "
+                  f"(median of {a.repeats})")
+        ratios["memory"].append(peak["autotp"] / peak["hand-written"])
+        ratios["time"].append(step["autotp"] / step["hand-written"])
+        ratios["time (plain c10d)"].append(step["autotp, plain c10d"] / step["hand-written"])
+    for what, values in ratios.items():
+        print(f"autotp / hand-written {what}: {min(values):.2f}x .. {max(values):.2f}x over {a.runs} run(s)")
+    print(f"planner's estimate for this layout: {_estimate(o) / 2**20:.2f} MiB per device (fp32 AdamW)")
+    return ratios
 
 
 if __name__ == "__main__":

@@ -20,18 +20,23 @@ def run_ranks(world: int, fn, *args) -> None:
     run_local(world, fn, *args)
 
 
-def run_unsupervised(world: int, target, reports: int, timeout: float = 240) -> list:
+def run_unsupervised(world: int, target, reports: int, timeout: float = 240, end: bool = False) -> list:
     """Start ``target(rank, port, queue)`` on ``world`` processes that are not stopped when one of them dies
-    (tests that kill a rank on purpose) and return the first ``reports`` items they put on the queue."""
+    (tests that kill a rank on purpose) and return the first ``reports`` items they put on the queue.
+    ``end``: then end them all (a stuck rank would never leave)."""
     ctx = local_context()
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=target, args=(rank, port, queue)) for rank in range(world)]
     for p in procs:
         p.start()
-    found = [queue.get(timeout=timeout) for _ in range(reports)]
-    for p in procs:
-        p.join(timeout=30)
+    try:
+        found = [queue.get(timeout=timeout) for _ in range(reports)]
+    finally:
+        for p in procs:
+            if end:
+                p.kill()
+            p.join(timeout=30)
     return found
 
 

@@ -17,7 +17,8 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
     ("runtime.py", ["--layers", "1", "--hidden", "64", "--repeats", "1", "--decode-steps", "1"],
      "reference, autotp collectives"),
     ("generate.py", ["--layers", "1", "--hidden", "64", "--new", "3", "--batch", "2", "--repeats", "1"], "autotp / hf"),
-    ("train.py", ["--layers", "1", "--hidden", "32", "--seq", "8", "--batch", "4", "--repeats", "1"], "ratio"),
+    ("train.py", ["--layers", "1", "--hidden", "32", "--seq", "8", "--batch", "4", "--repeats", "1"],
+     "autotp / hand-written memory"),
     ("dropout.py", ["--layers", "1", "--hidden", "32", "--repeats", "1"], "reference vs one process"),
 ])
 def test_benchmark_runs(script, args, expect):

@@ -3,6 +3,7 @@ a dead DP rank makes the others raise.  Runs through examples/train.py, the code
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import time
 from types import SimpleNamespace
@@ -12,13 +13,14 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 import autotp
 from autotp.parallel.mesh import mesh_dims
 from autotp.tools.spawn import run_local
 from distributed import run_ranks, run_unsupervised
 from examples import mlp
-from examples.train import parse, reference, train
+from examples.train import build, global_batch, parse, reference, train
 
 TOL = {"rtol": 1e-4, "atol": 1e-5}
 # a LLaMA of 2 layers, hidden 32, 4 query heads sharing 2 KV heads; a global batch of 4 x 8 tokens
@@ -37,9 +39,35 @@ def _check_training(o):
     return trainer
 
 
+def _gathered_per_block(model: torch.nn.Module, x: torch.Tensor, layers: int) -> list:
+    """For each block's forward, as it starts: the blocks whose parameters are gathered (FSDP2 swaps a unit's
+    sharded DTensors for whole tensors while it is unsharded)."""
+    blocks, seen = [model.get_submodule(f"model.layers.{i}") for i in range(layers)], []
+
+    def gathered():
+        return [i for i, b in enumerate(blocks) if not any(isinstance(p, DTensor) for p in b.parameters())]
+
+    hooks = [b.register_forward_pre_hook(lambda m, a, i=i: seen.append((i, gathered()))) for i, b in enumerate(blocks)]
+    with torch.no_grad():
+        model(x)
+    for hook in hooks:
+        hook.remove()
+    return seen
+
+
+def _fsdp_units_are_blocks(trainer) -> None:
+    """FSDP2 units per block (torchtitan's layout): each block's parameters are gathered for its own forward only."""
+    layers = trainer.o.layers
+    assert trainer.model.autotp_units == [f"model.layers.{i}" for i in range(layers)]
+    assert {n for n, _ in trainer.model.named_parameters()} == {n for n, _ in build(trainer.o).named_parameters()}
+    x = global_batch(trainer.o, 0)[0][:1]
+    assert _gathered_per_block(trainer.model, x, layers) == [(i, [i]) for i in range(layers)]
+
+
 def _tp_dp(rank: int, world: int, directory: str) -> None:
     trainer = _check_training(parse(["--tp", "2", "--dp", "2", "--data-parallel", "fsdp", *TINY]))
     assert {type(p).__name__ for p in trainer.model.parameters()} == {"DTensor"}  # FSDP2 holds them
+    _fsdp_units_are_blocks(trainer)
     autotp.save_pretrained(trainer.model, directory)
     _check_training(parse(["--tp", "2", "--dp", "2", "--data-parallel", "ddp", *TINY]))
     # a mesh without "tp": FSDP2 alone over 4 replicas, each with the whole model
@@ -57,6 +85,14 @@ def test_tp2_x_dp2_trains_like_one_process(tmp_path):
     assert saved.keys() == dict(model.named_parameters()).keys()
     for name, p in model.named_parameters():
         torch.testing.assert_close(saved[name], p.detach(), **TOL)
+
+
+def _dp(rank: int, world: int) -> None:
+    _fsdp_units_are_blocks(_check_training(parse(["--tp", "1", "--dp", "2", *TINY])))
+
+
+def test_dp2_with_fsdp_units_per_block_trains_like_one_process():
+    run_ranks(2, _dp)
 
 
 # TP 2 x DP 2 x PP 2 (1F1B, the default micro-batch count: one per stage), 2 steps on a global batch of 8
@@ -117,18 +153,23 @@ def _victim(rank: int, port: int, queue) -> None:
         sharded(x).square().mean().backward()
         optimizer.step()
 
+    _second_step(rank, step, queue, lambda: os._exit(3))
+    queue.close()
+    queue.join_thread()
+    os._exit(0)
+
+
+def _second_step(rank: int, step, queue, stop) -> None:
+    """One step, then rank 3 stops (``stop()``) and the others report how their second step ended."""
     step()
     if rank == 3:
-        os._exit(3)
+        stop()
     start = time.monotonic()
     try:
         step()
         queue.put((rank, "no error", time.monotonic() - start))
     except Exception as exc:
         queue.put((rank, f"{type(exc).__name__}: {exc}", time.monotonic() - start))
-    queue.close()
-    queue.join_thread()
-    os._exit(0)
 
 
 def test_a_dead_dp_rank_makes_the_others_raise():
@@ -137,6 +178,75 @@ def test_a_dead_dp_rank_makes_the_others_raise():
     for rank, message, seconds in reports:
         assert message != "no error", rank
         assert seconds < 60, (rank, message, seconds)  # the process group's timeout is 300 s
+
+
+class _Residual(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+
+    def forward(self, x):
+        return x + self.down(torch.tanh(self.up(x)))
+
+
+class _Blocks(torch.nn.Module):
+    """Four identical residual blocks and a head: pipeline stages and FSDP units without transformers."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_Residual() for _ in range(4))
+        self.head = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _stops(dims: tuple, names: tuple, rank: int, port: int, queue) -> None:
+    """Rank 3 stops (alive, stuck) after one training step; the others report how their second step ended.
+    The process group's timeout is 300 s; parallelize's is 15 s."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_WORLD_SIZE="4", OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=4, timeout=datetime.timedelta(seconds=300))
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 16), torch.randn(4, 4)
+    mesh = init_device_mesh("cpu", dims, mesh_dim_names=names)
+    pipelined = "pp" in names
+    options = {"loss_fn": torch.nn.functional.mse_loss, "microbatches": 2} if pipelined else {}
+    model = autotp.parallelize(_Blocks(), (x,), mesh=mesh, timeout=15, **options)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step():
+        if pipelined:
+            model.step(x, target=y, losses=[])
+        else:
+            torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+
+    _second_step(rank, step, queue, lambda: time.sleep(600))  # stuck: ended by the test
+    time.sleep(600)  # its peers may still be waiting on it: ended by the test
+
+
+@pytest.mark.parametrize("dims, names, dim", [((2, 2), ("dp", "tp"), "dp"), ((2, 2), ("pp", "dp"), "pp")])
+def test_a_stopped_rank_makes_the_others_raise_within_parallelizes_timeout(dims, names, dim):
+    """Rank 3 stops: its peer in the named dimension (rank 1: FSDP's all-gather; a pipeline's receive from
+    stage 1) raises a CollectiveError naming the dimension within parallelize's 15 s, not the process group's
+    300 s (nor DeviceMesh's 30-minute default); the others fail through that peer or directly, as late as two
+    timeouts (slack for a loaded machine)."""
+    reports = {r: (message, seconds) for r, message, seconds in
+               run_unsupervised(4, functools.partial(_stops, dims, names), reports=3, end=True)}
+    assert sorted(reports) == [0, 1, 2]
+    for rank, (message, seconds) in reports.items():
+        assert message.startswith("CollectiveError") and "mesh dimension" in message, (rank, message)
+        assert seconds < 60, (rank, message, seconds)
+    message, seconds = reports[1]
+    assert f"mesh dimension {dim!r} (ranks [1, 3])" in message, message
+    assert 10 < seconds, (message, seconds)  # it waited for the stuck rank: the timeout, not a closed connection
+    if dim == "dp":
+        assert "FSDP all_gather" in message and "parameters" in message, message
+    else:
+        assert "pipeline stage(s) [0]" in message and "stage 1 on rank 3" in message, message
 
 
 def test_full_state_dict_of_a_pipeline_asks_the_pipeline():

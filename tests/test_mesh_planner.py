@@ -9,7 +9,7 @@ import torch
 
 from autotp.api import prepared_graph
 from autotp.cost_models import load_topology
-from autotp.cost_models.schedules import balance_stages, in_flight, step_units
+from autotp.cost_models.schedules import balance_stages
 from autotp.mesh_planner import plan_mesh, plan_mesh_for_graph
 from autotp.passes.solve import PlanningError
 
@@ -78,6 +78,27 @@ def test_gpt3_175b_with_fsdp_fits_wherever_ddp_does(gpt3):
     fits = {(x.tp, x.pp, x.dp) for x in fsdp.candidates if x.fits}
     assert {(x.tp, x.pp, x.dp) for x in ddp.candidates if x.fits} <= fits
     assert fsdp.to_dict()["choice"]["tp"] == fsdp.choice.tp
+
+
+def test_zero_bubble_schedules_are_priced_and_chosen_where_they_win(gpt3):
+    """Megatron's layout of GPT-3 on 128 DGX A100 runs 96 micro-batches over 8 stages: a zero-bubble schedule
+    (its own table: input and weight gradients apart) leaves less idle time than interleaved 1F1B on the same
+    layout, and the planner takes it."""
+    from dataclasses import replace
+
+    from autotp.cost_models.mesh_layout import Setting, price
+    from autotp.mesh_planner import _profile
+    from autotp.passes.pricing import model_flops, priced_unit
+    result = plan_mesh_for_graph(gpt3, topology="dgx-a100", nodes=128, global_batch=1536, data_parallel="ddp")
+    c = result.choice
+    assert c.schedule in ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"), c.schedule
+    topo = load_topology("dgx-a100", nodes=128)
+    unit, sizes = priced_unit(gpt3)
+    profile = _profile(gpt3, c.tp, topo, True, sizes, unit, c.sequence_parallel, c.selective)
+    setting = Setting(topo, 1536, True, "ddp", A100_LIMIT, model_flops(gpt3, sizes) / unit * 1536)
+    interleaved = price(profile, replace(c, schedule="Interleaved1F1B", stages=[], step_seconds=None), setting)
+    assert interleaved.bubble > c.bubble > 0 and interleaved.step_seconds > c.step_seconds
+    assert price(profile, replace(c, stages=[], step_seconds=None), setting).step_seconds == c.step_seconds
 
 
 def test_activations_per_layer_lie_within_korthikantis_bounds(gpt3):
@@ -173,7 +194,7 @@ def test_clusters_from_a_node_and_a_count(tmp_path):
         load_topology(str(box), nodes=2)
 
 
-def test_pipeline_formulas():
+def test_stage_balance():
     assert balance_stages([1.0] * 96, 8) == [(i * 12, i * 12 + 12) for i in range(8)]
     costs = [3.0, 1, 1, 1, 1, 3.0]
     stages = balance_stages(costs, 3)
@@ -181,12 +202,6 @@ def test_pipeline_formulas():
     assert len(balance_stages([5.0, 1, 1, 1], 4)) == 4  # every stage gets a block even when one dominates
     with pytest.raises(ValueError, match="at most 4 stages"):
         balance_stages([1.0] * 4, 5)
-    # Narayanan et al. 2021: bubble (p - 1) / m of the ideal time, divided by v when interleaved
-    assert step_units("1f1b", 8, 96, 1) == 96 + 7
-    assert step_units("interleaved-1f1b", 8, 96, 2) == 96 + 3.5
-    assert in_flight("gpipe", 8, 96, 0, 1) == 96
-    assert in_flight("1f1b", 8, 96, 0, 1) == 8 and in_flight("1f1b", 8, 96, 7, 1) == 1
-    assert in_flight("1f1b", 8, 4, 0, 1) == 4
 
 
 def _memory_fits(per_block: list, limit: float, parts: int):
@@ -222,3 +237,60 @@ def test_stage_boundaries_are_the_best_that_fit():
             continue
         assert found in fitting
         assert max(sum(costs[a:b]) for a, b in found) == min(max(sum(costs[a:b]) for a, b in r) for r in fitting)
+
+
+def _section(params: float):
+    from autotp.cost_models.mesh_layout import Section
+    return Section(1.0, {"params": params, "grads": params, "optimizer": 2 * params})
+
+
+def test_fsdp_is_priced_as_the_runtime_builds_it_one_unit_per_block():
+    """FSDP2 per block (parallel/data.py): everything sharded over dp; the root unit (embedding, head) gathered all
+    step; the running block's parameters and the next one's (prefetched) gathered, the running one's gradient whole.
+    In a pipeline stage (reshard_after_forward=False) all of it stays gathered."""
+    from autotp.cost_models.mesh_layout import Candidate, Profile, stage_memory
+    profile = Profile(1, [_section(10), *(_section(4) for _ in range(4)), _section(6)], boundary=0.0, stackable=True)
+    state = 4 * (10 + 4 * 4 + 6)  # parameters, gradients and Adam's two moments
+    alone = stage_memory(profile, [(0, 4)], 0, Candidate(1, 1, 2, microbatch_size=1), 1, "fsdp")[0]
+    assert alone == state / 2 + 2 * (10 + 6) + 2 * 4 + 4
+    assert stage_memory(profile, [(0, 4)], 0, Candidate(1, 1, 2, microbatch_size=1), 1, "ddp")[0] == state
+    staged = Candidate(1, 2, 2, microbatch_size=1, schedule="1F1B")
+    held = 2 * 4 + 6  # two blocks and the head
+    assert stage_memory(profile, [(2, 4)], 1, staged, 2, "fsdp")[0] == held + held + (held + held + 2 * held) / 2
+
+
+def test_a_tied_embedding_is_priced_on_the_first_and_the_last_stage():
+    """GPT-2 ties its input and output embeddings: a pipeline's first and last stages each hold the vocabulary x
+    hidden table with its gradient and Adam state (Megatron's embedding group); a stage holding both, one copy."""
+    import dataclasses
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from autotp.cost_models.mesh_layout import Candidate, stage_memory
+    from autotp.mesh_planner import _profile
+    from autotp.parallel.stages import block_profile, find_blocks
+    from autotp.passes.pricing import priced_unit
+    vocab, hidden = 512, 64
+    profiles = {}
+    for tied in (True, False):
+        config = GPT2Config(n_layer=6, n_embd=hidden, n_head=4, vocab_size=vocab, n_positions=32, use_cache=False,
+                            tie_word_embeddings=tied)
+        with torch.device("meta"):
+            model = GPT2LMHeadModel(config)
+        gm = prepared_graph(model, (torch.zeros(1, 16, dtype=torch.long, device="meta"),), None, fold=True)
+        unit, sizes = priced_unit(gm)
+        profiles[tied] = _profile(gm, 1, load_topology("dgx-h100"), True, sizes, unit)
+        assert profiles[tied].tied.get("params", 0.0) == (vocab * hidden * 4 if tied else 0.0)
+        assert block_profile(gm, find_blocks(model)).tied == profiles[tied].tied  # the stage splitter's pricing
+    profile = profiles[True]
+    without = dataclasses.replace(profile, tied={}, sums={})
+    table = vocab * hidden * (4 + 4 + 8)  # fp32 weight, gradient, Adam's two moments
+    layouts = [(Candidate(1, 2, 1, microbatch_size=1, schedule="1F1B"), [(3, 6)], 1, table),  # the head's stage
+               (Candidate(1, 2, 1, microbatch_size=1, schedule="1F1B"), [(0, 3)], 0, 0.0),  # the embedding's
+               (Candidate(1, 2, 1, microbatch_size=1, schedule="ZBVZeroBubble", virtual_stages=2),
+                [(0, 1), (5, 6)], 0, table),  # a V: rank 0 holds both end stages, each its own copy
+               (Candidate(1, 1, 1, microbatch_size=1), [(0, 6)], 0, 0.0)]  # one stage: one copy
+    for layout, ranges, rank, extra in layouts:
+        got = stage_memory(profile, ranges, rank, layout, 4, "ddp")[0] - stage_memory(without, ranges, rank, layout, 4,
+                                                                                        "ddp")[0]
+        assert got == pytest.approx(extra), (layout.schedule, ranges)

@@ -38,6 +38,8 @@ class Profile:
     sums: dict = field(default_factory=dict)    # running totals over the blocks (stage_memory)
     sequence_parallel: bool = False  # the TP plan splits norms, dropouts and residual adds by tokens
     selective: bool = False          # the TP plan recomputes the attention cores
+    tied: dict = field(default_factory=dict)  # bytes by kind of weights read before and after the blocks (tied
+    # embeddings), counted in sections[0]: a stage holding the head without the embedding holds its own copy
 
     @property
     def blocks(self) -> list:
@@ -60,7 +62,7 @@ class Candidate:
     step_seconds: float | None = None           # None: does not fit
     memory_bytes: float | None = None
     mfu: float | None = None
-    bubble: float = 0.0                         # idle fraction of the schedule: (p - 1) / (v m)
+    bubble: float = 0.0                         # idle share of the step: 1 - m / the schedule's stage-times
     parts: dict = field(default_factory=dict)   # step seconds by part: compute (with TP collectives), p2p,
     note: str = ""                              # bubble, dp (all of it) and dp_exposed (what overlap leaves)
 
@@ -96,11 +98,12 @@ def price(profile: Profile, layout: Candidate, setting: Setting) -> Candidate:
     if pp > 1:  # an activation forward (and its gradient back), per micro-batch and virtual stage
         crosses = pipe.crosses_nodes(profile.tp, dp, topo)
         sends = (2 if setting.training else 1) * v * pipe.p2p_time(profile.boundary * b, profile.tp, crosses, topo)
-    compute = max(sum(chunk[i::pp]) for i in range(pp))
+    compute = max(sum(chunk[s] for s in held_by(layout, i)) for i in range(pp))
     slowest = compute + sends
     units = pipe.step_units(layout.schedule, pp, m, v)
     parts = {"compute": m * compute, "p2p": m * sends, "bubble": (units - m) * slowest, "dp": 0.0, "dp_exposed": 0.0}
-    held = [stage_memory(profile, ranges[i::pp], i, layout, m, setting.data_parallel) for i in range(pp)]
+    held = [stage_memory(profile, [ranges[s] for s in held_by(layout, i)], i, layout, m, setting.data_parallel)
+            for i in range(pp)]
     if setting.training:
         params, grads = max(((h[1], h[2]) for h in held), key=lambda h: h[1])
         reduce, gather = pipe.dp_sync_time(params, grads, dp, profile.tp, setting.data_parallel,
@@ -110,13 +113,18 @@ def price(profile: Profile, layout: Candidate, setting: Setting) -> Candidate:
     seconds = units * slowest + parts["dp_exposed"]
     peak = max(h[0] for h in held)
     priced = replace(layout, microbatches=m, stages=[list(r) for r in ranges], memory_bytes=peak,
-                     bubble=(pp - 1) / (v * m) if pp > 1 else 0.0, parts=parts)
+                     bubble=1 - m / units, parts=parts)
     if peak > setting.limit:
         return replace(priced, note=f"needs {peak / 1e9:.1f} GB per device, over the {setting.limit / 1e9:.1f} GB "
                                     "limit" + (" with any split of the blocks" if pp > 1 and v == 1 else ""))
     devices = profile.tp * pp * dp
     return replace(priced, step_seconds=seconds,
                    mfu=setting.flops / (devices * topo.peak_flops * seconds) if setting.flops else None)
+
+
+def held_by(layout: Candidate, rank: int) -> list:
+    """The (virtual) stages pipeline rank ``rank`` runs under the layout's schedule (in a loop, or a V)."""
+    return [s for s, r in enumerate(pipe.stage_ranks(layout.schedule, layout.pp, layout.virtual_stages)) if r == rank]
 
 
 def stage_ranges(profile: Profile, layout: Candidate, setting: Setting) -> list | None:
@@ -154,14 +162,22 @@ def stage_memory(profile: Profile, ranges: list, stage: int, layout: Candidate, 
     def total(kind: str) -> float:
         return sum(sums[kind][end] - sums[kind][start] for start, end in ranges)
 
-    params, grads, optimizer, buffers = (total(k) + sum(s.memory.get(k, 0.0) for s in ends) for k in STATE)
+    copies = sum(1 for start, end in ranges if end == len(profile.blocks) and start > 0)  # a head stage's own copy
+    params, grads, optimizer, buffers = (total(k) + sum(s.memory.get(k, 0.0) for s in ends)
+                                         + copies * profile.tied.get(k, 0.0) for k in STATE)
     if data_parallel == "ddp" or dp == 1:
         state = params + grads + optimizer
-    elif pp == 1:  # FSDP: all sharded, one block's parameters and gradients gathered at a time
+    elif pp == 1:  # FSDP units per block (parallel/data.py): everything sharded; the root unit (embedding, head)
+        # gathered all step, its gradient whole until the end; a block's parameters gathered while it runs with the
+        # next one's prefetched, its gradient whole until reduce-scattered
         mine = [sections[1 + k] for start, end in ranges for k in range(start, end)]
-        state = (params + grads + optimizer) / dp + max((s.held(("params", "grads")) for s in mine + ends), default=0)
-    else:  # FSDP under a pipeline keeps parameters and gradients gathered across micro-batches (torchtitan)
-        state = params + grads + optimizer / dp
+        block_params = max((s.memory.get("params", 0.0) for s in mine), default=0.0)
+        block_grads = max((s.memory.get("grads", 0.0) for s in mine), default=0.0)
+        root = sum(s.held(("params", "grads")) for s in ends)
+        state = (params + grads + optimizer) / dp + root + 2 * block_params + block_grads
+    else:  # FSDP in a pipeline stage keeps parameters gathered and gradients whole from the first forward to the
+        # last backward (reshard_after_forward=False, as torchtitan), beside the sharded copies
+        state = params + grads + (params + grads + optimizer) / dp
     blocks = sum(end - start for start, end in ranges)
     around = sum(s.held(KEPT) for s in ends)
     flight = pipe.in_flight(layout.schedule, pp, microbatches, stage, layout.virtual_stages)

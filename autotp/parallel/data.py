@@ -6,14 +6,27 @@ autotp's tensor-parallel module holds plain local shards, identical on every ran
         optimizer state); parameters are all-gathered for the step, gradients reduce-scattered;
   ddp   composable ``replicate`` (DDP without a wrapper, so parameter names stay the model's):
         gradients all-reduced.
-The TP program is one fx graph whose forward never calls its submodules, so the whole module is one
-FSDP unit (no per-block prefetch or resharding).
+Under FSDP each repeated block is its own unit, as torchtitan applies it: the TP program is cut into one
+submodule per block (parallel/blocks.py), ``fully_shard`` goes on every block and then on the root (the
+embedding, the head and whatever is not in a block), and each block prefetches its neighbour's all-gather (the
+next block's in the forward, the previous one's in the backward).  So a rank holds one or two blocks' gathered
+parameters at a time instead of all of them.  A block is resharded after its forward unless the module is a
+pipeline stage, which runs several micro-batches' forwards before their backwards (torchtitan:
+``reshard_after_forward = not pp``).  Each unit's all-gather and reduce-scatter are FSDP's own collectives, given
+through ``set_custom_all_gather`` / ``set_custom_reduce_scatter`` so that one that fails or times out says which
+unit and which mesh dimension it waited on.
 """
 from __future__ import annotations
+
+import itertools
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+
+from autotp.runtime.collectives import failure
+
+from .blocks import block_units
 
 KINDS = ("fsdp", "ddp")
 
@@ -32,12 +45,46 @@ def same_start(module: torch.nn.Module, dp_mesh: DeviceMesh) -> None:
             dist.broadcast(tensor, src=source, group=group)
 
 
-def data_parallel(module: torch.nn.Module, dp_mesh: DeviceMesh, kind: str = "fsdp") -> torch.nn.Module:
-    """``module`` made data-parallel over ``dp_mesh`` in place (its class changes, names stay)."""
+def data_parallel(module: torch.nn.Module, dp_mesh: DeviceMesh, kind: str = "fsdp", blocks: str | None = None,
+                  pipelined: bool = False) -> torch.nn.Module:
+    """``module`` made data-parallel over ``dp_mesh`` in place (its class changes, names stay).  ``blocks``: the
+    path of the model's repeated block list, whose blocks become FSDP units; ``pipelined``: the module is a
+    pipeline stage (its blocks keep their parameters gathered between forward and backward)."""
     check_kind(kind)
     if kind == "ddp":
         from torch.distributed._composable.replicate import replicate
         return replicate(module, process_group=dp_mesh.get_group())
     from torch.distributed.fsdp import fully_shard
     same_start(module, dp_mesh)
-    return fully_shard(module, mesh=dp_mesh)
+    paths = block_units(module, blocks) if blocks else []
+    units = [fully_shard(module.get_submodule(path), mesh=dp_mesh, reshard_after_forward=not pipelined)
+             for path in paths]
+    sharded = fully_shard(module, mesh=dp_mesh)
+    for unit, name in [*zip(units, paths, strict=True), (sharded, "the root unit (all but the blocks)")]:
+        unit.set_custom_all_gather(_Named("FSDP all_gather", f"of the parameters of {name}"))
+        unit.set_custom_reduce_scatter(_Named("FSDP reduce_scatter", f"of the gradients of {name}"))
+    for before, after in itertools.pairwise(units):
+        before.set_modules_to_forward_prefetch([after])
+        after.set_modules_to_backward_prefetch([before])
+    sharded.autotp_units = paths
+    return sharded
+
+
+class _Named:
+    """FSDP2's default all-gather or reduce-scatter for one unit (its ``Comm`` protocol: ``allocate`` and a call);
+    a failure raises autotp's CollectiveError naming the collective, the unit and the group."""
+
+    def __init__(self, op: str, what: str):
+        self.op, self.what = op, what
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op=None,
+                 async_op: bool = False):
+        try:
+            if self.op.endswith("all_gather"):
+                return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+            return dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        except Exception as exc:
+            raise failure(self.op, self.what, group.group_name, exc) from exc

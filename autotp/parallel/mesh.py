@@ -6,6 +6,7 @@ consecutive (inside a node) and DP and PP groups span nodes, as Megatron and tor
 """
 from __future__ import annotations
 
+import datetime
 import functools
 
 import torch
@@ -13,6 +14,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from autotp import api
+from autotp.agree import DEFAULT_TIMEOUT
+from autotp.passes.fold import find_fold
+from autotp.runtime.collectives import describe
 
 from .data import check_kind, data_parallel
 
@@ -30,17 +34,21 @@ def mesh_dims(mesh: DeviceMesh) -> tuple[str, ...]:
 
 
 def parallelize(model: torch.nn.Module, args=None, kwargs=None, *, mesh: DeviceMesh | None = None,
-                data_parallel: str = "fsdp", loss_fn=None, schedule: str = "1f1b", microbatches: int | None = None,
-                stages=None, **options):
+                data_parallel: str = "fsdp", loss_fn=None, schedule="1F1B", microbatches: int | None = None,
+                stages=None, virtual_stages: int | None = None, **options):
     """This rank's parallel copy of ``model``.
 
     Without ``mesh``: tensor parallelism over ``group`` (default: every rank), exactly
     ``autotp.api.tensor_parallel(model, args, kwargs, **options)``.  With ``mesh``: autotp's plan on the
     "tp" sub-group, then FSDP2 ``fully_shard`` (``data_parallel="ddp"``: DDP) over the "dp" sub-group;
     the result has the model's call signature and parameter names.  A "pp" dimension splits the model
-    into pipeline stages (``loss_fn(output, target)`` required; ``schedule``, ``microbatches`` and
-    ``stages`` choose the schedule, micro-batches and stage boundaries) and returns a pipeline with
-    ``step(*inputs, target=..., losses=[])``.  ``args`` are one DP rank's share of the batch.
+    into pipeline stages (``loss_fn(output, target)`` required; ``schedule`` (torch.distributed.pipelining's
+    name or class, e.g. "1F1B", "Interleaved1F1B", "ZBVZeroBubble"), ``virtual_stages`` (stages per rank of a
+    multi-stage schedule), ``microbatches`` and ``stages`` choose the schedule, micro-batches and stage
+    boundaries) and returns a pipeline with
+    ``step(*inputs, target=..., losses=[])``.  ``args`` are one DP rank's share of the batch.  Every
+    collective over the mesh (TP, FSDP or DDP, a stage's send or receive) gives up after ``timeout`` seconds
+    (an option, default 120) and raises a CollectiveError naming the mesh dimension.
     """
     if mesh is None:
         return api.tensor_parallel(model, args, kwargs, **options)
@@ -48,7 +56,11 @@ def parallelize(model: torch.nn.Module, args=None, kwargs=None, *, mesh: DeviceM
     if options.get("group") is not None:
         raise ValueError("pass either mesh= or group=, not both: with a mesh, TP runs on its 'tp' dimension")
     check_kind(data_parallel)
-    shard_stage = functools.partial(_shard, mesh=mesh, kind=data_parallel, options=options)
+    if isinstance(mesh, DeviceMesh):  # (a stand-in mesh has no groups to remake)
+        mesh = timed_mesh(mesh, options.get("timeout", DEFAULT_TIMEOUT))
+    blocks = find_fold(model, min_blocks=2)  # FSDP units: one per block of the repeated list, found on the model
+    shard_stage = functools.partial(_shard, mesh=mesh, kind=data_parallel, options=options,
+                                    blocks=blocks.path if blocks else None, pipelined="pp" in dims)
     if "pp" in dims:
         if loss_fn is None:
             raise ValueError("a mesh with a 'pp' dimension needs loss_fn(output, target): the last stage computes it")
@@ -61,16 +73,18 @@ def parallelize(model: torch.nn.Module, args=None, kwargs=None, *, mesh: DeviceM
                                       "use a mesh of 'dp' and 'tp' only") from exc
         return pipeline(model, args, kwargs, mesh=mesh, loss_fn=loss_fn, schedule=schedule,
                         microbatches=microbatches, stages=stages, shard_stage=shard_stage, data_parallel=data_parallel,
-                        topology=options.get("topology"), memory_limit=options.get("memory_limit"))
-    if loss_fn is not None or microbatches is not None or stages is not None:
-        raise ValueError("loss_fn, microbatches and stages are for pipeline stages: add a 'pp' dimension to the mesh, "
-                         "or drop them")
+                        topology=options.get("topology"), memory_limit=options.get("memory_limit"),
+                        virtual_stages=virtual_stages)
+    if loss_fn is not None or microbatches is not None or stages is not None or virtual_stages is not None:
+        raise ValueError("loss_fn, microbatches, stages and virtual_stages are for pipeline stages: add a 'pp' "
+                         "dimension to the mesh, or drop them")
     return shard_stage(model, args, kwargs)
 
 
-def _shard(module: torch.nn.Module, args, kwargs, *, mesh: DeviceMesh, kind: str, options: dict) -> torch.nn.Module:
+def _shard(module: torch.nn.Module, args, kwargs, *, mesh: DeviceMesh, kind: str, options: dict,
+           blocks: str | None = None, pipelined: bool = False) -> torch.nn.Module:
     """TP on this rank's "tp" group (a group of this rank alone when the mesh has none), then DP on its
-    "dp" group.
+    "dp" group (FSDP units per block of the list at ``blocks``).
 
     The pipeline passes each stage's module here: one code path with and without stages."""
     dims = mesh.mesh_dim_names
@@ -80,8 +94,21 @@ def _shard(module: torch.nn.Module, args, kwargs, *, mesh: DeviceMesh, kind: str
         sharded = api.tensor_parallel(module, args, kwargs, group=_own_group(), **options)
     sharded.autotp_mesh = mesh
     if "dp" in dims and mesh["dp"].size() > 1:
-        sharded = data_parallel(sharded, mesh["dp"], kind)
+        sharded = data_parallel(sharded, mesh["dp"], kind, blocks, pipelined)
     return sharded
+
+
+def timed_mesh(mesh: DeviceMesh, seconds: float) -> DeviceMesh:
+    """``mesh`` with each dimension's group made anew, by its members alone, with ``seconds`` as its timeout and
+    named in autotp's errors.  DeviceMesh gives its sub-groups PyTorch's default timeout (30 minutes) whatever
+    init_process_group was told, and gloo's send and receive keep the timeout a group was made with."""
+    groups = []
+    for dim in mesh.mesh_dim_names:
+        ranks = dist.get_process_group_ranks(mesh[dim].get_group())
+        group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=seconds), use_local_synchronization=True)
+        describe(group, f"mesh dimension {dim!r} (ranks {ranks})")
+        groups.append(group)
+    return DeviceMesh.from_group(groups, mesh.device_type, mesh=mesh.mesh, mesh_dim_names=mesh.mesh_dim_names)
 
 
 def _own_group():

@@ -12,7 +12,7 @@ import itertools
 
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -25,38 +25,39 @@ from autotp.hf import no_kv_cache
 from autotp.runtime.conversion import weightless
 from autotp.runtime.hf_checkpoint import full_checkpoint_tensors, full_state_dict
 
+from .schedules import check_evaluates, resolve, step_failure
 from .split import split
 from .stages import StageError, block_profile, find_blocks, stage_starts
 
-# schedule name -> (class, stages per rank)
-SCHEDULES = {"gpipe": (ScheduleGPipe, 1), "1f1b": (Schedule1F1B, 1), "interleaved-1f1b": (ScheduleInterleaved1F1B, 2)}
 
-
-def pipeline(model: torch.nn.Module, args, kwargs=None, *, mesh, loss_fn, schedule: str = "1f1b",
+def pipeline(model: torch.nn.Module, args, kwargs=None, *, mesh, loss_fn, schedule="1F1B",
              microbatches: int | None = None, stages: list | None = None, shard_stage=None,
-             data_parallel: str = "fsdp", topology=None, memory_limit: float | None = None) -> Pipelined:
+             data_parallel: str = "fsdp", topology=None, memory_limit: float | None = None,
+             virtual_stages: int | None = None) -> Pipelined:
     """This rank's pipeline stages of ``model`` over ``mesh["pp"]``, ready to train with ``step``.
 
     ``args`` / ``kwargs``: example inputs of one step on this data-parallel rank (its share of the batch);
     they are cut into ``microbatches`` along dim 0 (default: one per pipeline rank).  ``stages``: the block
     indices where stages begin (first 0), overriding the cost model's split (stage time balanced under
     ``memory_limit`` bytes per device, default 90% of the ``topology``'s, with ``data_parallel`` sharding over
-    the mesh's "dp"); interleaved 1F1B holds two stages per rank.  ``shard_stage(module, args, kwargs) ->
-    module`` shards one stage (identity by default).
+    the mesh's "dp").  ``schedule``: a torch.distributed.pipelining name or class (parallel/schedules.py);
+    multi-stage schedules hold ``virtual_stages`` stages per rank (default: ``len(stages) / pp`` when ``stages``
+    is given, else 2).  ``shard_stage(module, args, kwargs) -> module`` shards one stage (identity by default).
     """
     if "pp" not in (mesh.mesh_dim_names or ()):
         raise ValueError(f"pipeline needs a mesh with a 'pp' dimension, got dims {mesh.mesh_dim_names}")
     if not callable(loss_fn):
         raise TypeError("pipeline stages need loss_fn(output, target): the last stage computes each micro-batch's loss")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}")
     if args is None and not kwargs:
         raise TypeError("pipeline needs example inputs of one step on this data-parallel rank: pass args")
-    kind, per_rank = SCHEDULES[schedule]
     pp_mesh = mesh["pp"]
     group, pp, pp_rank = pp_mesh.get_group(), pp_mesh.size(), pp_mesh.get_local_rank()
-    count = pp * per_rank
+    plan = resolve(schedule, virtual_stages)
+    if stages is not None and virtual_stages is None and not plan.single and len(stages) % pp == 0:
+        plan = resolve(schedule, len(stages) // pp or None)  # the stages listed say how many each rank holds
+    count = plan.stages(pp)
     microbatches = microbatches or pp
+    plan.check(pp, microbatches)
     args, kwargs = tuple(args or ()), dict(kwargs or {})
     mb_args, mb_kwargs = _first_microbatch(args, kwargs, microbatches)
     fold = find_blocks(model)
@@ -65,16 +66,17 @@ def pipeline(model: torch.nn.Module, args, kwargs=None, *, mesh, loss_fn, schedu
         topo, size = load_topology(topology), _batch_size(mb_args, mb_kwargs)
         limit = memory_limit if memory_limit is not None else 0.9 * topo.memory_bytes
         stages = stage_starts(block_profile(prepared_graph(model, mb_args, mb_kwargs, fold=True), fold, tp, topo),
-                              Candidate(tp, pp, dp, microbatch_size=size, schedule=schedule, virtual_stages=per_rank),
+                              Candidate(tp, pp, dp, microbatch_size=size, schedule=plan.cls,
+                                        virtual_stages=plan.per_rank),
                               Setting(topo, size * microbatches * dp, True, data_parallel, limit, 0.0))
-    stages = _checked_starts(list(stages), count, fold.count, schedule)
+    stages = _checked_starts(list(stages), count, fold.count, plan.name)
     with no_kv_cache(model):
         cut = split(model, mb_args, mb_kwargs, fold.path, stages)
     out_spec = cut.out_spec
     shard_stage = shard_stage or (lambda module, stage_args, stage_kwargs: module)
     device = device_of(group)
     modules, built = {}, []
-    for index in range(pp_rank, count, pp):
+    for index in plan.stage_indices(pp, pp_rank):
         modules[index] = shard_stage(cut.modules[index], *cut.inputs[index])
         _check_first_inputs(modules[index], *cut.inputs[index])
         built.append(PipelineStage(modules[index], index, count, device, group=group))
@@ -83,17 +85,18 @@ def pipeline(model: torch.nn.Module, args, kwargs=None, *, mesh, loss_fn, schedu
     def flat_loss(output, target):
         return loss_fn(_unflatten(output, out_spec), target)
 
-    runner = kind(built if per_rank > 1 else built[0], microbatches, loss_fn=flat_loss, scale_grads=True)
+    runner = plan.build(built, microbatches, flat_loss)
     return Pipelined(runner, modules, group, out_spec, stages, getattr(model, "config", None), weightless(model),
-                     frozenset(model.state_dict()))
+                     frozenset(model.state_dict()), plan.placement(pp))
 
 
 class Pipelined:
     """This rank's stages and the schedule that runs them; the parameters keep their original names."""
 
     def __init__(self, schedule, modules: dict, group, out_spec, starts: list, config=None, source=None,
-                 stored: frozenset = frozenset()):
+                 stored: frozenset = frozenset(), placement: tuple = ()):
         self.schedule = schedule
+        self.placement = placement  # stage index -> the pipeline rank that holds it
         self.stored = stored  # the model's parameter and persistent buffer names: what a checkpoint holds
         self.autotp_config = config  # written beside the weights by autotp.save_pretrained
         self.autotp_source = source  # the model without its weights: save_pretrained writes transformers' layout of it
@@ -105,11 +108,17 @@ class Pipelined:
     def step(self, *inputs, target=None, losses: list | None = None, **kwargs):
         """One training step's forward and backward over the micro-batches (the optimizer step is the caller's):
         inputs matter on the first stage, ``target`` on the last, where ``losses`` gets each micro-batch's loss
-        and the merged output is returned (None elsewhere)."""
-        return self._output(self.schedule.step(*inputs, target=target, losses=losses, **kwargs))
+        and the merged output is returned (None elsewhere).  A send, receive or collective that fails or outlives
+        the timeout raises a CollectiveError naming this rank's stages, the mesh dimension and the peers."""
+        try:
+            merged = self.schedule.step(*inputs, target=target, losses=losses, **kwargs)
+        except Exception as exc:
+            raise step_failure(exc, sorted(self.modules), self.placement, self.group) from exc
+        return self._output(merged)
 
     def evaluate(self, *inputs, target=None, losses: list | None = None, **kwargs):
         """Forward only (no gradients kept): the merged output on the last stage, losses if ``target`` is given."""
+        check_evaluates(self.schedule)
         with torch.no_grad():
             return self._output(self.schedule.eval(*inputs, target=target, losses=losses, **kwargs))
 

@@ -16,9 +16,9 @@ from dataclasses import replace
 import torch
 
 from autotp.cost_models import load_topology
-from autotp.cost_models.mesh_layout import Candidate, Profile, Section, Setting, stage_memory, stage_ranges
+from autotp.cost_models.mesh_layout import Candidate, Profile, Section, Setting, held_by, stage_memory, stage_ranges
 from autotp.passes.fold import Fold, find_fold, sections
-from autotp.passes.pricing import activation_bytes, op_memory, op_seconds, priced_unit
+from autotp.passes.pricing import activation_bytes, op_memory, op_seconds, priced_unit, read_at_both_ends
 from autotp.passes.strategies import Strategy, input_slots, needs_grad, replicated_like
 
 
@@ -45,19 +45,21 @@ def block_profile(gm: torch.fx.GraphModule, fold: Fold, tp: int = 1, topology=No
     trainable = dict(gm.named_parameters(remove_duplicate=False))
     replicated = {node: Strategy(tuple(map(replicated_like, input_slots(node))), replicated_like(node))
                   for node in gm.graph.nodes if node.op in ("call_function", "get_attr")}
-    kept: dict = {}
+    kept, tied, both = {}, {}, read_at_both_ends(where)
     for node, strategy in replicated.items():  # priced on one rank, then taken as split evenly over tp
         section = kept.setdefault(where.get(node, "pre"), Section())
         section.seconds += op_seconds(node, strategy, sizes, 1, topo, True) / unit / tp
         for kind, held in op_memory(node, strategy, sizes, 1, trainable, True).items():
             per_sample = kind in ("activations", "kv_cache")
             section.memory[kind] = section.memory.get(kind, 0.0) + held / tp / (unit if per_sample else 1)
+            if node in both:
+                tied[kind] = tied.get(kind, 0.0) + held / tp
     for node, held in activation_bytes({n: s for n, s in replicated.items() if n.op == "call_function"}, sizes, 1,
                                        needs_grad(gm)).items():  # what backward keeps
         section = kept.setdefault(where.get(node, "pre"), Section())
         section.memory["activations"] = section.memory.get("activations", 0.0) + held / tp / unit
     order = ["pre", *(rep(i) for i in range(fold.count)), "post"]
-    return Profile(tp, [kept.get(key, Section()) for key in order], boundary=0.0, stackable=True)
+    return Profile(tp, [kept.get(key, Section()) for key in order], boundary=0.0, stackable=True, tied=tied)
 
 
 def stage_starts(profile: Profile, layout: Candidate, setting: Setting) -> list:
@@ -70,7 +72,8 @@ def stage_starts(profile: Profile, layout: Candidate, setting: Setting) -> list:
     if ranges is None:
         balanced = stage_ranges(profile, layout, replace(setting, limit=math.inf))
         m = setting.global_batch // layout.dp // layout.microbatch_size
-        need = max(stage_memory(profile, balanced[i::layout.pp], i, layout, m, setting.data_parallel)[0]
+        need = max(stage_memory(profile, [balanced[s] for s in held_by(layout, i)], i, layout, m,
+                                setting.data_parallel)[0]
                    for i in range(layout.pp))
         raise StageError(f"no split of the {blocks} blocks into {stages} stages fits {setting.limit / 1e9:.3g} GB per "
                          f"device (the time-balanced one needs {need / 1e9:.3g} GB): use more pipeline stages or TP "

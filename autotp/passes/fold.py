@@ -128,7 +128,8 @@ def folded(model: torch.nn.Module, fold: Fold):
         setattr(parent, attr, full)
 
 
-def _scope_block(node: Node, fold: Fold) -> int | None:
+def scope_block(node: Node, fold: Fold) -> int | None:
+    """The block a node runs in by its module scope (a get_attr by its name), or None."""
     if node.op == "get_attr":
         return fold.block_of_name(node.target)
     if node.op == "call_module":  # torch.export's input guards, scoped to whichever module came first
@@ -154,7 +155,7 @@ def blocks(gm: torch.fx.GraphModule, fold: Fold) -> Blocks:
     """Ops are placed by their module scope; unscoped ones (export's guards, size reads) by position."""
     where, key, seen = {}, {}, []
     ops = [n for n in gm.graph.nodes if n.op not in ("placeholder", "get_attr", "output")]
-    scoped = [_scope_block(n, fold) for n in ops]
+    scoped = [scope_block(n, fold) for n in ops]
     known = [i for i, b in enumerate(scoped) if b is not None]
     if not known:
         raise NotFoldable("no op runs inside the repeated blocks")

@@ -159,3 +159,9 @@ def model_flops(gm: torch.fx.GraphModule, sizes: Sizes) -> float:
     folding = gm.meta.get("autotp_fold")
     weight = folding.weights.get if folding else (lambda n, d: d)
     return 3 * sum(sizes.flops(n) * weight(n, 1) for n in gm.graph.nodes if is_product(n))
+
+
+def read_at_both_ends(where: dict) -> set:
+    """Weights read both before and after the blocks (``where``: node -> section, passes/fold.sections): tied
+    input and output embeddings, of which a pipeline's first and last stages each hold a copy."""
+    return {n for n in where if n.op == "get_attr" and {where.get(u) for u in n.users} >= {"pre", "post"}}

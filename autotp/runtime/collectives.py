@@ -52,6 +52,7 @@ class _Gloo:
 
 
 _gloo: dict = {}  # group name -> _Gloo
+_labels: dict = {}  # group name -> what the group is (a mesh dimension and its ranks), for errors
 _abandoned: list = []  # works given up on: kept alive, gloo may still write into them
 
 
@@ -62,9 +63,15 @@ def _cores() -> int:
     return os.cpu_count() or 1
 
 
-def register(group: dist.ProcessGroup) -> None:
-    """``parallelize`` calls this for the group it runs on: gloo groups take the shortcuts above."""
-    if dist.get_backend(group) != "gloo":
+def describe(group: dist.ProcessGroup, label: str) -> None:
+    """Name ``group`` in the errors of the collectives it runs (e.g. "mesh dimension 'tp' (ranks [2, 3])")."""
+    _labels[group.group_name] = label
+
+
+def register(group: dist.ProcessGroup, shortcuts: bool = True) -> None:
+    """``parallelize`` calls this for the group it runs on: gloo groups take the shortcuts above
+    (``shortcuts=False``: the plain functional c10d ops, as DTensor runs them; benchmarks compare)."""
+    if dist.get_backend(group) != "gloo" or not shortcuts:
         _gloo.pop(group.group_name, None)
         return
     world = dist.get_world_size(group)
@@ -94,13 +101,19 @@ def _wait(work, gloo: _Gloo) -> None:
     work.wait()  # raises the collective's error, if any; blocks at most the process group's timeout
 
 
-def _failed(op: str, x: torch.Tensor, where: str, exc: Exception) -> CollectiveError:
-    """The error that says which collective, for which value, in which pass, and what to look at."""
+def _failed(op: str, x: torch.Tensor, where: str, exc: Exception, group: str) -> CollectiveError:
+    return failure(op, f"of {x.dtype} {list(x.shape)} for {where or 'a tensor'}", group, exc)
+
+
+def failure(op: str, what: str, group: str, exc: Exception) -> CollectiveError:
+    """The error that says which collective, over which group, for which value, in which pass, and what to look at."""
     phase = "backward" if torch._C._current_autograd_node() is not None else "forward"
+    over = f" over {_labels[group]}" if group in _labels else ""
     return CollectiveError(
-        f"autotp: {op} of {x.dtype} {list(x.shape)} for {where or 'a tensor'} ({phase}) did not complete: "
+        f"autotp: {op}{over} {what} ({phase}) did not complete: "
         f"another rank died, is stuck, or runs different code (look at the other ranks' output); the process "
-        f"group's timeout (init_process_group(timeout=...)) bounds the wait. Cause: {exc}")
+        f"group's timeout bounds the wait (on a mesh, parallelize's timeout=; else init_process_group(timeout=...)). "
+        f"Cause: {exc}")
 
 
 def _gathered(x: torch.Tensor, world: int, group: str) -> torch.Tensor:
@@ -117,7 +130,7 @@ def _all_gather(x: torch.Tensor, world: int, group: str, where: str) -> torch.Te
     try:
         return _gathered(x, world, group)
     except Exception as exc:
-        raise _failed("all_gather", x, where, exc) from exc
+        raise _failed("all_gather", x, where, exc, group) from exc
 
 
 def _all_reduce(x: torch.Tensor, group: str, where: str) -> torch.Tensor:
@@ -132,7 +145,7 @@ def _all_reduce(x: torch.Tensor, group: str, where: str) -> torch.Tensor:
             return out
         return _c10d.wait_tensor(_c10d.all_reduce(x.contiguous(), "sum", group))
     except Exception as exc:
-        raise _failed("all_reduce", x, where, exc) from exc
+        raise _failed("all_reduce", x, where, exc, group) from exc
 
 
 def _pad(x: torch.Tensor, length: int) -> torch.Tensor:
@@ -181,7 +194,7 @@ def _reduce_scatter(x: torch.Tensor, shard: Shard, size: int, rank: int, world: 
     try:
         out = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(torch.cat(pieces).contiguous(), "sum", world, group))
     except Exception as exc:
-        raise _failed("reduce_scatter", x, where, exc) from exc
+        raise _failed("reduce_scatter", x, where, exc, group) from exc
     return out[:lengths[rank]].movedim(0, shard.dim).contiguous()
 
 

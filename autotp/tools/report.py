@@ -223,13 +223,14 @@ def mesh_table(result) -> list:
     from autotp.mesh_planner import activation_options
     table = Table(title=f"mesh candidates: {result.devices} devices of {result.topology}, global batch "
                         f"{result.global_batch}, data parallel {result.data_parallel} (estimated)")
-    for column in ("TP", "PP", "DP", "micro-batches", "schedule", "SP", "recompute", "step s", "memory/device GB",
-                   "MFU", "note"):
+    for column in ("TP", "PP", "DP", "micro-batches", "schedule", "bubble", "SP", "recompute", "step s",
+                   "memory/device GB", "MFU", "note"):
         table.add_column(column)
     for c in result.candidates:
         schedule = "-" if c.schedule is None else c.schedule + (f" x{c.virtual_stages}" if c.virtual_stages > 1 else "")
         table.add_row(str(c.tp), str(c.pp), str(c.dp), f"{c.microbatches} x {c.microbatch_size}" if c.microbatches
-                      and c.microbatch_size else "-", schedule, "yes" if c.sequence_parallel else "no",
+                      and c.microbatch_size else "-", schedule, f"{c.bubble:.1%}" if c.schedule else "-",
+                      "yes" if c.sequence_parallel else "no",
                       "full" if c.recompute else "attention" if c.selective else "no",
                       "-" if c.step_seconds is None else f"{c.step_seconds:.3g}",
                       "-" if c.memory_bytes is None else f"{c.memory_bytes / 1e9:.2f}",
@@ -237,6 +238,8 @@ def mesh_table(result) -> list:
     best = result.choice
     return [table, f"mesh choice: TP {best.tp} x PP {best.pp} x DP {best.dp}, {best.microbatches} micro-batches of "
                    f"{best.microbatch_size}, schedule {best.schedule or '-'}"
+                   f"{f' x{best.virtual_stages}' if best.virtual_stages > 1 else ''}"
+                   f"{f' (bubble {best.bubble:.1%} of the step)' if best.schedule else ''}"
                    f"{activation_options(best)}; {_stages(best.stages)}",
             result.activation_model]
 

@@ -116,7 +116,7 @@ def price_layout(gm: torch.fx.GraphModule, layout: Candidate, *, topology=None, 
     global_batch = global_batch or unit
     limit = memory_limit if memory_limit is not None else 0.9 * topo.memory_bytes
     flops = model_flops(gm, sizes) / unit * global_batch if training else 0.0
-    profile = _profile(gm, layout.tp, topo, training, sizes, unit, layout.sequence_parallel, layout.selective)
+    profile = tp_profile(gm, layout.tp, topo, training, sizes, unit, layout.sequence_parallel, layout.selective)
     if profile is None:
         raise PlanningError("the graph has no tokens to split: price the layout without sequence_parallel")
     return price(profile, layout, Setting(topo, global_batch, training, data_parallel, limit, flops))

@@ -87,14 +87,14 @@ def test_zero_bubble_schedules_are_priced_and_chosen_where_they_win(gpt3):
     from dataclasses import replace
 
     from autotp.cost_models.mesh_layout import Setting, price
-    from autotp.mesh_planner import _profile
+    from autotp.mesh_planner import tp_profile
     from autotp.passes.pricing import model_flops, priced_unit
     result = plan_mesh_for_graph(gpt3, topology="dgx-a100", nodes=128, global_batch=1536, data_parallel="ddp")
     c = result.choice
     assert c.schedule in ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"), c.schedule
     topo = load_topology("dgx-a100", nodes=128)
     unit, sizes = priced_unit(gpt3)
-    profile = _profile(gpt3, c.tp, topo, True, sizes, unit, c.sequence_parallel, c.selective)
+    profile = tp_profile(gpt3, c.tp, topo, True, sizes, unit, c.sequence_parallel, c.selective)
     setting = Setting(topo, 1536, True, "ddp", A100_LIMIT, model_flops(gpt3, sizes) / unit * 1536)
     interleaved = price(profile, replace(c, schedule="Interleaved1F1B", stages=[], step_seconds=None), setting)
     assert interleaved.bubble > c.bubble > 0 and interleaved.step_seconds > c.step_seconds
@@ -267,7 +267,7 @@ def test_a_tied_embedding_is_priced_on_the_first_and_the_last_stage():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from autotp.cost_models.mesh_layout import Candidate, stage_memory
-    from autotp.mesh_planner import _profile
+    from autotp.mesh_planner import tp_profile
     from autotp.parallel.stages import block_profile, find_blocks
     from autotp.passes.pricing import priced_unit
     vocab, hidden = 512, 64
@@ -279,7 +279,7 @@ def test_a_tied_embedding_is_priced_on_the_first_and_the_last_stage():
             model = GPT2LMHeadModel(config)
         gm = prepared_graph(model, (torch.zeros(1, 16, dtype=torch.long, device="meta"),), None, fold=True)
         unit, sizes = priced_unit(gm)
-        profiles[tied] = _profile(gm, 1, load_topology("dgx-h100"), True, sizes, unit)
+        profiles[tied] = tp_profile(gm, 1, load_topology("dgx-h100"), True, sizes, unit)
         assert profiles[tied].tied.get("params", 0.0) == (vocab * hidden * 4 if tied else 0.0)
         assert block_profile(gm, find_blocks(model)).tied == profiles[tied].tied  # the stage splitter's pricing
     profile = profiles[True]

@@ -9,9 +9,10 @@ __all__ = ["comm_counts", "exit_quietly", "plan_ops", "run_ranks", "run_unsuperv
 
 # the eager c10d ops (gloo's polled waits) under the names of their functional twins
 _FUNCTIONAL = {"allreduce_": "all_reduce", "_allgather_base_": "all_gather_into_tensor",
-               "_reduce_scatter_base_": "reduce_scatter_tensor"}
+               "_reduce_scatter_base_": "reduce_scatter_tensor", "alltoall_base_": "all_to_all_single"}
 # the functional ops under the names a plan's collectives use (Plan.collective_counts)
-_PLAN = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter"}
+_PLAN = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
+         "all_to_all_single": "all_to_all"}
 
 
 def run_ranks(world: int, fn, *args) -> None:

@@ -202,7 +202,7 @@ def _activations_by_module(gm: torch.fx.GraphModule, choice: dict, sizes: Sizes 
 def plan(model: torch.nn.Module, args=None, kwargs=None, *, world_size: int, topology=None,
          min_shard_fraction: float = 0.02, training: bool = True, memory_limit: float | None = None,
          fold: bool = True, sequence_parallel: bool | None = None, recompute: str | bool | None = None,
-         experts: str | None = None) -> Plan:
+         experts: str | None = None, ep: int = 1) -> Plan:
     """Find a sharding plan without any process group (the model may be on the meta device).
 
     Costs are estimated at the example inputs' sizes: pass realistic ones (on the meta device
@@ -213,12 +213,14 @@ def plan(model: torch.nn.Module, args=None, kwargs=None, *, world_size: int, top
     False, or None to take it only when memory demands it.  ``recompute``: recompute the attention cores
     in the backward instead of keeping their scores (Megatron's selective recomputation): "selective",
     False, or None to take it where memory demands it (after sequence parallelism).  ``experts``: how
-    mixture-of-experts layers are split: "parallel" (whole experts per rank), "tensor" (every expert split
-    Megatron-style), or None to let the cost model choose (``plan.experts`` prices both).
+    mixture-of-experts layers are split: "parallel" (whole experts per rank, computing their rows in place),
+    "all-to-all" (whole experts per rank, rows sent to their owners), "tensor" (every expert split
+    Megatron-style), or None to let the cost model choose (``plan.cost["experts"]`` prices each).  ``ep``: the
+    ranks of a mesh's "ep" dimension the experts are dispatched over too (parallel/mesh.py).
     """
     options = Options(topology=topology, min_shard_fraction=min_shard_fraction, training=training,
                       memory_limit=memory_limit, sequence_parallel=sequence_parallel, recompute=recompute,
-                      experts=experts)
+                      experts=experts, ep=ep)
     return solve_plan(prepared_graph(model, args, kwargs, fold), world_size, options, price_experts=True)
 
 

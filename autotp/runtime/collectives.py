@@ -145,6 +145,12 @@ def exchange(x: torch.Tensor, out_splits: list, in_splits: list, group: str, whe
         raise _failed("all_to_all", x, where, exc) from exc
 
 
+def gather_rows(x: torch.Tensor, lengths: list, group: str, where: str) -> torch.Tensor:
+    """Every rank's rows (rank r holds ``lengths[r]``, possibly none), concatenated in rank order (no autograd)."""
+    pieces = _all_gather(_pad(x, max(lengths)).contiguous(), len(lengths), group, where).chunk(len(lengths))
+    return torch.cat([p[:n] for p, n in zip(pieces, lengths, strict=True)])
+
+
 def _pad(x: torch.Tensor, length: int) -> torch.Tensor:
     """Zero-pad dim 0 to ``length``."""
     if x.shape[0] == length:

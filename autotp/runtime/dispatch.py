@@ -38,6 +38,38 @@ def all_to_all(x: torch.Tensor, out_splits: list, in_splits: list, group: str, w
     return _AllToAll.apply(x, out_splits, in_splits, group, where)
 
 
+def _lengths(rows: int, ranks: int) -> list:
+    """Contiguous shares of ``rows`` over ``ranks``, the first ones one more; none for some when rows are few."""
+    base, extra = divmod(rows, ranks)
+    return [base + (r < extra) for r in range(ranks)]
+
+
+class _Share(torch.autograd.Function):
+    """This copy's share of rows every copy holds; the gradient of the whole is every copy's share of it."""
+
+    @staticmethod
+    def forward(ctx, x, lengths, copies, where):
+        ctx.args = (lengths, copies.name, where)
+        return x.narrow(0, sum(lengths[:copies.rank]), lengths[copies.rank])
+
+    @staticmethod
+    def backward(ctx, grad):
+        return collectives.gather_rows(grad, *ctx.args), None, None, None
+
+
+class _Gather(torch.autograd.Function):
+    """Every copy's share of rows, put together; the gradient (the same on every copy) is cut to this share."""
+
+    @staticmethod
+    def forward(ctx, x, lengths, copies, where):
+        ctx.start, ctx.length = sum(lengths[:copies.rank]), lengths[copies.rank]
+        return collectives.gather_rows(x, lengths, copies.name, where)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.narrow(0, ctx.start, ctx.length), None, None, None
+
+
 @dataclass(frozen=True)
 class Group:
     """A process group by name, with this rank's place in it."""
@@ -131,15 +163,14 @@ class ExpertDispatch(torch.nn.Module):
             ends = torch.cumsum(torch.bincount(key, minlength=self.experts), 0)
             rows = [r[order] for r in rows]
         valid = int(ends[-1])  # grouped rows past the last offset belong to no expert
-        start, stop = 0, valid
-        if self.copies is not None and self.copies.size > 1:  # each copy sends its share of the rows
-            shard = collectives.shard_args(Shard(0), valid, self.copies.rank, self.copies.size,
-                                           self.copies.name, self.where)
-            rows = [collectives.scatter(r[:valid], *shard) for r in rows]
-            (start, length), = Shard(0).ranges(valid, self.copies.rank, self.copies.size)
-            stop = start + length
-        else:
-            rows = [r[:valid] for r in rows]
+        rows = [r[:valid] for r in rows]
+        start, stop, shares = 0, valid, None
+        if self.copies is not None:  # each copy sends its share of the rows
+            shares = _lengths(valid, self.copies.size)
+            start = sum(shares[:self.copies.rank])
+            stop = start + shares[self.copies.rank]
+            rows = [_Share.apply(r, shares, self.copies, self.where) if torch.is_grad_enabled() else
+                    r.narrow(0, start, stop - start) for r in rows]
         routes = _routes(_share(ends, start, stop), self.owners, self.group, self.where)
         sent = [all_to_all(r, routes.recv, routes.send, self.group.name, self.where)[routes.order] for r in rows]
         offsets = torch.cumsum(routes.counts, 0)
@@ -152,9 +183,9 @@ class ExpertDispatch(torch.nn.Module):
         found = []
         for y in outs:
             y = all_to_all(y[back], routes.send, routes.recv, self.group.name, self.where)
-            if self.copies is not None and self.copies.size > 1:
-                y = collectives.gather(y, *collectives.shard_args(Shard(0), valid, self.copies.rank,
-                                                                  self.copies.size, self.copies.name, self.where))
+            if shares is not None:
+                y = _Gather.apply(y, shares, self.copies, self.where) if torch.is_grad_enabled() else \
+                    collectives.gather_rows(y, shares, self.copies.name, self.where)
             if valid < slots:
                 y = torch.cat([y, y.new_zeros(slots - valid, *y.shape[1:])])
             if order is not None:

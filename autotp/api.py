@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import warnings
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -74,7 +75,7 @@ def solve_plan(gm: torch.fx.GraphModule, world_size: int, options: Options | Non
                sizes: Sizes | None = None, price_experts: bool = False) -> Plan:
     """The plan for ``world_size`` ranks.  Sequence parallelism and recomputation are tried in Korthikanti et
     al.'s order when ``options`` leave them open (None) and the plain plan does not fit; ``price_experts``: also
-    price the best plan with each expert split imposed (``plan.cost["experts"]``, for reports)."""
+    solve with each expert strategy imposed, keep the cheapest plan and list them (``plan.cost["experts"]``)."""
     options = options or Options()
     sequence_parallel, recompute = options.sequence_parallel, options.recompute
     tries = [(tokens, "forced" if recompute else "off") for tokens in
@@ -99,6 +100,8 @@ def _solve_once(gm: torch.fx.GraphModule, world_size: int, options: Options, siz
     if world_size > topo.devices:
         raise ValueError(f"world size {world_size} is larger than topology {topo.name} ({topo.devices} devices): "
                          "pick a topology with more devices (e.g. 2x-dgx-h100) or a smaller world size")
+    if options.ep > 1 and world_size == 1 and options.experts is None:
+        options = replace(options, experts="all-to-all")  # no TP to split experts over: whole, dealt over "ep"
     ctx = _strategies(gm, world_size, options, tokens, options.experts)
     sizes = Sizes(sizes.overrides if sizes else None, Experts(options.expert_imbalance, options.ep, ctx.segments))
     folding = gm.meta.get("autotp_fold")
@@ -115,13 +118,13 @@ def _solve_once(gm: torch.fx.GraphModule, world_size: int, options: Options, siz
         return solve(gm, ctx, topo, training=training, memory_limit=options.memory_limit, sizes=sizes,
                      gather_outputs=options.gather_outputs, weights=weights, ties=folding.ties if folding else (),
                      sequence_parallel=bool(options.sequence_parallel), recompute=recompute)
-    solution = run(ctx)
+    solution, experts_cost = run(ctx), None
+    offered = ctx.segments or any(isinstance(s.output, Disjoint) for found in ctx.strategies.values() for s in found)
+    if offered and price_experts and not options.fixed and not options.experts:
+        ctx, solution, experts_cost = _cheapest_experts(
+            ctx, solution, options.ep, lambda mode: _priced(run, _strategies(gm, world_size, options, tokens, mode)))
     choice = solution.choice
     _check_experts(ctx, choice, options)
-    offered = {n for n, s in segments.members(ctx.segments.values()).items() if n.op == "get_attr"} or any(
-        isinstance(s.output, Disjoint) for options_ in ctx.strategies.values() for s in options_)
-    experts_cost = None if not (offered and price_experts) or options.fixed or options.experts else _expert_costs(
-        choice, options.ep, lambda mode: run(_strategies(gm, world_size, options, tokens, mode)).seconds)
     again = {node for core in solution.recomputed for node in core}
     expand = folding.fold.expand if folding else dict
     return Plan(
@@ -168,22 +171,33 @@ def _check_experts(ctx: Context, choice: dict, options: Options) -> None:
                             'drop the "ep" dimension')
 
 
-def _expert_costs(choice: dict, ep: int, step_seconds) -> dict:
-    """How the plan holds its experts (3-D parameters): whole experts per rank computing their rows in place
-    ("parallel"), whole experts fed by all-to-all ("all-to-all"), each expert split ("tensor"), several
-    ("mixed") or none ("replicated"); and the estimated step time of the best plan with each imposed (None where
-    none fits), for reports: the solver chose among all at once."""
-    kinds = {"all-to-all" if isinstance(s.output, Routed) else "parallel" if s.output.dim == 0 else "tensor"
-             for n, s in choice.items() if n.op == "get_attr" and n.meta["val"].dim() == 3 and
-             isinstance(s.output, (Shard, Routed))}
+def _priced(run, ctx: Context):
+    """(ctx, its solution), or None where no plan of it fits or dispatches as imposed."""
+    try:
+        return ctx, run(ctx)
+    except PlanningError:
+        return None
+
+
+def _cheapest_experts(ctx: Context, solution, ep: int, imposed) -> tuple:
+    """The cheapest of the plan solved with the expert strategy left free and the plans with each imposed (the
+    free solve keeps large parameters sharded wherever a shard suits all their users, which can rule out a mix
+    that an imposed strategy reaches); with how the chosen plan holds its experts (3-D parameters): whole experts
+    computing their rows in place ("parallel"), whole experts fed by all-to-all ("all-to-all"), each expert split
+    ("tensor"), several ("mixed") or none ("replicated"), and each strategy's estimated step time (None where
+    none fits), for reports."""
     seconds = {}
     for mode in ("tensor", "all-to-all") if ep > 1 else ("tensor", "parallel", "all-to-all"):
-        try:
-            seconds[mode] = step_seconds(mode)
-        except PlanningError:
-            seconds[mode] = None
+        found = imposed(mode)
+        seconds[mode] = None if found is None else found[1].seconds
+        if found is not None and found[1].seconds < solution.seconds * (1 - 1e-9):
+            ctx, solution = found
+    kinds = {"all-to-all" if isinstance(s.output, Routed) else "parallel" if s.output.dim == 0 else "tensor"
+             for n, s in solution.choice.items() if n.op == "get_attr" and n.meta["val"].dim() == 3 and
+             isinstance(s.output, (Shard, Routed))}
     none = "all-to-all" if ep > 1 else "replicated"  # over "ep" alone: whole experts, dispatched there
-    return {"chosen": kinds.pop() if len(kinds) == 1 else "mixed" if kinds else none, "seconds": seconds}
+    return ctx, solution, {"chosen": kinds.pop() if len(kinds) == 1 else "mixed" if kinds else none,
+                           "seconds": seconds}
 
 
 def _activations_by_module(gm: torch.fx.GraphModule, choice: dict, sizes: Sizes | None, world: int,
@@ -266,7 +280,8 @@ def tensor_parallel(model: torch.nn.Module, args=None, kwargs=None, *, plan: Pla
     graph_hash = fingerprint(gm)
     planners.agree("model", f"{graph_hash}/{inputs_digest(args, kwargs)}", "the model and input shapes")
     if plan is None:
-        plan = Plan.from_json(planners.share("plan", lambda: solve_plan(gm, world, options).to_json()))
+        plan = Plan.from_json(planners.share("plan", lambda: solve_plan(gm, world, options,
+                                                                        price_experts=True).to_json()))
     planners.agree("plan", hashlib.sha256(plan.to_json().encode()).hexdigest()[:16], "the plan")
     if plan.mesh.get("ep", 1) != options.ep:
         raise PlanMismatch(f"the plan dispatches experts over {plan.mesh.get('ep', 1)} \"ep\" ranks, the mesh has "

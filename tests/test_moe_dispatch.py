@@ -164,3 +164,36 @@ def _mesh_training(rank: int, world: int) -> None:
 
 def test_expert_parallelism_over_data_parallel_ranks_trains_like_one_process():
     run_ranks(4, _mesh_training)
+
+
+def test_the_solver_prices_every_expert_strategy_and_keeps_the_cheapest(tmp_path):
+    """Expert TP, whole experts computing their rows in place and whole experts by all-to-all (TP 4), or EP x
+    expert TP and EP over "ep" x "tp" (EP 2 x TP 2): the plan is the cheapest, says which it is, and `autotp
+    explain PLAN experts` lists each with its time.  Gate/up pairs interleaved in 2 x 6 columns cannot be split
+    in whole pairs on 4 ranks; in 2 x 48 they can."""
+    from autotp.tools.report import explain_table
+    winners = set()
+    for ffn, world, ep in ((6, 4, 1), (48, 4, 1), (6, 2, 2), (48, 2, 2)):
+        model, args = moe.build(blocks=1, ffn=ffn, interleaved=True, bias=True)
+        plan = autotp.plan(model, args, world_size=world, ep=ep)
+        seconds = plan.cost["experts"]["seconds"]
+        assert set(seconds) == ({"tensor", "parallel", "all-to-all"} if ep == 1 else {"tensor", "all-to-all"})
+        assert None not in seconds.values(), seconds
+        assert plan.cost["seconds"] == pytest.approx(min(seconds.values()), rel=1e-9), (plan.cost, seconds)
+        assert plan.cost["experts"]["chosen"] == min(seconds, key=seconds.get), plan.cost["experts"]
+        winners.add(plan.cost["experts"]["chosen"])
+        plan.save(tmp_path / "plan.json")
+        text = _render(explain_table(autotp.Plan.load(tmp_path / "plan.json"), "experts"))
+        listed = [line for line in text.splitlines() if "expert" in line.lower() and "ms" not in line]
+        assert sum("chosen" in line for line in listed) == 1 and len(listed) >= len(seconds), text
+        for mode, value in seconds.items():
+            assert f"{value * 1e3:.3f}" in text, (mode, text)
+    assert len(winners) >= 2, winners  # neither strategy is always taken
+
+
+def _render(table) -> str:
+    from rich.console import Console
+    console = Console(width=200, record=True, file=None)
+    with console.capture() as captured:
+        console.print(table)
+    return captured.get()

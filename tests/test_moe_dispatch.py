@@ -70,7 +70,7 @@ def _routed_to_owners(model, sharded, x) -> list[int]:
 def _all_to_all_exact(rank: int, world: int) -> list:
     cases = {2: [("mixtral", lambda: mixtral()), ("qwen3-moe batched", lambda: _batched(qwen3_moe())),
                  ("deepseek-v3", lambda: deepseek_v3())],
-             4: [("mixtral 6 experts", lambda: mixtral(experts=6)),
+             4: [("mixtral 6 experts", lambda: mixtral(experts=6)), ("qwen3-moe", lambda: qwen3_moe()),
                  ("deepseek-v3 starved", lambda: _starved(deepseek_v3()))]}[world]
     received = {}
     for name, build in cases:

@@ -10,11 +10,12 @@ import copy
 
 import pytest
 import torch
-from test_moe import TOL, _runs_the_plan, _same_as_unsharded, expert_params, mixtral, qwen3_moe
+from test_moe import TOL, expert_params, mixtral, qwen3_moe, runs_the_plan, same_as_unsharded
+from torch.distributed.tensor.debug import CommDebugMode
 
 import autotp
 from autotp.runtime.dispatch import ExpertDispatch
-from distributed import run_ranks
+from distributed import comm_counts, plan_ops, run_ranks
 from examples import moe
 
 
@@ -86,8 +87,8 @@ def _all_to_all_exact(rank: int, world: int) -> list:
         moe = [c for c in plan.collectives if c["phase"] == "forward" and c.get("group") == "tp"]
         assert sorted(c["op"] for c in moe) == ["all_gather"] * layers + ["all_to_all"] * 3 * layers, moe
         assert forward["all_to_all"] == 3 * layers, forward
-        _runs_the_plan(sharded, plan, _tokens(2, 5))
-        _same_as_unsharded(model, sharded, _tokens)
+        runs_the_plan(sharded, plan, _tokens(2, 5))
+        same_as_unsharded(model, sharded, _tokens)
         received[name] = [_routed_to_owners(model, sharded, _tokens(b, s)) for b, s in ((3, 11), (1, 1))]
         if name == "mixtral":  # greedy decoding, token for token: every rank dispatches at every step
             ids = _tokens(2, 5)
@@ -122,8 +123,8 @@ def _example_exact(rank: int, world: int) -> None:
     model.eval()
     sharded = autotp.parallelize(model, args, experts="all-to-all")
     assert sharded.autotp_plan.params["0.gate_up_bias"] == "A4(0/6)", sharded.autotp_plan.params
-    _runs_the_plan(sharded, sharded.autotp_plan, torch.randn(2, 5, 32))
-    _same_as_unsharded(model, sharded, lambda b, s: torch.randn(b, s, 32))
+    runs_the_plan(sharded, sharded.autotp_plan, torch.randn(2, 5, 32))
+    same_as_unsharded(model, sharded, lambda b, s: torch.randn(b, s, 32))
 
 
 def test_hand_written_experts_with_biases_are_dispatched():
@@ -150,8 +151,15 @@ def _mesh_training(rank: int, world: int) -> None:
         assert set(held.values()) <= want.get(experts, {"A2(0)"}), (dims, held)
         optimizer = torch.optim.SGD(sharded.parameters(), lr=0.1)
         ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
-        for _ in range(3):
-            sharded(mine).logits.square().mean().backward()
+        for step in range(3):
+            with CommDebugMode() as forward:
+                loss = sharded(mine).logits.square().mean()
+            with CommDebugMode() as backward:
+                loss.backward()
+            if step == 0:  # the experts' all-to-alls are the plan's (FSDP's own collectives beside them)
+                for phase, comm in (("forward", forward), ("backward", backward)):
+                    assert plan_ops(comm_counts(comm)).get("all_to_all", 0) == \
+                        plan.collective_counts(phase)["all_to_all"] > 0, (dims, phase, comm_counts(comm))
             optimizer.step()
             optimizer.zero_grad()
             (sum(reference(x).logits.square().mean() for x in everyone) / len(everyone)).backward()

@@ -104,9 +104,8 @@ def find(gm: torch.fx.GraphModule, ctx: Context) -> list[Segment]:
 
 
 def _segment(key: Node, grouped: bool, nodes: list, ctx: Context) -> Segment | None:
-    first = nodes[0]
-    rows_of = first.args[0] if grouped else next(a for a in first.users if a.target == aten.bmm.default)
-    slots = ctx.shape(rows_of)[0] if grouped else ctx.shape(first)[0]
+    first = nodes[0]  # grouped: the first product, whose rows are the slots; else a lookup, one row a slot
+    slots = ctx.shape(first.args[0] if grouped else first)[0]
     inside = set(nodes)
     if any(u not in inside for n in nodes[:-1] for u in n.users):
         return None  # a value escapes before the exit
@@ -147,10 +146,9 @@ def dispatch(gm: torch.fx.GraphModule, segment: Segment, owners: list, group: Gr
              where: str) -> None:
     """Replace ``segment`` in ``gm`` (this rank's program, tables already this rank's experts) by one call of
     runtime.dispatch.ExpertDispatch on a sub-GraphModule of the segment's own nodes."""
-    graph = gm.graph
-    firsts = [n for n in segment.nodes if n.op == "call_function"]
-    inside = (_related(firsts, lambda n: n.users) & _related([segment.exit], lambda n: n.all_input_nodes)) | set(
-        segment.nodes)
+    graph = gm.graph  # the rewrite may have put conversions between the segment's nodes: they belong to it
+    inside = (_related(segment.nodes, lambda n: n.users) & _related([segment.exit], lambda n: n.all_input_nodes)) | \
+        set(segment.nodes)
     order = {n: i for i, n in enumerate(graph.nodes)}
     nodes = sorted(inside, key=order.get)
     rows, rest = [], []

@@ -205,3 +205,16 @@ def _render(table) -> str:
     with console.capture() as captured:
         console.print(table)
     return captured.get()
+
+
+def test_all_to_all_is_priced_on_the_links_it_crosses():
+    """The same experts dispatched over one node's 8 GPUs (the TP group) and over 2 nodes (TP 8 x EP 2): each rank
+    sends less (its rows spread over more owners), but the share leaving the node crosses the network."""
+    model, args = moe.build(blocks=1, experts=16)
+    per_byte = {}
+    for ep in (1, 2):
+        plan = autotp.plan(model, args, world_size=8, ep=ep, topology="2x-dgx-h100", experts="all-to-all")
+        moved = [c for c in plan.collectives if c["op"] == "all_to_all" and not c.get("counts")]
+        assert moved and {c["group"] for c in moved} == {"tp" if ep == 1 else "ep x tp"}, moved
+        per_byte[ep] = max(c["seconds"] / c["bytes"] for c in moved)
+    assert per_byte[2] > 3 * per_byte[1], per_byte

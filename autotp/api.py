@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import hashlib
 import warnings
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
 from autotp.cost_models import load_topology
+from autotp.passes import segments
 from autotp.passes.accounting import alternatives, planned_collectives
 from autotp.passes.capture import CaptureError, capture, fingerprint, module_path
 from autotp.passes.capture import check_inputs as check_example_inputs
@@ -23,7 +25,7 @@ from autotp.passes.prepare import (
     split_bias,
     unflatten_products,
 )
-from autotp.passes.pricing import Sizes, activation_bytes
+from autotp.passes.pricing import Experts, Sizes, activation_bytes
 from autotp.passes.recompute import attention_cores, checkpoint_cores
 from autotp.passes.rewrite import rewrite
 from autotp.passes.solve import DoesNotFit, PlanningError, solve
@@ -37,8 +39,9 @@ from .plan import Plan, PlanMismatch
 from .runtime.collectives import register
 from .runtime.conversion import model_conversions
 from .runtime.dropout import set_mode
+from .runtime.dispatch import Group, Groups
 from .runtime.hf_checkpoint import Checkpoint
-from .runtime.placement import Disjoint, Shard
+from .runtime.placement import Disjoint, Routed, Shard
 
 
 def prepared_graph(model: torch.nn.Module, args=None, kwargs=None, fold: bool = False) -> torch.fx.GraphModule:
@@ -73,7 +76,7 @@ def solve_plan(gm: torch.fx.GraphModule, world_size: int, options: Options | Non
                sizes: Sizes | None = None, price_experts: bool = False) -> Plan:
     """The plan for ``world_size`` ranks.  Sequence parallelism and recomputation are tried in Korthikanti et
     al.'s order when ``options`` leave them open (None) and the plain plan does not fit; ``price_experts``: also
-    price the best plan with each expert split imposed (``plan.cost["experts"]``, for reports)."""
+    solve with each expert strategy imposed, keep the cheapest plan and list them (``plan.cost["experts"]``)."""
     options = options or Options()
     sequence_parallel, recompute = options.sequence_parallel, options.recompute
     tries = [(tokens, "forced" if recompute else "off") for tokens in
@@ -98,7 +101,10 @@ def _solve_once(gm: torch.fx.GraphModule, world_size: int, options: Options, siz
     if world_size > topo.devices:
         raise ValueError(f"world size {world_size} is larger than topology {topo.name} ({topo.devices} devices): "
                          "pick a topology with more devices (e.g. 2x-dgx-h100) or a smaller world size")
+    if options.ep > 1 and world_size == 1 and options.experts is None:
+        options = replace(options, experts="all-to-all")  # no TP to split experts over: whole, dealt over "ep"
     ctx = _strategies(gm, world_size, options, tokens, options.experts)
+    sizes = Sizes(sizes.overrides if sizes else None, Experts(options.expert_imbalance, options.ep, ctx.segments))
     folding = gm.meta.get("autotp_fold")
     if folding and any(ctx.strategies.get(a) != ctx.strategies.get(b) for a, b in folding.ties):
         raise PlanningError(f"the blocks of {folding.fold.path} look identical but offer different shardings: "
@@ -113,11 +119,13 @@ def _solve_once(gm: torch.fx.GraphModule, world_size: int, options: Options, siz
         return solve(gm, ctx, topo, training=training, memory_limit=options.memory_limit, sizes=sizes,
                      gather_outputs=options.gather_outputs, weights=weights, ties=folding.ties if folding else (),
                      sequence_parallel=bool(options.sequence_parallel), recompute=recompute)
-    solution = run(ctx)
+    solution, experts_cost = run(ctx), None
+    offered = ctx.segments or any(isinstance(s.output, Disjoint) for found in ctx.strategies.values() for s in found)
+    if offered and price_experts and not options.fixed and not options.experts:
+        ctx, solution, experts_cost = _cheapest_experts(
+            ctx, solution, options.ep, lambda mode: _priced(run, _strategies(gm, world_size, options, tokens, mode)))
     choice = solution.choice
-    offered = any(isinstance(s.output, Disjoint) for options_ in ctx.strategies.values() for s in options_)
-    experts_cost = None if not (offered and price_experts) or options.fixed or options.experts else _expert_costs(
-        choice, lambda mode: run(_strategies(gm, world_size, options, tokens, mode)).seconds)
+    _check_experts(ctx, choice, options)
     again = {node for core in solution.recomputed for node in core}
     expand = folding.fold.expand if folding else dict
     return Plan(
@@ -138,6 +146,7 @@ def _solve_once(gm: torch.fx.GraphModule, world_size: int, options: Options, siz
               **_activations_by_module(gm, choice, sizes, world_size, training, solution.recomputed),
               **({"experts": experts_cost} if experts_cost else {})},
         replicated_ops=sorted(ctx.unruled),
+        mesh={"tp": world_size, **({"ep": options.ep} if options.ep > 1 else {})},
         fold={"path": folding.fold.path, "count": folding.fold.count} if folding else None,
     )
 
@@ -145,25 +154,52 @@ def _solve_once(gm: torch.fx.GraphModule, world_size: int, options: Options, siz
 def _strategies(gm: torch.fx.GraphModule, world_size: int, options: Options, tokens: bool,
                 experts: str | None) -> Context:
     ctx = Context(world=world_size, min_shard_fraction=options.min_shard_fraction, fixed=options.fixed or {},
-                  tokens=tokens, experts=experts, ops=TABLE)
+                  tokens=tokens, experts=experts, ep=options.ep, ops=TABLE)
+    ctx.segments = segments.members(segments.find(gm, ctx))
     add_hints(gm, ctx)
     enumerate_strategies(gm, ctx)
     return ctx
 
 
-def _expert_costs(choice: dict, step_seconds) -> dict:
-    """How the plan holds its experts (3-D parameters): whole experts per rank ("parallel"), each expert
-    split ("tensor"), both ("mixed") or neither ("replicated"); and the estimated step time of the best
-    plan with each imposed (None where none fits), for reports: the solver chose among all at once."""
-    kinds = {"parallel" if s.output.dim == 0 else "tensor" for n, s in choice.items()
-             if n.op == "get_attr" and n.meta["val"].dim() == 3 and isinstance(s.output, Shard)}
+def _check_experts(ctx: Context, choice: dict, options: Options) -> None:
+    """Experts imposed "all-to-all", or a mesh's "ep" ranks to dispatch them over, need segments that can be."""
+    found = {s.exit: s for s in ctx.segments.values()}
+    if options.experts == "all-to-all" and not (found and all(isinstance(choice[e].output, Routed) for e in found)):
+        raise PlanningError('experts="all-to-all": no plan dispatches every expert segment (each needs at least as '
+                            'many experts as dispatch ranks, and ops that keep rows): choose another expert strategy')
+    if options.ep > 1 and not found:
+        raise PlanningError(f'the mesh has an "ep" dimension of {options.ep} ranks, but this model has no expert layer '
+                            'autotp can dispatch (grouped matmuls or w[ids] + bmm, routed rows in, one result out): '
+                            'drop the "ep" dimension')
+
+
+def _priced(run, ctx: Context):
+    """(ctx, its solution), or None where no plan of it fits or dispatches as imposed."""
+    try:
+        return ctx, run(ctx)
+    except PlanningError:
+        return None
+
+
+def _cheapest_experts(ctx: Context, solution, ep: int, imposed) -> tuple:
+    """The cheapest of the plan solved with the expert strategy left free and the plans with each imposed (the
+    free solve keeps large parameters sharded wherever a shard suits all their users, which can rule out a mix
+    that an imposed strategy reaches); with how the chosen plan holds its experts (3-D parameters): whole experts
+    computing their rows in place ("parallel"), whole experts fed by all-to-all ("all-to-all"), each expert split
+    ("tensor"), several ("mixed") or none ("replicated"), and each strategy's estimated step time (None where
+    none fits), for reports."""
     seconds = {}
-    for mode in ("tensor", "parallel"):
-        try:
-            seconds[mode] = step_seconds(mode)
-        except PlanningError:
-            seconds[mode] = None
-    return {"chosen": kinds.pop() if len(kinds) == 1 else "mixed" if kinds else "replicated", "seconds": seconds}
+    for mode in ("tensor", "all-to-all") if ep > 1 else ("tensor", "parallel", "all-to-all"):
+        found = imposed(mode)
+        seconds[mode] = None if found is None else found[1].seconds
+        if found is not None and found[1].seconds < solution.seconds * (1 - 1e-9):
+            ctx, solution = found
+    kinds = {"all-to-all" if isinstance(s.output, Routed) else "parallel" if s.output.dim == 0 else "tensor"
+             for n, s in solution.choice.items() if n.op == "get_attr" and n.meta["val"].dim() == 3 and
+             isinstance(s.output, (Shard, Routed))}
+    none = "all-to-all" if ep > 1 else "replicated"  # over "ep" alone: whole experts, dispatched there
+    return ctx, solution, {"chosen": kinds.pop() if len(kinds) == 1 else "mixed" if kinds else none,
+                           "seconds": seconds}
 
 
 def _activations_by_module(gm: torch.fx.GraphModule, choice: dict, sizes: Sizes | None, world: int,
@@ -183,7 +219,7 @@ def _activations_by_module(gm: torch.fx.GraphModule, choice: dict, sizes: Sizes 
 def plan(model: torch.nn.Module, args=None, kwargs=None, *, world_size: int, topology=None,
          min_shard_fraction: float = 0.02, training: bool = True, memory_limit: float | None = None,
          fold: bool = True, sequence_parallel: bool | None = None, recompute: str | bool | None = None,
-         experts: str | None = None) -> Plan:
+         experts: str | None = None, ep: int = 1) -> Plan:
     """Find a sharding plan without any process group (the model may be on the meta device).
 
     Costs are estimated at the example inputs' sizes: pass realistic ones (on the meta device
@@ -194,12 +230,14 @@ def plan(model: torch.nn.Module, args=None, kwargs=None, *, world_size: int, top
     False, or None to take it only when memory demands it.  ``recompute``: recompute the attention cores
     in the backward instead of keeping their scores (Megatron's selective recomputation): "selective",
     False, or None to take it where memory demands it (after sequence parallelism).  ``experts``: how
-    mixture-of-experts layers are split: "parallel" (whole experts per rank), "tensor" (every expert split
-    Megatron-style), or None to let the cost model choose (``plan.experts`` prices both).
+    mixture-of-experts layers are split: "parallel" (whole experts per rank, computing their rows in place),
+    "all-to-all" (whole experts per rank, rows sent to their owners), "tensor" (every expert split
+    Megatron-style), or None to let the cost model choose (``plan.cost["experts"]`` prices each).  ``ep``: the
+    ranks of a mesh's "ep" dimension the experts are dispatched over too (parallel/mesh.py).
     """
     options = Options(topology=topology, min_shard_fraction=min_shard_fraction, training=training,
                       memory_limit=memory_limit, sequence_parallel=sequence_parallel, recompute=recompute,
-                      experts=experts)
+                      experts=experts, ep=ep)
     return solve_plan(prepared_graph(model, args, kwargs, fold), world_size, options, price_experts=True)
 
 
@@ -209,7 +247,7 @@ def tensor_parallel(model: torch.nn.Module, args=None, kwargs=None, *, plan: Pla
                     fixed: dict | None = None, check_inputs: str | bool = "first",
                     verify: bool = False, sequence_parallel: bool | None = None,
                     recompute: str | bool | None = None, experts: str | None = None,
-                    dropout: str = "default") -> torch.nn.Module:
+                    dropout: str = "default", expert_groups: tuple | None = None) -> torch.nn.Module:
     """This rank's tensor-parallel copy of ``model`` over ``group``: same signature, full outputs on every rank
     (``autotp.parallelize`` without a mesh).
 
@@ -225,26 +263,35 @@ def tensor_parallel(model: torch.nn.Module, args=None, kwargs=None, *, plan: Pla
     so for a model captured in training mode that drops, their random generators' states on the first call that
     drops.  ``dropout``: how the masks are drawn, "default" (Megatron's model-parallel streams) or "reference"
     (each rank its piece of the masks one process draws for the same seed; for tests; docs/dropout.md).
+    ``expert_groups``: (a mesh's "ep" group, the group of its "ep" x "tp" ranks), which ``parallelize`` passes
+    for a mesh with an "ep" dimension: expert segments are dispatched over them (runtime/dispatch.py).
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("autotp.parallelize needs torch.distributed: call dist.init_process_group(...) first "
                            "(launch with torchrun), or use autotp.plan(...) to inspect a plan without one")
     if check_inputs not in ("first", "always", False):
         raise ValueError(f'check_inputs must be "first", "always" or False, got {check_inputs!r}')
-    options = Options(topology=topology, min_shard_fraction=min_shard_fraction, training=training,
-                      memory_limit=memory_limit, gather_outputs=gather_outputs, fixed=fixed,
-                      sequence_parallel=sequence_parallel, recompute=recompute, experts=experts, dropout=dropout)
     group = group or dist.group.WORLD
     rank, world = dist.get_rank(group), dist.get_world_size(group)
+    ep_group, routed_group = expert_groups or (None, group)
+    options = Options(topology=topology, min_shard_fraction=min_shard_fraction, training=training,
+                      memory_limit=memory_limit, gather_outputs=gather_outputs, fixed=fixed,
+                      sequence_parallel=sequence_parallel, recompute=recompute, experts=experts, dropout=dropout,
+                      ep=dist.get_world_size(ep_group) if ep_group is not None else 1)
     rendezvous = Rendezvous(group, timeout)
+    planners = Rendezvous(routed_group, timeout) if ep_group is not None else rendezvous  # one plan for "ep" too
     if args is None and kwargs is None:
         args = default_inputs(model)
     gm = prepared_graph(model, args, kwargs)
     graph_hash = fingerprint(gm)
-    rendezvous.agree("model", f"{graph_hash}/{inputs_digest(args, kwargs)}", "the model and input shapes")
+    planners.agree("model", f"{graph_hash}/{inputs_digest(args, kwargs)}", "the model and input shapes")
     if plan is None:
-        plan = Plan.from_json(rendezvous.share("plan", lambda: solve_plan(gm, world, options).to_json()))
-    rendezvous.agree("plan", hashlib.sha256(plan.to_json().encode()).hexdigest()[:16], "the plan")
+        plan = Plan.from_json(planners.share("plan", lambda: solve_plan(gm, world, options,
+                                                                        price_experts=True).to_json()))
+    planners.agree("plan", hashlib.sha256(plan.to_json().encode()).hexdigest()[:16], "the plan")
+    if plan.mesh.get("ep", 1) != options.ep:
+        raise PlanMismatch(f"the plan dispatches experts over {plan.mesh.get('ep', 1)} \"ep\" ranks, the mesh has "
+                           f"{options.ep}: re-plan for this mesh")
     flagged: set = set()
     choice = plan_choice(gm, plan, graph_hash, world, flagged)
     again = [core for core in attention_cores(gm, needs_grad(gm)) if core[-1] in flagged]
@@ -254,17 +301,22 @@ def tensor_parallel(model: torch.nn.Module, args=None, kwargs=None, *, plan: Pla
     if source is not None:
         retarget_device(gm, device)
         fill_computed_buffers(gm, model, device, source.files)
-    sharded = rewrite(gm, choice, rank, world, group.group_name, source, device, gather_outputs)
+    groups = Groups(_group(routed_group), _group(ep_group) if ep_group is not None else None)
+    sharded = rewrite(gm, choice, rank, world, group.group_name, source, device, gather_outputs, groups)
     checkpoint_cores(sharded, again)
     dropouts = set_mode(sharded, options.dropout)
     register(group)
     rendezvous.agree("loaded", "ok", "the end of loading")
+    for member in {group, routed_group, ep_group} - {None}:
+        register(member)
+    planners.agree("loaded", "ok", "the end of loading")
     if check_inputs:
         InputCheck(rendezvous, every_call=check_inputs == "always").attach(sharded)
         if dropouts:
             RandomCheck(rendezvous, check_inputs == "always", dropouts, device).attach(sharded)
     sharded.autotp_plan = plan
     sharded.autotp_group = group
+    sharded.autotp_experts = groups
     sharded.autotp_config = getattr(model, "config", None)
     object.__setattr__(sharded, "autotp_source", model)  # for autotp.generate; not a submodule
     if verify:
@@ -312,6 +364,10 @@ def plan_choice(gm: torch.fx.GraphModule, plan: Plan, graph_hash: str, world: in
             if recomputed is not None and plan.nodes[name].get("recompute"):
                 recomputed.add(node)
     return choice
+
+
+def _group(group) -> Group:
+    return Group(group.group_name, dist.get_rank(group), dist.get_world_size(group))
 
 
 def device_of(group) -> torch.device:

@@ -15,9 +15,10 @@ _PLAN = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather", "re
          "all_to_all_single": "all_to_all"}
 
 
-def run_ranks(world: int, fn, *args) -> None:
-    """Run ``fn(rank, world, *args)`` on ``world`` processes; an exception on any rank fails the caller."""
-    run_local(world, fn, *args)
+def run_ranks(world: int, fn, *args) -> list:
+    """Run ``fn(rank, world, *args)`` on ``world`` processes; an exception on any rank fails the caller.
+    Returns what each rank returned, in rank order."""
+    return run_local(world, fn, *args)
 
 
 def run_unsupervised(world: int, target, reports: int, timeout: float = 240, end: bool = False) -> list:

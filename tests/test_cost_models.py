@@ -2,6 +2,7 @@
 Megatron's traffic formula, and clear errors."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -57,6 +58,21 @@ def test_across_nodes_costs_more():
     small_inside = collective_time("all_reduce", 32 * 1024, 8, two_nodes)
     small_across = collective_time("all_reduce", 32 * 1024, 16, two_nodes)
     assert 20e-6 <= small_across and small_across >= 3 * small_inside  # ~45 us across nodes (nccl#1244)
+
+
+def test_all_to_all_across_nodes_pays_for_the_network():
+    """An all-to-all's buffer (what one rank sends) leaves the node in the share its off-node peers get, through
+    NICs its node's GPUs share: 58.7 MB per rank over 2 x 8 H100s sends half of it at 46 GB/s per GPU (at least
+    0.64 ms); inside one node it stays on NVLink; more nodes send more of it off-node."""
+    two_nodes = load_topology("2x-dgx-h100")
+    nbytes = 58.7e6
+    inside, across = collective_time("all_to_all", nbytes, 8, two_nodes), collective_time("all_to_all", nbytes, 16,
+                                                                                           two_nodes)
+    nic = two_nodes.nic_bandwidth * two_nodes.nics_per_node / two_nodes.gpus_per_node
+    assert across >= nbytes / 2 / nic and across >= 3 * inside, (inside, across)
+    assert inside <= 7 / 8 * nbytes / two_nodes.intra_busbw * 1.1
+    many = dataclasses.replace(two_nodes, nodes=32)
+    assert collective_time("all_to_all", nbytes, 256, many) >= 248 / 256 * nbytes / nic > across
 
 
 @pytest.mark.parametrize("op", OPS)

@@ -48,7 +48,7 @@ def _logits(out):
     return getattr(out, "logits", out)
 
 
-def _same_as_unsharded(model, sharded, inputs) -> None:
+def same_as_unsharded(model, sharded, inputs) -> None:
     """Outputs at batch 3 x 11 and 1 x 1, and every gradient."""
     torch.manual_seed(1)
     for batch, seq in [(3, 11), (1, 1)]:
@@ -63,7 +63,7 @@ def _same_as_unsharded(model, sharded, inputs) -> None:
             torch.testing.assert_close(grads[name], p.grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
 
 
-def _runs_the_plan(sharded, plan, x) -> None:
+def runs_the_plan(sharded, plan, x) -> None:
     """No weight travels; CommDebugMode counts what the plan says, forward and backward."""
     assert not weight_collectives(sharded), weight_collectives(sharded)
     collectives = autotp.runtime.collectives
@@ -95,8 +95,8 @@ def _hf_exact(rank: int, world: int) -> None:
             moved = sum(c["bytes"] for c in plan.collectives
                         if c["phase"] == "forward" and c["module"].startswith(f"model.layers.{layer}.mlp"))
             assert 0 < moved <= routed, (name, layer, plan.collectives)
-        _runs_the_plan(sharded, plan, torch.randint(0, 96, (2, 5)))
-        _same_as_unsharded(model, sharded, lambda b, s: torch.randint(0, 96, (b, s)))
+        runs_the_plan(sharded, plan, torch.randint(0, 96, (2, 5)))
+        same_as_unsharded(model, sharded, lambda b, s: torch.randint(0, 96, (b, s)))
         if name == "mixtral":  # greedy decoding with a sharded KV cache, token for token
             ids = torch.randint(3, 96, (2, 5))
             mask = torch.ones_like(ids)
@@ -125,8 +125,8 @@ def _example_exact(rank: int, world: int) -> None:
     # every rank holds whole (gate, up) column pairs, and their biases
     assert plan.params["0.gate_up"] == plan.params["0.gate_up_bias"] == "S(1)", plan.params
     assert plan.collective_counts("forward") == {"all_reduce": 2}, plan.collectives  # one per MoE layer
-    _runs_the_plan(sharded, plan, torch.randn(2, 5, 32))
-    _same_as_unsharded(model, sharded, lambda b, s: torch.randn(b, s, 32))
+    runs_the_plan(sharded, plan, torch.randn(2, 5, 32))
+    same_as_unsharded(model, sharded, lambda b, s: torch.randn(b, s, 32))
 
 
 def test_hand_written_moe_with_six_experts_on_four_ranks():
@@ -168,8 +168,8 @@ def _shared_and_listed_experts_exact(rank: int, world: int) -> None:
             # shared expert's (its RowParallelLinear reduces on its own); at most two more for the whole model
             forward = plan.collective_counts("forward")
             assert sum(forward.values()) <= 3 * blocks + 2, (name, plan.collectives)
-        _runs_the_plan(sharded, plan, x)
-        _same_as_unsharded(model, sharded, inputs)
+        runs_the_plan(sharded, plan, x)
+        same_as_unsharded(model, sharded, inputs)
 
 
 def test_shared_experts_and_expert_modules_are_split_like_mlps():
@@ -217,8 +217,8 @@ def _expert_parallel_exact(rank: int, world: int, directory: str) -> None:
         assert plan.collective_counts("forward")["all_reduce"] <= 2 + 1, plan.collectives  # Megatron's, 1 block
         moe = [c for c in plan.collectives if c["phase"] == "forward" and ".mlp" in c["module"]]
         assert [c["op"] for c in moe] == ["all_reduce"], moe  # the MoE layer's one all-reduce sums the experts
-        _runs_the_plan(sharded, plan, torch.randint(0, 96, (2, 5)))
-        _same_as_unsharded(model, sharded, lambda b, s: torch.randint(0, 96, (b, s)))
+        runs_the_plan(sharded, plan, torch.randint(0, 96, (2, 5)))
+        same_as_unsharded(model, sharded, lambda b, s: torch.randint(0, 96, (b, s)))
         if implementation is None:  # greedy decoding through whole experts; written back as transformers does
             ids = torch.randint(3, 96, (2, 5))
             got = autotp.generate(sharded, ids, max_new_tokens=4)

@@ -2,8 +2,9 @@
 hardware offers (ring; tree across nodes; in-switch reduction inside a node), hierarchical
 (inside the nodes, then across them) when a group spans nodes.
 
-``nbytes`` is always the full logical tensor: the reduced tensor for all-reduce, the gathered
-output for all-gather, the input for reduce-scatter, all data for all-to-all, the broadcast tensor.
+``nbytes`` is the full logical tensor: the reduced tensor for all-reduce, the gathered output for
+all-gather, the input for reduce-scatter, the broadcast tensor; for all-to-all, each rank's buffer (what it
+sends, its own share included: nccl-tests' size), since every rank's differs.
 """
 from __future__ import annotations
 
@@ -41,16 +42,31 @@ def _inter(op: str, nbytes: float, m: int, topo: Topology) -> float:
     """The across-node phase among m nodes; each node's NICs carry its share of nbytes."""
     if m <= 1:
         return 0.0
-    if not topo.nics_per_node:
-        raise ValueError(f"topology {topo.name} has {topo.nodes} nodes but no NICs (nics_per_node)")
-    bandwidth = topo.nic_bandwidth * topo.nics_per_node
+    bandwidth = _nics(topo)
     steps, factor = ring_steps(op, m)
-    if op == "all_to_all":
-        nbytes /= m  # only the part leaving each node crosses its NICs
     ring = topo.inter_base_latency_s + steps * topo.inter_step_latency_s
     tree = topo.inter_base_latency_s + 2 * math.ceil(math.log2(m)) * topo.inter_step_latency_s
     latency = min(ring, tree) if op in ("all_reduce", "broadcast") else ring
     return latency + factor * nbytes / bandwidth
+
+
+def _nics(topo: Topology) -> float:
+    """A node's network bandwidth, bytes/s (all its NICs)."""
+    if not topo.nics_per_node:
+        raise ValueError(f"topology {topo.name} has {topo.nodes} nodes but no NICs (nics_per_node)")
+    return topo.nic_bandwidth * topo.nics_per_node
+
+
+def _all_to_all(nbytes: float, group_size: int, per_node: int, nodes: int, topo: Topology) -> float:
+    """Every rank sends nbytes / g to each of the g ranks: (per_node - 1) / g of its buffer over NVLink and
+    (g - per_node) / g through its node's NICs, which its per_node neighbours share; both at once (NCCL's
+    all-to-all posts every peer's send together), so the slower sets the time."""
+    latency = topo.intra_base_latency_s + (per_node - 1) * topo.intra_step_latency_s
+    inside = (per_node - 1) / group_size * nbytes / topo.intra_busbw
+    if nodes == 1:
+        return latency + inside
+    across = (group_size - per_node) / group_size * nbytes * per_node / _nics(topo)
+    return max(latency, topo.inter_base_latency_s + (nodes - 1) * topo.inter_step_latency_s) + max(inside, across)
 
 
 def collective_time(op: str, nbytes: float, group_size: int, topology: Topology | str | Path | None) -> float:
@@ -69,6 +85,8 @@ def collective_time(op: str, nbytes: float, group_size: int, topology: Topology 
     if nodes > topology.nodes:
         raise ValueError(f"a group of {group_size} ranks does not fit topology {topology.name} "
                          f"({topology.nodes} x {topology.gpus_per_node} devices)")
+    if op == "all_to_all":
+        return _all_to_all(nbytes, group_size, per_node, nodes, topology)
     if nodes == 1:
         return _intra(op, nbytes, group_size, topology)
     if op == "all_reduce":  # reduce-scatter inside, all-reduce of 1/g across, all-gather inside

@@ -18,6 +18,7 @@ unit and which mesh dimension it waited on.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 
 import torch
@@ -36,30 +37,47 @@ def check_kind(kind: str) -> None:
         raise ValueError(f"data_parallel={kind!r}: choose 'fsdp' (FSDP2 fully_shard) or 'ddp'")
 
 
-def same_start(module: torch.nn.Module, dp_mesh: DeviceMesh) -> None:
+def same_start(tensors: list, dp_mesh: DeviceMesh) -> None:
     """Every replica starts from DP rank 0's values, as DDP does at construction: FSDP2 keeps each
     rank's own piece, so replicas initialised differently would silently train different models."""
-    group, source = dp_mesh.get_group(), dp_mesh.mesh.flatten()[0].item()
     with torch.no_grad():
-        for tensor in [*module.parameters(), *module.buffers()]:
-            dist.broadcast(tensor, src=source, group=group)
+        for dim in range(dp_mesh.ndim):
+            group = dp_mesh.get_group(dim)
+            for tensor in tensors:
+                dist.broadcast(tensor, src=dist.get_global_rank(group, 0), group=group)
 
 
 def data_parallel(module: torch.nn.Module, dp_mesh: DeviceMesh, kind: str = "fsdp", blocks: str | None = None,
-                  pipelined: bool = False) -> torch.nn.Module:
+                  pipelined: bool = False, experts: set = frozenset(),
+                  expert_mesh: DeviceMesh | None = None) -> torch.nn.Module:
     """``module`` made data-parallel over ``dp_mesh`` in place (its class changes, names stay).  ``blocks``: the
     path of the model's repeated block list, whose blocks become FSDP units; ``pipelined``: the module is a
-    pipeline stage (its blocks keep their parameters gathered between forward and backward)."""
+    pipeline stage (its blocks keep their parameters gathered between forward and backward).  ``experts``:
+    parameter names of expert tables dealt over a mesh's "ep" dim, whose replicas are on ``expert_mesh`` alone
+    (its "dp" dim; None: none): FSDP leaves them be, their gradients are summed over ``expert_mesh`` and, as
+    every replica's loss counts once, divided by the replicas of the rest (torchtitan's gradient divide factor
+    for experts); the all-to-all's backward has already summed the "ep" ranks' tokens."""
     check_kind(kind)
+    tables = {p for name, p in module.named_parameters() if name in experts}
     if kind == "ddp":
+        if tables:
+            raise NotImplementedError('data_parallel="ddp" with an "ep" mesh dimension: use "fsdp" (experts are '
+                                      'kept out of its sharding)')
         from torch.distributed._composable.replicate import replicate
         return replicate(module, process_group=dp_mesh.get_group())
     from torch.distributed.fsdp import fully_shard
-    same_start(module, dp_mesh)
+    own = {id(t) for t in tables}
+    same_start([t for t in [*module.parameters(), *module.buffers()] if id(t) not in own], dp_mesh)
+    if expert_mesh is not None:
+        same_start(list(tables), expert_mesh)
+    for table in tables:
+        table.register_post_accumulate_grad_hook(functools.partial(_sum_expert_grad, group=expert_mesh and
+                                                                   expert_mesh.get_group(), replicas=dp_mesh.size()))
+    ignored = tables or None
     paths = block_units(module, blocks) if blocks else []
-    units = [fully_shard(module.get_submodule(path), mesh=dp_mesh, reshard_after_forward=not pipelined)
-             for path in paths]
-    sharded = fully_shard(module, mesh=dp_mesh)
+    units = [fully_shard(module.get_submodule(path), mesh=dp_mesh, reshard_after_forward=not pipelined,
+                         ignored_params=ignored) for path in paths]
+    sharded = fully_shard(module, mesh=dp_mesh, ignored_params=ignored)
     for unit, name in [*zip(units, paths, strict=True), (sharded, "the root unit (all but the blocks)")]:
         unit.set_custom_all_gather(_Named("FSDP all_gather", f"of the parameters of {name}"))
         unit.set_custom_reduce_scatter(_Named("FSDP reduce_scatter", f"of the gradients of {name}"))
@@ -88,3 +106,9 @@ class _Named:
             return dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
         except Exception as exc:
             raise failure(self.op, self.what, group.group_name, exc) from exc
+
+
+def _sum_expert_grad(table: torch.Tensor, group, replicas: int) -> None:
+    if group is not None:
+        dist.all_reduce(table.grad, group=group)
+    table.grad.div_(replicas)

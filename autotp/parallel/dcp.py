@@ -28,8 +28,9 @@ from torch.distributed.tensor import Shard as DShard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from autotp.runtime.dispatch import Dealt
 from autotp.runtime.hf_checkpoint import gather_whole
-from autotp.runtime.placement import Shard, take_local
+from autotp.runtime.placement import Routed, Shard, take_local
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ class _Layout:
     shard: Shard | None  # autotp's TP placement; None: replicated over TP
     shape: tuple         # the full tensor's shape
     fsdp: bool           # split again over DP by FSDP2 (dim 0 of the TP shard, torch.chunk pieces)
+    dealt: Dealt | None = None  # an expert table's experts dealt over a dispatch group beyond the TP group first
 
 
 def checkpoint_state_dict(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
@@ -74,16 +76,22 @@ class _Pieces:
         self.group = module.autotp_group
         self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
         self.mesh = getattr(module, "autotp_mesh", None)
-        self.dp = self.mesh["dp"] if self.mesh is not None and "dp" in self.mesh.mesh_dim_names else None
+        replicas = () if self.mesh is None else tuple(d for d in ("dp", "ep") if d in self.mesh.mesh_dim_names
+                                                       and self.mesh[d].size() > 1)
+        self.dp = self.mesh[replicas[0] if len(replicas) == 1 else replicas] if replicas else None  # FSDP2's mesh
         if self.mesh is None:  # TP alone: its group as a one-dimensional mesh
             device = "cuda" if dist.get_backend(self.group) == "nccl" else "cpu"
             self.mesh = DeviceMesh.from_group(self.group, device, mesh_dim_names=("tp",))
+        dealt = getattr(module, "autotp_dealt", {})
         for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
             if name in plan.params:  # the rest (buffers no op reads) are whole on every rank
-                shard = plan.layout(name)[0]
+                shard, deal = plan.layout(name)[0], dealt.get(name)
+                if isinstance(shard, Routed):  # whole experts: over the TP group alone, a split of it like any other
+                    shard, deal = (shard.experts, None) if shard.ranks == self.world else (None, deal)
                 self.layouts[name] = _Layout(shard if isinstance(shard, Shard) else None, tuple(plan.shapes[name]),
-                                             isinstance(tensor, DTensor))
-        self.placements = {name: _dtensor_placements(self.mesh, layout) for name, layout in self.layouts.items()}
+                                             isinstance(tensor, DTensor), deal)
+        self.placements = {name: None if layout.dealt else _dtensor_placements(self.mesh, layout)
+                           for name, layout in self.layouts.items()}
 
     def optimizer(self, state: dict, convert) -> dict:
         """``state`` with every parameter-shaped tensor converted (``step`` counters are scalars)."""
@@ -100,7 +108,7 @@ class _Pieces:
             return DTensor.from_local(local, self.mesh, self.placements[name], run_check=False,
                                       shape=torch.Size(layout.shape), stride=_strides(layout.shape))
         size = None if layout.shard is None else layout.shape[layout.shard.dim]
-        return gather_whole(tensor.detach(), (layout.shard, size), self.group)
+        return gather_whole(tensor.detach(), (layout.shard, size, layout.dealt), self.group)
 
     def to_local(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """Inverse of to_global: the form ``get_model_state_dict`` gives on this rank (an FSDP2 DTensor
@@ -111,16 +119,20 @@ class _Pieces:
         if isinstance(tensor, DTensor):
             piece = tensor.to_local()
         else:
-            piece = take_local(tensor, layout.shard, self.rank, self.world) if layout.shard is not None else tensor
+            piece = tensor if layout.dealt is None else layout.dealt.local(tensor)
+            piece = take_local(piece, layout.shard, self.rank, self.world) if layout.shard is not None else piece
             if layout.fsdp:
-                piece = piece.narrow(0, *_chunk_range(piece.shape[0], self.dp.get_local_rank(), self.dp.size()))
+                last = self.dp.ndim - 1  # FSDP2 shards over its mesh's last dim (HSDP replicates over the first)
+                piece = piece.narrow(0, *_chunk_range(piece.shape[0], self.dp.get_local_rank(last),
+                                                      self.dp.size(last)))
         if not layout.fsdp:
             return piece
         tp_shape = list(layout.shape)
         if layout.shard is not None:
             dim = layout.shard.dim
             tp_shape[dim] = layout.shard.local_size(tp_shape[dim], self.rank, self.world)
-        return DTensor.from_local(piece.contiguous(), self.dp, [DShard(0)], run_check=False,
+        return DTensor.from_local(piece.contiguous(), self.dp, [Replicate()] * (self.dp.ndim - 1) + [DShard(0)],
+                                  run_check=False,
                                   shape=torch.Size(tp_shape), stride=_strides(tp_shape))
 
 

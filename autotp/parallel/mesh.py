@@ -1,8 +1,12 @@
 """``autotp.parallelize``: tensor parallelism on one group, or on the "tp" dimension of a DeviceMesh
-composed with data parallelism ("dp") and pipeline stages ("pp").
+composed with data parallelism ("dp"), expert parallelism ("ep") and pipeline stages ("pp").
 
-A mesh names its dimensions from ("pp", "dp", "tp"), outer to inner, so the ranks of a TP group are
-consecutive (inside a node) and DP and PP groups span nodes, as Megatron and torchtitan lay them out.
+A mesh names its dimensions from ("pp", "dp", "ep", "tp"), outer to inner, so the ranks of a TP group are
+consecutive (inside a node) and DP and PP groups span nodes, as Megatron and torchtitan lay them out.  "ep" is
+data parallelism for everything but the experts (attention and dense layers see "dp" x "ep" replicas), while the
+experts are dealt out over it and their rows sent to their owners by all-to-all: torchtitan's dp2ep, Megatron's
+MoE parallel folding.  With experts="all-to-all" the experts are dealt over "ep" x "tp" (expert TP 1); otherwise
+the TP plan may split each expert over "tp" (expert TP = TP).
 """
 from __future__ import annotations
 
@@ -20,11 +24,11 @@ from autotp.runtime.collectives import describe
 
 from .data import check_kind, data_parallel
 
-DIMS = ("pp", "dp", "tp")
+DIMS = ("pp", "dp", "ep", "tp")
 
 
 def mesh_dims(mesh: DeviceMesh) -> tuple[str, ...]:
-    """The mesh's dimension names, checked: a subset of ("pp", "dp", "tp") in that order."""
+    """The mesh's dimension names, checked: a subset of ("pp", "dp", "ep", "tp") in that order."""
     names = tuple(mesh.mesh_dim_names or ())
     ordered = tuple(d for d in DIMS if d in names)
     if len(names) != mesh.ndim or names != ordered or len(set(names)) != len(names):
@@ -83,18 +87,26 @@ def parallelize(model: torch.nn.Module, args=None, kwargs=None, *, mesh: DeviceM
 
 def _shard(module: torch.nn.Module, args, kwargs, *, mesh: DeviceMesh, kind: str, options: dict,
            blocks: str | None = None, pipelined: bool = False) -> torch.nn.Module:
-    """TP on this rank's "tp" group (a group of this rank alone when the mesh has none), then DP on its
-    "dp" group (FSDP units per block of the list at ``blocks``).
+    """TP on this rank's "tp" group (a group of this rank alone when the mesh has none), experts dispatched
+    over its "ep" group, then DP on its "dp" x "ep" group (experts on "dp" alone; FSDP units per block of the
+    list at ``blocks``).
 
     The pipeline passes each stage's module here: one code path with and without stages."""
     dims = mesh.mesh_dim_names
-    if "tp" in dims:
-        sharded = api.tensor_parallel(module, args, kwargs, group=mesh["tp"].get_group(), **options)
-    else:  # a one-rank TP group: autotp still plans (everything replicated) and keeps its bookkeeping
-        sharded = api.tensor_parallel(module, args, kwargs, group=_own_group(), **options)
+    tp = mesh["tp"].get_group() if "tp" in dims else _own_group()  # one rank: autotp still plans, keeps its books
+    ep = "ep" in dims and mesh["ep"].size() > 1
+    if ep:
+        routed = mesh[tuple(d for d in ("ep", "tp") if d in dims)].mesh.flatten().tolist()
+        groups = (mesh["ep"].get_group(), dist.new_group(routed, use_local_synchronization=True))
+        sharded = api.tensor_parallel(module, args, kwargs, group=tp, expert_groups=groups, **options)
+    else:
+        sharded = api.tensor_parallel(module, args, kwargs, group=tp, **options)
     sharded.autotp_mesh = mesh
-    if "dp" in dims and mesh["dp"].size() > 1:
-        sharded = data_parallel(sharded, mesh["dp"], kind, blocks, pipelined)
+    replicas = tuple(d for d in ("dp", "ep") if d in dims and mesh[d].size() > 1)
+    if replicas:
+        experts = set(getattr(sharded, "autotp_dealt", {})) if ep else set()
+        sharded = data_parallel(sharded, mesh[replicas[0] if len(replicas) == 1 else replicas], kind, blocks,
+                                pipelined, experts=experts, expert_mesh=mesh["dp"] if "dp" in replicas else None)
     return sharded
 
 

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from autotp.cost_models import collective_time, reshard_time
+from autotp.cost_models import collective_time
 from autotp.cost_models.communication import backward_collective, reshard_collective
 from autotp.cost_models.topology import Topology
-from autotp.runtime.placement import R, Shard, dump
+from autotp.runtime.placement import R, Routed, Shard, dump
 
 from .capture import module_path
 from .gradients import gradient_sums, partial_grad, partial_params
-from .pricing import Sizes, kept_bytes, op_seconds, regather_time
+from .pricing import Sizes, conversion_seconds, kept_bytes, op_seconds, regather_time
 from .saved import kept, kept_whole, regathered
 from .strategies import Context, input_slots, is_placed, needs_grad, on_tokens
 
@@ -26,6 +26,7 @@ def planned_collectives(gm: torch.fx.GraphModule, choice: dict, world: int, topo
     # ranks sharing a unit sum its gradient (a bias with its weight)
     found: dict = {(members[0], "group"): ("backward", "all_reduce") for members in gradient_sums(gm, choice, world)}
     pieces = regathered(choice, grad)
+    routed: list = []      # (tensor, have, want) entering or leaving a routed segment
     together = partial_params(gm, choice, grad)  # one all-reduce for each list (of a dtype)
     alone = {member for members in together for member in members}
     for node in gm.graph.nodes:
@@ -37,6 +38,10 @@ def planned_collectives(gm: torch.fx.GraphModule, choice: dict, world: int, topo
             if src not in choice or want is None or isinstance(choice[src].output, tuple):
                 continue
             have = choice[src].output
+            if isinstance(have, Routed) or isinstance(want, Routed):
+                if have != want:
+                    routed.append((src, have, want))
+                continue
             op = reshard_collective(have, want)
             if op:
                 found.setdefault((src, have, want), ("forward", op))
@@ -55,6 +60,7 @@ def planned_collectives(gm: torch.fx.GraphModule, choice: dict, world: int, topo
                "seconds": collective_time(op, sizes.nbytes(src), world, topology), "count": count(src, 1),
                **(mark[0] if mark else {})}
               for (src, *_), (phase, op, *mark) in found.items()]
+    listed += _dispatched(gm, choice, routed, world, topology, sizes, count, grad)
     for members in together:
         nbytes = sum(count(m, 1) * sizes.nbytes(m) for m in members)
         listed.append({"op": "all_reduce", "phase": "backward", "tensor": members[0].name,
@@ -62,6 +68,55 @@ def planned_collectives(gm: torch.fx.GraphModule, choice: dict, world: int, topo
                        "seconds": collective_time("all_reduce", nbytes, world, topology),
                        "tensors": [m.name for m in members]})
     return listed
+
+
+def _dispatched(gm: torch.fx.GraphModule, choice: dict, routed: list, world: int, topology: Topology, sizes: Sizes,
+                count, grad: set) -> list[dict]:
+    """The all-to-alls of expert segments (runtime/dispatch.py): a routed segment's row counts, each row
+    tensor's dispatch and the exit's combine (with the all-gather among TP ranks holding the same tokens,
+    and the gathered gradient of the rows they sent); a segment dispatched over a mesh's "ep" ranks the
+    same all-to-alls over them."""
+    experts = sizes.experts
+    found = []
+
+    def add(op: str, phase: str, src, nbytes: float, ranks: int, group: str, **extra):
+        found.append({"op": op, "phase": phase, "tensor": src.name, "module": _module(src), "bytes": nbytes,
+                      "seconds": collective_time(op, nbytes, ranks, topology), "count": count(src, 1),
+                      "group": group, **extra})
+
+    segments = set(experts.segments.values())
+    for segment in sorted(segments, key=lambda s: s.exit.name):
+        exit_placement = choice[segment.exit].output
+        if isinstance(exit_placement, Routed):
+            ranks, copies, group = exit_placement.ranks, world, "ep x tp" if experts.ep > 1 else "tp"
+            entries = [(src, have) for src, have, want in routed if isinstance(want, Routed)
+                       and src not in experts.segments and _feeds(src, segment)]
+        elif experts.ep > 1:
+            ranks, copies, group = experts.ep, 1, "ep"
+            inside = set(segment.nodes)
+            entries = [(a, None) for a in dict.fromkeys(a for n in segment.nodes for a in n.all_input_nodes)
+                       if a not in inside and a is not segment.key and a not in experts.segments]
+        else:
+            continue
+        add("all_to_all", "forward", segment.key, 8.0 * segment.experts, ranks, group, counts=True)
+        for src, _ in entries:
+            nbytes = sizes.nbytes(src) / copies
+            add("all_to_all", "forward", src, nbytes, ranks, group)
+            if src in grad:
+                add("all_to_all", "backward", src, nbytes, ranks, group)
+                if copies > 1:
+                    add("all_gather", "backward", src, sizes.nbytes(src), copies, "tp")
+        nbytes = sizes.nbytes(segment.exit) / copies
+        add("all_to_all", "forward", segment.exit, nbytes, ranks, group)
+        if copies > 1:
+            add("all_gather", "forward", segment.exit, sizes.nbytes(segment.exit), copies, "tp")
+        if segment.exit in grad:
+            add("all_to_all", "backward", segment.exit, nbytes, ranks, group)
+    return found
+
+
+def _feeds(src: torch.fx.Node, segment) -> bool:
+    return any(user in segment.nodes for user in src.users)
 
 
 def _module(node: torch.fx.Node) -> str:
@@ -100,7 +155,7 @@ def alternatives(gm: torch.fx.GraphModule, ctx: Context, choice: dict, topology:
                      if src in choice and is_placed(src) and want is not None]
             moves += [(s.output, want, node) for want in users_of.get(node, [])]
             for have, want, tensor in moves:
-                t = reshard_time(have, want, sizes.nbytes(tensor), world, topology)
+                t = conversion_seconds(have, want, tensor, sizes, world, topology)
                 total = None if t is None or total is None else total + t
             for tensor in _regathered_near(node, s, choice, whole, grad):
                 total = None if total is None else total + regather_time(sizes.nbytes(tensor), world, topology)

@@ -23,10 +23,10 @@ import operator
 import torch
 from torch.fx import Node
 
-from autotp.runtime.placement import Disjoint, P, Shard, simplest
+from autotp.runtime.placement import Disjoint, P, R, Routed, Shard, simplest
 
 from .layout_rules import constant_positions, cut_range, gather, mapped, positive_dim, slice_
-from .strategies import Context, Strategy, contractible, is_placed, value
+from .strategies import Context, Strategy, contractible, input_slots, is_placed, value
 
 aten = torch.ops.aten
 # transformers registers its op when its MoE integration is imported; rules find it by name
@@ -52,7 +52,7 @@ def grouped_mm(node: Node, ctx: Context) -> list[Strategy]:
     if len(ctx.shape(x)) != 2 or len(ctx.shape(w)) != 3 or bias is not None or offsets(node) is None:
         return []
     found = []
-    if ctx.experts != "parallel":
+    if ctx.experts in (None, "tensor"):
         found += [Strategy(ctx.fill(node, {w: s.at(2)}), s) for s in ctx.shard_options(node, 1)]
         for s in contractible(ctx.output_options(x) + ctx.shard_options(x, 1), 1, ctx.world):
             if s in ctx.shard_options(w, 1):
@@ -67,8 +67,9 @@ def grouped_mm(node: Node, ctx: Context) -> list[Strategy]:
 
 def _whole_experts(w: Node, ctx: Context) -> list[tuple[Shard, Disjoint]]:
     """Ways to deal out whole experts (``w``'s dim 0), each to one rank, and the disjoint partial sums
-    that computing with them gives; none when expert tensor parallelism is imposed."""
-    if ctx.experts == "tensor":
+    that computing with them gives; none when another expert strategy is imposed, nor when a mesh's "ep" dim
+    dispatches the experts (whole experts over TP then hold rows of experts dealt over "ep")."""
+    if ctx.experts in ("tensor", "all-to-all") or ctx.ep > 1:
         return []
     count = ctx.shape(w)[0]
     return [(s, Disjoint(simplest(s.at(0), count, ctx.world))) for s in ctx.shard_options(w, 0)
@@ -98,7 +99,8 @@ def index(node: Node, ctx: Context) -> list[Strategy] | None:
     found = [Strategy(ctx.fill(node, {x: P}), P)]
     experts = _whole_experts(x, ctx) if routing(node, ctx) is not None else []
     found += [Strategy(ctx.fill(node, {x: s}), d) for s, d in experts]  # one expert's rows per routed token
-    for d in range(k if not (experts and ctx.experts == "parallel") else n, n):
+    imposed = routing(node, ctx) is not None and ctx.experts in ("parallel", "all-to-all")
+    for d in range(n if imposed else k, n):
         found += [Strategy(ctx.fill(node, {x: s}), s.at(d + shift)) for s in ctx.shard_options(x, d)
                   if ctx.shape(node)[d + shift] == ctx.shape(x)[d]]
     return found
@@ -200,7 +202,8 @@ def _keeps_rows(node: Node, ctx: Context) -> bool:
 def disjoint(node: Node, ctx: Context) -> list[Strategy]:
     """A disjoint partial through ops that keep it one: zero-keeping ops and row-keeping layout ops of it;
     its product with a whole tensor; the sum or product of two routed alike (same routing, same experts)."""
-    if ctx.experts == "tensor" or not _keeps_rows(node, ctx) or routing(node, ctx) is None:
+    if ctx.experts in ("tensor", "all-to-all") or ctx.ep > 1 or not _keeps_rows(node, ctx) or \
+            routing(node, ctx) is None:
         return []
     def held(a: Node) -> list:
         return [p for p in ctx.output_options(a) if isinstance(p, Disjoint)] if isinstance(a, Node) else []
@@ -221,3 +224,35 @@ def disjoint(node: Node, ctx: Context) -> list[Strategy]:
         if alike and d in options.get(a, []) and d in options.get(b, []):
             found.append(Strategy(ctx.fill(node, {a: d, b: d}), d))
     return found
+
+
+def routed(node: Node, ctx: Context) -> list[Strategy]:
+    """Expert parallelism by all-to-all: a node of an expert segment (passes/segments.py) run by the owners of
+    the experts on the rows routed to them (``A``: whole experts dealt over the dispatch group, the TP group
+    times a mesh's "ep" dim), reading the routing key whole.  Only ops that keep rows (an owner holds a subset
+    of them): expert products, lookups by the ids, ops mapped row by row; and layout ops of the tables that
+    leave the experts' dim alone."""
+    segment = ctx.segments.get(node)
+    ranks = ctx.world * ctx.ep
+    if segment is None or ctx.experts in ("tensor", "parallel") or ranks < 2 or segment.experts < ranks or \
+            node.op != "call_function":
+        return []
+    held = Routed(simplest(Shard(0, units=segment.experts), segment.experts, ranks), ranks)
+    if node in segment.views:
+        dims = [positive_dim(d, len(ctx.shape(node))) for d in node.args[1:3]] if node.target == aten.transpose.int \
+            else []
+        kept = ctx.op(node.target).family == "elementwise" or (dims and 0 not in dims)
+        return [Strategy(ctx.fill(node, {node.args[0]: held}), held)] if kept else []
+    if node not in segment.nodes or not _row_wise(node, segment, ctx):
+        return []
+    count = len(value(node)) if isinstance(value(node), (list, tuple)) else None
+    inputs = {a: R if a is segment.key else held for a in input_slots(node) if is_placed(a)}
+    return [Strategy(ctx.fill(node, inputs), held if count is None else (held,) * count)]
+
+
+def _row_wise(node: Node, segment, ctx: Context) -> bool:
+    if is_grouped_mm(node) or node.target in (aten.bmm.default, operator.getitem):
+        return True
+    if node.target == aten.index.Tensor:
+        return node.args[1] == [segment.key]
+    return ctx.op(node.target).experts in ("zeros", "rows", "combine") and _keeps_rows(node, ctx)

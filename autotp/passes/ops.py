@@ -17,7 +17,7 @@ import torch
 from torch.fx import Node
 
 from . import localize
-from .expert_rules import GROUPED_MM_FALLBACK, disjoint, grouped_mm, index, squeeze, strided_slice
+from .expert_rules import GROUPED_MM_FALLBACK, disjoint, grouped_mm, index, routed, squeeze, strided_slice
 from .layout_rules import cat, expand, getitem, index_copy, permute, slice_, split, t, transpose, unsqueeze, view
 from .rules import attention, dropout, embedding, linear, matmul, normalize, pointwise, reduction, repeat_heads
 from .semantics import Op, may_alias, row_of
@@ -110,21 +110,22 @@ def attention_dropout(node) -> float:
     return node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
 
 
-def _with_expert_rows(rule):
-    """A rule plus the disjoint partials (expert rows) the op carries on (expert_rules.disjoint)."""
+def _with_expert_rows(rule, carries: bool):
+    """A rule plus the routed rows the op may compute inside an expert segment (expert_rules.routed) and, where
+    it carries them (``carries``), the disjoint partials of whole experts (expert_rules.disjoint)."""
     def both(node, ctx):
         proposed = rule(node, ctx) if rule is not None else None
-        added = disjoint(node, ctx)
+        added = [*(disjoint(node, ctx) if carries else ()), *routed(node, ctx)]
         return [*(proposed or ()), *added] if added else proposed
     both.__name__ = getattr(rule, "__name__", "disjoint")
     return both
 
 
 def _rows(targets, **facts) -> dict:
-    """One row for ops that share every fact; a row that carries expert rows gets the disjoint rule too.
-    ``view`` defaults to the op's schema (an output that may alias its input), where it has one."""
-    if facts.get("experts"):
-        facts["rule"] = _with_expert_rows(facts.get("rule"))
+    """One row for ops that share every fact; a ruled row, or one that carries expert rows, gets the expert
+    rules too.  ``view`` defaults to the op's schema (an output that may alias its input), where it has one."""
+    if facts.get("experts") or facts.get("rule"):
+        facts["rule"] = _with_expert_rows(facts.get("rule"), bool(facts.get("experts")))
     return {target: Op(**{"view": may_alias(target) if isinstance(target, torch._ops.OpOverload) else False,
                           **facts}) for target in targets}
 

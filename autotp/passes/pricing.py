@@ -4,28 +4,68 @@ holds (parameters with their training state, KV cache) and bytes its backward ke
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import torch
 from torch.fx import Node
 
-from autotp.cost_models import collective_time
+from autotp.cost_models import collective_time, reshard_time
 from autotp.cost_models.compute import op_time
 from autotp.cost_models.memory import state_factor
 from autotp.cost_models.topology import Topology
-from autotp.runtime.placement import Disjoint, Shard
+from autotp.runtime.placement import Disjoint, Replicate, Routed, Shard
 
 from .ops import flops, is_product, op
 from .recompute import dropped
 from .saved import element_bytes, kept, regathered
 from .strategies import is_placed
 
+# Routed rows are not spread evenly: the busiest rank of a dispatch group computes this many times the uniform
+# top-k share.  A stated assumption, not a measurement: the capacity factor Switch Transformer trains with (Fedus
+# et al. 2021, section 2.2 and table 1: 1.0 to 1.25); dropless dispatch computes every row, so the busiest rank's
+# load, not a capacity, sets the time.  Options.expert_imbalance overrides it.
+IMBALANCE = 1.25
+
+
+@dataclass(frozen=True)
+class Experts:
+    """How expert segments (passes/segments.py) are priced: ``imbalance`` (the busiest rank's routed rows over
+    the uniform share), ``ep`` (a mesh's "ep" ranks every segment is dispatched over, beyond what the TP plan
+    does with it) and ``segments`` (node -> its segment, for its nodes, tables and the tables' layout ops)."""
+    imbalance: float = IMBALANCE
+    ep: int = 1
+    segments: Mapping = field(default_factory=dict)
+
+    def share(self, node: Node, placement) -> float:
+        """How much of ``node``'s rows a rank computes beyond what ``placement`` over the TP group says: the
+        busiest owner's routed rows, or a segment's rows dispatched over the "ep" ranks."""
+        if isinstance(placement, Routed):
+            return min(1.0, self.imbalance / placement.ranks)
+        if self.ep > 1 and node in self.segments and node in self.segments[node].nodes:
+            return min(1.0, self.imbalance / self.ep)
+        return 1.0
+
+    def held(self, node: Node, placement, world: int) -> float:
+        """The largest share of ``node``'s tensor one rank holds: of a table, its experts (dealt over the
+        dispatch group, or over the "ep" ranks and then split as the TP plan says); of routed rows, the busiest
+        owner's."""
+        if node.op != "get_attr":
+            return self.share(node, placement) * (1.0 if isinstance(placement, Routed) else
+                                                  held_fraction(placement, world))
+        dealt = self.ep > 1 and not isinstance(placement, Routed) and node in self.segments
+        return held_fraction(placement, world) * (_held(Shard(0, units=self.segments[node].experts), self.ep)
+                                                  if dealt else 1.0)
+
 
 class Sizes:
     """Concrete sizes to price the graph at: the example inputs' sizes (pass realistic ones on the
-    meta device), with some symbols overridden (``{"s0": 4}``: e.g. the batch of one replica)."""
+    meta device), with some symbols overridden (``{"s0": 4}``: e.g. the batch of one replica); ``experts``:
+    the rows of expert segments a rank computes (they depend on the routing, not on the inputs' sizes)."""
 
-    def __init__(self, overrides: dict | None = None):
+    def __init__(self, overrides: dict | None = None, experts: Experts | None = None):
         self.overrides = overrides or {}
+        self.experts = experts or Experts()
 
     def __call__(self, size) -> int:
         if isinstance(size, int):
@@ -49,7 +89,14 @@ class Sizes:
 
 
 def held_fraction(placement, world: int) -> float:
-    """The largest share of a tensor that one rank holds (uneven and grouped shards hold more than 1/N)."""
+    """The largest share of a tensor that one rank holds (uneven and grouped shards hold more than 1/N); whole
+    experts dealt over a dispatch group, the largest share of the experts."""
+    if isinstance(placement, Routed):
+        return _held(placement.experts, placement.ranks)
+    return _held(placement, world)
+
+
+def _held(placement, world: int) -> float:
     if not isinstance(placement, Shard):
         return 1.0
     sizes = placement.blocks(1)
@@ -79,11 +126,15 @@ def op_seconds(node: Node, strategy, sizes: Sizes, world: int, topology: Topolog
         row.moves(node, sizes.nbytes) if row.moves else
         sizes.nbytes(node) + sum(sizes.nbytes(a) for a in node.all_input_nodes if is_placed(a)))
     seconds = op_time(sizes.flops(node), moved, topology) if node.op == "call_function" else 0.0
-    if isinstance(strategy.output, Disjoint):  # whole experts: the busiest rank's share of the products;
-        seconds *= held_fraction(strategy.output.experts, world) if is_product(node) else 1.0  # zeros are full size
-    elif not strategy.replicated:
-        seconds *= held_fraction(strategy.output, world) if isinstance(strategy.output, Shard) else 1 / world
+    out = strategy.output
+    first = out[0] if isinstance(out, tuple) and out else out
+    seconds *= sizes.experts.share(node, first)  # routed rows: the busiest owner's
+    if isinstance(out, Disjoint):  # whole experts: the busiest rank's share of the products;
+        seconds *= held_fraction(out.experts, world) if is_product(node) else 1.0  # zeros are full size
+    elif not strategy.replicated and not isinstance(first, Routed):
+        seconds *= held_fraction(out, world) if isinstance(out, Shard) else 1 / world
     seconds = 3 * seconds if training else seconds  # backward costs about twice the forward
+    seconds += dispatch_seconds(node, strategy, sizes, topology, training)
     out = strategy.output
     if training and node.op == "get_attr" and isinstance(out, Shard) and out.grouped(world):
         shared = sizes.nbytes(node) * shared_fraction(out, world)
@@ -95,7 +146,7 @@ def op_seconds(node: Node, strategy, sizes: Sizes, world: int, topology: Topolog
 def op_memory(node: Node, strategy, sizes: Sizes, world: int, trainable: dict, training: bool) -> dict:
     """Bytes this node keeps on a device under ``strategy``, by kind."""
     if node.op == "get_attr":
-        held = local_bytes(sizes.nbytes(node), strategy.output, world)
+        held = sizes.nbytes(node) * sizes.experts.held(node, strategy.output, world)
         if node.target not in trainable:
             return {"buffers": held}
         state = held * state_factor(node.meta["val"].element_size(), training) - held
@@ -110,10 +161,55 @@ def kept_bytes(node: Node, strategy, sizes: Sizes, world: int, grad: set) -> lis
     """(key, bytes per device) of each tensor ``node``'s backward keeps; equal keys are one tensor."""
     found = []
     for item in kept(node, strategy, grad):
-        share = held_fraction(item.placement, world)
+        share = sizes.experts.held(item.tensor, item.placement, world)
         found.append(((item.tensor, item.kind, round(share, 9)),
                       element_bytes(item, sizes.numel(item.tensor)) * share))
     return found
+
+
+def conversion_seconds(have, want, tensor: Node, sizes: Sizes, world: int, topology: Topology,
+                       backward: bool = False) -> float | None:
+    """Seconds to convert ``tensor`` from ``have`` to ``want`` (and its gradient back, with ``backward``); None
+    where impossible.  Routed rows enter an expert segment at its entry (dispatch: this rank's share of the rows
+    to their owners, the row counts first) and leave at its exit (combine: back to their senders, then
+    all-gathered by the TP ranks that hold the same tokens); nowhere else."""
+    if have == want or not (isinstance(have, Routed) or isinstance(want, Routed)):
+        return reshard_time(have, want, sizes.nbytes(tensor), world, topology, backward)
+    segment = sizes.experts.segments.get(tensor)
+    if isinstance(want, Routed) and isinstance(have, Replicate) and segment is None:  # a row entering
+        counts = collective_time("all_to_all", 0.0, want.ranks, topology)  # a few integers: its latency
+        return counts + _exchange(want, tensor, sizes, world, topology) + (
+            _exchange(want, tensor, sizes, world, topology, gather=True) if backward else 0.0)
+    if isinstance(have, Routed) and isinstance(want, Replicate) and segment is not None and tensor is segment.exit:
+        return _exchange(have, tensor, sizes, world, topology, gather=True) + (
+            _exchange(have, tensor, sizes, world, topology) if backward else 0.0)
+    return None
+
+
+def _exchange(routed: Routed, tensor: Node, sizes: Sizes, world: int, topology: Topology,
+              gather: bool = False) -> float:
+    """One all-to-all of this rank's share of a routed tensor's rows (the busiest receiver's load), then with
+    ``gather`` the all-gather of the whole tensor among the ``world`` TP ranks that hold the same tokens."""
+    nbytes = sizes.nbytes(tensor)
+    seconds = collective_time("all_to_all", nbytes / world * sizes.experts.imbalance, routed.ranks, topology)
+    return seconds + (collective_time("all_gather", nbytes, world, topology) if gather else 0.0)
+
+
+def dispatch_seconds(node: Node, strategy, sizes: Sizes, topology: Topology, training: bool) -> float:
+    """A segment dispatched over a mesh's "ep" ranks beyond its TP plan (expert parallelism times expert tensor
+    parallelism): priced at its exit, the row counts, each row input's all-to-all and the result's, forward and
+    backward.  Routed segments pay theirs at their conversions (conversion_seconds)."""
+    experts = sizes.experts
+    segment = experts.segments.get(node)
+    if experts.ep < 2 or segment is None or node is not segment.exit or isinstance(strategy.output, Routed):
+        return 0.0
+    inside = set(segment.nodes)
+    rows = {a for n in segment.nodes for a in n.all_input_nodes if a not in inside and a is not segment.key
+            and a not in experts.segments}
+    moved = sum(sizes.nbytes(a) for a in rows) + sizes.nbytes(node)
+    seconds = collective_time("all_to_all", moved * experts.imbalance, experts.ep, topology)
+    seconds += collective_time("all_to_all", 8.0 * segment.experts, experts.ep, topology)
+    return seconds * (2 if training else 1)
 
 
 def regather_time(nbytes: float, world: int, topology: Topology) -> float:

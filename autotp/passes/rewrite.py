@@ -9,14 +9,16 @@ from torch.fx import Node
 from torch.fx.node import map_arg
 
 from autotp.runtime import activations, collectives
-from autotp.runtime.placement import Partial, R, Replicate, Shard, take_local
+from autotp.runtime.dispatch import Dealt, Group, Groups
+from autotp.runtime.placement import Partial, R, Replicate, Routed, Shard, take_local
 
+from . import segments
 from .capture import module_path
 from .gradients import gradient_sums, partial_grad, partial_params
 from .localize import full_size, local_sizes
-from .ops import op
+from .ops import TABLE, op
 from .semantics import writes
-from .strategies import input_slots, needs_grad, token_inputs
+from .strategies import Context, input_slots, needs_grad, token_inputs
 
 aten = torch.ops.aten
 
@@ -33,13 +35,15 @@ def _written(gm: torch.fx.GraphModule) -> set:
 
 
 def shard_parameters(gm: torch.fx.GraphModule, placements: dict, rank: int, world: int, checkpoint=None,
-                     device: torch.device | None = None) -> None:
+                     device: torch.device | None = None, dealt: dict | None = None) -> None:
     """Give the module its own copy of every parameter and buffer, sharded as planned.
 
     From ``checkpoint`` (autotp.runtime.hf_checkpoint.Checkpoint) each rank reads only its slices; otherwise
     from the captured model's tensors, copied (never views) so that the user's model is untouched.
-    Tied tensors stay tied.
+    Tied tensors stay tied.  ``dealt``: name -> runtime.dispatch.Dealt for expert tables dealt over a dispatch
+    group: this rank's experts first, then the plan's TP placement of them.
     """
+    dealt = dealt or {}
     from autotp.runtime.hf_checkpoint import CheckpointError, check_names, is_persistent
 
     tensors = [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]
@@ -63,8 +67,14 @@ def shard_parameters(gm: torch.fx.GraphModule, placements: dict, rank: int, worl
         owner = gm.get_submodule(owner_name)
         if id(tensor) not in done:
             placement = by_id.get(id(tensor), R)
+            deal = dealt.get(name)
+            placement = R if isinstance(placement, Routed) else placement  # dealt whole over its dispatch group
             stored = [n for n in aliases[id(tensor)] if checkpoint is not None and n in checkpoint.files]
-            if stored:
+            if stored and deal is not None:  # this rank's experts only, then its TP piece of them
+                piece = checkpoint.read(stored[0], deal.experts, deal.group.rank, deal.group.size)
+                piece = take_local(piece, placement, rank, world) if isinstance(placement, Shard) else piece
+                local = piece.to(device=device, dtype=tensor.dtype, copy=True)
+            elif stored:
                 # copy: own memory, not pages of the mapped file (the optimizer writes into parameters)
                 piece = checkpoint.read(stored[0], placement, rank, world)
                 shares = getattr(checkpoint, "shares", False)  # another program's shards: the same memory
@@ -81,7 +91,7 @@ def shard_parameters(gm: torch.fx.GraphModule, placements: dict, rank: int, worl
                                       "checkpoint=DIR, or build the model with accelerate.init_empty_weights() "
                                       "so that computed buffers stay real")
             else:
-                data = tensor.detach()
+                data = tensor.detach() if deal is None else deal.local(tensor.detach())
                 local = (take_local(data, placement, rank, world) if isinstance(placement, Shard) else data).clone()
             if isinstance(tensor, torch.nn.Parameter):
                 local = torch.nn.Parameter(local, requires_grad=tensor.requires_grad)
@@ -164,8 +174,12 @@ def _gathered_both_ways(gm: torch.fx.GraphModule, choice: dict, grad: set) -> se
 
 
 def rewrite(gm: torch.fx.GraphModule, choice: dict, rank: int, world: int, group: str,
-            checkpoint=None, device: torch.device | None = None, gather_outputs: bool = True) -> torch.fx.GraphModule:
-    """Mutates ``gm`` (a fresh capture) into this rank's sharded program."""
+            checkpoint=None, device: torch.device | None = None, gather_outputs: bool = True,
+            dispatch: Groups | None = None) -> torch.fx.GraphModule:
+    """Mutates ``gm`` (a fresh capture) into this rank's sharded program; expert segments that the plan routes,
+    or that a mesh's "ep" ranks share (``dispatch``), are run by their experts' owners (runtime/dispatch.py)."""
+    tp = Group(group, rank, world)
+    dispatched = _dispatched(gm, choice, tp, dispatch or Groups(tp))
     graph = gm.graph
     grad = needs_grad(gm)
     placed: dict = {}      # node -> placement of its local value
@@ -245,6 +259,29 @@ def rewrite(gm: torch.fx.GraphModule, choice: dict, rank: int, world: int, group
     graph.lint()
     if any(node.target is collectives.gather_tokens for node in graph.nodes):
         activations.keep_pieces(gm)
-    shard_parameters(gm, params, rank, world, checkpoint, device)
+    dealt = {table.target: deal for segment, (deal, _) in dispatched.items() for table in segment.tables}
+    shard_parameters(gm, params, rank, world, checkpoint, device, dealt)
+    for segment, (deal, copies) in dispatched.items():
+        owners = [deal.experts.ranges(segment.experts, r, deal.group.size)[0] for r in range(deal.group.size)]
+        segments.dispatch(gm, segment, owners, deal.group, copies, _where(segment.exit))
+    gm.autotp_dealt = dealt
     gm.recompile()
     return gm
+
+
+def _dispatched(gm: torch.fx.GraphModule, choice: dict, tp: Group, dispatch: Groups) -> dict:
+    """segment -> (how its tables are dealt over the group its rows are dispatched over, the TP ranks among
+    them holding the same rows or None): the segments the plan routes, over the routed group; with a mesh's
+    "ep" ranks every other one too, over them."""
+    found = {}
+    world = tp.size
+    for segment in segments.find(gm, Context(world=world, ops=TABLE)):
+        held = choice[segment.exit].output
+        if isinstance(held, Routed):
+            over, copies, experts = dispatch.routed, tp if world > 1 else None, held.experts
+        elif dispatch.ep is not None:
+            over, copies, experts = dispatch.ep, None, Shard(0, units=segment.experts)
+        else:
+            continue
+        found[segment] = (Dealt(experts, segment.experts, over), copies)
+    return found

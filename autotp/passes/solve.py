@@ -16,14 +16,14 @@ from dataclasses import dataclass, field
 import pulp
 import torch
 
-from autotp.cost_models import collective_time, reshard_time
+from autotp.cost_models import collective_time
 from autotp.cost_models.memory import breakdown, smallest_fitting_world
 from autotp.cost_models.topology import Topology
 from autotp.runtime.placement import Partial, R, Replicate, Shard
 
 from .gradients import bias_weights, coalesced, partial_grad
 from .ops import stored_views
-from .pricing import Sizes, activation_bytes, kept_bytes, op_memory, op_seconds, regather_time
+from .pricing import Sizes, activation_bytes, conversion_seconds, kept_bytes, op_memory, op_seconds, regather_time
 from .recompute import attention_cores, dropped, price_recompute
 from .strategies import Context, input_slots, is_placed, needs_grad, on_tokens
 
@@ -161,14 +161,14 @@ def solve(gm: torch.fx.GraphModule, ctx: Context, topology: Topology, *, trainin
     for e, (src, wanted) in enumerate(edges):
         produced = [(v, s.output) for v, s in zip(x[src], ctx.strategies[src], strict=True)]
         for (p, q), z in _link(problem, produced, wanted,
-                               lambda p, q, s=src: _reshard_ok(s in stored, p, q, t, topology),
+                               lambda p, q, s=src: _reshard_ok(s, s in stored, p, q, sizes, t, topology),
                                f"z{e}_").items():
             if p != q:
                 key = (src, p, q)
                 need.setdefault(key, problem.add_variable(f"n{len(need)}", lowBound=0))
                 problem += need[key] >= z
     for (src, p, q), var in need.items():
-        costs.append(var * w(src, 1) * reshard_time(p, q, sizes.nbytes(src), t, topology, backward=src in grad))
+        costs.append(var * w(src, 1) * conversion_seconds(p, q, src, sizes, t, topology, backward=src in grad))
     together = problem.add_variable("together", lowBound=0)  # replicated parameters' partial gradients: one latency
     costs.append(together * latency)
     for k, (src, g) in enumerate(grad_reduce.items()):
@@ -269,9 +269,9 @@ def _link(problem, produced, wanted, ok, tag) -> dict:
     return z
 
 
-def _reshard_ok(stored: bool, p, q, world: int, topology: Topology) -> bool:
+def _reshard_ok(src, stored: bool, p, q, sizes: Sizes, world: int, topology: Topology) -> bool:
     if p == q:
         return True
     if stored and not (isinstance(p, Replicate) and isinstance(q, Shard)):
         return False  # parameters (and views of them) are stored as used; never gathered at run time
-    return reshard_time(p, q, 1.0, world, topology) is not None
+    return conversion_seconds(p, q, src, sizes, world, topology) is not None

@@ -15,7 +15,7 @@ import torch
 from torch.fx import Node
 from torch.fx.node import map_arg
 
-from autotp.runtime.placement import R, Replicate, Shard, dealt
+from autotp.runtime.placement import R, Replicate, Routed, Shard, dealt
 
 from .semantics import Op, row_of
 
@@ -118,7 +118,9 @@ class Context:
     tokens: bool = False                             # offer sequence parallelism (token_options)
     token_symbols: set = field(default_factory=set)  # sizes of token dims: inputs' symbolic non-leading dims
     grad: set = field(default_factory=set)           # values on the weights' path (gradients flow)
-    experts: str | None = None                       # impose "tensor" or "parallel" experts (expert_rules.py)
+    experts: str | None = None                       # impose "tensor", "parallel" or "all-to-all" (expert_rules.py)
+    ep: int = 1                                      # a mesh's "ep" ranks the expert segments are dispatched over
+    segments: dict = field(default_factory=dict)     # node -> its expert segment (passes/segments.py)
     routes: dict = field(default_factory=dict)       # node -> what routed its rows to experts, once
     ops: Mapping = field(default_factory=dict)       # the op table (passes/ops.py): target -> Op
     _probes: dict = field(default_factory=dict)
@@ -263,8 +265,8 @@ def _add_parameter_options(gm: torch.fx.GraphModule, ctx: Context) -> None:
     largest = max((sizes[n] for n in nodes if n.target in trainable), default=0)
     for node in nodes:
         wanted = {R}.union(*(_wanted(node, user, ctx) for user in node.users))
-        options = {p for p in wanted if isinstance(p, (Replicate, Shard))}
-        suits_all = {p for p in options if isinstance(p, Shard) and _carried(node, p, ctx, {})}
+        options = {p for p in wanted if isinstance(p, (Replicate, Shard, Routed))}
+        suits_all = {p for p in options if isinstance(p, (Shard, Routed)) and _carried(node, p, ctx, {})}
         if node.target in trainable and suits_all and sizes[node] >= ctx.min_shard_fraction * largest:
             options = suits_all
         if node.target in ctx.fixed:

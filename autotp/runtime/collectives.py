@@ -23,7 +23,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.fx import Node
 
 from . import activations
-from .placement import Partial, Replicate, Shard, assemble, take_local
+from .placement import Partial, Replicate, Routed, Shard, assemble, take_local
 
 _c10d = torch.ops._c10d_functional
 
@@ -148,6 +148,27 @@ def _all_reduce(x: torch.Tensor, group: str, where: str) -> torch.Tensor:
         raise _failed("all_reduce", x, where, exc, group) from exc
 
 
+def exchange(x: torch.Tensor, out_splits: list, in_splits: list, group: str, where: str) -> torch.Tensor:
+    """``all_to_all_single``: rows ``in_splits[r]`` of ``x`` (dim 0, in rank order) go to rank r, and rank r's
+    ``out_splits[r]`` rows for this rank come back, in rank order (uneven splits; no autograd)."""
+    gloo = _eager_gloo(group)
+    try:
+        if gloo is None:
+            return _c10d.wait_tensor(_c10d.all_to_all_single(x.contiguous(), out_splits, in_splits, group))
+        out = x.new_empty(sum(out_splits), *x.shape[1:])
+        _wait(dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=_resolve_process_group(group),
+                                     async_op=True), gloo)
+        return out
+    except Exception as exc:
+        raise _failed("all_to_all", x, where, exc) from exc
+
+
+def gather_rows(x: torch.Tensor, lengths: list, group: str, where: str) -> torch.Tensor:
+    """Every rank's rows (rank r holds ``lengths[r]``, possibly none), concatenated in rank order (no autograd)."""
+    pieces = _all_gather(_pad(x, max(lengths)).contiguous(), len(lengths), group, where).chunk(len(lengths))
+    return torch.cat([p[:n] for p, n in zip(pieces, lengths, strict=True)])
+
+
 def _pad(x: torch.Tensor, length: int) -> torch.Tensor:
     """Zero-pad dim 0 to ``length``."""
     if x.shape[0] == length:
@@ -159,7 +180,7 @@ def _lengths(shard: Shard, size: int, world: int) -> list[int]:
     return [shard.local_size(size, r, world) for r in range(world)]
 
 
-def _gather_values(x: torch.Tensor, shard: Shard, size: int, world: int, group: str, where: str) -> torch.Tensor:
+def gather_values(x: torch.Tensor, shard: Shard, size: int, world: int, group: str, where: str) -> torch.Tensor:
     """The full tensor from every rank's piece (owners' pieces for grouped shards)."""
     lengths = _lengths(shard, size, world)
     moved = _pad(x.movedim(shard.dim, 0), max(lengths)).contiguous()
@@ -183,7 +204,7 @@ def _gather_grads(x: torch.Tensor, shard: Shard, size: int, rank: int, world: in
     """The full gradient from every rank's piece: pieces of a grouped shard are summed."""
     if shard.grouped(world):
         return _all_reduce(_embed(x, shard, size, rank, world), group, where)
-    return _gather_values(x, shard, size, world, group, where)
+    return gather_values(x, shard, size, world, group, where)
 
 
 def _reduce_scatter(x: torch.Tensor, shard: Shard, size: int, rank: int, world: int, group: str,
@@ -245,7 +266,7 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, shard, size, rank, world, group, where):
         ctx.args = (shard, size, rank, world)
-        return _gather_values(x, shard, size, world, group, where)
+        return gather_values(x, shard, size, world, group, where)
 
     @staticmethod
     def backward(ctx, grad):
@@ -261,7 +282,7 @@ class _GatherReduceBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, shard, size, rank, world, group, where):
         ctx.args = (shard, size, rank, world, group, where)
-        return _gather_values(x, shard, size, world, group, where)
+        return gather_values(x, shard, size, world, group, where)
 
     @staticmethod
     def backward(ctx, grad):
@@ -361,13 +382,13 @@ def reduce_scatter(x, dim, chunks, units, of, groups, size, rank, world, group, 
 
 def gather(x, dim, chunks, units, of, groups, size, rank, world, group, where):
     shard = Shard(dim, chunks, units, of, groups)
-    return _gather_values(x, shard, size, world, group, where) if _no_grad() else _Gather.apply(
+    return gather_values(x, shard, size, world, group, where) if _no_grad() else _Gather.apply(
         x, shard, size, rank, world, group, where)
 
 
 def gather_reduce_backward(x, dim, chunks, units, of, groups, size, rank, world, group, where):
     shard = Shard(dim, chunks, units, of, groups)
-    return _gather_values(x, shard, size, world, group, where) if _no_grad() else _GatherReduceBackward.apply(
+    return gather_values(x, shard, size, world, group, where) if _no_grad() else _GatherReduceBackward.apply(
         x, shard, size, rank, world, group, where)
 
 
@@ -379,7 +400,7 @@ def gather_tokens(x, dim, chunks, units, of, groups, size, rank, world, group, w
     if _no_grad() or torch.compiler.is_compiling():  # compiled: the compiler decides what its backward keeps
         return full
     shard = Shard(dim, chunks, units, of, groups)
-    return activations.remember(full, x, lambda piece: _gather_values(piece, shard, size, world, group, where))
+    return activations.remember(full, x, lambda piece: gather_values(piece, shard, size, world, group, where))
 
 
 def scatter(x, dim, chunks, units, of, groups, size, rank, world, group, where):
@@ -410,6 +431,8 @@ def conversion_steps(src, dst, shape, rank: int, world: int, group: str, partial
         size = shape[shard.dim]
         return shard_args(shard, size if isinstance(size, Node) else int(size), rank, world, group, where)
 
+    if isinstance(src, Routed) or isinstance(dst, Routed):
+        return []  # an expert segment's entry and exit: its dispatch moves the rows (runtime/dispatch.py)
     if isinstance(src, Shard) and isinstance(dst, Replicate) and isinstance(shape[src.dim], Node):
         return [(gather_tokens, (*args(src), partial_grad))]
     if partial_grad and isinstance(src, Shard) and isinstance(dst, Replicate):
@@ -434,5 +457,5 @@ def gather_full(x: torch.Tensor, placement, size: int | None, group) -> torch.Te
     """The full tensor from this rank's piece (no autograd), for checkpoints and tests."""
     if isinstance(placement, Shard):
         world = torch.distributed.get_world_size(group)
-        return _gather_values(x.detach(), placement, size, world, group.group_name, "a full tensor (checkpoint)")
+        return gather_values(x.detach(), placement, size, world, group.group_name, "a full tensor (checkpoint)")
     return x.detach().clone()

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from .collectives import gather_full
 from .conversion import Assembled, CheckpointError, assemble, stored_layout
-from .placement import Shard
+from .placement import Routed, Shard
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -164,9 +164,12 @@ def _is_writer(sharded: torch.nn.Module) -> bool:
 
 def gather_whole(tensor: torch.Tensor, layout: tuple, group) -> torch.Tensor:
     """The full tensor: gathered over data parallelism first (FSDP2 holds a DTensor of this rank's TP
-    shard, split again over the DP group), then over the TP group (autotp's own placement)."""
+    shard, split again over the DP group), then over the TP group (autotp's own placement), then, for an
+    expert table dealt over a dispatch group (``layout``'s third item, runtime.dispatch.Dealt), over it."""
     local = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-    return gather_full(local, *layout, group)
+    placement, size, *dealt = layout
+    full = gather_full(local, None if isinstance(placement, Routed) else placement, size, group)
+    return dealt[0].gather(full) if dealt and dealt[0] is not None else full
 
 
 def is_persistent(module: torch.nn.Module, name: str, tensor: torch.Tensor) -> bool:
@@ -204,9 +207,9 @@ def _name_files(directory: Path, files: list, total: int) -> None:
 
 
 def _placements_by_id(sharded: torch.nn.Module) -> dict:
-    plan = sharded.autotp_plan
+    plan, dealt = sharded.autotp_plan, getattr(sharded, "autotp_dealt", {})
     named = [*sharded.named_parameters(remove_duplicate=False), *sharded.named_buffers(remove_duplicate=False)]
-    return {id(t): plan.layout(n) for n, t in named if n in plan.params}
+    return {id(t): (*plan.layout(n), dealt.get(n)) for n, t in named if n in plan.params}
 
 
 def full_state_dict(sharded: torch.nn.Module, grads: bool = False) -> dict:

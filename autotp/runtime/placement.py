@@ -6,6 +6,8 @@ Three kinds, as in Megatron and DTensor:
   S(d)   every rank holds a contiguous 1/N slice of dim d;
   D(e)   a partial sum whose summands are disjoint (expert parallelism): each rank holds rows that only
          its own experts computed (dealt like S(e) deals the experts) and zeros elsewhere.
+  A(e)   routed rows (expert parallelism by all-to-all): each rank holds only the rows routed to its own
+         experts, sent to it by every rank of the dispatch group; of a parameter, its whole experts.
 A Shard may carry ``chunks``: the dim is a concatenation of blocks (a fused
 [q|k|v] projection), and each block is sliced separately, so rank r holds
 [q_r|k_r|v_r].  It may also carry ``units``: each block is made of that many
@@ -62,6 +64,25 @@ class Disjoint(Partial):
     def owned(self, count: int, rank: int, world: int) -> tuple[int, int]:
         """(first expert, number of experts) that ``rank`` holds out of ``count``."""
         (first, n), = self.experts.ranges(count, rank, world)
+        return first, n
+
+
+@dataclass(frozen=True)
+class Routed:
+    """Whole experts dealt out over the ranks of a dispatch group (``experts``: a Shard of their dim over
+    ``ranks`` ranks: the TP group, or the TP group times a mesh's "ep" dim), and of activations the rows
+    routed to them: an owner holds only the rows its experts compute, received by all-to-all, never zeros
+    for other experts' rows (runtime/dispatch.py).  Not a layout of the full tensor that collectives along one
+    dim could convert: only an expert segment's entry (dispatch) and exit (combine) convert it."""
+    experts: Shard
+    ranks: int
+
+    def __str__(self) -> str:
+        return f"A{self.ranks}" + str(self.experts)[1:]
+
+    def owned(self, count: int, rank: int) -> tuple[int, int]:
+        """(first expert, number of experts) that dispatch rank ``rank`` holds out of ``count``."""
+        (first, n), = self.experts.ranges(count, rank, self.ranks)
         return first, n
 
 
@@ -204,7 +225,7 @@ def simplest(shard: Shard, size: int, world: int) -> Shard:
     return next((s for s in plain if layout(s) == layout(shard)), shard)
 
 
-Placement = Replicate | Partial | Shard
+Placement = Replicate | Partial | Shard | Routed
 R = Replicate()
 P = Partial()
 
@@ -223,6 +244,9 @@ def parse(text: str | list | None):
         return P
     if text.startswith("D("):
         return Disjoint(parse("S" + text[1:]))
+    routed = re.match(r"A(\d+)(\(.*\))$", text)
+    if routed:
+        return Routed(parse("S" + routed.group(2)), int(routed.group(1)))
     m = _SHARD.match(text)
     if not m:
         raise ValueError(f"not a placement: {text!r} (expected R, P, S(dim), S(dim|a,b,c), "

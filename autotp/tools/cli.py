@@ -54,7 +54,8 @@ def _plan(args) -> int:
                              training=not args.inference, fold=not args.no_fold,
                              sequence_parallel={"auto": None, "on": True, "off": False}[args.sequence_parallel],
                              recompute={"auto": None, "selective": "selective", "off": False}[args.recompute],
-                             experts=None if args.experts == "auto" else args.experts, memory_limit=_limit(args))
+                             experts=None if args.experts == "auto" else args.experts, ep=args.ep,
+                             memory_limit=_limit(args))
     if args.out:
         result.save(args.out)
     _figures(args, "plan", result)
@@ -232,9 +233,12 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--sequence-parallel", choices=("auto", "on", "off"), default="auto",
                       help="split norms, dropouts and residual adds by tokens: when memory demands it (auto), always, "
                            "never")
-    plan.add_argument("--experts", choices=("auto", "tensor", "parallel"), default="auto",
-                      help="mixture-of-experts layers: whole experts per rank (parallel), every expert split (tensor), "
-                           "or whichever the cost model prices lower (auto)")
+    plan.add_argument("--experts", choices=("auto", "tensor", "parallel", "all-to-all"), default="auto",
+                      help="mixture-of-experts layers: every expert split (tensor), whole experts per rank computing "
+                           "their rows in place (parallel) or sent their rows by all-to-all (all-to-all), or whichever "
+                           "the cost model prices lower (auto)")
+    plan.add_argument("--ep", type=int, default=1,
+                      help="ranks of a mesh's expert-parallel dimension beyond the TP group (default 1: none)")
     plan.add_argument("--recompute", choices=("auto", "selective", "off"), default="auto",
                       help="compute the attention cores again in the backward instead of keeping their scores: when "
                            "memory demands it (auto), always, never")

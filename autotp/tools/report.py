@@ -138,12 +138,18 @@ def experts_table(plan: Plan) -> Table:
     experts = plan.cost.get("experts")
     if not experts:
         raise KeyError("this plan had no choice of expert strategy (no experts, or one imposed)")
-    table = Table(title=f"expert strategies at TP {plan.world_size} on {plan.topology} (estimated step time "
-                        "of the best plan with each imposed)")
+    ep = plan.mesh.get("ep", 1)
+    table = Table(title=f"expert strategies at TP {plan.world_size}{f' x EP {ep}' if ep > 1 else ''} on "
+                        f"{plan.topology} (estimated step time of the best plan with each imposed)")
     for column in ("strategy", "est. step ms", ""):
         table.add_column(column)
     names = {"tensor": "expert tensor parallelism (every expert split)",
-             "parallel": "expert parallelism (whole experts)"}
+             "parallel": "expert parallelism, local compute (whole experts, zero rows for others' tokens)",
+             "all-to-all": f"expert parallelism by all-to-all (whole experts over {plan.world_size} ranks, rows "
+                           "sent to their owners)"}
+    if ep > 1:
+        names = {"tensor": f"EP {ep} x expert TP {plan.world_size} (experts dealt over ep, each split over tp)",
+                 "all-to-all": f"EP {ep * plan.world_size} x expert TP 1 (whole experts over ep x tp)"}
     for mode, seconds in experts["seconds"].items():
         table.add_row(names[mode], "does not fit" if seconds is None else f"{seconds * 1e3:.3f}",
                       "chosen" if experts["chosen"] == mode else "")

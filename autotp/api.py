@@ -38,8 +38,8 @@ from .options import Options
 from .plan import Plan, PlanMismatch
 from .runtime.collectives import register
 from .runtime.conversion import model_conversions
-from .runtime.dropout import set_mode
 from .runtime.dispatch import Group, Groups
+from .runtime.dropout import set_mode
 from .runtime.hf_checkpoint import Checkpoint
 from .runtime.placement import Disjoint, Routed, Shard
 

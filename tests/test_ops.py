@@ -120,6 +120,15 @@ def constant_cuts(m, x):
     return (q * k).sum(-1).sum(-1) + odd.sum(-1).sum(-1)
 
 
+def complex_rotary(m, x):
+    """A head's dims taken pairwise as complex numbers and turned by a complex table (complex rotary embeddings)."""
+    b, s, _ = x.shape
+    q = torch.nn.functional.linear(x, m.q).view(b, s, HEADS, 2 * D)
+    pairs = torch.view_as_complex(q.reshape(b, s, HEADS, D, 2))
+    turned = torch.view_as_real(pairs * m.table[:s].view(1, s, 1, D)).flatten(3)
+    return turned.type_as(x) * x.view(b, s, HEADS, D).repeat(1, 1, 1, 2)
+
+
 def experts(m, x, ids):
     """Routed rows: each token's expert weight by lookup (then bmm), and a grouped matmul over rows sorted by
     expert (transformers' export-friendly twin of torch's, which wants bf16 and 16-byte rows)."""
@@ -171,8 +180,16 @@ def _bf16_program():
     return program.to(torch.bfloat16)
 
 
+def _complex_program():
+    program = Program(complex_rotary, q=(2 * HEADS * D, H))
+    angles = torch.outer(torch.arange(8, dtype=torch.float64), torch.arange(1, D + 1, dtype=torch.float64))
+    program.register_buffer("table", torch.polar(torch.ones_like(angles), angles))  # complex128 [8, D]
+    return program
+
+
 SAMPLES["grouped_bf16"] = (_bf16_program, lambda: (torch.randn(8, 16, dtype=torch.bfloat16),))
 SAMPLES["cache_write"] = (_cache_program, lambda: (_floats(2, 3, H), torch.tensor([1, 4, 6])))
+SAMPLES["complex_rotary"] = (_complex_program, lambda: (_floats(2, 5, H),))
 
 
 def _values(gm: torch.fx.GraphModule, inputs: tuple) -> dict:

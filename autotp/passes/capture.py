@@ -42,6 +42,7 @@ def _standalone(tree):
 
 
 _SUPPORTED = {torch.float32, torch.float16, torch.bfloat16, torch.float64}
+_COMPLEX = {torch.complex64, torch.complex128}  # buffers only (rotation tables e^(i t f)): pairs of a supported dtype
 
 
 def check_inputs(model: torch.nn.Module, args, kwargs) -> None:
@@ -53,11 +54,28 @@ def check_inputs(model: torch.nn.Module, args, kwargs) -> None:
                         f"{type(args).__name__}: write (x,) for a single input")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise TypeError(f"example kwargs must be a dict of keyword inputs, got {type(kwargs).__name__}")
-    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        unsupported = tensor.is_floating_point() and tensor.dtype not in _SUPPORTED
-        if unsupported or tensor.is_complex() or tensor.is_quantized:
-            raise TypeError(f"{name} has dtype {tensor.dtype}: autotp shards float32, bfloat16, float16 and "
-                            "float64 models; convert the model (model.to(torch.bfloat16)) or keep this part outside")
+    buffers = dict(model.named_buffers())
+    complex_buffers = [name for name, b in buffers.items() if b.dtype in _COMPLEX]
+    for name, tensor in [*model.named_parameters(), *buffers.items()]:
+        if tensor.dtype in _COMPLEX and name in buffers:
+            continue
+        if tensor.is_complex():
+            why = ("complex tensors are sharded as buffers (rotation tables), not as parameters"
+                   if tensor.dtype in _COMPLEX else "keep complex buffers in complex64 or complex128")
+            raise TypeError(f"{name} has dtype {tensor.dtype}: {why}; keep this part outside the model autotp shards")
+        if (tensor.is_floating_point() and tensor.dtype not in _SUPPORTED) or tensor.is_quantized:
+            raise TypeError(f"{name} has dtype {tensor.dtype}: autotp shards float32, bfloat16, float16 and float64 "
+                            f"models (and complex64/128 buffers); {_advice(complex_buffers)}")
+
+
+def _advice(complex_buffers: list) -> str:
+    """How to convert: never ``model.to(dtype)`` where that casts a complex buffer to a real dtype (PyTorch keeps
+    the real part only, with a warning, and the model runs on, wrong)."""
+    if not complex_buffers:
+        return "convert the model (model.to(torch.bfloat16)) or keep this part outside"
+    return (f"convert its parameters only (model.to(dtype) would cast the complex buffer {complex_buffers[0]} to a "
+            "real dtype and drop its imaginary part): e.g. build the model in bfloat16 and compute the complex table "
+            "in float32 afterwards, or keep this part outside")
 
 
 def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> torch.fx.GraphModule:

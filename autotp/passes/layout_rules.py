@@ -71,6 +71,18 @@ def _in_rows(shard: Shard, src: list, dst: list, d: int, world: int) -> Shard | 
     return None
 
 
+def as_complex(node: Node, ctx: Context) -> list[Strategy]:
+    """view_as_complex: the trailing (real, imaginary) dim of 2 goes, every other dim keeps its shard (a shard of
+    the pairs' dim holds whole pairs); linear over the reals, so partial sums pass."""
+    pairs = len(ctx.shape(node.args[0])) - 1
+    return mapped(node, ctx, lambda d: None if d == pairs else d)
+
+
+def as_real(node: Node, ctx: Context) -> list[Strategy]:
+    """view_as_real: every dim keeps its shard; the new trailing (real, imaginary) dim is whole."""
+    return mapped(node, ctx, lambda d: d)
+
+
 def expand(node: Node, ctx: Context) -> list[Strategy]:
     offset = len(ctx.shape(node)) - len(ctx.shape(node.args[0]))
     return mapped(node, ctx, lambda d: d + offset)

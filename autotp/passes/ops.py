@@ -18,7 +18,21 @@ from torch.fx import Node
 
 from . import localize
 from .expert_rules import GROUPED_MM_FALLBACK, disjoint, grouped_mm, index, squeeze, strided_slice
-from .layout_rules import cat, expand, getitem, index_copy, permute, slice_, split, t, transpose, unsqueeze, view
+from .layout_rules import (
+    as_complex,
+    as_real,
+    cat,
+    expand,
+    getitem,
+    index_copy,
+    permute,
+    slice_,
+    split,
+    t,
+    transpose,
+    unsqueeze,
+    view,
+)
 from .rules import attention, embedding, linear, matmul, normalize, pointwise, reduction, repeat_heads
 from .semantics import Op, may_alias, row_of
 
@@ -190,6 +204,8 @@ TABLE: dict = {
     **_rows([aten.view.default, aten.reshape.default, aten._unsafe_view.default], family="view", rule=view,
             layout=True, keeps=keeps_nothing, local=localize.resize),
     **_rows([aten.flatten.using_ints], family="view", rule=view, layout=True, keeps=keeps_nothing),
+    **_rows([aten.view_as_complex.default], family="complex", rule=as_complex, layout=True, keeps=keeps_nothing),
+    **_rows([aten.view_as_real.default], family="complex", rule=as_real, layout=True, keeps=keeps_nothing),
     **_rows([aten.expand.default, aten.broadcast_to.default], family="expand", rule=expand, layout=True,
             keeps=keeps_nothing, local=localize.resize),
     **_rows([aten.transpose.int], family="transpose", rule=transpose, layout=True, keeps=keeps_nothing),

@@ -40,9 +40,12 @@ def merge_aliases(gm: torch.fx.GraphModule) -> None:
 def drop_no_ops(gm: torch.fx.GraphModule) -> None:
     """Remove what only costs dispatch time at run time and hides the graph's structure from the rules:
     torch.export's dtype/device assertions, casts to the dtype a tensor already has (``to`` without copy
-    returns its input), slices of everything (``x[:, :, a:b]`` slices dims 0 and 1 whole first), and
-    in-place adds into a new tensor that nothing else reads (Falcon's ``mlp_output += attention_output``)."""
+    returns its input; ``x.type_as(y)`` is such a cast that reads ``y`` for its dtype only), slices of everything
+    (``x[:, :, a:b]`` slices dims 0 and 1 whole first), and in-place adds into a new tensor that nothing else reads
+    (Falcon's ``mlp_output += attention_output``)."""
     for node in list(gm.graph.nodes):
+        if node.target == aten.type_as.default:
+            node.target, node.args = aten.to.dtype, (node.args[0], node.args[1].meta["val"].dtype)
         if node.target == aten._assert_tensor_metadata.default and not node.users:
             gm.graph.erase_node(node)
         elif node.target == aten.slice.Tensor and len(node.args) <= 4 and _whole(node):

@@ -29,6 +29,7 @@ from autotp.passes.rewrite import rewrite
 from autotp.passes.solve import DoesNotFit, PlanningError, solve
 from autotp.passes.strategies import Context, Strategy, enumerate_strategies, input_slots, needs_grad, on_tokens
 from autotp.passes.styles import param_styles
+from autotp.passes.unmerge import unmerge
 
 from .agree import DEFAULT_TIMEOUT, InputCheck, Rendezvous, inputs_digest
 from .hf import default_inputs, fill_computed_buffers, no_kv_cache
@@ -64,6 +65,7 @@ def prepared_graph(model: torch.nn.Module, args=None, kwargs=None, fold: bool = 
     unflatten_products(gm)
     fuse_repeat_kv(gm)
     drop_no_ops(gm)
+    unmerge(gm)
     cuts_to_gathers(gm)
     return gm
 

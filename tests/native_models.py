@@ -117,3 +117,52 @@ def greedy(model: nn.Module, ids: torch.Tensor, new: int) -> torch.Tensor:
         for _ in range(new):
             ids = torch.cat([ids, model(ids)[:, -1].argmax(-1, keepdim=True)], dim=1)
     return ids
+
+
+class EncoderLM(nn.Module):
+    """An nn.TransformerEncoder language model: causal mask, optional key padding mask, batch first or not."""
+
+    def __init__(self, dim: int = 32, heads: int = 4, layers: int = 2, batch_first: bool = True,
+                 norm_first: bool = False):
+        super().__init__()
+        self.batch_first = batch_first
+        self.emb = nn.Embedding(VOCAB, dim)
+        layer = nn.TransformerEncoderLayer(dim, heads, 2 * dim, dropout=0.0, batch_first=batch_first,
+                                           norm_first=norm_first)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(dim, VOCAB, bias=False)
+
+    def forward(self, ids, padding=None):
+        mask = nn.Transformer.generate_square_subsequent_mask(ids.shape[1], device=ids.device)
+        h = self.emb(ids)
+        h = h if self.batch_first else h.transpose(0, 1)
+        h = self.encoder(h, mask=mask, is_causal=True, src_key_padding_mask=padding)
+        return self.head(h if self.batch_first else h.transpose(0, 1))
+
+
+class DecoderLM(nn.Module):
+    """An encoder layer, then nn.TransformerDecoderLayer blocks (causal self-attention, cross-attention on the
+    encoded sequence, MLP)."""
+
+    def __init__(self, dim: int = 32, heads: int = 4, layers: int = 2, batch_first: bool = False):
+        super().__init__()
+        self.batch_first = batch_first
+        self.emb = nn.Embedding(VOCAB, dim)
+        self.encoder = nn.TransformerEncoderLayer(dim, heads, 2 * dim, dropout=0.0, batch_first=batch_first)
+        self.layers = nn.ModuleList(nn.TransformerDecoderLayer(dim, heads, 2 * dim, dropout=0.0,
+                                                               batch_first=batch_first) for _ in range(layers))
+        self.head = nn.Linear(dim, VOCAB, bias=False)
+
+    def forward(self, ids):
+        mask = nn.Transformer.generate_square_subsequent_mask(ids.shape[1], device=ids.device)
+        h = self.emb(ids)
+        h = h if self.batch_first else h.transpose(0, 1)
+        memory = self.encoder(h)
+        for layer in self.layers:
+            h = layer(h, memory, tgt_mask=mask, tgt_is_causal=True)
+        return self.head(h if self.batch_first else h.transpose(0, 1))
+
+
+def torch_layers_lm(kind: str = "encoder", **config) -> nn.Module:
+    torch.manual_seed(0)
+    return (EncoderLM if kind == "encoder" else DecoderLM)(**config)

@@ -3,69 +3,31 @@ a complex product): planned like their real views, split by heads with whole (re
 and 4 ranks in training and generation, at Megatron's count."""
 from __future__ import annotations
 
-import re
-from collections import Counter
-
 import pytest
 import torch
-from torch.distributed.tensor.debug import CommDebugMode
 
 import autotp
-from distributed import comm_counts, plan_ops, run_ranks, weight_collectives
+from distributed import run_ranks
+from exact import all_reduces_per_block, forward_matches, training_matches
 from native_models import VOCAB, complex_rotary_lm, greedy
 
-TOL = {"rtol": 1e-4, "atol": 1e-5}
 # world -> (query heads, KV heads, how KV heads are repeated): shared KV heads at 4 ranks, 6 heads at 3
 CASES = {2: (4, 2, "expand"), 3: (6, 3, "interleave"), 4: (4, 2, "expand")}
-
-
-def _per_block(plan, phase: str) -> Counter:
-    return Counter(int(found.group(1)) for c in plan.collectives if c["phase"] == phase and c["op"] == "all_reduce"
-                   for found in [re.search(r"layers\.(\d+)(\.|$)", c["module"])] if found)
 
 
 def _complex_rotary(rank: int, world: int) -> None:
     heads, kv, repeat = CASES[world]
     model = complex_rotary_lm(dim=8 * heads, heads=heads, kv_heads=kv, repeat=repeat)
-    ids = torch.randint(0, VOCAB, (2, 8))
-    sharded = autotp.parallelize(model, (ids,))
+    sharded = autotp.parallelize(model, (torch.randint(0, VOCAB, (2, 8)),))
     plan = sharded.autotp_plan
     assert plan.replicated_ops == [], plan.replicated_ops
     assert plan.params["freqs_cis"] == "R" and sharded.freqs_cis.dtype == torch.complex64  # read by every head
     assert plan.params["layers.0.attention.wq.weight"].startswith("S(0")  # split by heads, q and k not gathered
     assert plan.params["layers.0.attention.wo.weight"].startswith("S(1")
-    assert not weight_collectives(sharded), weight_collectives(sharded)
-    assert set(_per_block(plan, "forward").values()) == {2}, plan.collectives  # Megatron: two a block
-
-    collectives = autotp.runtime.collectives
-    one_shot, collectives.ONE_SHOT_BYTES = collectives.ONE_SHOT_BYTES, 0  # count all-reduces as such
+    assert set(all_reduces_per_block(plan).values()) == {2}, plan.collectives  # Megatron: two a block
     torch.manual_seed(1)
-    for batch, seq in [(3, 5), (1, 1)]:
-        x = torch.randint(0, VOCAB, (batch, seq))
-        with CommDebugMode() as comm:
-            out = sharded(x)
-        torch.testing.assert_close(out, model(x), **TOL)
-        assert plan_ops(comm_counts(comm)) == plan.collective_counts("forward"), comm_counts(comm)
-
-    # training: two SGD steps, the weights stay equal to one process's
-    opt, opt_ref = (torch.optim.SGD(m.parameters(), lr=0.5) for m in (sharded, model))
-    for step in range(2):
-        x = torch.randint(0, VOCAB, (2, 6))
-        for m, o in ((sharded, opt), (model, opt_ref)):
-            o.zero_grad()
-            loss = m(x).logsumexp(-1).mean()
-            if m is sharded and step == 0:
-                with CommDebugMode() as comm:
-                    loss.backward()
-                assert plan_ops(comm_counts(comm)) == plan.collective_counts("backward"), comm_counts(comm)
-            else:
-                loss.backward()
-            o.step()
-    collectives.ONE_SHOT_BYTES = one_shot
-    weights = autotp.full_state_dict(sharded)
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(weights[name], p.detach(), **TOL, msg=lambda m, n=name: f"{n}: {m}")
-
+    forward_matches(model, sharded, [(torch.randint(0, VOCAB, size),) for size in [(3, 5), (1, 1)]])
+    training_matches(model, sharded, [(torch.randint(0, VOCAB, (2, 6)),) for _ in range(2)])
     # generation: greedy, token-exact with the model's own loop
     prompts = torch.randint(0, VOCAB, (3, 4))
     assert torch.equal(autotp.generate(sharded, prompts, max_new_tokens=6), greedy(model, prompts, 6))

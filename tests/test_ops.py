@@ -129,6 +129,19 @@ def complex_rotary(m, x):
     return turned.type_as(x) * x.view(b, s, HEADS, D).repeat(1, 1, 1, 2)
 
 
+def packed_attention(m, x):
+    """nn.MultiheadAttention's layouts: q|k|v packed in one weight and picked apart (unflatten, dim moves, select),
+    heads merged with the batch and viewed back; cross-attention's weight split into [q | k|v]; heads by unflatten."""
+    b, s, _ = x.shape
+    packed = torch.nn.functional.linear(x, m.packed).unflatten(-1, (3, HEADS * D)).unsqueeze(0).transpose(0, -2)
+    packed = packed.squeeze(-2).contiguous()
+    q, k, v = (packed[i].view(b, s * HEADS, D).transpose(0, 1).view(s, HEADS, b, D) for i in range(3))
+    w_q, w_kv = m.cross.split_with_sizes([HEADS * D, 2 * HEADS * D])
+    ck, cv = torch.nn.functional.linear(x, w_kv).split(HEADS * D, dim=-1)
+    cq = torch.nn.functional.linear(x, w_q).unflatten(-1, (HEADS, D))
+    return (q * k + v).sum(0).sum(-1).sum(-1) + (cq * ck.unflatten(-1, (HEADS, D)) + cv.view(b, s, HEADS, D)).sum(-1)
+
+
 def experts(m, x, ids):
     """Routed rows: each token's expert weight by lookup (then bmm), and a grouped matmul over rows sorted by
     expert (transformers' export-friendly twin of torch's, which wants bf16 and 16-byte rows)."""
@@ -165,6 +178,8 @@ SAMPLES = {
                        lambda: (torch.randint(0, VOCAB, (2, 5)),)),
     "layouts": (lambda: Program(layouts, w=(H,), square=(H, H)), lambda: (_floats(2, 5, H),)),
     "constant_cuts": (lambda: Program(constant_cuts, qkv=(4 * D, H)), lambda: (_floats(2, 5, H),)),
+    "packed_attention": (lambda: Program(packed_attention, packed=(3 * HEADS * D, H), cross=(3 * HEADS * D, H)),
+                         lambda: (_floats(2, 5, H),)),
     "experts": (lambda: Program(experts, w=(3, H, 8)), lambda: (_floats(8, H), torch.tensor([0, 0, 0, 1, 1, 2, 2, 2]))),
 }
 

@@ -250,7 +250,37 @@ def split(node: Node, ctx: Context) -> list[Strategy]:
                                                                      for i, n in enumerate(sizes))))
             elif d == at and split_dim_ok and k == 1 and s.chunks is None:
                 found.append(Strategy(ctx.fill(node, {x: s}), (s,)))
+            elif d == at and split_dim_ok and s.chunks and s.groups is None:
+                pieces = refined(s, sizes, ctx.world)  # pieces of several blocks each
+                found += [Strategy(ctx.fill(node, {x: s}), pieces)] if pieces else []
     return found
+
+
+def pieces_of(chunks: tuple, sizes) -> list[list[int]] | None:
+    """Which fused blocks make up each piece a split cuts (the blocks' indices, in order), if whole blocks do."""
+    found, k = [], 0
+    for size in sizes:
+        taken, total = [], 0
+        while total < size and k < len(chunks):
+            taken.append(k)
+            total += chunks[k]
+            k += 1
+        if total != size:
+            return None
+        found.append(taken)
+    return found if k == len(chunks) else None
+
+
+def refined(shard: Shard, sizes: tuple, world: int) -> tuple | None:
+    """The layout of each piece of a split whose pieces are runs of whole blocks of ``shard`` (the in_proj_weight
+    of cross-attention, S(0|E,E,E), split into [q | kv]: S(0) and S(0|E,E))."""
+    pieces = pieces_of(shard.chunks, sizes)
+    if pieces is None:
+        return None
+    units = shard.units if isinstance(shard.units, tuple) else (shard.units,) * len(shard.chunks)
+    return tuple(shard.block(ks[0], shard.chunks[ks[0]], world) if len(ks) == 1 else
+                 replace(shard, chunks=tuple(shard.chunks[k] for k in ks),
+                         units=None if shard.units is None else tuple(units[k] for k in ks)) for ks in pieces)
 
 
 def index_copy(node: Node, ctx: Context) -> list[Strategy]:

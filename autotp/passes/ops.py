@@ -204,6 +204,8 @@ TABLE: dict = {
     **_rows([aten.view.default, aten.reshape.default, aten._unsafe_view.default], family="view", rule=view,
             layout=True, keeps=keeps_nothing, local=localize.resize),
     **_rows([aten.flatten.using_ints], family="view", rule=view, layout=True, keeps=keeps_nothing),
+    **_rows([aten.unflatten.int], family="view", rule=view, layout=True, keeps=keeps_nothing,
+            local=localize.unflatten),
     **_rows([aten.view_as_complex.default], family="complex", rule=as_complex, layout=True, keeps=keeps_nothing),
     **_rows([aten.view_as_real.default], family="complex", rule=as_real, layout=True, keeps=keeps_nothing),
     **_rows([aten.expand.default, aten.broadcast_to.default], family="expand", rule=expand, layout=True,

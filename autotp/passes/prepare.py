@@ -275,6 +275,10 @@ def _walk_back(work: list, ctx: Context) -> dict:
             work.append((node.args[1], len(ctx.shape(node.args[1])) - 1, sizes))  # x @ w.t(): columns of w.t()
         elif family == "unsqueeze" and dim != positive_dim(node.args[1], len(ctx.shape(node))):
             work.append((node.args[0], dim - (dim > positive_dim(node.args[1], len(ctx.shape(node)))), sizes))
+        elif family == "linear" and dim == len(ctx.shape(node)) - 1:
+            work.append((node.args[1], 0, sizes))  # the weight's rows (a view of a parameter's, split apart)
+        elif family == "getitem" and op(node.args[0].target).family == "split":
+            work += _through_split(node, dim, sizes, ctx)
         elif family == "elementwise":
             out = ctx.shape(node)
             for a in node.all_input_nodes:
@@ -285,6 +289,18 @@ def _walk_back(work: list, ctx: Context) -> dict:
         else:
             work += [(src, d, sizes) for src, d in hint_sources(node, dim, ctx)]
     return hints
+
+
+def _through_split(piece: Node, dim: int, hint, ctx: Context) -> list:
+    """Block sizes hinted on one piece of a split, for the split tensor: that piece's blocks among the other pieces
+    (nn.MultiheadAttention's cross-attention: in_proj_weight cut into [q | kv], kv cut into [k | v])."""
+    parts, index = piece.args
+    x = parts.args[0]
+    at = positive_dim(parts.args[2] if len(parts.args) > 2 else parts.kwargs.get("dim", 0), len(ctx.shape(x)))
+    sizes = [o.shape[at] for o in parts.meta["val"]]
+    if dim != at or isinstance(hint, int) or not all(isinstance(c, int) for c in hint) or sum(hint) != sizes[index]:
+        return []
+    return [(x, at, (*sizes[:index], *hint, *sizes[index + 1:]))]
 
 
 def _in_flat_units(hint, rest: int):

@@ -6,17 +6,18 @@ import re
 from collections import Counter
 
 import torch
-from torch.distributed.tensor.debug import CommDebugMode
 
 import autotp
-from distributed import comm_counts, plan_ops, weight_collectives
+from distributed import CollectiveCounter, comm_counts, plan_ops, weight_collectives
 
 TOL = {"rtol": 1e-4, "atol": 1e-5}
 
 
-def all_reduces_per_block(plan, phase: str = "forward", blocks: str = r"layers\.(\d+)(\.|$)") -> Counter:
-    """block index -> all-reduces the plan runs in that block (module paths matched by ``blocks``)."""
-    return Counter(int(found.group(1)) for c in plan.collectives if c["phase"] == phase and c["op"] == "all_reduce"
+def sums_per_block(plan, phase: str = "forward", blocks: str = r"layers\.(\d+)(\.|$)") -> Counter:
+    """block index -> collectives that sum partial sums (all-reduces, or reduce-scatters where the plan splits
+    the residual stream) the plan runs in that block (module paths matched by ``blocks``)."""
+    return Counter(int(found.group(1)) for c in plan.collectives
+                   if c["phase"] == phase and c["op"] in ("all_reduce", "reduce_scatter")
                    for found in [re.search(blocks, c["module"])] if found)
 
 
@@ -29,7 +30,7 @@ def forward_matches(model, sharded, inputs: list[tuple]) -> None:
     one_shot, collectives.ONE_SHOT_BYTES = collectives.ONE_SHOT_BYTES, 0
     try:
         for args in inputs:
-            with CommDebugMode() as comm:
+            with CollectiveCounter() as comm:
                 out = sharded(*args)
             torch.testing.assert_close(out, model(*args), **TOL)
             assert plan_ops(comm_counts(comm)) == plan.collective_counts("forward"), comm_counts(comm)
@@ -49,7 +50,7 @@ def training_matches(model, sharded, inputs: list[tuple], loss=lambda out: out.l
             for m, o in ((sharded, opt), (model, opt_ref)):
                 o.zero_grad()
                 value = loss(m(*args))
-                with CommDebugMode() as comm:
+                with CollectiveCounter() as comm:
                     value.backward()
                 if m is sharded and step == 0:
                     assert plan_ops(comm_counts(comm)) == plan.collective_counts("backward"), comm_counts(comm)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 VOCAB = 64
 
@@ -166,3 +167,75 @@ class DecoderLM(nn.Module):
 def torch_layers_lm(kind: str = "encoder", **config) -> nn.Module:
     torch.manual_seed(0)
     return (EncoderLM if kind == "encoder" else DecoderLM)(**config)
+
+
+def causal(b, h, q, kv):
+    return q >= kv
+
+
+class FlexAttention(nn.Module):
+    """q, k and v from one fused projection, FlexAttention with grouped KV heads; ``mode`` picks the score and mask
+    functions: a causal BlockMask given as input or built in forward, ALiBi slopes from the head index or read from a
+    per-head buffer, a tanh soft cap."""
+
+    def __init__(self, mode: str, dim: int, heads: int, kv_heads: int):
+        super().__init__()
+        self.mode, self.heads, self.kv_heads, self.head_dim = mode, heads, kv_heads, dim // heads
+        self.qkv = nn.Linear(dim, (heads + 2 * kv_heads) * self.head_dim, bias=False)
+        self.o = nn.Linear(dim, dim, bias=False)
+        self.register_buffer("slopes", torch.exp2(-8.0 * torch.arange(1, heads + 1) / heads))
+
+    def forward(self, x, block_mask=None):
+        b, s, _ = x.shape
+        heads, kv, d = self.heads, self.kv_heads, self.head_dim
+        q, k, v = self.qkv(x).split([heads * d, kv * d, kv * d], -1)
+        q, k, v = (t.view(b, s, -1, d).transpose(1, 2) for t in (q, k, v))
+        if self.mode == "forward_mask":
+            block_mask = create_block_mask(causal, None, None, s, s, device=x.device)
+        score_mod = None
+        if self.mode == "alibi_h":
+            def score_mod(score, b_, h, q_, kv_):
+                return score - torch.exp2(-8.0 * (h + 1).to(torch.float32) / heads) * (q_ - kv_).abs()
+        elif self.mode == "alibi_buffer":
+            slopes = self.slopes
+
+            def score_mod(score, b_, h, q_, kv_):
+                return score - slopes[h] * (q_ - kv_).abs()
+        elif self.mode == "softcap":
+            def score_mod(score, b_, h, q_, kv_):
+                return 20.0 * torch.tanh(score / 20.0)
+        out = flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=kv != heads)
+        return self.o(out.transpose(1, 2).reshape(b, s, heads * d))
+
+
+class FlexBlock(nn.Module):
+    def __init__(self, mode: str, dim: int, heads: int, kv_heads: int):
+        super().__init__()
+        self.norm, self.attention = nn.LayerNorm(dim), FlexAttention(mode, dim, heads, kv_heads)
+        self.mlp = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+
+    def forward(self, h, block_mask=None):
+        h = h + self.attention(self.norm(h), block_mask)
+        return h + self.mlp(h)
+
+
+class FlexLM(nn.Module):
+    """A decoder of FlexAttention blocks (pre-norm, GELU MLP)."""
+
+    def __init__(self, mode: str = "forward_mask", dim: int = 32, heads: int = 4, kv_heads: int = 2,
+                 layers: int = 2):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, dim)
+        self.layers = nn.ModuleList(FlexBlock(mode, dim, heads, kv_heads) for _ in range(layers))
+        self.head = nn.Linear(dim, VOCAB, bias=False)
+
+    def forward(self, ids, block_mask=None):
+        h = self.emb(ids)
+        for layer in self.layers:
+            h = layer(h, block_mask)
+        return self.head(h)
+
+
+def flex_lm(mode: str = "forward_mask", **config) -> FlexLM:
+    torch.manual_seed(0)
+    return FlexLM(mode, **config)

@@ -8,7 +8,7 @@ import torch
 
 import autotp
 from distributed import run_ranks
-from exact import all_reduces_per_block, forward_matches, training_matches
+from exact import forward_matches, sums_per_block, training_matches
 from native_models import VOCAB, complex_rotary_lm, greedy
 
 # world -> (query heads, KV heads, how KV heads are repeated): shared KV heads at 4 ranks, 6 heads at 3
@@ -24,7 +24,7 @@ def _complex_rotary(rank: int, world: int) -> None:
     assert plan.params["freqs_cis"] == "R" and sharded.freqs_cis.dtype == torch.complex64  # read by every head
     assert plan.params["layers.0.attention.wq.weight"].startswith("S(0")  # split by heads, q and k not gathered
     assert plan.params["layers.0.attention.wo.weight"].startswith("S(1")
-    assert set(all_reduces_per_block(plan).values()) == {2}, plan.collectives  # Megatron: two a block
+    assert set(sums_per_block(plan).values()) == {2}, plan.collectives  # Megatron: two a block
     torch.manual_seed(1)
     forward_matches(model, sharded, [(torch.randint(0, VOCAB, size),) for size in [(3, 5), (1, 1)]])
     training_matches(model, sharded, [(torch.randint(0, VOCAB, (2, 6)),) for _ in range(2)])

@@ -13,6 +13,7 @@ import operator
 import pytest
 import torch
 from torch import nn
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from autotp.api import prepared_graph
 from autotp.passes.ops import TABLE, op
@@ -142,6 +143,18 @@ def packed_attention(m, x):
     return (q * k + v).sum(0).sum(-1).sum(-1) + (cq * ck.unflatten(-1, (HEADS, D)) + cv.view(b, s, HEADS, D)).sum(-1)
 
 
+def flex(m, x):
+    """FlexAttention with grouped KV heads, a score function of the head index and a block mask built here."""
+    b, s, _ = x.shape
+    q = torch.nn.functional.linear(x, m.q).view(b, s, HEADS, D).transpose(1, 2)
+    k, v = (torch.nn.functional.linear(x, w).view(b, s, KV, D).transpose(1, 2) for w in (m.k, m.v))
+
+    def score(value, batch, head, query, key):
+        return value - (head + 1) * 0.1 * (query - key).abs()
+    mask = create_block_mask(lambda batch, head, query, key: query >= key, None, None, s, s, device=x.device)
+    return flex_attention(q, k, v, score_mod=score, block_mask=mask, enable_gqa=True)
+
+
 def experts(m, x, ids):
     """Routed rows: each token's expert weight by lookup (then bmm), and a grouped matmul over rows sorted by
     expert (transformers' export-friendly twin of torch's, which wants bf16 and 16-byte rows)."""
@@ -178,6 +191,7 @@ SAMPLES = {
                        lambda: (torch.randint(0, VOCAB, (2, 5)),)),
     "layouts": (lambda: Program(layouts, w=(H,), square=(H, H)), lambda: (_floats(2, 5, H),)),
     "constant_cuts": (lambda: Program(constant_cuts, qkv=(4 * D, H)), lambda: (_floats(2, 5, H),)),
+    "flex": (lambda: Program(flex, q=(HEADS * D, H), k=(KV * D, H), v=(KV * D, H)), lambda: (_floats(2, 5, H),)),
     "packed_attention": (lambda: Program(packed_attention, packed=(3 * HEADS * D, H), cross=(3 * HEADS * D, H)),
                          lambda: (_floats(2, 5, H),)),
     "experts": (lambda: Program(experts, w=(3, H, 8)), lambda: (_floats(8, H), torch.tensor([0, 0, 0, 1, 1, 2, 2, 2]))),
@@ -227,7 +241,9 @@ def _piece(value, placement, rank: int, world: int, rng: torch.Generator):
         return take_local(value, placement, rank, world)
     if isinstance(placement, Partial):  # random summands, the same on every simulated rank (seeded per value)
         state = rng.get_state()
-        others = [torch.randn(value.shape, dtype=value.dtype, generator=rng) for _ in range(world - 1)]
+        others = [torch.randn(value.shape, dtype=value.dtype, generator=rng) if value.is_floating_point() or
+                  value.is_complex() else torch.randint(-9, 9, value.shape, dtype=value.dtype, generator=rng)
+                  for _ in range(world - 1)]
         rng.set_state(state)
         return value - sum(others) if rank == 0 else others[rank - 1]
     return value

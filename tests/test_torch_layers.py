@@ -10,7 +10,7 @@ import torch
 import autotp
 from autotp.api import prepared_graph
 from distributed import run_ranks
-from exact import all_reduces_per_block, forward_matches, training_matches
+from exact import forward_matches, sums_per_block, training_matches
 from native_models import VOCAB, torch_layers_lm
 
 # world -> (kind, heads, batch first, key padding mask)
@@ -38,7 +38,7 @@ def _torch_layers(rank: int, world: int, case: tuple) -> None:
     assert attention and all(plan.params[n] == f"S(0|{dim},{dim},{dim})" for n in attention), plan.params
     assert all(plan.params[n.replace("in_proj_weight", "out_proj.weight")] == "S(1)" for n in attention)
     per_block = 3 if kind == "decoder" else 2  # Megatron: one all-reduce a sublayer (cross-attention too)
-    assert set(all_reduces_per_block(plan).values()) == {per_block}, plan.collectives
+    assert set(sums_per_block(plan).values()) == {per_block}, plan.collectives
     torch.manual_seed(1)
     forward_matches(model, sharded, [_inputs(3, 5, padding), _inputs(1, 1, padding)])
     training_matches(model, sharded, [_inputs(2, 6, padding) for _ in range(2)])

@@ -1,30 +1,47 @@
 """Capture: torch.export (non-strict) to an ATen-level fx graph with dynamic sizes."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
-import inspect
 import os
 import traceback
 import warnings
 
 import torch
-from torch.export import Dim
+from torch.export import Dim, ShapesCollection
 from torch.fx.node import map_arg
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import SUPPORTED_NODES, tree_leaves, tree_map
+
+from .flex import exportable_on_cpu, mask_tensors, register_block_mask
 
 
 class CaptureError(RuntimeError):
     pass
 
 
-def _dynamic_shapes(model: torch.nn.Module, args: tuple, kwargs: dict) -> dict:
-    """Every dim of every tensor input is AUTO: dynamic unless the trace pins it (hidden sizes)."""
-    bound = inspect.signature(model.forward).bind(*args, **kwargs)
+def _dynamic_shapes(model: torch.nn.Module, args: tuple, kwargs: dict):
+    """Every dim of every tensor input is AUTO: dynamic unless the trace pins it (hidden sizes); a BlockMask's block
+    tables keep their sizes (passes/flex.py).  Inputs may be any registered pytree (dataclasses, NamedTuples)."""
+    tables = mask_tensors(args, kwargs)
+    shapes = ShapesCollection()
+    for x in tree_leaves((args, kwargs)):
+        if isinstance(x, torch.Tensor) and id(x) not in tables:
+            shapes[x] = dict.fromkeys(range(x.dim()), Dim.AUTO)
+    return shapes.dynamic_shapes(model, args, kwargs)
 
-    def spec(x):
-        return dict.fromkeys(range(x.dim()), Dim.AUTO) if isinstance(x, torch.Tensor) else None
 
-    return {name: tree_map(spec, value) for name, value in bound.arguments.items()}
+def register_inputs(args, kwargs) -> None:
+    """Dataclasses among the inputs become pytrees (torch.export.register_dataclass: every field a child), as does
+    the BlockMask: the sharded model keeps the model's signature."""
+    register_block_mask()
+    while True:
+        leaves = tree_leaves((args, kwargs))
+        found = {type(x) for x in leaves if dataclasses.is_dataclass(x) and not isinstance(x, type)}
+        found -= set(SUPPORTED_NODES)
+        if not found:
+            return
+        for cls in found:
+            torch.export.register_dataclass(cls, serialized_type_name=f"{cls.__module__}.{cls.__qualname__}")
 
 
 def _on_model_device(model: torch.nn.Module, tree):
@@ -82,13 +99,15 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> 
     """An fx GraphModule of ATen ops with the model's parameter names; works on meta models."""
     check_inputs(model, args, kwargs)
     kwargs = dict(kwargs or {})
+    register_inputs(args, kwargs)
     args, kwargs = _standalone(_on_model_device(model, (tuple(args), kwargs)))
     was_training = model.training
     model.eval()  # dropout must be deterministic: every rank computes the same replicated values
     try:
-        program = torch.export.export(
-            model, args, kwargs, dynamic_shapes=_dynamic_shapes(model, args, kwargs), strict=False
-        )
+        with exportable_on_cpu():
+            program = torch.export.export(
+                model, args, kwargs, dynamic_shapes=_dynamic_shapes(model, args, kwargs), strict=False
+            )
     except Exception as exc:  # torch.export raises many kinds
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CaptureError(

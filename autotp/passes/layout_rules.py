@@ -14,7 +14,7 @@ from torch.fx import Node
 from autotp.runtime.placement import P, Shard, dealt
 
 from .semantics import written
-from .strategies import Context, Strategy, concrete
+from .strategies import Context, Strategy, concrete, summable
 from .views import map_view_dim, split_runs
 
 aten = torch.ops.aten
@@ -28,7 +28,7 @@ def positive_dim(d: int, ndim: int) -> int:
 def mapped(node: Node, ctx: Context, dim_map) -> list[Strategy]:
     """Single-input layout ops, from a function input dim -> output dim (None: may not be sharded)."""
     x = node.args[0]
-    found = [Strategy(ctx.fill(node, {x: P}), P)]
+    found = [Strategy(ctx.fill(node, {x: P}), P)] if summable(x) else []
     for d, size in enumerate(ctx.shape(x)):
         od = dim_map(d)
         if od is not None and ctx.shape(node)[od] == size:
@@ -40,7 +40,7 @@ def view(node: Node, ctx: Context) -> list[Strategy]:
     x = node.args[0]
     src = [ctx.probe(s) for s in ctx.shape(x)]
     dst = [ctx.probe(s) for s in ctx.shape(node)]
-    found = [Strategy(ctx.fill(node, {x: P}), P)]
+    found = [Strategy(ctx.fill(node, {x: P}), P)] if summable(x) else []
     static = [d for d, size in enumerate(ctx.shape(node)) if ctx.static(size) and size > 1]
     for d in range(len(src)):
         for s in ctx.shard_options(x, d):
@@ -240,7 +240,7 @@ def split(node: Node, ctx: Context) -> list[Strategy]:
     k = len(sizes)
     # chunk(n) recomputes piece sizes from the local size: only equal pieces stay aligned
     split_dim_ok = node.target != aten.chunk.default or len(set(sizes)) == 1
-    found = [Strategy(ctx.fill(node, {x: P}), (P,) * k)]
+    found = [Strategy(ctx.fill(node, {x: P}), (P,) * k)] if summable(x) else []
     for d in range(n):
         for s in ctx.shard_options(x, d):
             if d != at and s.chunks is None:
@@ -309,7 +309,7 @@ def cat(node: Node, ctx: Context) -> list[Strategy]:
     stacked = node.target == aten.stack.default
     found = []
     if all(isinstance(p, Node) for p in parts) and len(set(parts)) == len(parts):
-        found.append(Strategy(ctx.fill(node, dict.fromkeys(parts, P)), P))
+        found += [Strategy(ctx.fill(node, dict.fromkeys(parts, P)), P)] if all(map(summable, parts)) else []
         for d in range(n):  # whole on the joined dim: every rank holds all of it
             found += [Strategy(ctx.fill(node, dict.fromkeys(parts, s.at(d - (stacked and d > at)))), s)
                       for s in ctx.shard_options(node, d)

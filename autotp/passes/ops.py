@@ -18,6 +18,7 @@ from torch.fx import Node
 
 from . import localize
 from .expert_rules import GROUPED_MM_FALLBACK, disjoint, grouped_mm, index, squeeze, strided_slice
+from .flex import FLEX, flex_heads, global_heads, keeps_flex
 from .layout_rules import (
     as_complex,
     as_real,
@@ -189,6 +190,8 @@ TABLE: dict = {
             flops=product_flops, local=localize.own_experts),
     **_rows([aten.scaled_dot_product_attention.default], family="attention", rule=attention,
             flops=attention_flops, keeps=keeps_attention),
+    **_rows([FLEX], family="attention", rule=flex_heads, flops=attention_flops, keeps=keeps_flex,
+            local=global_heads),
     **_rows([aten.embedding.default], family="embedding", rule=embedding, keeps=keeps_nothing, moves=lookup_bytes,
             local=localize.vocab_rows, styles={0: {1: "hidden split", 0: "vocab split"}}),
     **_rows([aten.repeat_interleave.self_int], family="repeat", rule=repeat_heads, keeps=keeps_nothing,

@@ -10,6 +10,7 @@ from torch.fx import Node
 from autotp.runtime import local_ops
 
 from .expert_rules import hint_sources
+from .flex import FLEX
 from .group_cuts import group_blocks
 from .layout_rules import cut_range, positive_dim
 from .ops import op
@@ -215,10 +216,12 @@ def repeat_hints(gm: torch.fx.GraphModule) -> dict:
     broadcasts to every query head (Falcon's multi-query) serves them all."""
     covers: dict = {}
     for node in gm.graph.nodes:
-        if node.target == aten.scaled_dot_product_attention.default:
+        if node.target in (aten.scaled_dot_product_attention.default, FLEX):
             heads = [a.meta["val"].shape[1] if a.meta["val"].dim() == 4 else None for a in node.args[:3]]
             if heads[1:] == [1, 1] and isinstance(heads[0], int) and heads[0] > 1:
                 covers.setdefault(1, set()).add(heads[0])
+            elif node.target is FLEX and all(isinstance(h, int) for h in heads) and 1 < heads[1] < heads[0]:
+                covers.setdefault(heads[1], set()).add(heads[0])  # FlexAttention's own grouped KV heads
         if node.target == aten.repeat_interleave.self_int:
             x, repeats, at = node.args[:3]
             kv = x.meta["val"].shape[at]

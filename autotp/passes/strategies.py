@@ -96,6 +96,12 @@ def is_placed(node: Node) -> bool:
     return isinstance(v, torch.Tensor)
 
 
+def summable(node: Node) -> bool:
+    """A value that may be held as a partial sum: numbers, not booleans (a mask is no sum of parts)."""
+    v = value(node)
+    return isinstance(v, torch.Tensor) and v.dtype != torch.bool
+
+
 def replicated_like(node: Node):
     v = value(node)
     if not is_placed(node):
@@ -227,10 +233,31 @@ def needs_grad(gm: torch.fx.GraphModule) -> set:
     return grad
 
 
+def vmapped(graph: torch.fx.Graph) -> set:
+    """Nodes computed inside a vmap (create_block_mask's mask function, traced batched): their shapes are one
+    example's, the vmapped dims hidden, so no rule may split them.  Tracked by the vmap levels a value carries."""
+    levels: dict = {}
+    for node in graph.nodes:
+        held = set().union(*(levels.get(a, set()) for a in node.all_input_nodes))
+        name = getattr(node.target, "__name__", "") if getattr(node.target, "__module__", "") == _VMAP else ""
+        if name == "_add_batch_dim":
+            held = held | {node.args[2]}
+        elif name == "_remove_batch_dim":
+            held = held - {node.args[1]}
+        if held:
+            levels[node] = held
+    return set(levels)
+
+
+_VMAP = "torch._functorch.predispatch"
+
+
 def enumerate_strategies(gm: torch.fx.GraphModule, ctx: Context) -> Context:
-    """Every node's strategies: all-replicated, and what its row's rule (``ctx.ops``) proposes."""
+    """Every node's strategies: all-replicated, and what its row's rule (``ctx.ops``) proposes (none inside a
+    vmap)."""
     weighted = needs_grad(gm)
     ctx.grad, ctx.token_symbols = weighted, set(token_inputs(gm.graph))
+    batched = vmapped(gm.graph)
     for node in gm.graph.nodes:
         if node.op in ("output", "call_module") or ctx.op(node.target).observer:
             continue
@@ -240,7 +267,7 @@ def enumerate_strategies(gm: torch.fx.GraphModule, ctx: Context) -> Context:
             continue
         all_r = Strategy(ctx.fill(node, {}), replicated_like(node))
         found = [all_r]
-        rule = ctx.op(node.target).rule if node.op == "call_function" else None
+        rule = ctx.op(node.target).rule if node.op == "call_function" and node not in batched else None
         proposed = rule(node, ctx) if rule is not None else None  # None: no rule for this use of the op
         found += [s for s in proposed or () if s not in found]
         if proposed is None and node.op == "call_function" and node in weighted:

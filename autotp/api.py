@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from autotp.cost_models import load_topology
 from autotp.passes.accounting import alternatives, planned_collectives
-from autotp.passes.capture import CaptureError, capture, fingerprint, module_path
+from autotp.passes.capture import CaptureError, canonical_names, capture, fingerprint, module_path
 from autotp.passes.capture import check_inputs as check_example_inputs
 from autotp.passes.fold import Fold, NotFoldable, find_fold, fold_graph, folded
 from autotp.passes.group_cuts import cuts_to_gathers
@@ -67,6 +67,7 @@ def prepared_graph(model: torch.nn.Module, args=None, kwargs=None, fold: bool = 
     drop_no_ops(gm)
     unmerge(gm)
     cuts_to_gathers(gm)
+    canonical_names(gm)
     return gm
 
 

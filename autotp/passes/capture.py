@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import re
 import traceback
 import warnings
 
@@ -136,6 +137,24 @@ def _user_frame(exc: BaseException) -> str:
         return ""
     f = frames[-1]
     return f"  at {f.filename}:{f.lineno} in {f.name}: {(f.line or '').strip()}\n"
+
+
+def canonical_names(gm: torch.fx.GraphModule) -> None:
+    """Ops renamed by their kind and order (``mul``, ``mul_1``, ...): torch.export's names count ops it traced and
+    then dropped, which differ by device (SDPA on the meta device and on the CPU), and plans name the ops."""
+    graph = torch.fx.Graph(owning_module=gm, tracer_cls=gm.graph._tracer_cls, tracer_extras=gm.graph._tracer_extras)
+    graph._codegen = gm.graph._codegen  # the model's call signature (input and output pytrees)
+    env, counts = {}, {}
+    for node in gm.graph.nodes:
+        name = node.name
+        if node.op == "call_function":
+            base = re.sub(r"_\d+$", "", name)
+            counts[base] = counts.get(base, -1) + 1
+            name = f"{base}_{counts[base]}" if counts[base] else base
+        env[node] = graph.create_node(node.op, node.target, map_arg(node.args, env.__getitem__),
+                                      map_arg(node.kwargs, env.__getitem__), name=name, type_expr=node.type)
+        env[node].meta = node.meta
+    gm.graph = graph
 
 
 FINGERPRINT_PARTS = ("the ops and how they connect", "the ops' constant arguments (view sizes, dims, scalars)",

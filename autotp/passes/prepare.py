@@ -14,7 +14,7 @@ from .flex import FLEX
 from .group_cuts import group_blocks
 from .layout_rules import cut_range, positive_dim
 from .ops import op
-from .semantics import may_alias
+from .semantics import may_alias, writes
 from .strategies import Context, is_placed
 from .views import inverse_view_dim, split_runs, view_groups
 
@@ -41,7 +41,8 @@ def merge_aliases(gm: torch.fx.GraphModule) -> None:
 def drop_no_ops(gm: torch.fx.GraphModule) -> None:
     """Remove what only costs dispatch time at run time and hides the graph's structure from the rules:
     torch.export's dtype/device assertions, casts to the dtype a tensor already has (``to`` without copy
-    returns its input; ``x.type_as(y)`` is such a cast that reads ``y`` for its dtype only), slices of everything
+    returns its input; ``x.type_as(y)`` is such a cast that reads ``y`` for its dtype only), copies into contiguous
+    memory that no reader needs (``_any_layout``), slices of everything
     (``x[:, :, a:b]`` slices dims 0 and 1 whole first), and in-place adds into a new tensor that nothing else reads
     (Falcon's ``mlp_output += attention_output``)."""
     for node in list(gm.graph.nodes):
@@ -54,12 +55,26 @@ def drop_no_ops(gm: torch.fx.GraphModule) -> None:
             gm.graph.erase_node(node)
         elif node.target == aten.add_.Tensor and _fresh(node.args[0]) and len(node.args[0].users) == 1:
             node.target = aten.add.Tensor
+        elif node.target == aten.contiguous.default and len(node.args) == 1 and not node.kwargs and _any_layout(node):
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
         elif node.target == aten.to.dtype and len(node.args) == 2 and not node.kwargs:
             source, out = node.args[0].meta.get("val"), node.meta.get("val")
             if isinstance(source, torch.Tensor) and isinstance(out, torch.Tensor) and source.dtype == out.dtype:
                 node.replace_all_uses_with(node.args[0])
                 gm.graph.erase_node(node)
     gm.graph.lint()
+
+
+def _any_layout(node: Node) -> bool:
+    """Every reader of ``node`` takes it in any memory layout (no ``view``, nothing writes into it): a
+    ``contiguous`` before them changes no value, and whether it is captured at all depends on the device (the meta
+    device's attention output is laid out otherwise than the CPU's), so a plan made on meta would not apply."""
+    return bool(node.users) and all(user.op == "call_function" and user.target not in _NEEDS_LAYOUT and
+                                    not writes(user, node) for user in node.users)
+
+
+_NEEDS_LAYOUT = (aten.view.default, aten._unsafe_view.default)
 
 
 def _fresh(node: Node) -> bool:

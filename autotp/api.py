@@ -106,8 +106,8 @@ def _solve_once(gm: torch.fx.GraphModule, world_size: int, options: Options, siz
         raise PlanningError(f"the blocks of {folding.fold.path} look identical but offer different shardings: "
                             "plan with fold=False")
     if ctx.unruled:
-        warnings.warn(f"autotp: {len(ctx.unruled)} op(s) on the weights' path have no sharding rule and run "
-                      f"replicated (correct, possibly slower): {', '.join(sorted(ctx.unruled))}", stacklevel=4)
+        warnings.warn(f"autotp: {len(ctx.unruled)} op(s) on the weights' path run replicated (correct, possibly "
+                      f"slower): {'; '.join(f'{op}: {why}' for op, why in sorted(ctx.unruled.items()))}", stacklevel=4)
     weights = folding.weights if folding else None
     training = options.training
 
@@ -137,7 +137,8 @@ def _solve_once(gm: torch.fx.GraphModule, world_size: int, options: Options, siz
         cost={"seconds": solution.seconds, "memory": solution.memory, "training": training,
               "regathers": [{"tensor": n.name, **priced} for n, priced in solution.regathers.items()],
               **_activations_by_module(gm, choice, sizes, world_size, training, solution.recomputed),
-              **({"experts": experts_cost} if experts_cost else {})},
+              **({"experts": experts_cost} if experts_cost else {}),
+              **({"replicated": dict(sorted(ctx.unruled.items()))} if ctx.unruled else {})},
         replicated_ops=sorted(ctx.unruled),
         fold={"path": folding.fold.path, "count": folding.fold.count} if folding else None,
     )

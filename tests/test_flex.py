@@ -5,6 +5,7 @@ ranks, against the model itself (run with flex's CPU check lifted, as capture do
 from __future__ import annotations
 
 import dataclasses
+import io
 from typing import NamedTuple
 
 import pytest
@@ -103,3 +104,31 @@ def _structured(rank: int, world: int) -> None:
 
 def test_structured_inputs_run_sharded():
     run_ranks(2, _structured)
+
+
+def test_heads_that_cannot_meet_their_kv_heads_are_said_in_the_plan():
+    """8 query heads and 2 KV heads on 3 ranks: rank 1 computes query heads 3-5 (of KV heads 0, 0, 1), which no
+    grouping of its local heads gives, so the op runs replicated and `autotp plan` says why."""
+    from rich.console import Console
+
+    from autotp.tools.report import print_plan
+    plan = autotp.plan(flex_lm("alibi_h", dim=64, heads=8, kv_heads=2), _inputs("alibi_h", 2, 8), world_size=3)
+    assert plan.replicated_ops == ["flex_attention"]
+    console = Console(file=io.StringIO(), width=200)
+    print_plan(plan, console=console)
+    assert "runs replicated: flex_attention: no split of its 8 query heads on 3 ranks meets its 2 KV heads" in \
+        console.file.getvalue()
+
+
+def _unsplit(rank: int, world: int) -> None:
+    model = flex_lm("alibi_h", dim=64, heads=8, kv_heads=2)
+    sharded = autotp.parallelize(model, _inputs("alibi_h", 2, 8))
+    assert sharded.autotp_plan.replicated_ops == ["flex_attention"]
+    torch.manual_seed(1)
+    with exportable_on_cpu():
+        forward_matches(model, sharded, [_inputs("alibi_h", 3, 5)])
+        training_matches(model, sharded, [_inputs("alibi_h", 2, 6)])
+
+
+def test_heads_that_cannot_meet_their_kv_heads_run_replicated_and_exact():
+    run_ranks(3, _unsplit)

@@ -118,6 +118,10 @@ def flex_heads(node: Node, ctx: Context) -> list[Strategy]:
             placements = {q: s, k: held, v: held}
             placements.update({t: s if len(ctx.shape(t)) > 1 and ctx.shape(t)[1] == heads else R for t in tables})
             found.append(Strategy(ctx.fill(node, placements), tuple(s for _ in node.meta["val"])))
+    if not found and ctx.world > 1:
+        ctx.why[node] = (f"no split of its {heads} query heads on {ctx.world} ranks meets its {kv} KV heads where the "
+                         "kernel reads them: computed whole, q, k and v gathered")
+        return None
     return found
 
 

@@ -119,7 +119,8 @@ class Context:
     covers: dict = field(default_factory=dict)       # KV heads -> {query heads} they are repeated to
     strategies: dict = field(default_factory=dict)   # node -> list[Strategy], filled in order
     min_shard_fraction: float = 0.02                 # parameters this large (vs the largest) must shard
-    unruled: set = field(default_factory=set)        # ops on the weights' path that have no rule
+    unruled: dict = field(default_factory=dict)      # ops on the weights' path without a rule -> why, in a line
+    why: dict = field(default_factory=dict)          # node -> why its rule offers no split (a rule that says)
     fixed: dict = field(default_factory=dict)        # parameter name -> placement imposed (to price other plans)
     tokens: bool = False                             # offer sequence parallelism (token_options)
     token_symbols: set = field(default_factory=set)  # sizes of token dims: inputs' symbolic non-leading dims
@@ -271,10 +272,18 @@ def enumerate_strategies(gm: torch.fx.GraphModule, ctx: Context) -> Context:
         proposed = rule(node, ctx) if rule is not None else None  # None: no rule for this use of the op
         found += [s for s in proposed or () if s not in found]
         if proposed is None and node.op == "call_function" and node in weighted:
-            ctx.unruled.add(str(node.target))
+            ctx.unruled.setdefault(str(node.target), ctx.why.get(node) or _unruled(node, ctx, batched))
         ctx.strategies[node] = found
     _add_parameter_options(gm, ctx)
     return ctx
+
+
+def _unruled(node: Node, ctx: Context, batched: set) -> str:
+    if node in batched:
+        return "computed inside a vmap, where its shapes are one example's"
+    if ctx.op(node.target).rule is None:
+        return "no sharding rule: computed whole, its inputs gathered"
+    return "its rule does not cover this use: computed whole, its inputs gathered"
 
 
 def _add_parameter_options(gm: torch.fx.GraphModule, ctx: Context) -> None:

@@ -68,3 +68,10 @@ def training_matches(model, sharded, inputs: list[tuple], loss=lambda out: logit
     weights = autotp.full_state_dict(sharded)
     for name, p in model.named_parameters():
         torch.testing.assert_close(weights[name], p.detach(), **TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def same_as_model(model, sharded, inputs) -> None:
+    """The forward at (3, 5) and (1, 1), then two training steps at (2, 6): ``inputs(batch, seq)`` makes the inputs."""
+    torch.manual_seed(1)
+    forward_matches(model, sharded, [inputs(3, 5), inputs(1, 1)])
+    training_matches(model, sharded, [inputs(2, 6) for _ in range(2)])

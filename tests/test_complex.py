@@ -8,7 +8,7 @@ import torch
 
 import autotp
 from distributed import run_ranks
-from exact import forward_matches, sums_per_block, training_matches
+from exact import same_as_model, sums_per_block
 from native_models import VOCAB, complex_rotary_lm, greedy
 
 # world -> (query heads, KV heads, how KV heads are repeated): shared KV heads at 4 ranks, 6 heads at 3
@@ -25,9 +25,7 @@ def _complex_rotary(rank: int, world: int) -> None:
     assert plan.params["layers.0.attention.wq.weight"].startswith("S(0")  # split by heads, q and k not gathered
     assert plan.params["layers.0.attention.wo.weight"].startswith("S(1")
     assert set(sums_per_block(plan).values()) == {2}, plan.collectives  # Megatron: two a block
-    torch.manual_seed(1)
-    forward_matches(model, sharded, [(torch.randint(0, VOCAB, size),) for size in [(3, 5), (1, 1)]])
-    training_matches(model, sharded, [(torch.randint(0, VOCAB, (2, 6)),) for _ in range(2)])
+    same_as_model(model, sharded, lambda batch, seq: (torch.randint(0, VOCAB, (batch, seq)),))
     # generation: greedy, token-exact with the model's own loop
     prompts = torch.randint(0, VOCAB, (3, 4))
     assert torch.equal(autotp.generate(sharded, prompts, max_new_tokens=6), greedy(model, prompts, 6))

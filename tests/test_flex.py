@@ -20,30 +20,44 @@ from native_models import VOCAB, causal, flex_lm
 
 # (mode, query heads, KV heads, world): the head index offset by the rank's first head where h is read
 CASES = [("alibi_h", 4, 2, 2), ("forward_mask", 4, 2, 2), ("alibi_buffer", 6, 3, 3), ("softcap", 6, 2, 3),
-         ("alibi_h", 8, 2, 4), ("input_mask", 4, 4, 4)]
+         ("alibi_h", 8, 2, 4), ("input_mask", 4, 4, 4), ("head_mask", 4, 2, 2)]
 
 
-def _inputs(mode: str, batch: int, seq: int) -> tuple:
+def _by_head(b, h, q, kv):
+    """Causal for heads 0 and 1, a window of 3 for the others: a mask with a head dim, read by the head index."""
+    return (q >= kv) & ((h < 2) | (q - kv < 3))
+
+
+def _inputs(mode: str, batch: int, seq: int, heads: int = 4) -> tuple:
     ids = torch.randint(0, VOCAB, (batch, seq))
-    if mode != "input_mask":
-        return (ids,)
-    return ids, create_block_mask(causal, None, None, seq, seq, device="cpu")
+    if mode == "input_mask":
+        return ids, create_block_mask(causal, None, None, seq, seq, device="cpu")
+    if mode == "head_mask":  # the block tables have one row per head: split with the heads
+        return ids, create_block_mask(_by_head, None, heads, seq, seq, device="cpu")
+    return (ids,)
 
 
 def _flex(rank: int, world: int, mode: str, heads: int, kv: int) -> None:
-    model = flex_lm(mode, dim=8 * heads, heads=heads, kv_heads=kv)
-    seq = 16 if mode == "input_mask" else 8  # a BlockMask input fixes the sequence length
-    sharded = autotp.parallelize(model, _inputs(mode, 2, seq))
+    model = flex_lm("input_mask" if mode == "head_mask" else mode, dim=8 * heads, heads=heads, kv_heads=kv)
+    masked = mode in ("input_mask", "head_mask")
+    seq = 16 if masked else 8  # a BlockMask input fixes the sequence length
+
+    def inputs(batch, length):
+        return _inputs(mode, batch, length, heads)
+    sharded = autotp.parallelize(model, inputs(2, seq))
     plan = sharded.autotp_plan
     assert plan.replicated_ops == [], plan.replicated_ops
     flex = [entry for entry in plan.nodes.values() if entry["op"] == "flex_attention"]
     assert len(flex) == 2 and all(entry["out"][0].startswith("S(1") for entry in flex), flex
     assert set(sums_per_block(plan).values()) == {2}, plan.collectives
+    if mode == "head_mask":
+        tables = [entry["in"] for entry in plan.nodes.values() if entry["op"] == "flex_attention"]
+        assert all(p == "S(1)" for entry in tables for p in entry[3:] if p is not None), tables  # not gathered
     torch.manual_seed(1)
-    other = (16, 16) if mode == "input_mask" else (5, 1)
+    other = (16, 16) if masked else (5, 1)
     with exportable_on_cpu():  # the model itself, with flex_attention's CPU check lifted, is the reference
-        forward_matches(model, sharded, [_inputs(mode, 3, seq), _inputs(mode, 1, other[0]), _inputs(mode, 2, other[1])])
-        training_matches(model, sharded, [_inputs(mode, 2, seq) for _ in range(2)])
+        forward_matches(model, sharded, [inputs(3, seq), inputs(1, other[0]), inputs(2, other[1])])
+        training_matches(model, sharded, [inputs(2, seq) for _ in range(2)])
 
 
 @pytest.mark.parametrize(("mode", "heads", "kv", "world"), CASES)

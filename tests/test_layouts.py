@@ -10,7 +10,7 @@ import torch
 
 import autotp
 from distributed import run_ranks
-from exact import forward_matches, sums_per_block, training_matches
+from exact import same_as_model, sums_per_block
 
 SMALL = {"vocab_size": 96, "max_position_embeddings": 64, "use_cache": False}
 
@@ -42,9 +42,7 @@ def _bloom_split_by_heads(rank: int, world: int) -> None:
     assert plan.replicated_ops == [], plan.replicated_ops  # baddbmm / bmm on [B*H, ...] no longer gather q, k
     assert plan.params["transformer.h.0.self_attention.query_key_value.weight"] == "S(0)"  # whole heads' rows
     assert set(sums_per_block(plan, blocks=r"\.h\.(\d+)(\.|$)").values()) == {2}, plan.collectives
-    torch.manual_seed(1)
-    forward_matches(model, sharded, [_ids(3, 5), _ids(1, 1)])
-    training_matches(model, sharded, [_ids(2, 6) for _ in range(2)])
+    same_as_model(model, sharded, _ids)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -66,9 +64,7 @@ def _qk_norm(rank: int, world: int) -> None:
     assert all(c["seconds"] > 0 for c in stats)  # priced
     assert set(sums_per_block(plan).values()) == {4}, plan.collectives  # Megatron's two, and q's and k's statistics
     sharded = autotp.parallelize(model, _ids(2, 8), plan=plan)
-    torch.manual_seed(1)
-    forward_matches(model, sharded, [_ids(3, 5), _ids(1, 1)])
-    training_matches(model, sharded, [_ids(2, 6) for _ in range(2)])
+    same_as_model(model, sharded, _ids)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])

@@ -10,7 +10,7 @@ import torch
 import autotp
 from autotp.api import prepared_graph
 from distributed import run_ranks
-from exact import forward_matches, sums_per_block, training_matches
+from exact import same_as_model, sums_per_block
 from native_models import VOCAB, torch_layers_lm
 
 # world -> (kind, heads, batch first, key padding mask)
@@ -39,9 +39,7 @@ def _torch_layers(rank: int, world: int, case: tuple) -> None:
     assert all(plan.params[n.replace("in_proj_weight", "out_proj.weight")] == "S(1)" for n in attention)
     per_block = 3 if kind == "decoder" else 2  # Megatron: one all-reduce a sublayer (cross-attention too)
     assert set(sums_per_block(plan).values()) == {per_block}, plan.collectives
-    torch.manual_seed(1)
-    forward_matches(model, sharded, [_inputs(3, 5, padding), _inputs(1, 1, padding)])
-    training_matches(model, sharded, [_inputs(2, 6, padding) for _ in range(2)])
+    same_as_model(model, sharded, lambda batch, seq: _inputs(batch, seq, padding))
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from autotp.cost_models import load_topology
 from autotp.passes.accounting import alternatives, planned_collectives
-from autotp.passes.capture import CaptureError, canonical_names, capture, fingerprint, module_path
+from autotp.passes.capture import CaptureError, canonical_names, capture, fingerprint, module_path, retarget_device
 from autotp.passes.capture import check_inputs as check_example_inputs
 from autotp.passes.fold import Fold, NotFoldable, find_fold, fold_graph, folded
 from autotp.passes.group_cuts import cuts_to_gathers
@@ -19,7 +19,6 @@ from autotp.passes.prepare import (
     drop_no_ops,
     fuse_repeat_kv,
     merge_aliases,
-    retarget_device,
     split_bias,
     unflatten_products,
 )

@@ -13,6 +13,8 @@ from torch.export import Dim, ShapesCollection
 from torch.fx.node import map_arg
 from torch.utils._pytree import SUPPORTED_NODES, tree_leaves, tree_map
 
+from autotp.runtime import local_ops
+
 from .flex import exportable_on_cpu, mask_tensors, register_block_mask
 
 
@@ -126,6 +128,27 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> 
                       "in eval mode and do not drop in the sharded model (set dropout to 0 to silence this)",
                       stacklevel=3)
     return gm
+
+
+def retarget_device(gm: torch.fx.GraphModule, device: torch.device) -> None:
+    """A graph captured on the meta device names that device in its factory calls and checks
+    (arange(device=meta), _assert_tensor_metadata(device=meta)): point them at the real one."""
+    meta = torch.device("meta")
+
+    def swap(value):
+        if isinstance(value, torch.device) and value == meta:
+            return device
+        if isinstance(value, (list, tuple)):
+            return type(value)(swap(v) for v in value)
+        return value
+
+    for node in gm.graph.nodes:
+        node.args = swap(node.args)
+        node.kwargs = {k: swap(v) for k, v in node.kwargs.items()}
+        if (node.target is torch.ops.aten.histc.default and device.type == "cpu"
+                and not node.args[0].meta["val"].is_floating_point()):
+            node.target = local_ops.histc_of_integers  # the meta capture took the GPU branch: integers
+    gm.recompile()
 
 
 def _user_frame(exc: BaseException) -> str:

@@ -7,8 +7,6 @@ import operator
 import torch
 from torch.fx import Node
 
-from autotp.runtime import local_ops
-
 from .expert_rules import hint_sources
 from .flex import FLEX
 from .group_cuts import group_blocks
@@ -377,27 +375,6 @@ def _whole(node) -> bool:
     start = node.args[2] if len(node.args) > 2 else 0
     end = node.args[3] if len(node.args) > 3 else None
     return start in (0, None) and (end is None or (isinstance(end, int) and end >= 2 ** 62))
-
-
-def retarget_device(gm: torch.fx.GraphModule, device: torch.device) -> None:
-    """A graph captured on the meta device names that device in its factory calls and checks
-    (arange(device=meta), _assert_tensor_metadata(device=meta)): point them at the real one."""
-    meta = torch.device("meta")
-
-    def swap(value):
-        if isinstance(value, torch.device) and value == meta:
-            return device
-        if isinstance(value, (list, tuple)):
-            return type(value)(swap(v) for v in value)
-        return value
-
-    for node in gm.graph.nodes:
-        node.args = swap(node.args)
-        node.kwargs = {k: swap(v) for k, v in node.kwargs.items()}
-        if (node.target is torch.ops.aten.histc.default and device.type == "cpu"
-                and not node.args[0].meta["val"].is_floating_point()):
-            node.target = local_ops.histc_of_integers  # the meta capture took the GPU branch: integers
-    gm.recompile()
 
 
 def _tiling_slices(gm: torch.fx.GraphModule, ctx: Context) -> list:

@@ -211,15 +211,16 @@ def merged_views(gm: torch.fx.GraphModule, ctx: Context) -> None:
                 or any(len(d) != 1 for d in atoms.dims):
             continue
         final = [d[0] for d in atoms.dims]
-        given = list(last.args[1])
-        shape = [given[final.index(a)] for a in atoms.order]
+        given, order = list(last.args[1]), [atoms.order.index(a) for a in final]
         with graph.inserting_before(last):
-            viewed = graph.call_function(aten.view.default, (x, shape))
+            viewed = graph.call_function(aten.view.default, (x, [given[final.index(a)] for a in atoms.order]))
             viewed.meta = {**first.meta, "val": x.meta["val"].view(
                 [last.meta["val"].shape[final.index(a)] for a in atoms.order])}
-            permuted = graph.call_function(aten.permute.default, (viewed, [atoms.order.index(a) for a in final]))
-            permuted.meta = {**last.meta, "val": viewed.meta["val"].permute([atoms.order.index(a) for a in final])}
-        last.replace_all_uses_with(permuted)
+            result = viewed
+            if order != sorted(order):
+                result = graph.call_function(aten.permute.default, (viewed, order))
+                result.meta = {**last.meta, "val": viewed.meta["val"].permute(order)}
+        last.replace_all_uses_with(result)
         graph.erase_node(last)
         _erase_unused(graph, chain)
 

@@ -12,7 +12,7 @@ from .flex import FLEX
 from .group_cuts import group_blocks
 from .layout_rules import cut_range, positive_dim
 from .ops import op
-from .semantics import may_alias, writes
+from .semantics import may_alias, written
 from .strategies import Context, is_placed
 from .views import inverse_view_dim, split_runs, view_groups
 
@@ -65,11 +65,11 @@ def drop_no_ops(gm: torch.fx.GraphModule) -> None:
 
 
 def _any_layout(node: Node) -> bool:
-    """Every reader of ``node`` takes it in any memory layout (no ``view``, nothing writes into it): a
+    """Every reader of ``node`` takes it in any memory layout (no ``view``, nothing writes into it or a view of it): a
     ``contiguous`` before them changes no value, and whether it is captured at all depends on the device (the meta
     device's attention output is laid out otherwise than the CPU's), so a plan made on meta would not apply."""
-    return bool(node.users) and all(user.op == "call_function" and user.target not in _NEEDS_LAYOUT and
-                                    not writes(user, node) for user in node.users)
+    return bool(node.users) and not written(node) and all(
+        user.op == "call_function" and user.target not in _NEEDS_LAYOUT for user in node.users)
 
 
 _NEEDS_LAYOUT = (aten.view.default, aten._unsafe_view.default)

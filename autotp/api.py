@@ -11,7 +11,7 @@ import torch.distributed as dist
 from autotp.cost_models import load_topology
 from autotp.passes import segments
 from autotp.passes.accounting import alternatives, planned_collectives
-from autotp.passes.capture import CaptureError, capture, fingerprint, module_path
+from autotp.passes.capture import CaptureError, canonical_names, capture, fingerprint, module_path, retarget_device
 from autotp.passes.capture import check_inputs as check_example_inputs
 from autotp.passes.fold import Fold, NotFoldable, find_fold, fold_graph, folded
 from autotp.passes.group_cuts import cuts_to_gathers
@@ -21,7 +21,6 @@ from autotp.passes.prepare import (
     drop_no_ops,
     fuse_repeat_kv,
     merge_aliases,
-    retarget_device,
     split_bias,
     unflatten_products,
 )
@@ -31,6 +30,7 @@ from autotp.passes.rewrite import rewrite
 from autotp.passes.solve import DoesNotFit, PlanningError, solve
 from autotp.passes.strategies import Context, Strategy, enumerate_strategies, input_slots, needs_grad, on_tokens
 from autotp.passes.styles import param_styles
+from autotp.passes.unmerge import unmerge
 
 from .agree import DEFAULT_TIMEOUT, InputCheck, RandomCheck, Rendezvous, inputs_digest
 from .hf import default_inputs, fill_computed_buffers, no_kv_cache
@@ -68,7 +68,9 @@ def prepared_graph(model: torch.nn.Module, args=None, kwargs=None, fold: bool = 
     unflatten_products(gm)
     fuse_repeat_kv(gm)
     drop_no_ops(gm)
+    unmerge(gm)
     cuts_to_gathers(gm)
+    canonical_names(gm)
     return gm
 
 
@@ -110,8 +112,8 @@ def _solve_once(gm: torch.fx.GraphModule, world_size: int, options: Options, siz
         raise PlanningError(f"the blocks of {folding.fold.path} look identical but offer different shardings: "
                             "plan with fold=False")
     if ctx.unruled:
-        warnings.warn(f"autotp: {len(ctx.unruled)} op(s) on the weights' path have no sharding rule and run "
-                      f"replicated (correct, possibly slower): {', '.join(sorted(ctx.unruled))}", stacklevel=4)
+        warnings.warn(f"autotp: {len(ctx.unruled)} op(s) on the weights' path run replicated (correct, possibly "
+                      f"slower): {'; '.join(f'{op}: {why}' for op, why in sorted(ctx.unruled.items()))}", stacklevel=4)
     weights = folding.weights if folding else None
     training = options.training
 
@@ -144,7 +146,8 @@ def _solve_once(gm: torch.fx.GraphModule, world_size: int, options: Options, siz
               "training": training,
               "regathers": [{"tensor": n.name, **priced} for n, priced in solution.regathers.items()],
               **_activations_by_module(gm, choice, sizes, world_size, training, solution.recomputed),
-              **({"experts": experts_cost} if experts_cost else {})},
+              **({"experts": experts_cost} if experts_cost else {}),
+              **({"replicated": dict(sorted(ctx.unruled.items()))} if ctx.unruled else {})},
         replicated_ops=sorted(ctx.unruled),
         mesh={"tp": world_size, **({"ep": options.ep} if options.ep > 1 else {})},
         fold={"path": folding.fold.path, "count": folding.fold.count} if folding else None,

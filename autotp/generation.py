@@ -134,7 +134,9 @@ def generate(sharded: torch.nn.Module, input_ids: torch.Tensor, attention_mask: 
     with the same prompt and gets the same tokens.  ``attention_mask`` marks left padding.  The decode
     program (and its KV cache) for each (batch, total length) is built on first use and kept, the
     ``keep_programs`` most recently used of them (``free_generation_cache`` drops them all): stale
-    cache entries are never read, as every position is written before it is attended to."""
+    cache entries are never read, as every position is written before it is attended to.  A model that is not a
+    Hugging Face one (``forward(tokens) -> logits``, its own cache unknown to autotp) runs the sharded forward on
+    the whole sequence for every token."""
     config = getattr(sharded.autotp_source, "generation_config", None)
     eos = eos_token_id if eos_token_id is not None else getattr(config, "eos_token_id", None)
     eos = {eos} if isinstance(eos, int) else set(eos or ())
@@ -148,23 +150,49 @@ def generate(sharded: torch.nn.Module, input_ids: torch.Tensor, attention_mask: 
     device = next(sharded.parameters()).device
     batch, prompt = input_ids.shape
     total = prompt + max_new_tokens
-    program = _program(sharded, batch, total, keep_programs)
-    mask = torch.zeros(batch, total, dtype=torch.long, device=device)
-    mask[:, :prompt] = attention_mask if attention_mask is not None else 1
-    mask[:, prompt:] = 1
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    last_logits = (_cached(sharded, batch, prompt, total, attention_mask, keep_programs, device) if _cacheable(sharded)
+                   else _recomputed(sharded, attention_mask))
     generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
     tokens, done = input_ids.to(device), torch.zeros(batch, dtype=torch.bool, device=device)
-    step = tokens
     for start in range(prompt, total):
-        at = torch.arange(start - step.shape[1], start, device=device)
-        logits = program(step, mask, positions[:, at], at)[:, -1]
-        chosen = _choose(logits, do_sample, temperature, top_k, top_p, generator)
+        chosen = _choose(last_logits(tokens, start), do_sample, temperature, top_k, top_p, generator)
         dist.broadcast(chosen, group_src=0, group=group)  # every rank continues with rank 0's tokens
         chosen = torch.where(done, torch.full_like(chosen, pad), chosen)
         done |= torch.isin(chosen, torch.tensor(sorted(eos), device=device, dtype=chosen.dtype))
         tokens = torch.cat([tokens, chosen[:, None]], dim=1)
-        step = chosen[:, None]
         if done.all():
             break
     return tokens
+
+
+def _cacheable(sharded: torch.nn.Module) -> bool:
+    """A Hugging Face model (its config sizes a StaticCache); other models are run on the whole sequence."""
+    return hasattr(getattr(sharded.autotp_source, "config", None), "get_text_config")
+
+
+def _cached(sharded, batch: int, prompt: int, total: int, attention_mask, keep: int, device):
+    """Last-position logits from the decode program: the prompt first, then one new token a step."""
+    program = _program(sharded, batch, total, keep)
+    mask = torch.zeros(batch, total, dtype=torch.long, device=device)
+    mask[:, :prompt] = attention_mask if attention_mask is not None else 1
+    mask[:, prompt:] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+
+    def last_logits(tokens: torch.Tensor, start: int) -> torch.Tensor:
+        step = tokens if start == prompt else tokens[:, -1:]
+        at = torch.arange(start - step.shape[1], start, device=device)
+        return program(step, mask, positions[:, at], at)[:, -1]
+    return last_logits
+
+
+def _recomputed(sharded, attention_mask):
+    """Last-position logits of the sharded forward itself, run on the whole sequence each step (a model
+    ``forward(tokens) -> logits`` without a cache autotp knows): as its own greedy loop computes them."""
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise ValueError("this model takes no attention mask (it is not a Hugging Face model): generate from "
+                         "prompts of one length without padding")
+
+    def last_logits(tokens: torch.Tensor, start: int) -> torch.Tensor:
+        out = sharded(tokens)
+        return getattr(out, "logits", out)[:, -1]
+    return last_logits

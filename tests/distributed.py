@@ -3,9 +3,14 @@ from __future__ import annotations
 
 from collections import Counter
 
+import torch
+from torch.distributed.tensor.debug._comm_mode import NATIVE_TO_PY_MAPPING, c10d_collective_ops
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from autotp.tools.spawn import exit_quietly, free_port, local_context, run_local
 
-__all__ = ["comm_counts", "exit_quietly", "plan_ops", "run_ranks", "run_unsupervised", "weight_collectives"]
+__all__ = ["CollectiveCounter", "comm_counts", "exit_quietly", "plan_ops", "run_ranks", "run_unsupervised",
+           "weight_collectives"]
 
 # the eager c10d ops (gloo's polled waits) under the names of their functional twins
 _FUNCTIONAL = {"allreduce_": "all_reduce", "_allgather_base_": "all_gather_into_tensor",
@@ -39,6 +44,28 @@ def run_unsupervised(world: int, target, reports: int, timeout: float = 240, end
                 p.kill()
             p.join(timeout=30)
     return found
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """The collectives that run, counted as CommDebugMode counts them (``comm_counts`` reads either), without its
+    module tracking, which fails inside FlexAttention's autograd (it traces the backward during the forward)."""
+
+    supports_higher_order_operators = True  # FlexAttention's op passes through (it is no collective)
+
+    def __init__(self):
+        super().__init__()
+        self.counts: Counter = Counter()
+
+    def get_comm_counts(self) -> dict:
+        return dict(self.counts)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **(kwargs or {}))
+        packet = getattr(func, "_overloadpacket", None)
+        if packet in c10d_collective_ops or packet in NATIVE_TO_PY_MAPPING:
+            self.counts[NATIVE_TO_PY_MAPPING.get(packet, packet)] += 1
+        return func(*args, **(kwargs or {}))
 
 
 def comm_counts(comm) -> dict:

@@ -14,6 +14,7 @@ import pytest
 import torch
 import transformers.integrations.moe  # noqa: F401  (registers torch.ops.transformers.grouped_mm_fallback)
 from torch import nn
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from autotp.api import prepared_graph
 from autotp.passes.ops import TABLE, op
@@ -121,6 +122,40 @@ def constant_cuts(m, x):
     return (q * k).sum(-1).sum(-1) + odd.sum(-1).sum(-1)
 
 
+def complex_rotary(m, x):
+    """A head's dims taken pairwise as complex numbers and turned by a complex table (complex rotary embeddings)."""
+    b, s, _ = x.shape
+    q = torch.nn.functional.linear(x, m.q).view(b, s, HEADS, 2 * D)
+    pairs = torch.view_as_complex(q.reshape(b, s, HEADS, D, 2))
+    turned = torch.view_as_real(pairs * m.table[:s].view(1, s, 1, D)).flatten(3)
+    return turned.type_as(x) * x.view(b, s, HEADS, D).repeat(1, 1, 1, 2)
+
+
+def packed_attention(m, x):
+    """nn.MultiheadAttention's layouts: q|k|v packed in one weight and picked apart (unflatten, dim moves, select),
+    heads merged with the batch and viewed back; cross-attention's weight split into [q | k|v]; heads by unflatten."""
+    b, s, _ = x.shape
+    packed = torch.nn.functional.linear(x, m.packed).unflatten(-1, (3, HEADS * D)).unsqueeze(0).transpose(0, -2)
+    packed = packed.squeeze(-2).contiguous()
+    q, k, v = (packed[i].view(b, s * HEADS, D).transpose(0, 1).view(s, HEADS, b, D) for i in range(3))
+    w_q, w_kv = m.cross.split_with_sizes([HEADS * D, 2 * HEADS * D])
+    ck, cv = torch.nn.functional.linear(x, w_kv).split(HEADS * D, dim=-1)
+    cq = torch.nn.functional.linear(x, w_q).unflatten(-1, (HEADS, D))
+    return (q * k + v).sum(0).sum(-1).sum(-1) + (cq * ck.unflatten(-1, (HEADS, D)) + cv.view(b, s, HEADS, D)).sum(-1)
+
+
+def flex(m, x):
+    """FlexAttention with grouped KV heads, a score function of the head index and a block mask built here."""
+    b, s, _ = x.shape
+    q = torch.nn.functional.linear(x, m.q).view(b, s, HEADS, D).transpose(1, 2)
+    k, v = (torch.nn.functional.linear(x, w).view(b, s, KV, D).transpose(1, 2) for w in (m.k, m.v))
+
+    def score(value, batch, head, query, key):
+        return value - (head + 1) * 0.1 * (query - key).abs()
+    mask = create_block_mask(lambda batch, head, query, key: query >= key, None, None, s, s, device=x.device)
+    return flex_attention(q, k, v, score_mod=score, block_mask=mask, enable_gqa=True)
+
+
 def experts(m, x, ids):
     """Routed rows: each token's expert weight by lookup (then bmm), and a grouped matmul over rows sorted by
     expert (transformers' export-friendly twin of torch's, which wants bf16 and 16-byte rows)."""
@@ -156,6 +191,9 @@ SAMPLES = {
                        lambda: (torch.randint(0, VOCAB, (2, 5)),)),
     "layouts": (lambda: Program(layouts, w=(H,), square=(H, H)), lambda: (_floats(2, 5, H),)),
     "constant_cuts": (lambda: Program(constant_cuts, qkv=(4 * D, H)), lambda: (_floats(2, 5, H),)),
+    "flex": (lambda: Program(flex, q=(HEADS * D, H), k=(KV * D, H), v=(KV * D, H)), lambda: (_floats(2, 5, H),)),
+    "packed_attention": (lambda: Program(packed_attention, packed=(3 * HEADS * D, H), cross=(3 * HEADS * D, H)),
+                         lambda: (_floats(2, 5, H),)),
     "experts": (lambda: Program(experts, w=(3, H, 8)), lambda: (_floats(8, H), torch.tensor([0, 0, 0, 1, 1, 2, 2, 2]))),
 }
 
@@ -171,8 +209,16 @@ def _bf16_program():
     return program.to(torch.bfloat16)
 
 
+def _complex_program():
+    program = Program(complex_rotary, q=(2 * HEADS * D, H))
+    angles = torch.outer(torch.arange(8, dtype=torch.float64), torch.arange(1, D + 1, dtype=torch.float64))
+    program.register_buffer("table", torch.polar(torch.ones_like(angles), angles))  # complex128 [8, D]
+    return program
+
+
 SAMPLES["grouped_bf16"] = (_bf16_program, lambda: (torch.randn(8, 16, dtype=torch.bfloat16),))
 SAMPLES["cache_write"] = (_cache_program, lambda: (_floats(2, 3, H), torch.tensor([1, 4, 6])))
+SAMPLES["complex_rotary"] = (_complex_program, lambda: (_floats(2, 5, H),))
 
 
 def _values(gm: torch.fx.GraphModule, inputs: tuple) -> dict:
@@ -195,7 +241,9 @@ def _piece(value, placement, rank: int, world: int, rng: torch.Generator):
         return take_local(value, placement, rank, world)
     if isinstance(placement, Partial):  # random summands, the same on every simulated rank (seeded per value)
         state = rng.get_state()
-        others = [torch.randn(value.shape, dtype=value.dtype, generator=rng) for _ in range(world - 1)]
+        others = [torch.randn(value.shape, dtype=value.dtype, generator=rng) if value.is_floating_point() or
+                  value.is_complex() else torch.randint(-9, 9, value.shape, dtype=value.dtype, generator=rng)
+                  for _ in range(world - 1)]
         rng.set_state(state)
         return value - sum(others) if rank == 0 else others[rank - 1]
     return value

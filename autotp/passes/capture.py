@@ -1,16 +1,21 @@
 """Capture: torch.export (non-strict) to an ATen-level fx graph with dynamic sizes."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
-import inspect
 import os
+import re
 import traceback
 import warnings
 
 import torch
-from torch.export import Dim
+from torch.export import Dim, ShapesCollection
 from torch.fx.node import map_arg
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import SUPPORTED_NODES, tree_leaves, tree_map
+
+from autotp.runtime import local_ops
+
+from .flex import exportable_on_cpu, mask_tensors, register_block_mask
 
 from .ops import drops
 
@@ -19,14 +24,29 @@ class CaptureError(RuntimeError):
     pass
 
 
-def _dynamic_shapes(model: torch.nn.Module, args: tuple, kwargs: dict) -> dict:
-    """Every dim of every tensor input is AUTO: dynamic unless the trace pins it (hidden sizes)."""
-    bound = inspect.signature(model.forward).bind(*args, **kwargs)
+def _dynamic_shapes(model: torch.nn.Module, args: tuple, kwargs: dict):
+    """Every dim of every tensor input is AUTO: dynamic unless the trace pins it (hidden sizes); a BlockMask's block
+    tables keep their sizes (passes/flex.py).  Inputs may be any registered pytree (dataclasses, NamedTuples)."""
+    tables = mask_tensors(args, kwargs)
+    shapes = ShapesCollection()
+    for x in tree_leaves((args, kwargs)):
+        if isinstance(x, torch.Tensor) and id(x) not in tables:
+            shapes[x] = dict.fromkeys(range(x.dim()), Dim.AUTO)
+    return shapes.dynamic_shapes(model, args, kwargs)
 
-    def spec(x):
-        return dict.fromkeys(range(x.dim()), Dim.AUTO) if isinstance(x, torch.Tensor) else None
 
-    return {name: tree_map(spec, value) for name, value in bound.arguments.items()}
+def register_inputs(args, kwargs) -> None:
+    """Dataclasses among the inputs become pytrees (torch.export.register_dataclass: every field a child), as does
+    the BlockMask: the sharded model keeps the model's signature."""
+    register_block_mask()
+    while True:
+        leaves = tree_leaves((args, kwargs))
+        found = {type(x) for x in leaves if dataclasses.is_dataclass(x) and not isinstance(x, type)}
+        found -= set(SUPPORTED_NODES)
+        if not found:
+            return
+        for cls in found:
+            torch.export.register_dataclass(cls, serialized_type_name=f"{cls.__module__}.{cls.__qualname__}")
 
 
 def _on_model_device(model: torch.nn.Module, tree):
@@ -44,6 +64,7 @@ def _standalone(tree):
 
 
 _SUPPORTED = {torch.float32, torch.float16, torch.bfloat16, torch.float64}
+_COMPLEX = {torch.complex64, torch.complex128}  # buffers only (rotation tables e^(i t f)): pairs of a supported dtype
 
 
 def check_inputs(model: torch.nn.Module, args, kwargs) -> None:
@@ -55,22 +76,41 @@ def check_inputs(model: torch.nn.Module, args, kwargs) -> None:
                         f"{type(args).__name__}: write (x,) for a single input")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise TypeError(f"example kwargs must be a dict of keyword inputs, got {type(kwargs).__name__}")
-    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        unsupported = tensor.is_floating_point() and tensor.dtype not in _SUPPORTED
-        if unsupported or tensor.is_complex() or tensor.is_quantized:
-            raise TypeError(f"{name} has dtype {tensor.dtype}: autotp shards float32, bfloat16, float16 and "
-                            "float64 models; convert the model (model.to(torch.bfloat16)) or keep this part outside")
+    buffers = dict(model.named_buffers())
+    complex_buffers = [name for name, b in buffers.items() if b.dtype in _COMPLEX]
+    for name, tensor in [*model.named_parameters(), *buffers.items()]:
+        if tensor.dtype in _COMPLEX and name in buffers:
+            continue
+        if tensor.is_complex():
+            why = ("complex tensors are sharded as buffers (rotation tables), not as parameters"
+                   if tensor.dtype in _COMPLEX else "keep complex buffers in complex64 or complex128")
+            raise TypeError(f"{name} has dtype {tensor.dtype}: {why}; keep this part outside the model autotp shards")
+        if (tensor.is_floating_point() and tensor.dtype not in _SUPPORTED) or tensor.is_quantized:
+            raise TypeError(f"{name} has dtype {tensor.dtype}: autotp shards float32, bfloat16, float16 and float64 "
+                            f"models (and complex64/128 buffers); {_advice(complex_buffers)}")
+
+
+def _advice(complex_buffers: list) -> str:
+    """How to convert: never ``model.to(dtype)`` where that casts a complex buffer to a real dtype (PyTorch keeps
+    the real part only, with a warning, and the model runs on, wrong)."""
+    if not complex_buffers:
+        return "convert the model (model.to(torch.bfloat16)) or keep this part outside"
+    return (f"convert its parameters only (model.to(dtype) would cast the complex buffer {complex_buffers[0]} to a "
+            "real dtype and drop its imaginary part): e.g. build the model in bfloat16 and compute the complex table "
+            "in float32 afterwards, or keep this part outside")
 
 
 def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> torch.fx.GraphModule:
     """An fx GraphModule of ATen ops with the model's parameter names; works on meta models."""
     check_inputs(model, args, kwargs)
     kwargs = dict(kwargs or {})
+    register_inputs(args, kwargs)
     args, kwargs = _standalone(_on_model_device(model, (tuple(args), kwargs)))
     try:  # in the model's own mode: a model in training mode drops in the sharded program too
-        program = torch.export.export(
-            model, args, kwargs, dynamic_shapes=_dynamic_shapes(model, args, kwargs), strict=False
-        )
+        with exportable_on_cpu():
+            program = torch.export.export(
+                model, args, kwargs, dynamic_shapes=_dynamic_shapes(model, args, kwargs), strict=False
+            )
     except Exception as exc:  # torch.export raises many kinds
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CaptureError(
@@ -93,6 +133,27 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> 
     return gm
 
 
+def retarget_device(gm: torch.fx.GraphModule, device: torch.device) -> None:
+    """A graph captured on the meta device names that device in its factory calls and checks
+    (arange(device=meta), _assert_tensor_metadata(device=meta)): point them at the real one."""
+    meta = torch.device("meta")
+
+    def swap(value):
+        if isinstance(value, torch.device) and value == meta:
+            return device
+        if isinstance(value, (list, tuple)):
+            return type(value)(swap(v) for v in value)
+        return value
+
+    for node in gm.graph.nodes:
+        node.args = swap(node.args)
+        node.kwargs = {k: swap(v) for k, v in node.kwargs.items()}
+        if (node.target is torch.ops.aten.histc.default and device.type == "cpu"
+                and not node.args[0].meta["val"].is_floating_point()):
+            node.target = local_ops.histc_of_integers  # the meta capture took the GPU branch: integers
+    gm.recompile()
+
+
 def _user_frame(exc: BaseException) -> str:
     """Where in the user's code the capture failed: the innermost frame outside torch."""
     frames = [f for f in traceback.extract_tb(exc.__traceback__)
@@ -102,6 +163,24 @@ def _user_frame(exc: BaseException) -> str:
         return ""
     f = frames[-1]
     return f"  at {f.filename}:{f.lineno} in {f.name}: {(f.line or '').strip()}\n"
+
+
+def canonical_names(gm: torch.fx.GraphModule) -> None:
+    """Ops renamed by their kind and order (``mul``, ``mul_1``, ...): torch.export's names count ops it traced and
+    then dropped, which differ by device (SDPA on the meta device and on the CPU), and plans name the ops."""
+    graph = torch.fx.Graph(owning_module=gm, tracer_cls=gm.graph._tracer_cls, tracer_extras=gm.graph._tracer_extras)
+    graph._codegen = gm.graph._codegen  # the model's call signature (input and output pytrees)
+    env, counts = {}, {}
+    for node in gm.graph.nodes:
+        name = node.name
+        if node.op == "call_function":
+            base = re.sub(r"_\d+$", "", name)
+            counts[base] = counts.get(base, -1) + 1
+            name = f"{base}_{counts[base]}" if counts[base] else base
+        env[node] = graph.create_node(node.op, node.target, map_arg(node.args, env.__getitem__),
+                                      map_arg(node.kwargs, env.__getitem__), name=name, type_expr=node.type)
+        env[node].meta = node.meta
+    gm.graph = graph
 
 
 FINGERPRINT_PARTS = ("the ops and how they connect", "the ops' constant arguments (view sizes, dims, scalars)",

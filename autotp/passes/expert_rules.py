@@ -93,7 +93,8 @@ def index(node: Node, ctx: Context) -> list[Strategy] | None:
         return gather(node, ctx)
     x, indices = node.args[0], node.args[1]
     if not _integer_indices(indices):
-        return None  # no rule: replicated, and said
+        ctx.why[node] = "indexed by positions known only at run time: computed whole, its inputs gathered"
+        return None
     k, n, out = len(indices), len(ctx.shape(x)), len(ctx.shape(node))
     shift = out - n  # x dim d (d >= k) is output dim d + shift: the indices' dims replace x's first k
     found = [Strategy(ctx.fill(node, {x: P}), P)]

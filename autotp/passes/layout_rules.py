@@ -14,7 +14,7 @@ from torch.fx import Node
 from autotp.runtime.placement import P, Shard, dealt
 
 from .semantics import written
-from .strategies import Context, Strategy, concrete
+from .strategies import Context, Strategy, concrete, summable
 from .views import map_view_dim, split_runs
 
 aten = torch.ops.aten
@@ -28,7 +28,7 @@ def positive_dim(d: int, ndim: int) -> int:
 def mapped(node: Node, ctx: Context, dim_map) -> list[Strategy]:
     """Single-input layout ops, from a function input dim -> output dim (None: may not be sharded)."""
     x = node.args[0]
-    found = [Strategy(ctx.fill(node, {x: P}), P)]
+    found = [Strategy(ctx.fill(node, {x: P}), P)] if summable(x) else []
     for d, size in enumerate(ctx.shape(x)):
         od = dim_map(d)
         if od is not None and ctx.shape(node)[od] == size:
@@ -40,7 +40,7 @@ def view(node: Node, ctx: Context) -> list[Strategy]:
     x = node.args[0]
     src = [ctx.probe(s) for s in ctx.shape(x)]
     dst = [ctx.probe(s) for s in ctx.shape(node)]
-    found = [Strategy(ctx.fill(node, {x: P}), P)]
+    found = [Strategy(ctx.fill(node, {x: P}), P)] if summable(x) else []
     static = [d for d, size in enumerate(ctx.shape(node)) if ctx.static(size) and size > 1]
     for d in range(len(src)):
         for s in ctx.shard_options(x, d):
@@ -69,6 +69,18 @@ def _in_rows(shard: Shard, src: list, dst: list, d: int, world: int) -> Shard | 
                    shard.ranges(size, r, world) for r in range(world)):
                 return rows
     return None
+
+
+def as_complex(node: Node, ctx: Context) -> list[Strategy]:
+    """view_as_complex: the trailing (real, imaginary) dim of 2 goes, every other dim keeps its shard (a shard of
+    the pairs' dim holds whole pairs); linear over the reals, so partial sums pass."""
+    pairs = len(ctx.shape(node.args[0])) - 1
+    return mapped(node, ctx, lambda d: None if d == pairs else d)
+
+
+def as_real(node: Node, ctx: Context) -> list[Strategy]:
+    """view_as_real: every dim keeps its shard; the new trailing (real, imaginary) dim is whole."""
+    return mapped(node, ctx, lambda d: d)
 
 
 def expand(node: Node, ctx: Context) -> list[Strategy]:
@@ -228,7 +240,7 @@ def split(node: Node, ctx: Context) -> list[Strategy]:
     k = len(sizes)
     # chunk(n) recomputes piece sizes from the local size: only equal pieces stay aligned
     split_dim_ok = node.target != aten.chunk.default or len(set(sizes)) == 1
-    found = [Strategy(ctx.fill(node, {x: P}), (P,) * k)]
+    found = [Strategy(ctx.fill(node, {x: P}), (P,) * k)] if summable(x) else []
     for d in range(n):
         for s in ctx.shard_options(x, d):
             if d != at and s.chunks is None:
@@ -238,7 +250,37 @@ def split(node: Node, ctx: Context) -> list[Strategy]:
                                                                      for i, n in enumerate(sizes))))
             elif d == at and split_dim_ok and k == 1 and s.chunks is None:
                 found.append(Strategy(ctx.fill(node, {x: s}), (s,)))
+            elif d == at and split_dim_ok and s.chunks and s.groups is None:
+                pieces = refined(s, sizes, ctx.world)  # pieces of several blocks each
+                found += [Strategy(ctx.fill(node, {x: s}), pieces)] if pieces else []
     return found
+
+
+def pieces_of(chunks: tuple, sizes) -> list[list[int]] | None:
+    """Which fused blocks make up each piece a split cuts (the blocks' indices, in order), if whole blocks do."""
+    found, k = [], 0
+    for size in sizes:
+        taken, total = [], 0
+        while total < size and k < len(chunks):
+            taken.append(k)
+            total += chunks[k]
+            k += 1
+        if total != size:
+            return None
+        found.append(taken)
+    return found if k == len(chunks) else None
+
+
+def refined(shard: Shard, sizes: tuple, world: int) -> tuple | None:
+    """The layout of each piece of a split whose pieces are runs of whole blocks of ``shard`` (the in_proj_weight
+    of cross-attention, S(0|E,E,E), split into [q | kv]: S(0) and S(0|E,E))."""
+    pieces = pieces_of(shard.chunks, sizes)
+    if pieces is None:
+        return None
+    units = shard.units if isinstance(shard.units, tuple) else (shard.units,) * len(shard.chunks)
+    return tuple(shard.block(ks[0], shard.chunks[ks[0]], world) if len(ks) == 1 else
+                 replace(shard, chunks=tuple(shard.chunks[k] for k in ks),
+                         units=None if shard.units is None else tuple(units[k] for k in ks)) for ks in pieces)
 
 
 def index_copy(node: Node, ctx: Context) -> list[Strategy]:
@@ -267,7 +309,7 @@ def cat(node: Node, ctx: Context) -> list[Strategy]:
     stacked = node.target == aten.stack.default
     found = []
     if all(isinstance(p, Node) for p in parts) and len(set(parts)) == len(parts):
-        found.append(Strategy(ctx.fill(node, dict.fromkeys(parts, P)), P))
+        found += [Strategy(ctx.fill(node, dict.fromkeys(parts, P)), P)] if all(map(summable, parts)) else []
         for d in range(n):  # whole on the joined dim: every rank holds all of it
             found += [Strategy(ctx.fill(node, dict.fromkeys(parts, s.at(d - (stacked and d > at)))), s)
                       for s in ctx.shard_options(node, d)

@@ -17,7 +17,7 @@ from autotp.runtime.dropout import Attention, Dropout
 from autotp.runtime.placement import Disjoint, Partial, R, Shard
 
 from .expert_rules import GROUPED_MM_FALLBACK, is_grouped_mm, offsets
-from .layout_rules import block_of, constant_positions, cut_range, gathered
+from .layout_rules import block_of, constant_positions, cut_range, gathered, pieces_of
 from .rules import held_heads, separate_pieces
 from .strategies import token_inputs
 
@@ -46,6 +46,17 @@ def _source(strategy):
 def resize(node: Node, strategy, rank: int, world: int) -> None:
     """view / reshape / expand: the output's sharded dim at its local size."""
     node.args = (node.args[0], local_sizes(node.args[1], strategy.output, rank, world), *node.args[2:])
+
+
+def unflatten(node: Node, strategy, rank: int, world: int) -> None:
+    """unflatten(x, dim, sizes): a sharded dim among the new ones at its local size."""
+    out = strategy.output
+    x, at, sizes = node.args[:3]
+    at %= x.meta["val"].dim()
+    if isinstance(out, Shard) and at <= out.dim < at + len(sizes) and sizes[out.dim - at] != -1:
+        sizes = list(sizes)
+        sizes[out.dim - at] = out.local_size(sizes[out.dim - at], rank, world)
+        node.args = (x, node.args[1], sizes, *node.args[3:])
 
 
 def cut_block(node: Node, strategy, rank: int, world: int) -> None:
@@ -89,6 +100,9 @@ def split(node: Node, strategy, rank: int, world: int) -> None:
         sizes = node.args[1]
         ranges = src.ranges(node.args[0].meta["val"].shape[src.dim], rank, world)
         local = [n for _, n in ranges] if isinstance(sizes, (list, tuple)) else ranges[0][1]
+        pieces = pieces_of(src.chunks, [o.shape[src.dim] for o in node.meta["val"]]) if src.chunks else None
+        if isinstance(sizes, (list, tuple)) and pieces and len(pieces) < len(local):  # pieces of several blocks
+            local = [sum(local[k] for k in ks) for ks in pieces]
         node.args = (node.args[0], local, *node.args[2:])
 
 

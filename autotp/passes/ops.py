@@ -18,7 +18,22 @@ from torch.fx import Node
 
 from . import localize
 from .expert_rules import GROUPED_MM_FALLBACK, disjoint, grouped_mm, index, routed, squeeze, strided_slice
-from .layout_rules import cat, expand, getitem, index_copy, permute, slice_, split, t, transpose, unsqueeze, view
+from .flex import FLEX, flex_heads, global_heads, keeps_flex
+from .layout_rules import (
+    as_complex,
+    as_real,
+    cat,
+    expand,
+    getitem,
+    index_copy,
+    permute,
+    slice_,
+    split,
+    t,
+    transpose,
+    unsqueeze,
+    view,
+)
 from .rules import attention, dropout, embedding, linear, matmul, normalize, pointwise, reduction, repeat_heads
 from .semantics import Op, may_alias, row_of
 
@@ -181,6 +196,8 @@ TABLE: dict = {
             flops=product_flops, local=localize.own_experts),
     **_rows([aten.scaled_dot_product_attention.default], family="attention", rule=attention,
             flops=attention_flops, keeps=keeps_attention, drops=attention_dropout, local=localize.attention),
+    **_rows([FLEX], family="attention", rule=flex_heads, flops=attention_flops, keeps=keeps_flex,
+            local=global_heads),
     **_rows([aten.embedding.default], family="embedding", rule=embedding, keeps=keeps_nothing, moves=lookup_bytes,
             local=localize.vocab_rows, styles={0: {1: "hidden split", 0: "vocab split"}}),
     **_rows([aten.repeat_interleave.self_int], family="repeat", rule=repeat_heads, keeps=keeps_nothing,
@@ -196,6 +213,10 @@ TABLE: dict = {
     **_rows([aten.view.default, aten.reshape.default, aten._unsafe_view.default], family="view", rule=view,
             layout=True, keeps=keeps_nothing, local=localize.resize),
     **_rows([aten.flatten.using_ints], family="view", rule=view, layout=True, keeps=keeps_nothing),
+    **_rows([aten.unflatten.int], family="view", rule=view, layout=True, keeps=keeps_nothing,
+            local=localize.unflatten),
+    **_rows([aten.view_as_complex.default], family="complex", rule=as_complex, layout=True, keeps=keeps_nothing),
+    **_rows([aten.view_as_real.default], family="complex", rule=as_real, layout=True, keeps=keeps_nothing),
     **_rows([aten.expand.default, aten.broadcast_to.default], family="expand", rule=expand, layout=True,
             keeps=keeps_nothing, local=localize.resize),
     **_rows([aten.transpose.int], family="transpose", rule=transpose, layout=True, keeps=keeps_nothing),

@@ -7,13 +7,12 @@ import operator
 import torch
 from torch.fx import Node
 
-from autotp.runtime import local_ops
-
 from .expert_rules import hint_sources
+from .flex import FLEX
 from .group_cuts import group_blocks
 from .layout_rules import cut_range, positive_dim
 from .ops import op
-from .semantics import may_alias
+from .semantics import may_alias, written
 from .strategies import Context, is_placed
 from .views import inverse_view_dim, split_runs, view_groups
 
@@ -40,9 +39,13 @@ def merge_aliases(gm: torch.fx.GraphModule) -> None:
 def drop_no_ops(gm: torch.fx.GraphModule) -> None:
     """Remove what only costs dispatch time at run time and hides the graph's structure from the rules:
     torch.export's dtype/device assertions, casts to the dtype a tensor already has (``to`` without copy
-    returns its input), slices of everything (``x[:, :, a:b]`` slices dims 0 and 1 whole first), and
-    in-place adds into a new tensor that nothing else reads (Falcon's ``mlp_output += attention_output``)."""
+    returns its input; ``x.type_as(y)`` is such a cast that reads ``y`` for its dtype only), copies into contiguous
+    memory that no reader needs (``_any_layout``), slices of everything
+    (``x[:, :, a:b]`` slices dims 0 and 1 whole first), and in-place adds into a new tensor that nothing else reads
+    (Falcon's ``mlp_output += attention_output``)."""
     for node in list(gm.graph.nodes):
+        if node.target == aten.type_as.default:
+            node.target, node.args = aten.to.dtype, (node.args[0], node.args[1].meta["val"].dtype)
         if node.target == aten._assert_tensor_metadata.default and not node.users:
             gm.graph.erase_node(node)
         elif node.target == aten.slice.Tensor and len(node.args) <= 4 and _whole(node):
@@ -50,12 +53,26 @@ def drop_no_ops(gm: torch.fx.GraphModule) -> None:
             gm.graph.erase_node(node)
         elif node.target == aten.add_.Tensor and _fresh(node.args[0]) and len(node.args[0].users) == 1:
             node.target = aten.add.Tensor
+        elif node.target == aten.contiguous.default and len(node.args) == 1 and not node.kwargs and _any_layout(node):
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
         elif node.target == aten.to.dtype and len(node.args) == 2 and not node.kwargs:
             source, out = node.args[0].meta.get("val"), node.meta.get("val")
             if isinstance(source, torch.Tensor) and isinstance(out, torch.Tensor) and source.dtype == out.dtype:
                 node.replace_all_uses_with(node.args[0])
                 gm.graph.erase_node(node)
     gm.graph.lint()
+
+
+def _any_layout(node: Node) -> bool:
+    """Every reader of ``node`` takes it in any memory layout (no ``view``, nothing writes into it or a view of it): a
+    ``contiguous`` before them changes no value, and whether it is captured at all depends on the device (the meta
+    device's attention output is laid out otherwise than the CPU's), so a plan made on meta would not apply."""
+    return bool(node.users) and not written(node) and all(
+        user.op == "call_function" and user.target not in _NEEDS_LAYOUT for user in node.users)
+
+
+_NEEDS_LAYOUT = (aten.view.default, aten._unsafe_view.default)
 
 
 def _fresh(node: Node) -> bool:
@@ -212,10 +229,12 @@ def repeat_hints(gm: torch.fx.GraphModule) -> dict:
     broadcasts to every query head (Falcon's multi-query) serves them all."""
     covers: dict = {}
     for node in gm.graph.nodes:
-        if node.target == aten.scaled_dot_product_attention.default:
+        if node.target in (aten.scaled_dot_product_attention.default, FLEX):
             heads = [a.meta["val"].shape[1] if a.meta["val"].dim() == 4 else None for a in node.args[:3]]
             if heads[1:] == [1, 1] and isinstance(heads[0], int) and heads[0] > 1:
                 covers.setdefault(1, set()).add(heads[0])
+            elif node.target is FLEX and all(isinstance(h, int) for h in heads) and 1 < heads[1] < heads[0]:
+                covers.setdefault(heads[1], set()).add(heads[0])  # FlexAttention's own grouped KV heads
         if node.target == aten.repeat_interleave.self_int:
             x, repeats, at = node.args[:3]
             kv = x.meta["val"].shape[at]
@@ -272,6 +291,10 @@ def _walk_back(work: list, ctx: Context) -> dict:
             work.append((node.args[1], len(ctx.shape(node.args[1])) - 1, sizes))  # x @ w.t(): columns of w.t()
         elif family == "unsqueeze" and dim != positive_dim(node.args[1], len(ctx.shape(node))):
             work.append((node.args[0], dim - (dim > positive_dim(node.args[1], len(ctx.shape(node)))), sizes))
+        elif family == "linear" and dim == len(ctx.shape(node)) - 1:
+            work.append((node.args[1], 0, sizes))  # the weight's rows (a view of a parameter's, split apart)
+        elif family == "getitem" and op(node.args[0].target).family == "split":
+            work += _through_split(node, dim, sizes, ctx)
         elif family == "elementwise":
             out = ctx.shape(node)
             for a in node.all_input_nodes:
@@ -282,6 +305,18 @@ def _walk_back(work: list, ctx: Context) -> dict:
         else:
             work += [(src, d, sizes) for src, d in hint_sources(node, dim, ctx)]
     return hints
+
+
+def _through_split(piece: Node, dim: int, hint, ctx: Context) -> list:
+    """Block sizes hinted on one piece of a split, for the split tensor: that piece's blocks among the other pieces
+    (nn.MultiheadAttention's cross-attention: in_proj_weight cut into [q | kv], kv cut into [k | v])."""
+    parts, index = piece.args
+    x = parts.args[0]
+    at = positive_dim(parts.args[2] if len(parts.args) > 2 else parts.kwargs.get("dim", 0), len(ctx.shape(x)))
+    sizes = [o.shape[at] for o in parts.meta["val"]]
+    if dim != at or isinstance(hint, int) or not all(isinstance(c, int) for c in hint) or sum(hint) != sizes[index]:
+        return []
+    return [(x, at, (*sizes[:index], *hint, *sizes[index + 1:]))]
 
 
 def _in_flat_units(hint, rest: int):
@@ -340,27 +375,6 @@ def _whole(node) -> bool:
     start = node.args[2] if len(node.args) > 2 else 0
     end = node.args[3] if len(node.args) > 3 else None
     return start in (0, None) and (end is None or (isinstance(end, int) and end >= 2 ** 62))
-
-
-def retarget_device(gm: torch.fx.GraphModule, device: torch.device) -> None:
-    """A graph captured on the meta device names that device in its factory calls and checks
-    (arange(device=meta), _assert_tensor_metadata(device=meta)): point them at the real one."""
-    meta = torch.device("meta")
-
-    def swap(value):
-        if isinstance(value, torch.device) and value == meta:
-            return device
-        if isinstance(value, (list, tuple)):
-            return type(value)(swap(v) for v in value)
-        return value
-
-    for node in gm.graph.nodes:
-        node.args = swap(node.args)
-        node.kwargs = {k: swap(v) for k, v in node.kwargs.items()}
-        if (node.target is torch.ops.aten.histc.default and device.type == "cpu"
-                and not node.args[0].meta["val"].is_floating_point()):
-            node.target = local_ops.histc_of_integers  # the meta capture took the GPU branch: integers
-    gm.recompile()
 
 
 def _tiling_slices(gm: torch.fx.GraphModule, ctx: Context) -> list:

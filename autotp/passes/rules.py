@@ -15,7 +15,7 @@ from torch.fx import Node
 from autotp.runtime.placement import P, R, Shard
 
 from .layout_rules import positive_dim, whole_spellings
-from .strategies import Context, Strategy, contractible, input_slots, is_placed
+from .strategies import Context, Strategy, contractible, input_slots, is_placed, summable
 
 aten = torch.ops.aten
 
@@ -70,7 +70,7 @@ def separate_pieces(shard: Shard, size, world: int) -> bool:
     return all(a == b or not a & b for a, b in itertools.combinations(cells, 2))
 
 
-def _summable(node: Node) -> bool:
+def _real_or_complex(node: Node) -> bool:
     v = node.meta.get("val")
     return isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())
 
@@ -79,7 +79,7 @@ def _partial(node: Node, ctx: Context) -> list[Strategy]:
     """Partial sums through an op linear in them (its row's ``linear`` operands, one at a time); a sum of two
     partial sums, or of a partial sum and a replicated operand that one rank adds (its row's ``additive``)."""
     tensors = _tensor_inputs(node)
-    if not all(_summable(a) for a in tensors):
+    if not all(_real_or_complex(a) for a in tensors):
         return []  # a mask or an index is no sum of parts
     row = ctx.op(node.target)
     if row.additive and len(tensors) == len(node.args[:2]) and len(set(tensors)) == len(tensors):
@@ -216,7 +216,7 @@ def reduction(node: Node, ctx: Context) -> list[Strategy]:
     dims = node.args[1] if len(node.args) > 1 and node.args[1] is not None else list(range(n))
     dims = sorted(positive_dim(d, n) for d in dims)
     keep = bool(node.args[2]) if len(node.args) > 2 else bool(node.kwargs.get("keepdim", False))
-    found = [Strategy(ctx.fill(node, {x: P}), P)]
+    found = [Strategy(ctx.fill(node, {x: P}), P)] if summable(x) else []
     for d in range(n):
         for s in ctx.shard_options(x, d) + [s for s in ctx.token_options(x, d) if d not in dims]:
             if d not in dims:

@@ -96,6 +96,12 @@ def is_placed(node: Node) -> bool:
     return isinstance(v, torch.Tensor)
 
 
+def summable(node: Node) -> bool:
+    """A value that may be held as a partial sum: numbers, not booleans (a mask is no sum of parts)."""
+    v = value(node)
+    return isinstance(v, torch.Tensor) and v.dtype != torch.bool
+
+
 def replicated_like(node: Node):
     v = value(node)
     if not is_placed(node):
@@ -113,7 +119,8 @@ class Context:
     covers: dict = field(default_factory=dict)       # KV heads -> {query heads} they are repeated to
     strategies: dict = field(default_factory=dict)   # node -> list[Strategy], filled in order
     min_shard_fraction: float = 0.02                 # parameters this large (vs the largest) must shard
-    unruled: set = field(default_factory=set)        # ops on the weights' path that have no rule
+    unruled: dict = field(default_factory=dict)      # ops on the weights' path without a rule -> why, in a line
+    why: dict = field(default_factory=dict)          # node -> why its rule offers no split (a rule that says)
     fixed: dict = field(default_factory=dict)        # parameter name -> placement imposed (to price other plans)
     tokens: bool = False                             # offer sequence parallelism (token_options)
     token_symbols: set = field(default_factory=set)  # sizes of token dims: inputs' symbolic non-leading dims
@@ -229,10 +236,31 @@ def needs_grad(gm: torch.fx.GraphModule) -> set:
     return grad
 
 
+def vmapped(graph: torch.fx.Graph) -> set:
+    """Nodes computed inside a vmap (create_block_mask's mask function, traced batched): their shapes are one
+    example's, the vmapped dims hidden, so no rule may split them.  Tracked by the vmap levels a value carries."""
+    levels: dict = {}
+    for node in graph.nodes:
+        held = set().union(*(levels.get(a, set()) for a in node.all_input_nodes))
+        name = getattr(node.target, "__name__", "") if getattr(node.target, "__module__", "") == _VMAP else ""
+        if name == "_add_batch_dim":
+            held = held | {node.args[2]}
+        elif name == "_remove_batch_dim":
+            held = held - {node.args[1]}
+        if held:
+            levels[node] = held
+    return set(levels)
+
+
+_VMAP = "torch._functorch.predispatch"
+
+
 def enumerate_strategies(gm: torch.fx.GraphModule, ctx: Context) -> Context:
-    """Every node's strategies: all-replicated, and what its row's rule (``ctx.ops``) proposes."""
+    """Every node's strategies: all-replicated, and what its row's rule (``ctx.ops``) proposes (none inside a
+    vmap)."""
     weighted = needs_grad(gm)
     ctx.grad, ctx.token_symbols = weighted, set(token_inputs(gm.graph))
+    batched = vmapped(gm.graph)
     for node in gm.graph.nodes:
         if node.op in ("output", "call_module") or ctx.op(node.target).observer:
             continue
@@ -242,14 +270,22 @@ def enumerate_strategies(gm: torch.fx.GraphModule, ctx: Context) -> Context:
             continue
         all_r = Strategy(ctx.fill(node, {}), replicated_like(node))
         found = [all_r]
-        rule = ctx.op(node.target).rule if node.op == "call_function" else None
+        rule = ctx.op(node.target).rule if node.op == "call_function" and node not in batched else None
         proposed = rule(node, ctx) if rule is not None else None  # None: no rule for this use of the op
         found += [s for s in proposed or () if s not in found]
         if proposed is None and node.op == "call_function" and node in weighted:
-            ctx.unruled.add(str(node.target))
+            ctx.unruled.setdefault(str(node.target), ctx.why.get(node) or _unruled(node, ctx, batched))
         ctx.strategies[node] = found
     _add_parameter_options(gm, ctx)
     return ctx
+
+
+def _unruled(node: Node, ctx: Context, batched: set) -> str:
+    if node in batched:
+        return "computed inside a vmap, where its shapes are one example's"
+    if ctx.op(node.target).rule is None:
+        return "no sharding rule: computed whole, its inputs gathered"
+    return "its rule does not cover this use: computed whole, its inputs gathered"
 
 
 def _add_parameter_options(gm: torch.fx.GraphModule, ctx: Context) -> None:

@@ -193,6 +193,8 @@ def print_plan(plan: Plan, shapes: dict | None = None, console: Console | None =
                       "sharded.eval() stops it; docs/dropout.md)")
     if plan.cost.get("experts"):
         console.print(f"experts: {plan.cost['experts']['chosen']} (`autotp explain PLAN experts` prices each)")
+    for op, why in plan.cost.get("replicated", dict.fromkeys(plan.replicated_ops, "no sharding rule")).items():
+        console.print(f"runs replicated: {op}: {why}", highlight=False)
     console.print(f"estimated {'training step' if plan.cost.get('training') else 'forward'} time "
                   f"{plan.cost.get('seconds', 0) * 1e6:.1f} µs per device")
 

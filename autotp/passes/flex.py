@@ -1,0 +1,167 @@
+"""FlexAttention (``torch.nn.attention.flex_attention``): captured on the CPU too, a ``BlockMask`` accepted as a model
+input, and the captured op split by query heads like SDPA.
+
+The op torch.export captures is ``torch.ops.higher_order.flex_attention(q, k, v, score_mod, block_mask, scale,
+kernel_options, score_mod_other_buffers, mask_mod_other_buffers)`` -> (out, log-sum-exp, max), all [B, Hq, ...];
+``score_mod`` and the block mask's ``mask_mod`` are subgraphs called with the head index ``h``, which on a rank that
+holds query heads ``first..`` must be the global one (ALiBi slopes computed from ``h``).
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
+import torch.utils._pytree as pytree
+from torch.fx import Node
+from torch.nn.attention import flex_attention as flex_api
+
+from autotp.runtime.placement import R, Shard
+
+from .strategies import Context, Strategy, is_placed
+
+aten = torch.ops.aten
+FLEX = torch.ops.higher_order.flex_attention
+BlockMask = flex_api.BlockMask
+
+
+@contextlib.contextmanager
+def exportable_on_cpu():
+    """While torch.export traces: flex_attention's public function refuses CPU inputs that need gradients
+    ("FlexAttention does not support backward on CPU"), at trace time too, though the op it captures runs
+    forward and backward on the CPU (its dense math).  Lift that one check; other devices keep it."""
+    check = flex_api._validate_device
+
+    def validate(query, key, value):
+        if query.device.type != "cpu":
+            check(query, key, value)
+    flex_api._validate_device = validate
+    try:
+        yield
+    finally:
+        flex_api._validate_device = check
+
+
+def _present(mask: BlockMask) -> tuple:
+    return tuple(name for name in BlockMask._TENSOR_ATTRS if getattr(mask, name) is not None)
+
+
+def _flatten(mask: BlockMask):
+    present = _present(mask)
+    return [getattr(mask, name) for name in present], (mask.seq_lengths, mask.BLOCK_SIZE, mask.mask_mod,
+                                                       mask.dq_kv_order_spt, present)
+
+
+def _unflatten(leaves, context) -> BlockMask:
+    seq_lengths, block, mask_mod, spt, present = context
+    tensors = dict.fromkeys(BlockMask._TENSOR_ATTRS)
+    tensors.update(zip(present, leaves, strict=True))
+    return BlockMask(seq_lengths=seq_lengths, BLOCK_SIZE=block, mask_mod=mask_mod, dq_kv_order_spt=spt, **tensors)
+
+
+def _flatten_with_keys(mask: BlockMask):
+    leaves, context = _flatten(mask)
+    return [(pytree.GetAttrKey(name), leaf) for name, leaf in zip(context[-1], leaves, strict=True)], context
+
+
+def register_block_mask() -> None:
+    """A BlockMask input as a pytree (PyTorch does not register it): its block tables are the leaves; its
+    lengths, block size and ``mask_mod`` function the structure, so a mask of other lengths or another function
+    is another input structure, which the captured program refuses rather than computing with the traced one."""
+    if BlockMask not in pytree.SUPPORTED_NODES:
+        pytree.register_pytree_node(BlockMask, _flatten, _unflatten, flatten_with_keys_fn=_flatten_with_keys,
+                                    serialized_type_name="autotp.BlockMask")
+
+
+def mask_tensors(args, kwargs) -> set:
+    """ids of the tensors that BlockMask inputs hold (their sizes stay as given: a table's dim 1 is the heads or
+    1, which the rule must know)."""
+    masks = [x for x in pytree.tree_leaves((args, kwargs), is_leaf=lambda x: isinstance(x, BlockMask))
+             if isinstance(x, BlockMask)]
+    return {id(t) for mask in masks for t in _flatten(mask)[0]}
+
+
+# ---- the rule ----------------------------------------------------------------------------------------
+
+def _serves(q: Shard, held, heads: int, kv: int, world: int) -> bool:
+    """Every rank's query heads meet their KV heads where the kernel looks for them: local query head i reads
+    local KV head i // (its query heads / its KV heads), which must be global KV head (first + i) // (Hq / Hkv)."""
+    group = heads // kv
+    for rank in range(world):
+        (first, count), = q.ranges(heads, rank, world)
+        start, length = held.ranges(kv, rank, world)[0] if isinstance(held, Shard) else (0, kv)
+        if count == 0 or length == 0 or count % length:
+            return False
+        if any((first + i) // group != start + i // (count // length) for i in range(count)):
+            return False
+    return True
+
+
+def flex_heads(node: Node, ctx: Context) -> list[Strategy]:
+    """FlexAttention split by query heads (dim 1): k and v split alike or held for the query heads each rank
+    computes (grouped KV heads, see ``_serves``); the block mask's tables split where they have one head per
+    query head, else read whole (they broadcast); the buffers its functions read stay whole (indexed by the
+    global head).  Outputs (out, log-sum-exp, max) split alike."""
+    q, k, v, _, block_mask = node.args[:5]
+    heads, kv = ctx.shape(q)[1], ctx.shape(k)[1]
+    if not (ctx.static(heads) and ctx.static(kv)) or heads % kv or ctx.shape(v)[1] != kv:
+        return []
+    tables = [t for t in block_mask if isinstance(t, Node) and is_placed(t)]
+    found = []
+    for s in ctx.shard_options(q, 1):
+        if s.chunks is not None:
+            continue
+        options = [*(o for o in ctx.shard_options(k, 1) if o.chunks is None), R]
+        for held in options:
+            if not _serves(s, held, heads, kv, ctx.world) or (v is not k and held not in [*ctx.shard_options(v, 1), R]):
+                continue
+            placements = {q: s, k: held, v: held}
+            placements.update({t: s if len(ctx.shape(t)) > 1 and ctx.shape(t)[1] == heads else R for t in tables})
+            found.append(Strategy(ctx.fill(node, placements), tuple(s for _ in node.meta["val"])))
+    if not found and ctx.world > 1:
+        ctx.why[node] = (f"no split of its {heads} query heads on {ctx.world} ranks meets its {kv} KV heads where the "
+                         "kernel reads them: computed whole, q, k and v gathered")
+        return None
+    return found
+
+
+def keeps_flex(node: Node, grad) -> list:
+    """Its backward keeps q, k and v (and its output and log-sum-exp, read here through the outputs' users)."""
+    return [(0, None), (1, None), (2, None)]
+
+
+# ---- this rank's form ------------------------------------------------------------------------------------
+
+def global_heads(node: Node, strategy, rank: int, world: int) -> None:
+    """The score and mask functions see this rank's first query head as head ``first``, not 0."""
+    placement = strategy.inputs[0]
+    if not isinstance(placement, Shard):
+        return
+    (first, _), = placement.ranges(node.args[0].meta["val"].shape[1], rank, world)
+    if not first:
+        return
+    args = list(node.args)
+    args[3] = _offset(node, args[3], 2, first)  # score_mod(score, b, h, q_idx, kv_idx, *buffers)
+    block_mask = list(args[4])
+    block_mask[-1] = _offset(node, block_mask[-1], 1, first)  # mask_mod(b, h, q_idx, kv_idx, *buffers)
+    args[4] = tuple(block_mask)
+    node.args = tuple(args)
+
+
+def _offset(at: Node, function: Node, slot: int, first: int) -> Node:
+    """A copy of the subgraph ``function`` names whose head index (its placeholder ``slot``) is ``h + first``,
+    or ``function`` itself if it does not read the head index."""
+    gm = at.graph.owning_module
+    sub = getattr(gm, function.target)
+    if not [n for n in sub.graph.nodes if n.op == "placeholder"][slot].users:
+        return function
+    sub = copy.deepcopy(sub)
+    h = [n for n in sub.graph.nodes if n.op == "placeholder"][slot]
+    with sub.graph.inserting_after(h):
+        shifted = sub.graph.call_function(aten.add.Tensor, (h, first))
+    h.replace_all_uses_with(shifted, delete_user_cb=lambda user: user is not shifted)
+    sub.recompile()
+    name = f"{function.target}_from_head_{first}"
+    gm.add_submodule(name, sub)
+    with at.graph.inserting_before(at):
+        return at.graph.get_attr(name)

@@ -1,0 +1,305 @@
+"""Attention layouts that hide the heads, made plain before the rules see them (the same values, other ops).
+
+``F.multi_head_attention_forward`` (nn.MultiheadAttention, nn.Transformer*Layer) picks q, k and v out of its packed
+in_proj output with an unflatten, dim moves and selects, and merges the heads with the batch ([S, B*H, hd]) before
+viewing them back as [B, H, S, hd]; BLOOM computes attention on [B*H, ...] with ``baddbmm`` / ``bmm``.  A head merged
+with a symbolic batch is no dim a rule can split, so q, k and v would be gathered: here the picks become a split of
+the packed dim (its weight then splits block by block, S(0|E,E,E)), and merged views and products are rewritten on
+[B, H, ...] (a view into finer dims and a permute; a 4-D matmul).
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch.fx import Node
+
+from .semantics import may_alias
+from .strategies import Context
+
+aten = torch.ops.aten
+_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+_SAME = (aten.contiguous.default, aten.clone.default, aten.alias.default)
+
+
+def unmerge(gm: torch.fx.GraphModule) -> None:
+    """All three rewrites, each where it applies."""
+    probes = Context(world=1)
+    packed_picks(gm)
+    merged_views(gm, probes)
+    merged_products(gm, probes)
+    gm.graph.lint()
+    gm.recompile()
+
+
+def _sizes(ctx: Context, node: Node) -> list[int]:
+    return [ctx.probe(s) for s in ctx.shape(node)]
+
+
+def _erase_unused(graph: torch.fx.Graph, nodes) -> None:
+    """Erase the given nodes that nothing reads any more, and then what only they read, back to the first op that
+    is no pure view or product."""
+    todo, erased = list(nodes), set()
+    while todo:
+        node = todo.pop()
+        pure = node.op == "call_function" and (
+            may_alias(node.target) or node.target in (*_SAME, aten.repeat.default, aten.bmm.default))
+        if pure and not node.users and node not in erased:
+            todo += node.all_input_nodes
+            graph.erase_node(node)
+            erased.add(node)
+
+
+# ---- packed q|k|v picked by select ---------------------------------------------------------------
+
+def _moved(node: Node, prev: Node, labels: list):
+    """Where the dims (``labels``) of ``prev`` are in ``node``, a pure dim move of it; None for any other op."""
+    if not node.args or node.args[0] is not prev:
+        return None
+    n = len(labels)
+    if node.target in _SAME:
+        return labels
+    if node.target == aten.unsqueeze.default:
+        at = node.args[1] % (n + 1)
+        return [*labels[:at], "one", *labels[at:]]
+    if node.target == aten.squeeze.dim:
+        at = node.args[1] % n
+        return [*labels[:at], *labels[at + 1:]] if labels[at] == "one" else None
+    if node.target == aten.transpose.int:
+        a, b = node.args[1] % n, node.args[2] % n
+        labels = list(labels)
+        labels[a], labels[b] = labels[b], labels[a]
+        return labels
+    if node.target == aten.permute.default:
+        return [labels[d % n] for d in node.args[1]]
+    return None
+
+
+def _picks(unflattened: Node, dim: int, ndim: int):
+    """(the selects, the chain before them) if ``unflattened``'s pieces dim reaches selects along it through dim
+    moves that leave every other dim where it was in the unflattened tensor's input; else None."""
+    labels = [*range(dim), "pieces", *range(dim, ndim)]
+    node, chain = unflattened, [unflattened]
+    while True:
+        users = list(node.users)
+        if users and all(u.target == aten.select.int and u.args[0] is node for u in users):
+            break
+        if len(users) != 1:
+            return None
+        labels = _moved(users[0], node, labels)
+        if labels is None:
+            return None
+        node = users[0]
+        chain.append(node)
+    at = labels.index("pieces")
+    if [d for d in labels if d != "pieces"] != list(range(ndim)) or any(u.args[1] % len(labels) != at for u in users):
+        return None
+    return users, chain
+
+
+def packed_picks(gm: torch.fx.GraphModule) -> None:
+    """``x.unflatten(d, [k, n])``, its dims moved about (unsqueeze, transpose, squeeze, contiguous) and picked apart
+    by ``select`` along the k dim  =>  ``split(x, n, d)[i]`` (copied contiguous, as the picks were): each pick is
+    x's i-th block of n."""
+    graph = gm.graph
+    for unflattened in list(graph.nodes):
+        if unflattened.target != aten.unflatten.int or unflattened.graph is not graph:
+            continue
+        x, dim, sizes = unflattened.args[:3]
+        ndim = x.meta["val"].dim()
+        dim %= ndim
+        if len(sizes) != 2 or not all(isinstance(s, int) for s in sizes):
+            continue
+        found = _picks(unflattened, dim, ndim)
+        if found is None:
+            continue
+        picks, chain = found
+        block = int(unflattened.meta["val"].shape[dim + 1])
+        with graph.inserting_after(x):
+            parts = graph.call_function(aten.split.Tensor, (x, block, dim))
+        parts.meta = {**unflattened.meta, "val": tuple(x.meta["val"].split(block, dim))}
+        for pick in picks:
+            index = pick.args[2] % len(parts.meta["val"])
+            with graph.inserting_before(pick):
+                item = graph.call_function(operator.getitem, (parts, index))
+                item.meta = {**pick.meta, "val": parts.meta["val"][index]}
+                copy = graph.call_function(aten.contiguous.default, (item,))
+                copy.meta = {**pick.meta, "val": parts.meta["val"][index].contiguous()}
+            pick.replace_all_uses_with(copy)
+            graph.erase_node(pick)
+        _erase_unused(graph, chain)
+
+
+# ---- heads merged with the batch, viewed back ------------------------------------------------------
+
+class _Atoms:
+    """The dims of a tensor cut into the finest pieces a chain of views needs (atoms), in their order in the
+    chain's input: each atom is a run of one input dim's indices, so any order of atoms is a permute of a view."""
+
+    def __init__(self, sizes: list[int]):
+        self.size: dict = {}
+        self.dims = [[self._new(s)] for s in sizes]
+        self.order = [d[0] for d in self.dims]
+
+    def _new(self, size: int) -> int:
+        self.size[len(self.size)] = size
+        return len(self.size) - 1
+
+    def _split(self, atom: int, outer: int) -> tuple[int, int]:
+        """An atom cut into (outer, inner) runs, everywhere it appears."""
+        pair = (self._new(outer), self._new(self.size[atom] // outer))
+        self.order = [x for y in self.order for x in (pair if y == atom else (y,))]
+        self.dims = [[x for y in d for x in (pair if y == atom else (y,))] for d in self.dims]
+        return pair
+
+    def regroup(self, sizes: list[int]) -> bool:
+        """The dims after a view to ``sizes``; False where no view gives them."""
+        flat, dims, i = [a for d in self.dims for a in d], [], 0
+        for want in sizes:
+            group, got = [], 1
+            while got < want:
+                if i >= len(flat):
+                    return False
+                size = self.size[flat[i]]
+                if want % (got * size) == 0:
+                    group.append(flat[i])
+                    got *= size
+                    i += 1
+                elif want % got == 0 and size % (want // got) == 0:
+                    outer, flat[i] = self._split(flat[i], want // got)
+                    group.append(outer)
+                    got = want
+                else:
+                    return False
+            dims.append(group)
+        if i != len(flat):
+            return False
+        self.dims = dims
+        return True
+
+
+def merged_views(gm: torch.fx.GraphModule, ctx: Context) -> None:
+    """``view`` merging a dim with part of its neighbour -> transposes -> ``view`` splitting them back into single
+    dims (nn.MultiheadAttention: [S, B, E] -> [S, B*H, hd] -> [B*H, S, hd] -> [B, H, S, hd])  =>  one view of the
+    input into those dims and a permute."""
+    graph = gm.graph
+    for first in list(graph.nodes):
+        if first.target not in _VIEWS or first.graph is not graph or not isinstance(first.args[0], Node):
+            continue
+        x = first.args[0]
+        sizes = [_sizes(ctx, n) for n in (x, first)]
+        if 1 in sizes[0] or 1 in sizes[1]:
+            continue
+        atoms = _Atoms(sizes[0])
+        if not atoms.regroup(sizes[1]) or all(len(d) == 1 for d in atoms.dims):
+            continue  # no merge to undo
+        node, chain = first, [first]
+        while len(node.users) == 1:
+            user = next(iter(node.users))
+            n = len(atoms.dims)
+            if user.target == aten.transpose.int and user.args[0] is node:
+                a, b = user.args[1] % n, user.args[2] % n
+                atoms.dims[a], atoms.dims[b] = atoms.dims[b], atoms.dims[a]
+            elif user.target == aten.permute.default and user.args[0] is node:
+                atoms.dims = [atoms.dims[d % n] for d in user.args[1]]
+            else:
+                break
+            node = user
+            chain.append(node)
+        last = next(iter(node.users)) if len(node.users) == 1 else None
+        if last is None or last.target not in _VIEWS or 1 in _sizes(ctx, last) or not atoms.regroup(_sizes(ctx, last)) \
+                or any(len(d) != 1 for d in atoms.dims):
+            continue
+        final = [d[0] for d in atoms.dims]
+        given, order = list(last.args[1]), [atoms.order.index(a) for a in final]
+        with graph.inserting_before(last):
+            viewed = graph.call_function(aten.view.default, (x, [given[final.index(a)] for a in atoms.order]))
+            viewed.meta = {**first.meta, "val": x.meta["val"].view(
+                [last.meta["val"].shape[final.index(a)] for a in atoms.order])}
+            result = viewed
+            if order != sorted(order):
+                result = graph.call_function(aten.permute.default, (viewed, order))
+                result.meta = {**last.meta, "val": viewed.meta["val"].permute(order)}
+        last.replace_all_uses_with(result)
+        graph.erase_node(last)
+        _erase_unused(graph, chain)
+
+
+# ---- products over heads merged with the batch -------------------------------------------------------
+
+def _unmerged(node: Node, b: int, h: int, ctx: Context):
+    """How the [b*h, ...] operand ``node`` is a [b, h, ...] value: (source, broadcast over b, transposes to apply),
+    or None.  Sources: a view of a [b, h, ...] tensor, or ``x.repeat(b, 1, ...)`` of an [h, ...] one (BLOOM's
+    alibi slopes); transposes of the other dims pass through."""
+    moves = []
+    while node.target == aten.transpose.int:
+        n = len(ctx.shape(node))
+        pair = (node.args[1] % n, node.args[2] % n)
+        if 0 in pair:
+            return None
+        moves.append((pair[0] + 1, pair[1] + 1))
+        node = node.args[0]
+    src = node.args[0] if node.args and isinstance(node.args[0], Node) else None
+    if src is None:
+        return None
+    inner = _sizes(ctx, src)
+    if node.target in _VIEWS and inner[:2] == [b, h] and inner[2:] == _sizes(ctx, node)[1:]:
+        return src, False, moves[::-1]
+    if node.target == aten.repeat.default and len(node.args[1]) == len(inner) and inner[0] == h:
+        first, *rest = node.args[1]
+        times = ctx.probe(first.meta["val"] if isinstance(first, Node) else first)
+        if times == b and all(r == 1 for r in rest):
+            return src, True, moves[::-1]
+    return None
+
+
+def _built(graph: torch.fx.Graph, recipe) -> Node:
+    src, broadcast, moves = recipe
+    value = src
+    steps = [(aten.unsqueeze.default, (0,))] * broadcast + [(aten.transpose.int, m) for m in moves]
+    for target, extra in steps:
+        made = graph.call_function(target, (value, *extra))
+        made.meta = {**src.meta, "val": target(value.meta["val"], *extra)}
+        value = made
+    return value
+
+
+def _call(graph: torch.fx.Graph, target, args: tuple, like: Node) -> Node:
+    made = graph.call_function(target, args)
+    made.meta = {**like.meta, "val": target(*(a.meta["val"] if isinstance(a, Node) else a for a in args))}
+    return made
+
+
+def merged_products(gm: torch.fx.GraphModule, ctx: Context) -> None:
+    """``bmm`` / ``baddbmm`` of [B*H, ...] operands whose result is only viewed back as [B, H, ...] (BLOOM's
+    ``alibi.baddbmm(q, k^T)`` and ``probs.bmm(v)``)  =>  the 4-D matmul of the unmerged operands
+    (``beta * input + alpha * (a @ b)``)."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.target not in (aten.bmm.default, aten.baddbmm.default):
+            continue
+        users = list(node.users)
+        shapes = {tuple(_sizes(ctx, u)) for u in users}
+        if not users or any(u.target not in _VIEWS for u in users) or len(shapes) != 1:
+            continue
+        (b, h, *rest), = shapes
+        if rest != _sizes(ctx, node)[1:] or b * h != _sizes(ctx, node)[0] or not ctx.static(ctx.shape(users[0])[1]):
+            continue
+        operands = node.args[:3] if node.target == aten.baddbmm.default else (None, *node.args[:2])
+        recipes = [_unmerged(a, b, h, ctx) if a is not None else None for a in operands]
+        if None in recipes[1:] or (operands[0] is not None and recipes[0] is None):
+            continue
+        with graph.inserting_before(node):
+            bias, left, right = (_built(graph, r) if r is not None else None for r in recipes)
+            value = _call(graph, aten.matmul.default, (left, right), users[0])
+            alpha, beta = node.kwargs.get("alpha", 1), node.kwargs.get("beta", 1)
+            if alpha != 1:
+                value = _call(graph, aten.mul.Tensor, (value, alpha), users[0])
+            if bias is not None:
+                bias = _call(graph, aten.mul.Tensor, (bias, beta), users[0]) if beta != 1 else bias
+                value = _call(graph, aten.add.Tensor, (bias, value), users[0])
+        for user in users:
+            user.replace_all_uses_with(value)
+            graph.erase_node(user)
+        graph.erase_node(node)
+        _erase_unused(graph, [a for a in operands if a is not None])

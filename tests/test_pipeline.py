@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime
+import itertools
 import math
 import os
 import tempfile
@@ -15,7 +16,7 @@ from safetensors.torch import load_file
 from autotp.api import prepared_graph
 from autotp.cost_models import load_topology
 from autotp.cost_models.mesh_layout import Candidate, Setting, stage_memory
-from autotp.parallel.split import split
+from autotp.parallel.split import stage_graph
 from autotp.parallel.stages import StageError, block_profile, find_blocks, stage_starts
 from autotp.tools.spawn import run_local
 from distributed import run_unsupervised
@@ -73,9 +74,11 @@ def _train(rank: int, world: int, dims: tuple, names: tuple, schedule: str, stag
     from autotp.parallel.pipeline import pipeline
     mesh = init_device_mesh("cpu", dims, mesh_dim_names=names)
 
-    def shard_stage(module, args, kwargs):
+    def shard_stage(model, args, kwargs, graph, fixed):
+        module = graph
         if "tp" in names:
-            module = autotp.api.tensor_parallel(module, args, kwargs, group=mesh["tp"].get_group())
+            module = autotp.api.tensor_parallel(model, args, kwargs, group=mesh["tp"].get_group(), graph=graph,
+                                                fixed=fixed)
         return fully_shard(module, mesh=mesh["dp"]) if "dp" in names else module
 
     x, y = _batch()
@@ -254,25 +257,46 @@ class _SkipOver(torch.nn.Module):
         return self.head(h * e)
 
 
-def test_split_passes_on_what_later_stages_read():
+def _chain(model, x, path: str, starts: list) -> tuple:
+    """Each stage built on its own, then run one after the other: (output, stages)."""
+    bounds = [*starts, len(model.get_submodule(path))]
+    stages = [stage_graph(model, (x,), {}, path, bounds[-1], a, b) for a, b in itertools.pairwise(bounds)]
+    values = (x,)
+    for stage in stages:
+        values = tuple(stage.graph(*values))
+    return values, stages
+
+
+def test_stages_pass_on_what_later_stages_read():
+    """A head that reads the embedding again: the stages in between pass it on; one-block stages included."""
     torch.manual_seed(0)
     model, x = _SkipOver(), torch.randn(2, 8)
-    cut = split(model, (x,), {}, "blocks", [0, 1, 2])
-    assert [n for m in cut.modules for n, _ in m.named_parameters()] == [n for n, _ in model.named_parameters()]
-    values = (x,)
-    for module, (args, _) in zip(cut.modules, cut.inputs, strict=True):
-        assert len(args) == len(values) and all(torch.equal(a, b) for a, b in zip(args, values, strict=True))
-        out = module(*values)
-        values = out if isinstance(out, tuple) else (out,)
-    torch.testing.assert_close(values[0], model(x))
-    assert len(cut.inputs[1][0]) == 2  # the middle stage takes the embedding output to pass it on
+    (out,), stages = _chain(model, x, "blocks", [0, 1, 2])
+    assert [n for st in stages for n, _ in st.graph.named_parameters()] == [n for n, _ in model.named_parameters()]
+    assert [len(st.args) for st in stages] == [1, 2, 2]  # the stream and the embedding's output
+    torch.testing.assert_close(out, model(x))
 
 
-def test_parameters_shared_by_two_stages_are_refused():
-    model = _llama()
-    model.lm_head.weight = model.model.embed_tokens.weight  # tied input and output embeddings
-    with pytest.raises(StageError, match="used by more than one stage"):
-        split(model, (torch.randint(0, VOCAB, (1, SEQ)),), {}, "model.layers", [0, 2])
+def test_stages_built_alone_chain_into_the_model():
+    """LLaMA (rotary tables and sizes passed between stages) and GPT-2 (tied embeddings: both end stages hold the
+    weight under both its names) cut every way into stages, each captured without the others' blocks, chain into
+    exactly the model's logits, at another batch and sequence length than they were captured at."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=4, n_head=4,
+                                      use_cache=False, bos_token_id=0, eos_token_id=0)).eval()
+    x = torch.randint(0, VOCAB, (2, SEQ))
+    other = torch.randint(0, VOCAB, (3, 5))
+    for model, path in [(_llama().eval(), "model.layers"), (gpt2, "transformer.h")]:
+        for starts in ([0, 2], [0, 1, 3]):
+            bounds = [*starts, 4]
+            stages = [stage_graph(model, (x,), {}, path, 4, a, b) for a, b in itertools.pairwise(bounds)]
+            values = (other,)
+            for stage in stages:
+                values = tuple(stage.graph(*values))
+            assert torch.equal(values[0], model(other).logits), (path, starts)
+    names = {n for n, _ in stages[0].graph.named_parameters(remove_duplicate=False)}
+    assert {"transformer.wte.weight", "lm_head.weight"} <= names
+    assert stages[0].outside["lm_head.weight"] == {"pre", "post"}  # read by the embedding and by the head
 
 
 def test_a_graph_captured_from_a_view_runs_on_any_tensor():

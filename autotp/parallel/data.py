@@ -25,11 +25,13 @@ def check_kind(kind: str) -> None:
 
 def same_start(module: torch.nn.Module, dp_mesh: DeviceMesh) -> None:
     """Every replica starts from DP rank 0's values, as DDP does at construction: FSDP2 keeps each
-    rank's own piece, so replicas initialised differently would silently train different models."""
+    rank's own piece, so replicas initialised differently would silently train different models.  Tensors on
+    the meta device have no values yet: the same checkpoint or seed fills them on every replica."""
     group, source = dp_mesh.get_group(), dp_mesh.mesh.flatten()[0].item()
     with torch.no_grad():
         for tensor in [*module.parameters(), *module.buffers()]:
-            dist.broadcast(tensor, src=source, group=group)
+            if not tensor.is_meta:
+                dist.broadcast(tensor, src=source, group=group)
 
 
 def data_parallel(module: torch.nn.Module, dp_mesh: DeviceMesh, kind: str = "fsdp") -> torch.nn.Module:

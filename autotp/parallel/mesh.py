@@ -7,12 +7,14 @@ consecutive (inside a node) and DP and PP groups span nodes, as Megatron and tor
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from autotp import api
+from autotp.runtime.materialize import materialize
 
 from .data import check_kind, data_parallel
 
@@ -45,6 +47,7 @@ def parallelize(model: torch.nn.Module, args=None, kwargs=None, *, mesh: DeviceM
     if mesh is None:
         return api.tensor_parallel(model, args, kwargs, **options)
     dims = mesh_dims(mesh)
+    _check_size(mesh, dims)
     if options.get("group") is not None:
         raise ValueError("pass either mesh= or group=, not both: with a mesh, TP runs on its 'tp' dimension")
     check_kind(data_parallel)
@@ -68,19 +71,38 @@ def parallelize(model: torch.nn.Module, args=None, kwargs=None, *, mesh: DeviceM
     return shard_stage(model, args, kwargs)
 
 
-def _shard(module: torch.nn.Module, args, kwargs, *, mesh: DeviceMesh, kind: str, options: dict) -> torch.nn.Module:
-    """TP on this rank's "tp" group (a group of this rank alone when the mesh has none), then DP on its
-    "dp" group.
+def _check_size(mesh: DeviceMesh, dims: tuple) -> None:
+    """Every process is in the mesh (a rank outside it would wait forever for the others)."""
+    if not dist.is_initialized():
+        return
+    sizes = [mesh[d].size() for d in dims]
+    if math.prod(sizes) != dist.get_world_size():
+        shown = " x ".join(f"{d} {n}" for d, n in zip(dims, sizes, strict=True))
+        raise ValueError(f"the mesh's dimensions ({shown}) multiply to {math.prod(sizes)} ranks, but the world has "
+                         f"{dist.get_world_size()}: make their sizes multiply to the number of processes started")
 
-    The pipeline passes each stage's module here: one code path with and without stages."""
+
+def _shard(model: torch.nn.Module, args, kwargs, *, mesh: DeviceMesh, kind: str, options: dict,
+           graph=None, fixed: dict | None = None) -> torch.nn.Module:
+    """TP on this rank's "tp" group (a group of this rank alone when the mesh has none), then DP on its
+    "dp" group; the tensors a checkpoint or ``init_seed`` provides are filled once FSDP2 has split them, so each
+    rank reads only its own piece.
+
+    The pipeline passes each stage's graph here (``graph``, with ``fixed`` placements for its tied weights): one
+    code path with and without stages."""
     dims = mesh.mesh_dim_names
-    if "tp" in dims:
-        sharded = api.tensor_parallel(module, args, kwargs, group=mesh["tp"].get_group(), **options)
-    else:  # a one-rank TP group: autotp still plans (everything replicated) and keeps its bookkeeping
-        sharded = api.tensor_parallel(module, args, kwargs, group=_own_group(), **options)
+    group = mesh["tp"].get_group() if "tp" in dims else _own_group()  # one rank: autotp still plans and keeps
+    replicas = "dp" in dims and mesh["dp"].size() > 1                # its bookkeeping (everything replicated)
+    fixed = {**(fixed or {}), **(options.get("fixed") or {})} or None
+    source = api.checkpoint_source(options.get("checkpoint"), model)
+    later = replicas and kind == "fsdp"
+    sharded = api.tensor_parallel(model, args, kwargs, group=group, graph=graph, fill=not later,
+                                  **{**options, "fixed": fixed, "checkpoint": source})
     sharded.autotp_mesh = mesh
-    if "dp" in dims and mesh["dp"].size() > 1:
+    if replicas:
         sharded = data_parallel(sharded, mesh["dp"], kind)
+    if later and (source is not None or options.get("init_seed") is not None):
+        materialize(sharded, checkpoint=source, seed=options.get("init_seed"))
     return sharded
 
 

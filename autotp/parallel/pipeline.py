@@ -1,10 +1,15 @@
 """Pipeline stages on torch.distributed.pipelining, each stage sharded by a caller-given function (autotp's TP).
 
-The model is cut between the blocks of its repeated block list by ``torch.distributed.pipelining.pipeline``
-(torch.export, split points at block starts), which keeps every parameter's original name.  Each stage this rank
-holds goes through ``shard_stage`` (TP on the stage's graph, FSDP over data parallel), is wrapped in a
-``PipelineStage`` and driven by one of pipelining's schedules.  Micro-batch losses are averaged the way a
-single-process mean loss is: the schedule divides gradients by the number of micro-batches (``scale_grads``).
+Each rank captures and builds only the stages it holds (split.py: the model with only those blocks in its block
+list, cut between blocks; any device, meta included), keeping every parameter's original name.  Each stage goes
+through ``shard_stage`` (TP on the stage's graph, FSDP over data parallel), is wrapped in a ``PipelineStage`` and
+driven by one of pipelining's schedules.  Micro-batch losses are averaged the way a single-process mean loss is: the
+schedule divides gradients by the number of micro-batches (``scale_grads``).
+
+A weight read by two stages (tied input and output embeddings) is held by both, split alike over TP (tied.py);
+after each step's backward the copies' gradients are summed over
+the pipeline ranks holding them at the same (dp, tp) place (Megatron's embedding group), so the copies stay equal;
+a checkpoint or ``init_seed`` fills both from the one stored or seeded tensor, and saving writes it once.
 """
 from __future__ import annotations
 
@@ -15,21 +20,27 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from autotp.agree import InputCheck
-from autotp.api import device_of, prepared_graph
+from autotp.api import offered, prepared_graph
 from autotp.cost_models import load_topology
 from autotp.cost_models.mesh_layout import Candidate, Setting
-from autotp.hf import no_kv_cache
-from autotp.runtime.conversion import weightless
+from autotp.runtime.conversion import on_meta, weightless
 from autotp.runtime.hf_checkpoint import full_checkpoint_tensors, full_state_dict
+from autotp.runtime.materialize import device_of
 
-from .split import split
+from .split import stage_graph
 from .stages import StageError, block_profile, find_blocks, stage_starts
+from .tied import Tied
 
 # schedule name -> (class, stages per rank)
 SCHEDULES = {"gpipe": (ScheduleGPipe, 1), "1f1b": (Schedule1F1B, 1), "interleaved-1f1b": (ScheduleInterleaved1F1B, 2)}
+
+
+def stage_indices(pp_rank: int, pp: int, count: int) -> list:
+    """The stages pipeline rank ``pp_rank`` of ``pp`` holds out of ``count`` (loop placement)."""
+    return list(range(pp_rank, count, pp))
 
 
 def pipeline(model: torch.nn.Module, args, kwargs=None, *, mesh, loss_fn, schedule: str = "1f1b",
@@ -41,8 +52,9 @@ def pipeline(model: torch.nn.Module, args, kwargs=None, *, mesh, loss_fn, schedu
     they are cut into ``microbatches`` along dim 0 (default: one per pipeline rank).  ``stages``: the block
     indices where stages begin (first 0), overriding the cost model's split (stage time balanced under
     ``memory_limit`` bytes per device, default 90% of the ``topology``'s, with ``data_parallel`` sharding over
-    the mesh's "dp"); interleaved 1F1B holds two stages per rank.  ``shard_stage(module, args, kwargs) ->
-    module`` shards one stage (identity by default).
+    the mesh's "dp"); interleaved 1F1B holds two stages per rank.  ``shard_stage(model, args, kwargs, graph=,
+    fixed=) -> module`` shards one stage's graph (``fixed``: placements its tied weights must take; default: the
+    graph itself).
     """
     if "pp" not in (mesh.mesh_dim_names or ()):
         raise ValueError(f"pipeline needs a mesh with a 'pp' dimension, got dims {mesh.mesh_dim_names}")
@@ -60,40 +72,58 @@ def pipeline(model: torch.nn.Module, args, kwargs=None, *, mesh, loss_fn, schedu
     args, kwargs = tuple(args or ()), dict(kwargs or {})
     mb_args, mb_kwargs = _first_microbatch(args, kwargs, microbatches)
     fold = find_blocks(model)
+    tp, dp = (mesh[d].size() if d in mesh.mesh_dim_names else 1 for d in ("tp", "dp"))
+    whole = _Whole(model, mb_args, mb_kwargs)
     if stages is None:
-        tp, dp = (mesh[d].size() if d in mesh.mesh_dim_names else 1 for d in ("tp", "dp"))
         topo, size = load_topology(topology), _batch_size(mb_args, mb_kwargs)
         limit = memory_limit if memory_limit is not None else 0.9 * topo.memory_bytes
-        stages = stage_starts(block_profile(prepared_graph(model, mb_args, mb_kwargs, fold=True), fold, tp, topo),
+        stages = stage_starts(block_profile(whole.graph(), fold, tp, topo),
                               Candidate(tp, pp, dp, microbatch_size=size, schedule=schedule, virtual_stages=per_rank),
                               Setting(topo, size * microbatches * dp, True, data_parallel, limit, 0.0))
     stages = _checked_starts(list(stages), count, fold.count, schedule)
-    with no_kv_cache(model):
-        cut = split(model, mb_args, mb_kwargs, fold.path, stages)
-    out_spec = cut.out_spec
-    shard_stage = shard_stage or (lambda module, stage_args, stage_kwargs: module)
+    bounds = [*stages, fold.count]
+    skeleton = on_meta(model)  # what the stages keep of the model: its classes and config, no weights
+    shard_stage = shard_stage or (lambda model, args, kwargs, graph, fixed: graph)
     device = device_of(group)
-    modules, built = {}, []
-    for index in range(pp_rank, count, pp):
-        modules[index] = shard_stage(cut.modules[index], *cut.inputs[index])
-        _check_first_inputs(modules[index], *cut.inputs[index])
+    modules, built, tied = {}, [], Tied(model, count)
+    for index in stage_indices(pp_rank, pp, count):
+        stage = stage_graph(model, mb_args, mb_kwargs, fold.path, fold.count, bounds[index], bounds[index + 1])
+        tied.read(stage)
+        fixed = tied.placements(stage.graph, lambda: offered(whole.graph(), tp)) if tp > 1 else {}
+        modules[index] = shard_stage(skeleton, stage.args, stage.kwargs, graph=stage.graph, fixed=fixed or None)
+        _check_inputs_once(modules[index], stage.args, stage.kwargs, index == 0)
         built.append(PipelineStage(modules[index], index, count, device, group=group))
-    del cut  # other ranks' stages are freed
+    tied.connect(mesh, lambda index: next(r for r in range(pp) if index in stage_indices(r, pp, count)))
+    out_spec = stage.out_spec
 
     def flat_loss(output, target):
         return loss_fn(_unflatten(output, out_spec), target)
 
     runner = kind(built if per_rank > 1 else built[0], microbatches, loss_fn=flat_loss, scale_grads=True)
     return Pipelined(runner, modules, group, out_spec, stages, getattr(model, "config", None), weightless(model),
-                     frozenset(model.state_dict()))
+                     frozenset(model.state_dict()), tied)
+
+
+class _Whole:
+    """The model's folded graph (four blocks, passes/fold.py), captured when first needed: to split the stages and
+    to see every reader of a tied weight."""
+
+    def __init__(self, model: torch.nn.Module, args: tuple, kwargs: dict):
+        self.model, self.args, self.kwargs, self.gm = model, args, kwargs, None
+
+    def graph(self) -> torch.fx.GraphModule:
+        if self.gm is None:
+            self.gm = prepared_graph(self.model, self.args, self.kwargs, fold=True)
+        return self.gm
 
 
 class Pipelined:
     """This rank's stages and the schedule that runs them; the parameters keep their original names."""
 
     def __init__(self, schedule, modules: dict, group, out_spec, starts: list, config=None, source=None,
-                 stored: frozenset = frozenset()):
+                 stored: frozenset = frozenset(), tied: Tied | None = None):
         self.schedule = schedule
+        self.tied = tied        # weights held by two stages: their gradients are summed after each backward
         self.stored = stored  # the model's parameter and persistent buffer names: what a checkpoint holds
         self.autotp_config = config  # written beside the weights by autotp.save_pretrained
         self.autotp_source = source  # the model without its weights: save_pretrained writes transformers' layout of it
@@ -106,7 +136,10 @@ class Pipelined:
         """One training step's forward and backward over the micro-batches (the optimizer step is the caller's):
         inputs matter on the first stage, ``target`` on the last, where ``losses`` gets each micro-batch's loss
         and the merged output is returned (None elsewhere)."""
-        return self._output(self.schedule.step(*inputs, target=target, losses=losses, **kwargs))
+        merged = self.schedule.step(*inputs, target=target, losses=losses, **kwargs)
+        if self.tied is not None:
+            self.tied.sum_gradients(self.modules.values())
+        return self._output(merged)
 
     def evaluate(self, *inputs, target=None, losses: list | None = None, **kwargs):
         """Forward only (no gradients kept): the merged output on the last stage, losses if ``target`` is given."""
@@ -126,22 +159,30 @@ class Pipelined:
         of this pipeline (a collective over the pipeline group and each stage's TP and DP groups)."""
         mine = {}
         for index in sorted(self.modules):  # the cut loses which buffers were persistent: the model says
-            mine.update((name, t) for name, t in _full_tensors(self.modules[index], buffers).items()
+            mine.update((self._name(name), t) for name, t in _full_tensors(self.modules[index], buffers).items()
                         if not buffers or name in self.stored)
         everyone = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(everyone, mine, group=self.group)
         return {name: tensor for stage in everyone for name, tensor in stage.items()}
 
+    def _name(self, name: str) -> str:
+        return name if self.tied is None else self.tied.canonical(name)  # a tied weight once, under its first name
+
     def _output(self, merged):
         return None if merged is None else _unflatten(merged, self.out_spec)
 
 
-def _check_first_inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-    """Run autotp's check that TP ranks agree on a module's first inputs on the example's values: pipelining's
-    shape inference makes the first call with uninitialized tensors, which ranks would not agree on."""
+def _check_inputs_once(module: torch.nn.Module, args: tuple, kwargs: dict, first: bool) -> None:
+    """autotp's check that TP ranks agree on a stage's first inputs, run now on the example's values: pipelining's
+    shape inference makes the first call of a later stage with uninitialized tensors, which ranks would not agree
+    on (and a later stage's inputs come from the stage before, the same on every TP rank)."""
+    real = first and not any(t.is_meta for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
     for hook in list(module._forward_pre_hooks.values()):
         if isinstance(hook, InputCheck):
-            hook(module, args, kwargs)
+            if real:
+                hook(module, args, kwargs)
+            else:
+                hook.handle.remove()
 
 
 def _full_tensors(module: torch.nn.Module, buffers: bool) -> dict:

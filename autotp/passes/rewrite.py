@@ -32,15 +32,16 @@ def _written(gm: torch.fx.GraphModule) -> set:
             if node.op == "get_attr" and any(writes(user, node) for user in node.users)}
 
 
-def shard_parameters(gm: torch.fx.GraphModule, placements: dict, rank: int, world: int, checkpoint=None,
-                     device: torch.device | None = None) -> None:
+def shard_parameters(gm: torch.fx.GraphModule, placements: dict, rank: int, world: int,
+                     provided: frozenset = frozenset(), device: torch.device | None = None) -> None:
     """Give the module its own copy of every parameter and buffer, sharded as planned.
 
-    From ``checkpoint`` (autotp.runtime.hf_checkpoint.Checkpoint) each rank reads only its slices; otherwise
-    from the captured model's tensors, copied (never views) so that the user's model is untouched.
-    Tied tensors stay tied.
+    Copies of the captured model's tensors (never views, so that the user's model is untouched).  A tensor that
+    the caller fills later (``provided``: a checkpoint holds it under one of its names) or that has no values (the
+    meta device) is this rank's local shape on the meta device, for runtime/materialize.py to fill.  Tied tensors
+    stay tied.
     """
-    from autotp.runtime.hf_checkpoint import CheckpointError, check_names, is_persistent
+    from autotp.runtime.hf_checkpoint import CheckpointError
 
     tensors = [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]
     known = {name for name, _ in tensors}
@@ -53,33 +54,21 @@ def shard_parameters(gm: torch.fx.GraphModule, placements: dict, rank: int, worl
     for name, tensor in tensors:
         aliases.setdefault(id(tensor), []).append(name)
     by_id = {id(tensor): placements[name] for name, tensor in tensors if name in placements}
-    if checkpoint is not None:
-        persistent = {id(t): (aliases[id(t)], t.shape) for n, t in tensors if is_persistent(gm, n, t)}
-        optional = {n for n, t in tensors if id(t) not in persistent}
-        check_names(checkpoint, persistent, optional)
     done: dict = {}
     for name, tensor in tensors:
         owner_name, _, attr = name.rpartition(".")
         owner = gm.get_submodule(owner_name)
         if id(tensor) not in done:
             placement = by_id.get(id(tensor), R)
-            stored = [n for n in aliases[id(tensor)] if checkpoint is not None and n in checkpoint.files]
-            if stored:
-                # copy: own memory, not pages of the mapped file (the optimizer writes into parameters)
-                piece = checkpoint.read(stored[0], placement, rank, world)
-                shares = getattr(checkpoint, "shares", False)  # another program's shards: the same memory
-                local = piece if shares else piece.to(device=device, dtype=tensor.dtype, copy=True)
-            elif tensor.is_meta and name in written:  # state the program fills itself (a KV cache)
-                shape = local_sizes(list(tensor.shape), placement, rank, world)
+            shape = local_sizes(list(tensor.shape), placement, rank, world)
+            if tensor.is_meta and name in written:  # state the program fills itself (a KV cache)
                 local = torch.zeros(shape, dtype=tensor.dtype, device=device)
             elif tensor.is_meta and name in constants:  # e.g. x[..., [-2], :]'s positions: made up = wrong
                 raise CheckpointError(f"{name} is a tensor the model's forward creates (such as index positions) "
                                       "and it was created on the meta device, so its values are unknown: build "
                                       "this model on a real device (its weights may still come from checkpoint=DIR)")
-            elif tensor.is_meta:
-                raise CheckpointError(f"{name} is on the meta device and no checkpoint provides it: pass "
-                                      "checkpoint=DIR, or build the model with accelerate.init_empty_weights() "
-                                      "so that computed buffers stay real")
+            elif tensor.is_meta or any(n in provided for n in aliases[id(tensor)]):
+                local = torch.empty(shape, dtype=tensor.dtype, device="meta")
             else:
                 data = tensor.detach()
                 local = (take_local(data, placement, rank, world) if isinstance(placement, Shard) else data).clone()
@@ -164,8 +153,10 @@ def _gathered_both_ways(gm: torch.fx.GraphModule, choice: dict, grad: set) -> se
 
 
 def rewrite(gm: torch.fx.GraphModule, choice: dict, rank: int, world: int, group: str,
-            checkpoint=None, device: torch.device | None = None, gather_outputs: bool = True) -> torch.fx.GraphModule:
-    """Mutates ``gm`` (a fresh capture) into this rank's sharded program."""
+            provided: frozenset = frozenset(), device: torch.device | None = None,
+            gather_outputs: bool = True) -> torch.fx.GraphModule:
+    """Mutates ``gm`` (a fresh capture) into this rank's sharded program; the tensors in ``provided`` (and those on
+    the meta device) are left for runtime/materialize.py to fill."""
     graph = gm.graph
     grad = needs_grad(gm)
     placed: dict = {}      # node -> placement of its local value
@@ -245,6 +236,6 @@ def rewrite(gm: torch.fx.GraphModule, choice: dict, rank: int, world: int, group
     graph.lint()
     if any(node.target is collectives.gather_tokens for node in graph.nodes):
         activations.keep_pieces(gm)
-    shard_parameters(gm, params, rank, world, checkpoint, device)
+    shard_parameters(gm, params, rank, world, provided, device)
     gm.recompile()
     return gm

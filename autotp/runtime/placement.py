@@ -258,3 +258,37 @@ def assemble(parts: list[torch.Tensor], shard: Shard, size: int) -> torch.Tensor
     pieces = [parts[r].narrow(shard.dim, *claims[r][k])
               for k in range(len(shard.blocks(size))) for r in range(world) if claims[r][k][1]]
     return torch.cat(pieces, shard.dim)
+
+
+def piece_ranges(shape, placement, rank: int, world: int, box=None) -> list:
+    """Per dim, the (start, length) spans of the full tensor (``shape``) that this rank's piece is made of, in
+    order: ``placement``'s TP split, then ``box`` (per dim, the (start, length) an outer split such as FSDP2's keeps
+    of the TP piece, in the TP piece's coordinates)."""
+    ranges = [[(0, size)] for size in shape]
+    if isinstance(placement, Shard):
+        ranges[placement.dim] = placement.ranges(shape[placement.dim], rank, world)
+    if box is not None:
+        ranges = [_cut(spans, start, length) for spans, (start, length) in zip(ranges, box, strict=True)]
+    return ranges
+
+
+def _cut(spans: list, start: int, length: int) -> list:
+    """The part [start, start + length) of the spans laid end to end."""
+    found, offset = [], 0
+    for first, size in spans:
+        low, high = max(start, offset), min(start + length, offset + size)
+        if low < high:
+            found.append((first + low - offset, high - low))
+        offset += size
+    return found or [(spans[0][0], 0)]  # an empty piece (FSDP2's last ranks) keeps its place
+
+
+def read_ranges(ranges: list, read_box) -> torch.Tensor:
+    """The piece ``piece_ranges`` describes, from ``read_box([slice per dim])`` of each box, concatenated."""
+    def box(dim: int, spans: list) -> torch.Tensor:
+        if dim == len(ranges):
+            return read_box([slice(a, a + n) for a, n in spans])
+        pieces = [box(dim + 1, [*spans, span]) for span in ranges[dim]]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
+
+    return box(0, [])

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import warnings
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,7 @@ from autotp.passes.styles import param_styles
 from .agree import DEFAULT_TIMEOUT, InputCheck, Rendezvous, inputs_digest
 from .hf import default_inputs, no_kv_cache
 from .options import Options
+from .parallel.dcp import DcpDirectory
 from .plan import Plan, PlanMismatch
 from .runtime.collectives import register
 from .runtime.conversion import model_conversions
@@ -293,10 +295,12 @@ def tensor_parallel(model: torch.nn.Module, args=None, kwargs=None, *, plan: Pla
 
 
 def checkpoint_source(checkpoint, model: torch.nn.Module):
-    """``checkpoint=`` as a reader: a safetensors directory read through ``model``'s stored layout, or an object
-    that reads pieces itself (generation's resident shards)."""
-    if checkpoint is None or hasattr(checkpoint, "read"):
+    """``checkpoint=`` as a source of pieces: a safetensors directory read through ``model``'s stored layout, a
+    torch.distributed.checkpoint directory, or an object that reads pieces itself (generation's resident shards)."""
+    if checkpoint is None or hasattr(checkpoint, "read") or hasattr(checkpoint, "load"):
         return checkpoint
+    if (Path(checkpoint) / ".metadata").exists():
+        return DcpDirectory(checkpoint, _names(model))
     return Checkpoint(checkpoint, model_conversions(model))
 
 

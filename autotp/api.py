@@ -297,7 +297,7 @@ def tensor_parallel(model: torch.nn.Module, args=None, kwargs=None, *, plan: Pla
 def checkpoint_source(checkpoint, model: torch.nn.Module):
     """``checkpoint=`` as a source of pieces: a safetensors directory read through ``model``'s stored layout, a
     torch.distributed.checkpoint directory, or an object that reads pieces itself (generation's resident shards)."""
-    if checkpoint is None or hasattr(checkpoint, "read") or hasattr(checkpoint, "load"):
+    if checkpoint is None or hasattr(checkpoint, "read_box") or hasattr(checkpoint, "load"):
         return checkpoint
     if (Path(checkpoint) / ".metadata").exists():
         return DcpDirectory(checkpoint, _names(model))

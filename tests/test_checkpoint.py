@@ -1,6 +1,7 @@
 """Safetensors checkpoints: per-rank slice loading, clear errors, unsharded saving that round-trips."""
 from __future__ import annotations
 
+import functools
 import gc
 import json
 from pathlib import Path
@@ -308,7 +309,7 @@ def test_stacked_experts_are_read_expert_by_expert_in_slices(tmp_path):
     saved, and reads only the rows of each stored expert matrix it needs."""
     from autotp.runtime.conversion import model_conversions
     from autotp.runtime.hf_checkpoint import Checkpoint
-    from autotp.runtime.placement import Shard, piece_ranges
+    from autotp.runtime.placement import Shard, fill_ranges, piece_ranges
     for kind in ("mixtral", "qwen3_moe"):
         model = _tiny(kind)
         model.save_pretrained(tmp_path / kind)
@@ -325,13 +326,16 @@ def test_stacked_experts_are_read_expert_by_expert_in_slices(tmp_path):
                         expected = torch.cat([full.narrow(placement.dim, start, length) for start, length in
                                               placement.ranges(full.shape[placement.dim], rank, world)],
                                              placement.dim)
-                        piece = checkpoint.read(name, piece_ranges(full.shape, placement, rank, world))
+                        ranges = piece_ranges(full.shape, placement, rank, world)
+                        read = functools.partial(checkpoint.read_box, name)
+                        piece = fill_ranges(torch.empty_like(expected), ranges, read, chunk_bytes=64)
                         assert torch.equal(piece, expected), (name, placement)
     reads = []
     stored_read = checkpoint._read_stored
     checkpoint._read_stored = lambda key, box: reads.append((key, box)) or stored_read(key, box)
     stacked = "model.layers.1.mlp.experts.gate_up_proj"
-    checkpoint.read(stacked, piece_ranges(checkpoint.shape(stacked), Shard(1, chunks=(32, 32)), 1, 2))
+    ranges = piece_ranges(checkpoint.shape(stacked), Shard(1, chunks=(32, 32)), 1, 2)
+    fill_ranges(torch.empty(12, 32, 32), ranges, lambda box: checkpoint.read_box(stacked, box))
     assert sorted((key.split(".")[-3:-1], box[0]) for key, box in reads) == sorted(
         ([str(e), w], slice(16, 32)) for e in range(12) for w in ("gate_proj", "up_proj"))  # half of each, no more
 

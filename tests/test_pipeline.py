@@ -50,9 +50,9 @@ def _optimizer(params):
     return torch.optim.AdamW(params, lr=1e-2, eps=1e-3)
 
 
-def _single_process() -> tuple:
+def _single_process(build=_llama) -> tuple:
     """Trained in one process: losses per step and parameters after the last step (numpy, to send to ranks)."""
-    model, (x, y) = _llama(), _batch()
+    model, (x, y) = build(), _batch()
     optimizer, losses = _optimizer(model.parameters()), []
     for _ in range(STEPS):
         loss = _loss(model(x), y)
@@ -63,7 +63,8 @@ def _single_process() -> tuple:
     return losses, {n: p.detach().numpy() for n, p in model.named_parameters()}
 
 
-def _train(rank: int, world: int, dims: tuple, names: tuple, schedule: str, stages, want: tuple) -> dict:
+def _train(rank: int, world: int, dims: tuple, names: tuple, schedule: str, stages, want: tuple,
+           build=_llama) -> dict:
     """Train on this rank's mesh slice and compare with one process: each step's loss on the last stage
     (mean over micro-batches, then over data-parallel replicas), every full parameter after the last step."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -85,7 +86,7 @@ def _train(rank: int, world: int, dims: tuple, names: tuple, schedule: str, stag
     if "dp" in names:  # each data-parallel rank trains on its own slice of the global batch
         dp, index = mesh["dp"].size(), mesh["dp"].get_local_rank()
         x, y = x.chunk(dp)[index], y.chunk(dp)[index]
-    model = _llama()
+    model = build()
     pipelined = pipeline(model, (x,), mesh=mesh, loss_fn=_loss, schedule=schedule, microbatches=4, stages=stages,
                          shard_stage=shard_stage)
     assert not any("forward" in vars(m) for m in model.modules())  # pipelining's split markers were removed
@@ -121,7 +122,7 @@ def _train(rank: int, world: int, dims: tuple, names: tuple, schedule: str, stag
     eval_losses = []
     evaluated = pipelined.evaluate(x, target=y, losses=eval_losses)
     if losses:
-        reference = _llama()
+        reference = build()
         reference.load_state_dict(params, strict=False)  # every parameter (compared above); buffers as built
         with torch.no_grad():
             want = reference(x)
@@ -331,3 +332,22 @@ def test_parallelize_chooses_stages_under_its_memory_limit():
     x = torch.randint(0, VOCAB, (2, SEQ))
     with pytest.raises(StageError, match="no split of the 4 blocks into 2 stages fits 1e-06 GB"):
         autotp.parallelize(_llama(), (x,), mesh=_OneRankOfTwo(), loss_fn=_loss, memory_limit=1e3)
+
+
+def _gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=4, n_head=4, use_cache=False,
+                        tie_word_embeddings=True, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0,
+                        eos_token_id=0)
+    return GPT2LMHeadModel(config)
+
+
+@pytest.mark.parametrize("dims,names", [((2,), ("pp",)), ((2, 2), ("pp", "tp"))])
+def test_tied_embeddings_on_two_stages_train_like_one_process(dims, names):
+    """GPT-2's tied input and output embeddings on PP 2 and TP 2 x PP 2: both end stages hold the weight and sum its
+    gradient (Megatron's embedding group); 3 AdamW steps equal one process, and the weight is saved once (the
+    file holds exactly the model's parameters, ``transformer.wte.weight`` and not ``lm_head.weight``)."""
+    want = _single_process(_gpt2)
+    assert "lm_head.weight" not in want[1]
+    run_local(math.prod(dims), _train, dims, names, "1f1b", None, want, _gpt2)

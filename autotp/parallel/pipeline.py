@@ -148,7 +148,8 @@ class Pipelined:
 
     def named_parameters(self):
         for index in sorted(self.modules):
-            yield from self.modules[index].named_parameters()
+            for name, param in self.modules[index].named_parameters():
+                yield self._name(name), param
 
     def parameters(self):
         for _, param in self.named_parameters():

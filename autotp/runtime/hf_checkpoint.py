@@ -17,7 +17,6 @@ from torch.distributed.tensor import DTensor
 
 from .collectives import gather_full
 from .conversion import Assembled, CheckpointError, assemble, stored_layout
-from .placement import read_ranges
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -57,12 +56,10 @@ class Checkpoint:
         with safe_open(self.stored[key], framework="pt") as f:
             return f.get_slice(key)[tuple(box)]
 
-    def read(self, name: str, ranges: list) -> torch.Tensor:
-        """A piece of tensor ``name``: ``ranges[d]`` lists the (start, length) spans of dim ``d`` it is made of, in
-        order (runtime/materialize.py: a rank's TP piece, cut again by FSDP).  Only those bytes are read (block by
-        block for fused tensors, expert by expert for stacked ones)."""
-        assembled = self.files[name]
-        return read_ranges(ranges, lambda box: assembled.read(box, self._stored_shape, self._read_stored))
+    def read_box(self, name: str, box: list) -> torch.Tensor:
+        """One box (a ``slice`` per dim) of tensor ``name``, reading only its bytes (block by block for fused tensors,
+        expert by expert for stacked ones); runtime/materialize.py writes a rank's piece from such boxes."""
+        return self.files[name].read(box, self._stored_shape, self._read_stored)
 
 
 def check_tensors(checkpoint: Checkpoint, module: torch.nn.Module, elsewhere: frozenset = frozenset()) -> None:

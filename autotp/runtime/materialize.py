@@ -14,6 +14,7 @@ tensor memory on the device, filled (tied names once) by the first source that h
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 
 import torch
@@ -21,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from .conversion import CheckpointError, on_meta
-from .placement import R, parse, piece_ranges, read_ranges
+from .placement import R, fill_ranges, parse, piece_ranges
 
 
 def device_of(group) -> torch.device:
@@ -38,7 +39,7 @@ def materialize(sharded, device=None, *, checkpoint=None, seed: int | None = Non
     ``checkpoint``: a reader of pieces (hf_checkpoint.Checkpoint) or a directory that loads itself into the module
     (parallel/dcp.DcpDirectory)."""
     modules = [sharded] if isinstance(sharded, torch.nn.Module) else list(sharded.modules.values())
-    reader = checkpoint if hasattr(checkpoint, "read") else None
+    reader = checkpoint if hasattr(checkpoint, "read_box") else None
     for module in modules:
         _fill(module, device or device_of(module.autotp_group), reader, seed)
         if checkpoint is not None and reader is None:  # a directory its own engine reads (parallel/dcp.py)
@@ -70,30 +71,33 @@ def _fill(module: torch.nn.Module, device: torch.device, checkpoint, seed: int |
         from autotp.hf import computed_buffers
         computed = computed_buffers(model, computed)
     for tensor, names, shape, stored, ranges in pieces:
+        if stored is not None and getattr(checkpoint, "shares", False):  # another program's pieces: the same memory
+            _put(module, tensor, names, checkpoint.read_box(stored, None))
+            continue
         if stored is not None:
-            value = checkpoint.read(stored, ranges)
+            read = functools.partial(checkpoint.read_box, stored)
         elif names[0] in computed:
-            value = read_ranges(ranges, lambda box, full=computed[names[0]]: full[tuple(box)])
+            read = functools.partial(_box, computed[names[0]])
         elif seed is not None:
-            full = initialised(skeleton, canonical.get(names[0], names[0]), shape, tensor.dtype, seed)
-            value = read_ranges(ranges, lambda box, full=full: full[tuple(box)])
+            read = functools.partial(_box, initialised(skeleton, canonical.get(names[0], names[0]), shape,
+                                                       tensor.dtype, seed))
         else:
-            value = None
-        _put(module, tensor, names, value, device, getattr(checkpoint, "shares", False) and stored is not None)
-
-
-def _put(module: torch.nn.Module, tensor: torch.Tensor, names: list, value, device, shares: bool) -> None:
-    """``value`` (None: uninitialised) into the tensor's memory: FSDP2's local piece, or a new tensor under every
-    name (tied names stay tied)."""
-    if isinstance(tensor, DTensor):
-        if value is not None:
+            read = None
+        local = tensor.to_local() if isinstance(tensor, DTensor) else torch.empty(
+            tensor.shape, dtype=tensor.dtype, device=device)
+        if read is not None:
             with torch.no_grad():
-                tensor.to_local().copy_(value)
-        return
-    if value is None:
-        local = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
-    else:  # a copy: own memory, not pages of a mapped file (the optimizer writes into parameters)
-        local = value if shares else value.to(device=device, dtype=tensor.dtype, copy=True)
+                fill_ranges(local, ranges, read)
+        if not isinstance(tensor, DTensor):
+            _put(module, tensor, names, local)
+
+
+def _box(full: torch.Tensor, box: list) -> torch.Tensor:
+    return full[tuple(box)]
+
+
+def _put(module: torch.nn.Module, tensor: torch.Tensor, names: list, local: torch.Tensor) -> None:
+    """``local`` in place of ``tensor`` under every name (tied names stay tied)."""
     if isinstance(tensor, torch.nn.Parameter):
         local = torch.nn.Parameter(local, requires_grad=tensor.requires_grad)
     for name in names:

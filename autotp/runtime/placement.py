@@ -29,6 +29,7 @@ S(2|64,16,16/8,2,2@8), S(1/2@8), S(0|32,8,8/4,1,1@8x2).
 from __future__ import annotations
 
 import itertools
+import math
 import re
 from dataclasses import dataclass, replace
 
@@ -283,12 +284,22 @@ def _cut(spans: list, start: int, length: int) -> list:
     return found or [(spans[0][0], 0)]  # an empty piece (FSDP2's last ranks) keeps its place
 
 
-def read_ranges(ranges: list, read_box) -> torch.Tensor:
-    """The piece ``piece_ranges`` describes, from ``read_box([slice per dim])`` of each box, concatenated."""
-    def box(dim: int, spans: list) -> torch.Tensor:
-        if dim == len(ranges):
-            return read_box([slice(a, a + n) for a, n in spans])
-        pieces = [box(dim + 1, [*spans, span]) for span in ranges[dim]]
-        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
-
-    return box(0, [])
+def fill_ranges(out: torch.Tensor, ranges: list, read_box, chunk_bytes: int = 16 * 2 ** 20) -> torch.Tensor:
+    """Write the piece ``piece_ranges`` describes into ``out`` from ``read_box([slice per dim])``, box by box and a
+    few rows at a time, so that reading a large piece never holds it twice (nor the pages of a mapped file)."""
+    starts = [list(itertools.accumulate((n for _, n in spans), initial=0)) for spans in ranges]
+    for picks in itertools.product(*(range(len(spans)) for spans in ranges)):
+        source = [ranges[d][k] for d, k in enumerate(picks)]
+        target = [starts[d][k] for d, k in enumerate(picks)]
+        if not source:  # a 0-dim tensor
+            out.copy_(read_box([]))
+            continue
+        (first, rows), rest = source[0], source[1:]
+        step = max(1, chunk_bytes // max(1, math.prod(n for _, n in rest) * out.element_size()))
+        inner = [slice(a, a + n) for a, n in rest]
+        placed = [slice(o, o + n) for o, (_, n) in zip(target[1:], rest, strict=True)]
+        for row in range(0, rows, step):
+            n = min(step, rows - row)
+            out[(slice(target[0] + row, target[0] + row + n), *placed)].copy_(
+                read_box([slice(first + row, first + row + n), *inner]))
+    return out

@@ -231,9 +231,9 @@ def dry_run(o: argparse.Namespace) -> dict:
                             nodes=-(-world // per_device), data_parallel=o.data_parallel)
     same = next((c for c in plan.candidates if (c.tp, c.pp, c.dp) == (o.tp, o.pp, o.dp)), None)
     print(f"rank {o.rank} of {world} (TP {o.tp} x DP {o.dp} x PP {o.pp}), built on meta in {built:.1f} s: "
-          + ", ".join(f"{k} {v / 1e9:.3f} GB" for k, v in mine.items())
-          + f"; total {sum(mine.values()) / 1e9:.3f} GB; mesh planner's peak per device for this layout: "
-          + (f"{same.memory_bytes / 1e9:.3f} GB" if same and same.memory_bytes else "not priced"))
+          + ", ".join(f"{k} {v / 2 ** 20:.1f} MiB" for k, v in mine.items())
+          + f"; total {sum(mine.values()) / 2 ** 20:.1f} MiB; the mesh planner's peak per device for this layout: "
+          + (f"{same.memory_bytes / 2 ** 20:.1f} MiB" if same and same.memory_bytes else "not priced"))
     dist.destroy_process_group()
     return mine
 

@@ -2,7 +2,12 @@
 rank of a large pp x dp x tp mesh builds that rank's stage on the meta device and holds its share of the weights."""
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -99,3 +104,14 @@ def test_gpt3_175b_on_1024_fake_ranks():
     shape = {"layers": 96, "hidden": 12288, "heads": 96, "vocab": 50257, "positions": 2048}
     reports = _check([0, 1023], (8, 16, 8), shape, 2048)
     assert [r[1] for r in reports] == [[0], [7]]
+
+
+def test_the_training_example_dry_runs_a_rank():
+    """examples/train.py --dry-run: one process plays rank 7 of TP 2 x DP 2 x PP 2 and prints what it holds."""
+    root = Path(__file__).parents[1]
+    run = subprocess.run([sys.executable, "examples/train.py", "--tp", "2", "--dp", "2", "--pp", "2", "--layers", "4",
+                          "--batch", "8", "--seq", "16", "--dry-run", "--rank", "7"], cwd=root, capture_output=True,
+                         text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(root)})
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert re.search(r"rank 7 of 8 \(TP 2 x DP 2 x PP 2\), built on meta in .* s: parameters [\d.]+ MiB, optimizer "
+                     r"[\d.]+ MiB, activations [\d.]+ MiB", run.stdout), run.stdout

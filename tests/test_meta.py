@@ -1,5 +1,6 @@
-"""Models built on the meta device: the seeded initialisation is the model's own, and a rank's memory grows by about
-its share of the weights while it reads its pieces (training from meta: test_mesh.py)."""
+"""Models built on the meta device: the seeded initialisation is the model's own, a rank's memory grows by about its
+share of the weights while it reads its pieces, bad meshes and checkpoints are refused (training from meta:
+test_mesh.py)."""
 from __future__ import annotations
 
 import gc
@@ -12,8 +13,9 @@ from torch.distributed.device_mesh import init_device_mesh
 import autotp
 from autotp.runtime.materialize import initialize
 from autotp.tools.spawn import run_local
+from distributed import run_ranks
+from examples.train import build, global_batch, parse
 
-TOL = {"rtol": 1e-4, "atol": 1e-5}
 TINY = ["--steps", "3", "--batch", "4", "--seq", "8", "--layers", "2", "--hidden", "32", "--vocab", "128"]
 
 
@@ -89,3 +91,37 @@ def test_a_meta_model_loads_a_quarter_per_rank_on_tp2_x_pp2_and_tp2_x_dp2(tmp_pa
         for dim, (growth, held) in found.items():
             print(f"rank {rank}, TP 2 x {dim.upper()} 2: peak RSS grew {growth / 1e6:.0f} MB, holds {held / 1e6:.0f} "
                   f"MB ({held / full:.3f} of {full / 1e6:.0f} MB): {growth / held:.2f}x")
+
+
+class _TwoRankMesh:
+    """A 'tp' mesh of 2 ranks, as parallelize reads one, in a world of another size."""
+    mesh_dim_names, ndim = ("tp",), 1
+
+    def __getitem__(self, name):
+        return self
+
+    def size(self):
+        return 2
+
+
+def _refused(rank: int, world: int, directory: str) -> None:
+    o = parse(["--tp", "1", "--pp", "2", *TINY, "--layers", "4"])
+    x = global_batch(o, 0)[0]
+    with pytest.raises(ValueError, match=r"\(tp 2\) multiply to 2 ranks, but the world has 4"):
+        autotp.parallelize(build(o, meta=True), (x,), mesh=_TwoRankMesh())
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    options = {"mesh": mesh, "loss_fn": lambda out, y: out.logits.sum(), "stages": [0, 2], "checkpoint": directory}
+    if mesh["pp"].get_local_rank() == 1:  # the stage that holds the missing tensor names it
+        with pytest.raises(autotp.CheckpointError, match=r"missing: model\.layers\.3\.mlp\.up_proj\.weight$"):
+            autotp.parallelize(build(o, meta=True), (x,), **options)
+    else:  # the other stage's tensors are all there (and the missing one is none of its business)
+        assert all(not p.is_meta for p in autotp.parallelize(build(o, meta=True), (x,), **options).parameters())
+
+
+def test_bad_meshes_and_a_stage_missing_a_tensor_are_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+    build(parse([*TINY, "--layers", "4"])).save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors["model.layers.3.mlp.up_proj.weight"]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    run_ranks(4, _refused, str(tmp_path))

@@ -279,15 +279,19 @@ def test_stages_pass_on_what_later_stages_read():
 
 
 def test_stages_built_alone_chain_into_the_model():
-    """LLaMA (rotary tables and sizes passed between stages) and GPT-2 (tied embeddings: both end stages hold the
-    weight under both its names) cut every way into stages, each captured without the others' blocks, chain into
-    exactly the model's logits, at another batch and sequence length than they were captured at."""
-    from transformers import GPT2Config, GPT2LMHeadModel
+    """LLaMA (rotary tables and sizes passed between stages), GPT-2 (tied embeddings: both end stages hold the
+    weight under both its names) and Mixtral (export shares size arithmetic between the blocks' experts: made again
+    after the cut) cut every way into stages, each captured without the others' blocks, chain into exactly the
+    model's logits, at another batch and sequence length than they were captured at."""
+    from transformers import GPT2Config, GPT2LMHeadModel, MixtralConfig, MixtralForCausalLM
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=4, n_head=4,
                                       use_cache=False, bos_token_id=0, eos_token_id=0)).eval()
+    mixtral = MixtralForCausalLM(MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                                               num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                               num_local_experts=4, num_experts_per_tok=2, use_cache=False)).eval()
     x = torch.randint(0, VOCAB, (2, SEQ))
     other = torch.randint(0, VOCAB, (3, 5))
-    for model, path in [(_llama().eval(), "model.layers"), (gpt2, "transformer.h")]:
+    for model, path in [(_llama().eval(), "model.layers"), (mixtral, "model.layers"), (gpt2, "transformer.h")]:
         for starts in ([0, 2], [0, 1, 3]):
             bounds = [*starts, 4]
             stages = [stage_graph(model, (x,), {}, path, 4, a, b) for a, b in itertools.pairwise(bounds)]

@@ -108,7 +108,8 @@ class _Roles:
         return list(found)
 
     def hidden_out(self) -> Node:
-        outs = list(dict.fromkeys(a for n in self.g.nodes if self.later(n) for a in n.all_input_nodes if self.own(a)))
+        outs = list(dict.fromkeys(a for n in self.g.nodes if self.later(n) for a in n.all_input_nodes
+                                  if self.own(a) and _tensor(a)))  # sizes are made again after the cut
         if len(outs) != 1:
             raise StageError(f"what follows block {self.stop - 1} reads {[a.name for a in outs]} from this stage's "
                              "blocks: pipeline stages pass exactly one stream between blocks")
@@ -134,19 +135,34 @@ def _receive(g: torch.fx.Graph, roles: _Roles) -> list:
             s and roles.where.get(u) == roles.start))
     roles.hidden_in.replace_all_uses_with(received[0], delete_user_cb=reader)
     sizes = dict.fromkeys(a for n in g.nodes if reader(n) for a in n.all_input_nodes
-                          if roles.early(a) and not _tensor(a))
+                          if not reader(a) and not _tensor(a) and roles.where.get(a) != "attr")
+    made: dict = {}
     for value in sizes:
+        value.replace_all_uses_with(_size(g, value, received, made), delete_user_cb=reader)
+    return received
+
+
+def _size(g: torch.fx.Graph, value: Node, received: list, made: dict) -> Node:
+    """A size computed before the cut (read off the model's inputs, or by an earlier block: export shares size
+    arithmetic between blocks), made again from the received tensors: a dim of theirs with the same expression, or
+    the same arithmetic on sizes made so."""
+    if value not in made:
         expr = getattr(value.meta.get("val"), "node", None)
         at = next(((p, d) for p in received for d, n in enumerate(p.meta["val"].shape)
                    if expr is not None and isinstance(n, torch.SymInt) and n.node.expr == expr.expr), None)
-        if at is None:
+        if at is None and (value.op != "call_function" or any(_tensor(a) for a in value.all_input_nodes)):
             raise StageError(f"the blocks read {value.name} ({value.meta.get('val')}) from before them, which no "
                              "value passed between stages carries")
-        with g.inserting_after(received[-1]):
-            size = g.call_function(torch.ops.aten.sym_size.int, at)
-        size.meta = dict(value.meta)
-        value.replace_all_uses_with(size, delete_user_cb=reader)
-    return received
+        args = at if at is not None else torch.fx.node.map_arg(value.args, lambda a: _size(g, a, received, made))
+        with g.inserting_after(max([received[-1], *made.values()], key=_position(g))):
+            made[value] = g.call_function(torch.ops.aten.sym_size.int if at is not None else value.target, args)
+        made[value].meta = dict(value.meta)
+    return made[value]
+
+
+def _position(g: torch.fx.Graph):
+    order = {node: k for k, node in enumerate(g.nodes)}
+    return order.__getitem__
 
 
 def _drop_dead(g: torch.fx.Graph, output: Node, received: list) -> None:

@@ -51,8 +51,9 @@ class Tied:
         options = offered()
         fixed = {}
         for names in self.sets:
-            choices = [p for name in names for p in options.get(name, ())]
-            shards = sorted((p for p in choices if isinstance(p, Shard)), key=lambda p: (p.dim != 0, str(p)))
+            each = [set(options[name]) for name in names if name in options]  # every name its readers read it by
+            shards = sorted((p for p in set.intersection(*each) if isinstance(p, Shard)) if each else (),
+                            key=lambda p: (p.dim != 0, str(p)))
             fixed.update(dict.fromkeys((n for n in names if n in here), shards[0] if shards else R))
         return fixed
 

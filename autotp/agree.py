@@ -95,6 +95,9 @@ class Rendezvous:
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.timeout = timeout
+        if dist.get_backend(group) == "fake":  # a dry run: one process stands for every rank (no store, no peers),
+            self.world, self.probe = 1, False  # so it agrees with itself; plans are still solved for the group's size
+            return
         self.store = dist.distributed_c10d._get_default_store()
         self.call = _calls[group.group_name] = _calls.get(group.group_name, 0) + 1
         self.probe = dist.get_backend(group) == "gloo"  # NCCL has no cheap point-to-point on the CPU

@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import warnings
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -33,14 +34,16 @@ from autotp.passes.styles import param_styles
 from autotp.passes.unmerge import unmerge
 
 from .agree import DEFAULT_TIMEOUT, InputCheck, RandomCheck, Rendezvous, inputs_digest
-from .hf import default_inputs, fill_computed_buffers, no_kv_cache
+from .hf import default_inputs, no_kv_cache
 from .options import Options
+from .parallel.dcp import DcpDirectory
 from .plan import Plan, PlanMismatch
 from .runtime.collectives import register
 from .runtime.conversion import model_conversions
 from .runtime.dispatch import Group, Groups
 from .runtime.dropout import set_mode
-from .runtime.hf_checkpoint import Checkpoint
+from .runtime.hf_checkpoint import Checkpoint, check_tensors
+from .runtime.materialize import device_of, materialize
 from .runtime.placement import Disjoint, Routed, Shard
 
 
@@ -62,7 +65,11 @@ def prepared_graph(model: torch.nn.Module, args=None, kwargs=None, fold: bool = 
         except (CaptureError, NotFoldable):
             pass  # the forward needs every block (e.g. indexes the list), or they differ: capture them all
     with no_kv_cache(model):
-        gm = capture(model, args if args is not None else (), kwargs)
+        return prepare(capture(model, args if args is not None else (), kwargs))
+
+
+def prepare(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A captured graph (of a model, or of one pipeline stage: parallel/split.py) made ready for the rules."""
     merge_aliases(gm)
     split_bias(gm)
     unflatten_products(gm)
@@ -152,6 +159,15 @@ def _solve_once(gm: torch.fx.GraphModule, world_size: int, options: Options, siz
         mesh={"tp": world_size, **({"ep": options.ep} if options.ep > 1 else {})},
         fold={"path": folding.fold.path, "count": folding.fold.count} if folding else None,
     )
+
+
+def offered(gm: torch.fx.GraphModule, world_size: int, options: Options | None = None) -> dict:
+    """Parameter name -> the placements the solver may give it on ``world_size`` ranks (each one every reader of
+    the parameter takes without moving it)."""
+    options = options or Options()
+    ctx = _strategies(gm, world_size, options, False, options.experts)
+    return {n.target: [s.output for s in ctx.strategies[n]] for n in gm.graph.nodes
+            if n.op == "get_attr" and n in ctx.strategies}
 
 
 def _strategies(gm: torch.fx.GraphModule, world_size: int, options: Options, tokens: bool,
@@ -245,19 +261,23 @@ def plan(model: torch.nn.Module, args=None, kwargs=None, *, world_size: int, top
 
 
 def tensor_parallel(model: torch.nn.Module, args=None, kwargs=None, *, plan: Plan | None = None, topology=None,
-                    group=None, checkpoint=None, min_shard_fraction: float = 0.02, training: bool = True,
+                    group=None, checkpoint=None, init_seed: int | None = None,
+                    min_shard_fraction: float = 0.02, training: bool = True,
                     memory_limit: float | None = None, timeout: float = DEFAULT_TIMEOUT, gather_outputs: bool = True,
                     fixed: dict | None = None, check_inputs: str | bool = "first",
                     verify: bool = False, sequence_parallel: bool | None = None,
                     recompute: str | bool | None = None, experts: str | None = None,
-                    dropout: str = "default", expert_groups: tuple | None = None) -> torch.nn.Module:
+                    dropout: str = "default", expert_groups: tuple | None = None,
+                    graph: torch.fx.GraphModule | None = None, fill: bool = True) -> torch.nn.Module:
     """This rank's tensor-parallel copy of ``model`` over ``group``: same signature, full outputs on every rank
     (``autotp.parallelize`` without a mesh).
 
     Rank 0 solves and shares the plan, so every rank runs the same program; ranks first check that
     they hold the same model and input shapes, and a rank that fails or dies makes the others raise
-    within ``timeout`` seconds.  With ``checkpoint=DIR`` (safetensors, Hugging Face layout) the model
-    may live on the meta device and each rank reads only its own slices.  ``verify=True`` runs the
+    within ``timeout`` seconds.  A model on the meta device keeps this rank's pieces on meta, at their local
+    shapes, unless ``checkpoint=DIR`` (safetensors, Hugging Face layout) gives them values, each rank reading
+    only its own slices, or ``init_seed`` fills them with the model's own initialisation (the same full model on
+    any layout; runtime/materialize.py); ``autotp.materialize`` fills them later.  ``verify=True`` runs the
     example inputs through both models and names the first diverging op (needs the model's weights).
     ``gather_outputs=False`` leaves outputs sharded where the plan computes them sharded (vocab-parallel
     logits for ``autotp.parallel_cross_entropy``); partial sums are still reduced.  ``fixed``: parameter
@@ -268,12 +288,18 @@ def tensor_parallel(model: torch.nn.Module, args=None, kwargs=None, *, plan: Pla
     (each rank its piece of the masks one process draws for the same seed; for tests; docs/dropout.md).
     ``expert_groups``: (a mesh's "ep" group, the group of its "ep" x "tp" ranks), which ``parallelize`` passes
     for a mesh with an "ep" dimension: expert segments are dispatched over them (runtime/dispatch.py).
+    ``graph``: a captured part of ``model`` to shard instead of the whole (a pipeline stage, parallel/split.py).
+    ``fill=False`` leaves the checkpoint's and ``init_seed``'s tensors on meta, for the caller to fill once FSDP2
+    has split them (parallel/mesh.py).
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("autotp.parallelize needs torch.distributed: call dist.init_process_group(...) first "
                            "(launch with torchrun), or use autotp.plan(...) to inspect a plan without one")
     if check_inputs not in ("first", "always", False):
         raise ValueError(f'check_inputs must be "first", "always" or False, got {check_inputs!r}')
+    if verify and graph is not None:
+        raise ValueError("verify=True compares a whole model with its sharded program: verify without pipeline "
+                         "stages (a mesh without 'pp')")
     group = group or dist.group.WORLD
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     ep_group, routed_group = expert_groups or (None, group)
@@ -285,7 +311,7 @@ def tensor_parallel(model: torch.nn.Module, args=None, kwargs=None, *, plan: Pla
     planners = Rendezvous(routed_group, timeout) if ep_group is not None else rendezvous  # one plan for "ep" too
     if args is None and kwargs is None:
         args = default_inputs(model)
-    gm = prepared_graph(model, args, kwargs)
+    gm = prepare(graph) if graph is not None else prepared_graph(model, args, kwargs)
     graph_hash = fingerprint(gm)
     planners.agree("model", f"{graph_hash}/{inputs_digest(args, kwargs)}", "the model and input shapes")
     if plan is None:
@@ -298,30 +324,30 @@ def tensor_parallel(model: torch.nn.Module, args=None, kwargs=None, *, plan: Pla
     flagged: set = set()
     choice = plan_choice(gm, plan, graph_hash, world, flagged)
     again = [core for core in attention_cores(gm, needs_grad(gm)) if core[-1] in flagged]
-    source = checkpoint if checkpoint is None or hasattr(checkpoint, "read") else Checkpoint(
-        checkpoint, model_conversions(model))
-    device = device_of(group)
+    source = checkpoint_source(checkpoint, model)
     if source is not None:
-        retarget_device(gm, device)
-        fill_computed_buffers(gm, model, device, source.files)
+        check_tensors(source, gm, _names(model) if graph is not None else frozenset())
+    device = device_of(group)
+    retarget_device(gm, device)  # a capture on meta names it in factory calls: the program runs on the device
     groups = Groups(_group(routed_group), _group(ep_group) if ep_group is not None else None)
-    sharded = rewrite(gm, choice, rank, world, group.group_name, source, device, gather_outputs, groups)
+    sharded = rewrite(gm, choice, rank, world, group.group_name, frozenset(source.files) if source else frozenset(),
+                      device, gather_outputs, groups)
     checkpoint_cores(sharded, again)
     dropouts = set_mode(sharded, options.dropout)
-    register(group)
-    rendezvous.agree("loaded", "ok", "the end of loading")
     for member in {group, routed_group, ep_group} - {None}:
         register(member)
-    planners.agree("loaded", "ok", "the end of loading")
-    if check_inputs:
-        InputCheck(rendezvous, every_call=check_inputs == "always").attach(sharded)
-        if dropouts:
-            RandomCheck(rendezvous, check_inputs == "always", dropouts, device).attach(sharded)
     sharded.autotp_plan = plan
     sharded.autotp_group = group
     sharded.autotp_experts = groups
     sharded.autotp_config = getattr(model, "config", None)
     object.__setattr__(sharded, "autotp_source", model)  # for autotp.generate; not a submodule
+    if fill and (source is not None or init_seed is not None):
+        materialize(sharded, device, checkpoint=source, seed=init_seed)
+    planners.agree("loaded", "ok", "the end of loading")
+    if check_inputs:
+        InputCheck(rendezvous, every_call=check_inputs == "always").attach(sharded)
+        if dropouts:
+            RandomCheck(rendezvous, check_inputs == "always", dropouts, device).attach(sharded)
     if verify:
         if any(p.is_meta for p in model.parameters()):
             raise ValueError("verify=True compares with the unsharded model, whose weights are on the meta device: "
@@ -329,6 +355,22 @@ def tensor_parallel(model: torch.nn.Module, args=None, kwargs=None, *, plan: Pla
         from .verify import verify as check
         check(sharded, prepared_graph(model, args, kwargs), args, kwargs)
     return sharded
+
+
+def checkpoint_source(checkpoint, model: torch.nn.Module):
+    """``checkpoint=`` as a source of pieces: a safetensors directory read through ``model``'s stored layout, a
+    torch.distributed.checkpoint directory, or an object that reads pieces itself (generation's resident shards)."""
+    if checkpoint is None or hasattr(checkpoint, "read_box") or hasattr(checkpoint, "load"):
+        return checkpoint
+    if (Path(checkpoint) / ".metadata").exists():
+        return DcpDirectory(checkpoint, _names(model))
+    return Checkpoint(checkpoint, model_conversions(model))
+
+
+def _names(model: torch.nn.Module) -> frozenset:
+    """Every name of ``model``'s parameters and buffers, tied ones under each name."""
+    return frozenset(name for name, _ in [*model.named_parameters(remove_duplicate=False),
+                                          *model.named_buffers(remove_duplicate=False)])
 
 
 def from_pretrained(directory, *, dtype: torch.dtype | None = None, **options) -> torch.nn.Module:
@@ -371,10 +413,3 @@ def plan_choice(gm: torch.fx.GraphModule, plan: Plan, graph_hash: str, world: in
 
 def _group(group) -> Group:
     return Group(group.group_name, dist.get_rank(group), dist.get_world_size(group))
-
-
-def device_of(group) -> torch.device:
-    """Where this rank's shards live: its GPU under NCCL, the CPU otherwise."""
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

@@ -60,8 +60,8 @@ class _Resident:
     def shape(self, name: str) -> tuple:
         return self.shapes[name]
 
-    def read(self, name: str, placement, rank: int, world: int) -> torch.Tensor:
-        return self.local[name]
+    def read_box(self, name: str, box) -> torch.Tensor:
+        return self.local[name]  # shared: this rank's piece itself, whatever the box
 
 
 def _choose(logits: torch.Tensor, do_sample: bool, temperature: float, top_k: int | None, top_p: float | None,

@@ -35,17 +35,12 @@ def no_kv_cache(model: torch.nn.Module):
         config.use_cache = True
 
 
-def fill_computed_buffers(gm: torch.nn.Module, model: torch.nn.Module, device: torch.device, stored) -> None:
-    """Give ``gm`` (a capture of ``model``) real values for the non-persistent buffers ``model`` holds on the
-    meta device (rotary ``inv_freq``) that ``stored`` (the names a checkpoint holds) lacks: checkpoints
-    rarely hold them, since ``__init__`` computes them from the config.  They are recomputed the same
-    way, by constructing ``type(model)(model.config)`` on the CPU with its parameters on the meta device
-    (accelerate's ``init_empty_weights``), and cast to ``model``'s dtypes."""
-    missing = {name: t for name, t in gm.named_buffers(remove_duplicate=False) if t.is_meta and name not in stored
-               and name.rpartition(".")[2] in gm.get_submodule(name.rpartition(".")[0])._non_persistent_buffers_set}
-    if not missing:
-        return
-    advice = (f"{', '.join(sorted(missing))}: computed at construction, in no checkpoint, and left on the meta "
+def computed_buffers(model: torch.nn.Module, wanted: dict) -> dict:
+    """Values of ``model``'s non-persistent buffers ``wanted`` (name -> the meta tensor in its place), full size:
+    checkpoints rarely hold them (rotary ``inv_freq``), since ``__init__`` computes them from the config.  They
+    are recomputed the same way, by constructing ``type(model)(model.config)`` on the CPU with its parameters on
+    the meta device (accelerate's ``init_empty_weights``), and cast to the wanted dtypes."""
+    advice = (f"{', '.join(sorted(wanted))}: computed at construction, in no checkpoint, and left on the meta "
               f"device. Build {type(model).__name__} with accelerate.init_empty_weights(include_buffers=False) "
               "instead of torch.device('meta'), so that buffers stay real, or set them before parallelize")
     config = getattr(model, "config", None)
@@ -57,10 +52,11 @@ def fill_computed_buffers(gm: torch.nn.Module, model: torch.nn.Module, device: t
             rebuilt = dict(type(model)(config).named_buffers(remove_duplicate=False))
     except Exception as exc:  # any constructor: say what to do instead
         raise CheckpointError(f"{advice} ({type(model).__name__}(config) failed: {exc})") from exc
-    for name, meta in missing.items():
+    found = {}
+    for name, meta in wanted.items():
         value = rebuilt.get(name)
         if value is None or value.is_meta or value.shape != meta.shape:
             raise CheckpointError(f"{advice} ({type(model).__name__}(config) gives no {name} of shape "
                                   f"{tuple(meta.shape)})")
-        owner, _, attr = name.rpartition(".")
-        gm.get_submodule(owner).register_buffer(attr, value.to(device=device, dtype=meta.dtype), persistent=False)
+        found[name] = value.to(meta.dtype)
+    return found

@@ -5,10 +5,16 @@
         examples/train.py --tp 8 --dp 2                                     # 2 nodes x 8 GPUs
     python examples/train.py --tp 2 --dp 2 --check                         # 4 local gloo ranks, compared
                                                                             # with one process
+    python examples/train.py --tp 2 --pp 2 --meta --checkpoint DIR         # built on meta, each rank reads
+                                                                            # only its pieces of DIR
+    python examples/train.py --tp 8 --dp 16 --pp 8 --dry-run --world-size 1024 --rank 1023   # one process
+                                                                            # plays rank 1023 (fake backend)
 Every rank builds the same model (fixed seed) and reads the same global batch for each step; each DP
 replica takes its slice.  ``autotp.parallelize(model, args, mesh=mesh)`` plans TP on the "tp"
 dimension and shards with FSDP2 over "dp"; with ``--pp N`` it splits the model into pipeline stages
-(``loss_fn`` and the ``step`` API).  Rank 0 prints loss, tokens/s and peak memory per step.
+(``loss_fn`` and the ``step`` API).  With ``--meta`` the model is built on the meta device and each rank
+fills only its own pieces: from ``--checkpoint``, or the model's initialisation seeded by ``--seed``.
+Rank 0 prints loss, tokens/s and peak memory per step.
 """
 from __future__ import annotations
 
@@ -21,8 +27,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 import autotp
+from autotp.runtime.materialize import initialize
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -43,16 +51,24 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--check", action="store_true", help="also train in one process and compare the losses")
+    p.add_argument("--meta", action="store_true", help="build on the meta device; each rank fills only its pieces")
+    p.add_argument("--checkpoint", help="weights to load: a safetensors directory (transformers' save_pretrained)")
+    p.add_argument("--seed", type=int, default=0, help="--meta without --checkpoint: the initialisation's seed")
+    p.add_argument("--dry-run", action="store_true", help="play one rank of the mesh on PyTorch's fake backend "
+                   "(no GPUs, no weights) and print what it holds beside the mesh planner's estimate")
+    p.add_argument("--world-size", type=int, help="the ranks a dry run plays one of (default: tp x dp x pp)")
+    p.add_argument("--rank", type=int, default=0, help="the rank a dry run plays")
     return p.parse_args(argv)
 
 
-def build(o: argparse.Namespace) -> torch.nn.Module:
+def build(o: argparse.Namespace, meta: bool = False) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=o.vocab, hidden_size=o.hidden, intermediate_size=2 * o.hidden,
                          num_hidden_layers=o.layers, num_attention_heads=o.heads, num_key_value_heads=o.kv_heads,
                          max_position_embeddings=max(64, o.seq), use_cache=False)
-    return LlamaForCausalLM(config)
+    with torch.device("meta" if meta else "cpu"):
+        return LlamaForCausalLM(config)
 
 
 def global_batch(o: argparse.Namespace, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,9 +102,13 @@ class Trainer:
         self.device = "cuda" if dist.get_backend() == "nccl" else "cpu"
         self.mesh = make_mesh(o, self.device)
         self.replica = self.mesh["dp"].get_local_rank() if "dp" in self.mesh.mesh_dim_names else 0
-        stage_options = {"loss_fn": loss_fn, "schedule": o.schedule, "microbatches": o.microbatches} if o.pp > 1 else {}
-        self.model = autotp.parallelize(build(o).to(self.device), (self.share(global_batch(o, 0)[0]),), mesh=self.mesh,
-                                        data_parallel=o.data_parallel, **stage_options)
+        options = {"loss_fn": loss_fn, "schedule": o.schedule, "microbatches": o.microbatches} if o.pp > 1 else {}
+        if o.checkpoint or (o.meta and not o.dry_run):  # a dry run keeps every piece on meta
+            options.update({"checkpoint": o.checkpoint} if o.checkpoint else {"init_seed": o.seed})
+        model = build(o, meta=o.meta or o.dry_run)
+        model = model if model.device.type == "meta" else model.to(self.device)
+        self.model = autotp.parallelize(model, (self.share(global_batch(o, 0)[0]),), mesh=self.mesh,
+                                        data_parallel=o.data_parallel, **options)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr)
 
     def share(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -133,6 +153,10 @@ def _mean_over_replicas(loss: torch.Tensor | None, device: str) -> float:
 def reference(o: argparse.Namespace) -> tuple[torch.nn.Module, list[float]]:
     """The same training in one process on the whole batch: (the model, its losses)."""
     model = build(o)
+    if o.checkpoint:
+        model = type(model).from_pretrained(o.checkpoint)
+    elif o.meta:
+        initialize(model, o.seed)  # what every rank's pieces were filled with
     return model, train_whole(o, model, torch.optim.AdamW(model.parameters(), lr=o.lr), range(o.steps))
 
 
@@ -183,12 +207,51 @@ class _Display:
             self.progress.__exit__(*exc)
 
 
+def dry_run(o: argparse.Namespace) -> dict:
+    """Rank ``o.rank`` of the mesh on PyTorch's fake backend (collectives do nothing, so one process can play any
+    rank of any size): its parameter, AdamW state and activation bytes, beside the mesh planner's estimate of the
+    same layout's peak per device."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from autotp.cost_models import load_topology
+    from autotp.cost_models.schedules import in_flight
+    world = o.world_size or o.tp * o.dp * o.pp
+    dist.init_process_group("fake", store=FakeStore(), rank=o.rank, world_size=world)
+    start = time.perf_counter()
+    model = Trainer(o).model
+    built = time.perf_counter() - start
+    stages = model.modules if o.pp > 1 else {0: model}
+    params = sum(p.numel() * p.element_size() for m in stages.values() for p in _pieces(m))
+    microbatches = o.microbatches or o.pp
+    activations = sum(sum(m.autotp_plan.cost["activations"].values()) * in_flight(
+        o.schedule if o.pp > 1 else None, o.pp, microbatches, index, len(stages)) for index, m in stages.items())
+    mine = {"parameters": params, "optimizer": 2 * params, "activations": activations}
+    per_device = load_topology(None).gpus_per_node
+    plan = autotp.plan_mesh(build(o, meta=True), (global_batch(o, 0)[0][:1],), devices=world, global_batch=o.batch,
+                            nodes=-(-world // per_device), data_parallel=o.data_parallel)
+    same = next((c for c in plan.candidates if (c.tp, c.pp, c.dp) == (o.tp, o.pp, o.dp)), None)
+    print(f"rank {o.rank} of {world} (TP {o.tp} x DP {o.dp} x PP {o.pp}), built on meta in {built:.1f} s: "
+          + ", ".join(f"{k} {v / 2 ** 20:.1f} MiB" for k, v in mine.items())
+          + f"; total {sum(mine.values()) / 2 ** 20:.1f} MiB; the mesh planner's peak per device for this layout: "
+          + (f"{same.memory_bytes / 2 ** 20:.1f} MiB" if same and same.memory_bytes else "not priced"))
+    dist.destroy_process_group()
+    return mine
+
+
+def _pieces(module: torch.nn.Module) -> list:
+    """This rank's own tensors of a module's parameters (FSDP2's shards are DTensors)."""
+    return [p.to_local() if isinstance(p, DTensor) else p for p in module.parameters()]
+
+
 def _run(rank: int, world: int, o: argparse.Namespace) -> list[float]:
     return train(o)[1]
 
 
 def main(argv=None) -> None:
     o = parse(argv)
+    if o.dry_run:
+        dry_run(o)
+        return
     if "WORLD_SIZE" in os.environ:  # torchrun
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
         if torch.cuda.is_available():

@@ -111,6 +111,45 @@ def test_the_training_example_on_8_ranks():
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), **TOL)
 
 
+def _from_meta(rank: int, world: int, directory: str, saved: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    for mesh in (["--tp", "2", "--dp", "2"], ["--tp", "2", "--pp", "2"]):  # safetensors, piece by piece
+        _check_training(parse([*mesh, *TINY, "--meta", "--checkpoint", directory]))
+    trainer = _check_training(parse(["--tp", "2", "--dp", "2", *TINY, "--meta"]))  # the seeded initialisation
+    dcp.save(autotp.checkpoint_state_dict(trainer.model), checkpoint_id=saved)
+    trained = autotp.full_state_dict(trainer.model)
+    o = parse(["--tp", "2", "--dp", "2", *TINY])
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    x = global_batch(o, 0)[0].chunk(2)[mesh["dp"].get_local_rank()]
+    loaded = autotp.parallelize(build(o, meta=True), (x,), mesh=mesh, checkpoint=saved)  # a DCP directory
+    left = autotp.parallelize(build(o, meta=True), (x,), mesh=mesh)  # torchtitan's idiom: on meta until filled
+    assert all(p.is_meta for p in left.parameters())
+    autotp.materialize(left)
+    dcp.load(state := autotp.checkpoint_state_dict(left), checkpoint_id=saved)
+    autotp.load_checkpoint_state_dict(left, state)
+    for module in (loaded, left):
+        full = autotp.full_state_dict(module)
+        assert full.keys() == trained.keys()
+        assert all(torch.equal(full[name], value) for name, value in trained.items())
+
+
+def test_meta_models_load_their_pieces_and_train_like_one_process(tmp_path):
+    """TP 2 x DP 2 (FSDP2) and TP 2 x PP 2 built on meta from a safetensors checkpoint, TP 2 x DP 2 initialised per
+    rank: losses and parameters equal one process's; the trained model saved with torch.distributed.checkpoint and
+    read back into a meta model (checkpoint=DIR, and materialize + dcp.load)."""
+    build(parse(TINY)).save_pretrained(tmp_path / "hf")
+    run_ranks(4, _from_meta, str(tmp_path / "hf"), str(tmp_path / "dcp"))
+
+
+def _eight_from_meta(rank: int, world: int, directory: str) -> None:
+    _check_training(parse([*EIGHT, "--meta", "--checkpoint", directory]))
+
+
+def test_meta_tp2_x_dp2_x_pp2_from_a_checkpoint_trains_like_one_process(tmp_path):
+    build(parse(TINY)).save_pretrained(tmp_path)
+    run_local(8, _eight_from_meta, str(tmp_path))
+
+
 # PP 2 with the default micro-batch count: 2 micro-batches of 2 sequences, sliced from a view (tokens[:, :-1]) as a
 # training loop's inputs usually are
 SMALL = ["--tp", "1", "--pp", "2", *TINY, "--steps", "2"]

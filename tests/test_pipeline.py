@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import datetime
+import functools
+import itertools
 import math
 import os
 import tempfile
@@ -15,7 +17,7 @@ from safetensors.torch import load_file
 from autotp.api import prepared_graph
 from autotp.cost_models import load_topology
 from autotp.cost_models.mesh_layout import Candidate, Setting, stage_memory
-from autotp.parallel.split import split
+from autotp.parallel.split import stage_graph
 from autotp.parallel.stages import StageError, block_profile, find_blocks, stage_starts
 from autotp.tools.spawn import run_local
 from distributed import run_unsupervised
@@ -49,9 +51,9 @@ def _optimizer(params):
     return torch.optim.AdamW(params, lr=1e-2, eps=1e-3)
 
 
-def _single_process(layers: int = 4) -> tuple:
+def _single_process(build=_llama) -> tuple:
     """Trained in one process: losses per step and parameters after the last step (numpy, to send to ranks)."""
-    model, (x, y) = _llama(layers), _batch()
+    model, (x, y) = build(), _batch()
     optimizer, losses = _optimizer(model.parameters()), []
     for _ in range(STEPS):
         loss = _loss(model(x), y)
@@ -62,8 +64,8 @@ def _single_process(layers: int = 4) -> tuple:
     return losses, {n: p.detach().numpy() for n, p in model.named_parameters()}
 
 
-def _train(rank: int, world: int, dims: tuple, names: tuple, schedule: str, stages, want: tuple, layers: int = 4,
-           virtual: int | None = None) -> dict:
+def _train(rank: int, world: int, dims: tuple, names: tuple, schedule: str, stages, want: tuple,
+           build=_llama, virtual: int | None = None) -> dict:
     """Train on this rank's mesh slice and compare with one process: each step's loss on the last stage
     (mean over micro-batches, then over data-parallel replicas), every full parameter after the last step."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -74,16 +76,18 @@ def _train(rank: int, world: int, dims: tuple, names: tuple, schedule: str, stag
     from autotp.parallel.pipeline import pipeline
     mesh = init_device_mesh("cpu", dims, mesh_dim_names=names)
 
-    def shard_stage(module, args, kwargs):
+    def shard_stage(model, args, kwargs, graph, fixed):
+        module = graph
         if "tp" in names:
-            module = autotp.api.tensor_parallel(module, args, kwargs, group=mesh["tp"].get_group())
+            module = autotp.api.tensor_parallel(model, args, kwargs, group=mesh["tp"].get_group(), graph=graph,
+                                                fixed=fixed)
         return fully_shard(module, mesh=mesh["dp"]) if "dp" in names else module
 
     x, y = _batch()
     if "dp" in names:  # each data-parallel rank trains on its own slice of the global batch
         dp, index = mesh["dp"].size(), mesh["dp"].get_local_rank()
         x, y = x.chunk(dp)[index], y.chunk(dp)[index]
-    model = _llama(layers)
+    model = build()
     pipelined = pipeline(model, (x,), mesh=mesh, loss_fn=_loss, schedule=schedule, microbatches=4, stages=stages,
                          shard_stage=shard_stage, virtual_stages=virtual)
     assert not any("forward" in vars(m) for m in model.modules())  # pipelining's split markers were removed
@@ -123,7 +127,7 @@ def _train(rank: int, world: int, dims: tuple, names: tuple, schedule: str, stag
     eval_losses = []
     evaluated = pipelined.evaluate(x, target=y, losses=eval_losses)
     if losses:
-        reference = _llama(layers)
+        reference = build()
         reference.load_state_dict(params, strict=False)  # every parameter (compared above); buffers as built
         with torch.no_grad():
             want = reference(x)
@@ -176,12 +180,12 @@ def test_zero_bubble_schedules_train_like_one_process():
 
 
 def _four_per_rank(rank: int, world: int, want: tuple) -> None:
-    _train(rank, world, (2,), ("pp",), "Interleaved1F1B", None, want, layers=8, virtual=4)
+    _train(rank, world, (2,), ("pp",), "Interleaved1F1B", None, want, build=functools.partial(_llama, 8), virtual=4)
 
 
 def test_interleaving_four_stages_per_rank_trains_like_one_process():
     """The planner proposes interleaving x 4: 8 one-block stages over 2 ranks (stages from the cost model)."""
-    run_local(2, _four_per_rank, _single_process(layers=8))
+    run_local(2, _four_per_rank, _single_process(functools.partial(_llama, 8)))
 
 
 def test_tp2_pp2_zero_bubble_v_trains_like_one_process():
@@ -289,25 +293,50 @@ class _SkipOver(torch.nn.Module):
         return self.head(h * e)
 
 
-def test_split_passes_on_what_later_stages_read():
+def _chain(model, x, path: str, starts: list) -> tuple:
+    """Each stage built on its own, then run one after the other: (output, stages)."""
+    bounds = [*starts, len(model.get_submodule(path))]
+    stages = [stage_graph(model, (x,), {}, path, bounds[-1], a, b) for a, b in itertools.pairwise(bounds)]
+    values = (x,)
+    for stage in stages:
+        values = tuple(stage.graph(*values))
+    return values, stages
+
+
+def test_stages_pass_on_what_later_stages_read():
+    """A head that reads the embedding again: the stages in between pass it on; one-block stages included."""
     torch.manual_seed(0)
     model, x = _SkipOver(), torch.randn(2, 8)
-    cut = split(model, (x,), {}, "blocks", [0, 1, 2])
-    assert [n for m in cut.modules for n, _ in m.named_parameters()] == [n for n, _ in model.named_parameters()]
-    values = (x,)
-    for module, (args, _) in zip(cut.modules, cut.inputs, strict=True):
-        assert len(args) == len(values) and all(torch.equal(a, b) for a, b in zip(args, values, strict=True))
-        out = module(*values)
-        values = out if isinstance(out, tuple) else (out,)
-    torch.testing.assert_close(values[0], model(x))
-    assert len(cut.inputs[1][0]) == 2  # the middle stage takes the embedding output to pass it on
+    (out,), stages = _chain(model, x, "blocks", [0, 1, 2])
+    assert [n for st in stages for n, _ in st.graph.named_parameters()] == [n for n, _ in model.named_parameters()]
+    assert [len(st.args) for st in stages] == [1, 2, 2]  # the stream and the embedding's output
+    torch.testing.assert_close(out, model(x))
 
 
-def test_parameters_shared_by_two_stages_are_refused():
-    model = _llama()
-    model.lm_head.weight = model.model.embed_tokens.weight  # tied input and output embeddings
-    with pytest.raises(StageError, match="used by more than one stage"):
-        split(model, (torch.randint(0, VOCAB, (1, SEQ)),), {}, "model.layers", [0, 2])
+def test_stages_built_alone_chain_into_the_model():
+    """LLaMA (rotary tables and sizes passed between stages), GPT-2 (tied embeddings: both end stages hold the
+    weight under both its names) and Mixtral (export shares size arithmetic between the blocks' experts: made again
+    after the cut) cut every way into stages, each captured without the others' blocks, chain into exactly the
+    model's logits, at another batch and sequence length than they were captured at."""
+    from transformers import GPT2Config, GPT2LMHeadModel, MixtralConfig, MixtralForCausalLM
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=4, n_head=4,
+                                      use_cache=False, bos_token_id=0, eos_token_id=0)).eval()
+    mixtral = MixtralForCausalLM(MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                                               num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                               num_local_experts=4, num_experts_per_tok=2, use_cache=False)).eval()
+    x = torch.randint(0, VOCAB, (2, SEQ))
+    other = torch.randint(0, VOCAB, (3, 5))
+    for model, path in [(_llama().eval(), "model.layers"), (mixtral, "model.layers"), (gpt2, "transformer.h")]:
+        for starts in ([0, 2], [0, 1, 3]):
+            bounds = [*starts, 4]
+            stages = [stage_graph(model, (x,), {}, path, 4, a, b) for a, b in itertools.pairwise(bounds)]
+            values = (other,)
+            for stage in stages:
+                values = tuple(stage.graph(*values))
+            assert torch.equal(values[0], model(other).logits), (path, starts)
+    names = {n for n, _ in stages[0].graph.named_parameters(remove_duplicate=False)}
+    assert {"transformer.wte.weight", "lm_head.weight"} <= names
+    assert stages[0].outside["lm_head.weight"] == {"pre", "post"}  # read by the embedding and by the head
 
 
 def test_a_graph_captured_from_a_view_runs_on_any_tensor():
@@ -342,3 +371,22 @@ def test_parallelize_chooses_stages_under_its_memory_limit():
     x = torch.randint(0, VOCAB, (2, SEQ))
     with pytest.raises(StageError, match="no split of the 4 blocks into 2 stages fits 1e-06 GB"):
         autotp.parallelize(_llama(), (x,), mesh=_OneRankOfTwo(), loss_fn=_loss, memory_limit=1e3)
+
+
+def _gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=4, n_head=4, use_cache=False,
+                        tie_word_embeddings=True, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0,
+                        eos_token_id=0)
+    return GPT2LMHeadModel(config)
+
+
+@pytest.mark.parametrize("dims,names", [((2,), ("pp",)), ((2, 2), ("pp", "tp"))])
+def test_tied_embeddings_on_two_stages_train_like_one_process(dims, names):
+    """GPT-2's tied input and output embeddings on PP 2 and TP 2 x PP 2: both end stages hold the weight and sum its
+    gradient (Megatron's embedding group); 3 AdamW steps equal one process, and the weight is saved once (the
+    file holds exactly the model's parameters, ``transformer.wte.weight`` and not ``lm_head.weight``)."""
+    want = _single_process(_gpt2)
+    assert "lm_head.weight" not in want[1]
+    run_local(math.prod(dims), _train, dims, names, "1f1b", None, want, _gpt2)

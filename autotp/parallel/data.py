@@ -39,12 +39,14 @@ def check_kind(kind: str) -> None:
 
 def same_start(tensors: list, dp_mesh: DeviceMesh) -> None:
     """Every replica starts from DP rank 0's values, as DDP does at construction: FSDP2 keeps each
-    rank's own piece, so replicas initialised differently would silently train different models."""
+    rank's own piece, so replicas initialised differently would silently train different models.  Tensors on
+    the meta device have no values yet: the same checkpoint or seed fills them on every replica."""
     with torch.no_grad():
         for dim in range(dp_mesh.ndim):
             group = dp_mesh.get_group(dim)
             for tensor in tensors:
-                dist.broadcast(tensor, src=dist.get_global_rank(group, 0), group=group)
+                if not tensor.is_meta:
+                    dist.broadcast(tensor, src=dist.get_global_rank(group, 0), group=group)
 
 
 def data_parallel(module: torch.nn.Module, dp_mesh: DeviceMesh, kind: str = "fsdp", blocks: str | None = None,

@@ -65,6 +65,33 @@ def load_checkpoint_state_dict(module: torch.nn.Module, state: dict,
         set_optimizer_state_dict(module, optimizer, pieces.optimizer(state["optim"], pieces.to_local))
 
 
+class DcpDirectory:
+    """A ``torch.distributed.checkpoint`` directory as ``checkpoint=``: ``checkpoint_state_dict``'s layout (the model
+    under "model", beside the optimizer) or a plain model state dict, whichever holds the model's ``names``.
+    ``files`` and ``shape`` name what it holds (checked before loading); ``load`` fills a module whose tensors have
+    memory, each rank reading the pieces it holds (DCP's own reads; tensors no DTensor placement describes are
+    read whole)."""
+
+    def __init__(self, directory, names: frozenset):
+        from torch.distributed.checkpoint import FileSystemReader
+        self.directory = directory
+        stored = {key: tuple(meta.size) for key, meta in
+                  FileSystemReader(str(directory)).read_metadata().state_dict_metadata.items() if hasattr(meta, "size")}
+        model = {key.removeprefix("model."): size for key, size in stored.items() if key.startswith("model.")}
+        self.nested = len(model.keys() & names) > len(stored.keys() & names)  # ``names``: the model's
+        self.shapes = model if self.nested else stored
+        self.files = dict.fromkeys(self.shapes)
+
+    def shape(self, name: str) -> tuple:
+        return self.shapes[name]
+
+    def load(self, module: torch.nn.Module) -> None:
+        import torch.distributed.checkpoint as dcp
+        state = checkpoint_state_dict(module)
+        dcp.load(state if self.nested else state["model"], checkpoint_id=str(self.directory))
+        load_checkpoint_state_dict(module, state)
+
+
 class _Pieces:
     """Where this rank's piece of every parameter lies in the full tensor, and the checkpoint's form of it."""
 
@@ -76,6 +103,9 @@ class _Pieces:
         self.group = module.autotp_group
         self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
         self.mesh = getattr(module, "autotp_mesh", None)
+        if self.mesh is not None and "pp" in self.mesh.mesh_dim_names:  # a pipeline stage: its place in dp x tp
+            inner = tuple(d for d in self.mesh.mesh_dim_names if d != "pp")
+            self.mesh = self.mesh[inner] if inner else None
         replicas = () if self.mesh is None else tuple(d for d in ("dp", "ep") if d in self.mesh.mesh_dim_names
                                                        and self.mesh[d].size() > 1)
         self.dp = self.mesh[replicas[0] if len(replicas) == 1 else replicas] if replicas else None  # FSDP2's mesh

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import math
 
 import torch
 import torch.distributed as dist
@@ -21,6 +22,7 @@ from autotp import api
 from autotp.agree import DEFAULT_TIMEOUT
 from autotp.passes.fold import find_fold
 from autotp.runtime.collectives import describe
+from autotp.runtime.materialize import materialize
 
 from .data import check_kind, data_parallel
 
@@ -57,6 +59,7 @@ def parallelize(model: torch.nn.Module, args=None, kwargs=None, *, mesh: DeviceM
     if mesh is None:
         return api.tensor_parallel(model, args, kwargs, **options)
     dims = mesh_dims(mesh)
+    _check_size(mesh, dims)
     if options.get("group") is not None:
         raise ValueError("pass either mesh= or group=, not both: with a mesh, TP runs on its 'tp' dimension")
     check_kind(data_parallel)
@@ -85,28 +88,47 @@ def parallelize(model: torch.nn.Module, args=None, kwargs=None, *, mesh: DeviceM
     return shard_stage(model, args, kwargs)
 
 
-def _shard(module: torch.nn.Module, args, kwargs, *, mesh: DeviceMesh, kind: str, options: dict,
-           blocks: str | None = None, pipelined: bool = False) -> torch.nn.Module:
+def _check_size(mesh: DeviceMesh, dims: tuple) -> None:
+    """Every process is in the mesh (a rank outside it would wait forever for the others)."""
+    if not dist.is_initialized():
+        return
+    sizes = [mesh[d].size() for d in dims]
+    if math.prod(sizes) != dist.get_world_size():
+        shown = " x ".join(f"{d} {n}" for d, n in zip(dims, sizes, strict=True))
+        raise ValueError(f"the mesh's dimensions ({shown}) multiply to {math.prod(sizes)} ranks, but the world has "
+                         f"{dist.get_world_size()}: make their sizes multiply to the number of processes started")
+
+
+def _shard(model: torch.nn.Module, args, kwargs, *, mesh: DeviceMesh, kind: str, options: dict,
+           blocks: str | None = None, pipelined: bool = False, graph=None, fixed: dict | None = None
+           ) -> torch.nn.Module:
     """TP on this rank's "tp" group (a group of this rank alone when the mesh has none), experts dispatched
     over its "ep" group, then DP on its "dp" x "ep" group (experts on "dp" alone; FSDP units per block of the
-    list at ``blocks``).
+    list at ``blocks``); the tensors a checkpoint or ``init_seed`` provides are filled once FSDP2 has split them,
+    so each rank reads only its own piece.
 
-    The pipeline passes each stage's module here: one code path with and without stages."""
+    The pipeline passes each stage's graph here (``graph``, with ``fixed`` placements for its tied weights): one
+    code path with and without stages."""
     dims = mesh.mesh_dim_names
     tp = mesh["tp"].get_group() if "tp" in dims else _own_group()  # one rank: autotp still plans, keeps its books
     ep = "ep" in dims and mesh["ep"].size() > 1
+    replicas = tuple(d for d in ("dp", "ep") if d in dims and mesh[d].size() > 1)
+    fixed = {**(fixed or {}), **(options.get("fixed") or {})} or None
+    source = api.checkpoint_source(options.get("checkpoint"), model)
+    later = bool(replicas) and kind == "fsdp"
     if ep:
         routed = mesh[tuple(d for d in ("ep", "tp") if d in dims)].mesh.flatten().tolist()
-        groups = (mesh["ep"].get_group(), dist.new_group(routed, use_local_synchronization=True))
-        sharded = api.tensor_parallel(module, args, kwargs, group=tp, expert_groups=groups, **options)
-    else:
-        sharded = api.tensor_parallel(module, args, kwargs, group=tp, **options)
+        options = {**options, "expert_groups": (mesh["ep"].get_group(),
+                                                dist.new_group(routed, use_local_synchronization=True))}
+    sharded = api.tensor_parallel(model, args, kwargs, group=tp, graph=graph, fill=not later,
+                                  **{**options, "fixed": fixed, "checkpoint": source})
     sharded.autotp_mesh = mesh
-    replicas = tuple(d for d in ("dp", "ep") if d in dims and mesh[d].size() > 1)
     if replicas:
         experts = set(getattr(sharded, "autotp_dealt", {})) if ep else set()
         sharded = data_parallel(sharded, mesh[replicas[0] if len(replicas) == 1 else replicas], kind, blocks,
                                 pipelined, experts=experts, expert_mesh=mesh["dp"] if "dp" in replicas else None)
+    if later and (source is not None or options.get("init_seed") is not None):
+        materialize(sharded, checkpoint=source, seed=options.get("init_seed"))
     return sharded
 
 

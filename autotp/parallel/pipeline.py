@@ -1,10 +1,15 @@
 """Pipeline stages on torch.distributed.pipelining, each stage sharded by a caller-given function (autotp's TP).
 
-The model is cut between the blocks of its repeated block list by ``torch.distributed.pipelining.pipeline``
-(torch.export, split points at block starts), which keeps every parameter's original name.  Each stage this rank
-holds goes through ``shard_stage`` (TP on the stage's graph, FSDP over data parallel), is wrapped in a
-``PipelineStage`` and driven by one of pipelining's schedules.  Micro-batch losses are averaged the way a
-single-process mean loss is: the schedule divides gradients by the number of micro-batches (``scale_grads``).
+Each rank captures and builds only the stages it holds (split.py: the model with only those blocks in its block
+list, cut between blocks; any device, meta included), keeping every parameter's original name.  Each stage goes
+through ``shard_stage`` (TP on the stage's graph, FSDP over data parallel), is wrapped in a ``PipelineStage`` and
+driven by one of pipelining's schedules.  Micro-batch losses are averaged the way a single-process mean loss is: the
+schedule divides gradients by the number of micro-batches (``scale_grads``).
+
+A weight read by two stages (tied input and output embeddings) is held by both, split alike over TP (tied.py);
+after each step's backward the copies' gradients are summed over
+the pipeline ranks holding them at the same (dp, tp) place (Megatron's embedding group), so the copies stay equal;
+a checkpoint or ``init_seed`` fills both from the one stored or seeded tensor, and saving writes it once.
 """
 from __future__ import annotations
 
@@ -15,19 +20,20 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from autotp.agree import InputCheck
-from autotp.api import device_of, prepared_graph
+from autotp.api import offered, prepared_graph
 from autotp.cost_models import load_topology
 from autotp.cost_models.mesh_layout import Candidate, Setting
-from autotp.hf import no_kv_cache
-from autotp.runtime.conversion import weightless
+from autotp.runtime.conversion import on_meta, weightless
 from autotp.runtime.hf_checkpoint import full_checkpoint_tensors, full_state_dict
+from autotp.runtime.materialize import device_of
 
 from .schedules import check_evaluates, resolve, step_failure
-from .split import split
+from .split import stage_graph
 from .stages import StageError, block_profile, find_blocks, stage_starts
+from .tied import Tied
 
 
 def pipeline(model: torch.nn.Module, args, kwargs=None, *, mesh, loss_fn, schedule="1F1B",
@@ -42,7 +48,8 @@ def pipeline(model: torch.nn.Module, args, kwargs=None, *, mesh, loss_fn, schedu
     ``memory_limit`` bytes per device, default 90% of the ``topology``'s, with ``data_parallel`` sharding over
     the mesh's "dp").  ``schedule``: a torch.distributed.pipelining name or class (parallel/schedules.py);
     multi-stage schedules hold ``virtual_stages`` stages per rank (default: ``len(stages) / pp`` when ``stages``
-    is given, else 2).  ``shard_stage(module, args, kwargs) -> module`` shards one stage (identity by default).
+    is given, else 2).  ``shard_stage(model, args, kwargs, graph=, fixed=) -> module`` shards one stage's graph
+    (``fixed``: placements its tied weights must take; default: the graph itself).
     """
     if "pp" not in (mesh.mesh_dim_names or ()):
         raise ValueError(f"pipeline needs a mesh with a 'pp' dimension, got dims {mesh.mesh_dim_names}")
@@ -61,42 +68,60 @@ def pipeline(model: torch.nn.Module, args, kwargs=None, *, mesh, loss_fn, schedu
     args, kwargs = tuple(args or ()), dict(kwargs or {})
     mb_args, mb_kwargs = _first_microbatch(args, kwargs, microbatches)
     fold = find_blocks(model)
+    tp, dp = (mesh[d].size() if d in mesh.mesh_dim_names else 1 for d in ("tp", "dp"))
+    whole = _Whole(model, mb_args, mb_kwargs)
     if stages is None:
-        tp, dp = (mesh[d].size() if d in mesh.mesh_dim_names else 1 for d in ("tp", "dp"))
         topo, size = load_topology(topology), _batch_size(mb_args, mb_kwargs)
         limit = memory_limit if memory_limit is not None else 0.9 * topo.memory_bytes
-        stages = stage_starts(block_profile(prepared_graph(model, mb_args, mb_kwargs, fold=True), fold, tp, topo),
+        stages = stage_starts(block_profile(whole.graph(), fold, tp, topo),
                               Candidate(tp, pp, dp, microbatch_size=size, schedule=plan.cls,
                                         virtual_stages=plan.per_rank),
                               Setting(topo, size * microbatches * dp, True, data_parallel, limit, 0.0))
     stages = _checked_starts(list(stages), count, fold.count, plan.name)
-    with no_kv_cache(model):
-        cut = split(model, mb_args, mb_kwargs, fold.path, stages)
-    out_spec = cut.out_spec
-    shard_stage = shard_stage or (lambda module, stage_args, stage_kwargs: module)
+    bounds = [*stages, fold.count]
+    skeleton = on_meta(model)  # what the stages keep of the model: its classes and config, no weights
+    shard_stage = shard_stage or (lambda model, args, kwargs, graph, fixed: graph)
     device = device_of(group)
-    modules, built = {}, []
+    modules, built, tied = {}, [], Tied(model, count)
     for index in plan.stage_indices(pp, pp_rank):
-        modules[index] = shard_stage(cut.modules[index], *cut.inputs[index])
-        _check_first_inputs(modules[index], *cut.inputs[index])
+        stage = stage_graph(model, mb_args, mb_kwargs, fold.path, fold.count, bounds[index], bounds[index + 1])
+        tied.read(stage)
+        fixed = tied.placements(stage.graph, lambda: offered(whole.graph(), tp)) if tp > 1 else {}
+        modules[index] = shard_stage(skeleton, stage.args, stage.kwargs, graph=stage.graph, fixed=fixed or None)
+        _check_inputs_once(modules[index], stage.args, stage.kwargs, index == 0)
         built.append(PipelineStage(modules[index], index, count, device, group=group))
-    del cut  # other ranks' stages are freed
+    tied.connect(mesh, plan.placement(pp).__getitem__)
+    out_spec = stage.out_spec
 
     def flat_loss(output, target):
         return loss_fn(_unflatten(output, out_spec), target)
 
     runner = plan.build(built, microbatches, flat_loss)
     return Pipelined(runner, modules, group, out_spec, stages, getattr(model, "config", None), weightless(model),
-                     frozenset(model.state_dict()), plan.placement(pp))
+                     frozenset(model.state_dict()), plan.placement(pp), tied)
+
+
+class _Whole:
+    """The model's folded graph (four blocks, passes/fold.py), captured when first needed: to split the stages and
+    to see every reader of a tied weight."""
+
+    def __init__(self, model: torch.nn.Module, args: tuple, kwargs: dict):
+        self.model, self.args, self.kwargs, self.gm = model, args, kwargs, None
+
+    def graph(self) -> torch.fx.GraphModule:
+        if self.gm is None:
+            self.gm = prepared_graph(self.model, self.args, self.kwargs, fold=True)
+        return self.gm
 
 
 class Pipelined:
     """This rank's stages and the schedule that runs them; the parameters keep their original names."""
 
     def __init__(self, schedule, modules: dict, group, out_spec, starts: list, config=None, source=None,
-                 stored: frozenset = frozenset(), placement: tuple = ()):
+                 stored: frozenset = frozenset(), placement: tuple = (), tied: Tied | None = None):
         self.schedule = schedule
         self.placement = placement  # stage index -> the pipeline rank that holds it
+        self.tied = tied        # weights held by two stages: their gradients are summed after each backward
         self.stored = stored  # the model's parameter and persistent buffer names: what a checkpoint holds
         self.autotp_config = config  # written beside the weights by autotp.save_pretrained
         self.autotp_source = source  # the model without its weights: save_pretrained writes transformers' layout of it
@@ -112,6 +137,8 @@ class Pipelined:
         the timeout raises a CollectiveError naming this rank's stages, the mesh dimension and the peers."""
         try:
             merged = self.schedule.step(*inputs, target=target, losses=losses, **kwargs)
+            if self.tied is not None:
+                self.tied.sum_gradients(self.modules.values())
         except Exception as exc:
             raise step_failure(exc, sorted(self.modules), self.placement, self.group) from exc
         return self._output(merged)
@@ -124,7 +151,8 @@ class Pipelined:
 
     def named_parameters(self):
         for index in sorted(self.modules):
-            yield from self.modules[index].named_parameters()
+            for name, param in self.modules[index].named_parameters():
+                yield self._name(name), param
 
     def parameters(self):
         for _, param in self.named_parameters():
@@ -135,22 +163,30 @@ class Pipelined:
         of this pipeline (a collective over the pipeline group and each stage's TP and DP groups)."""
         mine = {}
         for index in sorted(self.modules):  # the cut loses which buffers were persistent: the model says
-            mine.update((name, t) for name, t in _full_tensors(self.modules[index], buffers).items()
+            mine.update((self._name(name), t) for name, t in _full_tensors(self.modules[index], buffers).items()
                         if not buffers or name in self.stored)
         everyone = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(everyone, mine, group=self.group)
         return {name: tensor for stage in everyone for name, tensor in stage.items()}
 
+    def _name(self, name: str) -> str:
+        return name if self.tied is None else self.tied.canonical(name)  # a tied weight once, under its first name
+
     def _output(self, merged):
         return None if merged is None else _unflatten(merged, self.out_spec)
 
 
-def _check_first_inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-    """Run autotp's check that TP ranks agree on a module's first inputs on the example's values: pipelining's
-    shape inference makes the first call with uninitialized tensors, which ranks would not agree on."""
+def _check_inputs_once(module: torch.nn.Module, args: tuple, kwargs: dict, first: bool) -> None:
+    """autotp's check that TP ranks agree on a stage's first inputs, run now on the example's values: pipelining's
+    shape inference makes the first call of a later stage with uninitialized tensors, which ranks would not agree
+    on (and a later stage's inputs come from the stage before, the same on every TP rank)."""
+    real = first and not any(t.is_meta for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
     for hook in list(module._forward_pre_hooks.values()):
         if isinstance(hook, InputCheck):
-            hook(module, args, kwargs)
+            if real:
+                hook(module, args, kwargs)
+            else:
+                hook.handle.remove()
 
 
 def _full_tensors(module: torch.nn.Module, buffers: bool) -> dict:

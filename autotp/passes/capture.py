@@ -16,7 +16,6 @@ from torch.utils._pytree import SUPPORTED_NODES, tree_leaves, tree_map
 from autotp.runtime import local_ops
 
 from .flex import exportable_on_cpu, mask_tensors, register_block_mask
-
 from .ops import drops
 
 

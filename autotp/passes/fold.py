@@ -113,13 +113,14 @@ def find_fold(model: torch.nn.Module, min_blocks: int = MIN_BLOCKS) -> Fold | No
 
 
 @contextlib.contextmanager
-def folded(model: torch.nn.Module, fold: Fold):
-    """The model with only the kept blocks in its list, under their own names (``layers.78``)."""
+def folded(model: torch.nn.Module, fold: Fold, kept=None):
+    """The model with only the kept blocks (default: ``fold.kept``) in its list, under their own names
+    (``layers.78``); a pipeline stage captures its own blocks this way (parallel/split.py)."""
     parent_path, _, attr = fold.path.rpartition(".")
     parent = model.get_submodule(parent_path)
     full = getattr(parent, attr)
     short = torch.nn.ModuleList()
-    for i in fold.kept:
+    for i in fold.kept if kept is None else kept:
         short._modules[str(i)] = full[i]
     setattr(parent, attr, short)
     try:
@@ -151,8 +152,10 @@ class Blocks:
     position: dict  # op node -> its index among the ops of its block (or of pre / post)
 
 
-def blocks(gm: torch.fx.GraphModule, fold: Fold) -> Blocks:
-    """Ops are placed by their module scope; unscoped ones (export's guards, size reads) by position."""
+def blocks(gm: torch.fx.GraphModule, fold: Fold, between: bool = False) -> Blocks:
+    """Ops are placed by their module scope; unscoped ones (export's guards, size reads) by position.  An unscoped
+    op between two blocks (a residual add in the model's loop) is refused, or with ``between`` placed with the
+    block before it (pipeline stages are cut where the next block begins)."""
     where, key, seen = {}, {}, []
     ops = [n for n in gm.graph.nodes if n.op not in ("placeholder", "get_attr", "output")]
     scoped = [scope_block(n, fold) for n in ops]
@@ -164,7 +167,7 @@ def blocks(gm: torch.fx.GraphModule, fold: Fold) -> Blocks:
         if b is None:  # between ops of one block it is that block's; before or after all blocks, pre or post
             before = next((scoped[k] for k in reversed(known) if k < i), None)
             after = next((scoped[k] for k in known if k > i), None)
-            if before is not None and after is not None and before != after:
+            if before is not None and after is not None and before != after and not between:
                 raise NotFoldable(f"{node.name} runs between two blocks")
             b = before if before is not None and after is not None else ("pre" if before is None else "post")
         if isinstance(b, int) and (not seen or seen[-1] != b):

@@ -34,17 +34,19 @@ def _written(gm: torch.fx.GraphModule) -> set:
             if node.op == "get_attr" and any(writes(user, node) for user in node.users)}
 
 
-def shard_parameters(gm: torch.fx.GraphModule, placements: dict, rank: int, world: int, checkpoint=None,
-                     device: torch.device | None = None, dealt: dict | None = None) -> None:
+def shard_parameters(gm: torch.fx.GraphModule, placements: dict, rank: int, world: int,
+                     provided: frozenset = frozenset(), device: torch.device | None = None,
+                     dealt: dict | None = None) -> None:
     """Give the module its own copy of every parameter and buffer, sharded as planned.
 
-    From ``checkpoint`` (autotp.runtime.hf_checkpoint.Checkpoint) each rank reads only its slices; otherwise
-    from the captured model's tensors, copied (never views) so that the user's model is untouched.
-    Tied tensors stay tied.  ``dealt``: name -> runtime.dispatch.Dealt for expert tables dealt over a dispatch
-    group: this rank's experts first, then the plan's TP placement of them.
+    Copies of the captured model's tensors (never views, so that the user's model is untouched).  A tensor that
+    the caller fills later (``provided``: a checkpoint holds it under one of its names) or that has no values (the
+    meta device) is this rank's local shape on the meta device, for runtime/materialize.py to fill.  Tied tensors
+    stay tied.  ``dealt``: name -> runtime.dispatch.Dealt for expert tables dealt over a dispatch group: this
+    rank's experts first, then the plan's TP placement of them.
     """
     dealt = dealt or {}
-    from autotp.runtime.hf_checkpoint import CheckpointError, check_names, is_persistent
+    from autotp.runtime.hf_checkpoint import CheckpointError
 
     tensors = [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]
     known = {name for name, _ in tensors}
@@ -57,10 +59,6 @@ def shard_parameters(gm: torch.fx.GraphModule, placements: dict, rank: int, worl
     for name, tensor in tensors:
         aliases.setdefault(id(tensor), []).append(name)
     by_id = {id(tensor): placements[name] for name, tensor in tensors if name in placements}
-    if checkpoint is not None:
-        persistent = {id(t): (aliases[id(t)], t.shape) for n, t in tensors if is_persistent(gm, n, t)}
-        optional = {n for n, t in tensors if id(t) not in persistent}
-        check_names(checkpoint, persistent, optional)
     done: dict = {}
     for name, tensor in tensors:
         owner_name, _, attr = name.rpartition(".")
@@ -69,27 +67,15 @@ def shard_parameters(gm: torch.fx.GraphModule, placements: dict, rank: int, worl
             placement = by_id.get(id(tensor), R)
             deal = dealt.get(name)
             placement = R if isinstance(placement, Routed) else placement  # dealt whole over its dispatch group
-            stored = [n for n in aliases[id(tensor)] if checkpoint is not None and n in checkpoint.files]
-            if stored and deal is not None:  # this rank's experts only, then its TP piece of them
-                piece = checkpoint.read(stored[0], deal.experts, deal.group.rank, deal.group.size)
-                piece = take_local(piece, placement, rank, world) if isinstance(placement, Shard) else piece
-                local = piece.to(device=device, dtype=tensor.dtype, copy=True)
-            elif stored:
-                # copy: own memory, not pages of the mapped file (the optimizer writes into parameters)
-                piece = checkpoint.read(stored[0], placement, rank, world)
-                shares = getattr(checkpoint, "shares", False)  # another program's shards: the same memory
-                local = piece if shares else piece.to(device=device, dtype=tensor.dtype, copy=True)
-            elif tensor.is_meta and name in written:  # state the program fills itself (a KV cache)
-                shape = local_sizes(list(tensor.shape), placement, rank, world)
+            shape = local_sizes(deal.shape(tensor.shape) if deal else list(tensor.shape), placement, rank, world)
+            if tensor.is_meta and name in written:  # state the program fills itself (a KV cache)
                 local = torch.zeros(shape, dtype=tensor.dtype, device=device)
             elif tensor.is_meta and name in constants:  # e.g. x[..., [-2], :]'s positions: made up = wrong
                 raise CheckpointError(f"{name} is a tensor the model's forward creates (such as index positions) "
                                       "and it was created on the meta device, so its values are unknown: build "
                                       "this model on a real device (its weights may still come from checkpoint=DIR)")
-            elif tensor.is_meta:
-                raise CheckpointError(f"{name} is on the meta device and no checkpoint provides it: pass "
-                                      "checkpoint=DIR, or build the model with accelerate.init_empty_weights() "
-                                      "so that computed buffers stay real")
+            elif tensor.is_meta or any(n in provided for n in aliases[id(tensor)]):
+                local = torch.empty(shape, dtype=tensor.dtype, device="meta")
             else:
                 data = tensor.detach() if deal is None else deal.local(tensor.detach())
                 local = (take_local(data, placement, rank, world) if isinstance(placement, Shard) else data).clone()
@@ -174,10 +160,11 @@ def _gathered_both_ways(gm: torch.fx.GraphModule, choice: dict, grad: set) -> se
 
 
 def rewrite(gm: torch.fx.GraphModule, choice: dict, rank: int, world: int, group: str,
-            checkpoint=None, device: torch.device | None = None, gather_outputs: bool = True,
+            provided: frozenset = frozenset(), device: torch.device | None = None, gather_outputs: bool = True,
             dispatch: Groups | None = None) -> torch.fx.GraphModule:
     """Mutates ``gm`` (a fresh capture) into this rank's sharded program; expert segments that the plan routes,
-    or that a mesh's "ep" ranks share (``dispatch``), are run by their experts' owners (runtime/dispatch.py)."""
+    or that a mesh's "ep" ranks share (``dispatch``), are run by their experts' owners (runtime/dispatch.py).
+    The tensors in ``provided`` (and those on the meta device) are left for runtime/materialize.py to fill."""
     tp = Group(group, rank, world)
     dispatched = _dispatched(gm, choice, tp, dispatch or Groups(tp))
     graph = gm.graph
@@ -260,7 +247,7 @@ def rewrite(gm: torch.fx.GraphModule, choice: dict, rank: int, world: int, group
     if any(node.target is collectives.gather_tokens for node in graph.nodes):
         activations.keep_pieces(gm)
     dealt = {table.target: deal for segment, (deal, _) in dispatched.items() for table in segment.tables}
-    shard_parameters(gm, params, rank, world, checkpoint, device, dealt)
+    shard_parameters(gm, params, rank, world, provided, device, dealt)
     for segment, (deal, copies) in dispatched.items():
         owners = [deal.experts.ranges(segment.experts, r, deal.group.size)[0] for r in range(deal.group.size)]
         segments.dispatch(gm, segment, owners, deal.group, copies, _where(segment.exit))

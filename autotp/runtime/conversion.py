@@ -134,9 +134,15 @@ def weightless(model):
     """What ``stored_layout`` needs of ``model`` and nothing more, for holders that must not keep every weight of
     the model alive (a pipeline's stages): a copy whose parameters and buffers are on the meta device (classes,
     config and module tree kept), or None for a model transformers has no conversion mapping for."""
-    if not model_conversions(model):
-        return None
+    return on_meta(model) if model_conversions(model) else None
+
+
+def on_meta(model):
+    """``model`` itself when every tensor of it is on the meta device, else a copy of it that holds them there
+    (tied tensors stay tied)."""
     tensors = [*model.parameters(), *model.buffers()]
+    if all(t.is_meta for t in tensors):
+        return model
     memo = {id(t): torch.nn.Parameter(t.detach().to("meta"), t.requires_grad) if isinstance(t, torch.nn.Parameter)
             else t.to("meta") for t in tensors}
     return copy.deepcopy(model, memo)

@@ -95,6 +95,14 @@ class Dealt:
     count: int
     group: Group
 
+    def spans(self, rows: int) -> list:
+        """The (start, length) row spans of this rank's experts in a full table of ``rows`` rows."""
+        return self.experts.ranges(rows, self.group.rank, self.group.size)
+
+    def shape(self, full) -> list:
+        """The shape of this rank's experts of a full table of shape ``full``."""
+        return [sum(n for _, n in self.spans(full[0])), *full[1:]]
+
     def local(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's experts of the full table."""
         return take_local(full, self.experts, self.group.rank, self.group.size)

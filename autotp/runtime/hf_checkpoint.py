@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from .collectives import gather_full
 from .conversion import Assembled, CheckpointError, assemble, stored_layout
-from .placement import Routed, Shard
+from .placement import Routed
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -57,20 +57,22 @@ class Checkpoint:
         with safe_open(self.stored[key], framework="pt") as f:
             return f.get_slice(key)[tuple(box)]
 
-    def read(self, name: str, placement, rank: int, world: int) -> torch.Tensor:
-        """This rank's piece: only the bytes of its slices (block by block for fused tensors, expert by
-        expert for stacked ones)."""
-        assembled = self.files[name]
-        shape = assembled.shape(self._stored_shape)
-        whole = [slice(0, size) for size in shape]
-        if not isinstance(placement, Shard):
-            return assembled.read(whole, self._stored_shape, self._read_stored)
-        pieces = []
-        for start, length in placement.ranges(shape[placement.dim], rank, world):
-            box = list(whole)
-            box[placement.dim] = slice(start, start + length)
-            pieces.append(assembled.read(box, self._stored_shape, self._read_stored))
-        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, placement.dim)
+    def read_box(self, name: str, box: list) -> torch.Tensor:
+        """One box (a ``slice`` per dim) of tensor ``name``, reading only its bytes (block by block for fused tensors,
+        expert by expert for stacked ones); runtime/materialize.py writes a rank's piece from such boxes."""
+        return self.files[name].read(box, self._stored_shape, self._read_stored)
+
+
+def check_tensors(checkpoint: Checkpoint, module: torch.nn.Module, elsewhere: frozenset = frozenset()) -> None:
+    """The checkpoint holds every parameter and persistent buffer of ``module`` (under one of its names) at its full
+    shape; ``elsewhere``: names of the rest of the model (other pipeline stages), which it may hold too."""
+    tensors = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+    aliases: dict = {}
+    for name, tensor in tensors:
+        aliases.setdefault(id(tensor), []).append(name)
+    persistent = {id(t): (aliases[id(t)], t.shape) for n, t in tensors if is_persistent(module, n, t)}
+    optional = {n for n, t in tensors if id(t) not in persistent} | set(elsewhere)
+    check_names(checkpoint, persistent, optional)
 
 
 def check_names(checkpoint: Checkpoint, expected: dict, optional: set = frozenset()) -> None:

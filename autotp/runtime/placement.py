@@ -31,6 +31,7 @@ S(2|64,16,16/8,2,2@8), S(1/2@8), S(0|32,8,8/4,1,1@8x2).
 from __future__ import annotations
 
 import itertools
+import math
 import re
 from dataclasses import dataclass, replace
 
@@ -282,3 +283,52 @@ def assemble(parts: list[torch.Tensor], shard: Shard, size: int) -> torch.Tensor
     pieces = [parts[r].narrow(shard.dim, *claims[r][k])
               for k in range(len(shard.blocks(size))) for r in range(world) if claims[r][k][1]]
     return torch.cat(pieces, shard.dim)
+
+
+def piece_ranges(shape, placement, rank: int, world: int, box=None, rows=None) -> list:
+    """Per dim, the (start, length) spans of the full tensor (``shape``) that this rank's piece is made of, in
+    order: ``rows`` (the dim-0 spans of an expert table's experts dealt to this rank, runtime.dispatch.Dealt),
+    ``placement``'s TP split of them, then ``box`` (per dim, the (start, length) an outer split such as FSDP2's
+    keeps of the TP piece, in the TP piece's coordinates)."""
+    ranges = [[(0, size)] for size in shape]
+    if rows is not None:
+        ranges[0] = list(rows)
+    if isinstance(placement, Shard):
+        spans = ranges[placement.dim]
+        ranges[placement.dim] = [cut for start, n in placement.ranges(sum(n for _, n in spans), rank, world)
+                                 for cut in _cut(spans, start, n)]
+    if box is not None:
+        ranges = [_cut(spans, start, length) for spans, (start, length) in zip(ranges, box, strict=True)]
+    return ranges
+
+
+def _cut(spans: list, start: int, length: int) -> list:
+    """The part [start, start + length) of the spans laid end to end."""
+    found, offset = [], 0
+    for first, size in spans:
+        low, high = max(start, offset), min(start + length, offset + size)
+        if low < high:
+            found.append((first + low - offset, high - low))
+        offset += size
+    return found or [(spans[0][0], 0)]  # an empty piece (FSDP2's last ranks) keeps its place
+
+
+def fill_ranges(out: torch.Tensor, ranges: list, read_box, chunk_bytes: int = 16 * 2 ** 20) -> torch.Tensor:
+    """Write the piece ``piece_ranges`` describes into ``out`` from ``read_box([slice per dim])``, box by box and a
+    few rows at a time, so that reading a large piece never holds it twice (nor the pages of a mapped file)."""
+    starts = [list(itertools.accumulate((n for _, n in spans), initial=0)) for spans in ranges]
+    for picks in itertools.product(*(range(len(spans)) for spans in ranges)):
+        source = [ranges[d][k] for d, k in enumerate(picks)]
+        target = [starts[d][k] for d, k in enumerate(picks)]
+        if not source:  # a 0-dim tensor
+            out.copy_(read_box([]))
+            continue
+        (first, rows), rest = source[0], source[1:]
+        step = max(1, chunk_bytes // max(1, math.prod(n for _, n in rest) * out.element_size()))
+        inner = [slice(a, a + n) for a, n in rest]
+        placed = [slice(o, o + n) for o, (_, n) in zip(target[1:], rest, strict=True)]
+        for row in range(0, rows, step):
+            n = min(step, rows - row)
+            out[(slice(target[0] + row, target[0] + row + n), *placed)].copy_(
+                read_box([slice(first + row, first + row + n), *inner]))
+    return out

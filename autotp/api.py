@@ -136,7 +136,8 @@ def _solve_once(gm: torch.fx.GraphModule, world_size: int, options: Options, siz
               **_activations_by_module(gm, choice, sizes, world_size, training, solution.recomputed),
               **({"experts": experts_cost} if experts_cost else {})},
         replicated_ops=sorted(ctx.unruled),
-        fold={"path": folding.fold.path, "count": folding.fold.count} if folding else None,
+        fold=({"path": folding.fold.path, "count": folding.fold.count,
+               **({"start": folding.fold.start} if folding.fold.start else {})} if folding else None),
     )
 
 

@@ -167,9 +167,9 @@ def _read_profile(gm: torch.fx.GraphModule, tp: int, topo: Topology, training: b
     per_sample = [Section(s.seconds * scale / unit, {k: (v / unit if k in ("activations", "kv_cache") else v)
                                                       for k, v in s.memory.items()}) for s in parts]
     boundary = 0.0
-    if fold:  # tensors block 1 hands to the next kept block (N-2): what a stage sends to the next
+    if fold:  # tensors the middle block hands to the next kept block (N-2): what a stage sends to the next
         boundary = sum(sizes.nbytes(n) for n in gm.graph.nodes
-                       if where[n] == 1 and any(where.get(u) == count - 2 for u in n.users)) / unit
+                       if where[n] == fold.first and any(where.get(u) == count - 2 for u in n.users)) / unit
     return Profile(tp, per_sample, boundary, fold is not None, sequence_parallel=tokens, selective=cores)
 
 

@@ -45,7 +45,7 @@ def test_gpt3_175b_on_128_dgx_a100_with_ddp_fits_like_megatron(gpt3):
     assert _covers(c.stages, LAYERS) and len(c.stages) == c.pp * c.virtual_stages
     sizes = [end - start for start, end in c.stages]
     assert max(sizes) - min(sizes) <= 2       # balanced: the embedding and the head make their stages lighter
-    assert 0.25 <= c.mfu <= load_topology("dgx-a100").matmul_efficiency  # Megatron: 33.7% model FLOPs, 44.9% hw
+    assert 0.25 <= c.mfu <= load_topology("dgx-a100").products.peak_fraction  # Megatron: 33.7% MFU, 44.9% hw
     megatron = next(x for x in result.candidates if (x.tp, x.pp, x.dp) == (8, 8, 16))
     assert megatron.fits                      # it ran in 80 GB (Narayanan et al. 2021)
     # its measured 140 TFLOP/s per GPU count 96 B s L h^2 (1 + s/6h + V/16Lh) FLOPs a step: forward, backward

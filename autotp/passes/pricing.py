@@ -9,7 +9,7 @@ import torch
 from torch.fx import Node
 
 from autotp.cost_models import collective_time
-from autotp.cost_models.compute import op_time
+from autotp.cost_models.compute import op_time, product_time
 from autotp.cost_models.memory import state_factor
 from autotp.cost_models.topology import Topology
 from autotp.runtime.placement import Disjoint, Shard
@@ -17,7 +17,7 @@ from autotp.runtime.placement import Disjoint, Shard
 from .ops import flops, is_product, op
 from .recompute import dropped
 from .saved import element_bytes, kept, regathered
-from .strategies import is_placed
+from .strategies import input_slots, is_placed
 
 
 class Sizes:
@@ -70,20 +70,52 @@ def local_bytes(size: float, placement, world: int) -> float:
     return size * held_fraction(placement, world)
 
 
+def work_share(node: Node, strategy, world: int) -> float:
+    """The busiest rank's share of the op's work: whole experts compute their own rows' products (zeros elsewhere
+    are full size for the other ops); a sharded output its share; a partial sum 1/N."""
+    if isinstance(strategy.output, Disjoint):
+        return held_fraction(strategy.output.experts, world) if is_product(node) else 1.0
+    if strategy.replicated:
+        return 1.0
+    return held_fraction(strategy.output, world) if isinstance(strategy.output, Shard) else 1 / world
+
+
+def product_seconds(node: Node, strategy, sizes: Sizes, world: int, topology: Topology, moved: float) -> float:
+    """A product at the shape one rank computes (its operands as it holds them): ``share`` of the product's
+    FLOPs, in groups of that shape."""
+    held_as = dict(zip(input_slots(node), strategy.inputs, strict=True))
+
+    def whole(a: Node) -> list:
+        return [sizes(s) for s in a.meta["val"].shape]
+
+    def held(a: Node) -> list:
+        dims, placement = whole(a), held_as.get(a)
+        if isinstance(placement, Shard):
+            dims[placement.dim] *= held_fraction(placement, world)
+        return dims
+
+    m, n, k, groups, ragged = op(node.target).shape(node, held, whole)
+    share = work_share(node, strategy, world)
+    shaped = 2.0 * groups * m * n * k
+    groups *= sizes.flops(node) * share / shaped if shaped else 1.0  # whole experts' bmm: its share of the rows
+    return product_time(m, n, k, topology, groups, ragged, moved * share)
+
+
 def op_seconds(node: Node, strategy, sizes: Sizes, world: int, topology: Topology, training: bool,
                   paired: bool = False) -> float:
     """Seconds of the op (forward and backward when training); for a parameter held grouped, also the
     all-reduce of its gradient (``paired``: shared with its weight or bias, so without the latency)."""
     row = op(node.target)
-    moved = 0.0 if row.view else (  # a view's output is its input: nothing is read or written
+    moved = 0.0 if row.view or row.observer else (  # a view's output is its input; sizes are metadata
         row.moves(node, sizes.nbytes) if row.moves else
         sizes.nbytes(node) + sum(sizes.nbytes(a) for a in node.all_input_nodes if is_placed(a)))
-    seconds = op_time(sizes.flops(node), moved, topology) if node.op == "call_function" else 0.0
-    if isinstance(strategy.output, Disjoint):  # whole experts: the busiest rank's share of the products;
-        seconds *= held_fraction(strategy.output.experts, world) if is_product(node) else 1.0  # zeros are full size
-    elif not strategy.replicated:
-        seconds *= held_fraction(strategy.output, world) if isinstance(strategy.output, Shard) else 1 / world
-    seconds = 3 * seconds if training else seconds  # backward costs about twice the forward
+    if node.op != "call_function":
+        seconds = 0.0
+    elif row.shape is not None:
+        seconds = product_seconds(node, strategy, sizes, world, topology, moved)
+    else:
+        seconds = op_time(sizes.flops(node), moved, topology) * work_share(node, strategy, world)
+    seconds = 3 * seconds if training else seconds  # backward: two products of the forward's shape
     out = strategy.output
     if training and node.op == "get_attr" and isinstance(out, Shard) and out.grouped(world):
         shared = sizes.nbytes(node) * shared_fraction(out, world)

@@ -180,8 +180,9 @@ def print_plan(plan: Plan, shapes: dict | None = None, console: Console | None =
     if plan.cost.get("activations"):
         console.print(activations_table(plan))
     if plan.fold:
-        console.print(f"{plan.fold['count']} identical blocks of {plan.fold['path']} planned from four: blocks 1 to "
-                      f"{plan.fold['count'] - 2} take the same decisions")
+        start = plan.fold.get("start", 0)
+        console.print(f"{plan.fold['count'] - start} identical blocks of {plan.fold['path']} planned from four: "
+                      f"blocks {start + 1} to {plan.fold['count'] - 2} take the same decisions")
     if plan.cost.get("experts"):
         console.print(f"experts: {plan.cost['experts']['chosen']} (`autotp explain PLAN experts` prices each)")
     console.print(f"estimated {'training step' if plan.cost.get('training') else 'forward'} time "

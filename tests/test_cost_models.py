@@ -145,3 +145,14 @@ def test_memory_limit_infeasible_says_what_fits():
         autotp.plan(model, args, world_size=2, memory_limit=need * 0.6)
     inference = autotp.plan(model, args, world_size=2, training=False)
     assert inference.cost["memory"]["optimizer"] == 0 and inference.cost["memory"]["kv_cache"] > 0
+
+
+def test_an_all_to_all_across_nodes_sends_its_off_node_share_over_the_nics():
+    """A rank's buffer goes 1/g to each rank: over 16 ranks of two DGX H100s, half of it leaves the node on the
+    rank's own 400 Gb/s NIC (46 GB/s); inside one node it all moves over NVLink."""
+    topo = load_topology("dgx-h100", nodes=32)
+    sent = 58.7e6
+    inside, across = (collective_time("all_to_all", sent, g, topo) for g in (8, 16))
+    assert across >= sent / 2 / topo.nic_bandwidth  # at least the off-node half at one NIC's speed: 0.64 ms
+    assert across > 2 * inside
+    assert collective_time("all_to_all", sent, 256, topo) > across  # 31/32 of it off the node

@@ -3,7 +3,8 @@ hardware offers (ring; tree across nodes; in-switch reduction inside a node), hi
 (inside the nodes, then across them) when a group spans nodes.
 
 ``nbytes`` is always the full logical tensor: the reduced tensor for all-reduce, the gathered
-output for all-gather, the input for reduce-scatter, all data for all-to-all, the broadcast tensor.
+output for all-gather, the input for reduce-scatter, one rank's send buffer for all-to-all (nccl-tests'
+size: nbytes / n to each rank), the broadcast tensor.
 """
 from __future__ import annotations
 
@@ -45,8 +46,6 @@ def _inter(op: str, nbytes: float, m: int, topo: Topology) -> float:
         raise ValueError(f"topology {topo.name} has {topo.nodes} nodes but no NICs (nics_per_node)")
     bandwidth = topo.nic_bandwidth * topo.nics_per_node
     steps, factor = ring_steps(op, m)
-    if op == "all_to_all":
-        nbytes /= m  # only the part leaving each node crosses its NICs
     ring = topo.inter_base_latency_s + steps * topo.inter_step_latency_s
     tree = topo.inter_base_latency_s + 2 * math.ceil(math.log2(m)) * topo.inter_step_latency_s
     latency = min(ring, tree) if op in ("all_reduce", "broadcast") else ring
@@ -74,7 +73,21 @@ def collective_time(op: str, nbytes: float, group_size: int, topology: Topology 
     if op == "all_reduce":  # reduce-scatter inside, all-reduce of 1/g across, all-gather inside
         return (_intra("reduce_scatter", nbytes, per_node, topology) + _inter("all_reduce", nbytes, nodes, topology)
                 + _intra("all_gather", nbytes, per_node, topology))
+    if op == "all_to_all":
+        return _all_to_all(nbytes, group_size, per_node, nodes, topology)
     return _intra(op, nbytes, per_node, topology) + _inter(op, nbytes, nodes, topology)
+
+
+def _all_to_all(nbytes: float, group: int, per_node: int, nodes: int, topo: Topology) -> float:
+    """Every rank sends nbytes / group to each rank: its own node's share over NVLink and the rest over its
+    share of the node's NICs, both at once (the slower decides)."""
+    if not topo.nics_per_node:
+        raise ValueError(f"topology {topo.name} has {topo.nodes} nodes but no NICs (nics_per_node)")
+    inside = _intra("all_to_all", nbytes * per_node / group, per_node, topo)
+    nic = topo.nic_bandwidth * topo.nics_per_node / topo.gpus_per_node
+    across = (topo.inter_base_latency_s + (nodes - 1) * topo.inter_step_latency_s
+              + nbytes * (group - per_node) / group / nic)
+    return max(inside, across)
 
 
 def reshard_collective(src, dst) -> str | None:

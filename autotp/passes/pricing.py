@@ -80,9 +80,9 @@ def work_share(node: Node, strategy, world: int) -> float:
     return held_fraction(strategy.output, world) if isinstance(strategy.output, Shard) else 1 / world
 
 
-def product_seconds(node: Node, strategy, sizes: Sizes, world: int, topology: Topology, moved: float) -> float:
-    """A product at the shape one rank computes (its operands as it holds them): ``share`` of the product's
-    FLOPs, in groups of that shape."""
+def product_shape(node: Node, strategy, sizes: Sizes, world: int) -> tuple:
+    """(m, n, k, groups, ragged) of the product one rank computes under ``strategy`` (its operands as it holds
+    them), in groups of that shape making its share of the product's FLOPs (whole experts' bmm: its rows)."""
     held_as = dict(zip(input_slots(node), strategy.inputs, strict=True))
 
     def whole(a: Node) -> list:
@@ -95,10 +95,15 @@ def product_seconds(node: Node, strategy, sizes: Sizes, world: int, topology: To
         return dims
 
     m, n, k, groups, ragged = op(node.target).shape(node, held, whole)
-    share = work_share(node, strategy, world)
     shaped = 2.0 * groups * m * n * k
-    groups *= sizes.flops(node) * share / shaped if shaped else 1.0  # whole experts' bmm: its share of the rows
-    return product_time(m, n, k, topology, groups, ragged, moved * share)
+    groups *= sizes.flops(node) * work_share(node, strategy, world) / shaped if shaped else 1.0
+    return m, n, k, groups, ragged
+
+
+def product_seconds(node: Node, strategy, sizes: Sizes, world: int, topology: Topology, moved: float) -> float:
+    """A product at the shape one rank computes, never faster than moving its share of the bytes."""
+    shape = product_shape(node, strategy, sizes, world)
+    return product_time(*shape[:3], topology, *shape[3:], moved * work_share(node, strategy, world))
 
 
 def op_seconds(node: Node, strategy, sizes: Sizes, world: int, topology: Topology, training: bool,

@@ -157,7 +157,8 @@ def _solve_once(gm: torch.fx.GraphModule, world_size: int, options: Options, siz
               **({"replicated": dict(sorted(ctx.unruled.items()))} if ctx.unruled else {})},
         replicated_ops=sorted(ctx.unruled),
         mesh={"tp": world_size, **({"ep": options.ep} if options.ep > 1 else {})},
-        fold={"path": folding.fold.path, "count": folding.fold.count} if folding else None,
+        fold=({"path": folding.fold.path, "count": folding.fold.count,
+               **({"start": folding.fold.start} if folding.fold.start else {})} if folding else None),
     )
 
 

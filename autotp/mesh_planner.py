@@ -1,4 +1,4 @@
-"""Mesh planning: tensor x pipeline x data parallel sizes, micro-batches, schedule and stage boundaries.
+"""Mesh planning: tensor x pipeline x data (x expert) parallel sizes, micro-batches, schedule and stage boundaries.
 
 One tensor-parallel plan is solved per TP size (the plan of a block does not depend on how many
 stages or replicas there are) at one sample of the example inputs; its time and memory, read per
@@ -7,6 +7,8 @@ block, are then priced analytically for every pipeline / data-parallel split
 output kept for backward, per block, under the chosen TP plan (or only each block's input with recomputation).
 A TP size whose plain plan does not fit (or fits only recomputing whole blocks) is also planned with sequence
 parallelism and with its attention cores recomputed (Korthikanti et al. 2022), each priced like any other plan.
+A graph with routed experts is planned with its experts split over the TP ranks, and every expert-parallel degree
+that divides the experts is priced on top of it (mesh_experts.py, cost_models/expert_layout.py).
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from autotp.cost_models import expert_layout as moe
 from autotp.cost_models import load_topology
 from autotp.cost_models import schedules as pipe
 from autotp.cost_models.mesh_layout import Candidate, Profile, Section, Setting, price
@@ -37,6 +40,7 @@ from autotp.passes.strategies import Strategy, needs_grad
 from autotp.runtime.placement import parse
 
 from .api import prepared_graph, solve_plan
+from .mesh_experts import block_experts, expert_part
 from .options import Options
 
 ACTIVATION_MODEL = ("activations: every op output the backward keeps, counted per block on the TP plan's graph "
@@ -56,7 +60,8 @@ class MeshPlan:
 
     def to_dict(self) -> dict:
         c = self.choice
-        keys = ("tp", "pp", "dp", "microbatches", "microbatch_size", "schedule", "virtual_stages", "bubble",
+        keys = ("tp", "pp", "dp", "ep", "etp", "microbatches", "microbatch_size", "schedule", "virtual_stages",
+                "bubble",
                 "recompute", "sequence_parallel", "selective", "stages")
         return {"choice": {k: getattr(c, k) for k in keys}, "step_seconds": c.step_seconds,
                 "memory_bytes": c.memory_bytes, "mfu": c.mfu, "devices": self.devices, "topology": self.topology,
@@ -69,22 +74,30 @@ class MeshPlan:
 
 def plan_mesh(model: torch.nn.Module, args=None, kwargs=None, *, devices: int | None = None, topology=None,
               nodes: int | None = None, global_batch: int | None = None, training: bool = True,
-              data_parallel: str = "fsdp", memory_limit: float | None = None) -> MeshPlan:
-    """The fastest tp x pp x dp layout of ``devices`` (default: all of the topology) that fits, with its
+              data_parallel: str = "fsdp", memory_limit: float | None = None, expert_imbalance: float = 1.0,
+              overlap_all_to_all: float = 0.0) -> MeshPlan:
+    """The fastest tp x pp x dp (x ep) layout of ``devices`` (default: all of the topology) that fits, with its
     micro-batches, schedule and stage boundaries.  ``args`` are one micro-batch's example inputs
     (their batch dim may be 1); ``global_batch`` is the samples per step (default: the example's).
-    ``nodes``: a cluster of that many of the topology's nodes.  Raises PlanningError, saying what
-    would fit, when nothing does."""
+    ``nodes``: a cluster of that many of the topology's nodes.  For routed experts: ``expert_imbalance``, the
+    busiest rank's rows over the uniform top-k share; ``overlap_all_to_all``, the share of the all-to-all time
+    hidden behind compute (0: exposed, as a plain schedule runs it; DualPipe hides most).  Raises PlanningError,
+    saying what would fit, when nothing does."""
     _cluster(topology, nodes, devices, data_parallel)  # a bad request fails before the capture
     return plan_mesh_for_graph(prepared_graph(model, args, kwargs, fold=True), devices=devices, topology=topology,
                                nodes=nodes, global_batch=global_batch, training=training,
-                               data_parallel=data_parallel, memory_limit=memory_limit)
+                               data_parallel=data_parallel, memory_limit=memory_limit,
+                               expert_imbalance=expert_imbalance, overlap_all_to_all=overlap_all_to_all)
 
 
 def plan_mesh_for_graph(gm: torch.fx.GraphModule, *, devices: int | None = None, topology=None,
                         nodes: int | None = None, global_batch: int | None = None, training: bool = True,
-                        data_parallel: str = "fsdp", memory_limit: float | None = None) -> MeshPlan:
+                        data_parallel: str = "fsdp", memory_limit: float | None = None,
+                        expert_imbalance: float = 1.0, overlap_all_to_all: float = 0.0) -> MeshPlan:
     """plan_mesh on an already captured (folded) graph."""
+    if expert_imbalance < 1 or not 0 <= overlap_all_to_all <= 1:
+        raise ValueError(f"expert_imbalance must be at least 1 (got {expert_imbalance}) and overlap_all_to_all "
+                         f"between 0 and 1 (got {overlap_all_to_all})")
     topo, devices = _cluster(topology, nodes, devices, data_parallel)
     unit, sizes = priced_unit(gm)
     global_batch = global_batch or unit
@@ -92,7 +105,7 @@ def plan_mesh_for_graph(gm: torch.fx.GraphModule, *, devices: int | None = None,
     flops = model_flops(gm, sizes) / unit * global_batch if training else 0.0
     profiles = [tp_profile(gm, tp, topo, training, sizes, unit) for tp in pipe.divisors(devices)
                 if tp <= topo.gpus_per_node]  # TP stays inside a node (Narayanan et al. 2021 section 3.3)
-    setting = Setting(topo, global_batch, training, data_parallel, limit, flops)
+    setting = Setting(topo, global_batch, training, data_parallel, limit, flops, expert_imbalance, overlap_all_to_all)
     found = _layouts(profiles, devices, setting)
     short = sorted({c.tp for c in found if not c.fits or c.recompute}) if training else []
     if short:  # activations decide: sequence parallelism, then selective recomputation too
@@ -137,11 +150,12 @@ def _cluster(topology, nodes: int | None, devices: int | None, data_parallel: st
 
 
 def _layouts(profiles: list, devices: int, setting: Setting) -> list[Candidate]:
-    """The best layout per (tp, pp, dp) over the profiles (plain, sequence parallel, ...), fastest fitting first."""
+    """The best layout per (tp, pp, dp, ep, etp) over the profiles (plain, sequence parallel, ...), fastest fitting
+    first."""
     found = [c for p in profiles if devices % p.tp == 0 for c in _best_layout(p, devices, setting)]
     best: dict = {}
     for c in sorted(found, key=lambda c: (not c.fits, c.step_seconds or 0.0, c.memory_bytes or math.inf)):
-        best.setdefault((c.tp, c.pp, c.dp), c)
+        best.setdefault((c.tp, c.pp, c.dp, c.ep, c.etp), c)
     return list(best.values())
 
 
@@ -164,9 +178,10 @@ def tp_profile(gm: torch.fx.GraphModule, tp: int, topo: Topology, training: bool
 
 def _read_profile(gm: torch.fx.GraphModule, tp: int, topo: Topology, training: bool, sizes: Sizes,
                   unit: int, tokens: bool, cores: bool) -> Profile:
+    part = expert_part(gm, topo, sizes) if training else None
     plan = solve_plan(gm, tp, Options(topology=topo, training=training, memory_limit=math.inf,
-                                      sequence_parallel=tokens, recompute="selective" if cores else False),
-                      sizes=sizes)
+                                      sequence_parallel=tokens, recompute="selective" if cores else False,
+                                      experts="tensor" if part else None), sizes=sizes)
     where, count, fold = sections(gm)
     nodes = {n.name: n for n in gm.graph.nodes}
     trainable = dict(gm.named_parameters(remove_duplicate=False))
@@ -192,21 +207,24 @@ def _read_profile(gm: torch.fx.GraphModule, tp: int, topo: Topology, training: b
     parts = [kept.get(key, Section()) for key in order]
     total = sum(s.seconds for s in parts)
     scale = plan.cost["seconds"] / total if total else 1.0  # the solver's total; the split follows each section's
+    experts = block_experts(part, choice, where, sizes, tp, topo, training, trainable, unit, scale) if part else {}
     per_sample = [Section(s.seconds * scale / unit, {k: (v / unit if k in ("activations", "kv_cache") else v)
-                                                      for k, v in s.memory.items()}) for s in parts]
+                                                      for k, v in s.memory.items()}, experts.get(key))
+                  for key, s in zip(order, parts, strict=True)]
     boundary = 0.0
-    if fold:  # tensors block 1 hands to the next kept block (N-2): what a stage sends to the next
+    if fold:  # tensors the middle block hands to the next kept block (N-2): what a stage sends to the next
         boundary = sum(sizes.nbytes(n) for n in gm.graph.nodes
-                       if where[n] == 1 and any(where.get(u) == count - 2 for u in n.users)) / unit
+                       if where[n] == fold.first and any(where.get(u) == count - 2 for u in n.users)) / unit
     return Profile(tp, per_sample, boundary, fold is not None, sequence_parallel=tokens, selective=cores, tied=tied)
 
 
 def _best_layout(profile: Profile, devices: int, setting: Setting) -> list[Candidate]:
-    """For each pp (and so dp) at this TP size: the fastest micro-batching, schedule and recomputation
-    that fits, or the one needing the least memory, whose note says why it does not fit."""
+    """For each pp (and so dp) and expert-parallel degree at this TP size: the fastest micro-batching, schedule
+    and recomputation that fits, or the one needing the least memory, whose note says why it does not fit."""
     found = []
     rest = devices // profile.tp
     stages_max = len(profile.blocks) if profile.stackable else 1
+    experts = next((s.experts for s in profile.sections if s.experts is not None), None)
     for pp in (p for p in pipe.divisors(rest) if p <= stages_max):
         dp = rest // pp
         per_replica = setting.global_batch // dp
@@ -214,16 +232,17 @@ def _best_layout(profile: Profile, devices: int, setting: Setting) -> list[Candi
             found.append(Candidate(profile.tp, pp, dp, note=f"global batch {setting.global_batch} does not divide "
                                                             f"by {dp} replicas"))
             continue
-        options = [price(profile, Candidate(profile.tp, pp, dp, microbatch_size=b, schedule=schedule,
-                                            virtual_stages=v, recompute=recompute,
-                                            sequence_parallel=profile.sequence_parallel,
-                                            selective=profile.selective), setting)
-                   for b in pipe.powers_of_two_dividing(per_replica, 16)
-                   for schedule, v in _schedules(pp, per_replica // b, len(profile.blocks))
-                   for recompute in ((False, True) if setting.training and profile.stackable else (False,))]
-        fitting = [c for c in options if c.fits]
-        found.append(min(fitting, key=lambda c: (c.step_seconds, c.memory_bytes)) if fitting
-                     else min(options, key=lambda c: c.memory_bytes))
+        for ep, etp in moe.options(experts, profile.tp, dp):
+            options = [price(profile, Candidate(profile.tp, pp, dp, ep, etp, microbatch_size=b, schedule=schedule,
+                                                virtual_stages=v, recompute=recompute,
+                                                sequence_parallel=profile.sequence_parallel,
+                                                selective=profile.selective), setting)
+                       for b in pipe.powers_of_two_dividing(per_replica, 16)
+                       for schedule, v in _schedules(pp, per_replica // b, len(profile.blocks))
+                       for recompute in ((False, True) if setting.training and profile.stackable else (False,))]
+            fitting = [c for c in options if c.fits]
+            found.append(min(fitting, key=lambda c: (c.step_seconds, c.memory_bytes)) if fitting
+                         else min(options, key=lambda c: c.memory_bytes))
     return found
 
 
@@ -257,23 +276,29 @@ def _advice(candidates: list, profiles: list, devices: int, setting: Setting) ->
     if least is None:
         return "no layout of the devices divides the global batch: " + "; ".join(sorted({c.note for c in candidates}))
     found = (f"nothing fits {setting.limit / 1e9:.1f} GB per device on {devices} devices of {topo.name}: the "
-             f"leanest layout (TP {least.tp} x PP {least.pp} x DP {least.dp}, micro-batch {least.microbatch_size}"
+             f"leanest layout ({layout_name(least)}, micro-batch {least.microbatch_size}"
              f"{activation_options(least)}) needs {least.memory_bytes / 1e9:.1f} GB")
     hints = []
     if setting.data_parallel == "ddp":
         fsdp = _layouts(profiles, devices, dataclasses.replace(setting, data_parallel="fsdp"))[0]
         if fsdp.fits:
-            hints.append(f"data_parallel='fsdp' fits as TP {fsdp.tp} x PP {fsdp.pp} x DP {fsdp.dp}")
+            hints.append(f"data_parallel='fsdp' fits as {layout_name(fsdp)}")
     for factor in (2, 4, 8, 16, 32, 64):
         more = devices * factor
         bigger = load_topology(topo, max(topo.nodes, math.ceil(more / topo.gpus_per_node)))
         best = _layouts(profiles, more, dataclasses.replace(setting, topology=bigger))[0]
         if best.fits:
-            hints.append(f"{more} devices (nodes={bigger.nodes}) fit as TP {best.tp} x PP {best.pp} x DP {best.dp}"
+            hints.append(f"{more} devices (nodes={bigger.nodes}) fit as {layout_name(best)}"
                          f"{activation_options(best)}")
             break
     hints.append("a smaller global batch or shorter sequences need less")
     return found + "; " + "; ".join(hints)
+
+
+def layout_name(c: Candidate) -> str:
+    """TP t x PP p x DP d, with the expert-parallel degree where experts are dealt out."""
+    experts = f" x EP {c.ep}" + (" (whole experts)" if c.etp == 1 and c.tp > 1 else "") if c.ep > 1 else ""
+    return f"TP {c.tp} x PP {c.pp} x DP {c.dp}{experts}"
 
 
 def activation_options(c: Candidate) -> str:

@@ -24,13 +24,9 @@ from pathlib import Path
 
 import torch
 
-TOPOLOGY = Path(__file__).resolve().parent.parent / "cost_models" / "topologies" / "dgx-h200.json"
+TOPOLOGY = "dgx-h200"  # the profile whose product table these measurements feed
 RESULTS: dict = {}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU only rehearses the script (gloo, tiny sizes)
-
-
-def _figure(name: str) -> float:
-    return json.loads(TOPOLOGY.read_text())["figures"][name]["value"]
 
 
 def _timed(fn, warmup: int = 2, repeat: int = 10) -> float:
@@ -81,17 +77,22 @@ PRODUCTS = {
 
 
 def matmuls() -> dict:
-    """bf16 products: achieved TFLOP/s and share of the profile's peak (the cost model assumes matmul_efficiency)."""
-    peak, assumed = _figure("peak_flops"), _figure("matmul_efficiency")
-    out = {"profile_peak_tflops": peak / 1e12, "assumed_efficiency": assumed}
+    """bf16 products: achieved TFLOP/s and share of the profile's peak, beside the share its product table predicts
+    (cost_models/compute.py)."""
+    from autotp.cost_models import load_topology
+    from autotp.cost_models.compute import product_fraction
+    topology = load_topology(TOPOLOGY)
+    out = {"profile_peak_tflops": topology.peak_flops / 1e12}
     for name, (m, k, n) in PRODUCTS.items():
         a = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
         b = torch.randn(k, n, device=DEVICE, dtype=torch.bfloat16)
         seconds = _timed(lambda a=a, b=b: a @ b, warmup=3, repeat=20)
         achieved = 2 * m * k * n / seconds
         out[name] = {"ms": round(seconds * 1e3, 4), "tflops": round(achieved / 1e12, 1),
-                     "of_peak": round(achieved / peak, 3)}
-        print(f"  {name:32s} {out[name]['tflops']:7.1f} TFLOP/s  {out[name]['of_peak']:.2f} of peak", flush=True)
+                     "of_peak": round(achieved / topology.peak_flops, 3),
+                     "predicted": round(product_fraction(m, n, k, topology), 3)}
+        print(f"  {name:32s} {out[name]['tflops']:7.1f} TFLOP/s  {out[name]['of_peak']:.2f} of peak "
+              f"(table predicts {out[name]['predicted']:.2f})", flush=True)
     return out
 
 

@@ -11,7 +11,7 @@ import torch
 import autotp
 from autotp.cost_models import collective_time, load_topology, reshard_time
 from autotp.cost_models.communication import OPS
-from autotp.cost_models.compute import op_time
+from autotp.cost_models.compute import op_time, product_time
 from autotp.cost_models.memory import state_factor
 from autotp.cost_models.topology import PROFILES, profile_names
 from autotp.passes.solve import PlanningError
@@ -105,11 +105,12 @@ def test_every_cost_function_takes_a_topology_as_parallelize_does():
 
 
 def test_roofline_compute():
+    """Elementwise ops are priced by their bytes; a product that moves more than it computes, by its bytes too."""
     topo = load_topology("dgx-h100")
-    big_matmul = op_time(2 * 8192 ** 3, 3 * 8192 ** 2 * 2, topo)
-    assert big_matmul == pytest.approx(2 * 8192 ** 3 / (topo.peak_flops * topo.matmul_efficiency))
     copy = op_time(1e6, 1e9, topo)
     assert copy == pytest.approx(1e9 / (topo.hbm_bandwidth * topo.memory_efficiency))
+    vector = product_time(1, 8192, 8192, topo, nbytes=2 * 8192 ** 2)  # a matrix-vector product reads the matrix
+    assert vector == pytest.approx(2 * 8192 ** 2 / (topo.hbm_bandwidth * topo.memory_efficiency))
 
 
 def test_views_cost_nothing():
@@ -160,3 +161,14 @@ def test_memory_limit_infeasible_says_what_fits():
         autotp.plan(model, args, world_size=2, memory_limit=need * 0.6)
     inference = autotp.plan(model, args, world_size=2, training=False)
     assert inference.cost["memory"]["optimizer"] == 0 and inference.cost["memory"]["kv_cache"] > 0
+
+
+def test_an_all_to_all_across_nodes_sends_its_off_node_share_over_the_nics():
+    """A rank's buffer goes 1/g to each rank: over 16 ranks of two DGX H100s, half of it leaves the node on the
+    rank's own 400 Gb/s NIC (46 GB/s); inside one node it all moves over NVLink."""
+    topo = load_topology("dgx-h100", nodes=32)
+    sent = 58.7e6
+    inside, across = (collective_time("all_to_all", sent, g, topo) for g in (8, 16))
+    assert across >= sent / 2 / topo.nic_bandwidth  # at least the off-node half at one NIC's speed: 0.64 ms
+    assert across > 2 * inside
+    assert collective_time("all_to_all", sent, 256, topo) > across  # 31/32 of it off the node

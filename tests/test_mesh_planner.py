@@ -45,6 +45,7 @@ def test_gpt3_175b_on_128_dgx_a100_with_ddp_chooses_megatrons_layout(gpt3):
     assert _covers(c.stages, LAYERS) and len(c.stages) == c.pp * c.virtual_stages
     sizes = [end - start for start, end in c.stages]
     assert max(sizes) - min(sizes) <= 2       # balanced: the embedding and the head make their stages lighter
+    assert 0.25 <= c.mfu <= load_topology("dgx-a100").products.peak_fraction  # Megatron: 33.7% MFU, 44.9% hw
     assert all(x.tp <= 8 for x in result.candidates)  # every TP group inside one node
 
 

@@ -201,24 +201,29 @@ def _starts(profile, stages: int = 2, limit: float = math.inf) -> list:
                         Setting(load_topology(None), 4, True, "fsdp", limit, 0.0))
 
 
-def test_block_profiles_price_blocks_alike_and_the_head_on_the_last_stage():
+def test_block_profiles_price_blocks_alike_and_the_head_on_the_last_stage(tmp_path):
+    """Priced on a device whose products cost their FLOPs alone (at these toy sizes an H100's products all cost
+    about one kernel's overhead, whatever their size), so that a larger vocabulary makes a heavier head."""
+    flat = tmp_path / "flat.json"
+    flat.write_text('{"name": "flat", "extends": "dgx-h100", "figures": {}, "products": {"peak_fraction": {"value": '
+                    '0.7, "source": "test: FLOPs alone"}, "points": []}}')
     x = torch.randint(0, VOCAB, (2, SEQ))
     model = _llama(layers=5)
     fold = find_blocks(model)
     assert (fold.path, fold.count) == ("model.layers", 5)
     gm = prepared_graph(model, (x,), None)
-    whole = block_profile(gm, fold)
-    folded = block_profile(prepared_graph(model, (x,), None, fold=True), fold)  # blocks 0, 1, 3, 4 captured
+    whole = block_profile(gm, fold, topology=flat)
+    folded = block_profile(prepared_graph(model, (x,), None, fold=True), fold, topology=flat)  # blocks 0, 1, 3, 4
     for a, b in zip(whole.sections, folded.sections, strict=True):
         assert a.seconds == pytest.approx(b.seconds)
         assert a.memory == pytest.approx(b.memory)
     assert len({s.seconds for s in whole.blocks}) == 1
     block = sum(p.numel() * 4 for p in model.model.layers[0].parameters())
     assert whole.blocks[0].memory["params"] == block and whole.blocks[0].memory["optimizer"] == 2 * block
-    assert block_profile(gm, fold, tp=2).blocks[0].memory["params"] == block / 2
+    assert block_profile(gm, fold, tp=2, topology=flat).blocks[0].memory["params"] == block / 2
     first, last = whole.sections[0].seconds, whole.sections[-1].seconds
     assert first < whole.blocks[0].seconds < last * 100
-    big_head = block_profile(prepared_graph(_llama(layers=5, vocab=4096), (x,), None, fold=True), fold)
+    big_head = block_profile(prepared_graph(_llama(layers=5, vocab=4096), (x,), None, fold=True), fold, topology=flat)
     assert big_head.sections[-1].seconds > 4 * last
     assert big_head.sections[0].seconds == pytest.approx(first, rel=0.5)
     small, large = _starts(whole), _starts(big_head)

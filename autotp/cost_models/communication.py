@@ -4,7 +4,7 @@ hardware offers (ring; tree across nodes; in-switch reduction inside a node), hi
 
 ``nbytes`` is the full logical tensor: the reduced tensor for all-reduce, the gathered output for
 all-gather, the input for reduce-scatter, the broadcast tensor; for all-to-all, each rank's buffer (what it
-sends, its own share included: nccl-tests' size), since every rank's differs.
+sends, its own share included: nccl-tests' size: nbytes / n to each rank), since every rank's differs.
 """
 from __future__ import annotations
 
@@ -92,7 +92,21 @@ def collective_time(op: str, nbytes: float, group_size: int, topology: Topology 
     if op == "all_reduce":  # reduce-scatter inside, all-reduce of 1/g across, all-gather inside
         return (_intra("reduce_scatter", nbytes, per_node, topology) + _inter("all_reduce", nbytes, nodes, topology)
                 + _intra("all_gather", nbytes, per_node, topology))
+    if op == "all_to_all":
+        return _all_to_all(nbytes, group_size, per_node, nodes, topology)
     return _intra(op, nbytes, per_node, topology) + _inter(op, nbytes, nodes, topology)
+
+
+def _all_to_all(nbytes: float, group: int, per_node: int, nodes: int, topo: Topology) -> float:
+    """Every rank sends nbytes / group to each rank: its own node's share over NVLink and the rest over its
+    share of the node's NICs, both at once (the slower decides)."""
+    if not topo.nics_per_node:
+        raise ValueError(f"topology {topo.name} has {topo.nodes} nodes but no NICs (nics_per_node)")
+    inside = _intra("all_to_all", nbytes * per_node / group, per_node, topo)
+    nic = topo.nic_bandwidth * topo.nics_per_node / topo.gpus_per_node
+    across = (topo.inter_base_latency_s + (nodes - 1) * topo.inter_step_latency_s
+              + nbytes * (group - per_node) / group / nic)
+    return max(inside, across)
 
 
 def reshard_collective(src, dst) -> str | None:

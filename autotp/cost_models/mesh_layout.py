@@ -1,14 +1,16 @@
-"""What one tensor x pipeline x data parallel layout costs, given a TP plan read per block: pure functions.
+"""What one tensor x pipeline x data (x expert) parallel layout costs, given a TP plan read per block: pure functions.
 
 A ``Profile`` is one TP plan's time and memory per block for one sample (autotp/mesh_planner.py reads it
 from the solved graph); ``price`` turns it into a step time and a peak memory per device for a
-number of stages, replicas, micro-batches, a schedule and recomputation.
+number of stages, replicas, micro-batches, a schedule, recomputation and an expert-parallel degree
+(expert_layout.py).
 """
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field, replace
 
+from . import expert_layout as moe
 from . import schedules as pipe
 from .topology import Topology
 
@@ -21,6 +23,7 @@ class Section:
     """One block (or the embedding / head around the blocks) under a TP plan, for one sample."""
     seconds: float = 0.0                          # forward + backward: compute and TP collectives
     memory: dict = field(default_factory=dict)    # bytes by kind (cost_models.memory.KINDS)
+    experts: moe.Experts | None = None            # its routed experts (counted in seconds and memory too)
 
     def held(self, kinds=STATE) -> float:
         return sum(self.memory.get(k, 0.0) for k in kinds)
@@ -34,7 +37,7 @@ class Profile:
     sections: list
     boundary: float
     stackable: bool  # blocks found (a folded stack): pipeline stages can fall between them
-    ranges: dict = field(default_factory=dict)  # stage count -> time-balanced [start, end) block ranges
+    ranges: dict = field(default_factory=dict)  # (stages, ep, etp, micro-batch) -> time-balanced block ranges
     sums: dict = field(default_factory=dict)    # running totals over the blocks (stage_memory)
     sequence_parallel: bool = False  # the TP plan splits norms, dropouts and residual adds by tokens
     selective: bool = False          # the TP plan recomputes the attention cores
@@ -51,6 +54,8 @@ class Candidate:
     tp: int
     pp: int
     dp: int
+    ep: int = 1                                 # expert parallelism: experts dealt over ep ranks
+    etp: int | None = None                      # each expert split over etp ranks (tp or 1; None: tp)
     microbatches: int = 1
     microbatch_size: int = 0
     schedule: str | None = None
@@ -80,19 +85,39 @@ class Setting:
     data_parallel: str   # "fsdp" or "ddp"
     limit: float         # bytes per device
     flops: float         # model FLOPs of one step (0 for inference: no MFU)
+    imbalance: float = 1.0   # the busiest rank's routed rows over the uniform top-k share
+    overlap: float = 0.0     # the share of all-to-all time hidden behind compute (DualPipe-like schedules)
+
+
+def section_seconds(profile: Profile, layout: Candidate, setting: Setting) -> list[float]:
+    """Each section's seconds (the embedding side, every block, the head side) for one sample under the layout's
+    expert parallelism: its expert products in fuller groups, the all-to-alls a micro-batch pays, per sample, less
+    what overlap hides."""
+    tp, ep, etp, b = profile.tp, layout.ep, layout.etp or profile.tp, layout.microbatch_size or 1
+    found = []
+    for s in profile.sections:
+        seconds = s.seconds
+        if s.experts is not None and ep > 1:
+            seconds += moe.product_seconds(s.experts, tp, ep, etp, setting.imbalance, setting.topology) - \
+                s.experts.seconds
+            seconds += (1 - setting.overlap) * moe.all_to_all_seconds(
+                s.experts, b, tp, ep, etp, setting.imbalance, setting.topology) / b
+        found.append(seconds)
+    return found
 
 
 def price(profile: Profile, layout: Candidate, setting: Setting) -> Candidate:
-    """``layout`` (tp, pp, dp, micro-batch size, schedule, virtual stages, recomputation) priced: its
+    """``layout`` (tp, pp, dp, ep, micro-batch size, schedule, virtual stages, recomputation) priced: its
     stage boundaries, step time and MFU, or a note when its peak memory per device is over the limit."""
     pp, dp, b, v, topo = layout.pp, layout.dp, layout.microbatch_size, layout.virtual_stages, setting.topology
     m = setting.global_batch // dp // b
-    ranges = stage_ranges(profile, layout, setting) or profile.ranges[pp * v]  # none fits: the time-balanced one
-    n, sections = len(profile.blocks), profile.sections
+    costs = section_seconds(profile, layout, setting)
+    ranges = stage_ranges(profile, layout, setting, costs) or profile.ranges[_key(layout)]  # none fits: time-balanced
+    n = len(profile.blocks)
     chunk = []
     for start, end in ranges:  # a recomputed block runs its forward twice: 4/3 of forward + backward
-        blocks = sum(s.seconds for s in sections[1 + start:1 + end]) * (4 / 3 if layout.recompute else 1.0)
-        ends = (sections[0].seconds if start == 0 else 0.0) + (sections[-1].seconds if end == n else 0.0)
+        blocks = sum(costs[1 + start:1 + end]) * (4 / 3 if layout.recompute else 1.0)
+        ends = (costs[0] if start == 0 else 0.0) + (costs[-1] if end == n else 0.0)
         chunk.append(b * (blocks + ends))
     sends = 0.0
     if pp > 1:  # an activation forward (and its gradient back), per micro-batch and virtual stage
@@ -105,9 +130,14 @@ def price(profile: Profile, layout: Candidate, setting: Setting) -> Candidate:
     held = [stage_memory(profile, [ranges[s] for s in held_by(layout, i)], i, layout, m, setting.data_parallel)
             for i in range(pp)]
     if setting.training:
-        params, grads = max(((h[1], h[2]) for h in held), key=lambda h: h[1])
-        reduce, gather = pipe.dp_sync_time(params, grads, dp, profile.tp, setting.data_parallel,
-                                           2 * m if pp == 1 else 1, topo)
+        params, grads, expert_params, expert_grads = max((h[1:] for h in held), key=lambda h: h[1] + h[3])
+        gathers = 2 * m if pp == 1 else 1
+        reduce, gather = pipe.dp_sync_time(params, grads, dp, profile.tp, setting.data_parallel, gathers, topo)
+        ep, etp = layout.ep, layout.etp or profile.tp
+        if expert_params:  # experts sum their gradients over the ranks holding the same experts
+            more = pipe.dp_sync_time(expert_params, expert_grads, moe.expert_dp(dp, profile.tp, ep, etp), ep * etp,
+                                     setting.data_parallel, gathers, topo)
+            reduce, gather = reduce + more[0], gather + more[1]
         parts["dp"] = reduce + gather
         parts["dp_exposed"] = pipe.exposed_dp_time(reduce, gather, slowest * 2 / 3, m * slowest)
     seconds = units * slowest + parts["dp_exposed"]
@@ -127,57 +157,70 @@ def held_by(layout: Candidate, rank: int) -> list:
     return [s for s, r in enumerate(pipe.stage_ranks(layout.schedule, layout.pp, layout.virtual_stages)) if r == rank]
 
 
-def stage_ranges(profile: Profile, layout: Candidate, setting: Setting) -> list | None:
+def _key(layout: Candidate) -> tuple:
+    return layout.pp * layout.virtual_stages, layout.ep, layout.etp, layout.microbatch_size
+
+
+def stage_ranges(profile: Profile, layout: Candidate, setting: Setting, costs: list | None = None) -> list | None:
     """[start, end) block ranges for the layout's pp x v (virtual) stages: the slowest stage as fast as each
     stage's memory (``stage_memory``) under the limit allows; None when no split fits.  Interleaved stages share
-    a device with others, so their split balances time alone (``price`` then checks the devices' memory)."""
+    a device with others, so their split balances time alone (``price`` then checks the devices' memory).
+    ``costs``: each section's seconds under the layout (``section_seconds``)."""
     parts = layout.pp * layout.virtual_stages
     if parts == 1:
         return [(0, len(profile.blocks))]
-    costs = [s.seconds for s in profile.blocks]
-    costs[0] += profile.sections[0].seconds
-    costs[-1] += profile.sections[-1].seconds
-    if parts not in profile.ranges:
-        profile.ranges[parts] = pipe.balance_stages(costs, parts)
+    every = costs if costs is not None else section_seconds(profile, layout, setting)
+    costs = list(every[1:-1])
+    costs[0] += every[0]
+    costs[-1] += every[-1]
+    key = _key(layout)
+    if key not in profile.ranges:
+        profile.ranges[key] = pipe.balance_stages(costs, parts)
     if layout.virtual_stages > 1:
-        return profile.ranges[parts]
+        return profile.ranges[key]
     m = setting.global_batch // layout.dp // layout.microbatch_size
 
     def fits(stage: int, start: int, end: int) -> bool:
         return stage_memory(profile, [(start, end)], stage, layout, m, setting.data_parallel)[0] <= setting.limit
 
-    if all(fits(k, a, b) for k, (a, b) in enumerate(profile.ranges[parts])):
-        return profile.ranges[parts]
+    if all(fits(k, a, b) for k, (a, b) in enumerate(profile.ranges[key])):
+        return profile.ranges[key]
     return pipe.balance_stages(costs, parts, fits)
 
 
 def stage_memory(profile: Profile, ranges: list, stage: int, layout: Candidate, microbatches: int,
-                 data_parallel: str) -> tuple[float, float, float]:
-    """(peak bytes, parameter bytes, gradient bytes) on a device of pipeline stage ``stage``, which runs
-    the blocks of ``ranges``; the embedding comes with block 0 and the head with the last block."""
+                 data_parallel: str) -> tuple[float, float, float, float, float]:
+    """(peak bytes, parameter bytes, gradient bytes, and those of its experts) on a device of pipeline stage
+    ``stage``, which runs the blocks of ``ranges``; the embedding comes with block 0 and the head with the last
+    block.  Experts are held as the layout deals them (expert_layout.py), sharded over their own data-parallel
+    ranks."""
     pp, dp, sections, sums = layout.pp, layout.dp, profile.sections, _running_sums(profile)
+    tp, ep, etp = profile.tp, layout.ep, layout.etp or profile.tp
+    edp = moe.expert_dp(dp, tp, ep, etp)
     ends = ([sections[0]] if ranges[0][0] == 0 else []) + ([sections[-1]] if ranges[-1][1] == len(profile.blocks)
                                                            else [])
 
     def total(kind: str) -> float:
-        return sum(sums[kind][end] - sums[kind][start] for start, end in ranges)
+        return sum(sums[kind][end] - sums[kind][start] for start, end in ranges) + sum(_amount(s, kind) for s in ends)
 
     copies = sum(1 for start, end in ranges if end == len(profile.blocks) and start > 0)  # a head stage's own copy
-    params, grads, optimizer, buffers = (total(k) + sum(s.memory.get(k, 0.0) for s in ends)
-                                         + copies * profile.tied.get(k, 0.0) for k in STATE)
+    params, grads, optimizer, buffers = (total(k) + copies * profile.tied.get(k, 0.0) for k in STATE)
+    params, grads, optimizer = (x - total("experts:" + k) for x, k in zip((params, grads, optimizer), STATE[:3],
+                                                                           strict=True))
+    experts = [total("experts:" + k) if ep == 1 else total("whole experts:" + k) / (ep * etp) for k in STATE[:3]]
+    mine = [sections[1 + k] for start, end in ranges for k in range(start, end)]
     if data_parallel == "ddp" or dp == 1:
-        state = params + grads + optimizer
+        state = params + grads + optimizer + sum(experts)
     elif pp == 1:  # FSDP units per block (parallel/data.py): everything sharded; the root unit (embedding, head)
         # gathered all step, its gradient whole until the end; a block's parameters gathered while it runs with the
         # next one's prefetched, its gradient whole until reduce-scattered
-        mine = [sections[1 + k] for start, end in ranges for k in range(start, end)]
-        block_params = max((s.memory.get("params", 0.0) for s in mine), default=0.0)
-        block_grads = max((s.memory.get("grads", 0.0) for s in mine), default=0.0)
-        root = sum(s.held(("params", "grads")) for s in ends)
-        state = (params + grads + optimizer) / dp + root + 2 * block_params + block_grads
+        block_params = max((_gathered(s, ep, etp, ("params",)) for s in mine), default=0.0)
+        block_grads = max((_gathered(s, ep, etp, ("grads",)) for s in mine), default=0.0)
+        root = sum(_gathered(s, ep, etp) for s in ends)
+        state = (params + grads + optimizer) / dp + sum(experts) / edp + root + 2 * block_params + block_grads
     else:  # FSDP in a pipeline stage keeps parameters gathered and gradients whole from the first forward to the
         # last backward (reshard_after_forward=False, as torchtitan), beside the sharded copies
-        state = params + grads + (params + grads + optimizer) / dp
+        state = params + grads + (params + grads + optimizer) / dp + experts[0] + experts[1] + experts[2] / edp
     blocks = sum(end - start for start, end in ranges)
     around = sum(s.held(KEPT) for s in ends)
     flight = pipe.in_flight(layout.schedule, pp, microbatches, stage, layout.virtual_stages)
@@ -188,16 +231,39 @@ def stage_memory(profile: Profile, ranges: list, stage: int, layout: Candidate, 
         activations = (kept_input * blocks + around) * flight + largest
     else:
         activations = (total("kept") + around) * flight
-    return state + buffers + layout.microbatch_size * activations, params, grads
+    dispatch = max((moe.buffer_bytes(s.experts, layout.microbatch_size, tp, ep, etp, 1.0)
+                    for s in mine + ends if s.experts is not None), default=0.0)  # one layer's all-to-all at a time
+    return state + buffers + layout.microbatch_size * activations + dispatch, params, grads, experts[0], experts[1]
+
+
+def _gathered(section: Section, ep: int, etp: int, kinds: tuple = ("params", "grads")) -> float:
+    """A block's parameters and/or gradients while FSDP has them gathered: its experts as the layout holds them."""
+    held = section.held(kinds)
+    if section.experts is None or ep == 1:
+        return held
+    return held - sum(section.experts.state.get(k, 0.0) - section.experts.whole.get(k, 0.0) / (ep * etp)
+                      for k in kinds)
 
 
 def _running_sums(profile: Profile) -> dict:
-    """Running totals over the blocks by kind (``kept``: what backward keeps), so that a stage's memory costs the
+    """Running totals over the blocks by kind (``kept``: what backward keeps; ``experts:KIND``: the experts' part
+    of a state kind as the TP plan holds it, ``whole experts:KIND`` unsplit), so that a stage's memory costs the
     same for any number of blocks: the stage split asks for it many times."""
     if not profile.sums:
         blocks = profile.blocks
-        for kind in STATE:
-            profile.sums[kind] = list(itertools.accumulate((s.memory.get(kind, 0.0) for s in blocks), initial=0.0))
+        for kind in (*STATE, *(f"{name}{k}" for name in ("experts:", "whole experts:") for k in STATE)):
+            profile.sums[kind] = list(itertools.accumulate((_amount(s, kind) for s in blocks), initial=0.0))
         profile.sums["kept_each"] = [s.held(KEPT) for s in blocks]
         profile.sums["kept"] = list(itertools.accumulate(profile.sums["kept_each"], initial=0.0))
     return profile.sums
+
+
+def _amount(section: Section, kind: str) -> float:
+    """A section's bytes of a kind; ``experts:KIND``: its experts' part as the TP plan holds it, ``whole
+    experts:KIND`` unsplit."""
+    name, _, part = kind.rpartition(":")
+    if not name:
+        return section.memory.get(kind, 0.0)
+    if section.experts is None:
+        return 0.0
+    return (section.experts.state if name == "experts" else section.experts.whole).get(part, 0.0)

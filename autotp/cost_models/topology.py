@@ -3,7 +3,8 @@
 A profile describes one node type (its GPUs, their NVLink/PCIe fabric, its NICs) and how many
 nodes there are.  ``"extends": "dgx-h100"`` reuses another profile and overrides some figures,
 which is how ``2x-dgx-h100`` is two DGX H100s.  Calibrated profiles (``autotp calibrate``) add
-measured per-collective figures under ``measured``.
+measured per-collective figures under ``measured``.  ``products`` is the device's table of measured
+matrix products (each point with its source) and the figures fitted to it (cost_models/compute.py).
 """
 from __future__ import annotations
 
@@ -16,6 +17,17 @@ DEFAULT = "dgx-h100"
 
 
 @dataclass(frozen=True)
+class Products:
+    """How fast this device runs matrix products: ``peak_fraction`` of peak_flops plus ``overhead_s`` per kernel
+    (and ``group_overhead_s`` per further group of a ragged grouped product), fitted to ``points``: measured
+    (m, n, k, fraction of peak) products, [m, k] @ [k, n]."""
+    peak_fraction: float
+    overhead_s: float = 0.0
+    group_overhead_s: float = 0.0
+    points: tuple = ()
+
+
+@dataclass(frozen=True)
 class Topology:
     name: str
     nodes: int
@@ -23,11 +35,11 @@ class Topology:
     memory_bytes: float          # per device
     hbm_bandwidth: float         # bytes/s per device
     peak_flops: float            # dense bf16/fp16 FLOP/s per device
-    matmul_efficiency: float     # achievable fraction of peak_flops
     memory_efficiency: float     # achievable fraction of hbm_bandwidth
     intra_base_latency_s: float  # launch latency of one collective inside a node
     intra_step_latency_s: float  # per ring step over NVLink / PCIe
     intra_busbw: float           # ring bus bandwidth inside a node, bytes/s
+    products: Products           # matrix products by shape: the profile's "products" table
     intra_busbw_nvls: float = 0.0    # in-switch reduction (NVLS) all-reduce bus bandwidth; 0 if none
     inter_base_latency_s: float = 0.0
     inter_step_latency_s: float = 0.0
@@ -64,7 +76,31 @@ def _read(path: Path, seen: tuple = ()) -> dict:
             raise ValueError(f"topology file {path} extends itself through {parent}")
         base = _read(parent, (*seen, path))
     figures = {**base.get("figures", {}), **_figures(raw.get("figures", {}), path)}
-    return {"name": raw.get("name", path.stem), "figures": figures, "measured": raw.get("measured", {})}
+    products = _products(raw["products"], path) if "products" in raw else base.get("products")
+    return {"name": raw.get("name", path.stem), "figures": figures, "measured": raw.get("measured", {}),
+            "products": products}
+
+
+POINT = ("m", "n", "k", "fraction")
+
+
+def _products(raw: dict, path: Path) -> Products:
+    """The "products" table: fitted figures with sources, and the measured points, each with its source."""
+    points = raw.get("points", [])
+    if not isinstance(points, list) or not all(isinstance(p, dict) and p.get("source") and all(
+            isinstance(p.get(key), (int, float)) for key in POINT) for p in points):
+        raise ValueError(f"malformed topology file {path}: each product point needs m, n, k, fraction and a source")
+    figures = _figures({k: v for k, v in raw.items() if k not in ("points", "held_out")}, path)
+    try:
+        return Products(**figures, points=tuple(tuple(p[key] for key in POINT) for p in points))
+    except TypeError as exc:
+        raise ValueError(f"malformed topology file {path}: products: {exc}") from exc
+
+
+def _legacy_products(figures: dict) -> Products | None:
+    """A profile written before product tables: its flat ``matmul_efficiency``, no overhead."""
+    flat = figures.pop("matmul_efficiency", None)
+    return Products(flat) if flat is not None else None
 
 
 def _resolve(spec: str | Path) -> Path:
@@ -88,8 +124,14 @@ def load_topology(spec: str | Path | Topology | None = None, nodes: int | None =
     else:
         path = _resolve(spec or DEFAULT)
         raw = _read(path)
+        figures = dict(raw["figures"])
+        products = _legacy_products(figures) if raw["products"] is None else raw["products"]
+        figures.pop("matmul_efficiency", None)
+        if products is None:
+            raise ValueError(f"topology file {path} has no 'products' table: add one (docs/cost-model.md) or run "
+                             "autotp calibrate on the device")
         try:
-            topo = Topology(name=raw["name"], measured=raw["measured"], **raw["figures"])
+            topo = Topology(name=raw["name"], measured=raw["measured"], products=products, **figures)
         except TypeError as exc:
             raise ValueError(f"malformed topology file {path}: {exc}") from exc
     if nodes is None or nodes == topo.nodes:

@@ -7,7 +7,8 @@ every edge of the whole graph is priced (first -> middle, middle -> middle, midd
 folded ILP is the whole-graph ILP over plans whose middle blocks agree.  Capture and solve cost the
 same at any depth.  Which nodes are copies of which is read from the graph (module scopes and
 parameter paths of the one repeated list), never from model or module names; a full graph whose
-blocks turn out not to match is refused when the plan is applied.
+blocks turn out not to match is refused when the plan is applied.  Blocks before the run of identical ones
+(DeepSeek-V3's three dense layers before its MoE layers) are kept whole, and the run is folded after them.
 """
 from __future__ import annotations
 
@@ -29,20 +30,27 @@ class NotFoldable(ValueError):
 
 @dataclass(frozen=True)
 class Fold:
-    path: str   # the repeated nn.ModuleList, e.g. "model.layers"
-    count: int  # its length N in the real model
+    path: str       # the repeated nn.ModuleList, e.g. "model.layers"
+    count: int      # its length N in the real model
+    start: int = 0  # the blocks before this one differ from the rest and are kept whole (DeepSeek-V3's dense
+    #                 layers before its MoE ones): blocks start, start + 1, N-2, N-1 stand for the run
+
+    @property
+    def first(self) -> int:
+        """The kept block that stands for the middle blocks (block 1 of an all-identical list)."""
+        return self.start + 1
 
     @property
     def kept(self) -> tuple:
-        return 0, 1, self.count - 2, self.count - 1
+        return *range(self.start), self.start, self.first, self.count - 2, self.count - 1
 
     def rep(self, i: int) -> int:
         """The kept block that block ``i`` is planned as."""
-        return i if i in self.kept else 1
+        return i if i in self.kept else self.first
 
     def weight(self, i: int) -> int:
         """How many real blocks the kept block ``i`` stands for."""
-        return self.count - 3 if i == 1 else 1
+        return self.count - self.start - 3 if i == self.first else 1
 
     def locate(self, name: str) -> tuple[int, str] | None:
         """(block index, the name inside that block) for a parameter or module path in the list."""
@@ -69,8 +77,8 @@ class Fold:
         out = dict(by_name)
         for name, value in by_name.items():
             found = self.locate(name)
-            if found and found[0] == 1:
-                out.update({self.name(i, found[1]): value for i in range(2, self.count - 2)})
+            if found and found[0] == self.first:
+                out.update({self.name(i, found[1]): value for i in range(self.first + 1, self.count - 2)})
         return out
 
 
@@ -86,29 +94,34 @@ def _settings(module: torch.nn.Module) -> dict:
     return found
 
 
-def _identical(blocks: list) -> bool:
-    """Same settings, apart from an attribute that is each block's own index (a cache slot)."""
+def _identical(blocks: list, first: int = 0) -> bool:
+    """Same settings, apart from an attribute that is each block's own index (a cache slot; the blocks are the
+    list's from ``first`` on)."""
     settings = [_settings(b) for b in blocks]
-    position = {k for k in settings[0] if all(type(s.get(k)) is int and s[k] == i for i, s in enumerate(settings))}
+    position = {k for k in settings[0]
+                if all(type(s.get(k)) is int and s[k] == first + i for i, s in enumerate(settings))}
     return len({repr(sorted((k, v) for k, v in s.items() if k not in position)) for s in settings}) == 1
 
 
 def find_fold(model: torch.nn.Module, min_blocks: int = MIN_BLOCKS) -> Fold | None:
-    """The longest list of at least ``min_blocks`` identical blocks whose tensors belong to nothing else, or None."""
+    """The longest run of at least ``min_blocks`` identical blocks ending a list (the blocks before it kept whole)
+    whose tensors belong to nothing else, or None."""
     owners: dict = {}
     for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
         owners.setdefault(id(t), set()).add(name)
     best = None
     for path, mod in model.named_modules():
-        if not isinstance(mod, torch.nn.ModuleList) or len(mod) < min_blocks or (best and len(mod) <= best.count):
+        if not isinstance(mod, torch.nn.ModuleList) or len(mod) < min_blocks:
             continue
         blocks = list(mod)
-        if len({id(b) for b in blocks}) < len(blocks) or not _identical(blocks):
+        start = next((s for s in range(len(blocks) - min_blocks + 1) if _identical(blocks[s:], s)), None)
+        if start is None or len({id(b) for b in blocks}) < len(blocks) or (
+                best and len(blocks) - start <= best.count - best.start):
             continue
         tensors = [t for b in blocks for t in [*b.parameters(), *b.buffers()]]
         if any(len(owners[id(t)]) > 1 for t in tensors):
             continue  # a weight shared with another module: its copies are not independent
-        best = Fold(path, len(blocks))
+        best = Fold(path, len(blocks), start)
     return best
 
 
@@ -200,6 +213,9 @@ def _relative(node: Node, b: Blocks, fold: Fold, ordinal: dict, sizes: dict) -> 
 
     def ref(a: Node) -> str:
         w = b.where[a]
+        size = a.meta.get("val")
+        if isinstance(size, torch.SymInt) and not size.node.expr.is_number:
+            return f"size:{size.node.expr}"  # a size computed once and read by later blocks (tokens x top-k)
         if isinstance(w, int):
             step = me - ordinal[w]
             if step not in (0, 1):
@@ -230,8 +246,8 @@ def check_repeats(gm: torch.fx.GraphModule, fold: Fold, b: Blocks) -> None:
     if sorted(sig) != list(range(fold.count)) and sorted(sig) != list(fold.kept):
         raise NotFoldable(f"the graph has blocks {sorted(sig)} of {fold.path}")
     for i, s in sig.items():
-        if 1 <= i <= fold.count - 2 and s != sig[1]:
-            raise NotFoldable(f"{fold.path}.{i} computes something different from {fold.path}.1")
+        if fold.first <= i <= fold.count - 2 and s != sig[fold.first]:
+            raise NotFoldable(f"{fold.path}.{i} computes something different from {fold.path}.{fold.first}")
 
 
 def fold_fingerprint(gm: torch.fx.GraphModule, fold: Fold, b: Blocks) -> str:
@@ -243,7 +259,8 @@ def fold_fingerprint(gm: torch.fx.GraphModule, fold: Fold, b: Blocks) -> str:
             return fold.block_of_name(node.target) in (None, *fold.kept)
         return not isinstance(w, int) or w in fold.kept
 
-    return fingerprint(gm, key=b.key.__getitem__, keep=kept, seed=f"{fold.path}*{fold.count};")
+    seed = f"{fold.path}*{fold.count};" + (f"from {fold.start};" if fold.start else "")
+    return fingerprint(gm, key=b.key.__getitem__, keep=kept, seed=seed)
 
 
 def weights_and_ties(fold: Fold, b: Blocks) -> tuple[dict, list]:
@@ -252,12 +269,12 @@ def weights_and_ties(fold: Fold, b: Blocks) -> tuple[dict, list]:
     for node, w in b.where.items():
         i = w if isinstance(w, int) else fold.block_of_name(node.target) if w == "attr" else None
         weights[node] = fold.weight(i) if i is not None else 1
-        if i in (1, fold.count - 2):
+        if i in (fold.first, fold.count - 2):
             tail = ("attr", fold.locate(node.target)[1]) if w == "attr" else ("op", b.position[node])
             by_key.setdefault(tail, {})[i] = node
-    ties = [(pair[1], pair[fold.count - 2]) for pair in by_key.values() if len(pair) == 2]
+    ties = [(pair[fold.first], pair[fold.count - 2]) for pair in by_key.values() if len(pair) == 2]
     if len(ties) != len(by_key):
-        raise NotFoldable(f"{fold.path}.1 and {fold.path}.{fold.count - 2} have different nodes")
+        raise NotFoldable(f"{fold.path}.{fold.first} and {fold.path}.{fold.count - 2} have different nodes")
     return weights, ties
 
 

@@ -104,6 +104,40 @@ def attention_flops(node, size) -> float:
     return 4.0 * b * a * sq * size(node.args[1].meta["val"].shape[-2]) * d
 
 
+# ---- shapes of products: (m, n, k, groups, ragged) from the operands' sizes one rank holds -------------------
+
+def linear_shape(node, held, whole) -> tuple:
+    """x[..., k] @ w[n, k]^T: every leading dim of x is a row."""
+    x, w = held(node.args[0]), held(node.args[1])
+    return math.prod(x[:-1]), w[0], x[-1], 1, False
+
+
+def matmul_shape(node, held, whole) -> tuple:
+    """a[..., m, k] @ b[..., k, n]: a 2-D b takes every leading dim of a as rows; batch dims (broadcast) are the
+    groups of one batched kernel."""
+    a, b = held(node.args[0]), held(node.args[1])
+    n = b[-1] if len(b) > 1 else 1
+    if len(b) <= 2:
+        return math.prod(a[:-1]), n, a[-1], 1, False
+    dims = [list(a[:-2]), list(b[:-2])]
+    width = max(map(len, dims))
+    batch = [max(x, y) for x, y in zip(*([1] * (width - len(d)) + d for d in dims), strict=True)]
+    return (a[-2] if len(a) > 1 else 1), n, a[-1], math.prod(batch), False
+
+
+def grouped_shape(node, held, whole) -> tuple:
+    """x[S, K] @ w[e] for the rows of each expert group: the groups this rank holds, each of the rows routed to
+    one expert (S / E, routing taken as uniform); the groups run like separate products (ragged)."""
+    x, w = held(node.args[0]), held(node.args[1])
+    return x[0] / whole(node.args[1])[0], w[-1], x[-1], w[0], True
+
+
+def attention_shape(node, held, whole) -> tuple:
+    """One fused kernel over batch x heads: Q K^T and P V as one product of k = 2 x head dim."""
+    b, a, sq, d = held(node.args[0])
+    return sq, held(node.args[1])[-2], 2 * d, b * a, False
+
+
 def lookup_bytes(node, nbytes) -> float:
     """A lookup reads the rows it returns and its indices, not the whole table: out + rows + ids."""
     return 2 * nbytes(node) + sum(nbytes(a) for a in node.all_input_nodes[1:])
@@ -185,19 +219,21 @@ TABLE: dict = {
             keeps=keeps_condition),
     **_rows(_COMPARISONS, family="elementwise", rule=pointwise, keeps=keeps_nothing),
     # products
-    **_rows([aten.linear.default], family="linear", rule=linear, flops=product_flops, keeps=keeps_operands,
-            styles={1: {0: "column", 1: "row"}}),
-    **_rows([aten.mm.default], family="matmul", rule=matmul, flops=product_flops, keeps=keeps_operands,
-            styles={1: {1: "column", 0: "row"}}),
-    **_rows([aten.matmul.default], family="matmul", rule=matmul, flops=product_flops, keeps=keeps_operands),
-    **_rows([aten.bmm.default], family="matmul", rule=matmul, flops=product_flops, keeps=keeps_operands,
-            experts="combine"),
+    **_rows([aten.linear.default], family="linear", rule=linear, flops=product_flops, shape=linear_shape,
+            keeps=keeps_operands, styles={1: {0: "column", 1: "row"}}),
+    **_rows([aten.mm.default], family="matmul", rule=matmul, flops=product_flops, shape=matmul_shape,
+            keeps=keeps_operands, styles={1: {1: "column", 0: "row"}}),
+    **_rows([aten.matmul.default], family="matmul", rule=matmul, flops=product_flops, shape=matmul_shape,
+            keeps=keeps_operands),
+    **_rows([aten.bmm.default], family="matmul", rule=matmul, flops=product_flops, shape=matmul_shape,
+            keeps=keeps_operands, experts="combine"),
     **_rows([aten._grouped_mm.default, GROUPED_MM_FALLBACK], family="grouped_mm", rule=grouped_mm,
-            flops=product_flops, local=localize.own_experts),
+            flops=product_flops, shape=grouped_shape, local=localize.own_experts),
     **_rows([aten.scaled_dot_product_attention.default], family="attention", rule=attention,
-            flops=attention_flops, keeps=keeps_attention, drops=attention_dropout, local=localize.attention),
-    **_rows([FLEX], family="attention", rule=flex_heads, flops=attention_flops, keeps=keeps_flex,
-            local=global_heads),
+            flops=attention_flops, shape=attention_shape, keeps=keeps_attention, drops=attention_dropout,
+            local=localize.attention),
+    **_rows([FLEX], family="attention", rule=flex_heads, flops=attention_flops, shape=attention_shape,
+            keeps=keeps_flex, local=global_heads),
     **_rows([aten.embedding.default], family="embedding", rule=embedding, keeps=keeps_nothing, moves=lookup_bytes,
             local=localize.vocab_rows, styles={0: {1: "hidden split", 0: "vocab split"}}),
     **_rows([aten.repeat_interleave.self_int], family="repeat", rule=repeat_heads, keeps=keeps_nothing,

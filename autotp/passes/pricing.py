@@ -11,7 +11,7 @@ import torch
 from torch.fx import Node
 
 from autotp.cost_models import collective_time, reshard_time
-from autotp.cost_models.compute import op_time
+from autotp.cost_models.compute import op_time, product_time
 from autotp.cost_models.memory import state_factor
 from autotp.cost_models.topology import Topology
 from autotp.runtime.placement import Disjoint, Replicate, Routed, Shard
@@ -19,7 +19,7 @@ from autotp.runtime.placement import Disjoint, Replicate, Routed, Shard
 from .ops import flops, is_product, op
 from .recompute import dropped
 from .saved import element_bytes, kept, regathered
-from .strategies import is_placed
+from .strategies import input_slots, is_placed
 
 # Routed rows are not spread evenly: the busiest rank of a dispatch group computes this many times the uniform
 # top-k share.  A stated assumption, not a measurement: the capacity factor Switch Transformer trains with (Fedus
@@ -117,23 +117,61 @@ def local_bytes(size: float, placement, world: int) -> float:
     return size * held_fraction(placement, world)
 
 
+def work_share(node: Node, strategy, world: int, experts: Experts | None = None) -> float:
+    """The busiest rank's share of the op's work: routed rows the busiest owner's (``experts``); whole experts
+    compute their own rows' products (zeros elsewhere are full size for the other ops); a sharded output its
+    share; a partial sum 1/N."""
+    out = strategy.output
+    first = out[0] if isinstance(out, tuple) and out else out
+    share = experts.share(node, first) if experts is not None else 1.0
+    if isinstance(out, Disjoint):
+        return share * (held_fraction(out.experts, world) if is_product(node) else 1.0)
+    if strategy.replicated or isinstance(first, Routed):
+        return share
+    return share * (held_fraction(out, world) if isinstance(out, Shard) else 1 / world)
+
+
+def product_shape(node: Node, strategy, sizes: Sizes, world: int) -> tuple:
+    """(m, n, k, groups, ragged) of the product one rank computes under ``strategy`` (its operands as it holds
+    them), in groups of that shape making its share of the product's FLOPs (whole experts' bmm: its rows)."""
+    held_as = dict(zip(input_slots(node), strategy.inputs, strict=True))
+
+    def whole(a: Node) -> list:
+        return [sizes(s) for s in a.meta["val"].shape]
+
+    def held(a: Node) -> list:
+        dims, placement = whole(a), held_as.get(a)
+        if isinstance(placement, Shard):
+            dims[placement.dim] *= held_fraction(placement, world)
+        return dims
+
+    m, n, k, groups, ragged = op(node.target).shape(node, held, whole)
+    shaped = 2.0 * groups * m * n * k
+    groups *= sizes.flops(node) * work_share(node, strategy, world, sizes.experts) / shaped if shaped else 1.0
+    return m, n, k, groups, ragged
+
+
+def product_seconds(node: Node, strategy, sizes: Sizes, world: int, topology: Topology, moved: float) -> float:
+    """A product at the shape one rank computes, never faster than moving its share of the bytes."""
+    shape = product_shape(node, strategy, sizes, world)
+    return product_time(*shape[:3], topology, *shape[3:], moved * work_share(node, strategy, world, sizes.experts))
+
+
 def op_seconds(node: Node, strategy, sizes: Sizes, world: int, topology: Topology, training: bool,
                   paired: bool = False) -> float:
     """Seconds of the op (forward and backward when training); for a parameter held grouped, also the
     all-reduce of its gradient (``paired``: shared with its weight or bias, so without the latency)."""
     row = op(node.target)
-    moved = 0.0 if row.view else (  # a view's output is its input: nothing is read or written
+    moved = 0.0 if row.view or row.observer else (  # a view's output is its input; sizes are metadata
         row.moves(node, sizes.nbytes) if row.moves else
         sizes.nbytes(node) + sum(sizes.nbytes(a) for a in node.all_input_nodes if is_placed(a)))
-    seconds = op_time(sizes.flops(node), moved, topology) if node.op == "call_function" else 0.0
-    out = strategy.output
-    first = out[0] if isinstance(out, tuple) and out else out
-    seconds *= sizes.experts.share(node, first)  # routed rows: the busiest owner's
-    if isinstance(out, Disjoint):  # whole experts: the busiest rank's share of the products;
-        seconds *= held_fraction(out.experts, world) if is_product(node) else 1.0  # zeros are full size
-    elif not strategy.replicated and not isinstance(first, Routed):
-        seconds *= held_fraction(out, world) if isinstance(out, Shard) else 1 / world
-    seconds = 3 * seconds if training else seconds  # backward costs about twice the forward
+    if node.op != "call_function":
+        seconds = 0.0
+    elif row.shape is not None:
+        seconds = product_seconds(node, strategy, sizes, world, topology, moved)
+    else:
+        seconds = op_time(sizes.flops(node), moved, topology) * work_share(node, strategy, world, sizes.experts)
+    seconds = 3 * seconds if training else seconds  # backward: two products of the forward's shape
     seconds += dispatch_seconds(node, strategy, sizes, topology, training)
     out = strategy.output
     if training and node.op == "get_attr" and isinstance(out, Shard) and out.grouped(world):

@@ -21,13 +21,16 @@ class Op:
     (input slot or None for its output, kind or None) pairs (passes/saved.py; None: every tensor input, never
     less than it keeps); ``local(node, strategy, rank,
     world)`` rewrites a node into this rank's form where a sharded op is not the same op on smaller tensors;
-    ``flops(node, size)`` prices a product (others cost one FLOP per output element)."""
+    ``flops(node, size)`` prices a product (others cost one FLOP per output element) and ``shape(node, held, whole)``
+    gives its shape as (m, n, k, groups, ragged) from its operands' sizes as one rank holds them (``held(arg)``)
+    and whole (``whole(arg)``): the product's efficiency depends on it (cost_models/compute.py)."""
     family: str = "unknown"
     rule: Callable | None = None
     view: bool = False        # the output shares input 0's storage (what it keeps is its input's)
     layout: bool = False      # the same data seen another way (or a cast): a parameter through it is still the
     #                           parameter, stored as used and never gathered at run time
     flops: Callable | None = None
+    shape: Callable | None = None
     moves: Callable | None = None  # (node, nbytes) -> bytes read and written (None: every input and the output)
     linear: tuple = ()        # operands a partial sum may be, one at a time: the op is linear in each
     linear_if: Callable | None = None  # node -> bool: the op is linear only then (a cast to the same dtype)

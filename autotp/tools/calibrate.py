@@ -1,5 +1,6 @@
 """`autotp calibrate`: measure collectives on the current process group, fit latency + bytes/busbw
-per collective, and write a topology profile that prices plans with the measured figures."""
+per collective, time matrix products on rank 0's device (calibrate_products.py), and write a topology
+profile that prices plans with the measured figures."""
 from __future__ import annotations
 
 import datetime
@@ -15,6 +16,8 @@ import torch.distributed as dist
 
 from autotp.cost_models import collective_time, load_topology
 from autotp.cost_models.communication import ring_steps
+
+from .calibrate_products import measure_products, product_table
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
 SIZES = tuple(4096 * 4 ** k for k in range(8))  # 4 KiB .. 64 MiB
@@ -80,37 +83,34 @@ def fit(op: str, samples: dict, world: int) -> dict:
 
 
 def _device_figures(device) -> dict:
-    """Peak matmul FLOP/s and copy bandwidth of this device, measured, and its memory."""
-    a = torch.randn(1024, 1024, device=device)
+    """Copy bandwidth of this device, measured, and its memory."""
     big = torch.empty(16 * 2 ** 20, device=device)
-    for fn in (lambda: a @ a, big.clone):
-        fn()
-    start = time.perf_counter()
-    for _ in range(5):
-        a @ a
-    flops = 5 * 2 * 1024 ** 3 / (time.perf_counter() - start)
+    big.clone()
     start = time.perf_counter()
     for _ in range(5):
         big.clone()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     bandwidth = 5 * 2 * big.numel() * 4 / (time.perf_counter() - start)
     if torch.cuda.is_available():
         memory = torch.cuda.get_device_properties(device).total_memory
     else:
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return {"peak_flops": flops, "hbm_bandwidth": bandwidth, "memory_bytes": float(memory)}
+    return {"hbm_bandwidth": bandwidth, "memory_bytes": float(memory)}
 
 
-def profile(measured: dict, world: int, device) -> dict:
+def profile(measured: dict, world: int, device, products: dict) -> dict:
+    """The profile: the collectives' fitted lines, and the products' table with peak_flops the fastest of them."""
     host = socket.gethostname()
     source = f"measured by autotp calibrate on {host}, {datetime.date.today()}, {world} ranks"
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     fitted = {op: fit(op, samples, world) for op, samples in measured.items()}
-    figures = {**_device_figures(device), "nodes": world // local, "gpus_per_node": local,
-               "matmul_efficiency": 1.0, "memory_efficiency": 1.0,
-               "intra_base_latency_s": fitted["all_reduce"]["latency_s"], "intra_step_latency_s": 0.0,
-               "intra_busbw": fitted["all_reduce"]["busbw"]}
+    table, peak = product_table(products, f"measured by autotp calibrate on {host}, {datetime.date.today()}")
+    figures = {**_device_figures(device), "peak_flops": peak, "nodes": world // local, "gpus_per_node": local,
+               "memory_efficiency": 1.0, "intra_base_latency_s": fitted["all_reduce"]["latency_s"],
+               "intra_step_latency_s": 0.0, "intra_busbw": fitted["all_reduce"]["busbw"]}
     return {"name": f"calibrated-{host}-{world}", "description": f"{world} ranks of {dist.get_backend()} on {host}",
-            "figures": {k: {"value": v, "source": source} for k, v in figures.items()},
+            "figures": {k: {"value": v, "source": source} for k, v in figures.items()}, "products": table,
             "measured": fitted, "samples": {op: {str(b): t for b, t in s.items()} for op, s in measured.items()}}
 
 
@@ -132,5 +132,6 @@ def calibrate(out: str | Path, device=None) -> Path | None:
     if dist.get_rank() != 0:
         return None
     path = Path(out)
-    path.write_text(json.dumps(profile(measured, dist.get_world_size(), device), indent=1))
+    products = measure_products(device)
+    path.write_text(json.dumps(profile(measured, dist.get_world_size(), device, products), indent=1))
     return path

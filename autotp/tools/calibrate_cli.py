@@ -1,6 +1,7 @@
 """`autotp calibrate`: under torchrun it uses that process group; otherwise it spawns local gloo ranks."""
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -29,6 +30,18 @@ def print_comparison(path: Path, console: Console) -> float:
     return median
 
 
+def print_products(path: Path, console: Console) -> None:
+    """The product fit judged on the sizes it was not fitted to (every fourth product held out)."""
+    products = json.loads(Path(path).read_text())["products"]
+    table = Table(title=f"products held out of the fit, {path}")
+    for column in ("m", "n", "k", "measured of peak", "predicted", "error"):
+        table.add_column(column, justify="right")
+    for m, n, k, measured, predicted, error in products["held_out"]["every_fourth"]:
+        table.add_row(str(m), str(n), str(k), f"{measured:.3f}", f"{predicted:.3f}", f"{error:.0%}")
+    console.print(table)
+    console.print(products["peak_fraction"]["source"])
+
+
 def main(out: str, nproc: int) -> int:
     if "WORLD_SIZE" in os.environ:  # launched by torchrun: calibrate that group
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
@@ -41,5 +54,6 @@ def main(out: str, nproc: int) -> int:
         written = Path(out)
     if written is not None:
         print_comparison(Path(written), Console(width=120))
+        print_products(Path(written), Console(width=120))
         print(f"wrote {written}: use it as --topology {written} or topology='{written}'")
     return 0

@@ -106,7 +106,8 @@ def _print_mesh(model, example, args) -> int:
         try:
             result = plan_mesh(model, example, devices=args.devices, topology=args.topology, nodes=args.nodes,
                                global_batch=args.global_batch or args.batch, training=not args.inference,
-                               data_parallel=args.data_parallel, memory_limit=_limit(args))
+                               data_parallel=args.data_parallel, memory_limit=_limit(args),
+                               expert_imbalance=args.expert_imbalance, overlap_all_to_all=args.overlap_all_to_all)
         except (PlanningError, ValueError) as exc:
             print(f"autotp: {exc}", file=sys.stderr)
             return 1
@@ -127,6 +128,10 @@ def _mesh_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: --batch)")
     parser.add_argument("--data-parallel", choices=("fsdp", "ddp"), default="fsdp",
                         help="fsdp: parameters, gradients and optimizer state sharded; ddp: replicated")
+    parser.add_argument("--expert-imbalance", type=float, default=1.0,
+                        help="routed experts: the busiest rank's rows over the uniform top-k share (default 1)")
+    parser.add_argument("--overlap-all-to-all", type=float, default=0.0,
+                        help="routed experts: the share of all-to-all time hidden behind compute (0 to 1, default 0)")
 
 
 def _load_plan(path: str):

@@ -186,8 +186,9 @@ def print_plan(plan: Plan, shapes: dict | None = None, console: Console | None =
     if plan.cost.get("activations"):
         console.print(activations_table(plan))
     if plan.fold:
-        console.print(f"{plan.fold['count']} identical blocks of {plan.fold['path']} planned from four: blocks 1 to "
-                      f"{plan.fold['count'] - 2} take the same decisions")
+        start = plan.fold.get("start", 0)
+        console.print(f"{plan.fold['count'] - start} identical blocks of {plan.fold['path']} planned from four: "
+                      f"blocks {start + 1} to {plan.fold['count'] - 2} take the same decisions")
     if plan.cost.get("dropout"):
         console.print(f"dropout: the program drops in {len(plan.cost['dropout'])} modules (captured in training mode; "
                       "sharded.eval() stops it; docs/dropout.md)")
@@ -227,24 +228,26 @@ def activations_table(plan: Plan) -> Table:
 
 
 def mesh_table(result) -> list:
-    """The best layout per (TP, PP, DP) of autotp.mesh_planner.plan_mesh, fastest first, then the choice."""
-    from autotp.mesh_planner import activation_options
+    """The best layout per (TP, PP, DP, EP) of autotp.mesh_planner.plan_mesh, fastest first, then the choice."""
+    from autotp.mesh_planner import activation_options, layout_name
     table = Table(title=f"mesh candidates: {result.devices} devices of {result.topology}, global batch "
                         f"{result.global_batch}, data parallel {result.data_parallel} (estimated)")
-    for column in ("TP", "PP", "DP", "micro-batches", "schedule", "bubble", "SP", "recompute", "step s",
+    for column in ("TP", "PP", "DP", "EP", "micro-batches", "schedule", "bubble", "SP", "recompute", "step s",
                    "memory/device GB", "MFU", "note"):
         table.add_column(column)
     for c in result.candidates:
         schedule = "-" if c.schedule is None else c.schedule + (f" x{c.virtual_stages}" if c.virtual_stages > 1 else "")
-        table.add_row(str(c.tp), str(c.pp), str(c.dp), f"{c.microbatches} x {c.microbatch_size}" if c.microbatches
-                      and c.microbatch_size else "-", schedule, f"{c.bubble:.1%}" if c.schedule else "-",
+        experts = "-" if c.ep == 1 else f"{c.ep}" + (" whole" if c.etp == 1 and c.tp > 1 else "")
+        batches = f"{c.microbatches} x {c.microbatch_size}" if c.microbatches and c.microbatch_size else "-"
+        table.add_row(str(c.tp), str(c.pp), str(c.dp), experts, batches, schedule,
+                      f"{c.bubble:.1%}" if c.schedule else "-",
                       "yes" if c.sequence_parallel else "no",
                       "full" if c.recompute else "attention" if c.selective else "no",
                       "-" if c.step_seconds is None else f"{c.step_seconds:.3g}",
                       "-" if c.memory_bytes is None else f"{c.memory_bytes / 1e9:.2f}",
                       "-" if c.mfu is None else f"{c.mfu:.1%}", c.note)
     best = result.choice
-    return [table, f"mesh choice: TP {best.tp} x PP {best.pp} x DP {best.dp}, {best.microbatches} micro-batches of "
+    return [table, f"mesh choice: {layout_name(best)}, {best.microbatches} micro-batches of "
                    f"{best.microbatch_size}, schedule {best.schedule or '-'}"
                    f"{f' x{best.virtual_stages}' if best.virtual_stages > 1 else ''}"
                    f"{f' (bubble {best.bubble:.1%} of the step)' if best.schedule else ''}"

@@ -149,6 +149,11 @@ def _cluster(topology, nodes: int | None, devices: int | None, data_parallel: st
     return topo, devices
 
 
+# Step times this close (relative) are within the cost model's error: the layout with fewer pipeline stages (then
+# more TP inside the node) is chosen, as Narayanan et al. 2021 (section 3.3) advise -- TP up to a node, then PP.
+TIE = 0.01
+
+
 def _layouts(profiles: list, devices: int, setting: Setting) -> list[Candidate]:
     """The best layout per (tp, pp, dp, ep, etp) over the profiles (plain, sequence parallel, ...), fastest fitting
     first."""
@@ -156,7 +161,13 @@ def _layouts(profiles: list, devices: int, setting: Setting) -> list[Candidate]:
     best: dict = {}
     for c in sorted(found, key=lambda c: (not c.fits, c.step_seconds or 0.0, c.memory_bytes or math.inf)):
         best.setdefault((c.tp, c.pp, c.dp, c.ep, c.etp), c)
-    return list(best.values())
+    ranked = list(best.values())
+    if ranked and ranked[0].fits:  # estimates within TIE of the fastest are a tie: fewer pipeline stages win
+        close = [c for c in ranked if c.fits and c.step_seconds <= ranked[0].step_seconds * (1 + TIE)]
+        chosen = min(close, key=lambda c: (c.pp, -c.tp, c.step_seconds))
+        ranked.remove(chosen)
+        ranked.insert(0, chosen)
+    return ranked
 
 
 def tp_profile(gm: torch.fx.GraphModule, tp: int, topo: Topology, training: bool, sizes: Sizes,

@@ -55,7 +55,8 @@ def test_gpt3_175b_as_megatron_ran_it_is_priced_near_its_measured_time(gpt3, sch
     recomputed, no sequence parallelism -- priced by the planner, against the step time its measured 140
     TFLOP/s per GPU give for the FLOPs it did (Narayanan et al. 2021: 96 B s L h^2 (1 + s/6h + V/16Lh) a step,
     forward, backward and the recomputed forward): 31.5 s.  The estimate may be faster (GEMMs at the profile's
-    efficiency, no kernel-launch or straggler time), within 25%."""
+    efficiency, no kernel-launch or straggler time): at most 30% faster (the shape-aware product model prices these
+    GEMMs at A100's published MAMF, about 80% of peak, where Megatron's whole step reached 45%), at most 25% slower."""
     from autotp.cost_models.mesh_layout import Candidate, Setting, price
     from autotp.mesh_planner import tp_profile
     from autotp.passes.pricing import model_flops, priced_unit
@@ -68,7 +69,7 @@ def test_gpt3_175b_as_megatron_ran_it_is_priced_near_its_measured_time(gpt3, sch
                      Candidate(8, 8, 16, microbatch_size=1, schedule=schedule, virtual_stages=virtual, recompute=True),
                      setting)
     assert megatron.fits, megatron.note      # it ran in 80 GB
-    assert 0.75 * measured <= megatron.step_seconds <= 1.25 * measured, (megatron.step_seconds, measured)
+    assert 0.70 * measured <= megatron.step_seconds <= 1.25 * measured, (megatron.step_seconds, measured)
 
 
 def test_gpt3_175b_with_fsdp_fits_wherever_ddp_does(gpt3):

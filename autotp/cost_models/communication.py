@@ -57,18 +57,6 @@ def _nics(topo: Topology) -> float:
     return topo.nic_bandwidth * topo.nics_per_node
 
 
-def _all_to_all(nbytes: float, group_size: int, per_node: int, nodes: int, topo: Topology) -> float:
-    """Every rank sends nbytes / g to each of the g ranks: (per_node - 1) / g of its buffer over NVLink and
-    (g - per_node) / g through its node's NICs, which its per_node neighbours share; both at once (NCCL's
-    all-to-all posts every peer's send together), so the slower sets the time."""
-    latency = topo.intra_base_latency_s + (per_node - 1) * topo.intra_step_latency_s
-    inside = (per_node - 1) / group_size * nbytes / topo.intra_busbw
-    if nodes == 1:
-        return latency + inside
-    across = (group_size - per_node) / group_size * nbytes * per_node / _nics(topo)
-    return max(latency, topo.inter_base_latency_s + (nodes - 1) * topo.inter_step_latency_s) + max(inside, across)
-
-
 def collective_time(op: str, nbytes: float, group_size: int, topology: Topology | str | Path | None) -> float:
     """Seconds for one collective over ``group_size`` consecutive ranks (filling nodes in order);
     ``topology`` as ``parallelize`` takes it: a profile name, a path, a loaded profile (None: the default)."""
@@ -92,17 +80,17 @@ def collective_time(op: str, nbytes: float, group_size: int, topology: Topology 
     if op == "all_reduce":  # reduce-scatter inside, all-reduce of 1/g across, all-gather inside
         return (_intra("reduce_scatter", nbytes, per_node, topology) + _inter("all_reduce", nbytes, nodes, topology)
                 + _intra("all_gather", nbytes, per_node, topology))
-    if op == "all_to_all":
-        return _all_to_all(nbytes, group_size, per_node, nodes, topology)
     return _intra(op, nbytes, per_node, topology) + _inter(op, nbytes, nodes, topology)
 
 
 def _all_to_all(nbytes: float, group: int, per_node: int, nodes: int, topo: Topology) -> float:
     """Every rank sends nbytes / group to each rank: its own node's share over NVLink and the rest over its
     share of the node's NICs, both at once (the slower decides)."""
+    inside = _intra("all_to_all", nbytes * per_node / group, per_node, topo)
+    if nodes == 1:
+        return inside
     if not topo.nics_per_node:
         raise ValueError(f"topology {topo.name} has {topo.nodes} nodes but no NICs (nics_per_node)")
-    inside = _intra("all_to_all", nbytes * per_node / group, per_node, topo)
     nic = topo.nic_bandwidth * topo.nics_per_node / topo.gpus_per_node
     across = (topo.inter_base_latency_s + (nodes - 1) * topo.inter_step_latency_s
               + nbytes * (group - per_node) / group / nic)

@@ -38,13 +38,13 @@ from .hf import default_inputs, no_kv_cache
 from .options import Options
 from .parallel.dcp import DcpDirectory
 from .plan import Plan, PlanMismatch
-from .runtime.collectives import register
 from .runtime.conversion import model_conversions
 from .runtime.dispatch import Group, Groups
 from .runtime.dropout import set_mode
 from .runtime.hf_checkpoint import Checkpoint, check_tensors
 from .runtime.materialize import device_of, materialize
 from .runtime.placement import Disjoint, Routed, Shard
+from .runtime.transport import register
 
 
 def prepared_graph(model: torch.nn.Module, args=None, kwargs=None, fold: bool = False) -> torch.fx.GraphModule:

@@ -32,7 +32,7 @@ def _rank(rank: int, world: int, directory: str, batch: int, new: int, repeats: 
     group = torch.distributed.group.WORLD
 
     def ours(n, shortcuts: bool):
-        (autotp.runtime.collectives.register if shortcuts else autotp.runtime.collectives.unregister)(group)
+        (autotp.runtime.transport.register if shortcuts else autotp.runtime.transport.unregister)(group)
         return autotp.generate(sharded, prompts, mask, max_new_tokens=n, eos_token_id=[])
     sides = {"hf": lambda n: hf.generate(prompts, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
                                          do_sample=False, pad_token_id=0),

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from machine import describe
 from saved_llama import run_on_saved_llama
 
-from autotp.runtime import collectives
+from autotp.runtime import collectives, transport
 
 
 class Megatron(torch.nn.Module):
@@ -49,7 +49,7 @@ class Megatron(torch.nn.Module):
         self.group = dist.group.WORLD
         self.autotp_collectives = autotp_collectives
         if autotp_collectives:
-            collectives.register(self.group)  # gloo: the shortcuts autotp's own program takes
+            transport.register(self.group)  # gloo: the shortcuts autotp's own program takes
 
         def rows(w):
             return w.detach().chunk(world, 0)[rank].contiguous()

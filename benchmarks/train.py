@@ -87,7 +87,7 @@ def run(rank: int, world: int, o: argparse.Namespace, repeats: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     import autotp
-    from autotp.runtime.collectives import register
+    from autotp.runtime.transport import register
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     x, y = (t.chunk(2)[mesh["dp"].get_local_rank()] for t in global_batch(o, 0))
     plain = autotp.parallelize(build(o), (x,), mesh=mesh)

@@ -26,8 +26,8 @@ def forward_matches(model, sharded, inputs: list[tuple]) -> None:
     counted as such); weights never travel."""
     plan = sharded.autotp_plan
     assert not weight_collectives(sharded), weight_collectives(sharded)
-    collectives = autotp.runtime.collectives
-    one_shot, collectives.ONE_SHOT_BYTES = collectives.ONE_SHOT_BYTES, 0
+    transport = autotp.runtime.transport
+    one_shot, transport.ONE_SHOT_BYTES = transport.ONE_SHOT_BYTES, 0
     try:
         for args in inputs:
             with CollectiveCounter() as comm:
@@ -35,7 +35,7 @@ def forward_matches(model, sharded, inputs: list[tuple]) -> None:
             torch.testing.assert_close(logits(out), logits(model(*args)), **TOL)
             assert plan_ops(comm_counts(comm)) == plan.collective_counts("forward"), comm_counts(comm)
     finally:
-        collectives.ONE_SHOT_BYTES = one_shot
+        transport.ONE_SHOT_BYTES = one_shot
 
 
 def logits(out) -> torch.Tensor:
@@ -47,8 +47,8 @@ def training_matches(model, sharded, inputs: list[tuple], loss=lambda out: logit
     exactly the plan's backward collectives."""
     plan = sharded.autotp_plan
     opt, opt_ref = (torch.optim.SGD(m.parameters(), lr=0.5) for m in (sharded, model))
-    collectives = autotp.runtime.collectives
-    one_shot, collectives.ONE_SHOT_BYTES = collectives.ONE_SHOT_BYTES, 0
+    transport = autotp.runtime.transport
+    one_shot, transport.ONE_SHOT_BYTES = transport.ONE_SHOT_BYTES, 0
     try:
         for step, args in enumerate(inputs):
             for m, o in ((sharded, opt), (model, opt_ref)):
@@ -64,7 +64,7 @@ def training_matches(model, sharded, inputs: list[tuple], loss=lambda out: logit
                 for name, p in model.named_parameters():
                     torch.testing.assert_close(grads[name], p.grad, **TOL, msg=lambda m, n=name: f"grad {n}: {m}")
     finally:
-        collectives.ONE_SHOT_BYTES = one_shot
+        transport.ONE_SHOT_BYTES = one_shot
     weights = autotp.full_state_dict(sharded)
     for name, p in model.named_parameters():
         torch.testing.assert_close(weights[name], p.detach(), **TOL, msg=lambda m, n=name: f"{n}: {m}")

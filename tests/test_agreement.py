@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import autotp
 from autotp.agree import RankDisagreement
-from autotp.runtime.collectives import CollectiveError
+from autotp.runtime.transport import CollectiveError
 from autotp.tools.spawn import free_port, local_context
 from distributed import run_ranks
 from examples import mlp

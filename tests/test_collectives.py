@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autotp.runtime import collectives
+from autotp.runtime import collectives, transport
 from autotp.runtime.placement import P, R, Shard, assemble, parse, take_local
 from distributed import comm_counts, run_ranks
 
@@ -20,7 +20,7 @@ def _conversions(rank: int, world: int, gloo_paths: bool) -> None:
     import torch.distributed as dist
     group = dist.group.WORLD.group_name
     if gloo_paths:  # one-shot small all-reduces and polled eager collectives, as parallelize sets up on gloo
-        collectives.register(dist.group.WORLD)
+        transport.register(dist.group.WORLD)
     torch.manual_seed(0)
     summands = [torch.randn(8, 24, dtype=torch.float64) for _ in range(world)]  # same on every rank
     full = sum(summands)
@@ -94,15 +94,15 @@ def _one_shot(rank: int, world: int) -> None:
     from torch.distributed.tensor.debug import CommDebugMode
     group = dist.group.WORLD.group_name
     torch.manual_seed(rank)
-    small, large = torch.randn(3, 5), torch.randn(collectives.ONE_SHOT_BYTES // 4)  # large: over the limit
+    small, large = torch.randn(3, 5), torch.randn(transport.ONE_SHOT_BYTES // 4)  # large: over the limit
     want = {}
     for name, x in (("small", small), ("large", large)):
         want[name] = x.clone()
         dist.all_reduce(want[name])
-    collectives.register(dist.group.WORLD)
+    transport.register(dist.group.WORLD)
     for name, x, op in (("small", small, "all_gather_into_tensor"), ("large", large, "all_reduce")):
         with CommDebugMode() as comm:
-            got = collectives._all_reduce(x, group, "test")
+            got = transport.all_reduce(x, group, "test")
         assert comm_counts(comm) == {op: 1}, name
         torch.testing.assert_close(got, want[name], rtol=1e-5, atol=1e-5)
         copies = [torch.empty_like(got) for _ in range(world)]
@@ -123,17 +123,17 @@ def _gloo_shortcuts_without_affinity(rank: int, world: int) -> None:
 
     import torch.distributed as dist
     group = dist.group.WORLD
-    small, large = torch.full((3, 5), float(rank)), torch.full((collectives.ONE_SHOT_BYTES // 4,), float(rank))
+    small, large = torch.full((3, 5), float(rank)), torch.full((transport.ONE_SHOT_BYTES // 4,), float(rank))
     del os.sched_getaffinity
     for patch, polls in ((None, world <= os.cpu_count()), ("one core", False), ("no sched_yield", False)):
         if patch == "one core":
             os.sched_getaffinity = lambda pid: {0}
         if patch == "no sched_yield":
             del os.sched_yield
-        collectives.register(group)
-        assert collectives._gloo[group.group_name].poll == polls, patch
+        transport.register(group)
+        assert transport._gloo[group.group_name].poll == polls, patch
         for x in (small, large):
-            assert torch.equal(collectives._all_reduce(x, group.group_name, "test"), torch.full_like(x, 1.0)), patch
+            assert torch.equal(transport.all_reduce(x, group.group_name, "test"), torch.full_like(x, 1.0)), patch
 
 
 def test_gloo_shortcuts_fall_back_without_affinity_or_cores():
@@ -146,4 +146,4 @@ def test_a_polled_wait_gives_up_after_the_process_groups_timeout():
             return False
 
     with pytest.raises(TimeoutError, match=r"process group's timeout \(0 s\)"):
-        collectives._wait(Pending(), collectives._Gloo(world=2, poll=True, timeout=0.05))
+        transport.wait(Pending(), transport.Gloo(world=2, poll=True, timeout=0.05))

@@ -69,7 +69,7 @@ def _communicates_no_more_than_hf(rank: int, world: int, kind: str, directory: s
     model = model_class.from_pretrained(directory).eval()
     x = example_input(kind, 3, 5)
     sharded = autotp.parallelize(model, (x,))
-    autotp.runtime.collectives.ONE_SHOT_BYTES = 0  # count all-reduces as such (on gloo small ones run as all-gathers)
+    autotp.runtime.transport.ONE_SHOT_BYTES = 0  # count all-reduces as such (on gloo small ones run as all-gathers)
 
     def counts(module) -> tuple[dict, dict]:
         """(forward, backward) collectives of one training step, in the plan's names."""

@@ -96,7 +96,7 @@ def _block_of(module: str) -> int | None:
 
 
 def _check(rank: int, world: int, kinds: list) -> None:
-    collectives = autotp.runtime.collectives
+    transport = autotp.runtime.transport
     for kind in kinds:
         model = build(kind)
         sharded = autotp.parallelize(model, (torch.randint(0, 96, EXAMPLE),))
@@ -118,7 +118,7 @@ def _check(rank: int, world: int, kinds: list) -> None:
         block = 1 if kind.startswith(PARALLEL) else 2
         per_block = Counter(_block_of(c["module"]) for c in plan.collectives if c["phase"] == "forward")
         assert all(per_block[b] <= block for b in range(1, LAYERS)) and per_block[0] <= block + 1, (kind, per_block)
-        one_shot, collectives.ONE_SHOT_BYTES = collectives.ONE_SHOT_BYTES, 0  # count all-reduces as such
+        one_shot, transport.ONE_SHOT_BYTES = transport.ONE_SHOT_BYTES, 0  # count all-reduces as such
         try:
             for batch, seq in [(3, 11), (1, 1)]:
                 x = torch.randint(0, 96, (batch, seq))
@@ -137,7 +137,7 @@ def _check(rank: int, world: int, kinds: list) -> None:
                 loss.backward()
             assert plan_ops(comm_counts(comm)) == plan.collective_counts("backward"), (kind, comm_counts(comm))
         finally:
-            collectives.ONE_SHOT_BYTES = one_shot
+            transport.ONE_SHOT_BYTES = one_shot
         logits(model(x)).square().mean().backward()
         grads = autotp.full_state_dict(sharded, grads=True)
         for name, p in model.named_parameters():

@@ -66,13 +66,13 @@ def same_as_unsharded(model, sharded, inputs) -> None:
 def runs_the_plan(sharded, plan, x) -> None:
     """No weight travels; CommDebugMode counts what the plan says, forward and backward."""
     assert not weight_collectives(sharded), weight_collectives(sharded)
-    collectives = autotp.runtime.collectives
-    one_shot, collectives.ONE_SHOT_BYTES = collectives.ONE_SHOT_BYTES, 0  # count all-reduces as such
+    transport = autotp.runtime.transport
+    one_shot, transport.ONE_SHOT_BYTES = transport.ONE_SHOT_BYTES, 0  # count all-reduces as such
     with CommDebugMode() as forward:
         out = _logits(sharded(x)).square().mean()
     with CommDebugMode() as backward:
         out.backward()
-    collectives.ONE_SHOT_BYTES = one_shot
+    transport.ONE_SHOT_BYTES = one_shot
     assert plan_ops(comm_counts(forward)) == plan.collective_counts("forward"), comm_counts(forward)
     assert plan_ops(comm_counts(backward)) == plan.collective_counts("backward"), comm_counts(backward)
     sharded.zero_grad(set_to_none=True)

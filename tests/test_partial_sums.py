@@ -13,7 +13,7 @@ from test_sharded import _block_of
 from torch.distributed.tensor.debug import CommDebugMode
 
 import autotp
-from autotp.runtime import collectives
+from autotp.runtime import transport
 from autotp.runtime.placement import Shard
 from distributed import comm_counts, plan_ops, run_ranks
 from models import SignedBranches, phi2, vit
@@ -23,12 +23,12 @@ BLOCKS = 1  # blocks are planned alike (tests/test_fold.py); one keeps the spawn
 
 def _collectives(step) -> dict:
     """The collectives ``step()`` runs by kind, counted by CommDebugMode (small all-reduces too: not one-shot)."""
-    one_shot, collectives.ONE_SHOT_BYTES = collectives.ONE_SHOT_BYTES, 0
+    one_shot, transport.ONE_SHOT_BYTES = transport.ONE_SHOT_BYTES, 0
     try:
         with CommDebugMode() as comm:
             step()
     finally:
-        collectives.ONE_SHOT_BYTES = one_shot
+        transport.ONE_SHOT_BYTES = one_shot
     return plan_ops(comm_counts(comm))
 
 

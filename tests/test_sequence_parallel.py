@@ -31,8 +31,8 @@ def _block_of(module: str) -> int | None:
 def _exact(model, sharded, shapes, plan=None) -> dict:
     """Outputs for every (batch, sequence) and gradients equal one process's; forward and backward run
     the collectives the plan lists.  Returns the backward's collectives (CommDebugMode, all-reduces as such)."""
-    collectives = autotp.runtime.collectives
-    one_shot, collectives.ONE_SHOT_BYTES = collectives.ONE_SHOT_BYTES, 0  # count all-reduces as such
+    transport = autotp.runtime.transport
+    one_shot, transport.ONE_SHOT_BYTES = transport.ONE_SHOT_BYTES, 0  # count all-reduces as such
     try:
         for batch, seq in shapes:
             x = torch.randint(0, 96, (batch, seq))
@@ -48,7 +48,7 @@ def _exact(model, sharded, shapes, plan=None) -> dict:
         if plan is not None:
             assert plan_ops(comm_counts(comm)) == plan.collective_counts("backward"), comm_counts(comm)
     finally:
-        collectives.ONE_SHOT_BYTES = one_shot
+        transport.ONE_SHOT_BYTES = one_shot
     logits(model(x)).square().mean().backward()
     grads = autotp.full_state_dict(sharded, grads=True)
     for name, p in model.named_parameters():

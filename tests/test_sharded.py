@@ -47,8 +47,8 @@ def _check(rank: int, world: int, kind: str) -> None:
     plan = sharded.autotp_plan
     forward_ops = plan.collective_counts("forward")
     torch.manual_seed(1)
-    collectives = autotp.runtime.collectives
-    one_shot, collectives.ONE_SHOT_BYTES = collectives.ONE_SHOT_BYTES, 0  # count all-reduces as such
+    transport = autotp.runtime.transport
+    one_shot, transport.ONE_SHOT_BYTES = transport.ONE_SHOT_BYTES, 0  # count all-reduces as such
     for batch, seq in [(3, 5), (1, 1)]:
         x = example_input(kind, batch, seq)
         with CommDebugMode() as comm:
@@ -78,7 +78,7 @@ def _check(rank: int, world: int, kind: str) -> None:
     with CommDebugMode() as comm:
         loss.backward()
     assert plan_ops(comm_counts(comm)) == backward_ops, (comm_counts(comm), backward_ops)
-    collectives.ONE_SHOT_BYTES = one_shot
+    transport.ONE_SHOT_BYTES = one_shot
     logits(model(x)).square().mean().backward()
     grads = autotp.full_state_dict(sharded, grads=True)
     weights = autotp.full_state_dict(sharded)
@@ -169,8 +169,8 @@ RESIDUAL_SHARDED = [(16, 8, 2048), (32, 4, 1024)]
 
 def _runs_planned_collectives(rank: int, world: int, plans: list) -> None:
     from models import llama_with
-    collectives = autotp.runtime.collectives
-    collectives.ONE_SHOT_BYTES = 0  # count all-reduces as such
+    transport = autotp.runtime.transport
+    transport.ONE_SHOT_BYTES = 0  # count all-reduces as such
     for head_dim, batch, seq, plan in plans:
         model, reference = (llama_with(heads=8, kv=4, head_dim=head_dim, layers=2) for _ in range(2))  # same seed
         sharded = autotp.parallelize(model, (torch.zeros(batch, seq, dtype=torch.long),), plan=plan)
@@ -251,13 +251,13 @@ def _gathered_once(rank: int, world: int) -> None:
     gathers = [n for n in sharded.graph.nodes if getattr(n.target, "__name__", "").startswith("gather")]
     assert [n.args[0].target for n in gathers] == [torch.ops.aten.embedding.default], gathers
     plan = sharded.autotp_plan
-    collectives = autotp.runtime.collectives
-    one_shot, collectives.ONE_SHOT_BYTES = collectives.ONE_SHOT_BYTES, 0
+    transport = autotp.runtime.transport
+    one_shot, transport.ONE_SHOT_BYTES = transport.ONE_SHOT_BYTES, 0
     with CommDebugMode() as forward:
         out = sharded(ids)
     with CommDebugMode() as backward:
         out.square().mean().backward()
-    collectives.ONE_SHOT_BYTES = one_shot
+    transport.ONE_SHOT_BYTES = one_shot
     assert plan_ops(comm_counts(forward)) == plan.collective_counts("forward"), comm_counts(forward)
     assert plan_ops(comm_counts(backward)) == plan.collective_counts("backward"), comm_counts(backward)
     model(ids).square().mean().backward()

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from autotp.runtime.collectives import failure
+from autotp.runtime.transport import failure
 
 from .blocks import block_units
 

@@ -21,8 +21,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from autotp import api
 from autotp.agree import DEFAULT_TIMEOUT
 from autotp.passes.fold import find_fold
-from autotp.runtime.collectives import describe
 from autotp.runtime.materialize import materialize
+from autotp.runtime.transport import describe
 
 from .data import check_kind, data_parallel
 

@@ -21,7 +21,7 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from autotp.cost_models.schedules import action_table, schedule_class
-from autotp.runtime.collectives import CollectiveError
+from autotp.runtime.transport import CollectiveError
 
 V_SHAPED = (ScheduleZBVZeroBubble, ScheduleDualPipeV)  # two stages per rank, the first rank's first and last
 NAMES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")

@@ -13,167 +13,15 @@ fails or outlives the process group's timeout raises a ``CollectiveError`` namin
 """
 from __future__ import annotations
 
-import os
-import time
-from dataclasses import dataclass
-
 import torch
-import torch.distributed as dist
-from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.fx import Node
 
 from . import activations
 from .placement import Partial, Replicate, Routed, Shard, assemble, take_local
+from .transport import all_gather, failed, pad
+from .transport import all_reduce as all_reduce_sum
 
 _c10d = torch.ops._c10d_functional
-
-
-# Groups registered here (gloo, on CPU) take two shortcuts measured on local ranks:
-# - tensors up to ONE_SHOT_BYTES (all pieces together) are all-gathered and summed in rank order on
-#   every rank -- vLLM's "one-shot" all-reduce for small messages: gloo's ring all-reduce of a small
-#   tensor takes milliseconds, an all-gather a fraction of that;
-# - in eager mode the collective is issued asynchronously and waited for by polling with
-#   sched_yield while this process has a core to itself: a rank blocked in wait() leaves its (virtual)
-#   core idle and often wakes a scheduler tick late (~4 ms on a 2-core VM), several times per forward.
-# NCCL groups and torch.compile keep the functional ops.  Without sched_getaffinity (macOS) every core
-# counts; without sched_yield, or with more local ranks than cores, waits block as usual.
-ONE_SHOT_BYTES = 256 * 1024
-
-
-class CollectiveError(RuntimeError):
-    """A collective failed or did not complete: another rank died, is stuck, or runs other code."""
-
-
-@dataclass(frozen=True)
-class _Gloo:
-    world: int
-    poll: bool  # no more local ranks than cores: a yielding rank takes no core from another
-    timeout: float  # the process group's, in seconds: a polled wait gives up after it, as gloo's own wait does
-
-
-_gloo: dict = {}  # group name -> _Gloo
-_labels: dict = {}  # group name -> what the group is (a mesh dimension and its ranks), for errors
-_abandoned: list = []  # works given up on: kept alive, gloo may still write into them
-
-
-def _cores() -> int:
-    """Cores this process may run on."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
-def describe(group: dist.ProcessGroup, label: str) -> None:
-    """Name ``group`` in the errors of the collectives it runs (e.g. "mesh dimension 'tp' (ranks [2, 3])")."""
-    _labels[group.group_name] = label
-
-
-def register(group: dist.ProcessGroup, shortcuts: bool = True) -> None:
-    """``parallelize`` calls this for the group it runs on: gloo groups take the shortcuts above
-    (``shortcuts=False``: the plain functional c10d ops, as DTensor runs them; benchmarks compare)."""
-    if dist.get_backend(group) != "gloo" or not shortcuts:
-        _gloo.pop(group.group_name, None)
-        return
-    world = dist.get_world_size(group)
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    timeout = group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
-    _gloo[group.group_name] = _Gloo(world, hasattr(os, "sched_yield") and local <= _cores(), timeout)
-
-
-def unregister(group: dist.ProcessGroup) -> None:
-    """Plain collectives on ``group`` from now on, as on NCCL (to compare with code that has no shortcuts)."""
-    _gloo.pop(group.group_name, None)
-
-
-def _eager_gloo(group: str) -> _Gloo | None:
-    gloo = _gloo.get(group)
-    return None if gloo is None or torch.compiler.is_compiling() else gloo
-
-
-def _wait(work, gloo: _Gloo) -> None:
-    if gloo.poll:
-        deadline = time.monotonic() + gloo.timeout
-        while not work.is_completed():
-            if time.monotonic() > deadline:
-                _abandoned.append(work)
-                raise TimeoutError(f"not complete after the process group's timeout ({gloo.timeout:.0f} s)")
-            os.sched_yield()
-    work.wait()  # raises the collective's error, if any; blocks at most the process group's timeout
-
-
-def _failed(op: str, x: torch.Tensor, where: str, exc: Exception, group: str) -> CollectiveError:
-    return failure(op, f"of {x.dtype} {list(x.shape)} for {where or 'a tensor'}", group, exc)
-
-
-def failure(op: str, what: str, group: str, exc: Exception) -> CollectiveError:
-    """The error that says which collective, over which group, for which value, in which pass, and what to look at."""
-    phase = "backward" if torch._C._current_autograd_node() is not None else "forward"
-    over = f" over {_labels[group]}" if group in _labels else ""
-    return CollectiveError(
-        f"autotp: {op}{over} {what} ({phase}) did not complete: "
-        f"another rank died, is stuck, or runs different code (look at the other ranks' output); the process "
-        f"group's timeout bounds the wait (on a mesh, parallelize's timeout=; else init_process_group(timeout=...)). "
-        f"Cause: {exc}")
-
-
-def _gathered(x: torch.Tensor, world: int, group: str) -> torch.Tensor:
-    gloo = _eager_gloo(group)
-    if gloo is None:
-        return _c10d.wait_tensor(_c10d.all_gather_into_tensor(x, world, group))
-    out = x.new_empty(world * x.shape[0], *x.shape[1:])
-    _wait(dist.all_gather_single(out, x, group=_resolve_process_group(group), async_op=True), gloo)
-    return out
-
-
-def _all_gather(x: torch.Tensor, world: int, group: str, where: str) -> torch.Tensor:
-    """Every rank's ``x`` (contiguous), concatenated along dim 0."""
-    try:
-        return _gathered(x, world, group)
-    except Exception as exc:
-        raise _failed("all_gather", x, where, exc, group) from exc
-
-
-def _all_reduce(x: torch.Tensor, group: str, where: str) -> torch.Tensor:
-    """The sum over ranks, as a fresh tensor: callers may add into it in place."""
-    gloo = _gloo.get(group)
-    try:
-        if gloo and x.numel() * x.element_size() * gloo.world <= ONE_SHOT_BYTES:
-            return _gathered(x.reshape(-1).contiguous(), gloo.world, group).view(gloo.world, *x.shape).sum(0)
-        if _eager_gloo(group):
-            out = x.clone(memory_format=torch.contiguous_format)
-            _wait(dist.all_reduce(out, group=_resolve_process_group(group), async_op=True), gloo)
-            return out
-        return _c10d.wait_tensor(_c10d.all_reduce(x.contiguous(), "sum", group))
-    except Exception as exc:
-        raise _failed("all_reduce", x, where, exc, group) from exc
-
-
-def exchange(x: torch.Tensor, out_splits: list, in_splits: list, group: str, where: str) -> torch.Tensor:
-    """``all_to_all_single``: rows ``in_splits[r]`` of ``x`` (dim 0, in rank order) go to rank r, and rank r's
-    ``out_splits[r]`` rows for this rank come back, in rank order (uneven splits; no autograd)."""
-    gloo = _eager_gloo(group)
-    try:
-        if gloo is None:
-            return _c10d.wait_tensor(_c10d.all_to_all_single(x.contiguous(), out_splits, in_splits, group))
-        out = x.new_empty(sum(out_splits), *x.shape[1:])
-        _wait(dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=_resolve_process_group(group),
-                                     async_op=True), gloo)
-        return out
-    except Exception as exc:
-        raise _failed("all_to_all", x, where, exc) from exc
-
-
-def gather_rows(x: torch.Tensor, lengths: list, group: str, where: str) -> torch.Tensor:
-    """Every rank's rows (rank r holds ``lengths[r]``, possibly none), concatenated in rank order (no autograd)."""
-    pieces = _all_gather(_pad(x, max(lengths)).contiguous(), len(lengths), group, where).chunk(len(lengths))
-    return torch.cat([p[:n] for p, n in zip(pieces, lengths, strict=True)])
-
-
-def _pad(x: torch.Tensor, length: int) -> torch.Tensor:
-    """Zero-pad dim 0 to ``length``."""
-    if x.shape[0] == length:
-        return x
-    return torch.cat([x, x.new_zeros(length - x.shape[0], *x.shape[1:])])
 
 
 def _lengths(shard: Shard, size: int, world: int) -> list[int]:
@@ -183,8 +31,8 @@ def _lengths(shard: Shard, size: int, world: int) -> list[int]:
 def gather_values(x: torch.Tensor, shard: Shard, size: int, world: int, group: str, where: str) -> torch.Tensor:
     """The full tensor from every rank's piece (owners' pieces for grouped shards)."""
     lengths = _lengths(shard, size, world)
-    moved = _pad(x.movedim(shard.dim, 0), max(lengths)).contiguous()
-    gathered = _all_gather(moved, world, group, where)
+    moved = pad(x.movedim(shard.dim, 0), max(lengths)).contiguous()
+    gathered = all_gather(moved, world, group, where)
     parts = [p[:n].movedim(0, shard.dim) for p, n in zip(gathered.chunk(world, 0), lengths, strict=True)]
     return assemble(parts, shard, size)  # concatenated along the dim itself: contiguous, like the input
 
@@ -203,7 +51,7 @@ def _gather_grads(x: torch.Tensor, shard: Shard, size: int, rank: int, world: in
                   where: str) -> torch.Tensor:
     """The full gradient from every rank's piece: pieces of a grouped shard are summed."""
     if shard.grouped(world):
-        return _all_reduce(_embed(x, shard, size, rank, world), group, where)
+        return all_reduce_sum(_embed(x, shard, size, rank, world), group, where)
     return gather_values(x, shard, size, world, group, where)
 
 
@@ -211,11 +59,11 @@ def _reduce_scatter(x: torch.Tensor, shard: Shard, size: int, rank: int, world: 
                     where: str) -> torch.Tensor:
     lengths = _lengths(shard, size, world)
     moved = x.movedim(shard.dim, 0)
-    pieces = [_pad(take_local(moved, shard.at(0), r, world), max(lengths)) for r in range(world)]
+    pieces = [pad(take_local(moved, shard.at(0), r, world), max(lengths)) for r in range(world)]
     try:
         out = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(torch.cat(pieces).contiguous(), "sum", world, group))
     except Exception as exc:
-        raise _failed("reduce_scatter", x, where, exc, group) from exc
+        raise failed("reduce_scatter", x, where, exc, group) from exc
     return out[:lengths[rank]].movedim(0, shard.dim).contiguous()
 
 
@@ -244,7 +92,7 @@ class _ReduceScatter(torch.autograd.Function):
 class _ReduceForward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, where):
-        return _all_reduce(x, group, where)
+        return all_reduce_sum(x, group, where)
 
     @staticmethod
     def backward(ctx, grad):
@@ -259,7 +107,7 @@ class _ReduceBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad, *ctx.args), None, None
+        return all_reduce_sum(grad, *ctx.args), None, None
 
 
 class _Gather(torch.autograd.Function):
@@ -320,7 +168,7 @@ def _sum_shared(grads: list, layouts: list, rank: int, world: int, group: str, w
             full.append(block)
         jobs.append((pieces, [ranges[k][0] - offsets[k] for k in shared], shared, full))
     flat = [f.reshape(-1) for *_, full in jobs for f in full]
-    summed = iter(_all_reduce(torch.cat(flat), group, where).split([f.numel() for f in flat]))
+    summed = iter(all_reduce_sum(torch.cat(flat), group, where).split([f.numel() for f in flat]))
     out = []
     for (pieces, starts, shared, full), (shard, _) in zip(jobs, layouts, strict=True):
         for k, start, f in zip(shared, starts, full, strict=True):
@@ -350,7 +198,7 @@ def _no_grad() -> bool:
 # Graph-callable forms: a Shard is passed as (dim, chunks, units, of, groups) so generated code can print it;
 # ``where`` is the rewrite's description of the value, shown only when the collective fails.
 def all_reduce(x, group, where):
-    return _all_reduce(x, group, where) if _no_grad() else _ReduceForward.apply(x, group, where)
+    return all_reduce_sum(x, group, where) if _no_grad() else _ReduceForward.apply(x, group, where)
 
 
 class _ScaleGrad(torch.autograd.Function):

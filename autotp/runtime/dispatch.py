@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import collectives
+from . import collectives, transport
 from .placement import Shard, take_local
 
 
@@ -25,16 +25,16 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, out_splits, in_splits, group, where):
         ctx.args = (in_splits, out_splits, group, where)
-        return collectives.exchange(x, out_splits, in_splits, group, where)
+        return transport.exchange(x, out_splits, in_splits, group, where)
 
     @staticmethod
     def backward(ctx, grad):
-        return collectives.exchange(grad, *ctx.args), None, None, None, None
+        return transport.exchange(grad, *ctx.args), None, None, None, None
 
 
 def all_to_all(x: torch.Tensor, out_splits: list, in_splits: list, group: str, where: str) -> torch.Tensor:
     if not torch.is_grad_enabled():
-        return collectives.exchange(x, out_splits, in_splits, group, where)
+        return transport.exchange(x, out_splits, in_splits, group, where)
     return _AllToAll.apply(x, out_splits, in_splits, group, where)
 
 
@@ -54,7 +54,7 @@ class _Share(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return collectives.gather_rows(grad, *ctx.args), None, None, None
+        return transport.gather_rows(grad, *ctx.args), None, None, None
 
 
 class _Gather(torch.autograd.Function):
@@ -63,7 +63,7 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, lengths, copies, where):
         ctx.start, ctx.length = sum(lengths[:copies.rank]), lengths[copies.rank]
-        return collectives.gather_rows(x, lengths, copies.name, where)
+        return transport.gather_rows(x, lengths, copies.name, where)
 
     @staticmethod
     def backward(ctx, grad):
@@ -125,7 +125,7 @@ def _routes(counts: torch.Tensor, owners: list, group: Group, where: str) -> _Ro
     """``counts``: this rank's rows per expert (int64, E).  One all-to-all of the counts gives the
     [group size, local experts] matrix of rows this rank will receive; two host reads give the splits."""
     mine = owners[group.rank][1]
-    matrix = collectives.exchange(counts, [mine] * group.size, [n for _, n in owners], group.name,
+    matrix = transport.exchange(counts, [mine] * group.size, [n for _, n in owners], group.name,
                                   f"the row counts of {where}").view(group.size, mine)
     per_expert = counts.tolist()
     send = [sum(per_expert[first:first + n]) for first, n in owners]
@@ -193,7 +193,7 @@ class ExpertDispatch(torch.nn.Module):
             y = all_to_all(y[back], routes.send, routes.recv, self.group.name, self.where)
             if shares is not None:
                 y = _Gather.apply(y, shares, self.copies, self.where) if torch.is_grad_enabled() else \
-                    collectives.gather_rows(y, shares, self.copies.name, self.where)
+                    transport.gather_rows(y, shares, self.copies.name, self.where)
             if valid < slots:
                 y = torch.cat([y, y.new_zeros(slots - valid, *y.shape[1:])])
             if order is not None:

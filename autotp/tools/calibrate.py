@@ -3,6 +3,7 @@ per collective, time matrix products on rank 0's device (calibrate_products.py),
 profile that prices plans with the measured figures."""
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -115,12 +116,18 @@ def profile(measured: dict, world: int, device, products: dict) -> dict:
 
 
 def comparison(path: Path) -> tuple[list[tuple], float]:
-    """(op, bytes, measured s, predicted s, relative error) rows and their median error."""
+    """(op, bytes, measured s, predicted s, relative error) rows and their median error, each size predicted by the
+    profile fitted without it (leave one size out): the error a size the fit never saw gets, not the fit's residual."""
     raw = json.loads(Path(path).read_text())
     topo = load_topology(path)
     world = topo.devices
-    rows = [(op, int(b), t, collective_time(op, int(b), world, topo)) for op, s in raw["samples"].items()
-            for b, t in s.items()]
+    samples = {op: {int(b): t for b, t in s.items()} for op, s in raw["samples"].items()}
+    rows = []
+    for size in sorted(samples["all_reduce"]):
+        line = fit("all_reduce", {b: t for b, t in samples["all_reduce"].items() if b != size}, world)
+        held_out = dataclasses.replace(topo, intra_base_latency_s=line["latency_s"], intra_busbw=line["busbw"])
+        rows += [(op, size, s[size], collective_time(op, size, world, held_out)) for op, s in samples.items()
+                 if size in s]
     rows = [(op, b, t, p, abs(p - t) / t) for op, b, t, p in rows]
     return rows, statistics.median(r[4] for r in rows)
 

@@ -20,13 +20,13 @@ def _spawned(rank: int, world: int, out: str) -> None:
 
 def print_comparison(path: Path, console: Console) -> float:
     rows, median = comparison(path)
-    table = Table(title=f"predicted vs measured on {path}")
+    table = Table(title=f"predicted vs measured on {path}, each size by the fit without it (held out)")
     for column in ("op", "bytes", "measured µs", "predicted µs", "error"):
         table.add_column(column, justify="right")
     for op, nbytes, measured, predicted, error in rows:
         table.add_row(op, str(nbytes), f"{measured * 1e6:.1f}", f"{predicted * 1e6:.1f}", f"{error:.0%}")
     console.print(table)
-    console.print(f"median error {median:.1%}")
+    console.print(f"median error on held-out sizes {median:.1%}")
     return median
 
 

@@ -1,27 +1,54 @@
 """The command line, run as a user runs it."""
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
 import re
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 from autotp.plan import Plan
+from autotp.tools.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _autotp(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+def _autotp_process(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``python -m autotp.tools.cli ARGS``, as a user runs it."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "160"}
     return subprocess.run([sys.executable, "-m", "autotp.tools.cli", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
 
+def _autotp(*args: str) -> subprocess.CompletedProcess:
+    """The same command line in this process (a fresh interpreter spends seconds importing torch and transformers
+    per call): its output, errors and exit status as a process would give them."""
+    out, err = io.StringIO(), io.StringIO()
+    cwd, path = os.getcwd(), list(sys.path)
+    os.chdir(ROOT)
+    sys.path.insert(0, str(ROOT))  # model specs such as examples.mlp:build, as `python -m` finds them
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(list(args)) or 0
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+                err.write("" if isinstance(exc.code, int) or exc.code is None else str(exc.code))
+            except Exception:
+                traceback.print_exc(file=err)
+                code = 1
+    finally:
+        os.chdir(cwd)
+        sys.path[:] = path
+    return subprocess.CompletedProcess(["autotp", *args], code, out.getvalue(), err.getvalue())
+
+
 def test_demo_runs_sharded_and_matches():
-    result = _autotp("demo")
+    result = _autotp_process("demo")
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     assert "down_proj.weight" in out and "row" in out and "column" in out  # the plan table
@@ -42,7 +69,7 @@ def test_plan_writes_json(tmp_path):
 
 
 def test_plan_bad_model_spec_is_a_clear_error():
-    result = _autotp("plan", "no_such_module:build", "--world-size", "2")
+    result = _autotp_process("plan", "no_such_module:build", "--world-size", "2")
     assert result.returncode != 0
     assert "cannot load 'no_such_module:build'" in result.stderr
 
@@ -203,7 +230,6 @@ def test_plans_and_meshes_draw_as_pictures(tmp_path):
     result = _autotp("plan", str(config), "--world-size", "2", "--svg", str(tmp_path / "p.svg"),
                      "--html", str(tmp_path / "p.html"), "--out", str(tmp_path / "p.json"))
     assert result.returncode == 0, result.stderr[-3000:]
-    from autotp.plan import Plan
     plan = Plan.load(tmp_path / "p.json")
     texts = [e.text or "" for e in ET.parse(tmp_path / "p.svg").iter() if e.tag.endswith("text")]
     block = [c for c in plan.collectives if (c["module"] + ".").startswith("model.layers.1.")]

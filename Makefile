@@ -9,7 +9,7 @@ PIP_EXTRA ?=
 BIN := $(VENV)/bin
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: demo test lint clean
+.PHONY: demo test test-all lint clean
 
 $(VENV)/.installed: pyproject.toml Makefile constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,9 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest -q
+
+test-all: $(VENV)/.installed  # the default suite and the slow tier (scale checks, benchmark scripts, more rank counts)
+	$(BIN)/python -m pytest -q -m ""
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check autotp examples tests benchmarks

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # the scripts at tiny sizes: run with the slow tier (make test-all)
+
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 

@@ -262,6 +262,7 @@ def _bounded_load(rank: int, world: int, directory: str, expected: str, full: in
     torch.testing.assert_close(out, torch.load(expected), **TOL)
 
 
+@pytest.mark.slow
 def test_a_large_model_loads_within_a_quarter_per_rank(tmp_path):
     """1.35 GB of fp32 weights over 4 ranks: each rank's memory grows by about a quarter."""
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -58,7 +58,8 @@ def _stamped(model, args, world: int) -> tuple[Plan, Plan, dict, dict]:
             by_name(plan_choice(gm, whole, fingerprint(gm), world)))
 
 
-@pytest.mark.parametrize("kind,blocks,world", [("llama", 6, 2), ("gpt2", 5, 4), ("phi3", 7, 3), ("stack", 6, 2)])
+@pytest.mark.parametrize("kind,blocks,world", [
+    ("llama", 6, 2), ("gpt2", 5, 4), pytest.param("phi3", 7, 3, marks=pytest.mark.slow), ("stack", 6, 2)])
 def test_folded_plan_is_the_whole_graph_plan(kind, blocks, world):
     model, args = (Stack(), (torch.randn(2, 4, 32),)) if kind == "stack" else build(kind, blocks=blocks)[:2]
     folded, whole, stamped, reference = _stamped(model, args, world)
@@ -115,6 +116,7 @@ def test_folded_plan_runs_exactly_on_two_ranks():
     run_ranks(2, _run_folded, plan.to_json())
 
 
+@pytest.mark.slow
 def test_moe_blocks_reading_a_size_computed_once_are_folded():
     """Mixtral's experts read tokens x top-k, which export computes once in block 0 and every block reads: a size,
     the same in each block (it used to keep the stack from folding, so MoE models could not be pipelined)."""
@@ -129,6 +131,7 @@ def test_moe_blocks_reading_a_size_computed_once_are_folded():
     assert folded.cost["seconds"] == pytest.approx(whole.cost["seconds"], rel=1e-9)
 
 
+@pytest.mark.slow
 def test_a_run_of_identical_blocks_after_different_ones_is_folded():
     """DeepSeek-V3's first layers have a dense MLP, the rest experts: the dense ones are kept whole and the run of
     MoE blocks after them folded; the plan is the whole graph's, op by op."""

@@ -33,7 +33,7 @@ def _greedy(rank: int, world: int) -> None:
             assert getattr(program.get_submodule(owner), attr).shape[1] == max(1, kv_heads // world)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_greedy_is_token_exact_with_transformers(world):
     run_ranks(world, _greedy)
 

@@ -43,6 +43,7 @@ def test_tp_inside_the_node_beats_tp_across_nodes(llama70b):
     assert result.choice.tp == 8 and result.choice.tp * result.choice.pp * result.choice.dp == 16
 
 
+@pytest.mark.slow
 def test_long_sequences_on_one_node_plan_sequence_parallelism_and_recomputation():
     """Sequence 32768 on 8 x H100 (Korthikanti et al.'s regime): activations, not weights, decide; the
     planner also prices each TP size with sequence parallelism and selective recomputation, names the

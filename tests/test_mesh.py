@@ -104,6 +104,7 @@ def _example(rank: int, world: int) -> list[float]:
     return train(parse(EIGHT), display=False)[1]
 
 
+@pytest.mark.slow
 def test_the_training_example_on_8_ranks():
     """examples/train.py's code path on 8 local gloo ranks."""
     losses = run_local(8, _example)[0]

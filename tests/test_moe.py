@@ -107,7 +107,7 @@ def _hf_exact(rank: int, world: int) -> None:
             assert torch.equal(got, want), (got, want)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.slow), 4])
 def test_hf_moe_is_exact_with_expert_tensor_parallelism(world):
     """Mixtral and Qwen3-MoE at 2 and 4 ranks; Mixtral's greedy generation equals transformers'."""
     run_ranks(world, _hf_exact)

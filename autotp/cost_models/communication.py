@@ -89,9 +89,7 @@ def _all_to_all(nbytes: float, group: int, per_node: int, nodes: int, topo: Topo
     inside = _intra("all_to_all", nbytes * per_node / group, per_node, topo)
     if nodes == 1:
         return inside
-    if not topo.nics_per_node:
-        raise ValueError(f"topology {topo.name} has {topo.nodes} nodes but no NICs (nics_per_node)")
-    nic = topo.nic_bandwidth * topo.nics_per_node / topo.gpus_per_node
+    nic = _nics(topo) / topo.gpus_per_node  # this rank's share of its node's NICs
     across = (topo.inter_base_latency_s + (nodes - 1) * topo.inter_step_latency_s
               + nbytes * (group - per_node) / group / nic)
     return max(inside, across)

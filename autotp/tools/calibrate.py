@@ -123,9 +123,10 @@ def comparison(path: Path) -> tuple[list[tuple], float]:
     world = topo.devices
     samples = {op: {int(b): t for b, t in s.items()} for op, s in raw["samples"].items()}
     rows = []
-    for size in sorted(samples["all_reduce"]):
-        line = fit("all_reduce", {b: t for b, t in samples["all_reduce"].items() if b != size}, world)
-        held_out = dataclasses.replace(topo, intra_base_latency_s=line["latency_s"], intra_busbw=line["busbw"])
+    for size in sorted(samples["all_reduce"]):  # every collective's line (what collective_time reads) refitted
+        lines = {op: fit(op, {b: t for b, t in s.items() if b != size}, world) for op, s in samples.items()}
+        held_out = dataclasses.replace(topo, measured=lines, intra_base_latency_s=lines["all_reduce"]["latency_s"],
+                                       intra_busbw=lines["all_reduce"]["busbw"])
         rows += [(op, size, s[size], collective_time(op, size, world, held_out)) for op, s in samples.items()
                  if size in s]
     rows = [(op, b, t, p, abs(p - t) / t) for op, b, t, p in rows]

@@ -45,7 +45,7 @@ class Topology:
     inter_step_latency_s: float = 0.0
     nic_bandwidth: float = 0.0       # bytes/s achieved per NIC
     nics_per_node: int = 0
-    measured: dict = field(default_factory=dict)  # op -> {"latency_s", "busbw"} from calibration
+    measured: dict = field(default_factory=dict)  # op -> {"latency_s", "busbw", "points"} from calibration
 
     @property
     def devices(self) -> int:

@@ -1,6 +1,6 @@
-"""`autotp calibrate`: measure collectives on the current process group, fit latency + bytes/busbw
-per collective, time matrix products on rank 0's device (calibrate_products.py), and write a topology
-profile that prices plans with the measured figures."""
+"""`autotp calibrate`: measure collectives on the current process group (kept as measured points, read
+between sizes, and fitted to latency + bytes/busbw), time matrix products on rank 0's device
+(calibrate_products.py), and write a topology profile that prices plans with the measured figures."""
 from __future__ import annotations
 
 import dataclasses
@@ -83,6 +83,13 @@ def fit(op: str, samples: dict, world: int) -> dict:
     return {"latency_s": latency, "busbw": 1 / inverse_bw}
 
 
+def measured_entry(op: str, samples: dict, world: int) -> dict:
+    """What the profile keeps of one collective: its fitted line (printed, and the figures of collectives never
+    measured) and its measured points in bus bytes, which collective_time reads between the sizes."""
+    factor = ring_steps(op, world)[1]
+    return {**fit(op, samples, world), "points": sorted([factor * b, t] for b, t in samples.items())}
+
+
 def _device_figures(device) -> dict:
     """Copy bandwidth of this device, measured, and its memory."""
     big = torch.empty(16 * 2 ** 20, device=device)
@@ -105,7 +112,7 @@ def profile(measured: dict, world: int, device, products: dict) -> dict:
     host = socket.gethostname()
     source = f"measured by autotp calibrate on {host}, {datetime.date.today()}, {world} ranks"
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    fitted = {op: fit(op, samples, world) for op, samples in measured.items()}
+    fitted = {op: measured_entry(op, samples, world) for op, samples in measured.items()}
     table, peak = product_table(products, f"measured by autotp calibrate on {host}, {datetime.date.today()}")
     figures = {**_device_figures(device), "peak_flops": peak, "nodes": world // local, "gpus_per_node": local,
                "memory_efficiency": 1.0, "intra_base_latency_s": fitted["all_reduce"]["latency_s"],
@@ -117,14 +124,14 @@ def profile(measured: dict, world: int, device, products: dict) -> dict:
 
 def comparison(path: Path) -> tuple[list[tuple], float]:
     """(op, bytes, measured s, predicted s, relative error) rows and their median error, each size predicted by the
-    profile fitted without it (leave one size out): the error a size the fit never saw gets, not the fit's residual."""
+    profile measured without it (leave one size out): the error a size calibration never saw gets, not a residual."""
     raw = json.loads(Path(path).read_text())
     topo = load_topology(path)
     world = topo.devices
     samples = {op: {int(b): t for b, t in s.items()} for op, s in raw["samples"].items()}
     rows = []
-    for size in sorted(samples["all_reduce"]):  # every collective's line (what collective_time reads) refitted
-        lines = {op: fit(op, {b: t for b, t in s.items() if b != size}, world) for op, s in samples.items()}
+    for size in sorted(samples["all_reduce"]):  # every collective (what collective_time reads) without the size
+        lines = {op: measured_entry(op, {b: t for b, t in s.items() if b != size}, world) for op, s in samples.items()}
         held_out = dataclasses.replace(topo, measured=lines, intra_base_latency_s=lines["all_reduce"]["latency_s"],
                                        intra_busbw=lines["all_reduce"]["busbw"])
         rows += [(op, size, s[size], collective_time(op, size, world, held_out)) for op, s in samples.items()

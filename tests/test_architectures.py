@@ -87,7 +87,7 @@ def _architectures(rank: int, world: int) -> None:
         assert not replicated, (name, replicated)  # every weight matrix is split, none merely copied
 
 
-@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.slow), 3, 4])
+@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.slow), 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_architectures_match_unsharded(world):
     run_ranks(world, _architectures)
 

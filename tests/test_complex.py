@@ -31,7 +31,7 @@ def _complex_rotary(rank: int, world: int) -> None:
     assert torch.equal(autotp.generate(sharded, prompts, max_new_tokens=6), greedy(model, prompts, 6))
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.slow), 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_complex_rotary_is_split_by_heads_and_exact(world):
     run_ranks(world, _complex_rotary)
 

@@ -94,7 +94,7 @@ def _reference(rank: int, world: int) -> None:
         _trains_like_one_process(model, sharded)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_reference_mode_trains_like_one_process(world):
     run_ranks(world, _reference)
 

@@ -106,6 +106,7 @@ def test_gpt3_175b_on_1024_fake_ranks():
     assert [r[1] for r in reports] == [[0], [7]]
 
 
+@pytest.mark.slow
 def test_the_training_example_dry_runs_a_rank():
     """examples/train.py --dry-run: one process plays rank 7 of TP 2 x DP 2 x PP 2 and prints what it holds."""
     root = Path(__file__).parents[1]

@@ -59,7 +59,8 @@ def _stamped(model, args, world: int) -> tuple[Plan, Plan, dict, dict]:
 
 
 @pytest.mark.parametrize("kind,blocks,world", [
-    ("llama", 6, 2), ("gpt2", 5, 4), pytest.param("phi3", 7, 3, marks=pytest.mark.slow), ("stack", 6, 2)])
+    pytest.param("llama", 6, 2, marks=pytest.mark.slow), ("gpt2", 5, 4),
+    pytest.param("phi3", 7, 3, marks=pytest.mark.slow), ("stack", 6, 2)])
 def test_folded_plan_is_the_whole_graph_plan(kind, blocks, world):
     model, args = (Stack(), (torch.randn(2, 4, 32),)) if kind == "stack" else build(kind, blocks=blocks)[:2]
     folded, whole, stamped, reference = _stamped(model, args, world)

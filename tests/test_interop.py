@@ -102,7 +102,7 @@ def _communicates_no_more_than_hf(rank: int, world: int, kind: str, directory: s
     torch.testing.assert_close(logits(sharded(x)), logits(model(x)), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["llama", "phi3"])
+@pytest.mark.parametrize("kind", ["llama", pytest.param("phi3", marks=pytest.mark.slow)])
 def test_no_more_communication_than_hf_tp_plan(kind, tmp_path):
     """Collectives of a training step counted with CommDebugMode: autotp vs transformers' tp_plan="auto"
     (the figures the README states), and autotp's against its plan's prediction and Megatron's count."""

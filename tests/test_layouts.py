@@ -45,7 +45,7 @@ def _bloom_split_by_heads(rank: int, world: int) -> None:
     same_as_model(model, sharded, _ids)
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.slow), 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_alibi_heads_merged_with_the_batch_are_split(world):
     run_ranks(world, _bloom_split_by_heads)
 
@@ -67,7 +67,7 @@ def _qk_norm(rank: int, world: int) -> None:
     same_as_model(model, sharded, _ids)
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.slow), 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_qk_norm_sums_statistics_instead_of_gathering(world):
     run_ranks(world, _qk_norm)
 

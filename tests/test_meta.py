@@ -76,6 +76,7 @@ def _local(result) -> list:
     return [t.to_local() if hasattr(t, "to_local") else t for m in modules for t in [*m.parameters(), *m.buffers()]]
 
 
+@pytest.mark.slow
 def test_a_meta_model_loads_a_quarter_per_rank_on_tp2_x_pp2_and_tp2_x_dp2(tmp_path):
     """1.35 GB of fp32 weights (LLaMA, 4 layers of hidden 2048, vocabulary 32000) over 4 ranks."""
     from transformers import LlamaConfig, LlamaForCausalLM

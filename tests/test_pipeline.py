@@ -144,6 +144,7 @@ def _run(world: int, *args) -> list:
     return results
 
 
+@pytest.mark.slow
 def test_tp2_pp2_1f1b_trains_like_one_process():
     """Stages from the cost model (embedding first, head and loss last), TP2 inside each, 4 micro-batches."""
     results = _run(4, (2, 2), ("pp", "tp"), "1f1b", None)
@@ -183,6 +184,7 @@ def _four_per_rank(rank: int, world: int, want: tuple) -> None:
     _train(rank, world, (2,), ("pp",), "Interleaved1F1B", None, want, build=functools.partial(_llama, 8), virtual=4)
 
 
+@pytest.mark.slow
 def test_interleaving_four_stages_per_rank_trains_like_one_process():
     """The planner proposes interleaving x 4: 8 one-block stages over 2 ranks (stages from the cost model)."""
     run_local(2, _four_per_rank, _single_process(functools.partial(_llama, 8)))

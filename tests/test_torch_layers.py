@@ -42,7 +42,7 @@ def _torch_layers(rank: int, world: int, case: tuple) -> None:
     same_as_model(model, sharded, lambda batch, seq: _inputs(batch, seq, padding))
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.slow), 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_torch_transformer_layers_split_by_heads(world):
     run_ranks(world, _torch_layers, CASES[world])
 

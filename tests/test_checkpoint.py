@@ -11,6 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import autotp
+from autotp.api import checkpoint_source
+from autotp.runtime.hf_checkpoint import check_tensors
 from distributed import run_ranks
 from models import build, example_input, llama_with, logits, padded_prompts
 
@@ -117,11 +119,14 @@ def test_bad_checkpoints_name_the_tensors(tmp_path):
         "shape": ({**tensors, "model.norm.weight": torch.zeros(3)},
                   r"shape mismatch: model.norm.weight is \(3,\) in the checkpoint, \(64,\) in the model"),
     }
+    model, _ = _empty("llama")
     for case, (content, message) in cases.items():
         directory = tmp_path / case
         directory.mkdir()
         save_file(content, directory / "model.safetensors", metadata={"format": "pt"})
-        run_ranks(2, _expect_error, str(directory), message)
+        with pytest.raises(autotp.CheckpointError, match=message):  # the check parallelize runs, in one process
+            check_tensors(checkpoint_source(str(directory), model), model)
+    run_ranks(2, _expect_error, str(tmp_path / "missing"), cases["missing"][1])  # and as parallelize raises it
     with pytest.raises(autotp.CheckpointError, match=r"no model\.safetensors"):
         autotp.runtime.hf_checkpoint.Checkpoint(tmp_path)
 

@@ -114,8 +114,8 @@ def test_the_training_example_on_8_ranks():
 
 def _from_meta(rank: int, world: int, directory: str, saved: str) -> None:
     import torch.distributed.checkpoint as dcp
-    for mesh in (["--tp", "2", "--dp", "2"], ["--tp", "2", "--pp", "2"]):  # safetensors, piece by piece
-        _check_training(parse([*mesh, *TINY, "--meta", "--checkpoint", directory]))
+    # safetensors, piece by piece (with "pp": test_meta_tp2_x_dp2_x_pp2_from_a_checkpoint_trains_like_one_process)
+    _check_training(parse(["--tp", "2", "--dp", "2", *TINY, "--meta", "--checkpoint", directory]))
     trainer = _check_training(parse(["--tp", "2", "--dp", "2", *TINY, "--meta"]))  # the seeded initialisation
     dcp.save(autotp.checkpoint_state_dict(trainer.model), checkpoint_id=saved)
     trained = autotp.full_state_dict(trainer.model)
@@ -135,9 +135,9 @@ def _from_meta(rank: int, world: int, directory: str, saved: str) -> None:
 
 
 def test_meta_models_load_their_pieces_and_train_like_one_process(tmp_path):
-    """TP 2 x DP 2 (FSDP2) and TP 2 x PP 2 built on meta from a safetensors checkpoint, TP 2 x DP 2 initialised per
-    rank: losses and parameters equal one process's; the trained model saved with torch.distributed.checkpoint and
-    read back into a meta model (checkpoint=DIR, and materialize + dcp.load)."""
+    """TP 2 x DP 2 (FSDP2) built on meta from a safetensors checkpoint, and initialised per rank: losses and
+    parameters equal one process's; the trained model saved with torch.distributed.checkpoint and read back into a
+    meta model (checkpoint=DIR, and materialize + dcp.load)."""
     build(parse(TINY)).save_pretrained(tmp_path / "hf")
     run_ranks(4, _from_meta, str(tmp_path / "hf"), str(tmp_path / "dcp"))
 

@@ -169,8 +169,7 @@ def test_gpipe_and_interleaved_1f1b_train_like_one_process():
 def _zero_bubble(rank: int, world: int, want: tuple) -> None:
     """PP 2, 4 micro-batches: the zero-bubble schedules split each backward into input and weight gradients; ZBV
     and DualPipeV place stages in a V (rank 0 holds the first and the last), the others in a loop."""
-    from torch.distributed.pipelining import ScheduleZBVZeroBubble
-    _train(rank, world, (2,), ("pp",), "ZBVZeroBubble", None, want)
+    from torch.distributed.pipelining import ScheduleZBVZeroBubble  # by name: test_tp2_pp2_zero_bubble_v_...
     _train(rank, world, (2,), ("pp",), "InterleavedZeroBubble", None, want)
     _train(rank, world, (2,), ("pp",), ScheduleZBVZeroBubble, [0, 1, 2, 3], want)  # a class, stages given
     _train(rank, world, (2,), ("pp",), "DualPipeV", None, want)
@@ -323,8 +322,9 @@ def test_stages_pass_on_what_later_stages_read():
 def test_stages_built_alone_chain_into_the_model():
     """LLaMA (rotary tables and sizes passed between stages), GPT-2 (tied embeddings: both end stages hold the
     weight under both its names) and Mixtral (export shares size arithmetic between the blocks' experts: made again
-    after the cut) cut every way into stages, each captured without the others' blocks, chain into exactly the
-    model's logits, at another batch and sequence length than they were captured at."""
+    after the cut) cut into stages (LLaMA into two and three, the others into three, one of them in the middle),
+    each captured without the others' blocks, chain into exactly the model's logits, at another batch and sequence
+    length than they were captured at."""
     from transformers import GPT2Config, GPT2LMHeadModel, MixtralConfig, MixtralForCausalLM
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=4, n_head=4,
                                       use_cache=False, bos_token_id=0, eos_token_id=0)).eval()
@@ -333,8 +333,10 @@ def test_stages_built_alone_chain_into_the_model():
                                                num_local_experts=4, num_experts_per_tok=2, use_cache=False)).eval()
     x = torch.randint(0, VOCAB, (2, SEQ))
     other = torch.randint(0, VOCAB, (3, 5))
-    for model, path in [(_llama().eval(), "model.layers"), (mixtral, "model.layers"), (gpt2, "transformer.h")]:
-        for starts in ([0, 2], [0, 1, 3]):
+    cuts = {"llama": ([0, 2], [0, 1, 3]), "mixtral": ([0, 1, 3],), "gpt2": ([0, 1, 3],)}
+    for name, model, path in [("llama", _llama().eval(), "model.layers"), ("mixtral", mixtral, "model.layers"),
+                              ("gpt2", gpt2, "transformer.h")]:
+        for starts in cuts[name]:
             bounds = [*starts, 4]
             stages = [stage_graph(model, (x,), {}, path, 4, a, b) for a, b in itertools.pairwise(bounds)]
             values = (other,)

@@ -156,5 +156,6 @@ def _compiled(rank: int, world: int) -> None:
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
 
 
+@pytest.mark.slow  # torch.compile of the sharded program: test_sharded.py
 def test_torch_compile_of_recomputed_attention():
     run_ranks(2, _compiled)

@@ -7,6 +7,7 @@ number of stages, replicas, micro-batches, a schedule, recomputation and an expe
 """
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass, field, replace
 
@@ -180,6 +181,7 @@ def stage_ranges(profile: Profile, layout: Candidate, setting: Setting, costs: l
         return profile.ranges[key]
     m = setting.global_batch // layout.dp // layout.microbatch_size
 
+    @functools.cache  # the split's search asks for the same stages many times
     def fits(stage: int, start: int, end: int) -> bool:
         return stage_memory(profile, [(start, end)], stage, layout, m, setting.data_parallel)[0] <= setting.limit
 

@@ -57,12 +57,26 @@ def action_table(schedule: type, pp: int, per_rank: int, microbatches: int) -> T
     stages = pp * per_rank
     single = issubclass(schedule, PipelineScheduleSingle)
     held = [_Stage(s, stages, pp) for s in range(0, stages, pp)]
-    built = schedule(held[0] if single else held, microbatches, loss_fn=lambda output, target: output)
+    built = _table_only(schedule)(held[0] if single else held, microbatches, loss_fn=lambda output, target: output)
     if single:  # these run code, not a table (1F1B's pipeline_order, a drawing, numbers its forwards off by one)
         return Table({rank: tuple(_single(rank, pp, microbatches, issubclass(schedule, ScheduleGPipe)))
                       for rank in range(pp)}, tuple(range(stages)))
     rank_of = tuple(built.stage_index_to_group_rank[s] for s in range(stages))
     return Table({rank: tuple(_compute(built.pipeline_order[rank])) for rank in range(pp)}, rank_of)
+
+
+@functools.cache
+def _table_only(schedule: type) -> type:
+    """``schedule`` without its lowering to send/receive actions (four fifths of its constructor, and what running
+    needs, not pricing): the constructor still computes ``pipeline_order`` and, through the validation the
+    lowering starts with, ``stage_index_to_group_rank``.  A schedule without these hooks is built whole."""
+    if not (hasattr(schedule, "_prepare_schedule_with_comms") and hasattr(schedule, "_validate_and_set_stage_mapping")):
+        return schedule
+
+    def validate_only(self, actions, format="compute_only"):
+        self._validate_and_set_stage_mapping(actions)
+
+    return type(schedule.__name__, (schedule,), {"_prepare_schedule_with_comms": validate_only})
 
 
 def _single(rank: int, pp: int, microbatches: int, gpipe: bool):

@@ -121,7 +121,7 @@ class Rendezvous:
             if time.monotonic() > deadline:
                 raise RankDisagreement(self._late(keys, ranks, what, presence))
             time.sleep(pause)
-            pause = min(2 * pause, 0.1)
+            pause = min(2 * pause, 0.01)
         if presence is not None:
             presence.join(deadline)
             if presence.lost:

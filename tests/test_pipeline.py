@@ -189,6 +189,7 @@ def test_interleaving_four_stages_per_rank_trains_like_one_process():
     run_local(2, _four_per_rank, _single_process(functools.partial(_llama, 8)))
 
 
+@pytest.mark.slow  # ZBV: test_zero_bubble_schedules_...; TP x PP: test_tp2_pp2_dp2_...
 def test_tp2_pp2_zero_bubble_v_trains_like_one_process():
     """TP 2 inside each of 4 stages placed in a V (rank r holds stages r and 3 - r): autotp's collectives under
     the input/weight backward split."""

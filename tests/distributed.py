@@ -3,14 +3,15 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 import torch
 from torch.distributed.tensor.debug._comm_mode import NATIVE_TO_PY_MAPPING, c10d_collective_ops
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autotp.tools.spawn import exit_quietly, free_port, local_context, run_local
 
-__all__ = ["CollectiveCounter", "comm_counts", "exit_quietly", "plan_ops", "run_ranks", "run_unsupervised",
-           "weight_collectives"]
+__all__ = ["AT_THREE_RANKS", "CollectiveCounter", "comm_counts", "exit_quietly", "plan_ops", "run_ranks",
+           "run_unsupervised", "weight_collectives"]
 
 # the eager c10d ops (gloo's polled waits) under the names of their functional twins
 _FUNCTIONAL = {"allreduce_": "all_reduce", "_allgather_base_": "all_gather_into_tensor",
@@ -18,6 +19,10 @@ _FUNCTIONAL = {"allreduce_": "all_reduce", "_allgather_base_": "all_gather_into_
 # the functional ops under the names a plan's collectives use (Plan.collective_counts)
 _PLAN = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
          "all_to_all_single": "all_to_all"}
+
+
+# A check's rank counts: 3 (uneven splits, the most it exercises) in the default tier, 2 and 4 in the slow one
+AT_THREE_RANKS = [pytest.param(2, marks=pytest.mark.slow), 3, pytest.param(4, marks=pytest.mark.slow)]
 
 
 def run_ranks(world: int, fn, *args) -> list:

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import autotp
-from distributed import run_ranks, weight_collectives
+from distributed import AT_THREE_RANKS, run_ranks, weight_collectives
 from models import llama_with
 
 TOL = {"rtol": 1e-4, "atol": 1e-5}
@@ -87,7 +87,7 @@ def _architectures(rank: int, world: int) -> None:
         assert not replicated, (name, replicated)  # every weight matrix is split, none merely copied
 
 
-@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.slow), 3, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("world", AT_THREE_RANKS)
 def test_architectures_match_unsharded(world):
     run_ranks(world, _architectures)
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import autotp
-from distributed import run_ranks
+from distributed import AT_THREE_RANKS, run_ranks
 from exact import same_as_model, sums_per_block
 from native_models import VOCAB, complex_rotary_lm, greedy
 
@@ -31,7 +31,7 @@ def _complex_rotary(rank: int, world: int) -> None:
     assert torch.equal(autotp.generate(sharded, prompts, max_new_tokens=6), greedy(model, prompts, 6))
 
 
-@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.slow), 3, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("world", AT_THREE_RANKS)
 def test_complex_rotary_is_split_by_heads_and_exact(world):
     run_ranks(world, _complex_rotary)
 

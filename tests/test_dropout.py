@@ -73,10 +73,10 @@ def _trains_like_one_process(model, sharded, steps: int = 2) -> None:
         ours.zero_grad(), theirs.zero_grad()
 
 
-# (model, sequence parallelism, selective recomputation): each attention kind with and without each at 2 ranks;
-# at 4 ranks both and neither, and LLaMA's uneven heads (6 on 4 ranks)
+# (model, sequence parallelism, selective recomputation): each attention kind with and without each, and LLaMA
+# (SDPA's dropout_p only) at 2 ranks; at 4 ranks (slow tier) both and neither, and LLaMA's uneven heads (6 on 4)
 REFERENCE_RUNS = [("eager", False, False), ("sdpa", True, False), ("eager", True, "selective"),
-                  ("sdpa", False, "selective")]
+                  ("sdpa", False, "selective"), ("llama", False, False)]
 
 
 def _reference(rank: int, world: int) -> None:

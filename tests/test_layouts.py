@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import autotp
-from distributed import run_ranks
+from distributed import AT_THREE_RANKS, run_ranks
 from exact import same_as_model, sums_per_block
 
 SMALL = {"vocab_size": 96, "max_position_embeddings": 64, "use_cache": False}
@@ -45,7 +45,7 @@ def _bloom_split_by_heads(rank: int, world: int) -> None:
     same_as_model(model, sharded, _ids)
 
 
-@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.slow), 3, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("world", AT_THREE_RANKS)
 def test_alibi_heads_merged_with_the_batch_are_split(world):
     run_ranks(world, _bloom_split_by_heads)
 
@@ -67,7 +67,7 @@ def _qk_norm(rank: int, world: int) -> None:
     same_as_model(model, sharded, _ids)
 
 
-@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.slow), 3, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("world", AT_THREE_RANKS)
 def test_qk_norm_sums_statistics_instead_of_gathering(world):
     run_ranks(world, _qk_norm)
 

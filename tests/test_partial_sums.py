@@ -95,7 +95,7 @@ def _checks(rank: int, world: int) -> None:
     _vit(rank, world)
 
 
-@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.slow), 3, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("world", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_partial_sums_and_static_sequences(world):
     """Blocks with biases (2, 4 ranks), sub and alpha (2 ranks), ViT (2, 3, 4 ranks): see the module docstring."""
     run_ranks(world, _checks)

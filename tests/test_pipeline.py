@@ -169,7 +169,7 @@ def test_gpipe_and_interleaved_1f1b_train_like_one_process():
 def _zero_bubble(rank: int, world: int, want: tuple) -> None:
     """PP 2, 4 micro-batches: the zero-bubble schedules split each backward into input and weight gradients; ZBV
     and DualPipeV place stages in a V (rank 0 holds the first and the last), the others in a loop."""
-    from torch.distributed.pipelining import ScheduleZBVZeroBubble  # by name: test_tp2_pp2_zero_bubble_v_...
+    from torch.distributed.pipelining import ScheduleZBVZeroBubble  # names resolve as test_schedules.py checks
     _train(rank, world, (2,), ("pp",), "InterleavedZeroBubble", None, want)
     _train(rank, world, (2,), ("pp",), ScheduleZBVZeroBubble, [0, 1, 2, 3], want)  # a class, stages given
     _train(rank, world, (2,), ("pp",), "DualPipeV", None, want)

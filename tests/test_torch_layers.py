@@ -9,7 +9,7 @@ import torch
 
 import autotp
 from autotp.api import prepared_graph
-from distributed import run_ranks
+from distributed import AT_THREE_RANKS, run_ranks
 from exact import same_as_model, sums_per_block
 from native_models import VOCAB, torch_layers_lm
 
@@ -42,7 +42,7 @@ def _torch_layers(rank: int, world: int, case: tuple) -> None:
     same_as_model(model, sharded, lambda batch, seq: _inputs(batch, seq, padding))
 
 
-@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.slow), 3, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("world", AT_THREE_RANKS)
 def test_torch_transformer_layers_split_by_heads(world):
     run_ranks(world, _torch_layers, CASES[world])
 

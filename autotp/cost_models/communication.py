@@ -88,8 +88,8 @@ def measured_time(measured: dict, bus_bytes: float) -> float:
     """Seconds for ``bus_bytes`` (bytes x the ring's bandwidth factor) from a calibrated collective: read
     log-log between its measured sizes ("points"), the largest size's bandwidth above them and the smallest
     size's time below them (latency-bound); its fitted line where the profile has no points.  Gloo and NCCL
-    curves bend where messages change protocol or leave the caches: one line over 4 KiB .. 64 MiB misses
-    sizes between its two anchors by 30-40% on a loaded machine, the measured neighbours by a few percent."""
+    curves bend where messages change protocol or leave the caches, which one line over 4 KiB .. 64 MiB
+    cannot follow (held-out errors of both readings: docs/cost-model.md#calibration)."""
     points = measured.get("points")
     if not points:
         return measured["latency_s"] + bus_bytes / measured["busbw"]

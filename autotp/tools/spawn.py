@@ -7,6 +7,7 @@ import importlib.util
 import os
 import socket
 import sys
+from queue import Empty
 
 import torch
 import torch.distributed as dist
@@ -14,8 +15,10 @@ import torch.multiprocessing as mp
 
 # Ranks start from a fork server that has imported these once: a fresh interpreter per rank spends
 # seconds importing torch and transformers, which dominated short multi-process runs (the test suite);
-# transformers.modeling_utils is what every transformers model imports first (0.5 s a rank on the 2-core VM).
-_PRELOAD = ["torch", "torch.distributed", "transformers", "transformers.modeling_utils", "autotp"]
+# transformers.modeling_utils is what every transformers model imports first (0.5 s a rank on the 2-core VM);
+# autotp.tools.warmup loads what a first capture loads lazily and fills its caches (tools/warmup.py).
+_PRELOAD = ["torch", "torch.distributed", "transformers", "transformers.modeling_utils", "autotp",
+            "autotp.tools.warmup"]
 
 
 def local_context():
@@ -36,10 +39,24 @@ def run_local(world: int, fn, *args, timeout: float = 120) -> list:
     results); an exception on any rank is raised here."""
     port = free_port()
     queue = local_context().Queue()
-    mp.start_processes(_worker, args=(world, port, fn, args, queue, timeout), nprocs=world, join=True,
-                       start_method="forkserver")
-    results = dict(queue.get() for _ in range(world))
+    ranks = mp.start_processes(_worker, args=(world, port, fn, args, queue, timeout), nprocs=world, join=False,
+                               start_method="forkserver")
+    results = {}
+    while not ranks.join(timeout=0.01):  # read while they run: a rank's put blocks once the pipe's buffer is full
+        _drain(queue, results)
+    while len(results) < world:  # all have left: the rest is in the pipe
+        rank, result = queue.get(timeout=30)
+        results[rank] = result
     return [results[rank] for rank in range(world)]
+
+
+def _drain(queue, results: dict) -> None:
+    try:
+        while True:
+            rank, result = queue.get_nowait()
+            results[rank] = result
+    except Empty:
+        pass
 
 
 def _worker(rank: int, world: int, port: int, fn, args, queue, timeout: float) -> None:

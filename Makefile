@@ -20,11 +20,17 @@ $(VENV)/.installed: pyproject.toml Makefile constraints.txt
 demo: $(VENV)/.installed
 	$(BIN)/autotp demo
 
+# Two workers keep both cores busy (a rank-0 solve, a one-process test and a spawn leave one idle); the tests that
+# measure time then run alone.  WORKERS=0: all in one process.
+WORKERS ?= 2
+
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(WORKERS) -m "not slow and not serial"
+	$(BIN)/python -m pytest -q -m "serial and not slow"
 
 test-all: $(VENV)/.installed  # the default suite and the slow tier (scale checks, benchmark scripts, more rank counts)
-	$(BIN)/python -m pytest -q -m ""
+	$(BIN)/python -m pytest -q -n $(WORKERS) -m "not serial"
+	$(BIN)/python -m pytest -q -m serial
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check autotp examples tests benchmarks

@@ -6,6 +6,8 @@ import dataclasses
 import math
 import statistics
 
+import pytest
+
 import autotp
 from autotp.cost_models import collective_time, load_topology
 from autotp.tools.calibrate import SIZES, calibrate, comparison, measured_entry
@@ -41,6 +43,7 @@ def test_a_calibrated_collective_is_read_between_its_measured_sizes():
     assert statistics.median(errors) > 0.05  # the fitted line alone (profiles without points) cannot follow it
 
 
+@pytest.mark.serial  # times collectives: alone, not beside another worker's ranks
 def test_calibrated_profile_predicts_measured_times(tmp_path):
     out = tmp_path / "calibrated.json"
     run_ranks(2, _calibrate, str(out))

@@ -90,7 +90,7 @@ def _all_to_all_exact(rank: int, world: int) -> list:
         runs_the_plan(sharded, plan, _tokens(2, 5))
         same_as_unsharded(model, sharded, _tokens)
         received[name] = [_routed_to_owners(model, sharded, _tokens(b, s)) for b, s in ((3, 11), (1, 1))]
-        if name == "mixtral":  # greedy decoding, token for token: every rank dispatches at every step
+        if name.startswith("mixtral"):  # greedy decoding, token for token: every rank dispatches at every step
             ids = _tokens(2, 5)
             want = model.generate(ids, max_new_tokens=5, do_sample=False)
             assert torch.equal(autotp.generate(sharded, ids, max_new_tokens=5), want)
@@ -107,7 +107,7 @@ def _starved(model):
     return model
 
 
-@pytest.mark.parametrize("world", [2, 4])  # different models at each size
+@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.slow), 4])  # different models at each size
 def test_all_to_all_is_exact(world):
     received = run_ranks(world, _all_to_all_exact)
     if world == 4:

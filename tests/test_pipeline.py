@@ -151,6 +151,7 @@ def test_tp2_pp2_1f1b_trains_like_one_process():
     assert len({tuple(r["starts"]) for r in results}) == 1
 
 
+@pytest.mark.slow  # TP 2 x DP 2 x PP 2 training runs by default in test_mesh.py (from meta, the example's path)
 def test_tp2_pp2_dp2_trains_like_one_process():
     """8 ranks: FSDP2 over data parallel on top of TP2 stages; each replica feeds half the global batch."""
     _run(8, (2, 2, 2), ("pp", "dp", "tp"), "1f1b", [0, 2])
@@ -168,15 +169,23 @@ def test_gpipe_and_interleaved_1f1b_train_like_one_process():
 
 def _zero_bubble(rank: int, world: int, want: tuple) -> None:
     """PP 2, 4 micro-batches: the zero-bubble schedules split each backward into input and weight gradients; ZBV
-    and DualPipeV place stages in a V (rank 0 holds the first and the last), the others in a loop."""
+    places stages in a V (rank 0 holds the first and the last), InterleavedZeroBubble in a loop."""
     from torch.distributed.pipelining import ScheduleZBVZeroBubble  # names resolve as test_schedules.py checks
     _train(rank, world, (2,), ("pp",), "InterleavedZeroBubble", None, want)
     _train(rank, world, (2,), ("pp",), ScheduleZBVZeroBubble, [0, 1, 2, 3], want)  # a class, stages given
-    _train(rank, world, (2,), ("pp",), "DualPipeV", None, want)
+
+
+def _dual_pipe_v(rank: int, world: int, want: tuple) -> None:
+    _train(rank, world, (2,), ("pp",), "DualPipeV", None, want)  # stages in a V as ZBV's
 
 
 def test_zero_bubble_schedules_train_like_one_process():
     run_local(2, _zero_bubble, _single_process())
+
+
+@pytest.mark.slow
+def test_dual_pipe_v_trains_like_one_process():
+    run_local(2, _dual_pipe_v, _single_process())
 
 
 def _four_per_rank(rank: int, world: int, want: tuple) -> None:
@@ -392,7 +401,8 @@ def _gpt2():
     return GPT2LMHeadModel(config)
 
 
-@pytest.mark.parametrize("dims,names", [((2,), ("pp",)), ((2, 2), ("pp", "tp"))])
+@pytest.mark.parametrize("dims,names", [pytest.param((2,), ("pp",), marks=pytest.mark.slow),  # TP 2 x PP 2 has it
+                                        ((2, 2), ("pp", "tp"))])
 def test_tied_embeddings_on_two_stages_train_like_one_process(dims, names):
     """GPT-2's tied input and output embeddings on PP 2 and TP 2 x PP 2: both end stages hold the weight and sum its
     gradient (Megatron's embedding group); 3 AdamW steps equal one process, and the weight is saved once (the

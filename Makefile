@@ -25,11 +25,11 @@ demo: $(VENV)/.installed
 WORKERS ?= 2
 
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest -q -n $(WORKERS) -m "not slow and not serial"
+	$(BIN)/python -m pytest -q -n $(WORKERS) --dist worksteal -m "not slow and not serial"
 	$(BIN)/python -m pytest -q -m "serial and not slow"
 
 test-all: $(VENV)/.installed  # the default suite and the slow tier (scale checks, benchmark scripts, more rank counts)
-	$(BIN)/python -m pytest -q -n $(WORKERS) -m "not serial"
+	$(BIN)/python -m pytest -q -n $(WORKERS) --dist worksteal -m "not serial"
 	$(BIN)/python -m pytest -q -m serial
 
 lint: $(VENV)/.installed

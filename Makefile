@@ -23,13 +23,14 @@ demo: $(VENV)/.installed
 # Two workers keep both cores busy (a rank-0 solve, a one-process test and a spawn leave one idle); the tests that
 # measure time then run alone.  WORKERS=0: all in one process.
 WORKERS ?= 2
+PARALLEL = -n $(WORKERS) --dist worksteal
 
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest -q -n $(WORKERS) --dist worksteal -m "not slow and not serial"
+	$(BIN)/python -m pytest -q $(PARALLEL) -m "not slow and not serial"
 	$(BIN)/python -m pytest -q -m "serial and not slow"
 
 test-all: $(VENV)/.installed  # the default suite and the slow tier (scale checks, benchmark scripts, more rank counts)
-	$(BIN)/python -m pytest -q -n $(WORKERS) --dist worksteal -m "not serial"
+	$(BIN)/python -m pytest -q $(PARALLEL) -m "not serial"
 	$(BIN)/python -m pytest -q -m serial
 
 lint: $(VENV)/.installed

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
+from torch.distributed.pipelining import ScheduleZBVZeroBubble
 
 from autotp.api import prepared_graph
 from autotp.cost_models import load_topology
@@ -157,35 +158,28 @@ def test_tp2_pp2_dp2_trains_like_one_process():
     _run(8, (2, 2, 2), ("pp", "dp", "tp"), "1f1b", [0, 2])
 
 
-def _schedules(rank: int, world: int, want: tuple) -> None:
-    """Pipeline only (2 ranks): GPipe, and interleaved 1F1B with two one-block stages per rank (autotp's old name)."""
-    _train(rank, world, (2,), ("pp",), "gpipe", None, want)
-    _train(rank, world, (2,), ("pp",), "interleaved-1f1b", [0, 1, 2, 3], want)
+def _pp2(rank: int, world: int, want: tuple, runs: list) -> None:
+    """Pipeline only (2 ranks): each (schedule, stage starts) in ``runs`` trains like one process."""
+    for schedule, starts in runs:
+        _train(rank, world, (2,), ("pp",), schedule, starts, want)
 
 
 def test_gpipe_and_interleaved_1f1b_train_like_one_process():
-    run_local(2, _schedules, _single_process())
-
-
-def _zero_bubble(rank: int, world: int, want: tuple) -> None:
-    """PP 2, 4 micro-batches: the zero-bubble schedules split each backward into input and weight gradients; ZBV
-    places stages in a V (rank 0 holds the first and the last), InterleavedZeroBubble in a loop."""
-    from torch.distributed.pipelining import ScheduleZBVZeroBubble  # names resolve as test_schedules.py checks
-    _train(rank, world, (2,), ("pp",), "InterleavedZeroBubble", None, want)
-    _train(rank, world, (2,), ("pp",), ScheduleZBVZeroBubble, [0, 1, 2, 3], want)  # a class, stages given
-
-
-def _dual_pipe_v(rank: int, world: int, want: tuple) -> None:
-    _train(rank, world, (2,), ("pp",), "DualPipeV", None, want)  # stages in a V as ZBV's
+    """Interleaved 1F1B with two one-block stages per rank, by autotp's old name."""
+    run_local(2, _pp2, _single_process(), [("gpipe", None), ("interleaved-1f1b", [0, 1, 2, 3])])
 
 
 def test_zero_bubble_schedules_train_like_one_process():
-    run_local(2, _zero_bubble, _single_process())
+    """PP 2, 4 micro-batches: the zero-bubble schedules split each backward into input and weight gradients; ZBV
+    places stages in a V (rank 0 holds the first and the last), InterleavedZeroBubble in a loop.  ZBV is given as
+    a class with its stages (names resolve as test_schedules.py checks)."""
+    run_local(2, _pp2, _single_process(), [("InterleavedZeroBubble", None), (ScheduleZBVZeroBubble, [0, 1, 2, 3])])
 
 
 @pytest.mark.slow
 def test_dual_pipe_v_trains_like_one_process():
-    run_local(2, _dual_pipe_v, _single_process())
+    """DualPipeV places its stages in a V as ZBV does."""
+    run_local(2, _pp2, _single_process(), [("DualPipeV", None)])
 
 
 def _four_per_rank(rank: int, world: int, want: tuple) -> None:
@@ -198,7 +192,7 @@ def test_interleaving_four_stages_per_rank_trains_like_one_process():
     run_local(2, _four_per_rank, _single_process(functools.partial(_llama, 8)))
 
 
-@pytest.mark.slow  # ZBV: test_zero_bubble_schedules_...; TP x PP: test_tp2_pp2_dp2_...
+@pytest.mark.slow  # ZBV: test_zero_bubble_schedules_...; TP x PP: test_tied_embeddings_..., test_mesh.py's meta 3-D
 def test_tp2_pp2_zero_bubble_v_trains_like_one_process():
     """TP 2 inside each of 4 stages placed in a V (rank r holds stages r and 3 - r): autotp's collectives under
     the input/weight backward split."""

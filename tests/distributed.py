@@ -1,10 +1,12 @@
 """Spawn N gloo ranks on this machine and run a test function on each (failures propagate)."""
 from __future__ import annotations
 
+import functools
 from collections import Counter
 
 import pytest
 import torch
+from shared_capture import capture_first
 from torch.distributed.tensor.debug._comm_mode import NATIVE_TO_PY_MAPPING, c10d_collective_ops
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -25,10 +27,11 @@ _PLAN = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather", "re
 AT_THREE_RANKS = [pytest.param(2, marks=pytest.mark.slow), 3, pytest.param(4, marks=pytest.mark.slow)]
 
 
-def run_ranks(world: int, fn, *args) -> list:
+def run_ranks(world: int, fn, *args, captures=None) -> list:
     """Run ``fn(rank, world, *args)`` on ``world`` processes; an exception on any rank fails the caller.
-    Returns what each rank returned, in rank order."""
-    return run_local(world, fn, *args)
+    Returns what each rank returned, in rank order.  ``captures()``: (model, args) pairs the ranks will
+    parallelize, built as they build them: captured once, before the ranks start (tests/shared_capture.py)."""
+    return run_local(world, fn, *args, setup=functools.partial(capture_first, captures) if captures else None)
 
 
 def run_unsupervised(world: int, target, reports: int, timeout: float = 240, end: bool = False) -> list:

@@ -89,7 +89,11 @@ def _architectures(rank: int, world: int) -> None:
 
 @pytest.mark.parametrize("world", AT_THREE_RANKS)
 def test_architectures_match_unsharded(world):
-    run_ranks(world, _architectures)
+    run_ranks(world, _architectures, captures=_models)
+
+
+def _models() -> list:
+    return [(_build(name), (torch.randint(0, 90, (2, 5)),)) for name in ARCHS]
 
 
 def _local_rows(sharded, name: str) -> int:

@@ -1,7 +1,10 @@
 """The local launcher (autotp.tools.spawn) that the demo, the examples and these tests start ranks with."""
 from __future__ import annotations
 
+import os
 import sys
+
+import pytest
 
 from autotp.tools.spawn import run_local
 
@@ -22,3 +25,28 @@ def test_large_results_come_back():
 
 def test_ranks_start_from_the_warmed_fork_server():
     assert run_local(2, _warm) == [True, True]
+
+
+def _inherited(rank: int, world: int) -> list:
+    return sorted(_SET_UP)
+
+
+_SET_UP: set = set()
+
+
+def _set_up() -> None:
+    _SET_UP.add(os.getpid())
+
+
+def test_ranks_fork_from_a_process_that_ran_setup():
+    """What ``setup`` leaves in memory every rank has (tests share one capture so), and a rank's error still
+    reaches the caller."""
+    found = run_local(3, _inherited, setup=_set_up)
+    assert len(found[0]) == 1 and found[0][0] != os.getpid() and found == [found[0]] * 3
+    with pytest.raises(Exception, match="rank 1 fails"):
+        run_local(2, _fails, setup=_set_up)
+
+
+def _fails(rank: int, world: int) -> None:
+    if rank == 1:
+        raise ValueError("rank 1 fails")

@@ -34,13 +34,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_local(world: int, fn, *args, timeout: float = 120) -> list:
+def run_local(world: int, fn, *args, timeout: float = 120, setup=None) -> list:
     """``[fn(rank, world, *args) for each rank]`` from ``world`` new gloo processes (picklable
-    results); an exception on any rank is raised here."""
+    results); an exception on any rank is raised here.  ``setup()``, if given, runs once in a process the
+    ranks are then forked from: what it leaves in memory (say, a capture every rank would repeat) they inherit."""
     port = free_port()
     queue = local_context().Queue()
-    ranks = mp.start_processes(_worker, args=(world, port, fn, args, queue, timeout), nprocs=world, join=False,
-                               start_method="forkserver")
+    if setup is None:
+        ranks = mp.start_processes(_worker, args=(world, port, fn, args, queue, timeout), nprocs=world, join=False,
+                                   start_method="forkserver")
+    else:
+        ranks = mp.start_processes(_lead, args=(setup, world, port, fn, args, queue, timeout), join=False,
+                                   start_method="forkserver")
     results = {}
     while not ranks.join(timeout=0.01):  # read while they run: a rank's put blocks once the pipe's buffer is full
         _drain(queue, results)
@@ -56,6 +61,16 @@ def _drain(queue, results: dict) -> None:
             rank, result = queue.get_nowait()
             results[rank] = result
     except Empty:
+        pass
+
+
+def _lead(_, setup, world: int, port: int, fn, args, queue, timeout: float) -> None:
+    """Runs ``setup`` and forks the ranks from here; a rank's error is raised again here, and so in the caller."""
+    torch.set_num_threads(1)
+    setup()
+    ranks = mp.start_processes(_worker, args=(world, port, fn, args, queue, timeout), nprocs=world, join=False,
+                               start_method="fork")
+    while not ranks.join():
         pass
 
 

@@ -1,0 +1,70 @@
+"""One capture per test instead of one per rank: the ranks of a test build the same models from the same seeds,
+and torch.export's dynamic capture of each is about two thirds of the suite's time on two cores.
+
+``capture_first(build)`` runs in the process the ranks are forked from (``run_ranks(..., captures=build)``): it
+captures the models ``build()`` returns, as a rank's ``autotp.parallelize`` would, and leaves a hook in autotp's
+capture that answers a capture of an identical model and inputs with a copy of the one already made.  Identical
+means the same module tree, attributes, parameter and buffer values, input structure, shapes and dtypes; anything
+else is captured as usual, so a hook that misses costs time, never correctness."""
+from __future__ import annotations
+
+import copy
+import hashlib
+import pickle
+import warnings
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+import autotp.api
+import autotp.parallel.split
+import autotp.passes.capture
+
+_capture = autotp.passes.capture.capture
+_made: dict[str, torch.fx.GraphModule] = {}
+_SKIP = {"_parameters", "_buffers", "_modules"}
+
+
+def _tensor(t: torch.Tensor, values: bool = True) -> bytes:
+    head = f"{tuple(t.shape)}:{t.dtype}:{t.device.type}:{t.requires_grad}:{isinstance(t, torch.nn.Parameter)}:"
+    if t.is_meta or not values:  # a capture sees inputs as fake tensors: their values cannot shape it
+        return head.encode()
+    return head.encode() + t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def digest(model: torch.nn.Module, args, kwargs) -> str | None:
+    """What a capture depends on; None where some of it cannot be read (then it is captured as usual)."""
+    h = hashlib.sha256(f"{torch.is_grad_enabled()}:{torch.get_default_dtype()}".encode())
+    try:
+        for name, module in model.named_modules(remove_duplicate=False):
+            state = vars(module)
+            h.update(pickle.dumps((name, type(module).__module__, type(module).__qualname__,
+                                   [(k, state[k]) for k in sorted(state) if k not in _SKIP])))
+        for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+            h.update(name.encode() + _tensor(t))
+        leaves, spec = tree_flatten((tuple(args), dict(kwargs or {})))
+        h.update(str(spec).encode())
+        for x in leaves:
+            h.update(_tensor(x, values=False) if isinstance(x, torch.Tensor) else pickle.dumps(x))
+    except Exception:  # an attribute that does not pickle (a lambda, a lock): capture as usual
+        return None
+    return h.hexdigest()
+
+
+def shared_capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> torch.fx.GraphModule:
+    key = digest(model, args, kwargs)
+    if key is None:
+        return _capture(model, args, kwargs)
+    if key not in _made:
+        _made[key] = _capture(model, args, kwargs)
+    with warnings.catch_warnings():  # copying a graph module's tree specs warns of a deprecated LeafSpec check
+        warnings.simplefilter("ignore", FutureWarning)
+        return copy.deepcopy(_made[key])
+
+
+def capture_first(build) -> None:
+    """Install the hook, then capture what ``build()`` returns: (model, args) pairs."""
+    for module in (autotp.passes.capture, autotp.api, autotp.parallel.split):
+        module.capture = shared_capture
+    for model, args in build():
+        autotp.api.prepared_graph(model, args)

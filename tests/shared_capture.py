@@ -25,6 +25,7 @@ _capture = autotp.passes.capture.capture
 _made: dict[str, torch.fx.GraphModule] = {}
 _SKIP = {"_parameters", "_buffers", "_modules"}
 _LOG = os.environ.get("SHARED_CAPTURE_LOG")
+_leading = False
 
 
 def _tensor(t: torch.Tensor, values: bool = True) -> bytes:
@@ -54,22 +55,52 @@ def digest(model: torch.nn.Module, args, kwargs) -> str | None:
 
 
 def shared_capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> torch.fx.GraphModule:
+    """In the leader (``capture_first``), capture and keep the original; in a rank, a copy of it, or a capture as
+    usual when there is none or the copy would differ from it."""
     key = digest(model, args, kwargs)
-    if key is None:
-        return _capture(model, args, kwargs)
+    served = copy_of(_made[key]) if key in _made else None
     if _LOG:  # SHARED_CAPTURE_LOG=FILE: each capture's pid and whether it was served (to check a test's list)
         with open(_LOG, "a") as log:
-            log.write(f"{os.getpid()} {'served' if key in _made else 'made'}\n")
-    if key not in _made:
-        _made[key] = _capture(model, args, kwargs)
+            log.write(f"{os.getpid()} {'served' if served is not None else 'made'}\n")
+    if served is not None:
+        return served
+    gm = _capture(model, args, kwargs)
+    if _leading and key is not None:
+        _made[key] = gm
+        copied = copy_of(gm)
+        return copied if copied is not None else _capture(model, args, kwargs)
+    return gm
+
+
+def copy_of(gm: torch.fx.GraphModule) -> torch.fx.GraphModule | None:
+    """A deep copy that keeps export's lifted constants (a KV cache, tensors the forward creates) plain attributes
+    (GraphModule's deepcopy registers every tensor a get_attr names as a buffer); None if it still differs from
+    ``gm`` in its parameters, buffers or tensor attributes."""
     with warnings.catch_warnings():  # copying a graph module's tree specs warns of a deprecated LeafSpec check
         warnings.simplefilter("ignore", FutureWarning)
-        return copy.deepcopy(_made[key])
+        copied = copy.deepcopy(gm)
+    for name, module in gm.named_modules(remove_duplicate=False):
+        twin = copied.get_submodule(name)
+        for attr, value in vars(module).items():
+            if isinstance(value, torch.Tensor) and attr in twin._buffers:
+                tensor = twin._buffers.pop(attr)
+                twin._non_persistent_buffers_set.discard(attr)
+                setattr(twin, attr, tensor)
+    return copied if _layout(copied) == _layout(gm) else None
+
+
+def _layout(gm: torch.fx.GraphModule) -> list:
+    return [(name, type(m).__name__, sorted(m._parameters), sorted(m._buffers), sorted(m._non_persistent_buffers_set),
+             sorted(k for k, v in vars(m).items() if isinstance(v, torch.Tensor)))
+            for name, m in gm.named_modules(remove_duplicate=False)]
 
 
 def capture_first(build) -> None:
     """Install the hook, then capture what ``build()`` returns: (model, args) pairs."""
+    global _leading
     for module in (autotp.passes.capture, autotp.api, autotp.parallel.split):
         module.capture = shared_capture
+    _leading = True
     for model, args in build():
         autotp.api.prepared_graph(model, args)
+    _leading = False  # the ranks forked from here serve copies and keep what they capture to themselves

@@ -2,6 +2,8 @@
 fewer than ranks; heads and vocabularies not divisible; vocab-parallel loss; half precision."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -113,8 +115,12 @@ def _fewer_kv_heads(rank: int, world: int) -> None:
     _same_as_unsharded(model, autotp.parallelize(model, (torch.randint(0, 90, (2, 5)),)))
 
 
+def _fewer_kv_heads_models() -> list:
+    return [(llama_with(heads=8, kv=kv), (torch.randint(0, 90, (2, 5)),)) for kv in (2, 1)]
+
+
 def test_kv_heads_fewer_than_ranks_are_shared():
-    run_ranks(4, _fewer_kv_heads)
+    run_ranks(4, _fewer_kv_heads, captures=_fewer_kv_heads_models)
 
 
 def _uneven_heads(rank: int, world: int) -> None:
@@ -128,8 +134,12 @@ def _uneven_heads(rank: int, world: int) -> None:
     _same_as_unsharded(model, sharded)
 
 
+def _uneven_heads_models() -> list:
+    return [(llama_with(heads=10, kv=10, vocab=101), (torch.randint(0, 90, (2, 5)),))]
+
+
 def test_heads_not_divisible():
-    run_ranks(4, _uneven_heads)
+    run_ranks(4, _uneven_heads, captures=_uneven_heads_models)
 
 
 def _vocab_parallel_loss(rank: int, world: int) -> None:
@@ -152,12 +162,24 @@ def _vocab_parallel_loss(rank: int, world: int) -> None:
         autotp.parallel_cross_entropy(logits[..., :5], labels, vocab_size=100)
 
 
+def _vocab_parallel_models() -> list:
+    return [(llama_with(heads=4, kv=2, head_dim=16, vocab=100), (torch.randint(0, 100, (2, 7)),))]
+
+
 def test_vocab_parallel_cross_entropy():
-    run_ranks(3, _vocab_parallel_loss)
+    run_ranks(3, _vocab_parallel_loss, captures=_vocab_parallel_models)
+
+
+def _half_model(dtype: torch.dtype) -> torch.nn.Module:
+    return llama_with(heads=4, kv=2, head_dim=16).to(dtype)
+
+
+def _half_models(dtype: torch.dtype) -> list:
+    return [(_half_model(dtype), (torch.randint(0, 90, (2, 5)),))]
 
 
 def _half_precision(rank: int, world: int, dtype: torch.dtype) -> None:
-    model = llama_with(heads=4, kv=2, head_dim=16).to(dtype)
+    model = _half_model(dtype)
     sharded = autotp.parallelize(model, (torch.randint(0, 90, (2, 5)),))
     assert next(sharded.parameters()).dtype == dtype
     tol = {torch.bfloat16: {"rtol": 1.6e-2, "atol": 1e-2}, torch.float16: {"rtol": 1e-3, "atol": 1e-3}}[dtype]
@@ -166,4 +188,4 @@ def _half_precision(rank: int, world: int, dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision(dtype):
-    run_ranks(2, _half_precision, dtype)
+    run_ranks(2, _half_precision, dtype, captures=functools.partial(_half_models, dtype))

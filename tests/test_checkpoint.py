@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 
 import autotp
 from autotp.api import checkpoint_source
+from autotp.hf import default_inputs
 from autotp.runtime.hf_checkpoint import check_tensors
 from distributed import run_ranks
 from models import build, example_input, llama_with, logits, padded_prompts
@@ -35,6 +36,24 @@ def _empty(kind: str):
     return empty.eval(), args
 
 
+def _empty_models(*kinds: str) -> list:
+    """The (model, args) pairs ``_empty`` makes, for ``run_ranks(..., captures=...)``."""
+    return [_empty(kind) for kind in kinds]
+
+
+def _pretrained_models(*directories: str) -> list:
+    """The models ``autotp.from_pretrained`` builds from these directories and the inputs it captures them with."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+    pairs = []
+    for directory in directories:
+        with init_empty_weights(include_buffers=False):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory), torch_dtype=None)
+        model.tie_weights()
+        pairs.append((model.eval(), default_inputs(model)))
+    return pairs
+
+
 def _load_and_compare(rank: int, world: int, kind: str, directory: str) -> None:
     from transformers import AutoModelForCausalLM
     reference = AutoModelForCausalLM.from_pretrained(directory).eval()
@@ -52,7 +71,7 @@ def _load_and_compare(rank: int, world: int, kind: str, directory: str) -> None:
 def test_meta_model_loads_its_slices(tmp_path, kind, shards):
     directory = _hf_dir(kind, tmp_path, shards)
     assert (directory / ("model.safetensors.index.json" if shards else "model.safetensors")).exists()
-    run_ranks(2, _load_and_compare, kind, str(directory))
+    run_ranks(2, _load_and_compare, kind, str(directory), captures=functools.partial(_empty_models, kind))
 
 
 def _from_pretrained(rank: int, world: int, directory: str) -> None:
@@ -67,7 +86,8 @@ def _from_pretrained(rank: int, world: int, directory: str) -> None:
 
 
 def test_from_pretrained_on_four_ranks(tmp_path):
-    run_ranks(4, _from_pretrained, str(_hf_dir("llama", tmp_path)))
+    directory = str(_hf_dir("llama", tmp_path))
+    run_ranks(4, _from_pretrained, directory, captures=functools.partial(_pretrained_models, directory))
 
 
 def _uneven_and_shared(rank: int, world: int, root: str) -> None:
@@ -100,7 +120,8 @@ def _uneven_and_shared(rank: int, world: int, root: str) -> None:
 def test_uneven_and_shared_heads_load_their_slices_and_save(tmp_path):
     llama_with(heads=10, kv=10, vocab=101).save_pretrained(tmp_path / "uneven")
     llama_with(heads=8, kv=2).save_pretrained(tmp_path / "shared")
-    run_ranks(4, _uneven_and_shared, str(tmp_path))
+    run_ranks(4, _uneven_and_shared, str(tmp_path),
+              captures=functools.partial(_pretrained_models, str(tmp_path / "uneven"), str(tmp_path / "shared")))
 
 
 def _expect_error(rank: int, world: int, directory: str, message: str) -> None:
@@ -126,7 +147,8 @@ def test_bad_checkpoints_name_the_tensors(tmp_path):
         save_file(content, directory / "model.safetensors", metadata={"format": "pt"})
         with pytest.raises(autotp.CheckpointError, match=message):  # the check parallelize runs, in one process
             check_tensors(checkpoint_source(str(directory), model), model)
-    run_ranks(2, _expect_error, str(tmp_path / "missing"), cases["missing"][1])  # and as parallelize raises it
+    run_ranks(2, _expect_error, str(tmp_path / "missing"), cases["missing"][1],  # and as parallelize raises it
+              captures=functools.partial(_empty_models, "llama"))
     with pytest.raises(autotp.CheckpointError, match=r"no model\.safetensors"):
         autotp.runtime.hf_checkpoint.Checkpoint(tmp_path)
 
@@ -146,6 +168,13 @@ def _meta_without_checkpoint(rank: int, world: int, directory: str) -> None:
     with pytest.raises(autotp.CheckpointError, match=r"lifted_tensor.*created on the meta device"):
         autotp.parallelize(picked, (torch.randn(2, 16),), checkpoint=directory)
     torch.distributed.barrier()  # a rank that returns early takes the rendezvous store with it
+
+
+def _meta_models() -> list:
+    """What ``_meta_without_checkpoint`` parallelizes (its refusals come after the capture, when loading)."""
+    with torch.device("meta"):
+        scaled, picked = Scaled(), Picked()
+    return [build("llama", device="meta")[:2], (scaled, (torch.randn(2, 16),)), (picked, (torch.randn(2, 16),))]
 
 
 class Scaled(torch.nn.Module):
@@ -171,7 +200,7 @@ def test_meta_model_without_checkpoint_stays_on_meta(tmp_path):
     """Without a checkpoint a meta model's pieces stay on meta at their local shapes; what cannot be filled later
     is refused: a computed buffer nothing rebuilds, positions the forward created on meta."""
     save_file(Scaled().state_dict(), tmp_path / "model.safetensors", metadata={"format": "pt"})
-    run_ranks(2, _meta_without_checkpoint, str(tmp_path))
+    run_ranks(2, _meta_without_checkpoint, str(tmp_path), captures=_meta_models)
 
 
 META_IDIOM = {  # rotary tables (full, partial) are computed buffers; GPT-2's position table is a weight
@@ -184,19 +213,29 @@ META_IDIOM = {  # rotary tables (full, partial) are computed buffers; GPT-2's po
 
 
 def _torch_meta_idiom(rank: int, world: int, root: str) -> None:
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
     for kind in META_IDIOM:
         directory = f"{root}/{kind}"
-        with torch.device("meta"):  # PyTorch's own idiom (torchtitan): every tensor on meta, buffers too
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory)).eval()
+        model, (x,) = _meta_idiom(directory)
         assert all(b.is_meta for b in model.buffers())
-        torch.manual_seed(0)
-        x = example_input("llama", 2, 7)
         sharded = autotp.parallelize(model, (x,), checkpoint=directory)
         reference = AutoModelForCausalLM.from_pretrained(directory).eval()
         torch.testing.assert_close(logits(sharded(x)), logits(reference(x)), **TOL, msg=lambda m, k=kind: f"{k}: {m}")
         for name, buffer in reference.named_buffers():
             assert torch.equal(dict(sharded.named_buffers())[name], buffer), (kind, name)
+
+
+def _meta_idiom(directory: str) -> tuple:
+    """PyTorch's own idiom (torchtitan): every tensor on meta, buffers too; and the input (the same on every rank)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory)).eval()
+    torch.manual_seed(0)
+    return model, (example_input("llama", 2, 7),)
+
+
+def _meta_idioms(root: str) -> list:
+    return [_meta_idiom(f"{root}/{kind}") for kind in META_IDIOM]
 
 
 def test_torch_meta_device_models_rebuild_computed_buffers(tmp_path):
@@ -207,7 +246,7 @@ def test_torch_meta_device_models_rebuild_computed_buffers(tmp_path):
         config = AutoConfig.for_model(**settings, vocab_size=96, num_hidden_layers=1, use_cache=False)
         config.save_pretrained(tmp_path / kind)  # weights under the model's own names (save_pretrained writes
         save_model(AutoModelForCausalLM.from_config(config), str(tmp_path / kind / "model.safetensors"))  # legacy ones)
-    run_ranks(2, _torch_meta_idiom, str(tmp_path))
+    run_ranks(2, _torch_meta_idiom, str(tmp_path), captures=functools.partial(_meta_idioms, str(tmp_path)))
 
 
 def _round_trip(rank: int, world: int, source: str, first: str, second: str) -> None:
@@ -222,7 +261,7 @@ def _round_trip(rank: int, world: int, source: str, first: str, second: str) -> 
 def test_save_round_trips_bit_exactly(tmp_path):
     source = _hf_dir("gpt2", tmp_path / "source")
     first, second = tmp_path / "first", tmp_path / "second"
-    run_ranks(2, _round_trip, str(source), str(first), str(second))
+    run_ranks(2, _round_trip, str(source), str(first), str(second), captures=functools.partial(_empty_models, "gpt2"))
     index = json.loads((first / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1  # large enough to be split, with an index
     assert (first / "config.json").exists() and (second / "model.safetensors").exists()
@@ -383,7 +422,8 @@ def test_transformers_stored_layouts_load_in_slices_and_save_bit_exactly(tmp_pat
     loaded per rank, outputs equal transformers'; saved, every tensor is transformers' own, bit for bit."""
     for kind in ("mixtral", "gpt_neox"):
         _tiny(kind).save_pretrained(tmp_path / kind)
-    run_ranks(2, _stored_layout_round_trip, str(tmp_path))
+    directories = [str(tmp_path / kind) for kind in ("mixtral", "gpt_neox")]
+    run_ranks(2, _stored_layout_round_trip, str(tmp_path), captures=functools.partial(_pretrained_models, *directories))
     for kind in ("mixtral", "gpt_neox"):
         original = load_file(tmp_path / kind / "model.safetensors")
         saved = load_file(tmp_path / f"{kind}-saved" / "model.safetensors")

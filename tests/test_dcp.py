@@ -11,7 +11,7 @@ import torch.distributed.checkpoint as dcp
 import autotp
 from autotp.parallel.dcp import _dtensor_placements, _Layout
 from autotp.runtime.placement import Shard
-from autotp.tools.spawn import run_local
+from distributed import run_ranks
 from examples.train import Trainer, build, global_batch, parse, reference, train_whole
 
 TOL = {"rtol": 1e-4, "atol": 1e-5}
@@ -38,10 +38,17 @@ def _save_then_load(rank: int, world: int, directory: str) -> list[float]:
     return _resume(o, autotp.parallelize(build(o), (global_batch(o, 0)[0],)), directory)
 
 
+def _models() -> list:
+    """What the ranks capture: the model on a DP replica's half batch (TP 2 x DP 2), then on the whole (TP 4)."""
+    o = parse(TINY)
+    x = global_batch(o, 0)[0]
+    return [(build(o), (x.chunk(2)[0],)), (build(o), (x,))]
+
+
 def test_a_checkpoint_from_tp2_x_dp2_resumes_on_tp4_and_in_one_process(tmp_path):
     o = parse(["--steps", str(SAVED + MORE), *TINY])
     expected = torch.tensor(reference(o)[1][SAVED:])
-    resumed = run_local(4, _save_then_load, str(tmp_path))
+    resumed = run_ranks(4, _save_then_load, str(tmp_path), captures=_models)
     # saved sharded, not gathered: each block weight in one piece per rank (TP 2 x FSDP 2), Adam's state too
     metadata = dcp.FileSystemReader(str(tmp_path)).read_metadata().state_dict_metadata
     chunks = {name: len(entry.chunks) for name, entry in metadata.items() if hasattr(entry, "chunks")}

@@ -7,6 +7,7 @@ random generators differ are stopped before they drop differently; eval mode nev
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import warnings
 
@@ -79,12 +80,23 @@ REFERENCE_RUNS = [("eager", False, False), ("sdpa", True, False), ("eager", True
                   ("sdpa", False, "selective"), ("llama", False, False)]
 
 
+def _reference_runs(world: int) -> list:
+    return REFERENCE_RUNS if world == 2 else [("sdpa", True, "selective"), ("eager", False, False),
+                                              ("llama", False, False)]
+
+
+def _reference_model(kind: str):
+    return llama() if kind == "llama" else gpt2(kind)
+
+
+def _reference_models(world: int) -> list:
+    return [(_reference_model(kind), (torch.randint(0, 96, (2, 16)),)) for kind, _, _ in _reference_runs(world)]
+
+
 def _reference(rank: int, world: int) -> None:
     warnings.simplefilter("ignore")
-    runs = REFERENCE_RUNS if world == 2 else [("sdpa", True, "selective"), ("eager", False, False),
-                                              ("llama", False, False)]
-    for kind, tokens, recompute in runs:
-        model = llama() if kind == "llama" else gpt2(kind)
+    for kind, tokens, recompute in _reference_runs(world):
+        model = _reference_model(kind)
         sharded = autotp.parallelize(model, (torch.randint(0, 96, (2, 16)),), dropout="reference",
                                      sequence_parallel=tokens, recompute=recompute)
         kinds = {type(m) for m in random_ops(sharded)}
@@ -96,7 +108,7 @@ def _reference(rank: int, world: int) -> None:
 
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_reference_mode_trains_like_one_process(world):
-    run_ranks(world, _reference)
+    run_ranks(world, _reference, captures=functools.partial(_reference_models, world))
 
 
 def _masks(sharded, x) -> list:
@@ -136,8 +148,12 @@ def _default(rank: int, world: int) -> None:
     assert checked["whole"] and checked["split"], checked
 
 
+def _default_models() -> list:
+    return [(gpt2(p=0.25), (torch.randint(1, 96, (4, 32)),))]
+
+
 def test_default_mode_drops_alike_where_whole_and_apart_where_split():
-    run_ranks(2, _default)
+    run_ranks(2, _default, captures=_default_models)
 
 
 def _recomputed_alike(rank: int, world: int) -> None:
@@ -158,8 +174,12 @@ def _recomputed_alike(rank: int, world: int) -> None:
             torch.testing.assert_close(again[name], kept[name], **TOL, msg=lambda m, n=name: f"{n}: {m}")
 
 
+def _recomputed_models() -> list:
+    return [(gpt2(kind), (torch.randint(0, 96, (3, 11)),)) for kind in ("eager", "sdpa")]
+
+
 def test_default_mode_recomputes_the_same_masks():
-    run_ranks(2, _recomputed_alike)
+    run_ranks(2, _recomputed_alike, captures=_recomputed_models)
 
 
 def _seeded_apart(rank: int, world: int) -> None:
@@ -176,8 +196,12 @@ def _seeded_apart(rank: int, world: int) -> None:
         sharded(x)
 
 
+def _seeded_apart_models() -> list:
+    return [(gpt2(), (torch.randint(0, 96, (2, 8)),))]
+
+
 def test_ranks_seeded_apart_are_stopped_before_they_drop():
-    run_ranks(2, _seeded_apart)
+    run_ranks(2, _seeded_apart, captures=_seeded_apart_models)
 
 
 def _eval_mode(rank: int, world: int) -> None:
@@ -204,8 +228,13 @@ def _eval_mode(rank: int, world: int) -> None:
         assert not torch.allclose(trained(x).logits, want, **TOL)  # training mode drops again
 
 
+def _eval_mode_models() -> list:
+    x = torch.randint(0, 96, (3, 11))
+    return [(gpt2("sdpa"), (x,)), (gpt2("sdpa").eval(), (x,))]
+
+
 def test_eval_mode_never_drops():
-    run_ranks(2, _eval_mode)
+    run_ranks(2, _eval_mode, captures=_eval_mode_models)
 
 
 def test_the_plan_says_the_program_drops():

@@ -5,6 +5,7 @@ group, missing inputs), test_cost_models.py (topology files, memory limit), test
 (checkpoint tensors), test_agreement.py (ranks that disagree or die).)"""
 from __future__ import annotations
 
+import functools
 import warnings
 
 import pytest
@@ -111,6 +112,11 @@ def _verify_names_the_first_divergence(rank: int, world: int) -> None:
         autotp.parallelize(model, args, verify=True)
 
 
+def _built(kind: str) -> list:
+    model, args, _ = build(kind)
+    return [(model, args)]
+
+
 def test_verify():
-    run_ranks(2, _verify_passes)
-    run_ranks(2, _verify_names_the_first_divergence)
+    run_ranks(2, _verify_passes, captures=functools.partial(_built, "gpt2"))
+    run_ranks(2, _verify_names_the_first_divergence, captures=functools.partial(_built, "llama"))

@@ -3,10 +3,12 @@ transformers' per-expert files, from fused [E, ...] tables and from DCP; DCP sta
 per rank loads into expert tensor parallelism (each expert split), into one process, and back."""
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
-from test_moe import expert_params, mixtral
+from test_moe import expert_params, mixtral, pretrained, with_default_inputs
 
 import autotp
 from autotp.runtime.hf_checkpoint import Checkpoint
@@ -37,6 +39,10 @@ def _reads_own_experts(rank: int, world: int, per_expert: str, fused: str) -> No
     Checkpoint._read_stored = original
 
 
+def _own_experts_models(*directories: str) -> list:
+    return with_default_inputs([pretrained(directory) for directory in directories])
+
+
 def test_an_expert_parallel_rank_reads_only_its_experts(tmp_path):
     model = mixtral(layers=1)
     model.save_pretrained(tmp_path / "per-expert")  # transformers' layout: experts one by one
@@ -44,13 +50,23 @@ def test_an_expert_parallel_rank_reads_only_its_experts(tmp_path):
     save_file({n: t.contiguous() for n, t in model.state_dict().items()}, tmp_path / "fused" / "model.safetensors",
               metadata={"format": "pt"})
     model.config.save_pretrained(tmp_path / "fused")
-    run_ranks(2, _reads_own_experts, str(tmp_path / "per-expert"), str(tmp_path / "fused"))
+    directories = str(tmp_path / "per-expert"), str(tmp_path / "fused")
+    run_ranks(2, _reads_own_experts, *directories, captures=functools.partial(_own_experts_models, *directories))
+
+
+def _batch() -> tuple:
+    return (torch.randint(0, 96, (2, 5)),)
+
+
+def _reshard_models() -> list:
+    """What each rank parallelizes: a trained Mixtral (on a batch) and the one it loads into (default inputs)."""
+    return [(mixtral(layers=1), _batch()), *with_default_inputs([mixtral(layers=1)])]
 
 
 def _trained(experts: str | None, mesh=None):
     """A Mixtral whose weights moved one SGD step from the initial ones (so a load that kept them fails)."""
     model = mixtral(layers=1)
-    sharded = autotp.parallelize(model, (torch.randint(0, 96, (2, 5)),), mesh=mesh, experts=experts)
+    sharded = autotp.parallelize(model, _batch(), mesh=mesh, experts=experts)
     optimizer = torch.optim.SGD(sharded.parameters(), lr=0.5)
     torch.manual_seed(3)
     sharded(torch.randint(0, 96, (2, 5))).logits.square().mean().backward()
@@ -82,7 +98,7 @@ def _reshard(rank: int, world: int, directory: str) -> None:
 
 
 def test_dcp_state_reshards_between_expert_parallelism_and_expert_tensor_parallelism(tmp_path):
-    run_ranks(2, _reshard, str(tmp_path))
+    run_ranks(2, _reshard, str(tmp_path), captures=_reshard_models)
     saved = torch.load(tmp_path / "saved.pt")
     # whole experts over the TP group are DTensor pieces (a loading rank reads its own); into one process too
     metadata = dcp.FileSystemReader(str(tmp_path / "tp-a2a")).read_metadata().state_dict_metadata

@@ -5,6 +5,7 @@ ranks, against the model itself (run with flex's CPU check lifted, as capture do
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 from typing import NamedTuple
 
@@ -13,6 +14,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 import autotp
+from autotp.passes.capture import register_inputs
 from autotp.passes.flex import exportable_on_cpu
 from distributed import run_ranks
 from exact import forward_matches, sums_per_block, training_matches
@@ -38,10 +40,22 @@ def _inputs(mode: str, batch: int, seq: int, heads: int = 4) -> tuple:
     return (ids,)
 
 
+def _flex_model(mode: str, heads: int, kv: int):
+    return flex_lm("input_mask" if mode == "head_mask" else mode, dim=8 * heads, heads=heads, kv_heads=kv)
+
+
+def _masked(mode: str) -> bool:
+    return mode in ("input_mask", "head_mask")
+
+
+def _seq(mode: str) -> int:
+    return 16 if _masked(mode) else 8  # a BlockMask input fixes the sequence length
+
+
 def _flex(rank: int, world: int, mode: str, heads: int, kv: int) -> None:
-    model = flex_lm("input_mask" if mode == "head_mask" else mode, dim=8 * heads, heads=heads, kv_heads=kv)
-    masked = mode in ("input_mask", "head_mask")
-    seq = 16 if masked else 8  # a BlockMask input fixes the sequence length
+    model = _flex_model(mode, heads, kv)
+    masked = _masked(mode)
+    seq = _seq(mode)
 
     def inputs(batch, length):
         return _inputs(mode, batch, length, heads)
@@ -63,7 +77,13 @@ def _flex(rank: int, world: int, mode: str, heads: int, kv: int) -> None:
 
 @pytest.mark.parametrize(("mode", "heads", "kv", "world"), CASES)
 def test_flex_attention_is_split_by_query_heads(mode, heads, kv, world):
-    run_ranks(world, _flex, mode, heads, kv)
+    run_ranks(world, _flex, mode, heads, kv, captures=functools.partial(_flex_models, mode, heads, kv))
+
+
+def _flex_models(mode: str, heads: int, kv: int) -> list:
+    model, example = _flex_model(mode, heads, kv), _inputs(mode, 2, _seq(mode), heads)
+    register_inputs(example, {})  # a BlockMask is a pytree (once captured) in the ranks' lookups: in this one too
+    return [(model, example)]
 
 
 def test_the_cpu_check_that_capture_lifts_is_where_it_was():
@@ -106,11 +126,16 @@ def test_structured_inputs_keep_the_signature():
     assert [entry["out"][0] for entry in plan.nodes.values() if entry["op"] == "flex_attention"] == ["S(1)"] * 2
 
 
-def _structured(rank: int, world: int) -> None:
+def _structured_example() -> tuple:
     model = _Structured()
     ids = torch.randint(0, VOCAB, (2, 16))
     batch = Batch(ids, create_block_mask(causal, None, None, 16, 16, device="cpu"))
-    sharded = autotp.parallelize(model, (batch, Scaled(ids, torch.ones(1))))
+    return model, (batch, Scaled(ids, torch.ones(1)))
+
+
+def _structured(rank: int, world: int) -> None:
+    model, example = _structured_example()
+    sharded = autotp.parallelize(model, example)
     other = torch.randint(0, VOCAB, (3, 16))
     args = (Batch(other, create_block_mask(causal, None, None, 16, 16, device="cpu")), Scaled(other, torch.ones(1) * 2))
     with exportable_on_cpu():
@@ -118,7 +143,13 @@ def _structured(rank: int, world: int) -> None:
 
 
 def test_structured_inputs_run_sharded():
-    run_ranks(2, _structured)
+    run_ranks(2, _structured, captures=_structured_examples)
+
+
+def _structured_examples() -> list:
+    model, example = _structured_example()
+    register_inputs(example, {})  # the BlockMask and the dataclass are pytrees (once captured) in the ranks' lookups
+    return [(model, example)]
 
 
 def test_heads_that_cannot_meet_their_kv_heads_are_said_in_the_plan():
@@ -135,9 +166,13 @@ def test_heads_that_cannot_meet_their_kv_heads_are_said_in_the_plan():
         console.file.getvalue()
 
 
+def _unsplit_example() -> tuple:
+    return flex_lm("alibi_h", dim=64, heads=8, kv_heads=2), _inputs("alibi_h", 2, 8)
+
+
 def _unsplit(rank: int, world: int) -> None:
-    model = flex_lm("alibi_h", dim=64, heads=8, kv_heads=2)
-    sharded = autotp.parallelize(model, _inputs("alibi_h", 2, 8))
+    model, example = _unsplit_example()
+    sharded = autotp.parallelize(model, example)
     assert sharded.autotp_plan.replicated_ops == ["flex_attention"]
     torch.manual_seed(1)
     with exportable_on_cpu():
@@ -146,4 +181,8 @@ def _unsplit(rank: int, world: int) -> None:
 
 
 def test_heads_that_cannot_meet_their_kv_heads_run_replicated_and_exact():
-    run_ranks(3, _unsplit)
+    run_ranks(3, _unsplit, captures=_unsplit_examples)
+
+
+def _unsplit_examples() -> list:
+    return [_unsplit_example()]

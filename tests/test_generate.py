@@ -15,8 +15,12 @@ from distributed import run_ranks
 from models import build, llama_with, padded_prompts
 
 
+def _greedy_models() -> tuple:
+    return llama_with(heads=8, kv=2, vocab=128, layers=2), build("gpt2")[0]
+
+
 def _greedy(rank: int, world: int) -> None:
-    for model in (llama_with(heads=8, kv=2, vocab=128, layers=2), build("gpt2")[0]):
+    for model in _greedy_models():
         ids, mask = padded_prompts(128)
         sharded = autotp.parallelize(model, (ids,))
         got = autotp.generate(sharded, ids, mask, max_new_tokens=8, pad_token_id=0)
@@ -35,11 +39,19 @@ def _greedy(rank: int, world: int) -> None:
 
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_greedy_is_token_exact_with_transformers(world):
-    run_ranks(world, _greedy)
+    run_ranks(world, _greedy, captures=_greedy_captures)
+
+
+def _greedy_captures() -> list:
+    return [(model, (padded_prompts(128)[0],)) for model in _greedy_models()]
+
+
+def _sampling_model():
+    return llama_with(heads=4, kv=2, vocab=128, layers=1)
 
 
 def _sampling(rank: int, world: int) -> None:
-    model = llama_with(heads=4, kv=2, vocab=128, layers=1)
+    model = _sampling_model()
     ids, mask = padded_prompts(128)
     sharded = autotp.parallelize(model, (ids,))
     options = {"max_new_tokens": 12, "do_sample": True, "temperature": 0.8, "top_k": 50, "top_p": 0.9}
@@ -75,4 +87,8 @@ def _bounded_cache(sharded, ids, mask) -> None:
 
 
 def test_sampling_is_shared_and_reproducible():
-    run_ranks(2, _sampling)
+    run_ranks(2, _sampling, captures=_sampling_captures)
+
+
+def _sampling_captures() -> list:
+    return [(_sampling_model(), (padded_prompts(128)[0],))]

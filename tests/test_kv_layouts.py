@@ -4,6 +4,7 @@ Megatron's (two all-reduces per block, at most two more for the whole model), co
 CommDebugMode, and outputs and gradients must equal the single-process model's."""
 from __future__ import annotations
 
+import functools
 import re
 from collections import Counter
 
@@ -98,8 +99,8 @@ def _block_of(module: str) -> int | None:
 def _check(rank: int, world: int, kinds: list) -> None:
     transport = autotp.runtime.transport
     for kind in kinds:
-        model = build(kind)
-        sharded = autotp.parallelize(model, (torch.randint(0, 96, EXAMPLE),))
+        model, example = _example(kind)
+        sharded = autotp.parallelize(model, example)
         plan = sharded.autotp_plan
         if kind.startswith("falcon"):  # the fused qkv is split by heads: each rank holds what its heads need
             for b in range(LAYERS):
@@ -158,7 +159,15 @@ def _check(rank: int, world: int, kinds: list) -> None:
     pytest.param(4, ["phi3", "bigcode"], marks=pytest.mark.slow),
 ])
 def test_heads_split_whatever_the_kv_layout(world, kinds):
-    run_ranks(world, _check, kinds)
+    run_ranks(world, _check, kinds, captures=functools.partial(_examples, kinds))
+
+
+def _example(kind: str) -> tuple:
+    return build(kind), (torch.randint(0, 96, EXAMPLE),)
+
+
+def _examples(kinds: list) -> list:
+    return [_example(kind) for kind in kinds]
 
 
 def test_explain_prices_the_kv_layouts():

@@ -5,6 +5,8 @@ q and k.  Exact at 2, 3 and 4 ranks; the statistics' all-reduces are planned, pr
 made on the meta device, applied to the real model)."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -35,8 +37,12 @@ def _ids(batch: int, seq: int) -> tuple:
     return (torch.randint(0, 96, (batch, seq)),)
 
 
+def _heads(world: int) -> int:
+    return 6 if world == 3 else 4
+
+
 def _bloom_split_by_heads(rank: int, world: int) -> None:
-    model = _bloom(6 if world == 3 else 4)
+    model = _bloom(_heads(world))
     sharded = autotp.parallelize(model, _ids(2, 8))
     plan = sharded.autotp_plan
     assert plan.replicated_ops == [], plan.replicated_ops  # baddbmm / bmm on [B*H, ...] no longer gather q, k
@@ -47,16 +53,20 @@ def _bloom_split_by_heads(rank: int, world: int) -> None:
 
 @pytest.mark.parametrize("world", AT_THREE_RANKS)
 def test_alibi_heads_merged_with_the_batch_are_split(world):
-    run_ranks(world, _bloom_split_by_heads)
+    run_ranks(world, _bloom_split_by_heads, captures=functools.partial(_bloom_models, world))
+
+
+def _bloom_models(world: int) -> list:
+    return [(_bloom(_heads(world)), _ids(2, 8))]
 
 
 def _qk_norm(rank: int, world: int) -> None:
-    model = _olmo2(6 if world == 3 else 4)
+    model = _olmo2(_heads(world))
     # planned at a realistic token count (the choice is a cost decision; at 16 tokens gathering 4 KB is cheaper) on
     # the meta device, where that costs nothing, and applied to the real model at small inputs (its capture on the
     # CPU differs from meta's by two contiguous copies and by the names of ops export dropped)
-    meta = _olmo2(6 if world == 3 else 4, "meta")
-    plan = autotp.plan(meta, (torch.zeros(2, 4096, dtype=torch.long, device="meta"),), world_size=world)
+    meta = _olmo2(_heads(world), "meta")
+    plan = autotp.plan(meta, _realistic(), world_size=world)
     for name in ("q_proj", "k_proj", "v_proj"):
         assert plan.params[f"model.layers.0.self_attn.{name}.weight"] == "S(0)", plan.params
     stats = [c for c in plan.collectives if c["phase"] == "forward" and c["module"].endswith(("q_norm", "k_norm"))]
@@ -69,7 +79,15 @@ def _qk_norm(rank: int, world: int) -> None:
 
 @pytest.mark.parametrize("world", AT_THREE_RANKS)
 def test_qk_norm_sums_statistics_instead_of_gathering(world):
-    run_ranks(world, _qk_norm)
+    run_ranks(world, _qk_norm, captures=functools.partial(_qk_norm_models, world))
+
+
+def _realistic() -> tuple:
+    return (torch.zeros(2, 4096, dtype=torch.long, device="meta"),)
+
+
+def _qk_norm_models(world: int) -> list:
+    return [(_olmo2(_heads(world), "meta"), _realistic()), (_olmo2(_heads(world)), _ids(2, 8))]
 
 
 def test_qkv_packed_per_head_is_split_by_heads():

@@ -64,6 +64,26 @@ def _fsdp_units_are_blocks(trainer) -> None:
     assert _gathered_per_block(trainer.model, x, layers) == [(i, [i]) for i in range(layers)]
 
 
+def _replica_batch(o) -> torch.Tensor:
+    """A DP replica's half of the first global batch (what the trainer's model is captured with)."""
+    return global_batch(o, 0)[0].chunk(2)[0]
+
+
+def _trainer_models(argv: list, meta: bool = False) -> list:
+    o = parse(argv)
+    return [(build(o, meta=meta), (_replica_batch(o),))]
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return mlp.build()
+
+
+def _tp_dp_models() -> list:
+    model, args = _mlp()
+    return [*_trainer_models(["--tp", "2", "--dp", "2", *TINY]), (model, args)]
+
+
 def _tp_dp(rank: int, world: int, directory: str) -> None:
     trainer = _check_training(parse(["--tp", "2", "--dp", "2", "--data-parallel", "fsdp", *TINY]))
     assert {type(p).__name__ for p in trainer.model.parameters()} == {"DTensor"}  # FSDP2 holds them
@@ -71,14 +91,13 @@ def _tp_dp(rank: int, world: int, directory: str) -> None:
     autotp.save_pretrained(trainer.model, directory)
     _check_training(parse(["--tp", "2", "--dp", "2", "--data-parallel", "ddp", *TINY]))
     # a mesh without "tp": FSDP2 alone over 4 replicas, each with the whole model
-    torch.manual_seed(0)
-    model, (x,) = mlp.build()
+    model, (x,) = _mlp()
     replicated = autotp.parallelize(model, (x,), mesh=init_device_mesh("cpu", (4,), mesh_dim_names=("dp",)))
     torch.testing.assert_close(replicated(x), model(x), **TOL)
 
 
 def test_tp2_x_dp2_trains_like_one_process(tmp_path):
-    run_ranks(4, _tp_dp, str(tmp_path))
+    run_ranks(4, _tp_dp, str(tmp_path), captures=_tp_dp_models)
     # one writer, one copy: the saved file holds the trained full parameters
     model, _ = reference(parse(TINY))
     saved = load_file(tmp_path / "model.safetensors")
@@ -92,7 +111,7 @@ def _dp(rank: int, world: int) -> None:
 
 
 def test_dp2_with_fsdp_units_per_block_trains_like_one_process():
-    run_ranks(2, _dp)
+    run_ranks(2, _dp, captures=functools.partial(_trainer_models, ["--tp", "1", "--dp", "2", *TINY]))
 
 
 # TP 2 x DP 2 x PP 2 (1F1B, the default micro-batch count: one per stage), 2 steps on a global batch of 8
@@ -139,7 +158,8 @@ def test_meta_models_load_their_pieces_and_train_like_one_process(tmp_path):
     parameters equal one process's; the trained model saved with torch.distributed.checkpoint and read back into a
     meta model (checkpoint=DIR, and materialize + dcp.load)."""
     build(parse(TINY)).save_pretrained(tmp_path / "hf")
-    run_ranks(4, _from_meta, str(tmp_path / "hf"), str(tmp_path / "dcp"))
+    run_ranks(4, _from_meta, str(tmp_path / "hf"), str(tmp_path / "dcp"),
+              captures=functools.partial(_trainer_models, ["--tp", "2", "--dp", "2", *TINY], meta=True))
 
 
 def _eight_from_meta(rank: int, world: int, directory: str) -> None:

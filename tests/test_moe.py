@@ -5,11 +5,14 @@ bmm, interleaved gate/up columns with biases) split each expert Megatron-style: 
 by input columns, router replicated, one forward all-reduce per MoE layer; no weight is ever gathered."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from torch.distributed.tensor.debug import CommDebugMode
 
 import autotp
+from autotp.hf import default_inputs
 from distributed import comm_counts, plan_ops, run_ranks, weight_collectives
 from examples import moe
 
@@ -78,6 +81,26 @@ def runs_the_plan(sharded, plan, x) -> None:
     sharded.zero_grad(set_to_none=True)
 
 
+def pretrained(directory: str):
+    """The model ``autotp.from_pretrained(directory)`` builds (on the meta device) and captures."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+    config = AutoConfig.from_pretrained(directory)
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, torch_dtype=None)
+    model.tie_weights()
+    return model.eval()
+
+
+def with_default_inputs(models: list) -> list:
+    """(model, args) pairs for models parallelized without example inputs."""
+    return [(model, default_inputs(model)) for model in models]
+
+
+def _hf_models() -> list:
+    return with_default_inputs([build() for build in MODELS.values()])
+
+
 def _hf_exact(rank: int, world: int) -> None:
     for name, build in MODELS.items():
         model = build()
@@ -110,14 +133,24 @@ def _hf_exact(rank: int, world: int) -> None:
 @pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.slow), 4])
 def test_hf_moe_is_exact_with_expert_tensor_parallelism(world):
     """Mixtral and Qwen3-MoE at 2 and 4 ranks; Mixtral's greedy generation equals transformers'."""
-    run_ranks(world, _hf_exact)
+    run_ranks(world, _hf_exact, captures=_hf_models)
+
+
+def six_experts() -> tuple:
+    """examples/moe.py with 6 experts, gate and up interleaved, biases on every expert projection; eval mode."""
+    torch.manual_seed(0)
+    model, args = moe.build(experts=6, interleaved=True, bias=True)
+    return model.eval(), args
+
+
+def six_experts_models() -> list:
+    return [six_experts()]
 
 
 def _example_exact(rank: int, world: int) -> None:
     """Gate and up columns interleaved, biases on every expert projection (plain gate|up: Mixtral above)."""
-    torch.manual_seed(0)
-    model, args = moe.build(experts=6, interleaved=True, bias=True)
-    sharded = autotp.parallelize(model.eval(), args)
+    model, args = six_experts()
+    sharded = autotp.parallelize(model, args)
     plan = sharded.autotp_plan
     full, local = dict(model.named_parameters()), dict(sharded.named_parameters())
     for name in expert_params(model):  # each rank holds 1/N of every expert's weights
@@ -130,7 +163,7 @@ def _example_exact(rank: int, world: int) -> None:
 
 
 def test_hand_written_moe_with_six_experts_on_four_ranks():
-    run_ranks(4, _example_exact)
+    run_ranks(4, _example_exact, captures=six_experts_models)
 
 
 def qwen2_moe(layers: int = 2):
@@ -141,6 +174,16 @@ def qwen2_moe(layers: int = 2):
         vocab_size=96, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
         shared_expert_intermediate_size=48, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
         num_experts=4, num_experts_per_tok=2, max_position_embeddings=64, use_cache=False)).eval()
+
+
+def _listed_experts() -> tuple:
+    torch.manual_seed(0)
+    model, args = moe.build(experts=4, modules=True)
+    return model.eval(), args
+
+
+def _shared_and_listed_models() -> list:
+    return [*with_default_inputs([qwen2_moe()]), _listed_experts()]
 
 
 def _shared_and_listed_experts_exact(rank: int, world: int) -> None:
@@ -154,9 +197,7 @@ def _shared_and_listed_experts_exact(rank: int, world: int) -> None:
             blocks, experts = model.config.num_hidden_layers, [*expert_params(model), *(
                 n for n, p in model.named_parameters() if ".shared_expert." in n)]
         else:
-            torch.manual_seed(0)
-            model, args = moe.build(experts=4, modules=True)
-            model.eval()
+            model, args = _listed_experts()
             inputs, x = (lambda b, s: torch.randn(b, s, 32)), torch.randn(2, 5, 32)
             sharded = autotp.parallelize(model, args)
             blocks, experts = 2, [n for n, _ in model.named_parameters() if ".experts." in n]
@@ -173,7 +214,7 @@ def _shared_and_listed_experts_exact(rank: int, world: int) -> None:
 
 
 def test_shared_experts_and_expert_modules_are_split_like_mlps():
-    run_ranks(2, _shared_and_listed_experts_exact)
+    run_ranks(2, _shared_and_listed_experts_exact, captures=_shared_and_listed_models)
 
 
 def test_interleaved_columns_split_only_in_whole_pairs():
@@ -197,11 +238,20 @@ def test_batched_experts_are_split_alike():
     assert plan.collective_counts("forward")["all_reduce"] <= 2 * 1 + 1, plan.collectives
 
 
+_EXPERT_PARALLEL = ((4, None), (3, "batched_mm"))  # (experts, implementation); None: read from the checkpoint
+
+
+def _expert_parallel_models(directory: str) -> list:
+    return with_default_inputs([mixtral(experts=experts, layers=1, implementation=implementation)
+                                if implementation else pretrained(directory)
+                                for experts, implementation in _EXPERT_PARALLEL])
+
+
 def _expert_parallel_exact(rank: int, world: int, directory: str) -> None:
     """Whole experts per rank (imposed): 4 experts as 2 + 2 with grouped matmuls, read per rank from transformers'
     per-expert checkpoint and saved back, and 3 as 2 + 1 with ``w[ids]`` + bmm; each rank computes its own
     experts' tokens and the MoE layer's one all-reduce sums the disjoint rows."""
-    for experts, implementation in ((4, None), (3, "batched_mm")):
+    for experts, implementation in _EXPERT_PARALLEL:
         model = mixtral(experts=experts, layers=1, implementation=implementation)
         if implementation is None:
             sharded = autotp.from_pretrained(directory, experts="parallel")
@@ -229,7 +279,8 @@ def _expert_parallel_exact(rank: int, world: int, directory: str) -> None:
 def test_expert_parallelism_is_exact(tmp_path):
     from safetensors.torch import load_file
     mixtral(layers=1).save_pretrained(tmp_path)  # experts stored one by one (experts.E.w1.weight, ...)
-    run_ranks(2, _expert_parallel_exact, str(tmp_path))
+    run_ranks(2, _expert_parallel_exact, str(tmp_path),
+              captures=functools.partial(_expert_parallel_models, str(tmp_path)))
     stored, saved = load_file(tmp_path / "model.safetensors"), load_file(tmp_path / "saved" / "model.safetensors")
     assert stored.keys() == saved.keys() and all(torch.equal(stored[k], saved[k]) for k in stored)
 

@@ -7,10 +7,21 @@ the plan lists; each owner's segment runs on exactly the rows routed to its expe
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
-from test_moe import TOL, expert_params, mixtral, qwen3_moe, runs_the_plan, same_as_unsharded
+from test_moe import (
+    TOL,
+    expert_params,
+    mixtral,
+    qwen3_moe,
+    runs_the_plan,
+    same_as_unsharded,
+    six_experts,
+    six_experts_models,
+    with_default_inputs,
+)
 from torch.distributed.tensor.debug import CommDebugMode
 
 import autotp
@@ -68,13 +79,20 @@ def _routed_to_owners(model, sharded, x) -> list[int]:
     return [d.received for d in dispatchers]
 
 
+def _all_to_all_cases(world: int) -> list:
+    return {2: [("mixtral", lambda: mixtral()), ("qwen3-moe batched", lambda: _batched(qwen3_moe())),
+                ("deepseek-v3", lambda: deepseek_v3())],
+            4: [("mixtral 6 experts", lambda: mixtral(experts=6)), ("qwen3-moe", lambda: qwen3_moe()),
+                ("deepseek-v3 starved", lambda: _starved(deepseek_v3()))]}[world]
+
+
+def _all_to_all_models(world: int) -> list:
+    return with_default_inputs([build() for _, build in _all_to_all_cases(world)])
+
+
 def _all_to_all_exact(rank: int, world: int) -> list:
-    cases = {2: [("mixtral", lambda: mixtral()), ("qwen3-moe batched", lambda: _batched(qwen3_moe())),
-                 ("deepseek-v3", lambda: deepseek_v3())],
-             4: [("mixtral 6 experts", lambda: mixtral(experts=6)), ("qwen3-moe", lambda: qwen3_moe()),
-                 ("deepseek-v3 starved", lambda: _starved(deepseek_v3()))]}[world]
     received = {}
-    for name, build in cases:
+    for name, build in _all_to_all_cases(world):
         model = build()
         sharded = autotp.parallelize(model, experts="all-to-all")
         plan = sharded.autotp_plan
@@ -109,7 +127,7 @@ def _starved(model):
 
 @pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.slow), 4])  # different models at each size
 def test_all_to_all_is_exact(world):
-    received = run_ranks(world, _all_to_all_exact)
+    received = run_ranks(world, _all_to_all_exact, captures=functools.partial(_all_to_all_models, world))
     if world == 4:
         assert all(calls == [0] for calls in received[3]["deepseek-v3 starved"]), received  # its experts: nothing
         assert any(rank["mixtral 6 experts"][1] == [0, 0] for rank in received), received  # 1 x 1: 2 rows, 4 ranks
@@ -118,9 +136,7 @@ def test_all_to_all_is_exact(world):
 def _example_exact(rank: int, world: int) -> None:
     """Gate and up interleaved, biases on every expert projection, looked up by the ids: the lookups run on the
     owner from its local ids (examples/moe.py)."""
-    torch.manual_seed(0)
-    model, args = moe.build(experts=6, interleaved=True, bias=True)
-    model.eval()
+    model, args = six_experts()
     sharded = autotp.parallelize(model, args, experts="all-to-all")
     assert sharded.autotp_plan.params["0.gate_up_bias"] == "A4(0/6)", sharded.autotp_plan.params
     runs_the_plan(sharded, sharded.autotp_plan, torch.randn(2, 5, 32))
@@ -128,7 +144,15 @@ def _example_exact(rank: int, world: int) -> None:
 
 
 def test_hand_written_experts_with_biases_are_dispatched():
-    run_ranks(4, _example_exact)
+    run_ranks(4, _example_exact, captures=six_experts_models)
+
+
+def _mesh_model():
+    return mixtral(experts=6, layers=1)
+
+
+def _mesh_models() -> list:
+    return [(_mesh_model(), (_tokens(2, 5),))]  # every layout's model and a replica's batch: one capture
 
 
 def _mesh_training(rank: int, world: int) -> None:
@@ -139,7 +163,7 @@ def _mesh_training(rank: int, world: int) -> None:
     for dims, experts in ((("dp", "ep"), None), (("ep", "tp"), "all-to-all"), (("ep", "tp"), "tensor"),
                           (("dp", "tp"), "all-to-all")):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=dims)
-        model = mixtral(experts=6, layers=1)
+        model = _mesh_model()
         reference = copy.deepcopy(model)
         torch.manual_seed(5)
         everyone = [_tokens(2, 5) for _ in range(2 if "tp" in dims else world)]  # a batch per replica
@@ -171,7 +195,7 @@ def _mesh_training(rank: int, world: int) -> None:
 
 
 def test_expert_parallelism_over_data_parallel_ranks_trains_like_one_process():
-    run_ranks(4, _mesh_training)
+    run_ranks(4, _mesh_training, captures=_mesh_models)
 
 
 def test_the_solver_prices_every_expert_strategy_and_keeps_the_cheapest(tmp_path):

@@ -4,6 +4,7 @@ as bias-free ones do, and sequential ones two (Megatron).  Also: an encoder whos
 fixed by its config and does not divide the ranks (ViT, 17 tokens) runs exactly."""
 from __future__ import annotations
 
+import functools
 from collections import Counter
 
 import pytest
@@ -37,13 +38,21 @@ def _per_block(plan, phase: str) -> list[int]:
     return [found[b] for b in range(BLOCKS)]
 
 
-def _blocks(rank: int, world: int) -> None:
-    x = torch.randint(0, 90, (2, 5), generator=torch.Generator().manual_seed(0))  # the same on every rank
-    # (model, forward all-reduces per block, backward: one per layer norm feeding column-split matmuls)
+def _block_cases(world: int) -> list:
+    """(model, forward all-reduces per block, backward: one per layer norm feeding column-split matmuls)"""
     cases = [(_build("gpt_neox", num_hidden_layers=BLOCKS), 1, 2), (phi2(BLOCKS), 1, 1)]
     if world == 2:
         cases.append((_build("gpt_neox", num_hidden_layers=BLOCKS, use_parallel_residual=False), 2, 2))
-    for model, forward, backward in cases:
+    return cases
+
+
+def _block_input() -> torch.Tensor:
+    return torch.randint(0, 90, (2, 5), generator=torch.Generator().manual_seed(0))  # the same on every rank
+
+
+def _blocks(rank: int, world: int) -> None:
+    x = _block_input()
+    for model, forward, backward in _block_cases(world):
         sharded = autotp.parallelize(model, (x,))
         plan = sharded.autotp_plan
         assert _per_block(plan, "forward") == [forward] * BLOCKS, plan.collectives
@@ -56,10 +65,13 @@ def _blocks(rank: int, world: int) -> None:
         _same_as_unsharded(model, sharded)  # outputs and every gradient: biases' and the residual stream's
 
 
-def _signed(rank: int, world: int) -> None:
+def _signed_model() -> tuple:
     torch.manual_seed(0)
-    model = SignedBranches().eval()
-    x = torch.randn(2, 5, 32)
+    return SignedBranches().eval(), torch.randn(2, 5, 32)
+
+
+def _signed(rank: int, world: int) -> None:
+    model, x = _signed_model()
     sharded = autotp.parallelize(model, (x,))
     assert sharded.autotp_plan.params["a_out.weight"] == "S(1)", sharded.autotp_plan.params
     assert _collectives(lambda: sharded(x)) == {"all_reduce": 1}  # x - a + 0.5 b summed once, biases and x by rank 0
@@ -86,6 +98,17 @@ def _vit(rank: int, world: int) -> None:
         _same_as_unsharded(model, sharded, inputs=_pixels)
 
 
+def _models(world: int) -> list:
+    """What ``_checks`` parallelizes at ``world`` ranks, in its order."""
+    models = []
+    if world != 3:
+        models += [(model, (_block_input(),)) for model, _, _ in _block_cases(world)]
+    if world == 2:
+        model, x = _signed_model()
+        models.append((model, (x,)))
+    return [*models, (vit(layers=BLOCKS), (_pixels(2, 0),))]
+
+
 def _checks(rank: int, world: int) -> None:
     """One spawn per world size: starting ranks costs more than the checks."""
     if world != 3:
@@ -98,4 +121,4 @@ def _checks(rank: int, world: int) -> None:
 @pytest.mark.parametrize("world", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_partial_sums_and_static_sequences(world):
     """Blocks with biases (2, 4 ranks), sub and alpha (2 ranks), ViT (2, 3, 4 ranks): see the module docstring."""
-    run_ranks(world, _checks)
+    run_ranks(world, _checks, captures=functools.partial(_models, world))

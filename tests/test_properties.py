@@ -2,6 +2,8 @@
 unsharded model's outputs and gradients.  Few examples each: every one spawns real gloo ranks."""
 from __future__ import annotations
 
+import functools
+
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -14,9 +16,17 @@ SETTINGS = settings(max_examples=5, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
-def _compare(rank: int, world: int, build, x) -> None:
+def _model(build) -> torch.nn.Module:
     torch.manual_seed(0)
-    model = build().eval()
+    return build().eval()
+
+
+def _models(build, x) -> list:
+    return [(_model(build), (x,))]
+
+
+def _compare(rank: int, world: int, build, x) -> None:
+    model = _model(build)
     sharded = autotp.parallelize(model, (x,))
     out, want = sharded(x), model(x)
     out, want = getattr(out, "logits", out), getattr(want, "logits", want)
@@ -43,7 +53,8 @@ class _MLP:
        bias=st.booleans(), batch=st.integers(1, 3), seq=st.integers(1, 4))
 def test_random_mlps(world, hidden, ffn, bias, batch, seq):
     torch.manual_seed(1)
-    run_ranks(world, _compare, _MLP(hidden, ffn, bias), torch.randn(batch, seq, hidden))
+    build, x = _MLP(hidden, ffn, bias), torch.randn(batch, seq, hidden)
+    run_ranks(world, _compare, build, x, captures=functools.partial(_models, build, x))
 
 
 class _Llama:
@@ -67,4 +78,5 @@ def test_random_transformers(world, data):
               "num_hidden_layers": data.draw(st.integers(1, 2), "layers")}
     torch.manual_seed(2)
     x = torch.randint(0, 30, (data.draw(st.integers(1, 2), "batch"), data.draw(st.integers(1, 5), "seq")))
-    run_ranks(world, _compare, _Llama(**config), x)
+    build = _Llama(**config)
+    run_ranks(world, _compare, build, x, captures=functools.partial(_models, build, x))

@@ -24,11 +24,24 @@ from models import build
 aten = torch.ops.aten
 
 
+# LLaMA: the core is one SDPA op; GPT-2 eager: QK^T, scale, mask, softmax, ·V materialized
+TWO_RANKS = (("llama", "sdpa", False), ("gpt2", "eager", True))
+
+
+def _with_attention(kind: str, attention: str) -> tuple:
+    model, _, blocks = build(kind)
+    model.set_attn_implementation(attention)
+    return model, blocks
+
+
+def _two_ranks_models() -> list:
+    return [(_with_attention(kind, attention)[0], (torch.randint(0, 96, EXAMPLE),))
+            for kind, attention, _ in TWO_RANKS]
+
+
 def _two_ranks(rank: int, world: int) -> None:
-    # LLaMA: the core is one SDPA op; GPT-2 eager: QK^T, scale, mask, softmax, ·V materialized
-    for kind, attention, tokens in (("llama", "sdpa", False), ("gpt2", "eager", True)):
-        model, _, blocks = build(kind)
-        model.set_attn_implementation(attention)
+    for kind, attention, tokens in TWO_RANKS:
+        model, blocks = _with_attention(kind, attention)
         example = torch.randint(0, 96, EXAMPLE)
         sharded = autotp.parallelize(model, (example,), sequence_parallel=tokens, recompute="selective")
         plan = sharded.autotp_plan
@@ -43,7 +56,7 @@ def _two_ranks(rank: int, world: int) -> None:
 
 
 def test_recomputed_attention_is_exact_at_two_ranks():
-    run_ranks(2, _two_ranks)
+    run_ranks(2, _two_ranks, captures=_two_ranks_models)
 
 
 def test_taken_only_when_sequence_parallelism_does_not_fit():

@@ -56,6 +56,10 @@ def _exact(model, sharded, shapes, plan=None) -> dict:
     return comm_counts(comm)
 
 
+def _two_ranks_models() -> list:
+    return [(build(kind, blocks=BLOCKS)[0], (torch.randint(0, 96, EXAMPLE),)) for kind in ("llama", "gpt2")]
+
+
 def _two_ranks(rank: int, world: int) -> None:
     for kind in ("llama", "gpt2"):
         model, _, _ = build(kind, blocks=BLOCKS)
@@ -82,7 +86,11 @@ def _two_ranks(rank: int, world: int) -> None:
 
 
 def test_sequence_parallel_at_two_ranks_is_exact_with_megatrons_collectives():
-    run_ranks(2, _two_ranks)
+    run_ranks(2, _two_ranks, captures=_two_ranks_models)
+
+
+def _eleven_tokens_models() -> list:
+    return [(build("llama", blocks=1)[0], (torch.randint(0, 96, (2, 16)),))]
 
 
 def _eleven_tokens(rank: int, world: int) -> None:
@@ -92,7 +100,7 @@ def _eleven_tokens(rank: int, world: int) -> None:
 
 
 def test_eleven_tokens_on_four_ranks():
-    run_ranks(4, _eleven_tokens)
+    run_ranks(4, _eleven_tokens, captures=_eleven_tokens_models)
 
 
 def test_taken_only_when_memory_demands_it():

@@ -2,6 +2,7 @@
 the plan is Megatron's, and the collectives run are the ones planned."""
 from __future__ import annotations
 
+import functools
 import re
 from collections import Counter
 
@@ -20,6 +21,12 @@ KINDS = ["mlp", "nanogpt", "llama", "gpt2", "phi3"]
 def _block_of(module_path: str) -> int | None:
     found = re.search(r"\.(\d+)(\.|$)", module_path)
     return int(found.group(1)) if found else None
+
+
+def _built(kind: str) -> list:
+    """The one model ``build(kind)`` gives the ranks, with its example inputs."""
+    model, args, _ = build(kind)
+    return [(model, args)]
 
 
 def _check(rank: int, world: int, kind: str) -> None:
@@ -94,11 +101,11 @@ CASES = [(kind, 4) for kind in KINDS] + [("mlp", 2)] + [pytest.param(kind, 2, ma
 
 @pytest.mark.parametrize(("kind", "world"), CASES)
 def test_sharded_matches_single_process(kind, world):
-    run_ranks(world, _check, kind)
+    run_ranks(world, _check, kind, captures=functools.partial(_built, kind))
 
 
 def test_ops_without_rules_see_full_tensors():
-    run_ranks(2, _check, "unruly")
+    run_ranks(2, _check, "unruly", captures=functools.partial(_built, "unruly"))
 
 
 def _train_step(rank: int, world: int) -> None:
@@ -128,7 +135,7 @@ def _train_step(rank: int, world: int) -> None:
 
 
 def test_training_steps_match():
-    run_ranks(2, _train_step)
+    run_ranks(2, _train_step, captures=functools.partial(_built, "llama"))
 
 
 def _given_plan(rank: int, world: int) -> None:
@@ -144,7 +151,7 @@ def _given_plan(rank: int, world: int) -> None:
 
 
 def test_parallelize_with_a_given_plan():
-    run_ranks(2, _given_plan)
+    run_ranks(2, _given_plan, captures=functools.partial(_built, "gpt2"))
 
 
 def _compiled(rank: int, world: int) -> None:
@@ -163,7 +170,7 @@ def _compiled(rank: int, world: int) -> None:
 
 
 def test_torch_compile_gives_the_same_outputs_and_gradients():
-    run_ranks(2, _compiled)
+    run_ranks(2, _compiled, captures=functools.partial(_built, "nanogpt"))
 
 
 # (head dim, batch, sequence) of 2-block LLaMAs the solver plans with a hidden-sharded residual stream:
@@ -171,13 +178,24 @@ def test_torch_compile_gives_the_same_outputs_and_gradients():
 RESIDUAL_SHARDED = [(16, 8, 2048), (32, 4, 1024)]
 
 
+def _residual_sharded_model(head_dim: int, batch: int, seq: int) -> tuple:
+    """A 2-block LLaMA (the same seed every time) and the input shape its plan was made at."""
+    from models import llama_with
+    return llama_with(heads=8, kv=4, head_dim=head_dim, layers=2), (torch.zeros(batch, seq, dtype=torch.long),)
+
+
+def _residual_sharded_models() -> list:
+    return [_residual_sharded_model(*sizes) for sizes in RESIDUAL_SHARDED]
+
+
 def _runs_planned_collectives(rank: int, world: int, plans: list) -> None:
     from models import llama_with
     transport = autotp.runtime.transport
     transport.ONE_SHOT_BYTES = 0  # count all-reduces as such
     for head_dim, batch, seq, plan in plans:
-        model, reference = (llama_with(heads=8, kv=4, head_dim=head_dim, layers=2) for _ in range(2))  # same seed
-        sharded = autotp.parallelize(model, (torch.zeros(batch, seq, dtype=torch.long),), plan=plan)
+        model, args = _residual_sharded_model(head_dim, batch, seq)
+        reference = llama_with(heads=8, kv=4, head_dim=head_dim, layers=2)  # same seed
+        sharded = autotp.parallelize(model, args, plan=plan)
         x = torch.randint(0, 96, (2, 6), generator=torch.Generator().manual_seed(1))
         with CommDebugMode() as forward:
             out = logits(sharded(x))
@@ -206,19 +224,27 @@ def test_hidden_sharded_residual_runs_the_planned_reduce_scatters():
     assert {("forward", "reduce_scatter"), ("backward", "reduce_scatter")} <= planned, (
         f"no reduce-scatter planned at these sizes any more ({planned}): pick sizes in RESIDUAL_SHARDED where the "
         "solver shards the residual stream by hidden")
-    run_ranks(2, _runs_planned_collectives, plans)
+    run_ranks(2, _runs_planned_collectives, plans, captures=_residual_sharded_models)
+
+
+def _poisoned() -> tuple:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(96, 32), torch.nn.Linear(32, 64))  # rows 48..95 on rank 1
+    with torch.no_grad():
+        model[0].weight[48] = float("inf")
+        model[0].weight[95] = float("nan")
+    return model, (torch.randint(0, 48, (2, 5)),)
+
+
+def _poisoned_models() -> list:
+    return [_poisoned()]
 
 
 def _poisoned_rows(rank: int, world: int) -> None:
     """An Inf and a NaN in rows no input reads: the vocab-parallel lookup must not leak them into the
     ranks that hold those rows but look up nothing there (0 x Inf is NaN; masking is exact)."""
     from autotp.runtime.placement import Shard
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Embedding(96, 32), torch.nn.Linear(32, 64))  # rows 48..95 on rank 1
-    with torch.no_grad():
-        model[0].weight[48] = float("inf")
-        model[0].weight[95] = float("nan")
-    x = torch.randint(0, 48, (2, 5))
+    model, (x,) = _poisoned()
     sharded = autotp.parallelize(model, (x,), fixed={"0.weight": Shard(0)})
     assert sharded.autotp_plan.params["0.weight"] == "S(0)"
     torch.testing.assert_close(sharded(x), model(x), **TOL)
@@ -228,7 +254,7 @@ def _poisoned_rows(rank: int, world: int) -> None:
 
 
 def test_vocab_parallel_embedding_never_reads_other_ranks_rows():
-    run_ranks(2, _poisoned_rows)
+    run_ranks(2, _poisoned_rows, captures=_poisoned_models)
 
 
 class _ReadTwice(torch.nn.Module):
@@ -247,10 +273,18 @@ class _ReadTwice(torch.nn.Module):
         return self.head(self.down(torch.nn.functional.gelu(self.up(x))) + torch.cumsum(x, -1))
 
 
+def _read_twice() -> tuple:
+    torch.manual_seed(0)
+    return _ReadTwice(), (torch.randint(0, 64, (2, 7)),)
+
+
+def _read_twice_models() -> list:
+    return [_read_twice()]
+
+
 def _gathered_once(rank: int, world: int) -> None:
     from autotp.runtime.placement import Shard
-    torch.manual_seed(0)
-    model, ids = _ReadTwice(), torch.randint(0, 64, (2, 7))
+    model, (ids,) = _read_twice()
     sharded = autotp.parallelize(model, (ids,), fixed={"emb.weight": Shard(1), "up.weight": Shard(0)})
     gathers = [n for n in sharded.graph.nodes if getattr(n.target, "__name__", "").startswith("gather")]
     assert [n.args[0].target for n in gathers] == [torch.ops.aten.embedding.default], gathers
@@ -273,4 +307,4 @@ def _gathered_once(rank: int, world: int) -> None:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_value_read_whole_by_sharded_and_replicated_ops_is_gathered_once(world):
-    run_ranks(world, _gathered_once)
+    run_ranks(world, _gathered_once, captures=_read_twice_models)

@@ -4,6 +4,8 @@ nn.MultiheadAttention and F.multi_head_attention_forward): the packed in_proj_we
 training at 2, 3 and 4 ranks with the original parameter names."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -26,9 +28,18 @@ def _inputs(batch: int, seq: int, padding: bool) -> tuple:
     return ids, pad
 
 
+def _model(case: tuple) -> torch.nn.Module:
+    kind, heads, batch_first, _ = case
+    return torch_layers_lm(kind, dim=8 * heads, heads=heads, batch_first=batch_first).train()
+
+
+def _models(case: tuple) -> list:
+    return [(_model(case), _inputs(2, 8, case[3]))]
+
+
 def _torch_layers(rank: int, world: int, case: tuple) -> None:
-    kind, heads, batch_first, padding = case
-    model = torch_layers_lm(kind, dim=8 * heads, heads=heads, batch_first=batch_first).train()
+    kind, heads, _, padding = case
+    model = _model(case)
     sharded = autotp.parallelize(model, _inputs(2, 8, padding))
     plan = sharded.autotp_plan
     assert plan.replicated_ops == [], plan.replicated_ops
@@ -44,7 +55,7 @@ def _torch_layers(rank: int, world: int, case: tuple) -> None:
 
 @pytest.mark.parametrize("world", AT_THREE_RANKS)
 def test_torch_transformer_layers_split_by_heads(world):
-    run_ranks(world, _torch_layers, CASES[world])
+    run_ranks(world, _torch_layers, CASES[world], captures=functools.partial(_models, CASES[world]))
 
 
 @pytest.mark.parametrize("batch_first", [True, False])

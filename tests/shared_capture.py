@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_flatten
 import autotp.api
 import autotp.parallel.split
 import autotp.passes.capture
+from autotp.passes.capture import register_inputs
 
 _capture = autotp.passes.capture.capture
 _made: dict[str, torch.fx.GraphModule] = {}
@@ -39,6 +40,7 @@ def digest(model: torch.nn.Module, args, kwargs) -> str | None:
     """What a capture depends on; None where some of it cannot be read (then it is captured as usual)."""
     h = hashlib.sha256(f"{torch.is_grad_enabled()}:{torch.get_default_dtype()}".encode())
     try:
+        register_inputs(args, kwargs or {})  # as capture does first: a BlockMask or a dataclass input is a pytree
         for name, module in model.named_modules(remove_duplicate=False):
             state = vars(module)
             h.update(pickle.dumps((name, type(module).__module__, type(module).__qualname__,
@@ -81,6 +83,7 @@ def copy_of(gm: torch.fx.GraphModule) -> torch.fx.GraphModule | None:
         copied = copy.deepcopy(gm)
     for name, module in gm.named_modules(remove_duplicate=False):
         twin = copied.get_submodule(name)
+        twin._non_persistent_buffers_set = set(module._non_persistent_buffers_set)  # the deepcopy forgets them
         for attr, value in vars(module).items():
             if isinstance(value, torch.Tensor) and attr in twin._buffers:
                 tensor = twin._buffers.pop(attr)
@@ -90,7 +93,9 @@ def copy_of(gm: torch.fx.GraphModule) -> torch.fx.GraphModule | None:
 
 
 def _layout(gm: torch.fx.GraphModule) -> list:
-    return [(name, type(m).__name__, sorted(m._parameters), sorted(m._buffers), sorted(m._non_persistent_buffers_set),
+    """Where each tensor sits; a subgraph (FlexAttention's score function) is a GraphModule whatever it was named."""
+    return [(name, "GraphModule" if isinstance(m, torch.fx.GraphModule) else type(m).__name__, sorted(m._parameters),
+             sorted(m._buffers), sorted(m._non_persistent_buffers_set),
              sorted(k for k, v in vars(m).items() if isinstance(v, torch.Tensor)))
             for name, m in gm.named_modules(remove_duplicate=False)]
 

@@ -14,7 +14,6 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 import autotp
-from autotp.passes.capture import register_inputs
 from autotp.passes.flex import exportable_on_cpu
 from distributed import run_ranks
 from exact import forward_matches, sums_per_block, training_matches
@@ -81,9 +80,7 @@ def test_flex_attention_is_split_by_query_heads(mode, heads, kv, world):
 
 
 def _flex_models(mode: str, heads: int, kv: int) -> list:
-    model, example = _flex_model(mode, heads, kv), _inputs(mode, 2, _seq(mode), heads)
-    register_inputs(example, {})  # a BlockMask is a pytree (once captured) in the ranks' lookups: in this one too
-    return [(model, example)]
+    return [(_flex_model(mode, heads, kv), _inputs(mode, 2, _seq(mode), heads))]
 
 
 def test_the_cpu_check_that_capture_lifts_is_where_it_was():
@@ -147,9 +144,7 @@ def test_structured_inputs_run_sharded():
 
 
 def _structured_examples() -> list:
-    model, example = _structured_example()
-    register_inputs(example, {})  # the BlockMask and the dataclass are pytrees (once captured) in the ranks' lookups
-    return [(model, example)]
+    return [_structured_example()]
 
 
 def test_heads_that_cannot_meet_their_kv_heads_are_said_in_the_plan():

@@ -10,13 +10,16 @@ import torch
 import torch.distributed as dist
 
 from autotp.cost_models import load_topology
-from autotp.passes import segments
-from autotp.passes.accounting import alternatives, planned_collectives
+from autotp.cost_models.pricing import Experts, Sizes, activation_bytes
+from autotp.ops import expert_segments
+from autotp.ops.strategies import Context, Strategy, enumerate_strategies, input_slots, needs_grad, on_tokens
+from autotp.ops.table import TABLE, drops
+from autotp.options import Options
+from autotp.parallel.dcp import DcpDirectory
 from autotp.passes.capture import CaptureError, canonical_names, capture, fingerprint, module_path, retarget_device
 from autotp.passes.capture import check_inputs as check_example_inputs
 from autotp.passes.fold import Fold, NotFoldable, find_fold, fold_graph, folded
 from autotp.passes.group_cuts import cuts_to_gathers
-from autotp.passes.ops import TABLE, drops
 from autotp.passes.prepare import (
     add_hints,
     drop_no_ops,
@@ -25,26 +28,22 @@ from autotp.passes.prepare import (
     split_bias,
     unflatten_products,
 )
-from autotp.passes.pricing import Experts, Sizes, activation_bytes
 from autotp.passes.recompute import attention_cores, checkpoint_cores
 from autotp.passes.rewrite import rewrite
-from autotp.passes.solve import DoesNotFit, PlanningError, solve
-from autotp.passes.strategies import Context, Strategy, enumerate_strategies, input_slots, needs_grad, on_tokens
 from autotp.passes.styles import param_styles
 from autotp.passes.unmerge import unmerge
-
-from .agree import DEFAULT_TIMEOUT, InputCheck, RandomCheck, Rendezvous, inputs_digest
-from .hf import default_inputs, no_kv_cache
-from .options import Options
-from .parallel.dcp import DcpDirectory
-from .plan import Plan, PlanMismatch
-from .runtime.conversion import model_conversions
-from .runtime.dispatch import Group, Groups
-from .runtime.dropout import set_mode
-from .runtime.hf_checkpoint import Checkpoint, check_tensors
-from .runtime.materialize import device_of, materialize
-from .runtime.placement import Disjoint, Routed, Shard
-from .runtime.transport import register
+from autotp.placement import Disjoint, Routed, Shard
+from autotp.plan import Plan, PlanMismatch
+from autotp.planning.accounting import alternatives, planned_collectives
+from autotp.planning.solve import DoesNotFit, PlanningError, solve
+from autotp.runtime.conversion import model_conversions
+from autotp.runtime.dropout import set_mode
+from autotp.runtime.expert_dispatch import Group, Groups
+from autotp.runtime.hf_checkpoint import Checkpoint, check_tensors
+from autotp.runtime.hf_models import default_inputs, no_kv_cache
+from autotp.runtime.materialize import device_of, materialize
+from autotp.runtime.rendezvous import DEFAULT_TIMEOUT, InputCheck, RandomCheck, Rendezvous, inputs_digest
+from autotp.runtime.transport import register
 
 
 def prepared_graph(model: torch.nn.Module, args=None, kwargs=None, fold: bool = False) -> torch.fx.GraphModule:
@@ -175,7 +174,7 @@ def _strategies(gm: torch.fx.GraphModule, world_size: int, options: Options, tok
                 experts: str | None) -> Context:
     ctx = Context(world=world_size, min_shard_fraction=options.min_shard_fraction, fixed=options.fixed or {},
                   tokens=tokens, experts=experts, ep=options.ep, ops=TABLE)
-    ctx.segments = segments.members(segments.find(gm, ctx))
+    ctx.segments = expert_segments.members(expert_segments.find(gm, ctx))
     add_hints(gm, ctx)
     enumerate_strategies(gm, ctx)
     return ctx
@@ -288,7 +287,7 @@ def tensor_parallel(model: torch.nn.Module, args=None, kwargs=None, *, plan: Pla
     drops.  ``dropout``: how the masks are drawn, "default" (Megatron's model-parallel streams) or "reference"
     (each rank its piece of the masks one process draws for the same seed; for tests; docs/dropout.md).
     ``expert_groups``: (a mesh's "ep" group, the group of its "ep" x "tp" ranks), which ``parallelize`` passes
-    for a mesh with an "ep" dimension: expert segments are dispatched over them (runtime/dispatch.py).
+    for a mesh with an "ep" dimension: expert segments are dispatched over them (runtime/expert_dispatch.py).
     ``graph``: a captured part of ``model`` to shard instead of the whole (a pipeline stage, parallel/split.py).
     ``fill=False`` leaves the checkpoint's and ``init_seed``'s tensors on meta, for the caller to fill once FSDP2
     has split them (parallel/mesh.py).
@@ -355,7 +354,7 @@ def tensor_parallel(model: torch.nn.Module, args=None, kwargs=None, *, plan: Pla
         if any(p.is_meta for p in model.parameters()):
             raise ValueError("verify=True compares with the unsharded model, whose weights are on the meta device: "
                              "verify with a model that fits in memory, or drop verify")
-        from .verify import verify as check
+        from autotp.passes.verify import verify as check
         check(sharded, prepared_graph(model, args, kwargs), args, kwargs)
     return sharded
 

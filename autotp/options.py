@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .passes.pricing import IMBALANCE
-from .runtime.dropout import MODES
+from autotp.cost_models.pricing import IMBALANCE
+from autotp.runtime.dropout import MODES
 
 EXPERTS = (None, "tensor", "parallel", "all-to-all")
 

@@ -12,8 +12,8 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .passes.capture import fingerprint_difference
-from .runtime.placement import Shard, dump, parse
+from autotp.passes.capture import fingerprint_difference
+from autotp.placement import Shard, dump, parse
 
 SCHEMA_VERSION = 1
 SCHEMA = Path(__file__).with_name("plan.schema.json")

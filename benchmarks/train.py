@@ -110,7 +110,7 @@ def _estimate(o: argparse.Namespace) -> float:
     """The planner's bytes per device for TP 2 x DP 2 (FSDP) running each replica's batch at once, as here."""
     from autotp.api import prepared_graph
     from autotp.cost_models.mesh_layout import Candidate
-    from autotp.mesh_planner import price_layout
+    from autotp.planning.mesh_search import price_layout
     gm = prepared_graph(build(o), (global_batch(o, 0)[0][:1],), None, fold=True)
     layout = Candidate(2, 1, 2, microbatch_size=o.batch // 2)
     return price_layout(gm, layout, topology="dgx-h100", global_batch=o.batch, data_parallel="fsdp").memory_bytes

@@ -214,7 +214,7 @@ def dry_run(o: argparse.Namespace) -> dict:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from autotp.cost_models import load_topology
-    from autotp.cost_models.schedules import in_flight
+    from autotp.cost_models.schedule_tables import in_flight
     world = o.world_size or o.tp * o.dp * o.pp
     dist.init_process_group("fake", store=FakeStore(), rank=o.rank, world_size=world)
     start = time.perf_counter()

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import autotp
-from autotp.agree import RankDisagreement
+from autotp.runtime.rendezvous import RankDisagreement
 from autotp.runtime.transport import CollectiveError
 from autotp.tools.spawn import free_port, local_context
 from distributed import run_ranks

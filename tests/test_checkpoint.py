@@ -12,8 +12,8 @@ from safetensors.torch import load_file, save_file
 
 import autotp
 from autotp.api import checkpoint_source
-from autotp.hf import default_inputs
 from autotp.runtime.hf_checkpoint import check_tensors
+from autotp.runtime.hf_models import default_inputs
 from distributed import run_ranks
 from models import build, example_input, llama_with, logits, padded_prompts
 
@@ -93,7 +93,7 @@ def test_from_pretrained_on_four_ranks(tmp_path):
 def _uneven_and_shared(rank: int, world: int, root: str) -> None:
     from transformers import AutoModelForCausalLM
 
-    from autotp.runtime.placement import parse, take_local
+    from autotp.placement import parse, take_local
     for name, layouts in [("uneven", {"q_proj": "S(0/10)", "o_proj": "S(1/10)"}), ("shared", {"k_proj": "S(0/2)"})]:
         directory = f"{root}/{name}"
         sharded = autotp.from_pretrained(directory)
@@ -352,9 +352,9 @@ def _tiny(kind: str):
 def test_stacked_experts_are_read_expert_by_expert_in_slices(tmp_path):
     """Each piece of a stacked [E, 2I, H] / [E, H, I] tensor equals that slice of the model transformers
     saved, and reads only the rows of each stored expert matrix it needs."""
+    from autotp.placement import Shard, fill_ranges, piece_ranges
     from autotp.runtime.conversion import model_conversions
     from autotp.runtime.hf_checkpoint import Checkpoint
-    from autotp.runtime.placement import Shard, fill_ranges, piece_ranges
     for kind in ("mixtral", "qwen3_moe"):
         model = _tiny(kind)
         model.save_pretrained(tmp_path / kind)

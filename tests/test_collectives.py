@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from autotp.placement import P, R, Shard, assemble, parse, take_local
 from autotp.runtime import collectives, transport
-from autotp.runtime.placement import P, R, Shard, assemble, parse, take_local
 from distributed import comm_counts, run_ranks
 
 # even, fused blocks, dim 0, whole units (uneven at 4 ranks: 2,2,1,1), units shared by ranks (grouped at 4),

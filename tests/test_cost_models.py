@@ -14,7 +14,7 @@ from autotp.cost_models.communication import OPS
 from autotp.cost_models.compute import op_time, product_time
 from autotp.cost_models.memory import state_factor
 from autotp.cost_models.topology import PROFILES, profile_names
-from autotp.passes.solve import PlanningError
+from autotp.planning.solve import PlanningError
 from models import build
 
 GiB = 2 ** 30
@@ -93,7 +93,7 @@ def test_collective_errors():
 
 def test_every_cost_function_takes_a_topology_as_parallelize_does():
     """A profile name, a path (str or Path) and a loaded profile price the same; a bad name says which exist."""
-    from autotp.runtime.placement import Partial, Replicate
+    from autotp.placement import Partial, Replicate
     path = PROFILES / "dgx-h100.json"
     calls = [lambda t: collective_time("all_reduce", GiB, 8, t), lambda t: op_time(1e12, 1e9, t),
              lambda t: reshard_time(Partial(), Replicate(), GiB, 8, t)]

@@ -10,7 +10,7 @@ import torch.distributed.checkpoint as dcp
 
 import autotp
 from autotp.parallel.dcp import _dtensor_placements, _Layout
-from autotp.runtime.placement import Shard
+from autotp.placement import Shard
 from distributed import run_ranks
 from examples.train import Trainer, build, global_batch, parse, reference, train_whole
 

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from rich.console import Console
 
 import autotp
+from autotp.placement import Shard, take_local
 from autotp.runtime.dropout import Attention, Dropout, random_ops
-from autotp.runtime.placement import Shard, take_local
 from autotp.tools.report import print_plan
 from distributed import run_ranks
 
@@ -127,7 +127,7 @@ def _masks(sharded, x) -> list:
 def _default(rank: int, world: int) -> None:
     import torch.distributed as dist
 
-    from autotp.agree import random_digest
+    from autotp.runtime.rendezvous import random_digest
     warnings.simplefilter("ignore")
     model = gpt2(p=0.25)
     x = torch.randint(1, 96, (4, 32))
@@ -183,7 +183,7 @@ def test_default_mode_recomputes_the_same_masks():
 
 
 def _seeded_apart(rank: int, world: int) -> None:
-    from autotp.agree import RankDisagreement
+    from autotp.runtime.rendezvous import RankDisagreement
     warnings.simplefilter("ignore")
     model = gpt2()
     x = torch.randint(0, 96, (2, 8))
@@ -301,7 +301,7 @@ def test_reference_attention_heads_are_one_process_mask(gqa):
 def test_training_dropout_is_not_split_in_pieces_that_partly_overlap():
     """Ranks that share a unit draw its mask from one stream; pieces that only partly overlap (KV heads for
     query heads at 3 ranks: {0}, {0, 1}, {1}) cannot be drawn apart, and the rule does not offer them."""
-    from autotp.passes.rules import separate_pieces
+    from autotp.ops.rules import separate_pieces
     assert separate_pieces(Shard(1, units=2), 2, 4)  # each KV head held by 2 ranks: the same piece
     assert not separate_pieces(Shard(1, units=2, of=8), 2, 3)
     assert all(separate_pieces(Shard(1), n, w) for n, w in itertools.product((5, 8), (2, 3, 4)))

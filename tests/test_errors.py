@@ -102,8 +102,8 @@ def _verify_passes(rank: int, world: int) -> None:
 
 
 def _verify_names_the_first_divergence(rank: int, world: int) -> None:
+    from autotp.passes.verify import VerificationError
     from autotp.runtime import collectives
-    from autotp.verify import VerificationError
     collectives.all_reduce = lambda x, group, where: x  # a broken collective: partial sums are never summed
     model, args, _ = build("llama")
     # the residual add stays a partial sum (rank 0 adds the stream): the first op to read a broken sum is the norm's

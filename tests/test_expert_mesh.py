@@ -11,7 +11,7 @@ from autotp.cost_models import expert_layout as moe
 from autotp.cost_models import load_topology
 from autotp.cost_models.compute import product_time
 from autotp.cost_models.mesh_layout import Candidate, Setting, price
-from autotp.mesh_planner import plan_mesh_for_graph
+from autotp.planning.mesh_search import plan_mesh_for_graph
 
 
 def _mixtral_experts(tp: int) -> moe.Experts:
@@ -66,7 +66,7 @@ def test_each_rank_holds_its_experts():
 def test_the_planner_offers_expert_parallelism_where_the_graph_routes_experts():
     """Read from the graph, not from names: examples/moe.py's experts (looked up per token and multiplied by bmm)
     get expert-parallel layouts, with their degree in the choice; a model without routed experts gets none."""
-    from autotp.mesh_planner import plan_mesh
+    from autotp.planning.mesh_search import plan_mesh
     from examples import moe as example
     from models import build
     routed = plan_mesh(*example.build(), devices=8, global_batch=16)

@@ -14,7 +14,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 import autotp
-from autotp.passes.flex import exportable_on_cpu
+from autotp.ops.flex import exportable_on_cpu
 from distributed import run_ranks
 from exact import forward_matches, sums_per_block, training_matches
 from native_models import VOCAB, causal, flex_lm

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import autotp
-from autotp.generation import decoder
+from autotp.serving.generation import decoder
 from distributed import run_ranks
 from models import build, llama_with, padded_prompts
 

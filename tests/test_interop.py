@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import autotp
-from autotp.interop import to_dtensor_plan, to_hf_tp_plan
+from autotp.tools.interop import to_dtensor_plan, to_hf_tp_plan
 from distributed import comm_counts, plan_ops, run_ranks
 from models import build, example_input, logits
 

@@ -13,7 +13,7 @@ import torch
 from torch.distributed.tensor.debug import CommDebugMode
 
 import autotp
-from autotp.runtime.placement import parse, take_local
+from autotp.placement import parse, take_local
 from distributed import comm_counts, plan_ops, run_ranks
 from models import logits
 

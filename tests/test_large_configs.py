@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from autotp.api import prepared_graph, solve_plan
-from autotp.mesh_planner import plan_mesh_for_graph
+from autotp.cost_models.pricing import Sizes
 from autotp.options import Options
-from autotp.passes.pricing import Sizes
+from autotp.planning.mesh_search import plan_mesh_for_graph
 
 H, FFN, LAYERS, HEADS, KV, VOCAB = 8192, 28672, 80, 64, 8, 128256
 
@@ -52,7 +52,7 @@ def test_long_sequences_on_one_node_plan_sequence_parallelism_and_recomputation(
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from autotp.passes.solve import PlanningError
+    from autotp.planning.solve import PlanningError
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=H, intermediate_size=FFN, num_hidden_layers=LAYERS,
                          num_attention_heads=HEADS, num_key_value_heads=KV, use_cache=False,
                          max_position_embeddings=32768)

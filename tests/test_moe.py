@@ -12,7 +12,7 @@ import torch
 from torch.distributed.tensor.debug import CommDebugMode
 
 import autotp
-from autotp.hf import default_inputs
+from autotp.runtime.hf_models import default_inputs
 from distributed import comm_counts, plan_ops, run_ranks, weight_collectives
 from examples import moe
 
@@ -306,8 +306,8 @@ def test_the_cost_model_chooses_the_expert_strategy():
 def test_compare_prices_transformers_expert_plans():
     """transformers' Mixtral tp_plan (experts split: packed gate|up columns, down rows) and its ep_plan (whole
     experts) read as autotp placements and priced beside autotp's own plan, which is never slower."""
-    from autotp.interop import hf_parameter_placements
     from autotp.tools.compare import compare
+    from autotp.tools.interop import hf_parameter_placements
     model = mixtral(layers=1)
     tp, ep = hf_parameter_placements(model), hf_parameter_placements(model, expert_parallel=True)
     experts = "model.layers.0.mlp.experts"
@@ -328,10 +328,10 @@ def test_why_whole_experts_cost_more_for_mixtral_8x7b():
 
     from autotp.api import prepared_graph, solve_plan
     from autotp.cost_models import load_topology
+    from autotp.cost_models.pricing import op_seconds, priced_unit
+    from autotp.ops.strategies import Strategy
     from autotp.options import Options
-    from autotp.passes.pricing import op_seconds, priced_unit
-    from autotp.passes.strategies import Strategy
-    from autotp.runtime.placement import parse
+    from autotp.placement import parse
     config = MixtralConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=1,
                            num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
                            max_position_embeddings=32768, use_cache=False)

@@ -1,5 +1,5 @@
 """Expert parallelism by all-to-all (issue 25): whole experts per rank, every routed row sent to the owner of its
-expert and back (runtime/dispatch.py), over the TP group or a mesh's "ep" x "tp" ranks.
+expert and back (runtime/expert_dispatch.py), over the TP group or a mesh's "ep" x "tp" ranks.
 
 Exact against one process for Mixtral, Qwen3-MoE and a DeepSeek-V3 layer (MLA, a shared expert, group-limited and
 bias-corrected routing), with 6 experts on 4 ranks and ranks whose experts get no rows; CommDebugMode counts what
@@ -25,7 +25,7 @@ from test_moe import (
 from torch.distributed.tensor.debug import CommDebugMode
 
 import autotp
-from autotp.runtime.dispatch import ExpertDispatch
+from autotp.runtime.expert_dispatch import ExpertDispatch
 from distributed import comm_counts, plan_ops, run_ranks
 from examples import moe
 

@@ -1,4 +1,4 @@
-"""Every row of the op table (autotp/passes/ops.py), checked rank by rank in one process.
+"""Every row of the op table (autotp/ops/table.py), checked rank by rank in one process.
 
 Small programs that use each op are captured as autotp captures models; for every node, every strategy its
 row's rule proposes (at 2, 3 and 4 ranks, sequence parallelism offered) is run on each simulated rank: inputs
@@ -17,10 +17,10 @@ from torch import nn
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from autotp.api import prepared_graph
-from autotp.passes.ops import TABLE, op
+from autotp.ops.strategies import Context, enumerate_strategies, input_slots
+from autotp.ops.table import TABLE, op
 from autotp.passes.prepare import add_hints
-from autotp.passes.strategies import Context, enumerate_strategies, input_slots
-from autotp.runtime.placement import Disjoint, Partial, Replicate, Shard, take_local
+from autotp.placement import Disjoint, Partial, Replicate, Shard, take_local
 
 aten = torch.ops.aten
 H, FFN, HEADS, KV, D, VOCAB = 12, 24, 6, 2, 2, 16  # 6 query heads and 2 KV heads of 2: uneven and shared at 4 ranks
@@ -346,7 +346,7 @@ def test_every_row_with_a_rule_is_exercised(captured):
 def test_rows_agree_with_the_schemas():
     """What a row says of aliasing matches PyTorch's schema, except where the table says why (a copy unless
     already contiguous, a cast that copies), and every layout op is a view or a lookup (``w[ids]``) or cast."""
-    from autotp.passes.semantics import may_alias
+    from autotp.ops.semantics import may_alias
     for target, row in TABLE.items():
         if isinstance(target, torch._ops.OpOverload) and row.view:
             assert may_alias(target), target

@@ -14,8 +14,8 @@ from test_sharded import _block_of
 from torch.distributed.tensor.debug import CommDebugMode
 
 import autotp
+from autotp.placement import Shard
 from autotp.runtime import transport
-from autotp.runtime.placement import Shard
 from distributed import comm_counts, plan_ops, run_ranks
 from models import SignedBranches, phi2, vit
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import autotp
+from autotp.placement import Shard, parse
 from autotp.plan import PlanMismatch
-from autotp.runtime.placement import Shard, parse
 from models import build
 
 MEGATRON = {  # parameter-name suffix -> expected placement, per architecture (checked, never used to plan)
@@ -37,7 +37,7 @@ def test_plan_on_meta_device_is_megatron(kind):
 
 def test_fused_qkv_slices_are_matching_heads():
     """Each rank's slice of a fused [q|k|v] weight holds the same heads of q, k and v."""
-    from autotp.runtime.placement import assemble, take_local
+    from autotp.placement import assemble, take_local
     full = torch.arange(3 * 8).view(3 * 8, 1)  # rows: q0..q7 | k0..k7 | v0..v7
     shard = Shard(0, (8, 8, 8))
     parts = [take_local(full, shard, r, 4) for r in range(4)]

@@ -13,9 +13,9 @@ import autotp
 from autotp.api import prepared_graph
 from autotp.cost_models import load_topology
 from autotp.cost_models.compute import fit_products, held_out, product_fraction, product_time
+from autotp.cost_models.pricing import Sizes
 from autotp.cost_models.topology import PROFILES, profile_names
-from autotp.passes.ops import flops, op
-from autotp.passes.pricing import Sizes
+from autotp.ops.table import flops, op
 from autotp.tools.calibrate_products import CPU_GRID, measure_products, product_table
 from examples import moe
 from models import build

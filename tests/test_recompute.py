@@ -13,9 +13,9 @@ from test_sequence_parallel import EXAMPLE, _exact
 
 import autotp
 from autotp.api import prepared_graph, solve_plan
+from autotp.ops.strategies import needs_grad
 from autotp.options import Options
 from autotp.passes.recompute import attention_cores
-from autotp.passes.strategies import needs_grad
 from autotp.runtime.activations import Recomputed
 from autotp.tools.spawn import run_local
 from distributed import run_ranks

@@ -14,7 +14,7 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
-from autotp.cost_models.schedules import (
+from autotp.cost_models.schedule_tables import (
     Table,
     action_table,
     in_flight,

@@ -145,7 +145,7 @@ def test_cli_plan_with_sequence_parallelism(capsys):
 
 def test_forcing_it_without_a_token_dim_says_why():
     """A ViT's 17 tokens are fixed by its config (export makes them static): there is nothing to split."""
-    from autotp.passes.solve import PlanningError
+    from autotp.planning.solve import PlanningError
     from models import vit
     with pytest.raises(PlanningError, match="no op can split the tokens"):
         autotp.plan(vit(), (torch.randn(1, 3, 16, 16),), world_size=2, sequence_parallel=True)
@@ -173,10 +173,11 @@ def test_gradients_of_gathered_tokens_are_reduce_scattered():
 
 def _priced_as(plan, monkeypatch, model, args, **patches):
     """``plan`` (sequence parallel, 2 ranks) priced again by the solver with every op held to its choice and
-    ``patches`` (name -> value) set in passes/solve.py and passes/accounting.py; the alternatives are the full ones."""
+    ``patches`` (name -> value) set in planning/solve.py and planning/accounting.py; the alternatives are the
+    full ones."""
     from autotp.api import solve as api_solve
-    from autotp.passes import accounting, solve
     from autotp.plan import Plan
+    from autotp.planning import accounting, solve
 
     def held(gm, ctx, *a, **k):
         options = ctx.strategies

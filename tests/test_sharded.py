@@ -243,7 +243,7 @@ def _poisoned_models() -> list:
 def _poisoned_rows(rank: int, world: int) -> None:
     """An Inf and a NaN in rows no input reads: the vocab-parallel lookup must not leak them into the
     ranks that hold those rows but look up nothing there (0 x Inf is NaN; masking is exact)."""
-    from autotp.runtime.placement import Shard
+    from autotp.placement import Shard
     model, (x,) = _poisoned()
     sharded = autotp.parallelize(model, (x,), fixed={"0.weight": Shard(0)})
     assert sharded.autotp_plan.params["0.weight"] == "S(0)"
@@ -283,7 +283,7 @@ def _read_twice_models() -> list:
 
 
 def _gathered_once(rank: int, world: int) -> None:
-    from autotp.runtime.placement import Shard
+    from autotp.placement import Shard
     model, (ids,) = _read_twice()
     sharded = autotp.parallelize(model, (ids,), fixed={"emb.weight": Shard(1), "up.weight": Shard(0)})
     gathers = [n for n in sharded.graph.nodes if getattr(n.target, "__name__", "").startswith("gather")]

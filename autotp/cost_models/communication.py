@@ -12,9 +12,8 @@ import itertools
 import math
 from pathlib import Path
 
-from autotp.runtime.placement import Partial, Replicate, Shard
-
-from .topology import Topology, load_topology
+from autotp.cost_models.topology import Topology, load_topology
+from autotp.placement import Partial, Replicate, Shard
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from .topology import Topology, load_topology
+from autotp.cost_models.topology import Topology, load_topology
 
 
 def memory_time(nbytes: float, topology: Topology) -> float:

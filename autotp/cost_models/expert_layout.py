@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from . import schedules as pipe
-from .communication import collective_time
-from .compute import product_time
-from .topology import Topology
+from autotp.cost_models import schedule_tables as pipe
+from autotp.cost_models.communication import collective_time
+from autotp.cost_models.compute import product_time
+from autotp.cost_models.topology import Topology
 
 
 @dataclass

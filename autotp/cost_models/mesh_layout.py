@@ -1,6 +1,6 @@
 """What one tensor x pipeline x data (x expert) parallel layout costs, given a TP plan read per block: pure functions.
 
-A ``Profile`` is one TP plan's time and memory per block for one sample (autotp/mesh_planner.py reads it
+A ``Profile`` is one TP plan's time and memory per block for one sample (autotp/planning/mesh_search.py reads it
 from the solved graph); ``price`` turns it into a step time and a peak memory per device for a
 number of stages, replicas, micro-batches, a schedule, recomputation and an expert-parallel degree
 (expert_layout.py).
@@ -11,9 +11,9 @@ import functools
 import itertools
 from dataclasses import dataclass, field, replace
 
-from . import expert_layout as moe
-from . import schedules as pipe
-from .topology import Topology
+from autotp.cost_models import expert_layout as moe
+from autotp.cost_models import schedule_tables as pipe
+from autotp.cost_models.topology import Topology
 
 STATE = ("params", "grads", "optimizer", "buffers")
 KEPT = ("activations", "kv_cache")  # held per micro-batch in flight

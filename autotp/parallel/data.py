@@ -25,9 +25,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from autotp.parallel.blocks import block_units
 from autotp.runtime.transport import failure
-
-from .blocks import block_units
 
 KINDS = ("fsdp", "ddp")
 

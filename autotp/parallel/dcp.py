@@ -28,9 +28,9 @@ from torch.distributed.tensor import Shard as DShard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from autotp.runtime.dispatch import Dealt
+from autotp.placement import Routed, Shard, take_local
+from autotp.runtime.expert_dispatch import Dealt
 from autotp.runtime.hf_checkpoint import gather_whole
-from autotp.runtime.placement import Routed, Shard, take_local
 
 
 @dataclass(frozen=True)

@@ -19,12 +19,11 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from autotp import api
-from autotp.agree import DEFAULT_TIMEOUT
+from autotp.parallel.data import check_kind, data_parallel
 from autotp.passes.fold import find_fold
 from autotp.runtime.materialize import materialize
+from autotp.runtime.rendezvous import DEFAULT_TIMEOUT
 from autotp.runtime.transport import describe
-
-from .data import check_kind, data_parallel
 
 DIMS = ("pp", "dp", "ep", "tp")
 
@@ -72,7 +71,7 @@ def parallelize(model: torch.nn.Module, args=None, kwargs=None, *, mesh: DeviceM
         if loss_fn is None:
             raise ValueError("a mesh with a 'pp' dimension needs loss_fn(output, target): the last stage computes it")
         try:
-            from .pipeline import pipeline
+            from autotp.parallel.pipeline import pipeline
         except ModuleNotFoundError as exc:
             if exc.name != f"{__package__}.pipeline":
                 raise

@@ -22,18 +22,17 @@ from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunk
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
-from autotp.agree import InputCheck
 from autotp.api import offered, prepared_graph
 from autotp.cost_models import load_topology
 from autotp.cost_models.mesh_layout import Candidate, Setting
+from autotp.parallel.schedules import check_evaluates, resolve, step_failure
+from autotp.parallel.split import stage_graph
+from autotp.parallel.stages import StageError, block_profile, find_blocks, stage_starts
+from autotp.parallel.tied import Tied
 from autotp.runtime.conversion import on_meta, weightless
 from autotp.runtime.hf_checkpoint import full_checkpoint_tensors, full_state_dict
 from autotp.runtime.materialize import device_of
-
-from .schedules import check_evaluates, resolve, step_failure
-from .split import stage_graph
-from .stages import StageError, block_profile, find_blocks, stage_starts
-from .tied import Tied
+from autotp.runtime.rendezvous import InputCheck
 
 
 def pipeline(model: torch.nn.Module, args, kwargs=None, *, mesh, loss_fn, schedule="1F1B",

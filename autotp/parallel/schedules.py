@@ -20,7 +20,7 @@ from torch.distributed.pipelining.schedules import (
     ScheduleZBVZeroBubble,
 )
 
-from autotp.cost_models.schedules import action_table, schedule_class
+from autotp.cost_models.schedule_tables import action_table, schedule_class
 from autotp.runtime.transport import CollectiveError
 
 V_SHAPED = (ScheduleZBVZeroBubble, ScheduleDualPipeV)  # two stages per rank, the first rank's first and last

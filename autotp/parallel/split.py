@@ -20,11 +20,10 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Node
 
-from autotp.hf import no_kv_cache
+from autotp.parallel.stages import StageError
 from autotp.passes.capture import capture
 from autotp.passes.fold import Fold, NotFoldable, blocks, folded
-
-from .stages import StageError
+from autotp.runtime.hf_models import no_kv_cache
 
 EARLY = ("pre", "input")
 

@@ -17,9 +17,9 @@ import torch
 
 from autotp.cost_models import load_topology
 from autotp.cost_models.mesh_layout import Candidate, Profile, Section, Setting, held_by, stage_memory, stage_ranges
+from autotp.cost_models.pricing import activation_bytes, op_memory, op_seconds, priced_unit, read_at_both_ends
+from autotp.ops.strategies import Strategy, input_slots, needs_grad, replicated_like
 from autotp.passes.fold import Fold, find_fold, sections
-from autotp.passes.pricing import activation_bytes, op_memory, op_seconds, priced_unit, read_at_both_ends
-from autotp.passes.strategies import Strategy, input_slots, needs_grad, replicated_like
 
 
 class StageError(ValueError):

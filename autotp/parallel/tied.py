@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from autotp.runtime.placement import R, Shard
+from autotp.placement import R, Shard
 
 
 class Tied:

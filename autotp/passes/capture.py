@@ -13,10 +13,9 @@ from torch.export import Dim, ShapesCollection
 from torch.fx.node import map_arg
 from torch.utils._pytree import SUPPORTED_NODES, tree_leaves, tree_map
 
-from autotp.runtime import local_ops
-
-from .flex import exportable_on_cpu, mask_tensors, register_block_mask
-from .ops import drops
+from autotp.ops.flex import exportable_on_cpu, mask_tensors, register_block_mask
+from autotp.ops.table import drops
+from autotp.runtime import kernels
 
 
 class CaptureError(RuntimeError):
@@ -25,7 +24,7 @@ class CaptureError(RuntimeError):
 
 def _dynamic_shapes(model: torch.nn.Module, args: tuple, kwargs: dict):
     """Every dim of every tensor input is AUTO: dynamic unless the trace pins it (hidden sizes); a BlockMask's block
-    tables keep their sizes (passes/flex.py).  Inputs may be any registered pytree (dataclasses, NamedTuples)."""
+    tables keep their sizes (ops/flex.py).  Inputs may be any registered pytree (dataclasses, NamedTuples)."""
     tables = mask_tensors(args, kwargs)
     shapes = ShapesCollection()
     for x in tree_leaves((args, kwargs)):
@@ -149,7 +148,7 @@ def retarget_device(gm: torch.fx.GraphModule, device: torch.device) -> None:
         node.kwargs = {k: swap(v) for k, v in node.kwargs.items()}
         if (node.target is torch.ops.aten.histc.default and device.type == "cpu"
                 and not node.args[0].meta["val"].is_floating_point()):
-            node.target = local_ops.histc_of_integers  # the meta capture took the GPU branch: integers
+            node.target = kernels.histc_of_integers  # the meta capture took the GPU branch: integers
     gm.recompile()
 
 

@@ -19,7 +19,7 @@ import torch
 from torch.fx import Node
 from torch.fx.node import map_arg
 
-from .capture import fingerprint
+from autotp.passes.capture import fingerprint
 
 MIN_BLOCKS = 5  # below this, four kept blocks save nothing
 

@@ -6,10 +6,9 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
-from autotp.runtime.placement import Partial, Replicate, Shard
-
-from .ops import op
-from .strategies import Strategy, input_slots, value
+from autotp.ops.strategies import Strategy, input_slots, value
+from autotp.ops.table import op
+from autotp.placement import Partial, Replicate, Shard
 
 
 def adds_once(node: Node, strategy: Strategy) -> bool:

@@ -18,10 +18,10 @@ import math
 import torch
 from torch.fx import Node
 
-from .capture import module_path
-from .layout_rules import constant_positions, cut_range
-from .ops import op
-from .strategies import Context, concrete
+from autotp.ops.layout_rules import constant_positions, cut_range
+from autotp.ops.strategies import Context, concrete
+from autotp.ops.table import op
+from autotp.passes.capture import module_path
 
 aten = torch.ops.aten
 

@@ -7,14 +7,14 @@ import operator
 import torch
 from torch.fx import Node
 
-from .expert_rules import hint_sources
-from .flex import FLEX
-from .group_cuts import group_blocks
-from .layout_rules import cut_range, positive_dim
-from .ops import op
-from .semantics import may_alias, written
-from .strategies import Context, is_placed
-from .views import inverse_view_dim, split_runs, view_groups
+from autotp.ops.expert_rules import hint_sources
+from autotp.ops.flex import FLEX
+from autotp.ops.layout_rules import cut_range, positive_dim
+from autotp.ops.semantics import may_alias, written
+from autotp.ops.strategies import Context, is_placed
+from autotp.ops.table import op
+from autotp.ops.views import inverse_view_dim, split_runs, view_groups
+from autotp.passes.group_cuts import group_blocks
 
 aten = torch.ops.aten
 
@@ -333,7 +333,7 @@ def fuse_repeat_kv(gm: torch.fx.GraphModule) -> None:
     """reshape(expand(x.unsqueeze(d + 1)), merging d and d + 1) -> x.repeat_interleave(n, d).
 
     This is how grouped-query attention repeats KV heads; as one op it can be sharded by heads
-    even when ranks outnumber KV heads (passes/rules.py: repeat_heads).
+    even when ranks outnumber KV heads (ops/rules.py: repeat_heads).
     """
     for node in list(gm.graph.nodes):
         if op(node.target).family != "view":

@@ -16,10 +16,9 @@ import pulp
 import torch
 from torch.fx import GraphModule, Node
 
+from autotp.ops.table import is_product, op
+from autotp.passes.kept_tensors import storage
 from autotp.runtime.activations import Recomputed
-
-from .ops import is_product, op
-from .saved import storage
 
 _LARGEST = 64  # an attention core is a handful of ops; a longer walk is something else
 

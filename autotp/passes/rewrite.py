@@ -8,17 +8,16 @@ import torch
 from torch.fx import Node
 from torch.fx.node import map_arg
 
+from autotp.ops import expert_segments
+from autotp.ops.local_forms import full_size, local_sizes
+from autotp.ops.semantics import writes
+from autotp.ops.strategies import Context, input_slots, needs_grad, token_inputs
+from autotp.ops.table import TABLE, op
+from autotp.passes.capture import module_path
+from autotp.passes.gradients import gradient_sums, partial_grad, partial_params
+from autotp.placement import Partial, R, Replicate, Routed, Shard, take_local
 from autotp.runtime import activations, collectives
-from autotp.runtime.dispatch import Dealt, Group, Groups
-from autotp.runtime.placement import Partial, R, Replicate, Routed, Shard, take_local
-
-from . import segments
-from .capture import module_path
-from .gradients import gradient_sums, partial_grad, partial_params
-from .localize import full_size, local_sizes
-from .ops import TABLE, op
-from .semantics import writes
-from .strategies import Context, input_slots, needs_grad, token_inputs
+from autotp.runtime.expert_dispatch import Dealt, Group, Groups
 
 aten = torch.ops.aten
 
@@ -163,7 +162,7 @@ def rewrite(gm: torch.fx.GraphModule, choice: dict, rank: int, world: int, group
             provided: frozenset = frozenset(), device: torch.device | None = None, gather_outputs: bool = True,
             dispatch: Groups | None = None) -> torch.fx.GraphModule:
     """Mutates ``gm`` (a fresh capture) into this rank's sharded program; expert segments that the plan routes,
-    or that a mesh's "ep" ranks share (``dispatch``), are run by their experts' owners (runtime/dispatch.py).
+    or that a mesh's "ep" ranks share (``dispatch``), are run by their experts' owners (runtime/expert_dispatch.py).
     The tensors in ``provided`` (and those on the meta device) are left for runtime/materialize.py to fill."""
     tp = Group(group, rank, world)
     dispatched = _dispatched(gm, choice, tp, dispatch or Groups(tp))
@@ -250,7 +249,7 @@ def rewrite(gm: torch.fx.GraphModule, choice: dict, rank: int, world: int, group
     shard_parameters(gm, params, rank, world, provided, device, dealt)
     for segment, (deal, copies) in dispatched.items():
         owners = [deal.experts.ranges(segment.experts, r, deal.group.size)[0] for r in range(deal.group.size)]
-        segments.dispatch(gm, segment, owners, deal.group, copies, _where(segment.exit))
+        expert_segments.dispatch(gm, segment, owners, deal.group, copies, _where(segment.exit))
     gm.autotp_dealt = dealt
     gm.recompile()
     return gm
@@ -262,7 +261,7 @@ def _dispatched(gm: torch.fx.GraphModule, choice: dict, tp: Group, dispatch: Gro
     "ep" ranks every other one too, over them."""
     found = {}
     world = tp.size
-    for segment in segments.find(gm, Context(world=world, ops=TABLE)):
+    for segment in expert_segments.find(gm, Context(world=world, ops=TABLE)):
         held = choice[segment.exit].output
         if isinstance(held, Routed):
             over, copies, experts = dispatch.routed, tp if world > 1 else None, held.experts

@@ -3,9 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from autotp.runtime.placement import Disjoint, Partial, Replicate, Routed, Shard
-
-from .ops import op
+from autotp.ops.table import op
+from autotp.placement import Disjoint, Partial, Replicate, Routed, Shard
 
 
 def _units_note(placement: Shard, size: int, world: int) -> str:

@@ -14,8 +14,8 @@ import operator
 import torch
 from torch.fx import Node
 
-from .semantics import may_alias
-from .strategies import Context
+from autotp.ops.semantics import may_alias
+from autotp.ops.strategies import Context
 
 aten = torch.ops.aten
 _VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)

@@ -16,10 +16,10 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
-from . import activations
-from .placement import Partial, Replicate, Routed, Shard, assemble, take_local
-from .transport import all_gather, failed, pad
-from .transport import all_reduce as all_reduce_sum
+from autotp.placement import Partial, Replicate, Routed, Shard, assemble, take_local
+from autotp.runtime import activations
+from autotp.runtime.transport import all_gather, failed, pad
+from autotp.runtime.transport import all_reduce as all_reduce_sum
 
 _c10d = torch.ops._c10d_functional
 
@@ -280,7 +280,7 @@ def conversion_steps(src, dst, shape, rank: int, world: int, group: str, partial
         return shard_args(shard, size if isinstance(size, Node) else int(size), rank, world, group, where)
 
     if isinstance(src, Routed) or isinstance(dst, Routed):
-        return []  # an expert segment's entry and exit: its dispatch moves the rows (runtime/dispatch.py)
+        return []  # an expert segment's entry and exit: its dispatch moves the rows (runtime/expert_dispatch.py)
     if isinstance(src, Shard) and isinstance(dst, Replicate) and isinstance(shape[src.dim], Node):
         return [(gather_tokens, (*args(src), partial_grad))]
     if partial_grad and isinstance(src, Shard) and isinstance(dst, Replicate):

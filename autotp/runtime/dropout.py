@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .placement import Shard, take_local
+from autotp.placement import Shard, take_local
 
 aten = torch.ops.aten
 STREAM_OFFSET = 2718  # Megatron's offset of the tensor-parallel seed

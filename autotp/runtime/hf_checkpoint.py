@@ -15,9 +15,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
-from .collectives import gather_full
-from .conversion import Assembled, CheckpointError, assemble, stored_layout
-from .placement import Routed
+from autotp.placement import Routed
+from autotp.runtime.collectives import gather_full
+from autotp.runtime.conversion import Assembled, CheckpointError, assemble, stored_layout
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"

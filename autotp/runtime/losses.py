@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .placement import Shard
+from autotp.placement import Shard
 
 _c10d = torch.ops._c10d_functional
 

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from .conversion import CheckpointError, on_meta
-from .placement import R, Routed, fill_ranges, parse, piece_ranges
+from autotp.placement import R, Routed, fill_ranges, parse, piece_ranges
+from autotp.runtime.conversion import CheckpointError, on_meta
 
 
 def device_of(group) -> torch.device:
@@ -71,7 +71,7 @@ def _fill(module: torch.nn.Module, device: torch.device, checkpoint, seed: int |
     computed = {names[0]: torch.empty(shape, dtype=tensor.dtype, device="meta") for tensor, names, shape, stored, _
                 in pieces if stored is None and not _persistent(module, names[0], tensor)}
     if computed:
-        from autotp.hf import computed_buffers
+        from autotp.runtime.hf_models import computed_buffers
         computed = computed_buffers(model, computed)
     for tensor, names, shape, stored, ranges in pieces:
         if stored is not None and getattr(checkpoint, "shares", False):  # another program's pieces: the same memory

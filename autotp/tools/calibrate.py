@@ -17,8 +17,7 @@ import torch.distributed as dist
 
 from autotp.cost_models import collective_time, load_topology
 from autotp.cost_models.communication import ring_steps
-
-from .calibrate_products import measure_products, product_table
+from autotp.tools.calibrate_products import measure_products, product_table
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
 SIZES = tuple(4096 * 4 ** k for k in range(8))  # 4 KiB .. 64 MiB

@@ -10,8 +10,8 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
 
-from .calibrate import calibrate, comparison
-from .spawn import run_local
+from autotp.tools.calibrate import calibrate, comparison
+from autotp.tools.spawn import run_local
 
 
 def _spawned(rank: int, world: int, out: str) -> None:

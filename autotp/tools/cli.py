@@ -44,8 +44,7 @@ def _console():
 
 def _plan(args) -> int:
     import autotp
-
-    from .report import print_plan, tensor_shapes
+    from autotp.tools.report import print_plan, tensor_shapes
     with _console().status("building the model on the meta device, capturing, solving ..."):
         model, example = load_model(args.model, args.batch, args.seq)
         if args.inference:
@@ -70,7 +69,7 @@ def _figures(args, kind: str, result) -> None:
     """``--svg`` / ``--html``: the plan's middle block, or the mesh planner's layouts, as a picture."""
     if not (getattr(args, "svg", None) or getattr(args, "html", None)):
         return
-    from .figures import html_page, mesh_svg, plan_svg
+    from autotp.tools.figures import html_page, mesh_svg, plan_svg
     svg = plan_svg(result) if kind == "plan" else mesh_svg(result)
     if args.svg:
         Path(args.svg).write_text(svg)
@@ -98,10 +97,9 @@ def _print_mesh(model, example, args) -> int:
     """Price every tp x pp x dp layout of ``args.devices``; exit status 1 when nothing fits."""
     from rich.console import Console
 
-    from autotp.mesh_planner import plan_mesh
-    from autotp.passes.solve import PlanningError
-
-    from .report import mesh_table
+    from autotp.planning.mesh_search import plan_mesh
+    from autotp.planning.solve import PlanningError
+    from autotp.tools.report import mesh_table
     with _console().status("capturing once, solving one TP plan per TP size, pricing every layout ..."):
         try:
             result = plan_mesh(model, example, devices=args.devices, topology=args.topology, nodes=args.nodes,
@@ -143,7 +141,7 @@ def _load_plan(path: str):
 
 
 def _show(args) -> int:
-    from .report import print_plan
+    from autotp.tools.report import print_plan
     plan = _load_plan(args.plan)
     _figures(args, "plan", plan)
     print_plan(plan, every=args.all)
@@ -153,7 +151,7 @@ def _show(args) -> int:
 def _diff(args) -> int:
     from rich.console import Console
 
-    from .report import diff_tables
+    from autotp.tools.report import diff_tables
     console = Console(width=140)
     for part in diff_tables(_load_plan(args.a), _load_plan(args.b)):
         console.print(part)
@@ -163,7 +161,7 @@ def _diff(args) -> int:
 def _explain(args) -> int:
     from rich.console import Console
 
-    from .report import explain_table
+    from autotp.tools.report import explain_table
     try:
         Console(width=160).print(explain_table(_load_plan(args.plan), args.node))
     except KeyError as exc:
@@ -174,8 +172,8 @@ def _explain(args) -> int:
 def _compare(args) -> int:
     from rich.console import Console
 
-    from .compare import compare
-    from .report import compare_table
+    from autotp.tools.compare import compare
+    from autotp.tools.report import compare_table
     with _console().status("pricing Hugging Face's tp_plan and autotp's plan ..."):
         model, example = load_model(args.model, args.batch, args.seq)
         result = compare(model, example, world_size=args.world_size, topology=args.topology,
@@ -199,12 +197,12 @@ def _compare(args) -> int:
 
 
 def _demo(args) -> int:
-    from .demo import main as demo
+    from autotp.tools.demo import main as demo
     return demo()
 
 
 def _calibrate(args) -> int:
-    from .calibrate_cli import main as calibrate
+    from autotp.tools.calibrate_cli import main as calibrate
     return calibrate(args.out, args.nproc)
 
 

@@ -16,12 +16,12 @@ import torch
 
 from autotp.api import prepared_graph, solve_plan
 from autotp.cost_models import collective_time
-from autotp.interop import hf_parameter_placements
+from autotp.cost_models.pricing import priced_unit
 from autotp.options import Options
 from autotp.passes.capture import module_path
-from autotp.passes.pricing import priced_unit
-from autotp.passes.solve import PlanningError
 from autotp.plan import Plan
+from autotp.planning.solve import PlanningError
+from autotp.tools.interop import hf_parameter_placements
 
 # style -> (forward, backward) collectives per call of the hooked module, in training: (op, what it moves) with
 # "in" the module's input, "out" its output, "weights" its routing weights (an experts module), "rows" every routed

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from rich.console import Console
 
-from .spawn import run_local
+from autotp.tools.spawn import run_local
 
 WORLD = 2
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import html
 import re
 
-from autotp.passes.ops import TABLE
+from autotp.ops.table import TABLE
 
 _ROWS = {str(target): row for target, row in TABLE.items()}
 _SHOWN = {"linear", "matmul", "grouped_mm", "attention", "embedding", "layer_norm", "softmax", "reduction"}

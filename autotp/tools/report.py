@@ -8,8 +8,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from autotp.placement import Shard
 from autotp.plan import Plan
-from autotp.runtime.placement import Shard
 
 
 def tensor_shapes(model: torch.nn.Module) -> dict:
@@ -228,8 +228,8 @@ def activations_table(plan: Plan) -> Table:
 
 
 def mesh_table(result) -> list:
-    """The best layout per (TP, PP, DP, EP) of autotp.mesh_planner.plan_mesh, fastest first, then the choice."""
-    from autotp.mesh_planner import activation_options, layout_name
+    """The best layout per (TP, PP, DP, EP) of autotp.planning.mesh_search.plan_mesh, fastest first, then the choice."""
+    from autotp.planning.mesh_search import activation_options, layout_name
     table = Table(title=f"mesh candidates: {result.devices} devices of {result.topology}, global batch "
                         f"{result.global_batch}, data parallel {result.data_parallel} (estimated)")
     for column in ("TP", "PP", "DP", "EP", "micro-batches", "schedule", "bubble", "SP", "recompute", "step s",

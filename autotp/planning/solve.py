@@ -18,14 +18,21 @@ import torch
 
 from autotp.cost_models import collective_time
 from autotp.cost_models.memory import breakdown, smallest_fitting_world
+from autotp.cost_models.pricing import (
+    Sizes,
+    activation_bytes,
+    conversion_seconds,
+    kept_bytes,
+    op_memory,
+    op_seconds,
+    regather_time,
+)
 from autotp.cost_models.topology import Topology
-from autotp.runtime.placement import Partial, R, Replicate, Shard
-
-from .gradients import bias_weights, coalesced, partial_grad
-from .ops import stored_views
-from .pricing import Sizes, activation_bytes, conversion_seconds, kept_bytes, op_memory, op_seconds, regather_time
-from .recompute import attention_cores, dropped, price_recompute
-from .strategies import Context, input_slots, is_placed, needs_grad, on_tokens
+from autotp.ops.strategies import Context, input_slots, is_placed, needs_grad, on_tokens
+from autotp.ops.table import stored_views
+from autotp.passes.gradients import bias_weights, coalesced, partial_grad
+from autotp.passes.recompute import attention_cores, dropped, price_recompute
+from autotp.placement import Partial, R, Replicate, Shard
 
 # Equal-cost plans are common (an all-gather before a matmul or a reduce-scatter after it move the
 # same bytes); a tenth of a nanosecond per option index makes the solver prefer the rules' earlier

@@ -6,7 +6,7 @@ between them (activations, gate/up cuts, casts) and the lookups of expert tables
 Its inputs from outside are the routed rows (one per routed slot, dim 0), the key, and the expert tables under
 layout ops; its one output is the last product.  The router, the sort and the combine with the routing
 weights stay outside and run where the tokens are.  An owner of experts can run the segment's own ops on the
-rows routed to its experts alone, with its local key (runtime/dispatch.py): no op needs a rule of its own.
+rows routed to its experts alone, with its local key (runtime/expert_dispatch.py): no op needs a rule of its own.
 """
 from __future__ import annotations
 
@@ -15,11 +15,10 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Node
 
-from autotp.runtime.dispatch import ExpertDispatch, Group
-
-from .expert_rules import is_grouped_mm, offsets, routing
-from .ops import op
-from .strategies import Context, shape, value
+from autotp.ops.expert_rules import is_grouped_mm, offsets, routing
+from autotp.ops.strategies import Context, shape, value
+from autotp.ops.table import op
+from autotp.runtime.expert_dispatch import ExpertDispatch, Group
 
 aten = torch.ops.aten
 

@@ -16,9 +16,8 @@ import torch.utils._pytree as pytree
 from torch.fx import Node
 from torch.nn.attention import flex_attention as flex_api
 
-from autotp.runtime.placement import R, Shard
-
-from .strategies import Context, Strategy, is_placed
+from autotp.ops.strategies import Context, Strategy, is_placed
+from autotp.placement import R, Shard
 
 aten = torch.ops.aten
 FLEX = torch.ops.higher_order.flex_attention

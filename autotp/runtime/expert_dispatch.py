@@ -1,4 +1,4 @@
-"""Expert parallelism by all-to-all: an expert segment (passes/segments.py) run by the owners of the experts.
+"""Expert parallelism by all-to-all: an expert segment (ops/expert_segments.py) run by the owners of the experts.
 
 Every rank of the dispatch group holds its own routed slots (rows sorted by expert id, or with their ids).  It
 tells every rank how many of its rows go to each of that rank's experts (one all-to-all of E integers, uneven
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import collectives, transport
-from .placement import Shard, take_local
+from autotp.placement import Shard, take_local
+from autotp.runtime import collectives, transport
 
 
 class _AllToAll(torch.autograd.Function):

@@ -1,4 +1,4 @@
-"""Sharding rules of compute ops: one small function per op family (the op table, passes/ops.py, says
+"""Sharding rules of compute ops: one small function per op family (the op table, ops/table.py, says
 which op uses which).
 
 A rule returns the sharded strategies it is sure of; the all-replicated one is always added by the caller.
@@ -12,10 +12,9 @@ import itertools
 import torch
 from torch.fx import Node
 
-from autotp.runtime.placement import P, R, Shard
-
-from .layout_rules import positive_dim, whole_spellings
-from .strategies import Context, Strategy, contractible, input_slots, is_placed, summable
+from autotp.ops.layout_rules import positive_dim, whole_spellings
+from autotp.ops.strategies import Context, Strategy, contractible, input_slots, is_placed, summable
+from autotp.placement import P, R, Shard
 
 aten = torch.ops.aten
 

@@ -12,15 +12,15 @@ import math
 
 import torch
 
-from .api import solve_plan
-from .cost_models.expert_layout import Experts
-from .cost_models.topology import Topology
-from .options import Options
-from .passes.ops import is_product, op
-from .passes.pricing import Sizes, op_memory, op_seconds, product_shape
-from .passes.solve import PlanningError
-from .passes.strategies import Strategy, input_slots, replicated_like
-from .runtime.placement import Disjoint, parse
+from autotp.api import solve_plan
+from autotp.cost_models.expert_layout import Experts
+from autotp.cost_models.pricing import Sizes, op_memory, op_seconds, product_shape
+from autotp.cost_models.topology import Topology
+from autotp.ops.strategies import Strategy, input_slots, replicated_like
+from autotp.ops.table import is_product, op
+from autotp.options import Options
+from autotp.placement import Disjoint, parse
+from autotp.planning.solve import PlanningError
 
 
 def expert_part(gm: torch.fx.GraphModule, topology: Topology, sizes: Sizes) -> tuple[set, set] | None:

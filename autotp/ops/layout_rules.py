@@ -1,6 +1,6 @@
 """Sharding rules for layout ops: views, transposes, slices, splits, concatenation, in-place writes.
 
-Each maps a shard of the input to the output dim that carries the same data (passes/rules.py has
+Each maps a shard of the input to the output dim that carries the same data (ops/rules.py has
 the table and the compute ops).
 """
 from __future__ import annotations
@@ -11,11 +11,10 @@ from dataclasses import replace
 import torch
 from torch.fx import Node
 
-from autotp.runtime.placement import P, Shard, dealt
-
-from .semantics import written
-from .strategies import Context, Strategy, concrete, summable
-from .views import map_view_dim, split_runs
+from autotp.ops.semantics import written
+from autotp.ops.strategies import Context, Strategy, concrete, summable
+from autotp.ops.views import map_view_dim, split_runs
+from autotp.placement import P, Shard, dealt
 
 aten = torch.ops.aten
 

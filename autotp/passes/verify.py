@@ -6,10 +6,10 @@ import torch
 import torch.distributed as dist
 from torch.fx._pytree import tree_flatten_spec
 
-from .passes.ops import drops, op
-from .passes.strategies import Strategy
-from .runtime.collectives import gather_full
-from .runtime.placement import Partial, R, Shard, parse
+from autotp.ops.strategies import Strategy
+from autotp.ops.table import drops, op
+from autotp.placement import Partial, R, Shard, parse
+from autotp.runtime.collectives import gather_full
 
 
 class VerificationError(AssertionError):

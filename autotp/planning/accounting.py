@@ -6,14 +6,13 @@ import torch
 
 from autotp.cost_models import collective_time
 from autotp.cost_models.communication import backward_collective, reshard_collective
+from autotp.cost_models.pricing import Sizes, conversion_seconds, kept_bytes, op_seconds, regather_time
 from autotp.cost_models.topology import Topology
-from autotp.runtime.placement import R, Routed, Shard, dump
-
-from .capture import module_path
-from .gradients import gradient_sums, partial_grad, partial_params
-from .pricing import Sizes, conversion_seconds, kept_bytes, op_seconds, regather_time
-from .saved import kept, kept_whole, regathered
-from .strategies import Context, input_slots, is_placed, needs_grad, on_tokens
+from autotp.ops.strategies import Context, input_slots, is_placed, needs_grad, on_tokens
+from autotp.passes.capture import module_path
+from autotp.passes.gradients import gradient_sums, partial_grad, partial_params
+from autotp.passes.kept_tensors import kept, kept_whole, regathered
+from autotp.placement import R, Routed, Shard, dump
 
 
 def planned_collectives(gm: torch.fx.GraphModule, choice: dict, world: int, topology: Topology,
@@ -72,7 +71,7 @@ def planned_collectives(gm: torch.fx.GraphModule, choice: dict, world: int, topo
 
 def _dispatched(gm: torch.fx.GraphModule, choice: dict, routed: list, world: int, topology: Topology, sizes: Sizes,
                 count, grad: set) -> list[dict]:
-    """The all-to-alls of expert segments (runtime/dispatch.py): a routed segment's row counts, each row
+    """The all-to-alls of expert segments (runtime/expert_dispatch.py): a routed segment's row counts, each row
     tensor's dispatch and the exit's combine (with the all-gather among TP ranks holding the same tokens,
     and the gathered gradient of the rows they sent); a segment dispatched over a mesh's "ep" ranks the
     same all-to-alls over them."""

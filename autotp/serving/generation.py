@@ -83,7 +83,7 @@ def _choose(logits: torch.Tensor, do_sample: bool, temperature: float, top_k: in
 
 def decoder(sharded: torch.nn.Module, batch: int, max_len: int) -> torch.nn.Module:
     """The sharded decode program for ``batch`` sequences of up to ``max_len`` tokens (a collective)."""
-    from .api import tensor_parallel
+    from autotp.api import tensor_parallel
     source = sharded.autotp_source
     group = sharded.autotp_group
     device = next(sharded.parameters()).device

@@ -3,7 +3,7 @@
 Each op's backward formula (PyTorch's derivatives.yaml) needs some of its inputs, its output, or
 tensors of its own: a matmul keeps the operand the other one's gradient is multiplied by, GELU its
 input, softmax its output, dropout a one-byte mask (CUDA's ``native_dropout``), layer norm its input
-and per-row mean and 1/std in fp32: the op table's ``keeps`` (passes/ops.py).  A kept tensor is counted
+and per-row mean and 1/std in fp32: the op table's ``keeps`` (ops/table.py).  A kept tensor is counted
 once, at the storage it views (a matmul's transposed K and the Q beside it are both pieces of one projection
 output), in the placement its reader holds it in.  Inputs, parameters and buffers are not activations.  An op
 the table does not know is assumed to keep all its tensor inputs (never less than it does).
@@ -16,10 +16,9 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Node
 
-from autotp.runtime.placement import R
-
-from .ops import op
-from .strategies import input_slots, is_placed, on_tokens
+from autotp.ops.strategies import input_slots, is_placed, on_tokens
+from autotp.ops.table import op
+from autotp.placement import R
 
 aten = torch.ops.aten
 

@@ -73,7 +73,7 @@ class Routed:
     """Whole experts dealt out over the ranks of a dispatch group (``experts``: a Shard of their dim over
     ``ranks`` ranks: the TP group, or the TP group times a mesh's "ep" dim), and of activations the rows
     routed to them: an owner holds only the rows its experts compute, received by all-to-all, never zeros
-    for other experts' rows (runtime/dispatch.py).  Not a layout of the full tensor that collectives along one
+    for other experts' rows (runtime/expert_dispatch.py).  Not a layout of the full tensor that collectives along one
     dim could convert: only an expert segment's entry (dispatch) and exit (combine) convert it."""
     experts: Shard
     ranks: int
@@ -217,7 +217,7 @@ def dealt(units: int, world: int) -> bool:
 
 def simplest(shard: Shard, size: int, world: int) -> Shard:
     """The first spelling of ``shard``'s layout among: N equal slices, whole units on their own, itself.
-    Rules offer layouts in this order and keep the first spelling (passes/strategies.py)."""
+    Rules offer layouts in this order and keep the first spelling (ops/strategies.py)."""
     def layout(s: Shard):
         return [s.ranges(size, r, world) for r in range(world)]
     units = shard.parts(world) if shard.units is not None and shard.chunks is None else None

@@ -14,12 +14,11 @@ from autotp.cost_models import collective_time, reshard_time
 from autotp.cost_models.compute import op_time, product_time
 from autotp.cost_models.memory import state_factor
 from autotp.cost_models.topology import Topology
-from autotp.runtime.placement import Disjoint, Replicate, Routed, Shard
-
-from .ops import flops, is_product, op
-from .recompute import dropped
-from .saved import element_bytes, kept, regathered
-from .strategies import input_slots, is_placed
+from autotp.ops.strategies import input_slots, is_placed
+from autotp.ops.table import flops, is_product, op
+from autotp.passes.kept_tensors import element_bytes, kept, regathered
+from autotp.passes.recompute import dropped
+from autotp.placement import Disjoint, Replicate, Routed, Shard
 
 # Routed rows are not spread evenly: the busiest rank of a dispatch group computes this many times the uniform
 # top-k share.  A stated assumption, not a measurement: the capacity factor Switch Transformer trains with (Fedus
@@ -30,7 +29,7 @@ IMBALANCE = 1.25
 
 @dataclass(frozen=True)
 class Experts:
-    """How expert segments (passes/segments.py) are priced: ``imbalance`` (the busiest rank's routed rows over
+    """How expert segments (ops/expert_segments.py) are priced: ``imbalance`` (the busiest rank's routed rows over
     the uniform share), ``ep`` (a mesh's "ep" ranks every segment is dispatched over, beyond what the TP plan
     does with it) and ``segments`` (node -> its segment, for its nodes, tables and the tables' layout ops)."""
     imbalance: float = IMBALANCE

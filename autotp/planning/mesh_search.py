@@ -3,12 +3,12 @@
 One tensor-parallel plan is solved per TP size (the plan of a block does not depend on how many
 stages or replicas there are) at one sample of the example inputs; its time and memory, read per
 block, are then priced analytically for every pipeline / data-parallel split
-(cost_models/mesh_layout.py, cost_models/schedules.py).  Activations are the planner's own count: every op
+(cost_models/mesh_layout.py, cost_models/schedule_tables.py).  Activations are the planner's own count: every op
 output kept for backward, per block, under the chosen TP plan (or only each block's input with recomputation).
 A TP size whose plain plan does not fit (or fits only recomputing whole blocks) is also planned with sequence
 parallelism and with its attention cores recomputed (Korthikanti et al. 2022), each priced like any other plan.
 A graph with routed experts is planned with its experts split over the TP ranks, and every expert-parallel degree
-that divides the experts is priced on top of it (mesh_experts.py, cost_models/expert_layout.py).
+that divides the experts is priced on top of it (planning/expert_roles.py, cost_models/expert_layout.py).
 """
 from __future__ import annotations
 
@@ -19,13 +19,12 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from autotp.api import prepared_graph, solve_plan
 from autotp.cost_models import expert_layout as moe
 from autotp.cost_models import load_topology
-from autotp.cost_models import schedules as pipe
+from autotp.cost_models import schedule_tables as pipe
 from autotp.cost_models.mesh_layout import Candidate, Profile, Section, Setting, price
-from autotp.cost_models.topology import Topology
-from autotp.passes.fold import sections
-from autotp.passes.pricing import (
+from autotp.cost_models.pricing import (
     Sizes,
     activation_bytes,
     model_flops,
@@ -34,14 +33,14 @@ from autotp.passes.pricing import (
     priced_unit,
     read_at_both_ends,
 )
+from autotp.cost_models.topology import Topology
+from autotp.ops.strategies import Strategy, needs_grad
+from autotp.options import Options
+from autotp.passes.fold import sections
 from autotp.passes.recompute import attention_cores
-from autotp.passes.solve import PlanningError
-from autotp.passes.strategies import Strategy, needs_grad
-from autotp.runtime.placement import parse
-
-from .api import prepared_graph, solve_plan
-from .mesh_experts import block_experts, expert_part
-from .options import Options
+from autotp.placement import parse
+from autotp.planning.expert_roles import block_experts, expert_part
+from autotp.planning.solve import PlanningError
 
 ACTIVATION_MODEL = ("activations: every op output the backward keeps, counted per block on the TP plan's graph "
                     "(with sequence parallelism split by tokens, with selective recomputation without the attention "

@@ -5,9 +5,8 @@ from __future__ import annotations
 import re
 
 from autotp.passes.fold import Fold
-
-from .plan import Plan
-from .runtime.placement import R, Replicate, Shard, parse
+from autotp.placement import R, Replicate, Shard, parse
+from autotp.plan import Plan
 
 _LINEAR = "aten.linear.default"
 _EMBEDDING = "aten.embedding.default"

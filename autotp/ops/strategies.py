@@ -1,7 +1,7 @@
 """Candidate strategies per node: what each op can do with sharded inputs.
 
 A Strategy fixes the placement of every tensor input slot and of the output.
-Rules (the op table, passes/ops.py) propose the sharded ones; every node also gets the all-replicated
+Rules (the op table, ops/table.py) propose the sharded ones; every node also gets the all-replicated
 strategy, which is always correct.  The solver picks one each.  Rules read other ops' rows through
 ``Context.op`` (the table sits above the rule modules, which it names).
 """
@@ -15,9 +15,8 @@ import torch
 from torch.fx import Node
 from torch.fx.node import map_arg
 
-from autotp.runtime.placement import R, Replicate, Routed, Shard, dealt
-
-from .semantics import Op, row_of
+from autotp.ops.semantics import Op, row_of
+from autotp.placement import R, Replicate, Routed, Shard, dealt
 
 # Symbolic sizes are compared by evaluating them at distinct large primes:
 # two monomials in batch/sequence symbols agree iff their products agree.
@@ -127,9 +126,9 @@ class Context:
     grad: set = field(default_factory=set)           # values on the weights' path (gradients flow)
     experts: str | None = None                       # impose "tensor", "parallel" or "all-to-all" (expert_rules.py)
     ep: int = 1                                      # a mesh's "ep" ranks the expert segments are dispatched over
-    segments: dict = field(default_factory=dict)     # node -> its expert segment (passes/segments.py)
+    segments: dict = field(default_factory=dict)     # node -> its expert segment (ops/expert_segments.py)
     routes: dict = field(default_factory=dict)       # node -> what routed its rows to experts, once
-    ops: Mapping = field(default_factory=dict)       # the op table (passes/ops.py): target -> Op
+    ops: Mapping = field(default_factory=dict)       # the op table (ops/table.py): target -> Op
     _probes: dict = field(default_factory=dict)
     _options: dict = field(default_factory=dict)     # shard_options, once per (node, dim): hints are fixed by then
 

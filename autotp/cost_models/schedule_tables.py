@@ -17,8 +17,8 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from .communication import collective_time
-from .topology import Topology
+from autotp.cost_models.communication import collective_time
+from autotp.cost_models.topology import Topology
 
 PASSES = ("F", "B", "I", "W")  # forward, whole backward, backward to the inputs, backward to the weights
 LEGACY = {"interleaved-1f1b": "Interleaved1F1B"}  # names autotp used before it took PyTorch's

@@ -5,7 +5,7 @@ import contextlib
 
 import torch
 
-from .runtime.hf_checkpoint import CheckpointError
+from autotp.runtime.hf_checkpoint import CheckpointError
 
 
 def default_inputs(model: torch.nn.Module) -> tuple:

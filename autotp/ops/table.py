@@ -3,7 +3,7 @@
 A row (passes/semantics.Op) says how the op may be sharded (its rule), whether its output is a view of its
 input and whether a parameter seen through it is still the parameter, how many FLOPs a product costs, in
 which operands it is linear (partial sums pass through), how it carries expert rows, what its backward keeps
-and how it is rewritten for one rank.  Rules, what the backward keeps (saved.py), recomputation, graph
+and how it is rewritten for one rank.  Rules, what the backward keeps (passes/kept_tensors.py), recomputation, graph
 preparation, the rewrite, reports and pricing all read it.  An op without a row is computed replicated
 (always correct), keeps all its inputs for its backward and costs one FLOP per output element; adding an op
 is one row, and tests/test_ops.py checks every row's strategies rank by rank.
@@ -16,10 +16,10 @@ import operator
 import torch
 from torch.fx import Node
 
-from . import localize
-from .expert_rules import GROUPED_MM_FALLBACK, disjoint, grouped_mm, index, routed, squeeze, strided_slice
-from .flex import FLEX, flex_heads, global_heads, keeps_flex
-from .layout_rules import (
+from autotp.ops import local_forms
+from autotp.ops.expert_rules import GROUPED_MM_FALLBACK, disjoint, grouped_mm, index, routed, squeeze, strided_slice
+from autotp.ops.flex import FLEX, flex_heads, global_heads, keeps_flex
+from autotp.ops.layout_rules import (
     as_complex,
     as_real,
     cat,
@@ -34,8 +34,18 @@ from .layout_rules import (
     unsqueeze,
     view,
 )
-from .rules import attention, dropout, embedding, linear, matmul, normalize, pointwise, reduction, repeat_heads
-from .semantics import Op, may_alias, row_of
+from autotp.ops.rules import (
+    attention,
+    dropout,
+    embedding,
+    linear,
+    matmul,
+    normalize,
+    pointwise,
+    reduction,
+    repeat_heads,
+)
+from autotp.ops.semantics import Op, may_alias, row_of
 
 aten = torch.ops.aten
 
@@ -184,9 +194,9 @@ _COMPARISONS = [aten.eq.Tensor, aten.ne.Tensor, aten.lt.Tensor, aten.gt.Tensor, 
 TABLE: dict = {
     # elementwise: any output dim sharded alike in every input (broadcast dims replicated), or tokens split
     **_rows([aten.add.Tensor], family="elementwise", rule=pointwise, additive=True, experts="combine",
-            keeps=keeps_nothing, local=localize.add_once),
+            keeps=keeps_nothing, local=local_forms.add_once),
     **_rows([aten.sub.Tensor], family="elementwise", rule=pointwise, additive=True, keeps=keeps_nothing,
-            local=localize.add_once),
+            local=local_forms.add_once),
     **_rows([aten.mul.Tensor], family="elementwise", rule=pointwise, linear=(0, 1), experts="combine",
             keeps=keeps_operands),
     **_rows([aten.div.Tensor], family="elementwise", rule=pointwise, linear=(0,), keeps=keeps_divisor),
@@ -214,7 +224,7 @@ TABLE: dict = {
             family="elementwise", rule=pointwise, keeps=keeps_output),
     # every rank masks a whole (or partial) input alike: linear in training too (runtime/dropout.py)
     **_rows([aten.dropout.default], family="elementwise", rule=dropout, linear=(0,), keeps=keeps_mask,
-            drops=dropout_rate, local=localize.dropout),
+            drops=dropout_rate, local=local_forms.dropout),
     **_rows([aten.where.self, aten.masked_fill.Scalar], family="elementwise", rule=pointwise,
             keeps=keeps_condition),
     **_rows(_COMPARISONS, family="elementwise", rule=pointwise, keeps=keeps_nothing),
@@ -228,33 +238,33 @@ TABLE: dict = {
     **_rows([aten.bmm.default], family="matmul", rule=matmul, flops=product_flops, shape=matmul_shape,
             keeps=keeps_operands, experts="combine"),
     **_rows([aten._grouped_mm.default, GROUPED_MM_FALLBACK], family="grouped_mm", rule=grouped_mm,
-            flops=product_flops, shape=grouped_shape, local=localize.own_experts),
+            flops=product_flops, shape=grouped_shape, local=local_forms.own_experts),
     **_rows([aten.scaled_dot_product_attention.default], family="attention", rule=attention,
             flops=attention_flops, shape=attention_shape, keeps=keeps_attention, drops=attention_dropout,
-            local=localize.attention),
+            local=local_forms.attention),
     **_rows([FLEX], family="attention", rule=flex_heads, flops=attention_flops, shape=attention_shape,
             keeps=keeps_flex, local=global_heads),
     **_rows([aten.embedding.default], family="embedding", rule=embedding, keeps=keeps_nothing, moves=lookup_bytes,
-            local=localize.vocab_rows, styles={0: {1: "hidden split", 0: "vocab split"}}),
+            local=local_forms.vocab_rows, styles={0: {1: "hidden split", 0: "vocab split"}}),
     **_rows([aten.repeat_interleave.self_int], family="repeat", rule=repeat_heads, keeps=keeps_nothing,
-            local=localize.repeat_heads),
+            local=local_forms.repeat_heads),
     # reductions and normalizations
     **_rows([aten.sum.dim_IntList], family="reduction", rule=reduction, keeps=keeps_nothing),
-    **_rows([aten.mean.dim], family="reduction", rule=reduction, keeps=keeps_nothing, local=localize.partial_mean),
+    **_rows([aten.mean.dim], family="reduction", rule=reduction, keeps=keeps_nothing, local=local_forms.partial_mean),
     **_rows([aten._softmax.default, aten.softmax.int], family="softmax", rule=normalize, keeps=keeps_output),
     **_rows([aten._log_softmax.default, aten.log_softmax.int], family="log_softmax", rule=normalize,
             keeps=keeps_output),
     **_rows([aten.layer_norm.default], family="layer_norm", rule=normalize, keeps=keeps_normalized),
     # layout: the same data seen another way
     **_rows([aten.view.default, aten.reshape.default, aten._unsafe_view.default], family="view", rule=view,
-            layout=True, keeps=keeps_nothing, local=localize.resize),
+            layout=True, keeps=keeps_nothing, local=local_forms.resize),
     **_rows([aten.flatten.using_ints], family="view", rule=view, layout=True, keeps=keeps_nothing),
     **_rows([aten.unflatten.int], family="view", rule=view, layout=True, keeps=keeps_nothing,
-            local=localize.unflatten),
+            local=local_forms.unflatten),
     **_rows([aten.view_as_complex.default], family="complex", rule=as_complex, layout=True, keeps=keeps_nothing),
     **_rows([aten.view_as_real.default], family="complex", rule=as_real, layout=True, keeps=keeps_nothing),
     **_rows([aten.expand.default, aten.broadcast_to.default], family="expand", rule=expand, layout=True,
-            keeps=keeps_nothing, local=localize.resize),
+            keeps=keeps_nothing, local=local_forms.resize),
     **_rows([aten.transpose.int], family="transpose", rule=transpose, layout=True, keeps=keeps_nothing),
     **_rows([aten.t.default, aten.numpy_T.default], family="t", rule=t, layout=True, keeps=keeps_nothing),
     **_rows([aten.permute.default], family="permute", rule=permute, layout=True, keeps=keeps_nothing),
@@ -263,11 +273,11 @@ TABLE: dict = {
     **_rows([aten.squeeze.dim], family="squeeze", rule=squeeze, layout=True, experts="rows", keeps=keeps_nothing),
     **_rows([aten.squeeze.default, aten.squeeze.dims, aten.unbind.int], family="squeeze", keeps=keeps_nothing),
     **_rows([aten.slice.Tensor], family="slice", rule=strided_slice, layout=True, experts="rows",
-            keeps=keeps_nothing, local=localize.cut_block),
+            keeps=keeps_nothing, local=local_forms.cut_block),
     **_rows([aten.select.int], family="slice", rule=slice_, layout=True, keeps=keeps_nothing),
-    **_rows([aten.index.Tensor], family="index", rule=index, layout=True, moves=lookup_bytes, local=localize.index),
+    **_rows([aten.index.Tensor], family="index", rule=index, layout=True, moves=lookup_bytes, local=local_forms.index),
     **_rows([aten.split.Tensor, aten.split_with_sizes.default], family="split", rule=split, experts="rows",
-            keeps=keeps_nothing, local=localize.split),
+            keeps=keeps_nothing, local=local_forms.split),
     **_rows([aten.chunk.default], family="split", rule=split, experts="rows", keeps=keeps_nothing),
     **_rows([operator.getitem], family="getitem", rule=getitem, view=True, keeps=keeps_nothing),
     **_rows([aten.cat.default, aten.stack.default], family="cat", rule=cat, keeps=keeps_nothing),

@@ -1,7 +1,7 @@
 """This rank's form of one op, where the sharded op is not the same op on smaller tensors: size arguments cut
-to the local piece, offsets of the rank's heads, rows, experts or blocks baked in (autotp/runtime/local_ops.py).
+to the local piece, offsets of the rank's heads, rows, experts or blocks baked in (autotp/runtime/kernels.py).
 
-Each function is an op row's ``local`` (passes/ops.py): ``(node, strategy, rank, world)``, mutating ``node``.
+Each function is an op row's ``local`` (ops/table.py): ``(node, strategy, rank, world)``, mutating ``node``.
 """
 from __future__ import annotations
 
@@ -12,14 +12,13 @@ from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.fx.operator_schemas import normalize_function
 
-from autotp.runtime import local_ops
+from autotp.ops.expert_rules import GROUPED_MM_FALLBACK, is_grouped_mm, offsets
+from autotp.ops.layout_rules import block_of, constant_positions, cut_range, gathered, pieces_of
+from autotp.ops.rules import held_heads, separate_pieces
+from autotp.ops.strategies import token_inputs
+from autotp.placement import Disjoint, Partial, R, Shard
+from autotp.runtime import kernels
 from autotp.runtime.dropout import Attention, Dropout
-from autotp.runtime.placement import Disjoint, Partial, R, Shard
-
-from .expert_rules import GROUPED_MM_FALLBACK, is_grouped_mm, offsets
-from .layout_rules import block_of, constant_positions, cut_range, gathered, pieces_of
-from .rules import held_heads, separate_pieces
-from .strategies import token_inputs
 
 
 def full_size(node: Node, dim: int) -> int:
@@ -85,7 +84,7 @@ def index(node: Node, strategy, rank: int, world: int) -> None:
     if isinstance(src, Shard) and found is not None and found[0] == src.dim:
         at, positions = found
         local = gathered(src, strategy.output, positions, node.args[0].meta["val"].shape[at], rank, world)
-        node.target, node.args, node.kwargs = local_ops.gather_positions, (node.args[0], at, tuple(local)), {}
+        node.target, node.args, node.kwargs = kernels.gather_positions, (node.args[0], at, tuple(local)), {}
     elif isinstance(strategy.output, Disjoint):
         own_experts(node, strategy, rank, world)
     else:
@@ -114,7 +113,7 @@ def repeat_heads(node: Node, strategy, rank: int, world: int) -> None:
     kv, heads = x.meta["val"].shape[at], node.meta["val"].shape[at]
     in_start = held_heads(_source(strategy), at, kv, rank, world)[0]
     (out_start, out_len), = strategy.output.ranges(heads, rank, world)
-    node.target, node.args, node.kwargs = local_ops.repeat_heads, (x, repeats, at, in_start, out_start, out_len), {}
+    node.target, node.args, node.kwargs = kernels.repeat_heads, (x, repeats, at, in_start, out_start, out_len), {}
 
 
 def partial_mean(node: Node, strategy, rank: int, world: int) -> None:
@@ -125,7 +124,7 @@ def partial_mean(node: Node, strategy, rank: int, world: int) -> None:
     shape = x.meta["val"].shape
     count = math.prod(int(shape[d]) for d in dims)
     keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
-    node.target, node.args = local_ops.partial_mean, (x, dims, keepdim, count)
+    node.target, node.args = kernels.partial_mean, (x, dims, keepdim, count)
     node.kwargs = {k: v for k, v in node.kwargs.items() if k == "dtype"}
 
 
@@ -135,7 +134,7 @@ def add_once(node: Node, strategy, rank: int, world: int) -> None:
         return
     at = strategy.inputs.index(R)
     with node.graph.inserting_before(node):
-        zeros = node.graph.call_function(local_ops.added_by_rank0, (node.args[at],))
+        zeros = node.graph.call_function(kernels.added_by_rank0, (node.args[at],))
     zeros.meta = dict(node.args[at].meta)
     node.update_arg(at, zeros)
 
@@ -148,11 +147,11 @@ def own_experts(node: Node, strategy, rank: int, world: int) -> None:
     first, _ = strategy.output.owned(full_size(weight, 0), rank, world)
     if is_grouped_mm(node):
         fallback = str(node.target) == GROUPED_MM_FALLBACK
-        node.target, node.args, node.kwargs = local_ops.expert_grouped_mm, (node.args[0], weight, offsets(node),
+        node.target, node.args, node.kwargs = kernels.expert_grouped_mm, (node.args[0], weight, offsets(node),
                                                                             first, fallback), {}
     else:
         (ids,) = node.args[1]
-        node.target, node.args, node.kwargs = local_ops.expert_rows, (weight, ids, first), {}
+        node.target, node.args, node.kwargs = kernels.expert_rows, (weight, ids, first), {}
 
 
 def vocab_rows(node: Node, strategy, rank: int, world: int) -> None:
@@ -163,7 +162,7 @@ def vocab_rows(node: Node, strategy, rank: int, world: int) -> None:
     weight, ids = node.args[:2]
     (start, _), = src.ranges(weight.meta["val"].shape[0], rank, world)
     padding = node.args[2] if len(node.args) > 2 else -1
-    node.target, node.args, node.kwargs = local_ops.vocab_embedding, (weight, ids, start, padding), {}
+    node.target, node.args, node.kwargs = kernels.vocab_embedding, (weight, ids, start, padding), {}
 
 
 def _stream_key(layout: Shard | None, size, rank: int, world: int) -> int:

@@ -23,10 +23,9 @@ import operator
 import torch
 from torch.fx import Node
 
-from autotp.runtime.placement import Disjoint, P, R, Routed, Shard, simplest
-
-from .layout_rules import constant_positions, cut_range, gather, mapped, positive_dim, slice_
-from .strategies import Context, Strategy, contractible, input_slots, is_placed, value
+from autotp.ops.layout_rules import constant_positions, cut_range, gather, mapped, positive_dim, slice_
+from autotp.ops.strategies import Context, Strategy, contractible, input_slots, is_placed, value
+from autotp.placement import Disjoint, P, R, Routed, Shard, simplest
 
 aten = torch.ops.aten
 # transformers registers its op when its MoE integration is imported; rules find it by name
@@ -228,7 +227,7 @@ def disjoint(node: Node, ctx: Context) -> list[Strategy]:
 
 
 def routed(node: Node, ctx: Context) -> list[Strategy]:
-    """Expert parallelism by all-to-all: a node of an expert segment (passes/segments.py) run by the owners of
+    """Expert parallelism by all-to-all: a node of an expert segment (ops/expert_segments.py) run by the owners of
     the experts on the rows routed to them (``A``: whole experts dealt over the dispatch group, the TP group
     times a mesh's "ep" dim), reading the routing key whole.  Only ops that keep rows (an owner holds a subset
     of them): expert products, lookups by the ids, ops mapped row by row; and layout ops of the tables that

@@ -1,4 +1,4 @@
-"""What an ATen op is, as data: the row type of the op table (passes/ops.py), and the facts PyTorch's own
+"""What an ATen op is, as data: the row type of the op table (ops/table.py), and the facts PyTorch's own
 schemas state (which outputs may alias an input, which arguments an op writes in place).
 
 The table's rows are read by every pass -- rules, what the backward keeps, recomputation, graph preparation,
@@ -18,7 +18,7 @@ from torch.fx import Node
 class Op:
     """One op family's row.  ``rule(node, ctx)`` proposes sharded strategies (None: no rule for this use;
     the all-replicated strategy is always offered); ``keeps(node, grad)`` lists what its backward keeps as
-    (input slot or None for its output, kind or None) pairs (passes/saved.py; None: every tensor input, never
+    (input slot or None for its output, kind or None) pairs (passes/kept_tensors.py; None: every tensor input, never
     less than it keeps); ``local(node, strategy, rank,
     world)`` rewrites a node into this rank's form where a sharded op is not the same op on smaller tensors;
     ``flops(node, size)`` prices a product (others cost one FLOP per output element) and ``shape(node, held, whole)``

@@ -1,9 +1,9 @@
 """autotp: automatic tensor parallelism for PyTorch models, derived from the graph."""
 from autotp.api import from_pretrained, plan
-from autotp.parallel.dcp import checkpoint_state_dict, load_checkpoint_state_dict
 from autotp.parallel.mesh import parallelize
 from autotp.plan import Plan, PlanMismatch
 from autotp.planning.mesh_search import plan_mesh
+from autotp.runtime.dcp_checkpoint import checkpoint_state_dict, load_checkpoint_state_dict
 from autotp.runtime.hf_checkpoint import CheckpointError, full_state_dict, save_pretrained
 from autotp.runtime.losses import parallel_cross_entropy
 from autotp.runtime.materialize import materialize

@@ -1,39 +1,50 @@
-"""How to plan: the options of ``autotp.plan`` and ``autotp.parallelize`` that reach the solver, in one value."""
+"""The options of autotp's public calls as typed values, built once at the boundary and passed whole.
+
+``parallelize(model, args, **options)`` sorts its keywords into what to plan (PlanOptions), how to run the plan
+(RunOptions) and how a mesh composes it (MeshOptions) with ``from_keywords``; a misspelt option fails there, in
+one line that lists the valid ones.  Each value checks its own fields when it is built.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
 
 from autotp.cost_models.pricing import IMBALANCE
 from autotp.runtime.dropout import MODES
+from autotp.runtime.rendezvous import DEFAULT_TIMEOUT
 
 EXPERTS = (None, "tensor", "parallel", "all-to-all")
+INPUT_CHECKS = ("first", "always", False)
 
 
-@dataclass(frozen=True)
-class Options:
-    """``topology``: a profile name, a path or a loaded profile (None: the default).  ``min_shard_fraction``:
-    parameters at least this large (against the largest) are only offered sharded.  ``memory_limit``: bytes
-    per device (None: 90% of the topology's).  ``gather_outputs=False`` leaves sharded outputs on their ranks.
-    ``fixed``: parameter name -> placement to impose.  ``sequence_parallel``: True forces it, False rules it
-    out, None offers it only when no plan without it fits.  ``recompute``: "selective" recomputes every
-    attention core, False none, None offers it (priced per core) only when no plan fits without it.
-    ``experts``: "tensor" (every expert split), "parallel" (whole experts, computed where they are stored, zeros
-    for other experts' rows) or "all-to-all" (whole experts, rows dispatched to their owners) imposes that
-    split of mixture-of-experts layers, None lets the cost model choose.  ``ep``: ranks of a mesh's "ep"
-    dimension over which every expert segment is dispatched as well (parallel/mesh.py).
-    ``expert_imbalance``: the busiest rank's routed rows over the uniform top-k share (pricing.IMBALANCE)."""
+@dataclass(frozen=True, kw_only=True)
+class PlanOptions:
+    """What to plan: the cluster, the memory, the work, and the placements a caller imposes."""
     topology: object = None
-    min_shard_fraction: float = 0.02
-    training: bool = True
+    """A topology profile's name, a JSON file's path or a loaded Topology; None: the default profile."""
     memory_limit: float | None = None
-    gather_outputs: bool = True
-    fixed: dict | None = None
+    """Bytes per device a plan may use; None: ``cost_models.memory.memory_limit`` (90% of the device's)."""
+    training: bool = True
+    """Price gradients, optimizer state and the backward; False: inference (forward only)."""
     sequence_parallel: bool | None = None
+    """Split norms, dropouts and residual adds by tokens: True forces it, False rules it out, None offers it
+    only when no plan without it fits."""
     recompute: str | bool | None = None
+    """"selective" recomputes every attention core in the backward, False none, None offers it (priced per core)
+    only when no plan fits without it."""
     experts: str | None = None
-    dropout: str = "default"
+    """Mixture-of-experts layers: "tensor" (each expert split), "parallel" (whole experts, computed where they are
+    stored), "all-to-all" (whole experts, rows dispatched to their owners), None: the cost model chooses."""
     ep: int = 1
+    """Ranks of a mesh's "ep" dimension over which every expert segment is dispatched as well."""
     expert_imbalance: float = IMBALANCE
+    """The busiest rank's routed rows over the uniform top-k share, for pricing dispatch."""
+    fixed: Mapping | None = None
+    """Parameter name -> placement to impose (another program's layout, to share its shards)."""
+    min_shard_fraction: float = 0.02
+    """Parameters at least this large (against the largest) are only offered sharded."""
+    gather_outputs: bool = True
+    """Return full outputs on every rank; False leaves outputs sharded where the plan computes them sharded."""
 
     def __post_init__(self):
         if self.sequence_parallel not in (None, True, False):
@@ -50,5 +61,99 @@ class Options:
         if not self.expert_imbalance >= 1:
             raise ValueError(f"expert_imbalance is the busiest rank's load over the uniform share, at least 1: got "
                              f"{self.expert_imbalance!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunOptions:
+    """How to run a plan on this rank's group: where the plan and the weights come from, and the checks."""
+    plan: object = None
+    """A Plan to run instead of solving one (``Plan.load``); None: rank 0 solves and shares it."""
+    group: object = None
+    """The process group to shard over; None: every rank (the default group)."""
+    timeout: float = DEFAULT_TIMEOUT
+    """Seconds a rank waits for the others (agreement, collectives) before it raises."""
+    checkpoint: object = None
+    """A safetensors directory (Hugging Face layout) or a torch.distributed.checkpoint directory, read per rank."""
+    init_seed: int | None = None
+    """Fill a meta-device model's pieces with its own initialisation for this seed (the same full model on any
+    layout)."""
+    check_inputs: str | bool = "first"
+    """Ranks compare a digest of their input values (and, for a model that drops, their random states) on the
+    "first" call, on "always", or never (False)."""
+    verify: bool = False
+    """Run the example inputs through both models and name the first diverging op (needs the model's weights)."""
+    dropout: str = "default"
+    """How dropout masks are drawn: "default" (Megatron's model-parallel streams) or "reference" (each rank its
+    piece of the masks one process draws; for tests)."""
+
+    def __post_init__(self):
+        if self.check_inputs not in INPUT_CHECKS:
+            raise ValueError(f'check_inputs must be "first", "always" or False, got {self.check_inputs!r}')
         if self.dropout not in MODES:
             raise ValueError(f'dropout must be "default" or "reference" (for tests), got {self.dropout!r}')
+
+
+@dataclass(frozen=True, kw_only=True)
+class MeshOptions:
+    """How a DeviceMesh composes the TP program: data parallelism, and pipeline stages on a "pp" dimension."""
+    data_parallel: str = "fsdp"
+    """Over "dp": "fsdp" (FSDP2 ``fully_shard`` per block) or "ddp"."""
+    loss_fn: object = None
+    """``loss_fn(output, target)``, computed by the last pipeline stage (needed with "pp")."""
+    schedule: object = "1F1B"
+    """A torch.distributed.pipelining schedule by name (case-insensitive) or class."""
+    microbatches: int | None = None
+    """Micro-batches per step (default: the number of pipeline ranks)."""
+    stages: object = None
+    """Stage boundaries as the block indices where stages start; None: priced by the cost model."""
+    virtual_stages: int | None = None
+    """Stages per rank of a multi-stage schedule."""
+
+    def pipelined(self) -> bool:
+        """Whether any option is for pipeline stages."""
+        return (self.loss_fn is not None or self.microbatches is not None or self.stages is not None
+                or self.virtual_stages is not None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchOptions:
+    """What ``autotp.plan_mesh`` searches: the cluster, the batch per step, the work and the expert traffic."""
+    devices: int | None = None
+    """Devices to lay out (default: all of the topology's)."""
+    topology: object = None
+    """A topology profile's name, a JSON file's path or a loaded Topology; None: the default profile."""
+    nodes: int | None = None
+    """A cluster of that many of the topology's nodes."""
+    global_batch: int | None = None
+    """Samples per step (default: the example's)."""
+    training: bool = True
+    """Price a training step; False: inference."""
+    data_parallel: str = "fsdp"
+    """"fsdp" (parameters split over "dp") or "ddp" (replicated)."""
+    memory_limit: float | None = None
+    """Bytes per device; None: ``cost_models.memory.memory_limit``."""
+    expert_imbalance: float = 1.0
+    """Routed experts: the busiest rank's rows over the uniform top-k share."""
+    overlap_all_to_all: float = 0.0
+    """Routed experts: the share of the all-to-all time hidden behind compute (0: exposed; DualPipe hides most)."""
+
+    def __post_init__(self):
+        if self.data_parallel not in ("fsdp", "ddp"):
+            raise ValueError(f"data_parallel must be 'fsdp' or 'ddp', got {self.data_parallel!r}")
+        if self.expert_imbalance < 1 or not 0 <= self.overlap_all_to_all <= 1:
+            raise ValueError(f"expert_imbalance must be at least 1 (got {self.expert_imbalance}) and "
+                             f"overlap_all_to_all between 0 and 1 (got {self.overlap_all_to_all})")
+
+
+def names(kind) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(kind))
+
+
+def from_keywords(keywords: dict, kinds=(PlanOptions, RunOptions, MeshOptions), call: str = "parallelize") -> tuple:
+    """One value of each of ``kinds`` from a call's keywords; a keyword none of them has fails in one line."""
+    known = {name: kind for kind in kinds for name in names(kind)}
+    unknown = sorted(set(keywords) - known.keys())
+    if unknown:
+        raise TypeError(f"{call}() got unknown option(s) {', '.join(unknown)}: its options are "
+                        f"{', '.join(sorted(known))}")
+    return tuple(kind(**{k: v for k, v in keywords.items() if known[k] is kind}) for kind in kinds)

@@ -50,17 +50,18 @@ def yardstick() -> float:
 
 
 def measure(layers: int, world: int, whole: bool) -> dict:
-    from autotp.api import plan_choice, prepared_graph, solve_plan
-    from autotp.options import Options
+    from autotp.options import PlanOptions
     from autotp.passes.capture import fingerprint
+    from autotp.passes.prepared_graph import prepared_graph
     from autotp.passes.rewrite import rewrite
+    from autotp.planning.tensor_plan import plan_choice, solve_plan
     times = {}
     start = time.perf_counter()
     model, ids = _model(layers), _ids()
     folded = prepared_graph(model, (ids,), None, fold=True)  # what autotp.plan captures
     times["capture"] = time.perf_counter() - start
     start = time.perf_counter()
-    plan = solve_plan(folded, world, Options(topology="dgx-h100", training=False))
+    plan = solve_plan(folded, world, PlanOptions(topology="dgx-h100", training=False))
     times["solve"] = time.perf_counter() - start
     times["plan"] = times["capture"] + times["solve"]
     if not whole:
@@ -69,7 +70,7 @@ def measure(layers: int, world: int, whole: bool) -> dict:
     gm = prepared_graph(model, (ids,), None)  # the program each rank runs has every block
     times["full capture"] = time.perf_counter() - start
     start = time.perf_counter()
-    reference = solve_plan(gm, world, Options(topology="dgx-h100", training=False))
+    reference = solve_plan(gm, world, PlanOptions(topology="dgx-h100", training=False))
     times["whole solve"] = time.perf_counter() - start
     start = time.perf_counter()
     choice = plan_choice(gm, plan, fingerprint(gm), world)  # the folded plan stamped on every block

@@ -108,8 +108,8 @@ def run(rank: int, world: int, o: argparse.Namespace, repeats: int) -> dict:
 
 def _estimate(o: argparse.Namespace) -> float:
     """The planner's bytes per device for TP 2 x DP 2 (FSDP) running each replica's batch at once, as here."""
-    from autotp.api import prepared_graph
     from autotp.cost_models.mesh_layout import Candidate
+    from autotp.passes.prepared_graph import prepared_graph
     from autotp.planning.mesh_search import price_layout
     gm = prepared_graph(build(o), (global_batch(o, 0)[0][:1],), None, fold=True)
     layout = Candidate(2, 1, 2, microbatch_size=o.batch // 2)

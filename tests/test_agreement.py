@@ -15,8 +15,9 @@ import autotp
 from autotp.runtime.rendezvous import RankDisagreement
 from autotp.runtime.transport import CollectiveError
 from autotp.tools.spawn import free_port, local_context
-from distributed import run_ranks
 from examples import mlp
+from tests.helpers.distributed import run_ranks
+from tests.helpers.exact import TOL
 
 
 def _different_models(rank: int, world: int) -> None:
@@ -49,7 +50,7 @@ def _input_checks(rank: int, world: int) -> None:
         first(*mine)
     first(*mine)  # only the first call is checked
     always = autotp.parallelize(model, args, check_inputs="always")
-    torch.testing.assert_close(always(*args), model(*args), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(always(*args), model(*args), **TOL)
     with pytest.raises(RankDisagreement, match=disagree.format(2)):
         always(*mine)
     autotp.parallelize(model, args, check_inputs=False)(*mine)

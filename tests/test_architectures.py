@@ -9,81 +9,20 @@ import torch
 import torch.nn.functional as F
 
 import autotp
-from distributed import AT_THREE_RANKS, run_ranks, weight_collectives
-from models import llama_with
+from tests.helpers.architectures import NAMES, hf_model, same_as_unsharded
+from tests.helpers.distributed import AT_THREE_RANKS, run_ranks
+from tests.helpers.exact import TOL
+from tests.helpers.models import llama_with
 
-TOL = {"rtol": 1e-4, "atol": 1e-5}
-SMALL = {"vocab_size": 96, "max_position_embeddings": 64}
-# (config class, model class, config): the layouts the issue lists, at toy sizes
-ARCHS = {
-    "mistral": ("MistralConfig", "MistralForCausalLM", {  # sliding window, GQA
-        "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "sliding_window": 4}),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {  # biases on q/k/v
-        "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2}),
-    "gemma": ("GemmaConfig", "GemmaForCausalLM", {  # multi-query, scaled embeddings, tied head
-        "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 1, "head_dim": 16}),
-    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {  # qkv interleaved per head, partial rotary, parallel
-        "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "rotary_pct": 0.5}),
-    "opt": ("OPTConfig", "OPTForCausalLM", {  # learned positions
-        "hidden_size": 64, "ffn_dim": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "word_embed_proj_dim": 64}),
-    "falcon": ("FalconConfig", "FalconForCausalLM", {  # multi-query fused qkv, parallel attention + MLP
-        "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "new_decoder_architecture": False,
-        "multi_query": True, "parallel_attn": True, "alibi": False}),
-    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", {  # biases, GQA, layer norm
-        "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2}),
-    "olmo": ("OlmoConfig", "OlmoForCausalLM", {  # non-parametric layer norm
-        "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4}),
-    "bert": ("BertConfig", "BertModel", {  # encoder, bidirectional
-        "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4}),
-}
-
-
-def _build(name: str, **overrides):
-    import transformers
-    config_cls, model_cls, config = ARCHS[name]
-    extra = {} if name == "bert" else {"use_cache": False}
-    torch.manual_seed(0)
-    return getattr(transformers, model_cls)(getattr(transformers, config_cls)(
-        **{**config, **overrides}, **SMALL, **extra)).eval()
-
-
-def _out(output) -> torch.Tensor:
-    if isinstance(output, torch.Tensor):
-        return output
-    return output.logits if hasattr(output, "logits") else output.last_hidden_state
-
-
-def _ids(batch: int, seq: int) -> torch.Tensor:
-    return torch.randint(0, 90, (batch, seq))
-
-
-def _same_as_unsharded(model, sharded, tol=TOL, inputs=_ids) -> None:
-    """Outputs at other shapes (1 x 1 included) and gradients; ``inputs(batch, seq)`` makes the input."""
-    assert not weight_collectives(sharded), weight_collectives(sharded)  # weights are used where stored
-    torch.manual_seed(1)
-    for batch, seq in [(3, 7), (1, 1)]:
-        x = inputs(batch, seq)
-        torch.testing.assert_close(_out(sharded(x)), _out(model(x)), **tol)
-    x = inputs(2, 6)
-    _out(sharded(x)).float().square().mean().backward()
-    _out(model(x)).float().square().mean().backward()
-    grads = autotp.full_state_dict(sharded, grads=True)
-    for name, p in model.named_parameters():
-        if p.grad is not None:
-            torch.testing.assert_close(grads[name], p.grad, **tol, msg=lambda m, n=name: f"{n}: {m}")
+# looser than TOL on purpose: half precision rounds to 8 (bf16) or 11 (fp16) significant bits
+HALF_PRECISION_TOL = {torch.bfloat16: {"rtol": 1.6e-2, "atol": 1e-2}, torch.float16: {"rtol": 1e-3, "atol": 1e-3}}
 
 
 def _architectures(rank: int, world: int) -> None:
-    for name in ARCHS:
-        model = _build(name)
+    for name in NAMES:
+        model = hf_model(name)
         sharded = autotp.parallelize(model, (torch.randint(0, 90, (2, 5)),))
-        _same_as_unsharded(model, sharded)
+        same_as_unsharded(model, sharded)
         params = sharded.autotp_plan.params
         replicated = [n for n, p in model.named_parameters() if p.dim() == 2 and params.get(n) == "R"]
         assert not replicated, (name, replicated)  # every weight matrix is split, none merely copied
@@ -95,7 +34,7 @@ def test_architectures_match_unsharded(world):
 
 
 def _models() -> list:
-    return [(_build(name), (torch.randint(0, 90, (2, 5)),)) for name in ARCHS]
+    return [(hf_model(name), (torch.randint(0, 90, (2, 5)),)) for name in NAMES]
 
 
 def _local_rows(sharded, name: str) -> int:
@@ -110,9 +49,9 @@ def _fewer_kv_heads(rank: int, world: int) -> None:
         assert params[f"model.layers.0.self_attn.{proj}.weight"] == "S(0/2)", params
         assert _local_rows(sharded, f"model.layers.0.self_attn.{proj}.weight") == 8  # one head of 8
     assert params["model.layers.0.self_attn.q_proj.weight"] == "S(0)"
-    _same_as_unsharded(model, sharded)
+    same_as_unsharded(model, sharded)
     model = llama_with(heads=8, kv=1)  # multi-query
-    _same_as_unsharded(model, autotp.parallelize(model, (torch.randint(0, 90, (2, 5)),)))
+    same_as_unsharded(model, autotp.parallelize(model, (torch.randint(0, 90, (2, 5)),)))
 
 
 def _fewer_kv_heads_models() -> list:
@@ -131,7 +70,7 @@ def _uneven_heads(rank: int, world: int) -> None:
     assert _local_rows(sharded, "model.layers.0.self_attn.q_proj.weight") == [24, 24, 16, 16][rank]  # 3,3,2,2 heads
     if params["lm_head.weight"] == "S(0/101)":  # vocab 101 on 4 ranks, if split by vocabulary: 26,25,25,25
         assert _local_rows(sharded, "lm_head.weight") == [26, 25, 25, 25][rank]
-    _same_as_unsharded(model, sharded)
+    same_as_unsharded(model, sharded)
 
 
 def _uneven_heads_models() -> list:
@@ -182,8 +121,7 @@ def _half_precision(rank: int, world: int, dtype: torch.dtype) -> None:
     model = _half_model(dtype)
     sharded = autotp.parallelize(model, (torch.randint(0, 90, (2, 5)),))
     assert next(sharded.parameters()).dtype == dtype
-    tol = {torch.bfloat16: {"rtol": 1.6e-2, "atol": 1e-2}, torch.float16: {"rtol": 1e-3, "atol": 1e-3}}[dtype]
-    _same_as_unsharded(model, sharded, tol)
+    same_as_unsharded(model, sharded, HALF_PRECISION_TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

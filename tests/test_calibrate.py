@@ -11,8 +11,8 @@ import pytest
 import autotp
 from autotp.cost_models import collective_time, load_topology
 from autotp.tools.calibrate import SIZES, calibrate, comparison, measured_entry
-from distributed import run_ranks
-from models import build
+from tests.helpers.distributed import run_ranks
+from tests.helpers.models import build
 
 
 def _calibrate(rank: int, world: int, out: str) -> None:

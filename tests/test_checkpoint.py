@@ -14,10 +14,10 @@ import autotp
 from autotp.api import checkpoint_source
 from autotp.runtime.hf_checkpoint import check_tensors
 from autotp.runtime.hf_models import default_inputs
-from distributed import run_ranks
-from models import build, example_input, llama_with, logits, padded_prompts
-
-TOL = {"rtol": 1e-4, "atol": 1e-5}
+from tests.helpers import configs
+from tests.helpers.distributed import run_ranks
+from tests.helpers.exact import TOL
+from tests.helpers.models import build, example_input, llama_with, logits, padded_prompts
 
 
 def _hf_dir(kind: str, directory: Path, max_shard_size: str | None = None) -> Path:
@@ -309,9 +309,8 @@ def _bounded_load(rank: int, world: int, directory: str, expected: str, full: in
 @pytest.mark.slow
 def test_a_large_model_loads_within_a_quarter_per_rank(tmp_path):
     """1.35 GB of fp32 weights over 4 ranks: each rank's memory grows by about a quarter."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-    config = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=4,
-                         num_attention_heads=16, num_key_value_heads=16, use_cache=False)
+    from transformers import LlamaForCausalLM
+    config = configs.llama_1gb()
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()
     sizes = [p.numel() * p.element_size() for p in model.parameters()]
@@ -326,27 +325,14 @@ def test_a_large_model_loads_within_a_quarter_per_rank(tmp_path):
 
 def _tiny(kind: str):
     """transformers stores these under other names or shapes than the model holds (its conversion mapping)."""
-    from transformers import (
-        GPTNeoXConfig,
-        GPTNeoXForCausalLM,
-        MixtralConfig,
-        MixtralForCausalLM,
-        Qwen3MoeConfig,
-        Qwen3MoeForCausalLM,
-    )
+    from transformers import GPTNeoXForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM
     torch.manual_seed(0)
     if kind == "qwen3_moe":
-        return Qwen3MoeForCausalLM(Qwen3MoeConfig(
-            vocab_size=96, hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=12, num_experts_per_tok=2,
-            max_position_embeddings=64, use_cache=False)).eval()  # 12: expert 10 comes after 9, not after 1
+        return Qwen3MoeForCausalLM(configs.qwen3_moe(num_experts=12)).eval()  # 12: expert 10 comes after 9, not after 1
     if kind == "mixtral":
-        return MixtralForCausalLM(MixtralConfig(
-            vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
-            use_cache=False)).eval()
-    return GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                            num_attention_heads=4, use_cache=False)).eval()
+        return MixtralForCausalLM(configs.mixtral()).eval()
+    return GPTNeoXForCausalLM(configs.gpt_neox(hidden_size=32, intermediate_size=64,
+                                               max_position_embeddings=2048)).eval()
 
 
 def test_stacked_experts_are_read_expert_by_expert_in_slices(tmp_path):

@@ -11,8 +11,11 @@ import sys
 import traceback
 from pathlib import Path
 
+import pytest
+
 from autotp.plan import Plan
 from autotp.tools.cli import main
+from tests.helpers import configs
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -28,10 +31,9 @@ def _autotp(*args: str) -> subprocess.CompletedProcess:
     """The same command line in this process (a fresh interpreter spends seconds importing torch and transformers
     per call): its output, errors and exit status as a process would give them."""
     out, err = io.StringIO(), io.StringIO()
-    cwd, path = os.getcwd(), list(sys.path)
-    os.chdir(ROOT)
-    sys.path.insert(0, str(ROOT))  # model specs such as examples.mlp:build, as `python -m` finds them
-    try:
+    with pytest.MonkeyPatch.context() as patch:  # both undone after the call
+        patch.chdir(ROOT)  # model specs such as examples.mlp:build import from here, as under `python -m`
+        patch.setattr(sys, "path", [*sys.path])  # a copy: the CLI adds the working directory to it
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
                 code = main(list(args)) or 0
@@ -41,9 +43,6 @@ def _autotp(*args: str) -> subprocess.CompletedProcess:
             except Exception:
                 traceback.print_exc(file=err)
                 code = 1
-    finally:
-        os.chdir(cwd)
-        sys.path[:] = path
     return subprocess.CompletedProcess(["autotp", *args], code, out.getvalue(), err.getvalue())
 
 
@@ -75,9 +74,8 @@ def test_plan_bad_model_spec_is_a_clear_error():
 
 
 def _tiny_llama_dir(tmp_path: Path) -> Path:
-    from transformers import LlamaConfig
-    LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
-                num_key_value_heads=4).save_pretrained(tmp_path)
+    configs.llama(vocab_size=256, intermediate_size=128, num_attention_heads=8, num_key_value_heads=4,
+                  max_position_embeddings=2048, use_cache=True).save_pretrained(tmp_path)
     return tmp_path
 
 
@@ -104,9 +102,8 @@ def test_mesh_prices_every_split(tmp_path):
 
 
 def test_mesh_json_for_a_cluster_of_nodes(tmp_path):
-    from transformers import LlamaConfig
-    LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=8,
-                num_key_value_heads=4).save_pretrained(tmp_path)
+    configs.llama(vocab_size=256, intermediate_size=128, num_hidden_layers=8, num_attention_heads=8,
+                  num_key_value_heads=4, max_position_embeddings=2048, use_cache=True).save_pretrained(tmp_path)
     node = tmp_path / "two-gpu-node.json"  # a node type of one's own, extending a known one
     node.write_text(json.dumps({"name": "two-gpu-node", "extends": "dgx-a100", "figures": {
         "gpus_per_node": {"value": 2, "source": "test"}, "nics_per_node": {"value": 2, "source": "test"}}}))
@@ -147,11 +144,10 @@ def test_show_diff_and_explain_a_saved_plan(tmp_path):
 
 
 def test_compare_with_transformers_plans(tmp_path):
-    from transformers import Phi3Config
     llama = _tiny_llama_dir(tmp_path / "llama")
     phi3 = tmp_path / "phi3"
-    Phi3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
-               num_key_value_heads=4, pad_token_id=0).save_pretrained(phi3)
+    configs.phi3(vocab_size=256, intermediate_size=128, num_key_value_heads=4, pad_token_id=0,
+                 max_position_embeddings=4096, use_cache=True).save_pretrained(phi3)
     for model_dir in (llama, phi3):
         result = _autotp("compare", str(model_dir), "--world-size", "2", "--seq", "64")
         assert result.returncode == 0, result.stderr[-3000:]

@@ -6,7 +6,7 @@ import torch
 
 from autotp.placement import P, R, Shard, assemble, parse, take_local
 from autotp.runtime import collectives, transport
-from distributed import comm_counts, run_ranks
+from tests.helpers.distributed import comm_counts, run_ranks
 
 # even, fused blocks, dim 0, whole units (uneven at 4 ranks: 2,2,1,1), units shared by ranks (grouped at 4),
 # 3 KV heads for 6 query heads (held 0-1, 1-2 at 2 ranks; 0, 1, 2, 2 at 4), fused [4 query heads | 1 KV | 1 KV],

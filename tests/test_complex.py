@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import autotp
-from distributed import AT_THREE_RANKS, run_ranks
-from exact import same_as_model, sums_per_block
-from native_models import VOCAB, complex_rotary_lm, greedy
+from tests.helpers.distributed import AT_THREE_RANKS, run_ranks
+from tests.helpers.exact import same_as_model, sums_per_block
+from tests.helpers.native_models import VOCAB, complex_rotary_lm, greedy
 
 # world -> (query heads, KV heads, how KV heads are repeated): shared KV heads at 4 ranks, 6 heads at 3
 CASES = {2: (4, 2, "expand"), 3: (6, 3, "interleave"), 4: (4, 2, "expand")}

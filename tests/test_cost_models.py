@@ -15,7 +15,7 @@ from autotp.cost_models.compute import op_time, product_time
 from autotp.cost_models.memory import state_factor
 from autotp.cost_models.topology import PROFILES, profile_names
 from autotp.planning.solve import PlanningError
-from models import build
+from tests.helpers.models import build
 
 GiB = 2 ** 30
 

@@ -9,12 +9,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import autotp
-from autotp.parallel.dcp import _dtensor_placements, _Layout
 from autotp.placement import Shard
-from distributed import run_ranks
+from autotp.runtime.dcp_checkpoint import _dtensor_placements, _Layout
 from examples.train import Trainer, build, global_batch, parse, reference, train_whole
+from tests.helpers.distributed import run_ranks
+from tests.helpers.exact import TOL
 
-TOL = {"rtol": 1e-4, "atol": 1e-5}
 # 4 query heads sharing 2 KV heads: at TP 4 each KV head is held by two ranks (no DTensor placement)
 TINY = ["--batch", "4", "--seq", "8", "--layers", "2", "--hidden", "32", "--vocab", "128"]
 SAVED, MORE = 3, 2  # steps before the checkpoint, steps after

@@ -33,3 +33,92 @@ def test_readme_is_short_and_its_links_resolve():
         if anchor:
             headings = re.findall(r"(?m)^#+ (.+)$", (ROOT / path).read_text())
             assert anchor in {_anchor(h) for h in headings}, (path, anchor)
+
+
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+_LIST_ITEM = re.compile(r"^\s*(?:[-*] |\d+\. )")
+MAX_PARAGRAPH_WORDS = 150
+
+
+def _paragraphs(text: str):
+    """(first line number, words) of each prose paragraph: a block of consecutive non-blank lines outside fenced
+    code blocks, tables (lines starting with "|") and headings; every list item (with its continuation lines) is
+    a paragraph of its own."""
+    paragraph, start, fenced = [], 0, False
+    for number, line in enumerate([*text.splitlines(), ""], 1):
+        stripped = line.strip()
+        prose = not (fenced or not stripped or stripped.startswith(("```", "|", "#")))
+        if not prose or _LIST_ITEM.match(line):
+            if paragraph:
+                yield start, " ".join(paragraph).split()
+            paragraph = []
+        if stripped.startswith("```"):
+            fenced = not fenced
+        if prose:
+            start = start if paragraph else number
+            paragraph.append(_LIST_ITEM.sub("", line, count=1).strip())
+
+
+def test_paragraph_counter_reads_blocks_lists_code_and_tables():
+    text = "# T\n\none two\nthree\n\n- a b\n  c\n- d\n\n```\nnot prose at all\n```\n| x | y |\n"
+    assert list(_paragraphs(text)) == [(3, ["one", "two", "three"]), (6, ["a", "b", "c"]), (8, ["d"])]
+
+
+def test_no_paragraph_over_150_words():
+    """Long paragraphs are split: every prose paragraph of every page stays readable (at most 150 words)."""
+    long = [f"docs/{page.name}:{line}: {len(words)} words" for page in DOCS
+            for line, words in _paragraphs(page.read_text()) if len(words) > MAX_PARAGRAPH_WORDS]
+    assert not long, f"paragraphs over {MAX_PARAGRAPH_WORDS} words:\n" + "\n".join(long)
+
+
+OPENING_LINES = 15  # the example starts within this many lines after the title
+LEAD_WORDS = 80  # the lead before it: one or two sentences
+
+
+def _opening(text: str) -> tuple[int | None, int]:
+    """(line after the title where the page's first example starts, or None; words of prose before it). Headings
+    are skipped; the example is a fenced code block or a table."""
+    lines = text.splitlines()
+    title = next(i for i, line in enumerate(lines) if line.startswith("# "))
+    lead = 0
+    for offset, line in enumerate(lines[title + 1:title + 1 + OPENING_LINES], 1):
+        stripped = line.strip()
+        if stripped.startswith(("```", "|")):
+            return offset, lead
+        if not stripped.startswith("#"):
+            lead += len(stripped.split())
+    return None, lead
+
+
+def test_opening_reader_finds_the_example():
+    assert _opening("# T\n\nWhat this is for.\n\n```python\nx()\n```\n") == (4, 4)
+    assert _opening("# T\n\n## Part\n\n| a | b |\n") == (4, 0)  # a table, but no lead: the page test refuses it
+    assert _opening("# T\n\n" + "Prose only, no example.\n" * 20)[0] is None
+
+
+def test_every_page_opens_with_a_lead_and_an_example():
+    """Right under its title each page says in a sentence or two what it is for, then shows an example (a fenced
+    code block: a call, a command, a plan excerpt; or a table) before any long prose."""
+    bad = []
+    for page in DOCS:
+        start, lead = _opening(page.read_text())
+        if start is None:
+            bad.append(f"docs/{page.name}: no code block or table within {OPENING_LINES} lines of the title")
+        elif not 5 <= lead <= LEAD_WORDS:
+            bad.append(f"docs/{page.name}: {lead} words of prose before the first example (a sentence or two: "
+                       f"5 to {LEAD_WORDS})")
+    assert not bad, "\n".join(bad)
+
+
+def test_every_figure_says_the_command_that_draws_it():
+    """A picture in docs/figures/ is embedded next to the command that regenerates it (`... --svg docs/figures/F`
+    in the page, at most 12 lines from the image), so it can be redrawn when the planner changes."""
+    missing = []
+    for page in DOCS:
+        lines = page.read_text().splitlines()
+        for number, line in enumerate(lines):
+            for figure in re.findall(r"!\[[^\]]*\]\((figures/[^)\s]+)\)", line):
+                near = "\n".join(lines[max(0, number - 12):number + 13])
+                if f"--svg docs/{figure}" not in near:
+                    missing.append(f"docs/{page.name}:{number + 1}: {figure}")
+    assert not missing, "figures without the command that draws them:\n" + "\n".join(missing)

@@ -20,30 +20,28 @@ import autotp
 from autotp.placement import Shard, take_local
 from autotp.runtime.dropout import Attention, Dropout, random_ops
 from autotp.tools.report import print_plan
-from distributed import run_ranks
+from tests.helpers import configs
+from tests.helpers.distributed import run_ranks
+from tests.helpers.exact import TOL
 
-TOL = {"rtol": 1e-4, "atol": 1e-5}
 P = 0.1
 
 
 def gpt2(attention: str = "eager", p: float = P, layers: int = 2):
     """GPT-2 dropping everywhere: embeddings, attention probabilities (eager: a dropout op; sdpa: its dropout_p)
     and both residual branches."""
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2LMHeadModel
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=96, n_embd=64, n_layer=layers, n_head=4, n_positions=64, use_cache=False,
-                        bos_token_id=0, eos_token_id=0, attn_pdrop=p, resid_pdrop=p, embd_pdrop=p,
-                        attn_implementation=attention)
+    config = configs.gpt2(n_layer=layers, bos_token_id=0, eos_token_id=0, attn_pdrop=p, resid_pdrop=p, embd_pdrop=p,
+                          attn_implementation=attention)
     return GPT2LMHeadModel(config).train()
 
 
 def llama(p: float = P):
     """LLaMA with attention dropout: 6 query heads and 2 KV heads (uneven at 4 ranks), SDPA's dropout_p."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(
-        vocab_size=96, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=6,
-        num_key_value_heads=2, max_position_embeddings=64, use_cache=False, attention_dropout=p)).train()
+    return LlamaForCausalLM(configs.llama(hidden_size=48, num_attention_heads=6, attention_dropout=p)).train()
 
 
 def _loss(out) -> torch.Tensor:
@@ -205,7 +203,7 @@ def test_ranks_seeded_apart_are_stopped_before_they_drop():
 
 
 def _eval_mode(rank: int, world: int) -> None:
-    from models import padded_prompts
+    from tests.helpers.models import padded_prompts
     warnings.simplefilter("ignore")
     x = torch.randint(0, 96, (3, 11))
     model = gpt2("sdpa")

@@ -13,13 +13,14 @@ import pytest
 import torch
 
 from autotp.tools.spawn import exit_quietly, local_context
+from tests.helpers import configs
 
 
 def _gpt2(layers: int, hidden: int, heads: int, vocab: int, positions: int):
-    from transformers import GPT2Config, GPT2LMHeadModel
-    config = GPT2Config(vocab_size=vocab, n_positions=positions, n_embd=hidden, n_layer=layers, n_head=heads,
-                        use_cache=False, tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, attn_pdrop=0.0,
-                        resid_pdrop=0.0, embd_pdrop=0.0)
+    from transformers import GPT2LMHeadModel
+    config = configs.gpt2(vocab_size=vocab, n_positions=positions, n_embd=hidden, n_layer=layers, n_head=heads,
+                          tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, attn_pdrop=0.0, resid_pdrop=0.0,
+                          embd_pdrop=0.0)
     with torch.device("meta"):
         return GPT2LMHeadModel(config)
 

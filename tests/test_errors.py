@@ -13,8 +13,9 @@ import torch
 
 import autotp
 from autotp.passes.capture import CaptureError
-from distributed import run_ranks
-from models import Unruly, build, example_input
+from tests.helpers.distributed import run_ranks
+from tests.helpers.exact import TOL
+from tests.helpers.models import Unruly, build, example_input
 
 
 class Branchy(torch.nn.Module):
@@ -85,8 +86,8 @@ def _twice(rank: int, world: int) -> None:
     torch.manual_seed(3)
     x = example_input("llama", 2, 5)
     want = model(x).logits
-    torch.testing.assert_close(first(x).logits, want, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(second(x).logits, want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(first(x).logits, want, **TOL)
+    torch.testing.assert_close(second(x).logits, want, **TOL)
     first(x).logits.sum().backward()  # training one copy touches neither the other nor the model
     assert all(p.grad is None for p in second.parameters()) and all(p.grad is None for p in model.parameters())
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())

@@ -8,11 +8,12 @@ import functools
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
-from test_moe import expert_params, mixtral, pretrained, with_default_inputs
 
 import autotp
 from autotp.runtime.hf_checkpoint import Checkpoint
-from distributed import run_ranks
+from tests.helpers.distributed import run_ranks
+from tests.helpers.exact import TOL
+from tests.helpers.moe import expert_params, mixtral, pretrained, with_default_inputs
 
 
 def _reads_own_experts(rank: int, world: int, per_expert: str, fused: str) -> None:
@@ -35,7 +36,7 @@ def _reads_own_experts(rank: int, world: int, per_expert: str, fused: str) -> No
         else:  # fused tables: only this rank's rows of dim 0
             assert experts and all(box[0] == slice(first, first + count) for _, box in experts), experts
         x = torch.randint(0, 96, (2, 5))
-        torch.testing.assert_close(sharded(x).logits, model(x).logits, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(sharded(x).logits, model(x).logits, **TOL)
     Checkpoint._read_stored = original
 
 

@@ -6,12 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autotp.api import prepared_graph
 from autotp.cost_models import expert_layout as moe
 from autotp.cost_models import load_topology
 from autotp.cost_models.compute import product_time
 from autotp.cost_models.mesh_layout import Candidate, Setting, price
+from autotp.passes.prepared_graph import prepared_graph
 from autotp.planning.mesh_search import plan_mesh_for_graph
+from tests.helpers import configs
 
 
 def _mixtral_experts(tp: int) -> moe.Experts:
@@ -68,7 +69,7 @@ def test_the_planner_offers_expert_parallelism_where_the_graph_routes_experts():
     get expert-parallel layouts, with their degree in the choice; a model without routed experts gets none."""
     from autotp.planning.mesh_search import plan_mesh
     from examples import moe as example
-    from models import build
+    from tests.helpers.models import build
     routed = plan_mesh(*example.build(), devices=8, global_batch=16)
     assert {c.ep for c in routed.candidates} == {1, 2}  # 6 experts: EP 2 divides them and the 8 ranks
     assert {"ep", "etp"} <= set(routed.to_dict()["choice"])
@@ -78,10 +79,8 @@ def test_the_planner_offers_expert_parallelism_where_the_graph_routes_experts():
 
 @pytest.fixture(scope="module")
 def mixtral_8x7b():
-    from transformers import MixtralConfig, MixtralForCausalLM
-    config = MixtralConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                           num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
-                           max_position_embeddings=32768, use_cache=False)
+    from transformers import MixtralForCausalLM
+    config = configs.mixtral_8x7b(max_position_embeddings=32768, use_cache=False)
     with torch.device("meta"):
         model = MixtralForCausalLM(config).to(torch.bfloat16)
     return prepared_graph(model, (torch.zeros(1, 4096, dtype=torch.long, device="meta"),), None, fold=True)
@@ -114,9 +113,9 @@ def test_deepseek_v3_on_2048_h800s_pipelines_and_deals_experts_without_tensor_pa
     recomputation: DeepSeek's FP8, DualPipe and selective recomputation are not modelled) lays it out with no TP,
     pipeline stages and experts dealt out; the published layout fits 80 GB.  All-to-alls priced exposed keep the
     EP group inside a node; hidden (DualPipe), the EP group spans nodes, as published."""
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    from transformers import DeepseekV3ForCausalLM
     with torch.device("meta"):
-        model = DeepseekV3ForCausalLM(DeepseekV3Config(use_cache=False)).to(torch.bfloat16)
+        model = DeepseekV3ForCausalLM(configs.deepseek_v3_671b(use_cache=False)).to(torch.bfloat16)
     assert 670e9 < sum(p.numel() for p in model.parameters()) < 672e9
     gm = prepared_graph(model, (torch.zeros(1, 4096, dtype=torch.long, device="meta"),), None, fold=True)
     choices = {}

@@ -15,9 +15,9 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 import autotp
 from autotp.ops.flex import exportable_on_cpu
-from distributed import run_ranks
-from exact import forward_matches, sums_per_block, training_matches
-from native_models import VOCAB, causal, flex_lm
+from tests.helpers.distributed import run_ranks
+from tests.helpers.exact import TOL, forward_matches, sums_per_block, training_matches
+from tests.helpers.native_models import VOCAB, causal, flex_lm
 
 # (mode, query heads, KV heads, world): the head index offset by the rank's first head where h is read
 CASES = [pytest.param("alibi_h", 4, 2, 2, marks=pytest.mark.slow),
@@ -136,7 +136,7 @@ def _structured(rank: int, world: int) -> None:
     other = torch.randint(0, VOCAB, (3, 16))
     args = (Batch(other, create_block_mask(causal, None, None, 16, 16, device="cpu")), Scaled(other, torch.ones(1) * 2))
     with exportable_on_cpu():
-        torch.testing.assert_close(sharded(*args), model(*args), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(sharded(*args), model(*args), **TOL)
 
 
 def test_structured_inputs_run_sharded():

@@ -6,13 +6,14 @@ import pytest
 import torch
 
 import autotp
-from autotp.api import plan_choice, prepared_graph
 from autotp.passes.capture import fingerprint
+from autotp.passes.prepared_graph import prepared_graph
 from autotp.plan import Plan, PlanMismatch
-from distributed import run_ranks
-from models import build, example_input, logits
-
-TOL = {"rtol": 1e-4, "atol": 1e-5}
+from autotp.planning.tensor_plan import plan_choice
+from tests.helpers import configs
+from tests.helpers.distributed import run_ranks
+from tests.helpers.exact import TOL
+from tests.helpers.models import build, example_input, logits
 
 
 class Block(torch.nn.Module):
@@ -121,11 +122,9 @@ def test_folded_plan_runs_exactly_on_two_ranks():
 def test_moe_blocks_reading_a_size_computed_once_are_folded():
     """Mixtral's experts read tokens x top-k, which export computes once in block 0 and every block reads: a size,
     the same in each block (it used to keep the stack from folding, so MoE models could not be pipelined)."""
-    from transformers import MixtralConfig, MixtralForCausalLM
+    from transformers import MixtralForCausalLM
     torch.manual_seed(0)
-    config = MixtralConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=6,
-                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
-                           max_position_embeddings=64, use_cache=False)
+    config = configs.mixtral(num_hidden_layers=6)
     folded, whole, stamped, reference = _stamped(MixtralForCausalLM(config).eval(), (torch.randint(0, 96, (2, 8)),), 2)
     assert folded.fold is not None and folded.fold["count"] == 6 and whole.fold is None
     assert stamped == reference and folded.params == whole.params
@@ -136,13 +135,9 @@ def test_moe_blocks_reading_a_size_computed_once_are_folded():
 def test_a_run_of_identical_blocks_after_different_ones_is_folded():
     """DeepSeek-V3's first layers have a dense MLP, the rest experts: the dense ones are kept whole and the run of
     MoE blocks after them folded; the plan is the whole graph's, op by op."""
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    from transformers import DeepseekV3ForCausalLM
     torch.manual_seed(0)
-    config = DeepseekV3Config(vocab_size=96, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                              num_hidden_layers=6, first_k_dense_replace=1, n_routed_experts=8, n_shared_experts=1,
-                              num_experts_per_tok=2, n_group=2, topk_group=1, q_lora_rank=16, kv_lora_rank=8,
-                              qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, num_attention_heads=4,
-                              num_key_value_heads=4, max_position_embeddings=64, use_cache=False)
+    config = configs.deepseek_v3(num_hidden_layers=6, n_group=2, topk_group=1)
     model = DeepseekV3ForCausalLM(config).eval()
     folded, whole, stamped, reference = _stamped(model, (torch.randint(0, 96, (2, 8)),), 2)
     assert folded.fold == {"path": "model.layers", "count": 6, "start": 1}

@@ -11,8 +11,8 @@ import torch.distributed as dist
 
 import autotp
 from autotp.serving.generation import decoder
-from distributed import run_ranks
-from models import build, llama_with, padded_prompts
+from tests.helpers.distributed import run_ranks
+from tests.helpers.models import build, llama_with, padded_prompts
 
 
 def _greedy_models() -> tuple:

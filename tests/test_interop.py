@@ -6,8 +6,10 @@ import torch
 
 import autotp
 from autotp.tools.interop import to_dtensor_plan, to_hf_tp_plan
-from distributed import comm_counts, plan_ops, run_ranks
-from models import build, example_input, logits
+from tests.helpers import configs
+from tests.helpers.distributed import comm_counts, plan_ops, run_ranks
+from tests.helpers.exact import TOL
+from tests.helpers.models import build, example_input, logits
 
 
 def _dtensor_runs_the_plan(rank: int, world: int, kind: str) -> None:
@@ -23,7 +25,7 @@ def _dtensor_runs_the_plan(rank: int, world: int, kind: str) -> None:
     mesh = init_device_mesh("cpu", (world,))
     parallelize_module(model, mesh, styles)
     x = example_input(kind, 3, 5)
-    torch.testing.assert_close(logits(model(x)), logits(reference(x)), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(logits(model(x)), logits(reference(x)), **TOL)
 
 
 def test_dtensor_plan_runs_mlp():
@@ -42,7 +44,7 @@ def test_fused_projections_are_reported_not_expressible():
 
 
 def test_uneven_heads_are_reported_not_expressible():
-    from models import llama_with
+    from tests.helpers.models import llama_with
     with torch.device("meta"):
         model = llama_with(heads=10, kv=10)
     styles, unsupported = to_dtensor_plan(autotp.plan(model, (torch.zeros(2, 8, dtype=torch.long),), world_size=4))
@@ -99,7 +101,7 @@ def _communicates_no_more_than_hf(rank: int, world: int, kind: str, directory: s
         assert sum(ours.values()) == sum(theirs.values()), (ours, theirs)
     if kind == "phi3":  # transformers gathers the fused qkv and gate_up outputs of every block
         assert theirs == {"all_reduce": 2 * blocks + 1, "all_gather": 2 * blocks + 1}, theirs
-    torch.testing.assert_close(logits(sharded(x)), logits(model(x)), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(logits(sharded(x)), logits(model(x)), **TOL)
 
 
 @pytest.mark.parametrize("kind", ["llama", pytest.param("phi3", marks=pytest.mark.slow)])
@@ -134,12 +136,11 @@ def _transformers_counts(rank: int, world: int, directory: str, expert_parallel:
 def test_compare_counts_what_transformers_runs_for_experts(expert_parallel, tmp_path):
     """transformers' Mixtral plans as `autotp compare` prices them (experts split by its tp_plan; whole experts by
     its ep_plan, tokens dispatched by all-to-all) run exactly the collectives compare counts, by kind."""
-    from transformers import MixtralConfig, MixtralForCausalLM
+    from transformers import MixtralForCausalLM
 
     from autotp.tools.compare import compare
     torch.manual_seed(0)
-    model = MixtralForCausalLM(MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                             num_attention_heads=4, num_key_value_heads=2, num_local_experts=4))
+    model = MixtralForCausalLM(configs.mixtral(vocab_size=64, max_position_embeddings=131072, use_cache=True))
     model.save_pretrained(tmp_path)
     ids = torch.randint(0, 64, (3, 5))
     result = compare(model, (ids,), world_size=2)

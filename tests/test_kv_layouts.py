@@ -14,10 +14,11 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 import autotp
 from autotp.placement import parse, take_local
-from distributed import comm_counts, plan_ops, run_ranks
-from models import logits
+from tests.helpers import configs
+from tests.helpers.distributed import comm_counts, plan_ops, run_ranks
+from tests.helpers.exact import TOL
+from tests.helpers.models import logits
 
-TOL = {"rtol": 1e-4, "atol": 1e-5}
 LAYERS = 2
 # Plans are priced at the example inputs' size: 1024 tokens.  There latency still weighs: a multi-query model's
 # plan keeps Megatron's layout because the gradients of the KV blocks every rank holds, weight and bias, are
@@ -30,37 +31,28 @@ def build(kind: str):
     """A tiny Hugging Face decoder with the named head layout (random weights, fixed seed)."""
     torch.manual_seed(0)
     if kind.startswith("llama"):  # llama-H-KV: separate q/k/v projections
-        from transformers import LlamaConfig, LlamaForCausalLM
+        from transformers import LlamaForCausalLM
         heads, kv = map(int, kind.split("-")[1:])
-        return LlamaForCausalLM(LlamaConfig(
-            hidden_size=heads * 8, num_attention_heads=heads, num_key_value_heads=kv, head_dim=8,
-            intermediate_size=96, vocab_size=96, num_hidden_layers=LAYERS, max_position_embeddings=64,
-            use_cache=False)).eval()
+        return LlamaForCausalLM(configs.llama(hidden_size=heads * 8, num_attention_heads=heads, num_key_value_heads=kv,
+                                              head_dim=8, num_hidden_layers=LAYERS)).eval()
     if kind == "phi3":  # fused qkv_proj with GQA sizes [8 heads | 2 KV heads | 2 KV heads], cut by slices
-        from transformers import Phi3Config, Phi3ForCausalLM
-        return Phi3ForCausalLM(Phi3Config(
-            vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=LAYERS, num_attention_heads=8,
-            num_key_value_heads=2, max_position_embeddings=64, use_cache=False, pad_token_id=0, bos_token_id=0,
-            eos_token_id=0)).eval()
+        from transformers import Phi3ForCausalLM
+        return Phi3ForCausalLM(configs.phi3(num_hidden_layers=LAYERS, pad_token_id=0, bos_token_id=0,
+                                            eos_token_id=0)).eval()
     if kind == "bigcode":  # multi-query: fused c_attn [8 heads | 1 KV head | 1 KV head], cut by split
-        from transformers import GPTBigCodeConfig, GPTBigCodeForCausalLM
-        return GPTBigCodeForCausalLM(GPTBigCodeConfig(
-            vocab_size=96, n_embd=64, n_layer=LAYERS, n_head=8, multi_query=True, n_positions=64, use_cache=False,
-            bos_token_id=0, eos_token_id=0, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)).eval()
+        from transformers import GPTBigCodeForCausalLM
+        return GPTBigCodeForCausalLM(configs.gpt_bigcode(n_layer=LAYERS)).eval()
     if kind == "gptj":  # rotary on interleaved pairs: x[..., ::2], x[..., 1::2], stack and flatten back
-        from transformers import GPTJConfig, GPTJForCausalLM
-        return GPTJForCausalLM(GPTJConfig(
-            vocab_size=96, n_embd=64, n_layer=LAYERS, n_head=8, rotary_dim=4, n_positions=64, use_cache=False,
-            attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0, eos_token_id=0)).eval()
+        from transformers import GPTJForCausalLM
+        return GPTJForCausalLM(configs.gptj(n_layer=LAYERS)).eval()
     if kind.startswith("falcon"):  # falcon-<multi_query><new_decoder_architecture><bias>[-heads-groups]
-        from transformers import FalconConfig, FalconForCausalLM
+        from transformers import FalconForCausalLM
         multi_query, new, bias = (c == "1" for c in kind.split("-")[1])
         heads, groups = falcon_heads(kind)
-        return FalconForCausalLM(FalconConfig(
-            vocab_size=96, hidden_size=heads * 8, num_hidden_layers=LAYERS, num_attention_heads=heads,
+        return FalconForCausalLM(configs.falcon(
+            hidden_size=heads * 8, num_hidden_layers=LAYERS, num_attention_heads=heads,
             num_kv_heads=groups if new else heads, multi_query=multi_query, new_decoder_architecture=new,
-            bias=bias, alibi=False, max_position_embeddings=64, use_cache=False, attention_dropout=0.0,
-            hidden_dropout=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=0)).eval()
+            bias=bias)).eval()
     raise ValueError(kind)
 
 

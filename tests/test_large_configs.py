@@ -4,19 +4,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autotp.api import prepared_graph, solve_plan
 from autotp.cost_models.pricing import Sizes
-from autotp.options import Options
+from autotp.options import PlanOptions
+from autotp.passes.prepared_graph import prepared_graph
 from autotp.planning.mesh_search import plan_mesh_for_graph
+from autotp.planning.tensor_plan import solve_plan
+from tests.helpers import configs
 
 H, FFN, LAYERS, HEADS, KV, VOCAB = 8192, 28672, 80, 64, 8, 128256
 
 
 @pytest.fixture(scope="module")
 def llama70b():
-    from transformers import LlamaConfig, LlamaForCausalLM
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=H, intermediate_size=FFN, num_hidden_layers=LAYERS,
-                         num_attention_heads=HEADS, num_key_value_heads=KV, use_cache=False)
+    from transformers import LlamaForCausalLM
+    config = configs.llama(vocab_size=VOCAB, hidden_size=H, intermediate_size=FFN, num_hidden_layers=LAYERS,
+                           num_attention_heads=HEADS, num_key_value_heads=KV, max_position_embeddings=2048)
     with torch.device("meta"):
         model = LlamaForCausalLM(config).to(torch.bfloat16)
     ids = torch.zeros(8, 2048, dtype=torch.long, device="meta")  # the global batch the costs are priced at
@@ -24,7 +26,7 @@ def llama70b():
 
 
 def test_parameter_bytes_at_tp8_match_the_analytic_figure(llama70b):
-    plan = solve_plan(llama70b, 8, Options(topology="dgx-h100", training=False))
+    plan = solve_plan(llama70b, 8, PlanOptions(topology="dgx-h100", training=False))
     kv_width = KV * (H // HEADS)
     sharded = 2 * VOCAB * H + LAYERS * (2 * H * H + 2 * H * kv_width + 3 * H * FFN)
     replicated = (2 * LAYERS + 1) * H  # RMSNorm weights
@@ -36,8 +38,8 @@ def test_tp_inside_the_node_beats_tp_across_nodes(llama70b):
     """Why the mesh planner keeps TP inside a node: TP 16 over two DGX H100 is slower than TP 8 on half the batch."""
     batch = next(n for n in llama70b.graph.nodes if n.op == "placeholder").meta["val"].shape[0]
     half = Sizes({str(batch.node.expr): 4})
-    across = solve_plan(llama70b, 16, Options(topology="2x-dgx-h100", training=False)).cost["seconds"]
-    inside = solve_plan(llama70b, 8, Options(topology="2x-dgx-h100", training=False), sizes=half).cost["seconds"]
+    across = solve_plan(llama70b, 16, PlanOptions(topology="2x-dgx-h100", training=False)).cost["seconds"]
+    inside = solve_plan(llama70b, 8, PlanOptions(topology="2x-dgx-h100", training=False), sizes=half).cost["seconds"]
     assert inside < across
     result = plan_mesh_for_graph(llama70b, topology="dgx-h100", nodes=2, training=False)
     assert result.choice.tp == 8 and result.choice.tp * result.choice.pp * result.choice.dp == 16
@@ -50,12 +52,11 @@ def test_long_sequences_on_one_node_plan_sequence_parallelism_and_recomputation(
     leanest layout (which uses both) and a device count that fits -- and that count does fit."""
     import re
 
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     from autotp.planning.solve import PlanningError
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=H, intermediate_size=FFN, num_hidden_layers=LAYERS,
-                         num_attention_heads=HEADS, num_key_value_heads=KV, use_cache=False,
-                         max_position_embeddings=32768)
+    config = configs.llama(vocab_size=VOCAB, hidden_size=H, intermediate_size=FFN, num_hidden_layers=LAYERS,
+                           num_attention_heads=HEADS, num_key_value_heads=KV, max_position_embeddings=32768)
     with torch.device("meta"):
         model = LlamaForCausalLM(config).to(torch.bfloat16)
     gm = prepared_graph(model, (torch.zeros(1, 32768, dtype=torch.long, device="meta"),), None, fold=True)

@@ -11,26 +11,25 @@ import pytest
 import torch
 
 import autotp
-from distributed import AT_THREE_RANKS, run_ranks
-from exact import same_as_model, sums_per_block
-
-SMALL = {"vocab_size": 96, "max_position_embeddings": 64, "use_cache": False}
+from tests.helpers import configs
+from tests.helpers.distributed import AT_THREE_RANKS, run_ranks
+from tests.helpers.exact import same_as_model, sums_per_block
 
 
 def _bloom(heads: int):
-    from transformers import BloomConfig, BloomForCausalLM
-    config = BloomConfig(hidden_size=8 * heads, n_layer=2, n_head=heads, **SMALL)
+    from transformers import BloomForCausalLM
+    config = configs.bloom(hidden_size=8 * heads, n_head=heads)
     config._attn_implementation = "eager"  # alibi.baddbmm(q, k^T) on [B*H, S, d]
     torch.manual_seed(0)
     return BloomForCausalLM(config).eval()
 
 
 def _olmo2(heads: int, device: str = "cpu"):
-    from transformers import Olmo2Config, Olmo2ForCausalLM
+    from transformers import Olmo2ForCausalLM
     torch.manual_seed(0)
     with torch.device(device):
-        return Olmo2ForCausalLM(Olmo2Config(hidden_size=16 * heads, num_hidden_layers=2, num_attention_heads=heads,
-                                            num_key_value_heads=heads, intermediate_size=96, **SMALL)).eval()
+        return Olmo2ForCausalLM(configs.olmo2(hidden_size=16 * heads, num_attention_heads=heads,
+                                              num_key_value_heads=heads)).eval()
 
 
 def _ids(batch: int, seq: int) -> tuple:
@@ -93,10 +92,9 @@ def _qk_norm_models(world: int) -> list:
 def test_qkv_packed_per_head_is_split_by_heads():
     """GPT-NeoX's [heads, 3, head dim] rows, sequential residual: whole heads' rows per rank, two all-reduces a block
     (its exactness at 2, 3 and 4 ranks: test_architectures.py)."""
-    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+    from transformers import GPTNeoXForCausalLM
     torch.manual_seed(0)
-    model = GPTNeoXForCausalLM(GPTNeoXConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                             intermediate_size=96, use_parallel_residual=False, **SMALL)).eval()
+    model = GPTNeoXForCausalLM(configs.gpt_neox(use_parallel_residual=False)).eval()
     for world in (2, 4):
         plan = autotp.plan(model, _ids(2, 8), world_size=world)
         assert plan.replicated_ops == [] and plan.params["gpt_neox.layers.0.attention.query_key_value.weight"] == "S(0)"

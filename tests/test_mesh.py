@@ -18,11 +18,11 @@ from torch.distributed.tensor import DTensor
 import autotp
 from autotp.parallel.mesh import mesh_dims
 from autotp.tools.spawn import run_local
-from distributed import run_ranks, run_unsupervised
 from examples import mlp
 from examples.train import build, global_batch, parse, reference, train
+from tests.helpers.distributed import run_ranks, run_unsupervised
+from tests.helpers.exact import TOL
 
-TOL = {"rtol": 1e-4, "atol": 1e-5}
 # a LLaMA of 2 layers, hidden 32, 4 query heads sharing 2 KV heads; a global batch of 4 x 8 tokens
 TINY = ["--steps", "3", "--batch", "4", "--seq", "8", "--layers", "2", "--hidden", "32", "--vocab", "128"]
 

@@ -7,11 +7,12 @@ import re
 import pytest
 import torch
 
-from autotp.api import prepared_graph
 from autotp.cost_models import load_topology
 from autotp.cost_models.schedule_tables import balance_stages
+from autotp.passes.prepared_graph import prepared_graph
 from autotp.planning.mesh_search import plan_mesh, plan_mesh_for_graph
 from autotp.planning.solve import PlanningError
+from tests.helpers import configs
 
 LAYERS = 96
 A100_LIMIT = 0.9 * 80e9
@@ -21,9 +22,9 @@ A100_LIMIT = 0.9 * 80e9
 def gpt3():
     """GPT-3 175B's shape (Brown et al. 2020; Narayanan et al. 2021 Table 1): 96 layers, hidden 12288,
     96 heads, sequence 2048, vocabulary padded to 51200; bf16 weights (fp32 Adam state is counted)."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-    config = GPT2Config(n_layer=LAYERS, n_embd=12288, n_head=96, n_positions=2048, vocab_size=51200, use_cache=False,
-                        attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
+    from transformers import GPT2LMHeadModel
+    config = configs.gpt2(n_layer=LAYERS, n_embd=12288, n_head=96, n_positions=2048, vocab_size=51200, attn_pdrop=0.0,
+                          resid_pdrop=0.0, embd_pdrop=0.0)
     with torch.device("meta"):
         model = GPT2LMHeadModel(config).to(torch.bfloat16)
     params = sum(p.numel() for p in model.parameters())
@@ -137,9 +138,8 @@ def test_whole_block_recomputation_under_sequence_parallelism_keeps_each_layers_
 @pytest.fixture(scope="module")
 def small_llama():
     """(8-layer LLaMA graph, bytes of its fp32 training state), captured once."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
-                         num_attention_heads=4, num_key_value_heads=2, use_cache=False)
+    from transformers import LlamaForCausalLM
+    config = configs.llama(vocab_size=256, intermediate_size=128, num_hidden_layers=8, max_position_embeddings=2048)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     state = 16 * sum(p.numel() for p in model.parameters())  # fp32 weights, grads, Adam m and v
@@ -266,7 +266,7 @@ def test_a_tied_embedding_is_priced_on_the_first_and_the_last_stage():
     hidden table with its gradient and Adam state (Megatron's embedding group); a stage holding both, one copy."""
     import dataclasses
 
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2LMHeadModel
 
     from autotp.cost_models.mesh_layout import Candidate, stage_memory
     from autotp.cost_models.pricing import priced_unit
@@ -275,8 +275,7 @@ def test_a_tied_embedding_is_priced_on_the_first_and_the_last_stage():
     vocab, hidden = 512, 64
     profiles = {}
     for tied in (True, False):
-        config = GPT2Config(n_layer=6, n_embd=hidden, n_head=4, vocab_size=vocab, n_positions=32, use_cache=False,
-                            tie_word_embeddings=tied)
+        config = configs.gpt2(n_layer=6, n_embd=hidden, vocab_size=vocab, n_positions=32, tie_word_embeddings=tied)
         with torch.device("meta"):
             model = GPT2LMHeadModel(config)
         gm = prepared_graph(model, (torch.zeros(1, 16, dtype=torch.long, device="meta"),), None, fold=True)

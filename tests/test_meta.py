@@ -13,8 +13,9 @@ from torch.distributed.device_mesh import init_device_mesh
 import autotp
 from autotp.runtime.materialize import initialize
 from autotp.tools.spawn import run_local
-from distributed import run_ranks
 from examples.train import build, global_batch, parse
+from tests.helpers import configs
+from tests.helpers.distributed import run_ranks
 
 TINY = ["--steps", "3", "--batch", "4", "--seq", "8", "--layers", "2", "--hidden", "32", "--vocab", "128"]
 
@@ -23,9 +24,8 @@ def test_the_seeded_initialisation_is_the_models_own():
     """What ``init_seed`` fills (and ``initialize`` in one process) follows GPT-2's own scheme: normal(0, 0.02)
     weights, residual projections at 0.02 / sqrt(2 n_layer) (drawn by the block's attention and MLP, ancestors of
     the weight), zero biases, unit layer norms; and another seed draws other values."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-    config = GPT2Config(vocab_size=512, n_positions=64, n_embd=256, n_layer=8, n_head=4, bos_token_id=0,
-                        eos_token_id=0)
+    from transformers import GPT2LMHeadModel
+    config = configs.gpt2(vocab_size=512, n_embd=256, n_layer=8, bos_token_id=0, eos_token_id=0, use_cache=True)
     with torch.device("meta"):
         model = GPT2LMHeadModel(config)
     model.to_empty(device="cpu")
@@ -79,9 +79,8 @@ def _local(result) -> list:
 @pytest.mark.slow
 def test_a_meta_model_loads_a_quarter_per_rank_on_tp2_x_pp2_and_tp2_x_dp2(tmp_path):
     """1.35 GB of fp32 weights (LLaMA, 4 layers of hidden 2048, vocabulary 32000) over 4 ranks."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-    config = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=4,
-                         num_attention_heads=16, num_key_value_heads=16, use_cache=False, tie_word_embeddings=False)
+    from transformers import LlamaForCausalLM
+    config = configs.llama_1gb(tie_word_embeddings=False)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     full = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -9,92 +9,24 @@ import functools
 
 import pytest
 import torch
-from torch.distributed.tensor.debug import CommDebugMode
 
 import autotp
-from autotp.runtime.hf_models import default_inputs
-from distributed import comm_counts, plan_ops, run_ranks, weight_collectives
 from examples import moe
-
-TOL = {"rtol": 1e-4, "atol": 1e-5}
-
-
-def mixtral(experts: int = 4, layers: int = 2, implementation: str | None = None):
-    from transformers import MixtralConfig, MixtralForCausalLM
-    torch.manual_seed(0)
-    config = MixtralConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
-                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=experts,
-                           num_experts_per_tok=2, max_position_embeddings=64, use_cache=False)
-    if implementation:
-        config._experts_implementation = implementation
-    return MixtralForCausalLM(config).eval()
-
-
-def qwen3_moe(experts: int = 8, layers: int = 2):
-    """Experts of 32 rows: a router of 2% of an expert tensor's size would count as large (strategies.py)."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-    torch.manual_seed(0)
-    return Qwen3MoeForCausalLM(Qwen3MoeConfig(
-        vocab_size=96, hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=experts, num_experts_per_tok=2,
-        max_position_embeddings=64, use_cache=False)).eval()
-
+from tests.helpers import configs
+from tests.helpers.distributed import run_ranks
+from tests.helpers.moe import (
+    expert_params,
+    mixtral,
+    pretrained,
+    qwen3_moe,
+    runs_the_plan,
+    same_as_unsharded,
+    six_experts,
+    six_experts_models,
+    with_default_inputs,
+)
 
 MODELS = {"mixtral": mixtral, "qwen3-moe": qwen3_moe}  # grouped matmuls (transformers' default experts)
-
-
-def expert_params(model) -> list[str]:
-    return [name for name, p in model.named_parameters() if p.dim() == 3]
-
-
-def _logits(out):
-    return getattr(out, "logits", out)
-
-
-def same_as_unsharded(model, sharded, inputs) -> None:
-    """Outputs at batch 3 x 11 and 1 x 1, and every gradient."""
-    torch.manual_seed(1)
-    for batch, seq in [(3, 11), (1, 1)]:
-        x = inputs(batch, seq)
-        torch.testing.assert_close(_logits(sharded(x)), _logits(model(x)), **TOL)
-    x = inputs(2, 5)
-    _logits(sharded(x)).square().mean().backward()
-    _logits(model(x)).square().mean().backward()
-    grads = autotp.full_state_dict(sharded, grads=True)
-    for name, p in model.named_parameters():
-        if p.grad is not None:
-            torch.testing.assert_close(grads[name], p.grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
-
-
-def runs_the_plan(sharded, plan, x) -> None:
-    """No weight travels; CommDebugMode counts what the plan says, forward and backward."""
-    assert not weight_collectives(sharded), weight_collectives(sharded)
-    transport = autotp.runtime.transport
-    one_shot, transport.ONE_SHOT_BYTES = transport.ONE_SHOT_BYTES, 0  # count all-reduces as such
-    with CommDebugMode() as forward:
-        out = _logits(sharded(x)).square().mean()
-    with CommDebugMode() as backward:
-        out.backward()
-    transport.ONE_SHOT_BYTES = one_shot
-    assert plan_ops(comm_counts(forward)) == plan.collective_counts("forward"), comm_counts(forward)
-    assert plan_ops(comm_counts(backward)) == plan.collective_counts("backward"), comm_counts(backward)
-    sharded.zero_grad(set_to_none=True)
-
-
-def pretrained(directory: str):
-    """The model ``autotp.from_pretrained(directory)`` builds (on the meta device) and captures."""
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
-    config = AutoConfig.from_pretrained(directory)
-    with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, torch_dtype=None)
-    model.tie_weights()
-    return model.eval()
-
-
-def with_default_inputs(models: list) -> list:
-    """(model, args) pairs for models parallelized without example inputs."""
-    return [(model, default_inputs(model)) for model in models]
 
 
 def _hf_models() -> list:
@@ -136,17 +68,6 @@ def test_hf_moe_is_exact_with_expert_tensor_parallelism(world):
     run_ranks(world, _hf_exact, captures=_hf_models)
 
 
-def six_experts() -> tuple:
-    """examples/moe.py with 6 experts, gate and up interleaved, biases on every expert projection; eval mode."""
-    torch.manual_seed(0)
-    model, args = moe.build(experts=6, interleaved=True, bias=True)
-    return model.eval(), args
-
-
-def six_experts_models() -> list:
-    return [six_experts()]
-
-
 def _example_exact(rank: int, world: int) -> None:
     """Gate and up columns interleaved, biases on every expert projection (plain gate|up: Mixtral above)."""
     model, args = six_experts()
@@ -168,12 +89,9 @@ def test_hand_written_moe_with_six_experts_on_four_ranks():
 
 def qwen2_moe(layers: int = 2):
     """Routed experts beside an always-on shared expert (and its sigmoid gate), as Qwen2-MoE and DeepSeek do."""
-    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+    from transformers import Qwen2MoeForCausalLM
     torch.manual_seed(0)
-    return Qwen2MoeForCausalLM(Qwen2MoeConfig(
-        vocab_size=96, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
-        shared_expert_intermediate_size=48, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-        num_experts=4, num_experts_per_tok=2, max_position_embeddings=64, use_cache=False)).eval()
+    return Qwen2MoeForCausalLM(configs.qwen2_moe(num_hidden_layers=layers)).eval()
 
 
 def _listed_experts() -> tuple:
@@ -324,22 +242,21 @@ def test_why_whole_experts_cost_more_for_mixtral_8x7b():
     shapes, whole experts' products are the cheaper ones, by the ratio the H200 measured for these shapes (README
     Benchmarks); what makes today's whole experts cost more is the rows of other ranks' experts, kept as zeros at
     full size (the all-to-all dispatch of issue 25 keeps only a rank's own rows), and the solver takes the sum."""
-    from transformers import MixtralConfig, MixtralForCausalLM
+    from transformers import MixtralForCausalLM
 
-    from autotp.api import prepared_graph, solve_plan
     from autotp.cost_models import load_topology
     from autotp.cost_models.pricing import op_seconds, priced_unit
     from autotp.ops.strategies import Strategy
-    from autotp.options import Options
+    from autotp.options import PlanOptions
+    from autotp.passes.prepared_graph import prepared_graph
     from autotp.placement import parse
-    config = MixtralConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=1,
-                           num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
-                           max_position_embeddings=32768, use_cache=False)
+    from autotp.planning.tensor_plan import solve_plan
+    config = configs.mixtral_8x7b(num_hidden_layers=1, max_position_embeddings=32768, use_cache=False)
     with torch.device("meta"):
         model = MixtralForCausalLM(config).to(torch.bfloat16)
     gm = prepared_graph(model, (torch.zeros(1, 4096, dtype=torch.long, device="meta"),), None, fold=False)
     topo, (_, sizes) = load_topology("dgx-h100"), priced_unit(gm)
-    plans = {mode: solve_plan(gm, 8, Options(topology=topo, memory_limit=1e13, experts=mode), sizes=sizes)
+    plans = {mode: solve_plan(gm, 8, PlanOptions(topology=topo, memory_limit=1e13, experts=mode), sizes=sizes)
              for mode in ("tensor", "parallel", None)}
     assert plans["parallel"].params["model.layers.0.mlp.experts.down_proj"] == "S(0)"  # one expert per rank
     assert plans["tensor"].cost["memory"]["params"] == plans["parallel"].cost["memory"]["params"]

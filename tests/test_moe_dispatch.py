@@ -11,8 +11,15 @@ import functools
 
 import pytest
 import torch
-from test_moe import (
-    TOL,
+from torch.distributed.tensor.debug import CommDebugMode
+
+import autotp
+from autotp.runtime.expert_dispatch import ExpertDispatch
+from examples import moe
+from tests.helpers import configs
+from tests.helpers.distributed import comm_counts, plan_ops, run_ranks
+from tests.helpers.exact import TOL
+from tests.helpers.moe import (
     expert_params,
     mixtral,
     qwen3_moe,
@@ -22,26 +29,16 @@ from test_moe import (
     six_experts_models,
     with_default_inputs,
 )
-from torch.distributed.tensor.debug import CommDebugMode
-
-import autotp
-from autotp.runtime.expert_dispatch import ExpertDispatch
-from distributed import comm_counts, plan_ops, run_ranks
-from examples import moe
 
 
 def deepseek_v3(experts: int = 8, layers: int = 2):
     """DeepSeek-V3's layer at toy size: MLA attention, the first block dense, then routed experts beside one shared
     expert, sigmoid scores, 4 groups of which each token may use 2, a bias that corrects the choice (not the
     weights) and scaled weights."""
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    from transformers import DeepseekV3ForCausalLM
     torch.manual_seed(0)
-    model = DeepseekV3ForCausalLM(DeepseekV3Config(
-        vocab_size=96, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=layers,
-        first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=experts,
-        n_shared_experts=1, num_experts_per_tok=2, n_group=4, topk_group=2, routed_scaling_factor=2.5,
-        norm_topk_prob=True, q_lora_rank=16, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8,
-        max_position_embeddings=64, use_cache=False)).eval()
+    model = DeepseekV3ForCausalLM(configs.deepseek_v3(num_hidden_layers=layers, n_routed_experts=experts,
+                                                      routed_scaling_factor=2.5, norm_topk_prob=True)).eval()
     with torch.no_grad():  # the router starts at zeros (every score ties): give it, and the bias, values
         for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
             if name.endswith(("gate.weight", "e_score_correction_bias")):

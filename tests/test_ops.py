@@ -9,6 +9,7 @@ says.  No process group is needed: a rule that proposes anything inexact fails h
 from __future__ import annotations
 
 import operator
+from dataclasses import replace
 
 import pytest
 import torch
@@ -16,11 +17,12 @@ import transformers.integrations.moe  # noqa: F401  (registers torch.ops.transfo
 from torch import nn
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-from autotp.api import prepared_graph
-from autotp.ops.strategies import Context, enumerate_strategies, input_slots
+from autotp.ops.strategies import Context, input_slots, needs_grad, token_inputs
 from autotp.ops.table import TABLE, op
-from autotp.passes.prepare import add_hints
+from autotp.passes.hints import with_hints
+from autotp.passes.prepared_graph import prepared_graph
 from autotp.placement import Disjoint, Partial, Replicate, Shard, take_local
+from autotp.planning.candidates import enumerate_strategies
 
 aten = torch.ops.aten
 H, FFN, HEADS, KV, D, VOCAB = 12, 24, 6, 2, 2, 16  # 6 query heads and 2 KV heads of 2: uneven and shared at 4 ranks
@@ -299,6 +301,13 @@ def _has_disjoint(strategy) -> bool:
     return any(isinstance(p, Disjoint) for p in flat)
 
 
+def _candidates(gm: torch.fx.GraphModule, world: int) -> dict:
+    """Every node's strategies at ``world`` ranks, sequence parallelism offered (no expert segments)."""
+    ctx = with_hints(gm, Context(world=world, tokens=True, ops=TABLE))
+    ctx = replace(ctx, grad=frozenset(needs_grad(gm)), token_symbols=frozenset(token_inputs(gm.graph)))
+    return enumerate_strategies(gm, ctx).strategies
+
+
 @pytest.fixture(scope="module")
 def captured():
     torch.manual_seed(0)
@@ -311,11 +320,8 @@ def captured():
 def test_every_strategy_of_every_row_is_exact_rank_by_rank(captured, name, world):
     gm, args = captured[name]
     values = _values(gm, args)
-    ctx = Context(world=world, tokens=True, ops=TABLE)
-    add_hints(gm, ctx)
-    enumerate_strategies(gm, ctx)
     checked = 0
-    for node, options in ctx.strategies.items():
+    for node, options in _candidates(gm, world).items():
         if node.op != "call_function":
             continue
         for strategy in options:
@@ -334,11 +340,8 @@ def test_every_row_with_a_rule_is_exercised(captured):
     proposed = set()
     for gm, _ in captured.values():
         for world in (2, 3, 4):
-            ctx = Context(world=world, tokens=True, ops=TABLE)
-            add_hints(gm, ctx)
-            enumerate_strategies(gm, ctx)
-            proposed |= {str(n.target) for n, options in ctx.strategies.items() if any(not s.replicated
-                                                                                        for s in options)}
+            proposed |= {str(n.target) for n, options in _candidates(gm, world).items() if any(not s.replicated
+                                                                                                for s in options)}
     ruled = {str(target) for target, row in TABLE.items() if row.rule is not None}
     assert ruled - proposed == set()
 

@@ -9,15 +9,15 @@ from collections import Counter
 
 import pytest
 import torch
-from test_architectures import TOL, _build, _same_as_unsharded
-from test_sharded import _block_of
 from torch.distributed.tensor.debug import CommDebugMode
 
 import autotp
 from autotp.placement import Shard
 from autotp.runtime import transport
-from distributed import comm_counts, plan_ops, run_ranks
-from models import SignedBranches, phi2, vit
+from tests.helpers.architectures import hf_model, same_as_unsharded
+from tests.helpers.distributed import block_of, comm_counts, plan_ops, run_ranks
+from tests.helpers.exact import TOL
+from tests.helpers.models import SignedBranches, phi2, vit
 
 BLOCKS = 1  # blocks are planned alike (tests/test_fold.py); one keeps the spawned ranks quick
 
@@ -34,15 +34,15 @@ def _collectives(step) -> dict:
 
 
 def _per_block(plan, phase: str) -> list[int]:
-    found = Counter(_block_of(c["module"]) for c in plan.collectives if c["phase"] == phase and c["op"] == "all_reduce")
+    found = Counter(block_of(c["module"]) for c in plan.collectives if c["phase"] == phase and c["op"] == "all_reduce")
     return [found[b] for b in range(BLOCKS)]
 
 
 def _block_cases(world: int) -> list:
     """(model, forward all-reduces per block, backward: one per layer norm feeding column-split matmuls)"""
-    cases = [(_build("gpt_neox", num_hidden_layers=BLOCKS), 1, 2), (phi2(BLOCKS), 1, 1)]
+    cases = [(hf_model("gpt_neox", num_hidden_layers=BLOCKS), 1, 2), (phi2(BLOCKS), 1, 1)]
     if world == 2:
-        cases.append((_build("gpt_neox", num_hidden_layers=BLOCKS, use_parallel_residual=False), 2, 2))
+        cases.append((hf_model("gpt_neox", num_hidden_layers=BLOCKS, use_parallel_residual=False), 2, 2))
     return cases
 
 
@@ -62,7 +62,7 @@ def _blocks(rank: int, world: int) -> None:
         assert _collectives(loss.backward) == plan.collective_counts("backward")
         model.zero_grad()
         sharded.zero_grad()
-        _same_as_unsharded(model, sharded)  # outputs and every gradient: biases' and the residual stream's
+        same_as_unsharded(model, sharded)  # outputs and every gradient: biases' and the residual stream's
 
 
 def _signed_model() -> tuple:
@@ -75,7 +75,7 @@ def _signed(rank: int, world: int) -> None:
     sharded = autotp.parallelize(model, (x,))
     assert sharded.autotp_plan.params["a_out.weight"] == "S(1)", sharded.autotp_plan.params
     assert _collectives(lambda: sharded(x)) == {"all_reduce": 1}  # x - a + 0.5 b summed once, biases and x by rank 0
-    _same_as_unsharded(model, sharded, inputs=lambda batch, seq: torch.randn(batch, seq, 32))
+    same_as_unsharded(model, sharded, inputs=lambda batch, seq: torch.randn(batch, seq, 32))
     grad = torch.randn(2, 5, 32)
     inputs = [x.clone().requires_grad_() for _ in range(2)]
     sharded(inputs[0]).backward(grad)
@@ -89,13 +89,13 @@ def _pixels(batch: int, seq: int) -> torch.Tensor:
 
 def _vit(rank: int, world: int) -> None:
     model = vit(layers=BLOCKS)
-    _same_as_unsharded(model, autotp.parallelize(model, (_pixels(2, 0),)), inputs=_pixels)
+    same_as_unsharded(model, autotp.parallelize(model, (_pixels(2, 0),)), inputs=_pixels)
     if world > 2:  # the position table split by tokens (6,6,5 or 5,4,4,4 of 17): the activations follow it
         model.zero_grad()
         table = "vit.embeddings.position_embeddings"
         sharded = autotp.parallelize(model, (_pixels(2, 0),), fixed={table: Shard(1, units=17)})
         assert dict(sharded.named_parameters())[table].shape[1] == (17 + world - 1 - rank) // world
-        _same_as_unsharded(model, sharded, inputs=_pixels)
+        same_as_unsharded(model, sharded, inputs=_pixels)
 
 
 def _models(world: int) -> list:

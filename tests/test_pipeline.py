@@ -15,58 +15,20 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 from torch.distributed.pipelining import ScheduleZBVZeroBubble
 
-from autotp.api import prepared_graph
 from autotp.cost_models import load_topology
 from autotp.cost_models.mesh_layout import Candidate, Setting, stage_memory
 from autotp.parallel.split import stage_graph
 from autotp.parallel.stages import StageError, block_profile, find_blocks, stage_starts
+from autotp.passes.prepared_graph import prepared_graph
 from autotp.tools.spawn import run_local
-from distributed import run_unsupervised
-
-VOCAB, BATCH, SEQ, STEPS = 64, 8, 8, 3
-
-
-def _llama(layers: int = 4, vocab: int = VOCAB):
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False,
-                         tie_word_embeddings=False)
-    return LlamaForCausalLM(config)
-
-
-def _batch():
-    generator = torch.Generator().manual_seed(1)
-    return (torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator),
-            torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator))
-
-
-def _loss(output, target):
-    return torch.nn.functional.cross_entropy(output.logits.flatten(0, 1), target.flatten())
-
-
-def _optimizer(params):
-    """AdamW with eps well above fp32 gradient noise: at the default 1e-8 an element whose gradient is ~1e-9
-    moves by lr * g / (|g| + eps), so rounding differences of ~1e-8 between two exact summation orders (TP
-    sums partial products in another order) change its step by a sizeable part of lr."""
-    return torch.optim.AdamW(params, lr=1e-2, eps=1e-3)
-
-
-def _single_process(build=_llama) -> tuple:
-    """Trained in one process: losses per step and parameters after the last step (numpy, to send to ranks)."""
-    model, (x, y) = build(), _batch()
-    optimizer, losses = _optimizer(model.parameters()), []
-    for _ in range(STEPS):
-        loss = _loss(model(x), y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses, {n: p.detach().numpy() for n, p in model.named_parameters()}
+from tests.helpers import configs
+from tests.helpers.distributed import run_unsupervised
+from tests.helpers.exact import TOL
+from tests.helpers.training import SEQ, STEPS, VOCAB, adamw, batch, llama, token_loss, trained_in_one_process
 
 
 def _train(rank: int, world: int, dims: tuple, names: tuple, schedule: str, stages, want: tuple,
-           build=_llama, virtual: int | None = None) -> dict:
+           build=llama, virtual: int | None = None) -> dict:
     """Train on this rank's mesh slice and compare with one process: each step's loss on the last stage
     (mean over micro-batches, then over data-parallel replicas), every full parameter after the last step."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -74,27 +36,28 @@ def _train(rank: int, world: int, dims: tuple, names: tuple, schedule: str, stag
 
     import autotp
     import autotp.api
+    from autotp.options import PlanOptions, RunOptions
     from autotp.parallel.pipeline import pipeline
     mesh = init_device_mesh("cpu", dims, mesh_dim_names=names)
 
     def shard_stage(model, args, kwargs, graph, fixed):
         module = graph
         if "tp" in names:
-            module = autotp.api.tensor_parallel(model, args, kwargs, group=mesh["tp"].get_group(), graph=graph,
-                                                fixed=fixed)
+            module = autotp.api.tensor_parallel(model, args, kwargs, PlanOptions(fixed=fixed),
+                                                RunOptions(group=mesh["tp"].get_group()), graph=graph)
         return fully_shard(module, mesh=mesh["dp"]) if "dp" in names else module
 
-    x, y = _batch()
+    x, y = batch()
     if "dp" in names:  # each data-parallel rank trains on its own slice of the global batch
         dp, index = mesh["dp"].size(), mesh["dp"].get_local_rank()
         x, y = x.chunk(dp)[index], y.chunk(dp)[index]
     model = build()
-    pipelined = pipeline(model, (x,), mesh=mesh, loss_fn=_loss, schedule=schedule, microbatches=4, stages=stages,
+    pipelined = pipeline(model, (x,), mesh=mesh, loss_fn=token_loss, schedule=schedule, microbatches=4, stages=stages,
                          shard_stage=shard_stage, virtual_stages=virtual)
     assert not any("forward" in vars(m) for m in model.modules())  # pipelining's split markers were removed
     names_here = [n for n, _ in pipelined.named_parameters()]
     assert names_here and all(n in dict(model.named_parameters()) for n in names_here), names_here
-    optimizer, losses = _optimizer(pipelined.parameters()), []
+    optimizer, losses = adamw(pipelined.parameters()), []
     for _ in range(STEPS):
         per_microbatch = []
         pipelined.step(x, target=y, losses=per_microbatch)
@@ -109,11 +72,11 @@ def _train(rank: int, world: int, dims: tuple, names: tuple, schedule: str, stag
             losses.append(loss.item())
     want_losses, want_params = want
     if losses:  # the last stage
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), **TOL)
     params = pipelined.full_state_dict()
     assert set(params) == set(want_params)
     for name, value in want_params.items():
-        torch.testing.assert_close(params[name], torch.from_numpy(value), rtol=1e-4, atol=1e-5, msg=name)
+        torch.testing.assert_close(params[name], torch.from_numpy(value), **TOL, msg=name)
     saved = autotp.save_pretrained(pipelined, tempfile.mkdtemp())  # a collective; the mesh's first rank writes
     if dist.get_rank() == 0:
         on_disk = load_file(saved / "model.safetensors")
@@ -132,15 +95,15 @@ def _train(rank: int, world: int, dims: tuple, names: tuple, schedule: str, stag
         reference.load_state_dict(params, strict=False)  # every parameter (compared above); buffers as built
         with torch.no_grad():
             want = reference(x)
-        torch.testing.assert_close(evaluated.logits, want.logits, rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(torch.stack(eval_losses).mean(), _loss(want, y), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(evaluated.logits, want.logits, **TOL)
+        torch.testing.assert_close(torch.stack(eval_losses).mean(), token_loss(want, y), **TOL)
     else:
         assert evaluated is None
     return {"losses": losses, "starts": pipelined.starts}
 
 
 def _run(world: int, *args) -> list:
-    results = run_local(world, _train, *args, _single_process())
+    results = run_local(world, _train, *args, trained_in_one_process())
     assert sum(bool(r["losses"]) for r in results) == world // 2  # every rank of the last stage reported
     return results
 
@@ -166,30 +129,31 @@ def _pp2(rank: int, world: int, want: tuple, runs: list) -> None:
 
 def test_gpipe_and_interleaved_1f1b_train_like_one_process():
     """Interleaved 1F1B with two one-block stages per rank, by autotp's old name."""
-    run_local(2, _pp2, _single_process(), [("gpipe", None), ("interleaved-1f1b", [0, 1, 2, 3])])
+    run_local(2, _pp2, trained_in_one_process(), [("gpipe", None), ("interleaved-1f1b", [0, 1, 2, 3])])
 
 
 def test_zero_bubble_schedules_train_like_one_process():
     """PP 2, 4 micro-batches: the zero-bubble schedules split each backward into input and weight gradients; ZBV
     places stages in a V (rank 0 holds the first and the last), InterleavedZeroBubble in a loop.  ZBV is given as
     a class with its stages (names resolve as test_schedules.py checks)."""
-    run_local(2, _pp2, _single_process(), [("InterleavedZeroBubble", None), (ScheduleZBVZeroBubble, [0, 1, 2, 3])])
+    run_local(2, _pp2, trained_in_one_process(),
+              [("InterleavedZeroBubble", None), (ScheduleZBVZeroBubble, [0, 1, 2, 3])])
 
 
 @pytest.mark.slow
 def test_dual_pipe_v_trains_like_one_process():
     """DualPipeV places its stages in a V as ZBV does."""
-    run_local(2, _pp2, _single_process(), [("DualPipeV", None)])
+    run_local(2, _pp2, trained_in_one_process(), [("DualPipeV", None)])
 
 
 def _four_per_rank(rank: int, world: int, want: tuple) -> None:
-    _train(rank, world, (2,), ("pp",), "Interleaved1F1B", None, want, build=functools.partial(_llama, 8), virtual=4)
+    _train(rank, world, (2,), ("pp",), "Interleaved1F1B", None, want, build=functools.partial(llama, 8), virtual=4)
 
 
 @pytest.mark.slow
 def test_interleaving_four_stages_per_rank_trains_like_one_process():
     """The planner proposes interleaving x 4: 8 one-block stages over 2 ranks (stages from the cost model)."""
-    run_local(2, _four_per_rank, _single_process(functools.partial(_llama, 8)))
+    run_local(2, _four_per_rank, trained_in_one_process(functools.partial(llama, 8)))
 
 
 @pytest.mark.slow  # ZBV: test_zero_bubble_schedules_...; TP x PP: test_tied_embeddings_..., test_mesh.py's meta 3-D
@@ -213,7 +177,7 @@ def test_block_profiles_price_blocks_alike_and_the_head_on_the_last_stage(tmp_pa
     flat.write_text('{"name": "flat", "extends": "dgx-h100", "figures": {}, "products": {"peak_fraction": {"value": '
                     '0.7, "source": "test: FLOPs alone"}, "points": []}}')
     x = torch.randint(0, VOCAB, (2, SEQ))
-    model = _llama(layers=5)
+    model = llama(layers=5)
     fold = find_blocks(model)
     assert (fold.path, fold.count) == ("model.layers", 5)
     gm = prepared_graph(model, (x,), None)
@@ -228,7 +192,7 @@ def test_block_profiles_price_blocks_alike_and_the_head_on_the_last_stage(tmp_pa
     assert block_profile(gm, fold, tp=2, topology=flat).blocks[0].memory["params"] == block / 2
     first, last = whole.sections[0].seconds, whole.sections[-1].seconds
     assert first < whole.blocks[0].seconds < last * 100
-    big_head = block_profile(prepared_graph(_llama(layers=5, vocab=4096), (x,), None, fold=True), fold, topology=flat)
+    big_head = block_profile(prepared_graph(llama(layers=5, vocab=4096), (x,), None, fold=True), fold, topology=flat)
     assert big_head.sections[-1].seconds > 4 * last
     assert big_head.sections[0].seconds == pytest.approx(first, rel=0.5)
     small, large = _starts(whole), _starts(big_head)
@@ -265,8 +229,8 @@ def _stage_dies(rank: int, port: int, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=20))
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
-    x, y = _batch()
-    pipelined = pipeline(_llama(), (x,), mesh=mesh, loss_fn=_loss, microbatches=2, stages=[0, 2])
+    x, y = batch()
+    pipelined = pipeline(llama(), (x,), mesh=mesh, loss_fn=token_loss, microbatches=2, stages=[0, 2])
     if rank == 1:
         pipelined.modules[1].forward = lambda *args, **kwargs: os._exit(3)
     start = time.monotonic()
@@ -329,16 +293,15 @@ def test_stages_built_alone_chain_into_the_model():
     after the cut) cut into stages (LLaMA into two and three, the others into three, one of them in the middle),
     each captured without the others' blocks, chain into exactly the model's logits, at another batch and sequence
     length than they were captured at."""
-    from transformers import GPT2Config, GPT2LMHeadModel, MixtralConfig, MixtralForCausalLM
-    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=4, n_head=4,
-                                      use_cache=False, bos_token_id=0, eos_token_id=0)).eval()
-    mixtral = MixtralForCausalLM(MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
-                                               num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                                               num_local_experts=4, num_experts_per_tok=2, use_cache=False)).eval()
+    from transformers import GPT2LMHeadModel, MixtralForCausalLM
+    gpt2 = GPT2LMHeadModel(configs.gpt2(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=4, bos_token_id=0,
+                                        eos_token_id=0)).eval()
+    mixtral = MixtralForCausalLM(configs.mixtral(vocab_size=VOCAB, num_hidden_layers=4,
+                                                 max_position_embeddings=131072)).eval()
     x = torch.randint(0, VOCAB, (2, SEQ))
     other = torch.randint(0, VOCAB, (3, 5))
     cuts = {"llama": ([0, 2], [0, 1, 3]), "mixtral": ([0, 1, 3],), "gpt2": ([0, 1, 3],)}
-    for name, model, path in [("llama", _llama().eval(), "model.layers"), ("mixtral", mixtral, "model.layers"),
+    for name, model, path in [("llama", llama().eval(), "model.layers"), ("mixtral", mixtral, "model.layers"),
                               ("gpt2", gpt2, "transformer.h")]:
         for starts in cuts[name]:
             bounds = [*starts, 4]
@@ -355,7 +318,7 @@ def test_stages_built_alone_chain_into_the_model():
 def test_a_graph_captured_from_a_view_runs_on_any_tensor():
     """torch.export guards a view input on its base; pipelining's stages receive detached tensors (no base)."""
     from autotp.passes.capture import capture
-    model = _llama(layers=1)
+    model = llama(layers=1)
     tokens = torch.randint(0, VOCAB, (4, SEQ + 1))
     gm = capture(model, (tokens[:, :-1].chunk(2)[0],))  # a training loop's inputs: a slice of a micro-batch
     x = tokens[:2, :-1].clone()
@@ -383,15 +346,14 @@ def test_parallelize_chooses_stages_under_its_memory_limit():
     import autotp
     x = torch.randint(0, VOCAB, (2, SEQ))
     with pytest.raises(StageError, match="no split of the 4 blocks into 2 stages fits 1e-06 GB"):
-        autotp.parallelize(_llama(), (x,), mesh=_OneRankOfTwo(), loss_fn=_loss, memory_limit=1e3)
+        autotp.parallelize(llama(), (x,), mesh=_OneRankOfTwo(), loss_fn=token_loss, memory_limit=1e3)
 
 
 def _gpt2():
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2LMHeadModel
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=4, n_head=4, use_cache=False,
-                        tie_word_embeddings=True, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0,
-                        eos_token_id=0)
+    config = configs.gpt2(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=4, tie_word_embeddings=True,
+                          attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     return GPT2LMHeadModel(config)
 
 
@@ -401,6 +363,6 @@ def test_tied_embeddings_on_two_stages_train_like_one_process(dims, names):
     """GPT-2's tied input and output embeddings on PP 2 and TP 2 x PP 2: both end stages hold the weight and sum its
     gradient (Megatron's embedding group); 3 AdamW steps equal one process, and the weight is saved once (the
     file holds exactly the model's parameters, ``transformer.wte.weight`` and not ``lm_head.weight``)."""
-    want = _single_process(_gpt2)
+    want = trained_in_one_process(_gpt2)
     assert "lm_head.weight" not in want[1]
     run_local(math.prod(dims), _train, dims, names, "1f1b", None, want, _gpt2)

@@ -10,7 +10,8 @@ import torch
 import autotp
 from autotp.placement import Shard, parse
 from autotp.plan import PlanMismatch
-from models import build
+from tests.helpers import configs
+from tests.helpers.models import build
 
 MEGATRON = {  # parameter-name suffix -> expected placement, per architecture (checked, never used to plan)
     "llama": {"q_proj.weight": "S(0)", "k_proj.weight": "S(0)", "v_proj.weight": "S(0)", "o_proj.weight": "S(1)",
@@ -113,7 +114,7 @@ def test_world_size_one_is_replicated():
 
 def test_parallel_branches_share_one_all_reduce():
     """Better than Megatron's two: partial sums of parallel branches are added before one all-reduce."""
-    from models import ParallelBranches
+    from tests.helpers.models import ParallelBranches
     model = torch.nn.Sequential(ParallelBranches(), ParallelBranches())
     plan = autotp.plan(model, (torch.randn(4, 64, 64),), world_size=2)
     forward = [c for c in plan.collectives if c["phase"] == "forward"]
@@ -125,19 +126,19 @@ def test_parallel_branches_share_one_all_reduce():
 @pytest.mark.parametrize("kind,fold", [("llama", False), ("gpt2", True)])
 def test_a_plan_is_refused_for_another_split_of_heads(kind, fold):
     """Same parameter shapes, other heads x head dim: only view sizes (and LLaMA's rotary table) differ."""
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2LMHeadModel
 
-    from autotp.api import plan_choice, prepared_graph
     from autotp.passes.capture import fingerprint
-    from models import llama_with
+    from autotp.passes.prepared_graph import prepared_graph
+    from autotp.planning.tensor_plan import plan_choice
+    from tests.helpers.models import llama_with
 
     layers = 5 if fold else 1
 
     def model(heads):
         if kind == "llama":
             return llama_with(heads, heads, head_dim=32 // heads, layers=layers)
-        return GPT2LMHeadModel(GPT2Config(vocab_size=96, n_embd=32, n_layer=layers, n_head=heads, n_positions=16,
-                                          use_cache=False)).eval()
+        return GPT2LMHeadModel(configs.gpt2(n_embd=32, n_layer=layers, n_head=heads, n_positions=16)).eval()
 
     args = (torch.randint(0, 96, (2, 8)),)
     plan = autotp.plan(model(4), args, world_size=2, fold=fold)

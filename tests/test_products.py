@@ -10,15 +10,16 @@ import pytest
 import torch
 
 import autotp
-from autotp.api import prepared_graph
 from autotp.cost_models import load_topology
 from autotp.cost_models.compute import fit_products, held_out, product_fraction, product_time
 from autotp.cost_models.pricing import Sizes
 from autotp.cost_models.topology import PROFILES, profile_names
 from autotp.ops.table import flops, op
+from autotp.passes.prepared_graph import prepared_graph
 from autotp.tools.calibrate_products import CPU_GRID, measure_products, product_table
 from examples import moe
-from models import build
+from tests.helpers import configs
+from tests.helpers.models import build
 
 
 def test_every_profile_prices_products_from_its_table_of_sourced_measurements():
@@ -104,10 +105,8 @@ def test_calibrating_products_on_this_cpu_writes_a_table_plans_are_priced_with(t
 
 
 def _graphs():
-    from transformers import MixtralConfig, MixtralForCausalLM
-    config = MixtralConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
-                           max_position_embeddings=64, use_cache=False)
+    from transformers import MixtralForCausalLM
+    config = configs.mixtral(num_hidden_layers=1)
     torch.manual_seed(0)
     yield prepared_graph(MixtralForCausalLM(config).eval(), (torch.randint(0, 96, (2, 8)),), None, fold=False)
     yield prepared_graph(*moe.build(blocks=1), None, fold=False)  # bmm over each routed token's expert
@@ -134,10 +133,9 @@ def test_each_products_shape_holds_its_flops():
 
 def _one_rank_layer(experts: int, top: int, width: int, rows: int) -> float:
     """Estimated seconds of README's one-rank MoE layer (benchmarks/gpu.py `experts`): forward + backward, bf16."""
-    from transformers import MixtralConfig
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
-    config = MixtralConfig(hidden_size=4096, intermediate_size=width, num_local_experts=experts,
-                           num_experts_per_tok=top, experts_implementation="grouped_mm")
+    config = configs.mixtral_8x7b(intermediate_size=width, num_local_experts=experts, num_experts_per_tok=top,
+                                  experts_implementation="grouped_mm")
     with torch.device("meta"):
         block = MixtralSparseMoeBlock(config).to(torch.bfloat16)
     x = torch.zeros(1, rows, 4096, dtype=torch.bfloat16, device="meta")

@@ -9,9 +9,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import autotp
-from distributed import run_ranks
+from tests.helpers import configs
+from tests.helpers.distributed import run_ranks
+from tests.helpers.exact import TOL
 
-TOL = {"rtol": 1e-4, "atol": 1e-5}
 SETTINGS = settings(max_examples=5, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
@@ -62,8 +63,8 @@ class _Llama:
         self.config = config
 
     def __call__(self):
-        from transformers import LlamaConfig, LlamaForCausalLM
-        return LlamaForCausalLM(LlamaConfig(**self.config, max_position_embeddings=32, use_cache=False))
+        from transformers import LlamaForCausalLM
+        return LlamaForCausalLM(configs.llama(**self.config, max_position_embeddings=32))
 
 
 @SETTINGS

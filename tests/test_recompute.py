@@ -8,18 +8,22 @@ import re
 
 import pytest
 import torch
-from test_activations import saved_bytes
-from test_sequence_parallel import EXAMPLE, _exact
 
 import autotp
-from autotp.api import prepared_graph, solve_plan
 from autotp.ops.strategies import needs_grad
-from autotp.options import Options
+from autotp.options import PlanOptions
+from autotp.passes.prepared_graph import prepared_graph
 from autotp.passes.recompute import attention_cores
+from autotp.planning.tensor_plan import solve_plan
 from autotp.runtime.activations import Recomputed
 from autotp.tools.spawn import run_local
-from distributed import run_ranks
-from models import build
+from tests.helpers import configs
+from tests.helpers.activations import saved_bytes
+from tests.helpers.distributed import run_ranks
+from tests.helpers.exact import TOL
+from tests.helpers.models import build, example_input, logits
+from tests.helpers.sequence_parallel import EXAMPLE, matches_one_process
+from tests.helpers.training import STEPS, adamw, batch, llama, token_loss, trained_in_one_process
 
 aten = torch.ops.aten
 
@@ -47,7 +51,7 @@ def _two_ranks(rank: int, world: int) -> None:
         plan = sharded.autotp_plan
         assert len(plan.cost["recompute"]) == blocks, plan.cost["recompute"]
         assert sum(isinstance(m, Recomputed) for m in sharded.modules()) == blocks
-        _exact(model, sharded, [(2, 11), (1, 1)], plan)
+        matches_one_process(model, sharded, [(2, 11), (1, 1)], plan)
         estimate = plan.cost["memory"]["activations"]
         assert saved_bytes(sharded, example) == pytest.approx(estimate, rel=0.10), kind
         if attention == "eager" and tokens:  # dropping the scores is what it is for
@@ -63,11 +67,11 @@ def test_taken_only_when_sequence_parallelism_does_not_fit():
     """A GPT-2 with materialized scores at 4 x 2048 tokens: plenty of memory, no recomputation; under a
     limit that tensor plus sequence parallelism exceeds, the attention cores are recomputed."""
     from rich.console import Console
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2LMHeadModel
 
     from autotp.tools.report import activations_table
-    config = GPT2Config(n_layer=1, n_embd=256, n_head=8, n_positions=2048, vocab_size=512, activation_function="gelu",
-                        attn_implementation="eager")
+    config = configs.gpt2(n_layer=1, n_embd=256, n_head=8, n_positions=2048, vocab_size=512,
+                          activation_function="gelu", attn_implementation="eager", use_cache=True)
     with torch.device("meta"):
         model = GPT2LMHeadModel(config).eval()
     gm = prepared_graph(model, (torch.zeros(4, 2048, dtype=torch.long, device="meta"),), None)
@@ -77,23 +81,23 @@ def test_taken_only_when_sequence_parallelism_does_not_fit():
     mlp, mlp_args, _ = build("mlp")
     plain = prepared_graph(mlp, mlp_args, None)
     assert attention_cores(plain, needs_grad(plain)) == []  # no softmax between products: nothing to recompute
-    split = solve_plan(gm, 2, Options(sequence_parallel=True, recompute=False))
-    again = solve_plan(gm, 2, Options(sequence_parallel=True, recompute="selective"))
+    split = solve_plan(gm, 2, PlanOptions(sequence_parallel=True, recompute=False))
+    again = solve_plan(gm, 2, PlanOptions(sequence_parallel=True, recompute="selective"))
     assert again.cost["memory"]["total"] < split.cost["memory"]["total"]
     assert again.cost["seconds"] > split.cost["seconds"]  # the core's forward, run twice
-    assert not solve_plan(gm, 2, Options()).cost["recompute"]  # plenty of memory
+    assert not solve_plan(gm, 2, PlanOptions()).cost["recompute"]  # plenty of memory
     limit = (split.cost["memory"]["total"] + again.cost["memory"]["total"]) / 2
-    tight = solve_plan(gm, 2, Options(memory_limit=limit))
+    tight = solve_plan(gm, 2, PlanOptions(memory_limit=limit))
     assert tight.cost["recompute"] == ["transformer.h.0.attn"] and tight.cost["memory"]["total"] <= limit
     assert any(entry.get("recompute") for entry in tight.nodes.values())
     # just above what both together need (the scores dominate here: recomputation alone nearly fits)
-    tighter = solve_plan(gm, 2, Options(memory_limit=1.02 * again.cost["memory"]["total"]))
+    tighter = solve_plan(gm, 2, PlanOptions(memory_limit=1.02 * again.cost["memory"]["total"]))
     assert tighter.cost["recompute"] and tighter.cost["token_split"]
     console = Console(width=200, record=True)
     console.print(activations_table(tighter))
     assert re.search(r"transformer\.h\.0 +│ +[\d.]+ +│ yes +│ attention", console.export_text()), console.export_text()
     with pytest.raises(ValueError, match="recompute"):
-        solve_plan(gm, 2, Options(recompute=True))
+        solve_plan(gm, 2, PlanOptions(recompute=True))
 
 
 def test_cli_plan_with_recomputation(capsys):
@@ -108,12 +112,11 @@ def test_cli_plan_with_recomputation(capsys):
 def _pipelined(rank: int, world: int, want: tuple) -> int:
     """PP 2 x TP 2 through parallelize(mesh=...): each stage's plan recomputes its attention cores, the
     stage's backward runs each core again once per micro-batch, and training equals one process."""
-    from test_pipeline import STEPS, _batch, _llama, _loss, _optimizer
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
-    x, y = _batch()
-    pipelined = autotp.parallelize(_llama(), (x,), mesh=mesh, loss_fn=_loss, microbatches=2, recompute="selective")
+    x, y = batch()
+    pipelined = autotp.parallelize(llama(), (x,), mesh=mesh, loss_fn=token_loss, microbatches=2, recompute="selective")
     again = []
     for stage in pipelined.modules.values():
         cores = [m for m in stage.modules() if isinstance(m, Recomputed)]
@@ -125,7 +128,7 @@ def _pipelined(rank: int, world: int, want: tuple) -> int:
                 again.append(torch._C._current_autograd_node() is not None)  # run by the backward
                 return forward(*args)
             core.region.forward = counted
-    optimizer, losses = _optimizer(pipelined.parameters()), []
+    optimizer, losses = adamw(pipelined.parameters()), []
     for step in range(STEPS):
         per_microbatch = []
         pipelined.step(x, target=y, losses=per_microbatch)
@@ -137,23 +140,21 @@ def _pipelined(rank: int, world: int, want: tuple) -> int:
     assert sum(again) == 2 * len(cores) * (STEPS - 1), again  # each core again in the backward, per micro-batch
     want_losses, want_params = want
     if losses:  # the last stage
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), **TOL)
     params = pipelined.full_state_dict()
     for name, value in want_params.items():
-        torch.testing.assert_close(params[name], torch.from_numpy(value), rtol=1e-4, atol=1e-5, msg=name)
+        torch.testing.assert_close(params[name], torch.from_numpy(value), **TOL, msg=name)
     return len(losses)
 
 
 def test_pipeline_stages_recompute_their_attention():
-    from test_pipeline import STEPS, _single_process
-    reported = run_local(4, _pipelined, _single_process())
+    reported = run_local(4, _pipelined, trained_in_one_process())
     assert reported == [0, 0, STEPS, STEPS], reported  # the last stage's two TP ranks compared every step's loss
 
 
 def _compiled(rank: int, world: int) -> None:
     """GPT-2 with materialized scores, sequence parallel, attention recomputed: torch.compile of the sharded
     program (checkpointed cores; gathered tokens, which compiled code keeps as its compiler decides)."""
-    from models import example_input, logits
     model, args, _ = build("gpt2")
     model.set_attn_implementation("eager")
     sharded = autotp.parallelize(model, args, sequence_parallel=True, recompute="selective")
@@ -161,12 +162,12 @@ def _compiled(rank: int, world: int) -> None:
     compiled = torch.compile(sharded, backend="aot_eager")  # inductor works too, at many times the compile time
     x = example_input("gpt2", 3, 5)
     out = logits(compiled(x))
-    torch.testing.assert_close(out, logits(model(x)), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out, logits(model(x)), **TOL)
     out.square().mean().backward()
     logits(model(x)).square().mean().backward()
     grads = autotp.full_state_dict(sharded, grads=True)
     for name, p in model.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(grads[name], p.grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
 
 
 @pytest.mark.slow  # torch.compile of the sharded program: test_sharded.py

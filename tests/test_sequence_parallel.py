@@ -9,51 +9,15 @@ from collections import Counter
 
 import pytest
 import torch
-from test_activations import saved_bytes
-from torch.distributed.tensor.debug import CommDebugMode
 
 import autotp
-from distributed import comm_counts, plan_ops, run_ranks
-from models import build, logits
+from tests.helpers import configs
+from tests.helpers.activations import saved_bytes
+from tests.helpers.distributed import block_of, run_ranks
+from tests.helpers.models import build, vit
+from tests.helpers.sequence_parallel import EXAMPLE, matches_one_process
 
-TOL = {"rtol": 1e-4, "atol": 1e-5}
 BLOCKS = 2
-# priced at 4096 tokens: bytes decide (at a few hundred tokens of these tiny models latency does, and a
-# one-shot all-reduce beats a reduce-scatter)
-EXAMPLE = (64, 64)
-
-
-def _block_of(module: str) -> int | None:
-    found = re.search(r"\.(\d+)(\.|$)", module)
-    return int(found.group(1)) if found else None
-
-
-def _exact(model, sharded, shapes, plan=None) -> dict:
-    """Outputs for every (batch, sequence) and gradients equal one process's; forward and backward run
-    the collectives the plan lists.  Returns the backward's collectives (CommDebugMode, all-reduces as such)."""
-    transport = autotp.runtime.transport
-    one_shot, transport.ONE_SHOT_BYTES = transport.ONE_SHOT_BYTES, 0  # count all-reduces as such
-    try:
-        for batch, seq in shapes:
-            x = torch.randint(0, 96, (batch, seq))
-            with CommDebugMode() as comm:
-                out = logits(sharded(x))
-            torch.testing.assert_close(out, logits(model(x)), **TOL)
-            if plan is not None:
-                assert plan_ops(comm_counts(comm)) == plan.collective_counts("forward"), comm_counts(comm)
-        x = torch.randint(0, 96, (2, 11))
-        loss = logits(sharded(x)).square().mean()
-        with CommDebugMode() as comm:  # kept tokens are gathered again once, however many ops kept them
-            loss.backward()
-        if plan is not None:
-            assert plan_ops(comm_counts(comm)) == plan.collective_counts("backward"), comm_counts(comm)
-    finally:
-        transport.ONE_SHOT_BYTES = one_shot
-    logits(model(x)).square().mean().backward()
-    grads = autotp.full_state_dict(sharded, grads=True)
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
-    return comm_counts(comm)
 
 
 def _two_ranks_models() -> list:
@@ -67,9 +31,9 @@ def _two_ranks(rank: int, world: int) -> None:
         sharded = autotp.parallelize(model, (example,), sequence_parallel=True)
         plan = sharded.autotp_plan
         forward = [c for c in plan.collectives if c["phase"] == "forward"]
-        per_block = {b: Counter(c["op"] for c in forward if _block_of(c["module"]) == b) for b in range(BLOCKS)}
+        per_block = {b: Counter(c["op"] for c in forward if block_of(c["module"]) == b) for b in range(BLOCKS)}
         assert all(ops == {"all_gather": 2, "reduce_scatter": 2} for ops in per_block.values()), (kind, per_block)
-        backward = _exact(model, sharded, [(2, 11), (1, 1), (3, 5)], plan)
+        backward = matches_one_process(model, sharded, [(2, 11), (1, 1), (3, 5)], plan)
         # the norms' weights and biases (and the biases added to token pieces) in one all-reduce, as Megatron-SP
         assert backward.get("all_reduce") == 1, (kind, backward)
 
@@ -96,7 +60,7 @@ def _eleven_tokens_models() -> list:
 def _eleven_tokens(rank: int, world: int) -> None:
     model, _, _ = build("llama", blocks=1)
     sharded = autotp.parallelize(model, (torch.randint(0, 96, (2, 16)),), sequence_parallel=True)
-    _exact(model, sharded, [(1, 11), (2, 3)])  # 3,3,3,2 tokens; 1,1,1,0
+    matches_one_process(model, sharded, [(1, 11), (2, 3)])  # 3,3,3,2 tokens; 1,1,1,0
 
 
 def test_eleven_tokens_on_four_ranks():
@@ -107,10 +71,11 @@ def test_taken_only_when_memory_demands_it():
     """A GPT-2 (layer norms: the residual stream cannot be split by hidden instead) at 4 x 4096 tokens:
     the default plan is plain tensor parallelism; under a limit it exceeds the tokens are split."""
     from rich.console import Console
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2LMHeadModel
 
     from autotp.tools.report import activations_table
-    config = GPT2Config(n_layer=1, n_embd=256, n_head=8, n_positions=4096, vocab_size=512, activation_function="gelu")
+    config = configs.gpt2(n_layer=1, n_embd=256, n_head=8, n_positions=4096, vocab_size=512, activation_function="gelu",
+                          use_cache=True)
     with torch.device("meta"):
         model = GPT2LMHeadModel(config)
     args = (torch.zeros(4, 4096, dtype=torch.long, device="meta"),)
@@ -146,7 +111,6 @@ def test_cli_plan_with_sequence_parallelism(capsys):
 def test_forcing_it_without_a_token_dim_says_why():
     """A ViT's 17 tokens are fixed by its config (export makes them static): there is nothing to split."""
     from autotp.planning.solve import PlanningError
-    from models import vit
     with pytest.raises(PlanningError, match="no op can split the tokens"):
         autotp.plan(vit(), (torch.randn(1, 3, 16, 16),), world_size=2, sequence_parallel=True)
 
@@ -175,20 +139,18 @@ def _priced_as(plan, monkeypatch, model, args, **patches):
     """``plan`` (sequence parallel, 2 ranks) priced again by the solver with every op held to its choice and
     ``patches`` (name -> value) set in planning/solve.py and planning/accounting.py; the alternatives are the
     full ones."""
-    from autotp.api import solve as api_solve
+    from dataclasses import replace
+
     from autotp.plan import Plan
     from autotp.planning import accounting, solve
+    from autotp.planning.tensor_plan import solve as plan_solve
 
-    def held(gm, ctx, *a, **k):
-        options = ctx.strategies
-        ctx.strategies = {n: [s for s in opts if Plan.encode(s) == {f: plan.nodes[n.name][f] for f in ("in", "out")}]
-                          for n, opts in options.items()}
-        try:
-            return api_solve(gm, ctx, *a, **k)
-        finally:
-            ctx.strategies = options
+    def held(gm, found, *a, **k):
+        chosen = {n: [s for s in opts if Plan.encode(s) == {f: plan.nodes[n.name][f] for f in ("in", "out")}]
+                  for n, opts in found.strategies.items()}
+        return plan_solve(gm, replace(found, strategies=chosen), *a, **k)
     with monkeypatch.context() as patch:
-        patch.setattr("autotp.api.solve", held)
+        patch.setattr("autotp.planning.tensor_plan.solve", held)
         for name, replacement in patches.items():
             for module in (solve, accounting):
                 if hasattr(module, name):

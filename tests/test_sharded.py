@@ -3,7 +3,6 @@ the plan is Megatron's, and the collectives run are the ones planned."""
 from __future__ import annotations
 
 import functools
-import re
 from collections import Counter
 
 import pytest
@@ -11,16 +10,11 @@ import torch
 from torch.distributed.tensor.debug import CommDebugMode
 
 import autotp
-from distributed import comm_counts, plan_ops, run_ranks, weight_collectives
-from models import build, example_input, logits
+from tests.helpers.distributed import block_of, comm_counts, plan_ops, run_ranks, weight_collectives
+from tests.helpers.exact import TOL
+from tests.helpers.models import build, example_input, llama_with, logits
 
-TOL = {"rtol": 1e-4, "atol": 1e-5}
 KINDS = ["mlp", "nanogpt", "llama", "gpt2", "phi3"]
-
-
-def _block_of(module_path: str) -> int | None:
-    found = re.search(r"\.(\d+)(\.|$)", module_path)
-    return int(found.group(1)) if found else None
 
 
 def _built(kind: str) -> list:
@@ -46,7 +40,7 @@ def _check(rank: int, world: int, kind: str) -> None:
     assert local.keys() == full.keys()
     for name, p in local.items():
         assert isinstance(p, torch.nn.Parameter) and p.requires_grad
-        if (p.dim() == 2 and _block_of(name) is not None) or (kind == "mlp" and p.dim() == 2):
+        if (p.dim() == 2 and block_of(name) is not None) or (kind == "mlp" and p.dim() == 2):
             assert p.numel() * world == full[name].numel(), (name, tuple(p.shape))
 
     # outputs for shapes other than traced, including batch 1 x sequence 1
@@ -67,7 +61,7 @@ def _check(rank: int, world: int, kind: str) -> None:
     # collectives for the embedding and the head.  A vocab-parallel embedding's all-reduce may be
     # deferred into block 0 (it is summed where the first norm needs it), so a block may show one more.
     # Backward: Megatron's f before attention and before the MLP (two all-reduces a block), one before the head.
-    per_block = {phase: Counter(_block_of(c["module"]) for c in plan.collectives
+    per_block = {phase: Counter(block_of(c["module"]) for c in plan.collectives
                                 if c["phase"] == phase and c["op"] == "all_reduce")
                  for phase in ("forward", "backward")}
     if kind == "mlp":
@@ -180,7 +174,6 @@ RESIDUAL_SHARDED = [(16, 8, 2048), (32, 4, 1024)]
 
 def _residual_sharded_model(head_dim: int, batch: int, seq: int) -> tuple:
     """A 2-block LLaMA (the same seed every time) and the input shape its plan was made at."""
-    from models import llama_with
     return llama_with(heads=8, kv=4, head_dim=head_dim, layers=2), (torch.zeros(batch, seq, dtype=torch.long),)
 
 
@@ -189,7 +182,6 @@ def _residual_sharded_models() -> list:
 
 
 def _runs_planned_collectives(rank: int, world: int, plans: list) -> None:
-    from models import llama_with
     transport = autotp.runtime.transport
     transport.ONE_SHOT_BYTES = 0  # count all-reduces as such
     for head_dim, batch, seq, plan in plans:
@@ -214,7 +206,6 @@ def _runs_planned_collectives(rank: int, world: int, plans: list) -> None:
 def test_hidden_sharded_residual_runs_the_planned_reduce_scatters():
     """Plans made at thousands of tokens, run on a short input: the forward and backward collectives,
     reduce-scatters included, are the ones the plan predicts, and outputs and gradients are exact."""
-    from models import llama_with
     plans = []
     for head_dim, batch, seq in RESIDUAL_SHARDED:
         model = llama_with(heads=8, kv=4, head_dim=head_dim, layers=2)  # captured with fake tensors: never run

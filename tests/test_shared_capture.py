@@ -1,13 +1,14 @@
-"""The suite's shared captures (tests/shared_capture.py) must serve a capture only for what would capture alike."""
+"""The suite's shared captures (tests/helpers/shared_capture.py) must serve a capture only for what would capture
+alike."""
 from __future__ import annotations
 
 import threading
 
 import torch
-from shared_capture import copy_of, digest
 
 from autotp.passes.capture import capture
-from models import ParallelBranches
+from tests.helpers.models import ParallelBranches
+from tests.helpers.shared_capture import copy_of, digest
 
 
 def _model(**change) -> torch.nn.Module:

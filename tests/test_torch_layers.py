@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import autotp
-from autotp.api import prepared_graph
-from distributed import AT_THREE_RANKS, run_ranks
-from exact import same_as_model, sums_per_block
-from native_models import VOCAB, torch_layers_lm
+from autotp.passes.prepared_graph import prepared_graph
+from tests.helpers.distributed import AT_THREE_RANKS, run_ranks
+from tests.helpers.exact import same_as_model, sums_per_block
+from tests.helpers.native_models import VOCAB, torch_layers_lm
 
 # world -> (kind, heads, batch first, key padding mask)
 CASES = {2: ("encoder", 4, True, True), 3: ("decoder", 6, False, False), 4: ("encoder", 4, False, True)}

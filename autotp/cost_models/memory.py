@@ -1,6 +1,15 @@
 """Bytes per device: parameters with their training state, activations kept for backward, KV cache."""
 from __future__ import annotations
 
+# The share of a device's memory a plan may fill: the CUDA context, NCCL's buffers and the caching allocator's
+# fragmentation take the rest (Megatron and torchtitan users keep a similar margin).
+USABLE_FRACTION = 0.9
+
+
+def memory_limit(topology, limit: float | None = None) -> float:
+    """Bytes per device a plan may use on ``topology``: ``limit`` where given, else USABLE_FRACTION of its memory."""
+    return limit if limit is not None else USABLE_FRACTION * topology.memory_bytes
+
 
 def state_factor(element_size: int, training: bool) -> float:
     """Bytes held per byte of parameter: weights, plus gradients and Adam state when training.

@@ -23,7 +23,7 @@ from autotp.placement import Disjoint, Replicate, Routed, Shard
 # Routed rows are not spread evenly: the busiest rank of a dispatch group computes this many times the uniform
 # top-k share.  A stated assumption, not a measurement: the capacity factor Switch Transformer trains with (Fedus
 # et al. 2021, section 2.2 and table 1: 1.0 to 1.25); dropless dispatch computes every row, so the busiest rank's
-# load, not a capacity, sets the time.  Options.expert_imbalance overrides it.
+# load, not a capacity, sets the time.  PlanOptions.expert_imbalance overrides it.
 IMBALANCE = 1.25
 
 

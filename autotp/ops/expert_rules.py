@@ -75,7 +75,7 @@ def _whole_experts(w: Node, ctx: Context) -> list[tuple[Shard, Disjoint]]:
             if s.chunks is None and not s.grouped(ctx.world) and not s.whole(ctx.world)]
 
 
-def _integer_indices(indices) -> bool:
+def integer_indices(indices) -> bool:
     """Integer index tensors on the leading dims, one dim each.  Not None entries (``x[:, ids]`` moves
     dims around) nor boolean masks (one mask consumes as many dims as it has)."""
     return bool(indices) and all(isinstance(i, Node) and isinstance(value(i), torch.Tensor) and
@@ -91,7 +91,7 @@ def index(node: Node, ctx: Context) -> list[Strategy] | None:
     if constant_positions(node) is not None:
         return gather(node, ctx)
     x, indices = node.args[0], node.args[1]
-    if not _integer_indices(indices):
+    if not integer_indices(indices):
         ctx.why[node] = "indexed by positions known only at run time: computed whole, its inputs gathered"
         return None
     k, n, out = len(indices), len(ctx.shape(x)), len(ctx.shape(node))
@@ -140,27 +140,6 @@ def strided_slice(node: Node, ctx: Context) -> list[Strategy]:
     return found
 
 
-def hint_sources(node: Node, dim: int, ctx: Context) -> list[tuple[Node, int]]:
-    """Where a block hint on ``(node, dim)`` (gate|up cut by chunk) came from, so the expert weight itself
-    is offered the block-wise shard: through a grouped matmul's or bmm's output columns to the weight's,
-    a bmm's rows to its first operand's, and through transposes, squeezes and ``w[ids]``."""
-    target, args, n = node.target, node.args, len(ctx.shape(node))
-    if is_grouped_mm(node) or target == aten.bmm.default:
-        if dim == n - 1:
-            return [(args[1], len(ctx.shape(args[1])) - 1)]
-        return [(args[0], 1)] if target == aten.bmm.default and dim == 1 else []
-    if target == aten.transpose.int:
-        a, b = positive_dim(args[1], n), positive_dim(args[2], n)
-        return [(args[0], {a: b, b: a}.get(dim, dim))]
-    if target == aten.squeeze.dim:
-        at = positive_dim(args[1], len(ctx.shape(args[0])))
-        return [(args[0], dim + (dim >= at))] if ctx.shape(args[0])[at] == 1 else [(args[0], dim)]
-    if target == aten.index.Tensor and _integer_indices(args[1]):
-        d = dim - n + len(ctx.shape(args[0]))
-        return [(args[0], d)] if d >= len(args[1]) else []
-    return []
-
-
 def routing(node: Node, ctx: Context) -> tuple[Node, int] | None:
     """What routed ``node``'s rows to experts, where its rows come from an expert op through ops that keep
     rows (their rows' ``experts``): (a grouped matmul's offsets, or the ids of a weight's lookup ``w[ids]``;
@@ -178,7 +157,7 @@ def _routing(node: Node, ctx: Context) -> tuple[Node, int] | None:
         ids, weight = node.args[1], node.args[0]
         while weight.op == "call_function" and ctx.op(weight.target).layout:
             weight = weight.args[0]
-        found = len(ids) == 1 and _integer_indices(ids) and weight.op == "get_attr"
+        found = len(ids) == 1 and integer_indices(ids) and weight.op == "get_attr"
         return (ids[0], value(node.args[0]).shape[0]) if found else None
     kind = ctx.op(node.target).experts
     if kind in ("zeros", "rows") or node.target is operator.getitem:
@@ -251,7 +230,7 @@ def routed(node: Node, ctx: Context) -> list[Strategy]:
 
 
 def _row_wise(node: Node, segment, ctx: Context) -> bool:
-    if is_grouped_mm(node) or node.target in (aten.bmm.default, operator.getitem):
+    if is_grouped_mm(node) or "row_wise" in ctx.op(node.target).tags:
         return True
     if node.target == aten.index.Tensor:
         return node.args[1] == [segment.key]

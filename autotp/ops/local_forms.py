@@ -105,7 +105,7 @@ def split(node: Node, strategy, rank: int, world: int) -> None:
         node.args = (node.args[0], local, *node.args[2:])
 
 
-def repeat_heads(node: Node, strategy, rank: int, world: int) -> None:
+def repeat_interleave(node: Node, strategy, rank: int, world: int) -> None:
     """repeat_interleave of KV heads: this rank's query heads from the KV heads it holds."""
     if not isinstance(strategy.output, Shard):
         return

@@ -177,7 +177,7 @@ def embedding(node: Node, ctx: Context) -> list[Strategy]:
     return found
 
 
-def repeat_heads(node: Node, ctx: Context) -> list[Strategy]:
+def repeat_interleave(node: Node, ctx: Context) -> list[Strategy]:
     """x.repeat_interleave(n, dim) (grouped-query attention's KV heads): each rank's output heads need
     only the KV heads they repeat, which it holds replicated, sharded, shared with neighbours, or whole
     (a single KV head every rank holds, named on any dim)."""

@@ -42,6 +42,9 @@ class Op:
     styles: Mapping = field(default_factory=dict)  # operand index -> {sharded dim: style} (reports)
     observer: bool = False    # reads only metadata of unsharded dims: adopts any placement, needs no choice
     drops: Callable | None = None  # node -> the probability it zeroes an element (0: it draws nothing)
+    tags: frozenset = frozenset()  # named groups other passes ask about (ops/table.py's TAGS)
+    dim_map: Callable | None = None  # (node, dim, blocks, ctx) -> the input dims an output dim comes from
+    #                                  (ops/dim_maps.py; hints walk back through it)
 
 
 UNKNOWN = Op()

@@ -16,7 +16,7 @@ from torch.fx import Node
 from torch.fx.node import map_arg
 
 from autotp.ops.semantics import Op, row_of
-from autotp.placement import R, Replicate, Routed, Shard, dealt
+from autotp.placement import R, Replicate, Shard, dealt
 
 # Symbolic sizes are compared by evaluating them at distinct large primes:
 # two monomials in batch/sequence symbols agree iff their products agree.
@@ -108,29 +108,50 @@ def replicated_like(node: Node):
     return tuple(R for _ in v) if isinstance(v, (list, tuple)) else R
 
 
-@dataclass
+class Notes:
+    """What rules record while strategies are enumerated: each node's strategies so far (rules read their inputs'),
+    why a rule offered no split, which op routed rows to experts, and memos (probe primes, shard options)."""
+
+    def __init__(self):
+        self.strategies: dict = {}  # node -> list[Strategy], filled in graph order
+        self.why: dict = {}         # node -> why its rule offers no split (a rule that says)
+        self.routes: dict = {}      # node -> what routed its rows to experts, once
+        self.probes: dict = {}      # symbol -> the prime it is evaluated at
+        self.options: dict = {}     # (node, dim) -> shard_options, once: hints are fixed by then
+
+
+@dataclass(frozen=True)
 class Context:
-    """What rules may ask about the graph: shapes, the world size, fused-block hints."""
+    """What rules may ask about the graph: the world size, the analysis of the graph (hints, expert segments,
+    gradients), the planning options that shape the offer, and the op table.  Built once per solve
+    (planning/tensor_plan.analyse); only ``notes`` is written, by the enumeration the rules take part in."""
     world: int
-    hints: dict = field(default_factory=dict)        # (node, dim) -> set of chunk tuples
-    units: dict = field(default_factory=dict)        # (node, dim) -> unit counts (heads) seen downstream
-    block_units: dict = field(default_factory=dict)  # (node, dim) -> {(chunks, units per block)} of fused dims
-    covers: dict = field(default_factory=dict)       # KV heads -> {query heads} they are repeated to
-    strategies: dict = field(default_factory=dict)   # node -> list[Strategy], filled in order
-    min_shard_fraction: float = 0.02                 # parameters this large (vs the largest) must shard
-    unruled: dict = field(default_factory=dict)      # ops on the weights' path without a rule -> why, in a line
-    why: dict = field(default_factory=dict)          # node -> why its rule offers no split (a rule that says)
-    fixed: dict = field(default_factory=dict)        # parameter name -> placement imposed (to price other plans)
-    tokens: bool = False                             # offer sequence parallelism (token_options)
-    token_symbols: set = field(default_factory=set)  # sizes of token dims: inputs' symbolic non-leading dims
-    grad: set = field(default_factory=set)           # values on the weights' path (gradients flow)
-    experts: str | None = None                       # impose "tensor", "parallel" or "all-to-all" (expert_rules.py)
-    ep: int = 1                                      # a mesh's "ep" ranks the expert segments are dispatched over
-    segments: dict = field(default_factory=dict)     # node -> its expert segment (ops/expert_segments.py)
-    routes: dict = field(default_factory=dict)       # node -> what routed its rows to experts, once
-    ops: Mapping = field(default_factory=dict)       # the op table (ops/table.py): target -> Op
-    _probes: dict = field(default_factory=dict)
-    _options: dict = field(default_factory=dict)     # shard_options, once per (node, dim): hints are fixed by then
+    hints: Mapping = field(default_factory=dict)        # (node, dim) -> set of chunk tuples
+    units: Mapping = field(default_factory=dict)        # (node, dim) -> unit counts (heads) seen downstream
+    block_units: Mapping = field(default_factory=dict)  # (node, dim) -> {(chunks, units per block)} of fused dims
+    covers: Mapping = field(default_factory=dict)       # KV heads -> {query heads} they are repeated to
+    segments: Mapping = field(default_factory=dict)     # node -> its expert segment (ops/expert_segments.py)
+    grad: frozenset = frozenset()                       # values on the weights' path (gradients flow)
+    token_symbols: frozenset = frozenset()              # sizes of token dims: inputs' symbolic non-leading dims
+    min_shard_fraction: float = 0.02                    # parameters this large (vs the largest) must shard
+    fixed: Mapping = field(default_factory=dict)        # parameter name -> placement imposed (to price other plans)
+    tokens: bool = False                                # offer sequence parallelism (token_options)
+    experts: str | None = None                          # impose "tensor", "parallel" or "all-to-all" (expert_rules)
+    ep: int = 1                                         # a mesh's "ep" ranks the expert segments are dispatched over
+    ops: Mapping = field(default_factory=dict)          # the op table (ops/table.py): target -> Op
+    notes: Notes = field(default_factory=Notes, compare=False)
+
+    @property
+    def strategies(self) -> dict:
+        return self.notes.strategies
+
+    @property
+    def why(self) -> dict:
+        return self.notes.why
+
+    @property
+    def routes(self) -> dict:
+        return self.notes.routes
 
     def op(self, target) -> Op:
         """What the op table says of ``target`` (an empty row for ops it does not know)."""
@@ -149,7 +170,7 @@ class Context:
         expr = size.node.expr
         subs = {}
         for sym in sorted(expr.free_symbols, key=str):
-            subs[sym] = self._probes.setdefault(str(sym), _PRIMES[len(self._probes) % len(_PRIMES)])
+            subs[sym] = self.notes.probes.setdefault(str(sym), _PRIMES[len(self.notes.probes) % len(_PRIMES)])
         return int(sympy.sympify(expr).subs(subs))
 
     def shard_options(self, node: Node, dim: int) -> list[Shard]:
@@ -157,9 +178,9 @@ class Context:
         shared by several ranks when there are fewer than N); the KV heads that each rank's query heads
         need (``of``); block by block for fused outputs, each block by its own units.  Options that
         deal out the same pieces as an earlier one are left out (one spelling per layout)."""
-        if (node, dim) not in self._options:
-            self._options[(node, dim)] = self._shard_options(node, dim)
-        return self._options[(node, dim)]
+        if (node, dim) not in self.notes.options:
+            self.notes.options[(node, dim)] = self._shard_options(node, dim)
+        return self.notes.options[(node, dim)]
 
     def _shard_options(self, node: Node, dim: int) -> list[Shard]:
         shape = self.shape(node)
@@ -203,7 +224,6 @@ class Context:
             return []
         size = shape[dim]
         return [Shard(dim)] if isinstance(size, torch.SymInt) and str(size.node.expr) in self.token_symbols else []
-
 
     def _finer(self, units: tuple) -> list:
         """The query-head counts the blocks' units may follow (None: each block dealt out on its own)."""
@@ -252,76 +272,3 @@ def vmapped(graph: torch.fx.Graph) -> set:
 
 
 _VMAP = "torch._functorch.predispatch"
-
-
-def enumerate_strategies(gm: torch.fx.GraphModule, ctx: Context) -> Context:
-    """Every node's strategies: all-replicated, and what its row's rule (``ctx.ops``) proposes (none inside a
-    vmap)."""
-    weighted = needs_grad(gm)
-    ctx.grad, ctx.token_symbols = weighted, set(token_inputs(gm.graph))
-    batched = vmapped(gm.graph)
-    for node in gm.graph.nodes:
-        if node.op in ("output", "call_module") or ctx.op(node.target).observer:
-            continue
-        if not is_placed(node):
-            if node.op == "call_function":  # e.g. item(), mixed tuples: computed from full inputs
-                ctx.strategies[node] = [Strategy(ctx.fill(node, {}), None)]
-            continue
-        all_r = Strategy(ctx.fill(node, {}), replicated_like(node))
-        found = [all_r]
-        rule = ctx.op(node.target).rule if node.op == "call_function" and node not in batched else None
-        proposed = rule(node, ctx) if rule is not None else None  # None: no rule for this use of the op
-        found += [s for s in proposed or () if s not in found]
-        if proposed is None and node.op == "call_function" and node in weighted:
-            ctx.unruled.setdefault(str(node.target), ctx.why.get(node) or _unruled(node, ctx, batched))
-        ctx.strategies[node] = found
-    _add_parameter_options(gm, ctx)
-    return ctx
-
-
-def _unruled(node: Node, ctx: Context, batched: set) -> str:
-    if node in batched:
-        return "computed inside a vmap, where its shapes are one example's"
-    if ctx.op(node.target).rule is None:
-        return "no sharding rule: computed whole, its inputs gathered"
-    return "its rule does not cover this use: computed whole, its inputs gathered"
-
-
-def _add_parameter_options(gm: torch.fx.GraphModule, ctx: Context) -> None:
-    """A parameter is stored in a placement its users compute with (parameters are never gathered).
-
-    Large parameters (at least ``ctx.min_shard_fraction`` of the largest) must be sharded whenever
-    one shard layout suits every user: holding them whole would defeat tensor parallelism.  Small
-    ones (norm weights, output biases) are left to the cost model.
-    """
-    trainable = dict(gm.named_parameters(remove_duplicate=False))
-    nodes = [n for n in gm.graph.nodes if n.op == "get_attr" and n in ctx.strategies]
-    sizes = {n: value(n).numel() * value(n).element_size() for n in nodes}
-    largest = max((sizes[n] for n in nodes if n.target in trainable), default=0)
-    for node in nodes:
-        wanted = {R}.union(*(_wanted(node, user, ctx) for user in node.users))
-        options = {p for p in wanted if isinstance(p, (Replicate, Shard, Routed))}
-        suits_all = {p for p in options if isinstance(p, (Shard, Routed)) and _carried(node, p, ctx, {})}
-        if node.target in trainable and suits_all and sizes[node] >= ctx.min_shard_fraction * largest:
-            options = suits_all
-        if node.target in ctx.fixed:
-            options = {ctx.fixed[node.target]}
-        ctx.strategies[node] = [Strategy((), p) for p in sorted(options, key=str)]
-
-
-def _wanted(node: Node, user: Node, ctx: Context) -> set:
-    """The placements of ``node`` that some strategy of ``user`` reads it in."""
-    return {p for strategy in ctx.strategies.get(user, [])
-            for slot, p in zip(input_slots(user), strategy.inputs, strict=True) if slot is node}
-
-
-def _carried(node: Node, placement, ctx: Context, seen: dict) -> bool:
-    """Every user of ``node`` can read it in ``placement`` without a collective: a compute op has a strategy
-    for it; a layout op (a transpose, a view, an expert's slice ``w[ids]``) has one whose output is carried
-    on in turn.  A parameter offered only such shards is never gathered, however many views it passes."""
-    key = (node, placement)
-    if key not in seen:
-        seen[key] = all(placement in _wanted(node, user, ctx) and (not ctx.op(user.target).layout or any(
-            _carried(user, s.output, ctx, seen) for s in ctx.strategies.get(user, [])
-            if s.inputs[input_slots(user).index(node)] == placement)) for user in node.users)
-    return seen[key]

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import math
 import operator
+from dataclasses import replace
 
 import torch
 from torch.fx import Node
 
-from autotp.ops import local_forms
+from autotp.ops import dim_maps, local_forms
 from autotp.ops.expert_rules import GROUPED_MM_FALLBACK, disjoint, grouped_mm, index, routed, squeeze, strided_slice
 from autotp.ops.flex import FLEX, flex_heads, global_heads, keeps_flex
 from autotp.ops.layout_rules import (
@@ -43,7 +44,7 @@ from autotp.ops.rules import (
     normalize,
     pointwise,
     reduction,
-    repeat_heads,
+    repeat_interleave,
 )
 from autotp.ops.semantics import Op, may_alias, row_of
 
@@ -191,7 +192,7 @@ def _rows(targets, **facts) -> dict:
 
 _COMPARISONS = [aten.eq.Tensor, aten.ne.Tensor, aten.lt.Tensor, aten.gt.Tensor, aten.le.Tensor, aten.ge.Tensor]
 
-TABLE: dict = {
+_ROWS: dict = {
     # elementwise: any output dim sharded alike in every input (broadcast dims replicated), or tokens split
     **_rows([aten.add.Tensor], family="elementwise", rule=pointwise, additive=True, experts="combine",
             keeps=keeps_nothing, local=local_forms.add_once),
@@ -246,8 +247,8 @@ TABLE: dict = {
             keeps=keeps_flex, local=global_heads),
     **_rows([aten.embedding.default], family="embedding", rule=embedding, keeps=keeps_nothing, moves=lookup_bytes,
             local=local_forms.vocab_rows, styles={0: {1: "hidden split", 0: "vocab split"}}),
-    **_rows([aten.repeat_interleave.self_int], family="repeat", rule=repeat_heads, keeps=keeps_nothing,
-            local=local_forms.repeat_heads),
+    **_rows([aten.repeat_interleave.self_int], family="repeat", rule=repeat_interleave, keeps=keeps_nothing,
+            local=local_forms.repeat_interleave),
     # reductions and normalizations
     **_rows([aten.sum.dim_IntList], family="reduction", rule=reduction, keeps=keeps_nothing),
     **_rows([aten.mean.dim], family="reduction", rule=reduction, keeps=keeps_nothing, local=local_forms.partial_mean),
@@ -286,6 +287,40 @@ TABLE: dict = {
     # metadata only
     **_rows([aten.sym_size.int, aten._assert_tensor_metadata.default], family="observer", observer=True),
 }
+
+# Named groups of ops the graph passes ask about (``"copy" in op(target).tags``), each stated here once.
+TAGS = {
+    "sized_view": [aten.view.default, aten.reshape.default, aten._unsafe_view.default],  # (x, sizes): the full shape
+    "strided": [aten.view.default, aten._unsafe_view.default],  # needs strides its input's layout allows
+    "copy": [aten.contiguous.default, aten.clone.default, aten.alias.default],  # the same values as input 0
+    "cut": [aten.slice.Tensor, aten.index.Tensor],  # a range or positions of input 0 along a dim
+    "batched_product": [aten.bmm.default, aten.baddbmm.default],  # products over a leading batch dim
+    "pure": [aten.contiguous.default, aten.clone.default, aten.alias.default, aten.repeat.default,
+             aten.bmm.default],  # values of its inputs alone: unmerge erases it once nothing reads it
+    "row_wise": [aten.bmm.default, operator.getitem],  # expert rows pass through in place (ops/expert_rules.py)
+}
+
+
+def _tagged(rows: dict, tags: dict) -> dict:
+    """``rows`` with each op's tags; an op with tags and no row gets the row it would have had (row_of's)."""
+    tagged = dict(rows)
+    for tag, targets in tags.items():
+        for target in targets:
+            row = row_of(tagged, target)
+            tagged[target] = replace(row, tags=row.tags | {tag})
+    return tagged
+
+
+# Which input dim an output dim's blocks come from (ops/dim_maps.py): by family, and where one op differs.
+DIM_MAPS = {aten.bmm.default: dim_maps.bmm, aten.squeeze.dim: dim_maps.squeeze, aten.index.Tensor: dim_maps.index}
+
+
+def _mapped(rows: dict) -> dict:
+    return {target: replace(row, dim_map=DIM_MAPS.get(target, dim_maps.BY_FAMILY.get(row.family)))
+            for target, row in rows.items()}
+
+
+TABLE: dict = _mapped(_tagged(_ROWS, TAGS))
 
 
 def drops(node: Node) -> bool:

@@ -13,16 +13,17 @@ from __future__ import annotations
 import datetime
 import functools
 import math
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from autotp import api
+from autotp.options import MeshOptions, PlanOptions, RunOptions, from_keywords
 from autotp.parallel.data import check_kind, data_parallel
 from autotp.passes.fold import find_fold
 from autotp.runtime.materialize import materialize
-from autotp.runtime.rendezvous import DEFAULT_TIMEOUT
 from autotp.runtime.transport import describe
 
 DIMS = ("pp", "dp", "ep", "tp")
@@ -38,50 +39,50 @@ def mesh_dims(mesh: DeviceMesh) -> tuple[str, ...]:
     return names
 
 
-def parallelize(model: torch.nn.Module, args=None, kwargs=None, *, mesh: DeviceMesh | None = None,
-                data_parallel: str = "fsdp", loss_fn=None, schedule="1F1B", microbatches: int | None = None,
-                stages=None, virtual_stages: int | None = None, **options):
-    """This rank's parallel copy of ``model``.
+def parallelize(model: torch.nn.Module, args=None, kwargs=None, *, mesh: DeviceMesh | None = None, **options):
+    """This rank's parallel copy of ``model``; ``options``: the fields of PlanOptions, RunOptions and MeshOptions
+    (autotp/options.py), sorted into those values here, once.
 
-    Without ``mesh``: tensor parallelism over ``group`` (default: every rank), exactly
-    ``autotp.api.tensor_parallel(model, args, kwargs, **options)``.  With ``mesh``: autotp's plan on the
-    "tp" sub-group, then FSDP2 ``fully_shard`` (``data_parallel="ddp"``: DDP) over the "dp" sub-group;
-    the result has the model's call signature and parameter names.  A "pp" dimension splits the model
-    into pipeline stages (``loss_fn(output, target)`` required; ``schedule`` (torch.distributed.pipelining's
-    name or class, e.g. "1F1B", "Interleaved1F1B", "ZBVZeroBubble"), ``virtual_stages`` (stages per rank of a
-    multi-stage schedule), ``microbatches`` and ``stages`` choose the schedule, micro-batches and stage
-    boundaries) and returns a pipeline with
-    ``step(*inputs, target=..., losses=[])``.  ``args`` are one DP rank's share of the batch.  Every
-    collective over the mesh (TP, FSDP or DDP, a stage's send or receive) gives up after ``timeout`` seconds
-    (an option, default 120) and raises a CollectiveError naming the mesh dimension.
+    Without ``mesh``: tensor parallelism over ``group`` (default: every rank).  With ``mesh``: autotp's plan on the
+    "tp" sub-group, then FSDP2 ``fully_shard`` (``data_parallel="ddp"``: DDP) over the "dp" sub-group; the result
+    has the model's call signature and parameter names.  A "pp" dimension splits the model into pipeline stages
+    (``loss_fn(output, target)`` required; ``schedule``, ``virtual_stages``, ``microbatches`` and ``stages`` choose
+    the schedule, micro-batches and stage boundaries) and returns a pipeline with ``step(*inputs, target=...,
+    losses=[])``.  ``args`` are one DP rank's share of the batch.  Every collective over the mesh (TP, FSDP or
+    DDP, a stage's send or receive) gives up after ``timeout`` seconds and raises a CollectiveError naming the
+    mesh dimension.
     """
+    planning, running, meshing = from_keywords(options)
     if mesh is None:
-        return api.tensor_parallel(model, args, kwargs, **options)
+        if meshing != MeshOptions():
+            raise ValueError("data_parallel, loss_fn, schedule, microbatches, stages and virtual_stages compose a "
+                             "DeviceMesh: pass mesh=, or drop them")
+        return api.tensor_parallel(model, args, kwargs, planning, running)
     dims = mesh_dims(mesh)
     _check_size(mesh, dims)
-    if options.get("group") is not None:
+    if running.group is not None:
         raise ValueError("pass either mesh= or group=, not both: with a mesh, TP runs on its 'tp' dimension")
-    check_kind(data_parallel)
+    check_kind(meshing.data_parallel)
     if isinstance(mesh, DeviceMesh):  # (a stand-in mesh has no groups to remake)
-        mesh = timed_mesh(mesh, options.get("timeout", DEFAULT_TIMEOUT))
+        mesh = timed_mesh(mesh, running.timeout)
     blocks = find_fold(model, min_blocks=2)  # FSDP units: one per block of the repeated list, found on the model
-    shard_stage = functools.partial(_shard, mesh=mesh, kind=data_parallel, options=options,
-                                    blocks=blocks.path if blocks else None, pipelined="pp" in dims)
+    shard_stage = functools.partial(_shard, mesh=mesh, kind=meshing.data_parallel, planning=planning,
+                                    running=running, blocks=blocks.path if blocks else None, pipelined="pp" in dims)
     if "pp" in dims:
-        if loss_fn is None:
+        if meshing.loss_fn is None:
             raise ValueError("a mesh with a 'pp' dimension needs loss_fn(output, target): the last stage computes it")
         try:
             from autotp.parallel.pipeline import pipeline
         except ModuleNotFoundError as exc:
-            if exc.name != f"{__package__}.pipeline":
+            if exc.name != "autotp.parallel.pipeline":
                 raise
             raise NotImplementedError("pipeline stages ('pp' in the mesh) are not available in this build of autotp: "
                                       "use a mesh of 'dp' and 'tp' only") from exc
-        return pipeline(model, args, kwargs, mesh=mesh, loss_fn=loss_fn, schedule=schedule,
-                        microbatches=microbatches, stages=stages, shard_stage=shard_stage, data_parallel=data_parallel,
-                        topology=options.get("topology"), memory_limit=options.get("memory_limit"),
-                        virtual_stages=virtual_stages)
-    if loss_fn is not None or microbatches is not None or stages is not None or virtual_stages is not None:
+        return pipeline(model, args, kwargs, mesh=mesh, loss_fn=meshing.loss_fn, schedule=meshing.schedule,
+                        microbatches=meshing.microbatches, stages=meshing.stages, shard_stage=shard_stage,
+                        data_parallel=meshing.data_parallel, topology=planning.topology,
+                        memory_limit=planning.memory_limit, virtual_stages=meshing.virtual_stages)
+    if meshing.pipelined():
         raise ValueError("loss_fn, microbatches, stages and virtual_stages are for pipeline stages: add a 'pp' "
                          "dimension to the mesh, or drop them")
     return shard_stage(model, args, kwargs)
@@ -98,9 +99,9 @@ def _check_size(mesh: DeviceMesh, dims: tuple) -> None:
                          f"{dist.get_world_size()}: make their sizes multiply to the number of processes started")
 
 
-def _shard(model: torch.nn.Module, args, kwargs, *, mesh: DeviceMesh, kind: str, options: dict,
-           blocks: str | None = None, pipelined: bool = False, graph=None, fixed: dict | None = None
-           ) -> torch.nn.Module:
+def _shard(model: torch.nn.Module, args, kwargs, *, mesh: DeviceMesh, kind: str, planning: PlanOptions,
+           running: RunOptions, blocks: str | None = None, pipelined: bool = False, graph=None,
+           fixed: dict | None = None) -> torch.nn.Module:
     """TP on this rank's "tp" group (a group of this rank alone when the mesh has none), experts dispatched
     over its "ep" group, then DP on its "dp" x "ep" group (experts on "dp" alone; FSDP units per block of the
     list at ``blocks``); the tensors a checkpoint or ``init_seed`` provides are filled once FSDP2 has split them,
@@ -112,22 +113,22 @@ def _shard(model: torch.nn.Module, args, kwargs, *, mesh: DeviceMesh, kind: str,
     tp = mesh["tp"].get_group() if "tp" in dims else _own_group()  # one rank: autotp still plans, keeps its books
     ep = "ep" in dims and mesh["ep"].size() > 1
     replicas = tuple(d for d in ("dp", "ep") if d in dims and mesh[d].size() > 1)
-    fixed = {**(fixed or {}), **(options.get("fixed") or {})} or None
-    source = api.checkpoint_source(options.get("checkpoint"), model)
+    planning = replace(planning, fixed={**(fixed or {}), **(planning.fixed or {})} or None)
+    source = api.checkpoint_source(running.checkpoint, model)
     later = bool(replicas) and kind == "fsdp"
+    expert_groups = None
     if ep:
         routed = mesh[tuple(d for d in ("ep", "tp") if d in dims)].mesh.flatten().tolist()
-        options = {**options, "expert_groups": (mesh["ep"].get_group(),
-                                                dist.new_group(routed, use_local_synchronization=True))}
-    sharded = api.tensor_parallel(model, args, kwargs, group=tp, graph=graph, fill=not later,
-                                  **{**options, "fixed": fixed, "checkpoint": source})
+        expert_groups = (mesh["ep"].get_group(), dist.new_group(routed, use_local_synchronization=True))
+    sharded = api.tensor_parallel(model, args, kwargs, planning, replace(running, group=tp, checkpoint=source),
+                                  graph=graph, expert_groups=expert_groups, fill=not later)
     sharded.autotp_mesh = mesh
     if replicas:
         experts = set(getattr(sharded, "autotp_dealt", {})) if ep else set()
         sharded = data_parallel(sharded, mesh[replicas[0] if len(replicas) == 1 else replicas], kind, blocks,
                                 pipelined, experts=experts, expert_mesh=mesh["dp"] if "dp" in replicas else None)
-    if later and (source is not None or options.get("init_seed") is not None):
-        materialize(sharded, checkpoint=source, seed=options.get("init_seed"))
+    if later and (source is not None or running.init_seed is not None):
+        materialize(sharded, checkpoint=source, seed=running.init_seed)
     return sharded
 
 

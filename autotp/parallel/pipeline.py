@@ -22,13 +22,15 @@ from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunk
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
-from autotp.api import offered, prepared_graph
 from autotp.cost_models import load_topology
+from autotp.cost_models.memory import memory_limit as device_limit
 from autotp.cost_models.mesh_layout import Candidate, Setting
 from autotp.parallel.schedules import check_evaluates, resolve, step_failure
 from autotp.parallel.split import stage_graph
 from autotp.parallel.stages import StageError, block_profile, find_blocks, stage_starts
 from autotp.parallel.tied import Tied
+from autotp.passes.prepared_graph import prepared_graph
+from autotp.planning.tensor_plan import offered
 from autotp.runtime.conversion import on_meta, weightless
 from autotp.runtime.hf_checkpoint import full_checkpoint_tensors, full_state_dict
 from autotp.runtime.materialize import device_of
@@ -71,7 +73,7 @@ def pipeline(model: torch.nn.Module, args, kwargs=None, *, mesh, loss_fn, schedu
     whole = _Whole(model, mb_args, mb_kwargs)
     if stages is None:
         topo, size = load_topology(topology), _batch_size(mb_args, mb_kwargs)
-        limit = memory_limit if memory_limit is not None else 0.9 * topo.memory_bytes
+        limit = device_limit(topo, memory_limit)
         stages = stage_starts(block_profile(whole.graph(), fold, tp, topo),
                               Candidate(tp, pp, dp, microbatch_size=size, schedule=plan.cls,
                                         virtual_stages=plan.per_rank),

@@ -80,7 +80,7 @@ def _group_chains(view: Node) -> list | None:
     shape = [concrete(n) for n in view.meta["val"].shape]
     chains = []
     for cut in _cuts(view):
-        bounds = cut_range(cut) if cut.target in (aten.slice.Tensor, aten.index.Tensor) else None
+        bounds = cut_range(cut) if "cut" in op(cut.target).tags else None
         if bounds is None or bounds[0] < 1 or len(cut.users) != 1:
             return None
         at, start, end = bounds

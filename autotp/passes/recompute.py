@@ -12,7 +12,6 @@ region drops: the tensors its ops keep whose storage it computes itself and no o
 """
 from __future__ import annotations
 
-import pulp
 import torch
 from torch.fx import GraphModule, Node
 
@@ -75,25 +74,6 @@ def dropped(keepers: dict, core: list[Node]) -> set:
     """Keys (tensor, ...) of ``keepers`` (key -> nodes that keep it) a recomputed ``core`` no longer keeps."""
     inside = set(core)
     return {key for key, nodes in keepers.items() if key[0] in inside and nodes <= inside}
-
-
-def price_recompute(problem: pulp.LpProblem, cores: list, ctx, x: dict, forced: bool, ties, forward_time):
-    """One 0/1 choice per core (1 when ``forced``; tied cores of folded blocks alike) and its price: the
-    forward time of the core's ops under the options chosen for them, paid again in the backward."""
-    chosen, costs = [], []
-    for k, core in enumerate(cores):
-        r = problem.add_variable(f"r{k}", lowBound=int(forced), upBound=1, cat="Integer")
-        chosen.append(r)
-        for i, node in enumerate(core):
-            for j, (var, s) in enumerate(zip(x.get(node, ()), ctx.strategies.get(node, ()), strict=True)):
-                both = problem.add_variable(f"r{k}_{i}_{j}", lowBound=0)  # var and r
-                problem += both >= var + r - 1
-                costs.append(both * forward_time(node, s))
-    by_last = {core[-1]: r for core, r in zip(cores, chosen, strict=True)}
-    for a, b in ties:
-        if a in by_last and b in by_last:
-            problem += by_last[a] == by_last[b]
-    return chosen, costs
 
 
 def _with_conversions(core: list[Node]) -> list[Node] | None:

@@ -16,10 +16,9 @@ from torch.fx import Node
 
 from autotp.ops.semantics import may_alias
 from autotp.ops.strategies import Context
+from autotp.ops.table import op
 
 aten = torch.ops.aten
-_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
-_SAME = (aten.contiguous.default, aten.clone.default, aten.alias.default)
 
 
 def unmerge(gm: torch.fx.GraphModule) -> None:
@@ -43,7 +42,7 @@ def _erase_unused(graph: torch.fx.Graph, nodes) -> None:
     while todo:
         node = todo.pop()
         pure = node.op == "call_function" and (
-            may_alias(node.target) or node.target in (*_SAME, aten.repeat.default, aten.bmm.default))
+            may_alias(node.target) or "pure" in op(node.target).tags)
         if pure and not node.users and node not in erased:
             todo += node.all_input_nodes
             graph.erase_node(node)
@@ -57,7 +56,7 @@ def _moved(node: Node, prev: Node, labels: list):
     if not node.args or node.args[0] is not prev:
         return None
     n = len(labels)
-    if node.target in _SAME:
+    if "copy" in op(node.target).tags:
         return labels
     if node.target == aten.unsqueeze.default:
         at = node.args[1] % (n + 1)
@@ -184,7 +183,7 @@ def merged_views(gm: torch.fx.GraphModule, ctx: Context) -> None:
     input into those dims and a permute."""
     graph = gm.graph
     for first in list(graph.nodes):
-        if first.target not in _VIEWS or first.graph is not graph or not isinstance(first.args[0], Node):
+        if "sized_view" not in op(first.target).tags or first.graph is not graph or not isinstance(first.args[0], Node):
             continue
         x = first.args[0]
         sizes = [_sizes(ctx, n) for n in (x, first)]
@@ -207,8 +206,8 @@ def merged_views(gm: torch.fx.GraphModule, ctx: Context) -> None:
             node = user
             chain.append(node)
         last = next(iter(node.users)) if len(node.users) == 1 else None
-        if last is None or last.target not in _VIEWS or 1 in _sizes(ctx, last) or not atoms.regroup(_sizes(ctx, last)) \
-                or any(len(d) != 1 for d in atoms.dims):
+        if last is None or "sized_view" not in op(last.target).tags or 1 in _sizes(ctx, last) \
+                or not atoms.regroup(_sizes(ctx, last)) or any(len(d) != 1 for d in atoms.dims):
             continue
         final = [d[0] for d in atoms.dims]
         given, order = list(last.args[1]), [atoms.order.index(a) for a in final]
@@ -243,7 +242,7 @@ def _unmerged(node: Node, b: int, h: int, ctx: Context):
     if src is None:
         return None
     inner = _sizes(ctx, src)
-    if node.target in _VIEWS and inner[:2] == [b, h] and inner[2:] == _sizes(ctx, node)[1:]:
+    if "sized_view" in op(node.target).tags and inner[:2] == [b, h] and inner[2:] == _sizes(ctx, node)[1:]:
         return src, False, moves[::-1]
     if node.target == aten.repeat.default and len(node.args[1]) == len(inner) and inner[0] == h:
         first, *rest = node.args[1]
@@ -276,11 +275,11 @@ def merged_products(gm: torch.fx.GraphModule, ctx: Context) -> None:
     (``beta * input + alpha * (a @ b)``)."""
     graph = gm.graph
     for node in list(graph.nodes):
-        if node.target not in (aten.bmm.default, aten.baddbmm.default):
+        if "batched_product" not in op(node.target).tags:
             continue
         users = list(node.users)
         shapes = {tuple(_sizes(ctx, u)) for u in users}
-        if not users or any(u.target not in _VIEWS for u in users) or len(shapes) != 1:
+        if not users or any("sized_view" not in op(u.target).tags for u in users) or len(shapes) != 1:
             continue
         (b, h, *rest), = shapes
         if rest != _sizes(ctx, node)[1:] or b * h != _sizes(ctx, node)[0] or not ctx.static(ctx.shape(users[0])[1]):

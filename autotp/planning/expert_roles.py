@@ -12,15 +12,15 @@ import math
 
 import torch
 
-from autotp.api import solve_plan
 from autotp.cost_models.expert_layout import Experts
 from autotp.cost_models.pricing import Sizes, op_memory, op_seconds, product_shape
 from autotp.cost_models.topology import Topology
 from autotp.ops.strategies import Strategy, input_slots, replicated_like
 from autotp.ops.table import is_product, op
-from autotp.options import Options
+from autotp.options import PlanOptions
 from autotp.placement import Disjoint, parse
 from autotp.planning.solve import PlanningError
+from autotp.planning.tensor_plan import solve_plan
 
 
 def expert_part(gm: torch.fx.GraphModule, topology: Topology, sizes: Sizes) -> tuple[set, set] | None:
@@ -32,7 +32,7 @@ def expert_part(gm: torch.fx.GraphModule, topology: Topology, sizes: Sizes) -> t
 
 def _expert_part(gm: torch.fx.GraphModule, topology: Topology, sizes: Sizes) -> tuple[set, set] | None:
     try:
-        plan = solve_plan(gm, 2, Options(topology=topology, training=False, memory_limit=math.inf,
+        plan = solve_plan(gm, 2, PlanOptions(topology=topology, training=False, memory_limit=math.inf,
                                          experts="parallel", sequence_parallel=False), sizes=sizes)
     except PlanningError:
         return None

@@ -15,14 +15,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from autotp.api import prepared_graph, solve_plan
 from autotp.cost_models import expert_layout as moe
 from autotp.cost_models import load_topology
 from autotp.cost_models import schedule_tables as pipe
+from autotp.cost_models.memory import memory_limit as device_limit
 from autotp.cost_models.mesh_layout import Candidate, Profile, Section, Setting, price
 from autotp.cost_models.pricing import (
     Sizes,
@@ -35,12 +35,14 @@ from autotp.cost_models.pricing import (
 )
 from autotp.cost_models.topology import Topology
 from autotp.ops.strategies import Strategy, needs_grad
-from autotp.options import Options
+from autotp.options import PlanOptions, SearchOptions, from_keywords
 from autotp.passes.fold import sections
+from autotp.passes.prepared_graph import prepared_graph
 from autotp.passes.recompute import attention_cores
 from autotp.placement import parse
 from autotp.planning.expert_roles import block_experts, expert_part
 from autotp.planning.solve import PlanningError
+from autotp.planning.tensor_plan import solve_plan
 
 ACTIVATION_MODEL = ("activations: every op output the backward keeps, counted per block on the TP plan's graph "
                     "(with sequence parallelism split by tokens, with selective recomputation without the attention "
@@ -71,40 +73,33 @@ class MeshPlan:
         return json.dumps(self.to_dict(), indent=1)
 
 
-def plan_mesh(model: torch.nn.Module, args=None, kwargs=None, *, devices: int | None = None, topology=None,
-              nodes: int | None = None, global_batch: int | None = None, training: bool = True,
-              data_parallel: str = "fsdp", memory_limit: float | None = None, expert_imbalance: float = 1.0,
-              overlap_all_to_all: float = 0.0) -> MeshPlan:
+def plan_mesh(model: torch.nn.Module, args=None, kwargs=None, **options) -> MeshPlan:
     """The fastest tp x pp x dp (x ep) layout of ``devices`` (default: all of the topology) that fits, with its
-    micro-batches, schedule and stage boundaries.  ``args`` are one micro-batch's example inputs
-    (their batch dim may be 1); ``global_batch`` is the samples per step (default: the example's).
-    ``nodes``: a cluster of that many of the topology's nodes.  For routed experts: ``expert_imbalance``, the
-    busiest rank's rows over the uniform top-k share; ``overlap_all_to_all``, the share of the all-to-all time
-    hidden behind compute (0: exposed, as a plain schedule runs it; DualPipe hides most).  Raises PlanningError,
-    saying what would fit, when nothing does."""
-    _cluster(topology, nodes, devices, data_parallel)  # a bad request fails before the capture
-    return plan_mesh_for_graph(prepared_graph(model, args, kwargs, fold=True), devices=devices, topology=topology,
-                               nodes=nodes, global_batch=global_batch, training=training,
-                               data_parallel=data_parallel, memory_limit=memory_limit,
-                               expert_imbalance=expert_imbalance, overlap_all_to_all=overlap_all_to_all)
+    micro-batches, schedule and stage boundaries.  ``args`` are one micro-batch's example inputs (their batch dim
+    may be 1); ``options``: SearchOptions' fields (autotp/options.py).  Raises PlanningError, saying what would
+    fit, when nothing does."""
+    (search,) = from_keywords(options, (SearchOptions,), "plan_mesh")
+    _cluster(search)  # a bad request fails before the capture
+    return search_mesh(prepared_graph(model, args, kwargs, fold=True), search)
 
 
-def plan_mesh_for_graph(gm: torch.fx.GraphModule, *, devices: int | None = None, topology=None,
-                        nodes: int | None = None, global_batch: int | None = None, training: bool = True,
-                        data_parallel: str = "fsdp", memory_limit: float | None = None,
-                        expert_imbalance: float = 1.0, overlap_all_to_all: float = 0.0) -> MeshPlan:
+def plan_mesh_for_graph(gm: torch.fx.GraphModule, **options) -> MeshPlan:
     """plan_mesh on an already captured (folded) graph."""
-    if expert_imbalance < 1 or not 0 <= overlap_all_to_all <= 1:
-        raise ValueError(f"expert_imbalance must be at least 1 (got {expert_imbalance}) and overlap_all_to_all "
-                         f"between 0 and 1 (got {overlap_all_to_all})")
-    topo, devices = _cluster(topology, nodes, devices, data_parallel)
+    (search,) = from_keywords(options, (SearchOptions,), "plan_mesh_for_graph")
+    return search_mesh(gm, search)
+
+
+def search_mesh(gm: torch.fx.GraphModule, search: SearchOptions) -> MeshPlan:
+    topo, devices = _cluster(search)
+    training, data_parallel = search.training, search.data_parallel
     unit, sizes = priced_unit(gm)
-    global_batch = global_batch or unit
-    limit = memory_limit if memory_limit is not None else 0.9 * topo.memory_bytes
+    global_batch = search.global_batch or unit
+    limit = device_limit(topo, search.memory_limit)
     flops = model_flops(gm, sizes) / unit * global_batch if training else 0.0
     profiles = [tp_profile(gm, tp, topo, training, sizes, unit) for tp in pipe.divisors(devices)
                 if tp <= topo.gpus_per_node]  # TP stays inside a node (Narayanan et al. 2021 section 3.3)
-    setting = Setting(topo, global_batch, training, data_parallel, limit, flops, expert_imbalance, overlap_all_to_all)
+    setting = Setting(topo, global_batch, training, data_parallel, limit, flops, search.expert_imbalance,
+                      search.overlap_all_to_all)
     found = _layouts(profiles, devices, setting)
     short = sorted({c.tp for c in found if not c.fits or c.recompute}) if training else []
     if short:  # activations decide: sequence parallelism, then selective recomputation too
@@ -117,16 +112,18 @@ def plan_mesh_for_graph(gm: torch.fx.GraphModule, *, devices: int | None = None,
     return MeshPlan(found[0], found, devices, topo.name, data_parallel, global_batch)
 
 
-def price_layout(gm: torch.fx.GraphModule, layout: Candidate, *, topology=None, nodes: int | None = None,
-                 global_batch: int | None = None, training: bool = True, data_parallel: str = "fsdp",
-                 memory_limit: float | None = None) -> Candidate:
+def price_layout(gm: torch.fx.GraphModule, layout: Candidate, **options) -> Candidate:
     """``layout`` (tp, pp, dp, micro-batch size, schedule, virtual stages, recomputation) priced as plan_mesh prices
     its candidates, on an already captured (folded) graph: its stages, step time and memory per device (a note
-    instead of a step time when that is over the limit).  What a runtime layout is promised, to compare with it."""
-    topo, _ = _cluster(topology, nodes, layout.tp * layout.pp * layout.dp, data_parallel)
+    instead of a step time when that is over the limit).  What a runtime layout is promised, to compare with it.
+    ``options``: SearchOptions' fields but ``devices`` (the layout's)."""
+    (search,) = from_keywords(options, (SearchOptions,), "price_layout")
+    search = replace(search, devices=layout.tp * layout.pp * layout.dp)
+    topo, _ = _cluster(search)
+    training, data_parallel, memory_limit = search.training, search.data_parallel, search.memory_limit
     unit, sizes = priced_unit(gm)
-    global_batch = global_batch or unit
-    limit = memory_limit if memory_limit is not None else 0.9 * topo.memory_bytes
+    global_batch = search.global_batch or unit
+    limit = device_limit(topo, memory_limit)
     flops = model_flops(gm, sizes) / unit * global_batch if training else 0.0
     profile = tp_profile(gm, layout.tp, topo, training, sizes, unit, layout.sequence_parallel, layout.selective)
     if profile is None:
@@ -134,12 +131,10 @@ def price_layout(gm: torch.fx.GraphModule, layout: Candidate, *, topology=None, 
     return price(profile, layout, Setting(topo, global_batch, training, data_parallel, limit, flops))
 
 
-def _cluster(topology, nodes: int | None, devices: int | None, data_parallel: str) -> tuple[Topology, int]:
+def _cluster(search: SearchOptions) -> tuple[Topology, int]:
     """The topology and device count of a request, checked."""
-    if data_parallel not in ("fsdp", "ddp"):
-        raise ValueError(f"data_parallel must be 'fsdp' or 'ddp', got {data_parallel!r}")
-    topo = load_topology(topology, nodes)
-    devices = devices or topo.devices
+    topo = load_topology(search.topology, search.nodes)
+    devices = search.devices or topo.devices
     if not isinstance(devices, int) or devices < 1:
         raise ValueError(f"devices must be a positive integer, got {devices!r}")
     if devices > topo.devices:
@@ -189,7 +184,7 @@ def tp_profile(gm: torch.fx.GraphModule, tp: int, topo: Topology, training: bool
 def _read_profile(gm: torch.fx.GraphModule, tp: int, topo: Topology, training: bool, sizes: Sizes,
                   unit: int, tokens: bool, cores: bool) -> Profile:
     part = expert_part(gm, topo, sizes) if training else None
-    plan = solve_plan(gm, tp, Options(topology=topo, training=training, memory_limit=math.inf,
+    plan = solve_plan(gm, tp, PlanOptions(topology=topo, training=training, memory_limit=math.inf,
                                       sequence_parallel=tokens, recompute="selective" if cores else False,
                                       experts="tensor" if part else None), sizes=sizes)
     where, count, fold = sections(gm)

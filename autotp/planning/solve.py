@@ -1,12 +1,41 @@
-"""Choose one strategy per node with an ILP (PuLP + bundled CBC).
+"""Choose one strategy per node with an ILP (PuLP + bundled CBC), written as math.
 
-The objective is estimated time per training step: compute (divided by N when sharded) +
-resharding collectives (each (tensor, target placement) paid once, however many users share it) +
-the backward all-reduce that a replicated input of a sharded op needs (Megatron's ``f``; replicated
-parameters' in one all-reduce, one latency) + the backward all-gather of tokens kept as this rank's piece.
-Memory enters through the parameter options (strategies.py): large parameters are only offered
-sharded, so no global constraint couples the blocks and CBC stays fast; the per-device capacity
-constraint is added only when the fastest plan does not fit.
+Sets: nodes v with candidate strategies S_v (planning/candidates.py); for a strategy s its output placement
+out(s) and the placement in(s, u) it reads input u in; cores c (attention cores that may be recomputed); kept
+tensors k (what the backward holds, passes/kept_tensors.py).
+
+Variables:
+    x[v,s] in {0,1}       v computes with strategy s                      (one per candidate)
+    r[c]   in {0,1}       core c is recomputed in the backward            (recompute="priced"; 1 when "forced")
+    a[k]   in [0,1]       some chosen strategy keeps tensor k
+    z[e,p,q] >= 0         edge e carries its producer's p to a consumer that reads q (transport form)
+    n[t,p,q] >= 0         tensor t is converted from p to q once, however many readers share it
+    g[t]   >= 0           the backward sums partial gradients of t (a replicated input of a sharded op)
+
+Objective, per step, in seconds (the named terms below):
+    min  sum x[v,s] w_v op_time(v,s)                       compute: the op's share of the work
+       + sum r[c] forward_time(c)                          recomputed cores' forward, paid again
+       + sum piece[k] regather_time(k)                     tokens kept as this rank's piece, all-gathered again
+       + sum pair[b] w latency                             a bias summed with its weight: one all-reduce
+       + sum n[t,p,q] w_t conversion_time(t,p,q)           resharding collectives
+       + together latency + sum g[t] w_t (allreduce(t) - latency or allreduce(t))   gradient sums
+       - sum h[t] w_t (allreduce(t) - reduce_scatter(t))   a gathered shard's gradient reduce-scattered instead
+       + 1e-10 sum x[v,s] index(s)                         tie break: the rules' earlier options
+
+Constraints (the families, in the order they are added):
+    choose_one:     sum_s x[v,s] = 1                              for every v
+    recompute:      rx[c,v,s] >= x[v,s] + r[c] - 1;  r tied alike across folded blocks
+    activations:    x[v,s] <= a[k] <= sum of the x that keep k;  a token piece or a freed core discounts a[k]
+    token_split:    x[v,s] = 0 for s whole or partial where it could split tokens   (sequence_parallel=True)
+    ties:           x[a,s] = x[b,s] for tied nodes of folded blocks
+    bias_pairs:     pair[b] >= x[v,s] for a grouped shard of the bias or its weight
+    edges:          sum_q z[e,p,q] = sum_{s: out(s)=p} x[src,s];  sum_p z[e,p,q] = sum_{s: in(s)=q} x[dst,s];
+                    n[t,p,q] >= z[e,p,q];  g[t] >= sum of the x that read t partially in the backward
+    gradient_sums:  together >= g[t] (coalesced);  h[t] <= g[t], h[t] <= sum x[t, sharded]
+    memory:         sum of memory terms <= limit  (added only when the fastest plan does not fit)
+
+Memory enters mostly through the candidates: large parameters are only offered sharded, so no global
+constraint couples the blocks and CBC stays fast; the capacity constraint is added only when needed.
 """
 from __future__ import annotations
 
@@ -18,6 +47,7 @@ import torch
 
 from autotp.cost_models import collective_time
 from autotp.cost_models.memory import breakdown, smallest_fitting_world
+from autotp.cost_models.memory import memory_limit as device_limit
 from autotp.cost_models.pricing import (
     Sizes,
     activation_bytes,
@@ -28,11 +58,13 @@ from autotp.cost_models.pricing import (
     regather_time,
 )
 from autotp.cost_models.topology import Topology
-from autotp.ops.strategies import Context, input_slots, is_placed, needs_grad, on_tokens
+from autotp.ops.strategies import input_slots, is_placed, needs_grad, on_tokens
 from autotp.ops.table import stored_views
+from autotp.options import PlanOptions
 from autotp.passes.gradients import bias_weights, coalesced, partial_grad
-from autotp.passes.recompute import attention_cores, dropped, price_recompute
+from autotp.passes.recompute import attention_cores, dropped
 from autotp.placement import Partial, R, Replicate, Shard
+from autotp.planning.candidates import Candidates
 
 # Equal-cost plans are common (an all-gather before a matmul or a reduce-scatter after it move the
 # same bytes); a tenth of a nanosecond per option index makes the solver prefer the rules' earlier
@@ -59,171 +91,239 @@ class Solution:
     #                                                 {"bytes", "count" (folded), "seconds" (all counts)}
 
 
-def solve(gm: torch.fx.GraphModule, ctx: Context, topology: Topology, *, training: bool = True,
-          memory_limit: float | None = None, sizes: Sizes | None = None, gather_outputs: bool = True,
-          weights: dict | None = None, ties: list = (), sequence_parallel: bool = False,
-          recompute: str = "off") -> Solution:
-    """The fastest plan whose estimated memory per device fits ``memory_limit`` (default 90% of the
-    device's memory: CUDA context and fragmentation take the rest).
+def solve(gm: torch.fx.GraphModule, found: Candidates, topology: Topology, options: PlanOptions, *,
+          sizes: Sizes | None = None, weights: dict | None = None, ties: list = (), recompute: str = "off") -> Solution:
+    """The fastest plan whose estimated memory per device fits ``options.memory_limit`` (cost_models.memory).
 
-    ``weights``: node -> how many real nodes it stands for (folded blocks); a conversion or gradient
-    sum is counted as often as its tensor.  ``ties``: node pairs that must choose alike.
-    ``sequence_parallel``: every op that may split the tokens (ctx.token_options) keeps its output split
-    (by tokens, or as tensor parallelism splits it), never whole or partial.  ``recompute``: "off",
-    "forced" (every attention core is recomputed) or "priced" (each core's forward time against the bytes
-    it frees, taken where memory demands it).
+    ``weights``: node -> how many real nodes it stands for (folded blocks); a conversion or gradient sum is
+    counted as often as its tensor.  ``ties``: node pairs that must choose alike.  ``options.sequence_parallel``:
+    every op that may split the tokens keeps its output split (by tokens, or as tensor parallelism splits it),
+    never whole or partial.  ``recompute``: "off", "forced" (every attention core is recomputed) or "priced"
+    (each core's forward time against the bytes it frees, taken where memory demands it).
     """
-    t = ctx.world
-    w = (weights or {}).get
-    sizes = sizes or Sizes()
-    problem = pulp.LpProblem("autotp", pulp.LpMinimize)
-    trainable = dict(gm.named_parameters(remove_duplicate=False))
-    grad = needs_grad(gm) if training else set()
-    costs, compute, memory, kinds, preference = [], [], [], {}, []
-    pairs = {b: a for b, a in bias_weights(gm).items() if training and {a, b} <= ctx.strategies.keys()
-             and {a.target, b.target} <= trainable.keys()}
-    paired = set(pairs) | set(pairs.values())
-    x = {}
-    saves: dict = {}       # kept tensor key -> (bytes, options that keep it)
-    for i, (node, options) in enumerate(ctx.strategies.items()):
-        x[node] = [problem.add_variable(f"x{i}_{k}", cat="Binary") for k in range(len(options))]
-        problem += pulp.lpSum(x[node]) == 1
-        weight = w(node, 1)
-        for k, (var, s) in enumerate(zip(x[node], options, strict=True)):
-            compute.append(var * weight * op_seconds(node, s, sizes, t, topology, training, node in paired))
-            preference.append(var * weight * k * TIE_BREAK)
-            for kind, held in op_memory(node, s, sizes, t, trainable, training).items():
-                if held:
-                    term = var * weight * held
-                    memory.append(term)
-                    kinds.setdefault(kind, []).append(term)
-            for key, held in kept_bytes(node, s, sizes, t, grad):
-                saves.setdefault(key, (held, [], set()))[1].append(var)
-                saves[key][2].add(node)
-    cores = attention_cores(gm, grad) if recompute != "off" else []
-    again, recompute_costs = price_recompute(
-        problem, cores, ctx, x, recompute == "forced", ties,
-        lambda node, s: w(node, 1) * op_seconds(node, s, sizes, t, topology, training) / 3)
-    compute += recompute_costs
-    costs += compute
-    frees = {key: r for core, r in zip(cores, again, strict=True)
-             for key in dropped({key: nodes for key, (_, _, nodes) in saves.items()}, core)}
-    gathers: dict = {}     # tensor kept as token pieces -> (1 iff re-gathered in the backward, its seconds)
-    for k, (key, (held, chosen, _)) in enumerate(saves.items()):
-        kept_var = problem.add_variable(f"a{k}", lowBound=0, upBound=1)  # 1 iff some chosen option keeps it
-        problem += kept_var <= pulp.lpSum(chosen)
-        for var in chosen:
-            problem += kept_var >= var
-        term = kept_var * w(key[0], 1) * held
-        split = [v for v, s in zip(x.get(key[0], ()), ctx.strategies.get(key[0], ()), strict=True)
-                 if on_tokens(key[0], s)]
-        if split and key[1:] == ("value", 1.0):  # gathered from tokens: only this rank's piece is kept
-            whole, piece = (problem.add_variable(f"a{k}{part}", lowBound=0) for part in "wp")
-            problem += whole >= kept_var - pulp.lpSum(split)
-            problem += piece >= kept_var + pulp.lpSum(split) - 1
-            term = w(key[0], 1) * held * (whole + piece / t)
-            gathers[key[0]] = (piece, {"bytes": held, "count": w(key[0], 1),
-                                       "seconds": w(key[0], 1) * regather_time(held, t, topology)})
-            costs.append(piece * gathers[key[0]][1]["seconds"])
-        elif key in frees:  # kept unless its attention core is recomputed
-            still = problem.add_variable(f"a{k}r", lowBound=0)
-            problem += still >= kept_var - frees[key]
-            term = w(key[0], 1) * held * still
-        memory.append(term)
-        kinds.setdefault("activations", []).append(term)
-    if sequence_parallel and t > 1:  # one rank splits nothing
-        _force_tokens(problem, ctx, x)
-    for a, b in ties:
-        for va, vb in zip(x.get(a, ()), x.get(b, ()), strict=True):
-            problem += va == vb
-    latency = collective_time("all_reduce", 0.0, t, topology)
-    for k, (bias, weight) in enumerate(pairs.items()):  # one all-reduce sums a weight's and its bias's gradients
-        summed = problem.add_variable(f"pair{k}", lowBound=0)
-        for node in (bias, weight):
-            for var, s in zip(x[node], ctx.strategies[node], strict=True):
-                if isinstance(s.output, Shard) and s.output.grouped(t):
-                    problem += summed >= var
-        costs.append(summed * w(weight, 1) * latency)
-
-    need: dict = {}        # (tensor, from, to) -> indicator that this reshard happens
-    grad_reduce: dict = {}
-    edges = []             # (producer, consumer choices [(var or 1, required placement)])
-    for node, options in ctx.strategies.items():
-        for slot_i, src in enumerate(input_slots(node)):
-            if src in ctx.strategies and is_placed(src):
-                edges.append((src, [(v, s.inputs[slot_i]) for v, s in zip(x[node], options, strict=True)]))
-                bad = [v for v, s in zip(x[node], options, strict=True) if partial_grad(node, s, s.inputs[slot_i])]
-                if src in grad and bad:
-                    g = grad_reduce.setdefault(src, problem.add_variable(f"g{len(grad_reduce)}", lowBound=0))
-                    problem += g >= pulp.lpSum(bad)
-    output = next(n for n in gm.graph.nodes if n.op == "output")
-    returned = [src for src in input_slots(output)
-                if src in ctx.strategies and is_placed(src) and not isinstance(src.meta.get("val"), (list, tuple))]
-    if gather_outputs:
-        edges += [(src, [(1, R)]) for src in returned]  # returned full on every rank
-    else:  # shards stay where they are; partial sums are still reduced
-        costs += [v * collective_time("all_reduce", sizes.nbytes(src), t, topology) for src in returned
-                  for v, s in zip(x[src], ctx.strategies[src], strict=True) if isinstance(s.output, Partial)]
-    stored = stored_views(gm)
-    for e, (src, wanted) in enumerate(edges):
-        produced = [(v, s.output) for v, s in zip(x[src], ctx.strategies[src], strict=True)]
-        for (p, q), z in _link(problem, produced, wanted,
-                               lambda p, q, s=src: _reshard_ok(s, s in stored, p, q, sizes, t, topology),
-                               f"z{e}_").items():
-            if p != q:
-                key = (src, p, q)
-                need.setdefault(key, problem.add_variable(f"n{len(need)}", lowBound=0))
-                problem += need[key] >= z
-    for (src, p, q), var in need.items():
-        costs.append(var * w(src, 1) * conversion_seconds(p, q, src, sizes, t, topology, backward=src in grad))
-    together = problem.add_variable("together", lowBound=0)  # replicated parameters' partial gradients: one latency
-    costs.append(together * latency)
-    for k, (src, g) in enumerate(grad_reduce.items()):
-        summed = collective_time("all_reduce", sizes.nbytes(src), t, topology)
-        if coalesced(src):  # summed with the others in one all-reduce (partial_params)
-            problem += together >= g
-            costs.append(g * w(src, 1) * (summed - latency))
-            continue
-        costs.append(g * w(src, 1) * summed)
-        sharded = [v for v, s in zip(x[src], ctx.strategies[src], strict=True) if isinstance(s.output, Shard)]
-        if sharded:  # gathered from shards: the summed gradient is reduce-scattered back instead
-            h = problem.add_variable(f"h{k}", lowBound=0)
-            problem += h <= g
-            problem += h <= pulp.lpSum(sharded)
-            costs.append(-h * w(src, 1) * (summed - collective_time("reduce_scatter", sizes.nbytes(src), t, topology)))
-
-    limit = memory_limit if memory_limit is not None else 0.9 * topology.memory_bytes
-    total_memory = pulp.lpSum(memory)
-    objective = pulp.lpSum(costs + preference)
-    _run(problem, objective)
-    if pulp.value(total_memory) > limit:
-        hint = _fit_hint(ctx, x, sizes, limit, trainable, training, w, grad)
-        problem += total_memory <= limit, "memory_limit"
-        try:
-            _run(problem, objective)
-        except PlanningError:
-            raise DoesNotFit(f"no plan fits {limit / 1e9:.1f} GB per device at world size {t}: {hint}") from None
-    seconds = float(pulp.value(pulp.lpSum(costs)))
-    choice = {node: options[max(range(len(options)), key=lambda k: x[node][k].value() or 0)]
-              for node, options in ctx.strategies.items()}
-    by_kind = {kind: float(pulp.value(pulp.lpSum(terms)) or 0.0) for kind, terms in kinds.items()}
-    recomputed = [core for core, r in zip(cores, again, strict=True) if pulp.value(r) > 0.5]
-    by_kind["activations"] = sum(w(node, 1) * held for node, held in  # exact, whatever slack the ILP left
-                                 activation_bytes(choice, sizes, t, grad, recomputed).items())
-    regathers = {node: priced for node, (piece, priced) in gathers.items() if pulp.value(piece) > 0.5}
-    return Solution(choice, seconds, float(pulp.value(pulp.lpSum(compute)) or 0.0), breakdown(by_kind), recomputed,
-                    regathers)
+    ilp = Ilp(gm, found, topology, options, sizes or Sizes(), weights or {})
+    ilp.choose_one()
+    cores = attention_cores(gm, ilp.grad) if recompute != "off" else []
+    again = ilp.recompute(cores, recompute == "forced", ties)
+    gathers = ilp.activations(cores, again)
+    if options.sequence_parallel and found.world > 1:  # one rank splits nothing
+        ilp.token_split()
+    ilp.tie(ties)
+    ilp.bias_pairs()
+    ilp.gradient_sums(ilp.edges())
+    limit = device_limit(topology, options.memory_limit)
+    ilp.minimise(limit)
+    return ilp.solution(cores, again, gathers)
 
 
-def _force_tokens(problem: pulp.LpProblem, ctx: Context, x: dict) -> None:
-    split = [node for node, options in ctx.strategies.items() if any(on_tokens(node, s) for s in options)]
-    if not split:
-        raise PlanningError("sequence_parallel=True, but no op can split the tokens: the inputs have no symbolic dim "
-                            "after the first (export them with a dynamic sequence), or pass sequence_parallel=None")
-    for node in split:
-        for var, s in zip(x[node], ctx.strategies[node], strict=True):
-            if s.output == R or isinstance(s.output, Partial):
-                problem += var == 0
+class Ilp:
+    """The problem under construction: the choice variables x and the objective's and memory's terms, by kind."""
+
+    def __init__(self, gm: torch.fx.GraphModule, found: Candidates, topology: Topology, options: PlanOptions,
+                 sizes: Sizes, weights: dict):
+        self.gm, self.found, self.topology, self.sizes = gm, found, topology, sizes
+        self.world, self.training, self.gather_outputs = found.world, options.training, options.gather_outputs
+        self.weight = weights.get
+        self.problem = pulp.LpProblem("autotp", pulp.LpMinimize)
+        self.trainable = dict(gm.named_parameters(remove_duplicate=False))
+        self.grad = needs_grad(gm) if self.training else set()
+        self.costs, self.compute, self.memory, self.kinds, self.preference = [], [], [], {}, []
+        self.pairs = {b: a for b, a in bias_weights(gm).items() if self.training
+                      and {a, b} <= found.strategies.keys() and {a.target, b.target} <= self.trainable.keys()}
+        self.x: dict = {}
+        self.saves: dict = {}  # kept tensor key -> (bytes, options that keep it, nodes)
+        self.latency = collective_time("all_reduce", 0.0, self.world, topology)
+
+    def choose_one(self) -> None:
+        """x: one strategy per node; each brings its op time, its memory and its tie-break preference."""
+        problem, t, w, sizes = self.problem, self.world, self.weight, self.sizes
+        paired = set(self.pairs) | set(self.pairs.values())
+        for i, (node, options) in enumerate(self.found.strategies.items()):
+            self.x[node] = [problem.add_variable(f"x{i}_{k}", cat="Binary") for k in range(len(options))]
+            problem += pulp.lpSum(self.x[node]) == 1
+            weight = w(node, 1)
+            for k, (var, s) in enumerate(zip(self.x[node], options, strict=True)):
+                self.compute.append(var * weight * op_seconds(node, s, sizes, t, self.topology, self.training,
+                                                              node in paired))
+                self.preference.append(var * weight * k * TIE_BREAK)
+                for kind, held in op_memory(node, s, sizes, t, self.trainable, self.training).items():
+                    if held:
+                        term = var * weight * held
+                        self.memory.append(term)
+                        self.kinds.setdefault(kind, []).append(term)
+                for key, held in kept_bytes(node, s, sizes, t, self.grad):
+                    self.saves.setdefault(key, (held, [], set()))[1].append(var)
+                    self.saves[key][2].add(node)
+
+    def recompute(self, cores: list, forced: bool, ties) -> list:
+        """r: one 0/1 choice per core (1 when ``forced``; tied cores of folded blocks alike), priced at the forward
+        time of the core's ops under the options chosen for them, paid again in the backward."""
+        problem, chosen = self.problem, []
+        for k, core in enumerate(cores):
+            r = problem.add_variable(f"r{k}", lowBound=int(forced), upBound=1, cat="Integer")
+            chosen.append(r)
+            for i, node in enumerate(core):
+                for j, (var, s) in enumerate(zip(self.x.get(node, ()), self.found.strategies.get(node, ()),
+                                                 strict=True)):
+                    both = problem.add_variable(f"r{k}_{i}_{j}", lowBound=0)  # var and r
+                    problem += both >= var + r - 1
+                    forward = self.weight(node, 1) * op_seconds(node, s, self.sizes, self.world, self.topology,
+                                                                self.training) / 3
+                    self.compute.append(both * forward)
+        by_last = {core[-1]: r for core, r in zip(cores, chosen, strict=True)}
+        for a, b in ties:
+            if a in by_last and b in by_last:
+                problem += by_last[a] == by_last[b]
+        self.costs += self.compute
+        return chosen
+
+    def activations(self, cores: list, again: list) -> dict:
+        """a: each kept tensor held once if any chosen strategy keeps it; only this rank's piece of tokens that
+        are all-gathered again in the backward; nothing of what a recomputed core frees."""
+        problem, w, t, found = self.problem, self.weight, self.world, self.found
+        frees = {key: r for core, r in zip(cores, again, strict=True)
+                 for key in dropped({key: nodes for key, (_, _, nodes) in self.saves.items()}, core)}
+        gathers: dict = {}  # tensor kept as token pieces -> (1 iff re-gathered in the backward, its seconds)
+        for k, (key, (held, chosen, _)) in enumerate(self.saves.items()):
+            kept_var = problem.add_variable(f"a{k}", lowBound=0, upBound=1)  # 1 iff some chosen option keeps it
+            problem += kept_var <= pulp.lpSum(chosen)
+            for var in chosen:
+                problem += kept_var >= var
+            term = kept_var * w(key[0], 1) * held
+            split = [v for v, s in zip(self.x.get(key[0], ()), found.strategies.get(key[0], ()), strict=True)
+                     if on_tokens(key[0], s)]
+            if split and key[1:] == ("value", 1.0):  # gathered from tokens: only this rank's piece is kept
+                whole, piece = (problem.add_variable(f"a{k}{part}", lowBound=0) for part in "wp")
+                problem += whole >= kept_var - pulp.lpSum(split)
+                problem += piece >= kept_var + pulp.lpSum(split) - 1
+                term = w(key[0], 1) * held * (whole + piece / t)
+                gathers[key[0]] = (piece, {"bytes": held, "count": w(key[0], 1),
+                                           "seconds": w(key[0], 1) * regather_time(held, t, self.topology)})
+                self.costs.append(piece * gathers[key[0]][1]["seconds"])
+            elif key in frees:  # kept unless its attention core is recomputed
+                still = problem.add_variable(f"a{k}r", lowBound=0)
+                problem += still >= kept_var - frees[key]
+                term = w(key[0], 1) * held * still
+            self.memory.append(term)
+            self.kinds.setdefault("activations", []).append(term)
+        return gathers
+
+    def token_split(self) -> None:
+        """Sequence parallelism imposed: no op that could split the tokens keeps its output whole or partial."""
+        strategies = self.found.strategies
+        split = [node for node, options in strategies.items() if any(on_tokens(node, s) for s in options)]
+        if not split:
+            raise PlanningError("sequence_parallel=True, but no op can split the tokens: the inputs have no symbolic "
+                                "dim after the first (export them with a dynamic sequence), or pass "
+                                "sequence_parallel=None")
+        for node in split:
+            for var, s in zip(self.x[node], strategies[node], strict=True):
+                if s.output == R or isinstance(s.output, Partial):
+                    self.problem += var == 0
+
+    def tie(self, ties) -> None:
+        """Tied nodes (a folded block's stand-ins) choose alike."""
+        for a, b in ties:
+            for va, vb in zip(self.x.get(a, ()), self.x.get(b, ()), strict=True):
+                self.problem += va == vb
+
+    def bias_pairs(self) -> None:
+        """One all-reduce sums a weight's and its bias's gradients: one latency for the pair."""
+        for k, (bias, weight) in enumerate(self.pairs.items()):
+            summed = self.problem.add_variable(f"pair{k}", lowBound=0)
+            for node in (bias, weight):
+                for var, s in zip(self.x[node], self.found.strategies[node], strict=True):
+                    if isinstance(s.output, Shard) and s.output.grouped(self.world):
+                        self.problem += summed >= var
+            self.costs.append(summed * self.weight(weight, 1) * self.latency)
+
+    def edges(self) -> dict:
+        """z and n: what each reader needs of each value, converted once per (tensor, from, to); g: the values
+        whose gradients ranks must sum.  Returns g."""
+        problem, strategies, x, t, sizes = self.problem, self.found.strategies, self.x, self.world, self.sizes
+        need: dict = {}        # (tensor, from, to) -> indicator that this reshard happens
+        grad_reduce: dict = {}
+        edges = []             # (producer, consumer choices [(var or 1, required placement)])
+        for node, options in strategies.items():
+            for slot_i, src in enumerate(input_slots(node)):
+                if src in strategies and is_placed(src):
+                    edges.append((src, [(v, s.inputs[slot_i]) for v, s in zip(x[node], options, strict=True)]))
+                    bad = [v for v, s in zip(x[node], options, strict=True) if partial_grad(node, s, s.inputs[slot_i])]
+                    if src in self.grad and bad:
+                        g = grad_reduce.setdefault(src, problem.add_variable(f"g{len(grad_reduce)}", lowBound=0))
+                        problem += g >= pulp.lpSum(bad)
+        output = next(n for n in self.gm.graph.nodes if n.op == "output")
+        returned = [src for src in input_slots(output) if src in strategies and is_placed(src)
+                    and not isinstance(src.meta.get("val"), (list, tuple))]
+        if self.gather_outputs:
+            edges += [(src, [(1, R)]) for src in returned]  # returned full on every rank
+        else:  # shards stay where they are; partial sums are still reduced
+            self.costs += [v * collective_time("all_reduce", sizes.nbytes(src), t, self.topology) for src in returned
+                           for v, s in zip(x[src], strategies[src], strict=True) if isinstance(s.output, Partial)]
+        stored = stored_views(self.gm)
+        for e, (src, wanted) in enumerate(edges):
+            produced = [(v, s.output) for v, s in zip(x[src], strategies[src], strict=True)]
+            for (p, q), z in _link(problem, produced, wanted,
+                                   lambda p, q, s=src: _reshard_ok(s, s in stored, p, q, sizes, t, self.topology),
+                                   f"z{e}_").items():
+                if p != q:
+                    key = (src, p, q)
+                    need.setdefault(key, problem.add_variable(f"n{len(need)}", lowBound=0))
+                    problem += need[key] >= z
+        for (src, p, q), var in need.items():
+            self.costs.append(var * self.weight(src, 1) * conversion_seconds(p, q, src, sizes, t, self.topology,
+                                                                             backward=src in self.grad))
+        return grad_reduce
+
+    def gradient_sums(self, grad_reduce: dict) -> None:
+        """g's price: an all-reduce of the gradient (replicated parameters' together, one latency), or a
+        reduce-scatter where the value was gathered from shards."""
+        problem, w, t, sizes, latency = self.problem, self.weight, self.world, self.sizes, self.latency
+        together = problem.add_variable("together", lowBound=0)
+        self.costs.append(together * latency)
+        for k, (src, g) in enumerate(grad_reduce.items()):
+            summed = collective_time("all_reduce", sizes.nbytes(src), t, self.topology)
+            if coalesced(src):  # summed with the others in one all-reduce (partial_params)
+                problem += together >= g
+                self.costs.append(g * w(src, 1) * (summed - latency))
+                continue
+            self.costs.append(g * w(src, 1) * summed)
+            sharded = [v for v, s in zip(self.x[src], self.found.strategies[src], strict=True)
+                       if isinstance(s.output, Shard)]
+            if sharded:  # gathered from shards: the summed gradient is reduce-scattered back instead
+                h = problem.add_variable(f"h{k}", lowBound=0)
+                problem += h <= g
+                problem += h <= pulp.lpSum(sharded)
+                self.costs.append(-h * w(src, 1) * (summed - collective_time("reduce_scatter", sizes.nbytes(src), t,
+                                                                              self.topology)))
+
+    def minimise(self, limit: float) -> None:
+        """The fastest plan; if it does not fit ``limit``, the fastest that does (or DoesNotFit with advice)."""
+        total_memory = pulp.lpSum(self.memory)
+        objective = pulp.lpSum(self.costs + self.preference)
+        _run(self.problem, objective)
+        if pulp.value(total_memory) > limit:
+            hint = _fit_hint(self.found, self.x, self.sizes, limit, self.trainable, self.training, self.weight,
+                             self.grad)
+            self.problem += total_memory <= limit, "memory_limit"
+            try:
+                _run(self.problem, objective)
+            except PlanningError:
+                raise DoesNotFit(f"no plan fits {limit / 1e9:.1f} GB per device at world size {self.world}: "
+                                 f"{hint}") from None
+
+    def solution(self, cores: list, again: list, gathers: dict) -> Solution:
+        x, w = self.x, self.weight
+        seconds = float(pulp.value(pulp.lpSum(self.costs)))
+        choice = {node: options[max(range(len(options)), key=lambda k: x[node][k].value() or 0)]
+                  for node, options in self.found.strategies.items()}
+        by_kind = {kind: float(pulp.value(pulp.lpSum(terms)) or 0.0) for kind, terms in self.kinds.items()}
+        recomputed = [core for core, r in zip(cores, again, strict=True) if pulp.value(r) > 0.5]
+        by_kind["activations"] = sum(w(node, 1) * held for node, held in  # exact, whatever slack the ILP left
+                                     activation_bytes(choice, self.sizes, self.world, self.grad, recomputed).items())
+        regathers = {node: priced for node, (piece, priced) in gathers.items() if pulp.value(piece) > 0.5}
+        return Solution(choice, seconds, float(pulp.value(pulp.lpSum(self.compute)) or 0.0), breakdown(by_kind),
+                        recomputed, regathers)
 
 
 def _run(problem: pulp.LpProblem, objective) -> None:
@@ -237,7 +337,7 @@ def _run(problem: pulp.LpProblem, objective) -> None:
         raise PlanningError(f"the sharding ILP ended {status}")
 
 
-def _fit_hint(ctx: Context, x: dict, sizes: Sizes, limit: float, trainable: dict, training: bool, w,
+def _fit_hint(ctx: Candidates, x: dict, sizes: Sizes, limit: float, trainable: dict, training: bool, w,
               grad: set) -> str:
     """What would fit: the smallest world size for the current plan's memory, or the memory it needs."""
     replicated = sharded = 0.0

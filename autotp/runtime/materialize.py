@@ -37,12 +37,12 @@ def materialize(sharded, device=None, *, checkpoint=None, seed: int | None = Non
     ``device`` (default: where the group's collectives run) from ``checkpoint``, the model's config (computed
     buffers) or its initialisation seeded by ``seed``; tensors none of them provides are left uninitialised.
     ``checkpoint``: a reader of pieces (hf_checkpoint.Checkpoint) or a directory that loads itself into the module
-    (parallel/dcp.DcpDirectory)."""
+    (runtime/dcp_checkpoint.DcpDirectory)."""
     modules = [sharded] if isinstance(sharded, torch.nn.Module) else list(sharded.modules.values())
     reader = checkpoint if hasattr(checkpoint, "read_box") else None
     for module in modules:
         _fill(module, device or device_of(module.autotp_group), reader, seed)
-        if checkpoint is not None and reader is None:  # a directory its own engine reads (parallel/dcp.py)
+        if checkpoint is not None and reader is None:  # a directory its own engine reads (runtime/dcp_checkpoint.py)
             checkpoint.load(module)
     return sharded
 

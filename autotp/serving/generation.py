@@ -84,6 +84,7 @@ def _choose(logits: torch.Tensor, do_sample: bool, temperature: float, top_k: in
 def decoder(sharded: torch.nn.Module, batch: int, max_len: int) -> torch.nn.Module:
     """The sharded decode program for ``batch`` sequences of up to ``max_len`` tokens (a collective)."""
     from autotp.api import tensor_parallel
+    from autotp.options import PlanOptions, RunOptions
     source = sharded.autotp_source
     group = sharded.autotp_group
     device = next(sharded.parameters()).device
@@ -96,8 +97,9 @@ def decoder(sharded: torch.nn.Module, batch: int, max_len: int) -> torch.nn.Modu
                torch.arange(2, device=where))                               # cache_position
     fixed = {f"model.{name}": sharded.autotp_plan.placement(name) for name in sharded.autotp_plan.params}
     try:
-        return tensor_parallel(wrapper, example, group=group, topology=sharded.autotp_plan.topology,
-                               training=False, fixed=fixed, checkpoint=_Resident(sharded, "model."))
+        return tensor_parallel(wrapper, example, None,
+                               PlanOptions(topology=sharded.autotp_plan.topology, training=False, fixed=fixed),
+                               RunOptions(group=group, checkpoint=_Resident(sharded, "model.")))
     finally:
         source.train(training)
 

@@ -14,13 +14,14 @@ from dataclasses import replace
 
 import torch
 
-from autotp.api import prepared_graph, solve_plan
 from autotp.cost_models import collective_time
 from autotp.cost_models.pricing import priced_unit
-from autotp.options import Options
+from autotp.options import PlanOptions
 from autotp.passes.capture import module_path
+from autotp.passes.prepared_graph import prepared_graph
 from autotp.plan import Plan
 from autotp.planning.solve import PlanningError
+from autotp.planning.tensor_plan import solve_plan
 from autotp.tools.interop import hf_parameter_placements
 
 # style -> (forward, backward) collectives per call of the hooked module, in training: (op, what it moves) with
@@ -58,7 +59,7 @@ def compare(model: torch.nn.Module, args=None, kwargs=None, *, world_size: int, 
     world size), or None, "hf_ep": its ep_plan over the tp_plan, where it has one}.  A transformers summary lists
     under "unpriced" the styles whose collectives autotp does not know (never guessed)."""
     gm = prepared_graph(model, args, kwargs, fold=True)
-    options = Options(topology=topology, training=training, memory_limit=memory_limit)
+    options = PlanOptions(topology=topology, training=training, memory_limit=memory_limit)
     ours = summary(solve_plan(gm, world_size, options))
 
     def priced(styles: dict, expert_parallel: bool):

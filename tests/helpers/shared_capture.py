@@ -17,9 +17,9 @@ import warnings
 import torch
 from torch.utils._pytree import tree_flatten
 
-import autotp.api
 import autotp.parallel.split
 import autotp.passes.capture
+import autotp.passes.prepared_graph
 from autotp.passes.capture import register_inputs
 
 _capture = autotp.passes.capture.capture
@@ -103,9 +103,10 @@ def _layout(gm: torch.fx.GraphModule) -> list:
 def capture_first(build) -> None:
     """Install the hook, then capture what ``build()`` returns: (model, args) pairs."""
     global _leading
-    for module in (autotp.passes.capture, autotp.api, autotp.parallel.split):
+    for module in (autotp.passes.capture, autotp.passes.prepared_graph, autotp.parallel.split):
+        assert module.capture in (_capture, shared_capture), f"{module.__name__} no longer captures: hook its caller"
         module.capture = shared_capture
     _leading = True
     for model, args in build():
-        autotp.api.prepared_graph(model, args)
+        autotp.passes.prepared_graph.prepared_graph(model, args)
     _leading = False  # the ranks forked from here serve copies and keep what they capture to themselves

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from examples import mlp, nanogpt
+from tests.helpers import configs
 
 BLOCKS = 2
 
@@ -67,21 +68,18 @@ def build(kind: str, device: str = "cpu", blocks: int = BLOCKS):
             model, args = nanogpt.build(n_layer=blocks, n_head=4, n_embd=32)
             return model.eval(), args, blocks
         if kind == "llama":
-            from transformers import LlamaConfig, LlamaForCausalLM
-            config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=blocks,
-                                 num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64,
-                                 use_cache=False)
+            from transformers import LlamaForCausalLM
+            config = configs.llama(vocab_size=128, intermediate_size=128, num_hidden_layers=blocks,
+                                   num_attention_heads=8, num_key_value_heads=4)
             model = LlamaForCausalLM(config)
         elif kind == "phi3":  # fused qkv cut with slices (GQA sizes), fused gate_up cut with chunk
-            from transformers import Phi3Config, Phi3ForCausalLM
-            config = Phi3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=blocks,
-                                num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64,
-                                use_cache=False, pad_token_id=0, bos_token_id=0, eos_token_id=0)
+            from transformers import Phi3ForCausalLM
+            config = configs.phi3(vocab_size=128, intermediate_size=128, num_hidden_layers=blocks,
+                                  num_key_value_heads=4, pad_token_id=0, bos_token_id=0, eos_token_id=0)
             model = Phi3ForCausalLM(config)
         elif kind == "gpt2":
-            from transformers import GPT2Config, GPT2LMHeadModel
-            config = GPT2Config(vocab_size=128, n_embd=64, n_layer=blocks, n_head=4, n_positions=64, use_cache=False,
-                                bos_token_id=0, eos_token_id=0)
+            from transformers import GPT2LMHeadModel
+            config = configs.gpt2(vocab_size=128, n_layer=blocks, bos_token_id=0, eos_token_id=0)
             model = GPT2LMHeadModel(config)
         else:
             raise ValueError(kind)
@@ -90,31 +88,27 @@ def build(kind: str, device: str = "cpu", blocks: int = BLOCKS):
 
 def llama_with(heads: int, kv: int, head_dim: int = 8, vocab: int = 96, layers: int = 1):
     """A LLaMA with the given head counts (head sharing and uneven splits), fixed seed."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(
-        hidden_size=heads * head_dim, num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
-        intermediate_size=96, vocab_size=vocab, num_hidden_layers=layers, max_position_embeddings=64,
-        use_cache=False)).eval()
+    return LlamaForCausalLM(configs.llama(hidden_size=heads * head_dim, num_attention_heads=heads,
+                                          num_key_value_heads=kv, head_dim=head_dim, vocab_size=vocab,
+                                          num_hidden_layers=layers)).eval()
 
 
 def phi2(layers: int = 2):
     """Phi-2's layout: one layer norm feeding attention and MLP in parallel, biases on every linear."""
-    from transformers import PhiConfig, PhiForCausalLM
+    from transformers import PhiForCausalLM
     torch.manual_seed(0)
-    return PhiForCausalLM(PhiConfig(
-        vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4,
-        max_position_embeddings=64, use_cache=False)).eval()
+    return PhiForCausalLM(configs.phi(num_hidden_layers=layers)).eval()
 
 
 def vit(image: int = 16, patch: int = 4, layers: int = 2):
     """A ViT classifier: convolutional patches, a class token and a learned position table, so the
     sequence length is fixed by the config ((image / patch)^2 + 1 tokens: 17 by default)."""
-    from transformers import ViTConfig, ViTForImageClassification
+    from transformers import ViTForImageClassification
     torch.manual_seed(0)
-    return ViTForImageClassification(ViTConfig(
-        image_size=image, patch_size=patch, num_channels=3, hidden_size=64, intermediate_size=96,
-        num_hidden_layers=layers, num_attention_heads=4, num_labels=5)).eval()
+    return ViTForImageClassification(configs.vit(image_size=image, patch_size=patch,
+                                                 num_hidden_layers=layers)).eval()
 
 
 def padded_prompts(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:

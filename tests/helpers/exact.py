@@ -8,8 +8,9 @@ from collections import Counter
 import torch
 
 import autotp
-from distributed import CollectiveCounter, comm_counts, plan_ops, weight_collectives
+from tests.helpers.distributed import CollectiveCounter, comm_counts, plan_ops, weight_collectives
 
+# the tolerance of every comparison with the unsharded model (float32): the only one, imported by the tests
 TOL = {"rtol": 1e-4, "atol": 1e-5}
 
 

@@ -2,17 +2,18 @@
 from __future__ import annotations
 
 import functools
+import re
 from collections import Counter
 
 import pytest
 import torch
-from shared_capture import capture_first
 from torch.distributed.tensor.debug._comm_mode import NATIVE_TO_PY_MAPPING, c10d_collective_ops
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autotp.tools.spawn import exit_quietly, free_port, local_context, run_local
+from tests.helpers.shared_capture import capture_first
 
-__all__ = ["AT_THREE_RANKS", "CollectiveCounter", "comm_counts", "exit_quietly", "plan_ops", "run_ranks",
+__all__ = ["AT_THREE_RANKS", "CollectiveCounter", "block_of", "comm_counts", "exit_quietly", "plan_ops", "run_ranks",
            "run_unsupervised", "weight_collectives"]
 
 # the eager c10d ops (gloo's polled waits) under the names of their functional twins
@@ -30,7 +31,7 @@ AT_THREE_RANKS = [pytest.param(2, marks=pytest.mark.slow), 3, pytest.param(4, ma
 def run_ranks(world: int, fn, *args, captures=None) -> list:
     """Run ``fn(rank, world, *args)`` on ``world`` processes; an exception on any rank fails the caller.
     Returns what each rank returned, in rank order.  ``captures()``: (model, args) pairs the ranks will
-    parallelize, built as they build them: captured once, before the ranks start (tests/shared_capture.py)."""
+    parallelize, built as they build them: captured once, before the ranks start (tests/helpers/shared_capture.py)."""
     return run_local(world, fn, *args, setup=functools.partial(capture_first, captures) if captures else None)
 
 
@@ -93,6 +94,12 @@ def plan_ops(counts: dict) -> dict:
     for name, n in counts.items():
         found[_PLAN.get(name, name)] += n
     return dict(found)
+
+
+def block_of(module_path: str) -> int | None:
+    """The block index in a module path (``model.layers.3.mlp`` -> 3: its first numbered part); None outside blocks."""
+    found = re.search(r"\.(\d+)(\.|$)", module_path)
+    return int(found.group(1)) if found else None
 
 
 _GRADIENT_ONLY = {"reduce_grad", "sum_group_grads"}

@@ -1,0 +1,121 @@
+"""Dim maps: which input dim an output dim's blocks come from, per op (the op table's ``dim_map`` column).
+
+A hint found downstream -- a fused [q|k|v] cut into blocks, a dim of heads -- walks back through the ops that
+produced the value (passes/hints.py) so that the parameter it started from is offered the same blocks.  Each
+map takes ``(node, dim, blocks, ctx)`` and returns ``[(input, its dim, its blocks)]``; an op without one stops
+the walk.  DTensor's ``dim_maps`` play the same part for its view ops.
+"""
+from __future__ import annotations
+
+from torch.fx import Node
+
+from autotp.ops.expert_rules import integer_indices
+from autotp.ops.layout_rules import positive_dim
+from autotp.ops.strategies import Context, is_placed
+from autotp.ops.views import inverse_view_dim, split_runs
+
+
+def view(node: Node, dim: int, blocks, ctx: Context) -> list:
+    """The input dim the output dim was viewed from; a dim of heads split off a flat dim, the flat dim."""
+    src = [ctx.probe(s) for s in ctx.shape(node.args[0])]
+    dst = [ctx.probe(s) for s in ctx.shape(node)]
+    found = []
+    d = inverse_view_dim(src, dst, dim)
+    if d is not None:
+        found.append((node.args[0], d, blocks))
+    return found + [(node.args[0], d, in_flat_units(blocks, rest)) for d, out, rest in split_runs(src, dst)
+                    if out == dim]
+
+
+def t(node: Node, dim: int, blocks, ctx: Context) -> list:
+    return [(node.args[0], 1 - dim if len(ctx.shape(node)) == 2 else dim, blocks)]
+
+
+def matmul(node: Node, dim: int, blocks, ctx: Context) -> list:
+    """``x @ w.t()``: the output's columns are the second operand's."""
+    if dim == len(ctx.shape(node)) - 1 and len(ctx.shape(node.args[1])) >= 2:
+        return [(node.args[1], len(ctx.shape(node.args[1])) - 1, blocks)]
+    return []
+
+
+def bmm(node: Node, dim: int, blocks, ctx: Context) -> list:
+    """Columns from the second operand's, rows (dim 1) from the first's."""
+    return matmul(node, dim, blocks, ctx) or ([(node.args[0], 1, blocks)] if dim == 1 else [])
+
+
+def grouped(node: Node, dim: int, blocks, ctx: Context) -> list:
+    """A grouped matmul's output columns are its expert weights' columns."""
+    if dim == len(ctx.shape(node)) - 1:
+        return [(node.args[1], len(ctx.shape(node.args[1])) - 1, blocks)]
+    return []
+
+
+def linear(node: Node, dim: int, blocks, ctx: Context) -> list:
+    """The output's features are the weight's rows (a view of a parameter's, split apart)."""
+    return [(node.args[1], 0, blocks)] if dim == len(ctx.shape(node)) - 1 else []
+
+
+def unsqueeze(node: Node, dim: int, blocks, ctx: Context) -> list:
+    at = positive_dim(node.args[1], len(ctx.shape(node)))
+    return [(node.args[0], dim - (dim > at), blocks)] if dim != at else []
+
+
+def transpose(node: Node, dim: int, blocks, ctx: Context) -> list:
+    n = len(ctx.shape(node))
+    a, b = positive_dim(node.args[1], n), positive_dim(node.args[2], n)
+    return [(node.args[0], {a: b, b: a}.get(dim, dim), blocks)]
+
+
+def squeeze(node: Node, dim: int, blocks, ctx: Context) -> list:
+    at = positive_dim(node.args[1], len(ctx.shape(node.args[0])))
+    return [(node.args[0], dim + (dim >= at), blocks)] if ctx.shape(node.args[0])[at] == 1 else \
+        [(node.args[0], dim, blocks)]
+
+
+def index(node: Node, dim: int, blocks, ctx: Context) -> list:
+    """``w[ids]``: the dims after the indexed ones are the table's own."""
+    if not integer_indices(node.args[1]):
+        return []
+    d = dim - len(ctx.shape(node)) + len(ctx.shape(node.args[0]))
+    return [(node.args[0], d, blocks)] if d >= len(node.args[1]) else []
+
+
+def elementwise(node: Node, dim: int, blocks, ctx: Context) -> list:
+    """Every operand that has the dim, broadcast from the right."""
+    out = ctx.shape(node)
+    found = []
+    for a in node.all_input_nodes:
+        shape = ctx.shape(a) if is_placed(a) else ()
+        ad = dim - (len(out) - len(shape))
+        if ad >= 0 and shape[ad] == out[dim]:
+            found.append((a, ad, blocks))
+    return found
+
+
+def getitem(node: Node, dim: int, blocks, ctx: Context) -> list:
+    """One piece of a split: that piece's blocks among the other pieces, for the split tensor
+    (nn.MultiheadAttention's cross-attention: in_proj_weight cut into [q | kv], kv cut into [k | v])."""
+    parts, index = node.args
+    if ctx.op(parts.target).family != "split":
+        return []
+    x = parts.args[0]
+    at = positive_dim(parts.args[2] if len(parts.args) > 2 else parts.kwargs.get("dim", 0), len(ctx.shape(x)))
+    sizes = [o.shape[at] for o in parts.meta["val"]]
+    if dim != at or isinstance(blocks, int) or not all(isinstance(c, int) for c in blocks) or \
+            sum(blocks) != sizes[index]:
+        return []
+    return [(x, at, (*sizes[:index], *blocks, *sizes[index + 1:]))]
+
+
+def in_flat_units(hint, rest: int):
+    """A hint on a heads dim, for the flat dim the heads were viewed from (blocks ``rest`` times longer)."""
+    if isinstance(hint, int):
+        return hint  # a unit count
+    if isinstance(hint[0], int):
+        return tuple(c * rest for c in hint)  # block sizes
+    chunks, *units = hint  # units per block, and the finer units and groups they follow, if any
+    return tuple(c * rest for c in chunks), *units
+
+
+BY_FAMILY = {"view": view, "t": t, "matmul": matmul, "unsqueeze": unsqueeze, "linear": linear,
+             "getitem": getitem, "elementwise": elementwise, "transpose": transpose, "grouped_mm": grouped}

@@ -1,0 +1,243 @@
+"""The tensor-parallel plan of a prepared graph: analyse -> candidates -> solve -> plan, each step a value.
+
+``solve_plan`` is what ``autotp.plan``, ``parallelize`` (on rank 0), the mesh planner and the stage splitter
+call; ``plan_choice`` reads a plan back onto a graph for the rewrite.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, replace
+
+import torch
+
+from autotp.cost_models import load_topology
+from autotp.cost_models.pricing import Experts, Sizes, activation_bytes
+from autotp.cost_models.topology import Topology
+from autotp.ops import expert_segments
+from autotp.ops.strategies import Context, Strategy, input_slots, needs_grad, on_tokens, token_inputs
+from autotp.ops.table import TABLE, drops
+from autotp.options import PlanOptions
+from autotp.passes.capture import fingerprint, module_path
+from autotp.passes.fold import Fold, NotFoldable, fold_graph
+from autotp.passes.hints import with_hints
+from autotp.passes.styles import param_styles
+from autotp.placement import Disjoint, Routed, Shard
+from autotp.plan import Plan, PlanMismatch
+from autotp.planning.accounting import alternatives, planned_collectives
+from autotp.planning.candidates import Candidates, enumerate_strategies
+from autotp.planning.solve import DoesNotFit, PlanningError, Solution, solve
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One solve of a plan's search: sequence parallelism on or off, and how attention cores are recomputed
+    ("off", "forced" for every core, "priced" per core where memory demands it)."""
+    tokens: bool
+    recompute: str
+
+
+def attempts(options: PlanOptions) -> list[Attempt]:
+    """The solves to try in order, cheapest first (Korthikanti et al.): without sequence parallelism, with it,
+    then recomputing attention cores where memory demands it; only what ``options`` leave open (None)."""
+    mode = "forced" if options.recompute else "off"
+    tokens = [bool(options.sequence_parallel)] if options.sequence_parallel is not None else [False, True]
+    found = [Attempt(t, mode) for t in tokens]
+    if options.recompute is None:
+        found.append(Attempt(found[-1].tokens, "priced"))
+    return found if options.training else found[:1]
+
+
+def solve_plan(gm: torch.fx.GraphModule, world_size: int, options: PlanOptions | None = None, *,
+               sizes: Sizes | None = None, price_experts: bool = False) -> Plan:
+    """The plan for ``world_size`` ranks: the first attempt that fits.  ``price_experts``: also solve with each
+    expert strategy imposed, keep the cheapest plan and list them (``plan.cost["experts"]``)."""
+    options = options or PlanOptions()
+    tries = attempts(options)
+    for k, attempt in enumerate(tries):
+        try:
+            return _solve_once(gm, world_size, options, sizes, attempt, price_experts)
+        except DoesNotFit:
+            if k == len(tries) - 1:
+                raise
+
+
+def checked_topology(world_size: int, options: PlanOptions) -> Topology:
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    topo = load_topology(options.topology)
+    if world_size > topo.devices:
+        raise ValueError(f"world size {world_size} is larger than topology {topo.name} ({topo.devices} devices): "
+                         "pick a topology with more devices (e.g. 2x-dgx-h100) or a smaller world size")
+    return topo
+
+
+def _solve_once(gm: torch.fx.GraphModule, world_size: int, options: PlanOptions, sizes: Sizes | None,
+                attempt: Attempt, price_experts: bool) -> Plan:
+    topo = checked_topology(world_size, options)
+    if options.ep > 1 and world_size == 1 and options.experts is None:
+        options = replace(options, experts="all-to-all")  # no TP to split experts over: whole, dealt over "ep"
+    found = candidates(gm, world_size, options, attempt.tokens, options.experts)
+    sizes = Sizes(sizes.overrides if sizes else None, Experts(options.expert_imbalance, options.ep, found.segments))
+    folding = gm.meta.get("autotp_fold")
+    if folding and any(found.strategies.get(a) != found.strategies.get(b) for a, b in folding.ties):
+        raise PlanningError(f"the blocks of {folding.fold.path} look identical but offer different shardings: "
+                            "plan with fold=False")
+    if found.unruled:
+        warnings.warn(f"autotp: {len(found.unruled)} op(s) on the weights' path run replicated (correct, possibly "
+                      f"slower): {'; '.join(f'{op}: {why}' for op, why in sorted(found.unruled.items()))}",
+                      stacklevel=4)
+
+    def run(offer: Candidates) -> Solution:
+        return solve(gm, offer, topo, options, sizes=sizes, weights=folding.weights if folding else None,
+                     ties=folding.ties if folding else (), recompute=attempt.recompute)
+    solution, experts_cost = run(found), None
+    offered_experts = found.segments or any(isinstance(s.output, Disjoint) for found_here in found.strategies.values()
+                                            for s in found_here)
+    if offered_experts and price_experts and not options.fixed and not options.experts:
+        found, solution, experts_cost = _cheapest_experts(
+            found, solution, options.ep,
+            lambda mode: _priced(run, candidates(gm, world_size, options, attempt.tokens, mode)))
+    _check_experts(found, solution.choice, options)
+    return to_plan(gm, found, solution, topo, options, sizes, experts_cost)
+
+
+def to_plan(gm: torch.fx.GraphModule, found: Candidates, solution: Solution, topo: Topology, options: PlanOptions,
+            sizes: Sizes, experts_cost: dict | None) -> Plan:
+    """The solution as plan data: placements by node and parameter, the collectives, prices, styles and memory."""
+    folding = gm.meta.get("autotp_fold")
+    weights = folding.weights if folding else None
+    world_size, training, choice = found.world, options.training, solution.choice
+    recomputed = {node for core in solution.recomputed for node in core}
+    expand = folding.fold.expand if folding else dict
+    return Plan(
+        world_size=world_size,
+        fingerprint=folding.fingerprint(gm) if folding else fingerprint(gm),
+        topology=topo.name,
+        nodes={n.name: {**Plan.encode(s), "module": module_path(n), "op": str(n.target),
+                        "args": [a.name for a in input_slots(n)], **({"recompute": True} if n in recomputed else {}),
+                        **({"key": folding.blocks.key[n]} if folding else {})} for n, s in choice.items()},
+        params=expand({n.target: str(s.output) for n, s in choice.items() if n.op == "get_attr"}),
+        collectives=planned_collectives(gm, choice, world_size, topo, sizes, weights),
+        styles=expand(param_styles(gm, choice, world_size)),
+        shapes=expand({n.target: list(n.meta["val"].shape) for n in choice if n.op == "get_attr"}),
+        alternatives=alternatives(gm, found, choice, topo, training, sizes),
+        cost={"seconds": solution.seconds, "compute_seconds": solution.compute, "memory": solution.memory,
+              "training": training,
+              "regathers": [{"tensor": n.name, **priced} for n, priced in solution.regathers.items()],
+              **_activations_by_module(gm, choice, sizes, world_size, training, solution.recomputed),
+              **({"experts": experts_cost} if experts_cost else {}),
+              **({"replicated": dict(sorted(found.unruled.items()))} if found.unruled else {})},
+        replicated_ops=sorted(found.unruled),
+        mesh={"tp": world_size, **({"ep": options.ep} if options.ep > 1 else {})},
+        fold=({"path": folding.fold.path, "count": folding.fold.count,
+               **({"start": folding.fold.start} if folding.fold.start else {})} if folding else None),
+    )
+
+
+def offered(gm: torch.fx.GraphModule, world_size: int, options: PlanOptions | None = None) -> dict:
+    """Parameter name -> the placements the solver may give it on ``world_size`` ranks (each one every reader of
+    the parameter takes without moving it)."""
+    options = options or PlanOptions()
+    found = candidates(gm, world_size, options, False, options.experts)
+    return {n.target: [s.output for s in found.strategies[n]] for n in gm.graph.nodes
+            if n.op == "get_attr" and n in found.strategies}
+
+
+def analyse(gm: torch.fx.GraphModule, world_size: int, options: PlanOptions, tokens: bool,
+            experts: str | None) -> Context:
+    """What the rules may ask: expert segments, then the hints, then the gradients' path and the token sizes
+    (each found with the ones before it known, as the rules that find them read them)."""
+    ctx = Context(world=world_size, min_shard_fraction=options.min_shard_fraction, fixed=options.fixed or {},
+                  tokens=tokens, experts=experts, ep=options.ep, ops=TABLE)
+    ctx = replace(ctx, segments=expert_segments.members(expert_segments.find(gm, ctx)))
+    ctx = with_hints(gm, ctx)
+    return replace(ctx, grad=frozenset(needs_grad(gm)), token_symbols=frozenset(token_inputs(gm.graph)))
+
+
+def candidates(gm: torch.fx.GraphModule, world_size: int, options: PlanOptions, tokens: bool,
+               experts: str | None) -> Candidates:
+    return enumerate_strategies(gm, analyse(gm, world_size, options, tokens, experts))
+
+
+def _check_experts(found: Candidates, choice: dict, options: PlanOptions) -> None:
+    """Experts imposed "all-to-all", or a mesh's "ep" ranks to dispatch them over, need segments that can be."""
+    exits = {s.exit: s for s in found.segments.values()}
+    if options.experts == "all-to-all" and not (exits and all(isinstance(choice[e].output, Routed) for e in exits)):
+        raise PlanningError('experts="all-to-all": no plan dispatches every expert segment (each needs at least as '
+                            'many experts as dispatch ranks, and ops that keep rows): choose another expert strategy')
+    if options.ep > 1 and not exits:
+        raise PlanningError(f'the mesh has an "ep" dimension of {options.ep} ranks, but this model has no expert layer '
+                            'autotp can dispatch (grouped matmuls or w[ids] + bmm, routed rows in, one result out): '
+                            'drop the "ep" dimension')
+
+
+def _priced(run, found: Candidates):
+    """(candidates, their solution), or None where no plan of them fits or dispatches as imposed."""
+    try:
+        return found, run(found)
+    except PlanningError:
+        return None
+
+
+def _cheapest_experts(found: Candidates, solution: Solution, ep: int, imposed) -> tuple:
+    """The cheapest of the plan solved with the expert strategy left free and the plans with each imposed (the
+    free solve keeps large parameters sharded wherever a shard suits all their users, which can rule out a mix
+    that an imposed strategy reaches); with how the chosen plan holds its experts (3-D parameters): whole experts
+    computing their rows in place ("parallel"), whole experts fed by all-to-all ("all-to-all"), each expert split
+    ("tensor"), several ("mixed") or none ("replicated"), and each strategy's estimated step time (None where
+    none fits), for reports."""
+    seconds = {}
+    for mode in ("tensor", "all-to-all") if ep > 1 else ("tensor", "parallel", "all-to-all"):
+        priced = imposed(mode)
+        seconds[mode] = None if priced is None else priced[1].seconds
+        if priced is not None and priced[1].seconds < solution.seconds * (1 - 1e-9):
+            found, solution = priced
+    kinds = {"all-to-all" if isinstance(s.output, Routed) else "parallel" if s.output.dim == 0 else "tensor"
+             for n, s in solution.choice.items() if n.op == "get_attr" and n.meta["val"].dim() == 3 and
+             isinstance(s.output, (Shard, Routed))}
+    none = "all-to-all" if ep > 1 else "replicated"  # over "ep" alone: whole experts, dispatched there
+    return found, solution, {"chosen": kinds.pop() if len(kinds) == 1 else "mixed" if kinds else none,
+                             "seconds": seconds}
+
+
+def _activations_by_module(gm: torch.fx.GraphModule, choice: dict, sizes: Sizes | None, world: int,
+                           training: bool, recomputed: list) -> dict:
+    """Bytes kept for backward per device by the module that computes them, the modules that split
+    the tokens (sequence parallelism) and those whose attention core is recomputed, for reports."""
+    kept: dict = {}
+    grad = needs_grad(gm) if training else set()
+    for node, held in activation_bytes(choice, sizes or Sizes(), world, grad, recomputed).items():
+        kept[module_path(node)] = kept.get(module_path(node), 0.0) + held
+    split = sorted({module_path(n) for n, s in choice.items() if on_tokens(n, s)})
+    return {"activations": kept, "token_split": split,
+            "recompute": sorted({module_path(core[-1]) for core in recomputed}),
+            "dropout": sorted({module_path(n) for n in choice if drops(n)})}
+
+
+def plan_choice(gm: torch.fx.GraphModule, plan: Plan, graph_hash: str, world: int) -> dict:
+    """node -> Strategy from the plan; a folded plan's block-1 decisions stamped on every middle block."""
+    return planned(gm, plan, graph_hash, world)[0]
+
+
+def planned(gm: torch.fx.GraphModule, plan: Plan, graph_hash: str, world: int) -> tuple[dict, set]:
+    """(plan_choice, the nodes the plan recomputes in the backward)."""
+    names = {node: node.name for node in gm.graph.nodes}
+    if plan.fold:
+        repeats = Fold(**plan.fold)
+        try:
+            folding = fold_graph(gm, repeats)
+        except NotFoldable as exc:
+            raise PlanMismatch(f"the plan folds {repeats.count} blocks of {repeats.path}, but in this model's graph "
+                               f"{exc}: re-plan with fold=False") from None
+        graph_hash = folding.fingerprint(gm)
+        by_key = {entry.get("key"): name for name, entry in plan.nodes.items()}
+        names = {node: by_key.get(folding.blocks.key[node]) for node in gm.graph.nodes}
+    plan.check(graph_hash, world)
+    choice, recomputed = {}, set()
+    for node, name in names.items():
+        if name in plan.nodes:
+            inputs, output = plan.strategy(name)
+            choice[node] = Strategy(tuple(inputs), output)
+            if plan.nodes[name].get("recompute"):
+                recomputed.add(node)
+    return choice, recomputed

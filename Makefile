@@ -34,7 +34,7 @@ test-all: $(VENV)/.installed  # the default suite and the slow tier (scale check
 	$(BIN)/python -m pytest -q -m serial
 
 lint: $(VENV)/.installed
-	$(BIN)/ruff check autotp examples tests benchmarks
+	$(BIN)/ruff check autotp examples tests benchmarks scripts
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

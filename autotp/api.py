@@ -52,6 +52,9 @@ def tensor_parallel(model: torch.nn.Module, args, kwargs, planning: PlanOptions,
     expert segments are dispatched.  ``fill=False`` leaves the checkpoint's and ``init_seed``'s tensors on meta,
     for the caller to fill once FSDP2 has split them (parallel/mesh.py)."""
     ranks = Ranks.of(running, expert_groups, graph)
+    if planning.ep not in (1, ranks.ep):
+        raise ValueError(f"ep={planning.ep}: a program's expert ranks are its mesh's \"ep\" dimension ({ranks.ep} "
+                         "here): give parallelize a mesh with an 'ep' dimension, or drop ep")
     planning = replace(planning, ep=ranks.ep)
     if args is None and kwargs is None:
         args = default_inputs(model)

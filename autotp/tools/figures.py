@@ -13,6 +13,7 @@ _SHOWN = {"linear", "matmul", "grouped_mm", "attention", "embedding", "layer_nor
 _COLOURS = {"R": "#b0b0b0", "S": "#4a90d9", "P": "#f5a623", "D": "#9b59b6"}
 _KEY = [("R", "replicated"), ("S", "split (shard)"), ("P", "partial sums"), ("D", "disjoint partial (experts)")]
 _FONT = 'font-family="monospace" font-size="12"'
+CHAR_WIDTH = 7.3  # px per character of that font, to leave room for the longest label
 
 
 def _text(x: float, y: float, text: str, extra: str = "") -> str:
@@ -82,14 +83,16 @@ def mesh_svg(result) -> str:
     one in green; layouts over the memory limit in grey with the memory they would need."""
     rows = sorted(result.candidates, key=lambda c: (not c.fits, c.step_seconds or 0.0, c.memory_bytes or 0.0))
     slowest = max((c.step_seconds for c in rows if c.fits), default=1.0)
-    line, top, left, width = 22, 50, 150, 600
+    labels = [f"TP {c.tp} x PP {c.pp} x DP {c.dp}" for c in rows]
+    line, top, width = 22, 50, 600
+    left = 10 + CHAR_WIDTH * max(map(len, labels), default=0) + 12  # the longest label, then a gap
     body = [_text(10, 20, f"{result.devices} devices of {result.topology}, global batch {result.global_batch}: "
                   "estimated step time per layout", 'font-weight="bold"')]
-    for i, c in enumerate(rows):
+    for i, (c, label) in enumerate(zip(rows, labels, strict=True)):
         y = top + i * line
-        body.append(_text(10, y + 14, f"TP {c.tp} x PP {c.pp} x DP {c.dp}"))
+        body.append(_text(10, y + 14, label))
         if not c.fits:
-            need = f"{c.memory_bytes / 1e9:.1f} GB" if c.memory_bytes else c.note[:40]
+            need = f"{c.memory_bytes / 1e9:.1f} GB" if c.memory_bytes else c.note[:70]
             body.append(_text(left, y + 14, f"does not fit ({need})", 'fill="#888888"'))
             continue
         chosen = (c.tp, c.pp, c.dp) == (result.choice.tp, result.choice.pp, result.choice.dp)

@@ -6,6 +6,7 @@ the ranks agree on the model, rank 0 plan and share, then every rank rewrites it
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -19,6 +20,7 @@ from autotp.passes.capture import fingerprint, retarget_device
 from autotp.passes.prepared_graph import prepare, prepared_graph
 from autotp.passes.recompute import attention_cores, checkpoint_cores
 from autotp.passes.rewrite import rewrite
+from autotp.placement import parse
 from autotp.plan import Plan, PlanMismatch
 from autotp.planning.tensor_plan import planned, solve_plan
 from autotp.runtime.conversion import model_conversions
@@ -28,6 +30,7 @@ from autotp.runtime.expert_dispatch import Group, Groups
 from autotp.runtime.hf_checkpoint import Checkpoint, check_tensors
 from autotp.runtime.hf_models import default_inputs
 from autotp.runtime.materialize import device_of, materialize
+from autotp.runtime.programs import InputStructureError, install
 from autotp.runtime.rendezvous import InputCheck, RandomCheck, Rendezvous, inputs_digest
 from autotp.runtime.transport import register
 
@@ -77,7 +80,36 @@ def tensor_parallel(model: torch.nn.Module, args, kwargs, planning: PlanOptions,
             RandomCheck(ranks.everyone, running.check_inputs == "always", dropouts, ranks.device).attach(sharded)
     if running.verify:
         verify_against(model, sharded, args, kwargs)
+    if graph is None:  # a pipeline stage's inputs are its schedule's, of one structure
+        make = functools.partial(another_program, model, plan, planning, running, expert_groups)
+        sharded.autotp_programs = install(sharded, make, running.recaptures)
     return sharded
+
+
+def another_program(model: torch.nn.Module, first: Plan, planning: PlanOptions, running: RunOptions,
+                    expert_groups: tuple | None, args, kwargs) -> torch.nn.Module:
+    """A program for inputs of a structure the first program's capture excluded, made as the first was (every rank
+    of the group at once, rank 0 planning): the first plan where it fits the new graph, else a plan whose
+    parameters are placed as the first plan places them, so that both programs hold the same pieces."""
+    ranks = Ranks.of(running, expert_groups, None)
+    gm = prepared_graph(model, args, kwargs)
+    graph_hash = fingerprint(gm)
+    try:
+        planned(gm, first, graph_hash, ranks.world)
+        given = first
+    except PlanMismatch:
+        given = None
+    fixed = {name: parse(text) for name, text in first.params.items()}
+    plan = agree_on_plan(gm, graph_hash, args, kwargs, replace(planning, fixed=fixed), given, ranks)
+    moved = [name for name, text in plan.params.items() if first.params.get(name, text) != text]
+    if moved:
+        raise InputStructureError(f"the plan for these inputs places {moved[0]} as {plan.params[moved[0]]}, the "
+                                  f"first as {first.params[moved[0]]}: the programs cannot share their pieces; "
+                                  "parallelize with inputs of this structure instead")
+    choice, recomputed = planned(gm, plan, graph_hash, ranks.world)
+    program, _ = sharded_program(gm, choice, recomputed, None, planning, running, ranks)
+    ranks.planners.agree("loaded", "ok", "the end of loading")
+    return program
 
 
 @dataclass(frozen=True)

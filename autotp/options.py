@@ -85,10 +85,16 @@ class RunOptions:
     dropout: str = "default"
     """How dropout masks are drawn: "default" (Megatron's model-parallel streams) or "reference" (each rank its
     piece of the masks one process draws; for tests)."""
+    recaptures: int = 8
+    """Programs kept for inputs of a new structure (another BlockMask length, a length a shape guard of the
+    capture excluded), each captured and planned again over the group, sharing the parameters; 0 refuses such
+    inputs in one line."""
 
     def __post_init__(self):
         if self.check_inputs not in INPUT_CHECKS:
             raise ValueError(f'check_inputs must be "first", "always" or False, got {self.check_inputs!r}')
+        if not isinstance(self.recaptures, int) or self.recaptures < 0:
+            raise ValueError(f"recaptures must be a whole number >= 0, got {self.recaptures!r}")
         if self.dropout not in MODES:
             raise ValueError(f'dropout must be "default" or "reference" (for tests), got {self.dropout!r}')
 

@@ -181,6 +181,13 @@ def _floats(*shape):
     return torch.randn(*shape, dtype=torch.float64)
 
 
+def scans(m, x):
+    """Padding to a multiple of a chunk and scanning within it (state-space layers), then a scan over hidden."""
+    h = torch.nn.functional.pad(x * m.w, (0, 0, 0, (4 - x.shape[1] % 4) % 4))  # pad.default, a computed width
+    h = aten.constant_pad_nd.default(h.cumsum(1), [0, 0, 1, 0], 0.5)
+    return h.cumsum(-1)[:, : x.shape[1]]
+
+
 SAMPLES = {
     "pointwise": (lambda: Program(pointwise, w=(H,)), lambda: (_floats(2, 5, H), _floats(2, 5, H))),
     "products": (lambda: Program(products, up=(FFN, H), up_bias=(FFN,), down=(H, FFN), proj=(H, H),
@@ -196,6 +203,7 @@ SAMPLES = {
     "flex": (lambda: Program(flex, q=(HEADS * D, H), k=(KV * D, H), v=(KV * D, H)), lambda: (_floats(2, 5, H),)),
     "packed_attention": (lambda: Program(packed_attention, packed=(3 * HEADS * D, H), cross=(3 * HEADS * D, H)),
                          lambda: (_floats(2, 5, H),)),
+    "scans": (lambda: Program(scans, w=(H,)), lambda: (_floats(2, 5, H),)),
     "experts": (lambda: Program(experts, w=(3, H, 8)), lambda: (_floats(8, H), torch.tensor([0, 0, 0, 1, 1, 2, 2, 2]))),
 }
 

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 
 import torch
 import torch.utils._pytree as pytree
 from torch.fx import Node
 from torch.nn.attention import flex_attention as flex_api
 
+from autotp.ops.mask_functions import function_shape, rebuild
 from autotp.ops.strategies import Context, Strategy, is_placed
 from autotp.placement import R, Shard
 
@@ -36,9 +38,29 @@ def exportable_on_cpu():
             check(query, key, value)
     flex_api._validate_device = validate
     try:
-        yield
+        with _products_of_many():
+            yield
     finally:
         flex_api._validate_device = check
+
+
+@contextlib.contextmanager
+def _products_of_many():
+    """A mask function that indexes a tensor by ``b`` and ``kv`` (transformers' padding masks) at dynamic sizes
+    makes proxy tracing rebuild a product of three sizes (``2*s0*s1``) with the binary ``operator.mul``
+    ("mul expected 2 arguments, got 3"): rebuild products of any length while torch.export traces."""
+    import sympy
+    from torch.fx.experimental.proxy_tensor import _sympy_handlers
+    handlers = _sympy_handlers()
+    binary = handlers.get(sympy.Mul)
+    if binary is None:
+        yield
+        return
+    handlers[sympy.Mul] = lambda *factors: functools.reduce(binary, factors)
+    try:
+        yield
+    finally:
+        handlers[sympy.Mul] = binary
 
 
 def _present(mask: BlockMask) -> tuple:
@@ -46,27 +68,34 @@ def _present(mask: BlockMask) -> tuple:
 
 
 def _flatten(mask: BlockMask):
+    """Leaves: the block tables, then the tensors the mask function's closure holds (document ids)."""
     present = _present(mask)
-    return [getattr(mask, name) for name in present], (mask.seq_lengths, mask.BLOCK_SIZE, mask.mask_mod,
-                                                       mask.dq_kv_order_spt, present)
+    cells: list = []
+    shape = function_shape(mask.mask_mod, cells)
+    leaves = [getattr(mask, name) for name in present]
+    return [*leaves, *cells], (mask.seq_lengths, mask.BLOCK_SIZE, shape, mask.dq_kv_order_spt, present)
 
 
 def _unflatten(leaves, context) -> BlockMask:
-    seq_lengths, block, mask_mod, spt, present = context
+    seq_lengths, block, shape, spt, present = context
     tensors = dict.fromkeys(BlockMask._TENSOR_ATTRS)
-    tensors.update(zip(present, leaves, strict=True))
+    tensors.update(zip(present, leaves[:len(present)], strict=True))
+    mask_mod = rebuild(shape, iter(leaves[len(present):]))
     return BlockMask(seq_lengths=seq_lengths, BLOCK_SIZE=block, mask_mod=mask_mod, dq_kv_order_spt=spt, **tensors)
 
 
 def _flatten_with_keys(mask: BlockMask):
     leaves, context = _flatten(mask)
-    return [(pytree.GetAttrKey(name), leaf) for name, leaf in zip(context[-1], leaves, strict=True)], context
+    present = context[-1]
+    keys = [*present, *(f"mask_mod_tensor_{i}" for i in range(len(leaves) - len(present)))]
+    return [(pytree.GetAttrKey(name), leaf) for name, leaf in zip(keys, leaves, strict=True)], context
 
 
 def register_block_mask() -> None:
-    """A BlockMask input as a pytree (PyTorch does not register it): its block tables are the leaves; its
-    lengths, block size and ``mask_mod`` function the structure, so a mask of other lengths or another function
-    is another input structure, which the captured program refuses rather than computing with the traced one."""
+    """A BlockMask input as a pytree (PyTorch does not register it): its block tables and its mask function's
+    tensors are the leaves; its lengths, block size and the mask function's code the structure
+    (ops/mask_functions.py), so a mask rebuilt per batch is the same input, one of other lengths or another
+    function another input structure, never computed with the traced one."""
     if BlockMask not in pytree.SUPPORTED_NODES:
         pytree.register_pytree_node(BlockMask, _flatten, _unflatten, flatten_with_keys_fn=_flatten_with_keys,
                                     serialized_type_name="autotp.BlockMask")
@@ -77,7 +106,7 @@ def mask_tensors(args, kwargs) -> set:
     1, which the rule must know)."""
     masks = [x for x in pytree.tree_leaves((args, kwargs), is_leaf=lambda x: isinstance(x, BlockMask))
              if isinstance(x, BlockMask)]
-    return {id(t) for mask in masks for t in _flatten(mask)[0]}
+    return {id(t) for mask in masks for t in _flatten(mask)[0]}  # closure tensors too: sized by the tables
 
 
 # ---- the rule ----------------------------------------------------------------------------------------

@@ -228,7 +228,7 @@ def reduction(node: Node, ctx: Context) -> list[Strategy]:
 
 
 def normalize(node: Node, ctx: Context) -> list[Strategy]:
-    """softmax / layer_norm: any dim outside the normalized ones may stay sharded."""
+    """softmax / layer_norm / cumsum: any dim outside the normalized (scanned) ones may stay sharded."""
     x = node.args[0]
     n = len(ctx.shape(x))
     if node.target == aten.layer_norm.default:
@@ -240,3 +240,13 @@ def normalize(node: Node, ctx: Context) -> list[Strategy]:
         if d not in normed:
             found += [Strategy(ctx.fill(node, {x: s}), s) for s in ctx.shard_options(x, d) + ctx.token_options(x, d)]
     return found
+
+
+def pad(node: Node, ctx: Context) -> list[Strategy]:
+    """Padding: a dim it pads nothing on may stay sharded (the widths name dims from the last, two per dim; a
+    width computed from a size, such as padding to a multiple of a chunk, counts as padding)."""
+    x, widths = node.args[0], node.args[1]
+    n = len(ctx.shape(x))
+    padded = {n - 1 - i // 2 for i, width in enumerate(widths) if not (isinstance(width, int) and width == 0)}
+    return [Strategy(ctx.fill(node, {x: s}), s) for d in range(n) if d not in padded
+            for s in ctx.shard_options(x, d) + ctx.token_options(x, d)]

@@ -42,6 +42,7 @@ from autotp.ops.rules import (
     linear,
     matmul,
     normalize,
+    pad,
     pointwise,
     reduction,
     repeat_interleave,
@@ -256,6 +257,8 @@ _ROWS: dict = {
     **_rows([aten._log_softmax.default, aten.log_softmax.int], family="log_softmax", rule=normalize,
             keeps=keeps_output),
     **_rows([aten.layer_norm.default], family="layer_norm", rule=normalize, keeps=keeps_normalized),
+    **_rows([aten.cumsum.default], family="scan", rule=normalize, keeps=keeps_nothing),
+    **_rows([aten.pad.default, aten.constant_pad_nd.default], family="pad", rule=pad, keeps=keeps_nothing),
     # layout: the same data seen another way
     **_rows([aten.view.default, aten.reshape.default, aten._unsafe_view.default], family="view", rule=view,
             layout=True, keeps=keeps_nothing, local=local_forms.resize),

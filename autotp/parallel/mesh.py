@@ -123,6 +123,9 @@ def _shard(model: torch.nn.Module, args, kwargs, *, mesh: DeviceMesh, kind: str,
     sharded = api.tensor_parallel(model, args, kwargs, planning, replace(running, group=tp, checkpoint=source),
                                   graph=graph, expert_groups=expert_groups, fill=not later)
     sharded.autotp_mesh = mesh
+    if replicas and kind == "fsdp" and hasattr(sharded, "autotp_programs"):  # another program could not share them
+        sharded.autotp_programs.most = 0
+        sharded.autotp_programs.why_not = "FSDP2 shards this program's parameters over 'dp': pad or bucket inputs"
     if replicas:
         experts = set(getattr(sharded, "autotp_dealt", {})) if ep else set()
         sharded = data_parallel(sharded, mesh[replicas[0] if len(replicas) == 1 else replicas], kind, blocks,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.attention.flex_attention import and_masks, create_block_mask
 from torch.utils._pytree import tree_flatten
 
@@ -130,6 +131,10 @@ def _chunks(rank: int, world: int) -> None:
     refusing = autotp.parallelize(model, (torch.randn(2, 16, 16),), recaptures=0)
     with pytest.raises(InputStructureError, match=r"fail a guard of the capture \(Guard failed: .*x\.size\(\)\[1\]"):
         refusing(torch.randn(2, 11, 16))
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))  # FSDP2's shards: no second program shares them
+    data_parallel = autotp.parallelize(model, (torch.randn(2, 16, 16),), mesh=mesh)
+    with pytest.raises(InputStructureError, match="FSDP2 shards this program's parameters over 'dp'"):
+        data_parallel(torch.randn(2, 11, 16))
 
 
 def test_a_chunk_padded_layer_runs_lengths_the_capture_excluded():

@@ -87,12 +87,19 @@ def tensor_parallel(model: torch.nn.Module, args, kwargs, planning: PlanOptions,
 
 
 def another_program(model: torch.nn.Module, first: Plan, planning: PlanOptions, running: RunOptions,
-                    expert_groups: tuple | None, args, kwargs) -> torch.nn.Module:
+                    expert_groups: tuple | None, args, kwargs, training: bool) -> torch.nn.Module:
     """A program for inputs of a structure the first program's capture excluded, made as the first was (every rank
     of the group at once, rank 0 planning): the first plan where it fits the new graph, else a plan whose
-    parameters are placed as the first plan places them, so that both programs hold the same pieces."""
+    parameters are placed as the first plan places them, so that both programs hold the same pieces; captured
+    in ``training`` mode (the user's model is left in its own)."""
     ranks = Ranks.of(running, expert_groups, None)
-    gm = prepared_graph(model, args, kwargs)
+    modes = {module: module.training for module in model.modules()}
+    model.train(training)
+    try:
+        gm = prepared_graph(model, args, kwargs)
+    finally:
+        for module, mode in modes.items():
+            module.training = mode
     graph_hash = fingerprint(gm)
     try:
         planned(gm, first, graph_hash, ranks.world)
@@ -109,7 +116,7 @@ def another_program(model: torch.nn.Module, first: Plan, planning: PlanOptions, 
     choice, recomputed = planned(gm, plan, graph_hash, ranks.world)
     program, _ = sharded_program(gm, choice, recomputed, None, planning, running, ranks)
     ranks.planners.agree("loaded", "ok", "the end of loading")
-    return program
+    return program.train(training)
 
 
 @dataclass(frozen=True)

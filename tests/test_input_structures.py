@@ -15,6 +15,7 @@ import autotp
 from autotp.ops.flex import exportable_on_cpu, register_block_mask
 from autotp.passes.capture import capture
 from autotp.runtime.programs import InputStructureError, call_difference, refusal, spec_difference
+from tests.helpers import configs
 from tests.helpers.distributed import run_ranks
 from tests.helpers.exact import TOL, sums_per_block, training_matches
 from tests.helpers.native_models import VOCAB, flex_lm
@@ -83,7 +84,7 @@ def _documents(rank: int, world: int) -> None:
     assert plan.replicated_ops == [] and set(sums_per_block(plan).values()) == {2}, plan.collectives
     with exportable_on_cpu():
         training_matches(model, sharded, [packed_batch(2, 16, step + 1) for step in range(3)])
-        new = r"again for inputs of a new structure \(args\[1\] \(a BlockMask\) has \(24, 24\)"
+        new = r"again for a call of a new structure \(args\[1\] \(a BlockMask\) has \(24, 24\)"
         with pytest.warns(UserWarning, match=new):
             longer = packed_batch(3, 24, 9)
             torch.testing.assert_close(sharded(*longer), model(*longer), **TOL)
@@ -142,10 +143,9 @@ def test_a_chunk_padded_layer_runs_lengths_the_capture_excluded():
 
 
 def _mamba(rank: int, world: int) -> None:
-    from transformers import Mamba2Config, Mamba2ForCausalLM
+    from transformers import Mamba2ForCausalLM
     torch.manual_seed(0)
-    model = Mamba2ForCausalLM(Mamba2Config(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_heads=4,
-                                           head_dim=32, n_groups=1, state_size=16, chunk_size=8, expand=2)).eval()
+    model = Mamba2ForCausalLM(configs.mamba2()).eval()
     sharded = autotp.parallelize(model, (torch.randint(0, 100, (2, 16)),), {"use_cache": False})
     for seq in (16, 11, 24, 5):
         ids = torch.randint(0, 100, (2, seq))

@@ -55,6 +55,8 @@ def pointwise(m, x, y):
     h = torch.tanh(h) + torch.relu(h) + torch.sigmoid(h) * torch.exp(-h.abs()) + torch.rsqrt(h.abs() + 1)
     h = aten.dropout.default(h + torch.sqrt(h.abs()), 0.1, False)
     masks = [op(h, y) for op in (torch.eq, torch.ne, torch.lt, torch.gt, torch.le, torch.ge)]
+    masks = [m & op(h, 0.5) for m, op in zip(masks, (torch.eq, torch.ne, torch.lt, torch.gt, torch.le, torch.ge),
+                                                 strict=True)]
     h = torch.where(masks[3], h, y).masked_fill(masks[2], 0.0)
     return h * m.w + masks[0] + masks[1] + masks[4] + masks[5]
 
@@ -188,6 +190,18 @@ def scans(m, x):
     return h.cumsum(-1)[:, : x.shape[1]]
 
 
+def einsums(m, x):
+    """Attention written as einsums (einops-style libraries), a contraction with a weight, rotary's unbind."""
+    b, s, _ = x.shape
+    q = torch.einsum("bnd,ed->bne", x, m.q).view(b, s, HEADS, D).transpose(1, 2)
+    k = torch.nn.functional.linear(x, m.k).view(b, s, HEADS, D).transpose(1, 2)
+    x1, x2 = q.reshape(b, HEADS, s, D // 2, 2).unbind(-1)
+    q = torch.stack((-x2, x1), -1).reshape(b, HEADS, s, D) + q
+    weights = torch.einsum("bhid,bhjd->bhij", q, k).softmax(-1)
+    out = torch.einsum("bhij,bhjd->bhid", weights, k)
+    return torch.einsum("bhsd,ehd->bse", out, m.o.view(H, HEADS, D))
+
+
 SAMPLES = {
     "pointwise": (lambda: Program(pointwise, w=(H,)), lambda: (_floats(2, 5, H), _floats(2, 5, H))),
     "products": (lambda: Program(products, up=(FFN, H), up_bias=(FFN,), down=(H, FFN), proj=(H, H),
@@ -203,6 +217,8 @@ SAMPLES = {
     "flex": (lambda: Program(flex, q=(HEADS * D, H), k=(KV * D, H), v=(KV * D, H)), lambda: (_floats(2, 5, H),)),
     "packed_attention": (lambda: Program(packed_attention, packed=(3 * HEADS * D, H), cross=(3 * HEADS * D, H)),
                          lambda: (_floats(2, 5, H),)),
+    "einsums": (lambda: Program(einsums, q=(HEADS * D, H), k=(HEADS * D, H), o=(H, HEADS * D)),
+                lambda: (_floats(2, 5, H),)),
     "scans": (lambda: Program(scans, w=(H,)), lambda: (_floats(2, 5, H),)),
     "experts": (lambda: Program(experts, w=(3, H, 8)), lambda: (_floats(8, H), torch.tensor([0, 0, 0, 1, 1, 2, 2, 2]))),
 }

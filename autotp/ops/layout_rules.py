@@ -314,3 +314,18 @@ def cat(node: Node, ctx: Context) -> list[Strategy]:
                       for s in ctx.shard_options(node, d)
                       if s.chunks is None and (d != at or (s.whole(ctx.world) and not stacked))]
     return found
+
+
+def unbind(node: Node, ctx: Context) -> list[Strategy]:
+    """unbind: a dim other than the one taken apart stays sharded in every piece (the dims after it move down
+    one); partial sums stay partial (rotary's ``x1, x2 = x.unbind(-1)`` on heads split)."""
+    x = node.args[0]
+    n = len(ctx.shape(x))
+    at = positive_dim(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0), n)
+    k = len(node.meta["val"])
+    found = [Strategy(ctx.fill(node, {x: P}), (P,) * k)] if summable(x) else []
+    for d in range(n):
+        for s in ctx.shard_options(x, d) if d != at else ():
+            if s.chunks is None:
+                found.append(Strategy(ctx.fill(node, {x: s}), (s.at(d - (d > at)),) * k))
+    return found

@@ -250,3 +250,36 @@ def pad(node: Node, ctx: Context) -> list[Strategy]:
     padded = {n - 1 - i // 2 for i, width in enumerate(widths) if not (isinstance(width, int) and width == 0)}
     return [Strategy(ctx.fill(node, {x: s}), s) for d in range(n) if d not in padded
             for s in ctx.shard_options(x, d) + ctx.token_options(x, d)]
+
+
+def einsum(node: Node, ctx: Context) -> list[Strategy]:
+    """einsum by its letters (no ellipsis, no repeated letter, no operand twice): a letter the output keeps may
+    be split in every operand that has it (the others read whole); a contracted letter split in every operand
+    that has it sums partial products; one partial operand, the others whole, gives a partial result (the
+    product is linear in each operand)."""
+    equation, operands = node.args[0], node.args[1]
+    if not isinstance(equation, str) or "." in equation or "->" not in equation:
+        return []
+    inputs, kept = equation.replace(" ", "").split("->")
+    terms = inputs.split(",")
+    if (len(terms) != len(operands) or not all(isinstance(x, Node) for x in operands)
+            or len(set(operands)) != len(operands) or any(len(set(t)) != len(t) for t in [*terms, kept])):
+        return []
+    out = ctx.shape(node)
+    found = []
+    for d, letter in enumerate(kept):
+        for s in ctx.shard_options(node, d) + ctx.token_options(node, d):
+            if s.chunks is not None:
+                continue
+            placements = {x: _aligned(s, ctx.shape(x), term.index(letter), out[d], ctx) if letter in term else R
+                          for term, x in zip(terms, operands, strict=True)}
+            if None not in placements.values():
+                found.append(Strategy(ctx.fill(node, placements), s))
+    for letter in dict.fromkeys(c for c in inputs if c.isalpha() and c not in kept):
+        holders = [(x, term.index(letter)) for term, x in zip(terms, operands, strict=True) if letter in term]
+        (first, k), size = holders[0], ctx.shape(holders[0][0])[holders[0][1]]
+        if not ctx.static(size) or any(ctx.shape(x)[j] != size for x, j in holders):
+            continue
+        for s in contractible(ctx.shard_options(first, k), k, ctx.world):
+            found.append(Strategy(ctx.fill(node, {x: s.at(j) for x, j in holders}), P))
+    return found + [Strategy(ctx.fill(node, {x: P}), P) for x in operands]

@@ -32,12 +32,14 @@ from autotp.ops.layout_rules import (
     split,
     t,
     transpose,
+    unbind,
     unsqueeze,
     view,
 )
 from autotp.ops.rules import (
     attention,
     dropout,
+    einsum,
     embedding,
     linear,
     matmul,
@@ -191,7 +193,8 @@ def _rows(targets, **facts) -> dict:
                           **facts}) for target in targets}
 
 
-_COMPARISONS = [aten.eq.Tensor, aten.ne.Tensor, aten.lt.Tensor, aten.gt.Tensor, aten.le.Tensor, aten.ge.Tensor]
+_COMPARISONS = [aten.eq.Tensor, aten.ne.Tensor, aten.lt.Tensor, aten.gt.Tensor, aten.le.Tensor, aten.ge.Tensor,
+                aten.eq.Scalar, aten.ne.Scalar, aten.lt.Scalar, aten.gt.Scalar, aten.le.Scalar, aten.ge.Scalar]
 
 _ROWS: dict = {
     # elementwise: any output dim sharded alike in every input (broadcast dims replicated), or tokens split
@@ -237,6 +240,7 @@ _ROWS: dict = {
             keeps=keeps_operands, styles={1: {1: "column", 0: "row"}}),
     **_rows([aten.matmul.default], family="matmul", rule=matmul, flops=product_flops, shape=matmul_shape,
             keeps=keeps_operands),
+    **_rows([aten.einsum.default], family="einsum", rule=einsum, keeps=keeps_operands),
     **_rows([aten.bmm.default], family="matmul", rule=matmul, flops=product_flops, shape=matmul_shape,
             keeps=keeps_operands, experts="combine"),
     **_rows([aten._grouped_mm.default, GROUPED_MM_FALLBACK], family="grouped_mm", rule=grouped_mm,
@@ -275,7 +279,8 @@ _ROWS: dict = {
     **_rows([aten.unsqueeze.default], family="unsqueeze", rule=unsqueeze, layout=True, experts="rows",
             keeps=keeps_nothing),
     **_rows([aten.squeeze.dim], family="squeeze", rule=squeeze, layout=True, experts="rows", keeps=keeps_nothing),
-    **_rows([aten.squeeze.default, aten.squeeze.dims, aten.unbind.int], family="squeeze", keeps=keeps_nothing),
+    **_rows([aten.squeeze.default, aten.squeeze.dims], family="squeeze", keeps=keeps_nothing),
+    **_rows([aten.unbind.int], family="split", rule=unbind, keeps=keeps_nothing),
     **_rows([aten.slice.Tensor], family="slice", rule=strided_slice, layout=True, experts="rows",
             keeps=keeps_nothing, local=local_forms.cut_block),
     **_rows([aten.select.int], family="slice", rule=slice_, layout=True, keeps=keeps_nothing),

@@ -7,6 +7,7 @@ from autotp.passes.capture import CaptureError, canonical_names, capture
 from autotp.passes.capture import check_inputs as check_example_inputs
 from autotp.passes.fold import NotFoldable, find_fold, fold_graph, folded
 from autotp.passes.group_cuts import cuts_to_gathers
+from autotp.passes.inline_regions import inline_regions
 from autotp.passes.prepare import drop_no_ops, fuse_repeat_kv, merge_aliases, split_bias, unflatten_products
 from autotp.passes.unmerge import unmerge
 from autotp.runtime.hf_models import default_inputs, no_kv_cache
@@ -35,6 +36,7 @@ def prepared_graph(model: torch.nn.Module, args=None, kwargs=None, fold: bool = 
 
 def prepare(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A captured graph (of a model, or of one pipeline stage: parallel/split.py) made ready for the rules."""
+    inline_regions(gm)
     merge_aliases(gm)
     split_bias(gm)
     unflatten_products(gm)

@@ -81,7 +81,7 @@ def refusal(program: torch.nn.Module, args: tuple, kwargs: dict) -> str | None:
     try:
         guards = getattr(program, "_guards_fn", None)
         if guards is not None:
-            guards(*leaves)
+            guards.forward(*leaves)  # not through __call__: module hooks (CommDebugMode's) see the program's call only
         else:
             _check_input_constraints_for_module(program, args, kwargs)
     except (AssertionError, RuntimeError) as exc:
@@ -108,33 +108,44 @@ def share_tensors(main: torch.nn.Module, other: torch.nn.Module) -> None:
 
 class Programs:
     """``main``'s forward: ``main`` for the inputs it takes, else the first of up to ``most`` other programs that
-    takes them, else one ``make(args, kwargs)`` returns (collective over the TP group: every rank calls with the
-    same structure, as the input check makes sure).  ``most=0`` refuses new structures in one line."""
+    takes them, else one ``make(args, kwargs, training)`` returns (collective over the TP group: every rank calls
+    with the same structure, as the input check makes sure).  ``most=0`` refuses new structures in one line.
+
+    A program captured in eval mode never drops (nor uses batch statistics): in training mode the call needs a
+    program captured in training mode, as the model in one process would run.  (One captured in training mode
+    runs eval exactly: its dropouts follow the mode, runtime/dropout.py.)"""
 
     def __init__(self, main: torch.nn.Module, make, most: int, why_not: str = ""):
         self.main, self.make, self.most, self.why_not = main, make, most, why_not
         self.forward = type(main).forward.__get__(main)
         self.others: OrderedDict[int, torch.nn.Module] = OrderedDict()
         self.made = 0
+        main.autotp_captured_training = main.training
+
+    def _refusal(self, program: torch.nn.Module, args, kwargs) -> str | None:
+        if self.main.training and not program.autotp_captured_training:
+            return "the model was captured in eval mode and now runs in training mode (where it drops)"
+        return refusal(program, args, kwargs)
 
     def __call__(self, *args, **kwargs):
-        why = refusal(self.main, args, kwargs)
+        why = self._refusal(self.main, args, kwargs)
         if why is None:
             return self.forward(*args, **kwargs)
         for key, other in self.others.items():
-            if refusal(other, args, kwargs) is None:
+            if self._refusal(other, args, kwargs) is None:
                 self.others.move_to_end(key)
                 return self._run(other, args, kwargs)
         if self.most <= 0 or self.make is None:
             fix = self.why_not or "pass recaptures=8 to parallelize"
             raise InputStructureError(f"this call's inputs differ from those the model was captured with: {why}; "
                                       f"{fix}, or call with inputs of that structure")
-        other = self.make(args, kwargs)
+        other = self.make(args, kwargs, self.main.training)
+        other.autotp_captured_training = self.main.training
         self.made += 1
         self.others[self.made] = other
         if len(self.others) > self.most:
             self.others.popitem(last=False)
-        warnings.warn(f"autotp: captured and planned the model again for inputs of a new structure ({why}); "
+        warnings.warn(f"autotp: captured and planned the model again for a call of a new structure ({why}); "
                       f"{len(self.others) + 1} programs kept, at most {self.most + 1} (option recaptures)",
                       stacklevel=3)
         return self._run(other, args, kwargs)
@@ -156,5 +167,8 @@ def install(main: torch.nn.Module, make, most: int, why_not: str = "") -> Progra
             del main._forward_pre_hooks[key]
             main._forward_pre_hooks_with_kwargs.pop(key, None)
     programs = Programs(main, make, most, why_not)
-    main.forward = programs
+
+    def forward(*args, **kwargs):  # a function, as torch.compile expects of a GraphModule's forward
+        return programs(*args, **kwargs)
+    main.forward = forward
     return programs

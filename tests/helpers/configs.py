@@ -95,6 +95,14 @@ def olmo2(**overrides):
                           **overrides})
 
 
+def mamba2(**overrides):
+    """Mamba-2: 2 state-space blocks of 64, 4 heads of 32, chunks of 8 (the sequence is padded to a multiple)."""
+    from transformers import Mamba2Config
+    return Mamba2Config(**{"vocab_size": 100, "hidden_size": 64, "num_hidden_layers": 2, "num_heads": 4,
+                           "head_dim": 32, "n_groups": 1, "state_size": 16, "chunk_size": 8, "expand": 2,
+                           "use_cache": False, **overrides})
+
+
 def vit(**overrides):
     """A ViT classifier of 16 x 16 images in 4 x 4 patches (17 tokens), 2 blocks of 64, 4 heads, 5 labels."""
     from transformers import ViTConfig

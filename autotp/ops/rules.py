@@ -283,3 +283,12 @@ def einsum(node: Node, ctx: Context) -> list[Strategy]:
         for s in contractible(ctx.shard_options(first, k), k, ctx.world):
             found.append(Strategy(ctx.fill(node, {x: s.at(j) for x, j in holders}), P))
     return found + [Strategy(ctx.fill(node, {x: P}), P) for x in operands]
+
+
+def top_k(node: Node, ctx: Context) -> list[Strategy]:
+    """topk: a dim other than the one ranked stays sharded in both outputs (values and indices)."""
+    x = node.args[0]
+    n = len(ctx.shape(x))
+    at = positive_dim(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", -1), n)  # topk(x, k, dim)
+    return [Strategy(ctx.fill(node, {x: s}), (s, s)) for d in range(n) if d != at
+            for s in ctx.shard_options(x, d) + ctx.token_options(x, d)]

@@ -48,6 +48,7 @@ from autotp.ops.rules import (
     pointwise,
     reduction,
     repeat_interleave,
+    top_k,
 )
 from autotp.ops.semantics import Op, may_alias, row_of
 
@@ -230,8 +231,10 @@ _ROWS: dict = {
     # every rank masks a whole (or partial) input alike: linear in training too (runtime/dropout.py)
     **_rows([aten.dropout.default], family="elementwise", rule=dropout, linear=(0,), keeps=keeps_mask,
             drops=dropout_rate, local=local_forms.dropout),
-    **_rows([aten.where.self, aten.masked_fill.Scalar], family="elementwise", rule=pointwise,
-            keeps=keeps_condition),
+    **_rows([aten.where.self, aten.masked_fill.Scalar, aten.masked_fill.Tensor], family="elementwise",
+            rule=pointwise, keeps=keeps_condition),
+    **_rows([aten.clamp.default, aten.clamp.Tensor, aten.clamp_min.default, aten.clamp_max.default],
+            family="elementwise", rule=pointwise, keeps=keeps_input),
     **_rows(_COMPARISONS, family="elementwise", rule=pointwise, keeps=keeps_nothing),
     # products
     **_rows([aten.linear.default], family="linear", rule=linear, flops=product_flops, shape=linear_shape,
@@ -262,6 +265,7 @@ _ROWS: dict = {
             keeps=keeps_output),
     **_rows([aten.layer_norm.default], family="layer_norm", rule=normalize, keeps=keeps_normalized),
     **_rows([aten.cumsum.default], family="scan", rule=normalize, keeps=keeps_nothing),
+    **_rows([aten.topk.default], family="scan", rule=top_k, keeps=keeps_nothing),
     **_rows([aten.pad.default, aten.constant_pad_nd.default], family="pad", rule=pad, keeps=keeps_nothing),
     # layout: the same data seen another way
     **_rows([aten.view.default, aten.reshape.default, aten._unsafe_view.default], family="view", rule=view,
@@ -280,7 +284,7 @@ _ROWS: dict = {
             keeps=keeps_nothing),
     **_rows([aten.squeeze.dim], family="squeeze", rule=squeeze, layout=True, experts="rows", keeps=keeps_nothing),
     **_rows([aten.squeeze.default, aten.squeeze.dims], family="squeeze", keeps=keeps_nothing),
-    **_rows([aten.unbind.int], family="split", rule=unbind, keeps=keeps_nothing),
+    **_rows([aten.unbind.int], family="unbind", rule=unbind, keeps=keeps_nothing),
     **_rows([aten.slice.Tensor], family="slice", rule=strided_slice, layout=True, experts="rows",
             keeps=keeps_nothing, local=local_forms.cut_block),
     **_rows([aten.select.int], family="slice", rule=slice_, layout=True, keeps=keeps_nothing),

@@ -59,6 +59,9 @@ def pointwise(m, x, y):
                                                  strict=True)]
     h = torch.where(masks[3], h, y).masked_fill(masks[2], 0.0).masked_fill(masks[1], torch.tensor(0.25))
     h = h.clamp(-2.0, 2.0) + h.clamp_min(-1.0) + h.clamp_max(1.0) + torch.clamp(h, min=y - 3)
+    h = h.square() + torch.nn.functional.softplus(h) + torch.expm1(h / 4) + (1 - h) + torch.zeros_like(h)
+    h = torch.minimum(h, y) + torch.maximum(h, y) + torch.min(h, y) + torch.max(h, y) + torch.ones_like(y)
+    h = aten.where.ScalarOther(masks[0], h, 0.5)
     return h * m.w + masks[0] + masks[1] + masks[4] + masks[5]
 
 
@@ -204,6 +207,15 @@ def einsums(m, x):
     return torch.einsum("bhsd,ehd->bse", out, m.o.view(H, HEADS, D))
 
 
+def convolutions(m, x, image):
+    """A 1-D conv over the sequence (channels first), a depthwise one with a bias (state-space layers), a 2-D
+    patch embedding."""
+    h = torch.nn.functional.conv1d(x.transpose(1, 2), m.mix, padding=1)
+    h = torch.nn.functional.conv1d(h, m.depthwise, m.depthwise_bias, padding=2, groups=FFN)
+    patches = torch.nn.functional.conv2d(image, m.patch, m.patch_bias, stride=2)
+    return h.transpose(1, 2)[:, : x.shape[1]].sum(-1) + patches.flatten(2).sum((1, 2)).unsqueeze(-1)
+
+
 SAMPLES = {
     "pointwise": (lambda: Program(pointwise, w=(H,)), lambda: (_floats(2, 5, H), _floats(2, 5, H))),
     "products": (lambda: Program(products, up=(FFN, H), up_bias=(FFN,), down=(H, FFN), proj=(H, H),
@@ -221,6 +233,9 @@ SAMPLES = {
                          lambda: (_floats(2, 5, H),)),
     "einsums": (lambda: Program(einsums, q=(HEADS * D, H), k=(HEADS * D, H), o=(H, HEADS * D)),
                 lambda: (_floats(2, 5, H),)),
+    "convolutions": (lambda: Program(convolutions, mix=(FFN, H, 3), depthwise=(FFN, 1, 5), depthwise_bias=(FFN,),
+                                     patch=(H, 3, 2, 2), patch_bias=(H,)),
+                     lambda: (_floats(2, 5, H), _floats(2, 3, 4, 4))),
     "scans": (lambda: Program(scans, w=(H,)), lambda: (_floats(2, 5, H),)),
     "experts": (lambda: Program(experts, w=(3, H, 8)), lambda: (_floats(8, H), torch.tensor([0, 0, 0, 1, 1, 2, 2, 2]))),
 }

@@ -222,3 +222,15 @@ def attention(node: Node, strategy, rank: int, world: int) -> None:
     module = Attention(bound["dropout_p"], bool(bound["is_causal"]), bound["scale"], bool(bound["enable_gqa"]),
                        heads, layout, _stream_key(layout, heads, rank, world), rank, world)
     _to_module(node, module, (bound["query"], bound["key"], bound["value"], bound["attn_mask"]))
+
+
+def depthwise_groups(node: Node, strategy, rank: int, world: int) -> None:
+    """A depthwise conv with its channels split: one group per channel this rank holds."""
+    groups = node.args[6] if len(node.args) > 6 else node.kwargs.get("groups", 1)
+    if groups == 1 or not isinstance(strategy.output, Shard) or strategy.output.dim != 1:
+        return
+    (_, count), = strategy.output.ranges(groups, rank, world)
+    if len(node.args) > 6:
+        node.args = (*node.args[:6], count)
+    else:
+        node.kwargs = {**node.kwargs, "groups": count}

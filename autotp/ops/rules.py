@@ -292,3 +292,28 @@ def top_k(node: Node, ctx: Context) -> list[Strategy]:
     at = positive_dim(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", -1), n)  # topk(x, k, dim)
     return [Strategy(ctx.fill(node, {x: s}), (s, s)) for d in range(n) if d != at
             for s in ctx.shard_options(x, d) + ctx.token_options(x, d)]
+
+
+def convolution(node: Node, ctx: Context) -> list[Strategy]:
+    """conv1d / conv2d (channels at dim 1, weight [out, in / groups, ...]): output channels split (weight rows,
+    bias alike), input channels split into partial sums (no bias), the batch split; a depthwise conv (one group
+    per channel) splits its channels in input, weight and output alike."""
+    x, w = node.args[0], node.args[1]
+    bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+    groups = node.args[6] if len(node.args) > 6 else node.kwargs.get("groups", 1)
+    sx, sw = ctx.shape(x), ctx.shape(w)
+    if not isinstance(groups, int) or not all(ctx.static(v) for v in (sx[1], sw[0], sw[1])):
+        return []
+    with_bias = isinstance(bias, Node)
+    found = [Strategy(ctx.fill(node, {x: s}), s) for s in ctx.shard_options(node, 0) if s.chunks is None]
+    if groups == 1:
+        found += [Strategy(ctx.fill(node, {w: s.at(0), **({bias: s.at(0)} if with_bias else {})}), s)
+                  for s in ctx.shard_options(node, 1) if s.chunks is None]
+        if not with_bias:
+            found += [Strategy(ctx.fill(node, {x: s, w: s.at(1)}), P)
+                      for s in contractible(ctx.shard_options(x, 1), 1, ctx.world)]
+            found.append(Strategy(ctx.fill(node, {x: P}), P))
+    elif groups == sx[1] == sw[0] and sw[1] == 1:
+        found += [Strategy(ctx.fill(node, {x: s, w: s.at(0), **({bias: s.at(0)} if with_bias else {})}), s)
+                  for s in ctx.shard_options(node, 1) if s.chunks is None and not s.grouped(ctx.world)]
+    return found

@@ -250,7 +250,7 @@ def test_vocab_parallel_embedding_never_reads_other_ranks_rows():
 
 class _ReadTwice(torch.nn.Module):
     """The embedding, split by hidden dim, read whole both by a column-split projection (a sharded op: its
-    gradient comes back as partial sums) and by an op without a sharding rule (cumsum: replicated)."""
+    gradient comes back as partial sums) and by an op without a sharding rule (cumprod: replicated)."""
 
     def __init__(self, vocab: int = 64, hidden: int = 48):
         super().__init__()
@@ -261,7 +261,7 @@ class _ReadTwice(torch.nn.Module):
 
     def forward(self, ids):
         x = self.emb(ids)
-        return self.head(self.down(torch.nn.functional.gelu(self.up(x))) + torch.cumsum(x, -1))
+        return self.head(self.down(torch.nn.functional.gelu(self.up(x))) + torch.cumprod(1 + x / 64, -1))
 
 
 def _read_twice() -> tuple:

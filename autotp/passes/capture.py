@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import os
 import re
 import traceback
+import types
 import warnings
 
 import torch
@@ -186,6 +188,21 @@ FINGERPRINT_PARTS = ("the ops and how they connect", "the ops' constant argument
 
 
 _PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.layout, torch.memory_format)
+_NAMED = (str, torch._ops.OpOverload, torch._ops.OpOverloadPacket, torch._ops.HigherOrderOperator)
+
+
+def target_name(target) -> str:
+    """A call target's name, the same in every process: an op's or a HOP's own name, a Python function's module
+    and qualified name, never its text when that holds a memory address (``<function f at 0x...>``, a vmapped
+    mask function): fingerprints and plans are compared across processes and machines."""
+    if isinstance(target, _NAMED):
+        return str(target)
+    if isinstance(target, types.BuiltinFunctionType) and isinstance(target.__self__, types.ModuleType):
+        return str(target)  # <built-in function getitem>
+    if isinstance(target, functools.partial):
+        return f"functools.partial({target_name(target.func)})"
+    owner = target if hasattr(target, "__qualname__") else type(target)
+    return f"{getattr(owner, '__module__', None) or ''}.{owner.__qualname__}".lstrip(".")
 
 
 def _constants(node: torch.fx.Node) -> str:
@@ -205,7 +222,7 @@ def fingerprint(gm: torch.fx.GraphModule, key=None, keep=None, seed: str = "") -
     for node in gm.graph.nodes:
         if keep is not None and not keep(node):
             continue
-        target = "" if node.op == "get_attr" else node.target
+        target = "" if node.op == "get_attr" else target_name(node.target)
         parts[0].update(f"{node.op}:{key(node)}:{target}:{[key(a) for a in node.all_input_nodes]};".encode())
         parts[1].update(f"{key(node)}:{_constants(node)};".encode())
         value = node.meta.get("val")

@@ -165,14 +165,20 @@ def alternatives(gm: torch.fx.GraphModule, ctx: Context, choice: dict, topology:
     return out
 
 
-def _regathered_near(node: torch.fx.Node, strategy, choice: dict, whole: dict, grad: set) -> set:
+def _regathered_near(node: torch.fx.Node, strategy, choice: dict, whole: dict, grad: set) -> list:
     """The tensors re-gathered in the backward (saved.regathered) that ``node`` produces or keeps, were it to
     take ``strategy`` with every other op as chosen (``whole``: kept_whole of the chosen plan)."""
     keeps = {item.tensor for item in kept(node, strategy, grad) if item.kind == "value" and item.placement == R}
-    found = set()
-    for tensor in keeps | {node}:
+    found = {}  # in graph order: the seconds summed over them are the same in every process
+    near = keeps | {node}
+    for tensor in sorted(near, key=_position(node.graph)) if len(near) > 1 else near:
         producer = strategy if tensor is node else choice.get(tensor)
         keepers = (whole.get(tensor, set()) - {node}) | ({node} & keeps)
         if producer is not None and keepers and on_tokens(tensor, producer):
-            found.add(tensor)
-    return found
+            found[tensor] = None
+    return list(found)
+
+
+def _position(graph: torch.fx.Graph):
+    index = {n: i for i, n in enumerate(graph.nodes)}
+    return index.__getitem__

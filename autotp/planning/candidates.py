@@ -13,6 +13,7 @@ import torch
 from torch.fx import Node
 
 from autotp.ops.strategies import Context, Strategy, input_slots, is_placed, replicated_like, value, vmapped
+from autotp.passes.capture import target_name
 from autotp.placement import R, Replicate, Routed, Shard
 
 
@@ -43,7 +44,7 @@ def enumerate_strategies(gm: torch.fx.GraphModule, ctx: Context) -> Candidates:
         proposed = rule(node, ctx) if rule is not None else None  # None: no rule for this use of the op
         found += [s for s in proposed or () if s not in found]
         if proposed is None and node.op == "call_function" and node in weighted:
-            unruled.setdefault(str(node.target), ctx.why.get(node) or _unruled(node, ctx, batched))
+            unruled.setdefault(target_name(node.target), ctx.why.get(node) or _unruled(node, ctx, batched))
         ctx.strategies[node] = found
     _add_parameter_options(gm, ctx)
     return Candidates(ctx.world, MappingProxyType(dict(ctx.strategies)), MappingProxyType(unruled),

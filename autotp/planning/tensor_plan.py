@@ -17,7 +17,7 @@ from autotp.ops import expert_segments
 from autotp.ops.strategies import Context, Strategy, input_slots, needs_grad, on_tokens, token_inputs
 from autotp.ops.table import TABLE, drops
 from autotp.options import PlanOptions
-from autotp.passes.capture import fingerprint, module_path
+from autotp.passes.capture import fingerprint, module_path, target_name
 from autotp.passes.fold import Fold, NotFoldable, fold_graph
 from autotp.passes.hints import with_hints
 from autotp.passes.styles import param_styles
@@ -113,7 +113,7 @@ def to_plan(gm: torch.fx.GraphModule, found: Candidates, solution: Solution, top
         world_size=world_size,
         fingerprint=folding.fingerprint(gm) if folding else fingerprint(gm),
         topology=topo.name,
-        nodes={n.name: {**Plan.encode(s), "module": module_path(n), "op": str(n.target),
+        nodes={n.name: {**Plan.encode(s), "module": module_path(n), "op": target_name(n.target),
                         "args": [a.name for a in input_slots(n)], **({"recompute": True} if n in recomputed else {}),
                         **({"key": folding.blocks.key[n]} if folding else {})} for n, s in choice.items()},
         params=expand({n.target: str(s.output) for n, s in choice.items() if n.op == "get_attr"}),

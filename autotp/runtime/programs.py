@@ -117,7 +117,6 @@ class Programs:
 
     def __init__(self, main: torch.nn.Module, make, most: int, why_not: str = ""):
         self.main, self.make, self.most, self.why_not = main, make, most, why_not
-        self.forward = type(main).forward.__get__(main)
         self.others: OrderedDict[int, torch.nn.Module] = OrderedDict()
         self.made = 0
         main.autotp_captured_training = main.training
@@ -129,8 +128,8 @@ class Programs:
 
     def __call__(self, *args, **kwargs):
         why = self._refusal(self.main, args, kwargs)
-        if why is None:
-            return self.forward(*args, **kwargs)
+        if why is None:  # the class's forward now: a pass after install may recompile it (FSDP units per block)
+            return type(self.main).forward(self.main, *args, **kwargs)
         for key, other in self.others.items():
             if self._refusal(other, args, kwargs) is None:
                 self.others.move_to_end(key)

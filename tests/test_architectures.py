@@ -1,27 +1,67 @@
-"""Any transformer at any TP size: nine Hugging Face architectures at 2, 3 and 4 ranks; KV heads
-fewer than ranks; heads and vocabularies not divisible; vocab-parallel loss; half precision."""
+"""Any transformer at any TP size: nine Hugging Face architectures at 2, 3 and 4 ranks, running Megatron's
+collectives (counted); KV heads fewer than ranks; heads and vocabularies not divisible; vocab-parallel loss; half
+precision."""
 from __future__ import annotations
 
 import functools
+from collections import Counter
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.utils._pytree import tree_leaves
 
 import autotp
-from tests.helpers.architectures import NAMES, hf_model, same_as_unsharded
-from tests.helpers.distributed import AT_THREE_RANKS, run_ranks
+from tests.helpers.architectures import NAMES, hf_model, ids, same_as_unsharded
+from tests.helpers.distributed import AT_THREE_RANKS, block_of, comm_counts, plan_ops, run_ranks
 from tests.helpers.exact import TOL
 from tests.helpers.models import llama_with
 
+PARALLEL_BLOCKS = {"gpt_neox", "falcon"}  # attention and MLP read one input and are summed together: one sum a block
 # looser than TOL on purpose: half precision rounds to 8 (bf16) or 11 (fp16) significant bits
 HALF_PRECISION_TOL = {torch.bfloat16: {"rtol": 1.6e-2, "atol": 1e-2}, torch.float16: {"rtol": 1e-3, "atol": 1e-3}}
+
+
+def _megatrons_collectives(name: str, model, sharded) -> None:
+    """The collectives CommDebugMode counts in a forward and a backward are the plan's, and the plan's are
+    Megatron's or fewer: two sums of partial results a block forward (all-reduces, or reduce-scatters where the
+    plan splits the residual stream; one where attention and MLP read the same input, GPT-NeoX's and Falcon's
+    parallel blocks; block 0 may also sum the vocab-parallel embedding's), plus at most two outside the blocks
+    (embedding, head); backward, at most two activation-gradient sums a block and one outside.  Weights held by
+    several ranks (KV heads shared by ranks whose query heads read them) also sum their gradients, as Megatron's
+    replicated KV heads do: those are not counted against it."""
+    plan = sharded.autotp_plan
+    transport = autotp.runtime.transport
+    one_shot, transport.ONE_SHOT_BYTES = transport.ONE_SHOT_BYTES, 0  # count small all-reduces as such
+    try:
+        with CommDebugMode() as forward:
+            outputs = [t for t in tree_leaves(dict(sharded(ids(3, 7)))) if t.is_floating_point()]
+        loss = sum(t.float().square().mean() for t in outputs)  # every output: BERT's pooler too, as the plan lists
+        with CommDebugMode() as backward:
+            loss.backward()
+    finally:
+        transport.ONE_SHOT_BYTES = one_shot
+    sharded.zero_grad(set_to_none=True)  # same_as_unsharded compares the gradients of its own backward
+    for phase, comm in (("forward", forward), ("backward", backward)):
+        assert plan_ops(comm_counts(comm)) == plan.collective_counts(phase), (name, phase, comm_counts(comm))
+    blocks = model.config.num_hidden_layers
+    weights = {n.replace(".", "_") for n, _ in model.named_parameters()}
+    activations = {phase: [c for c in plan.collectives if c["phase"] == phase and c["tensor"] not in weights]
+                   for phase in ("forward", "backward")}
+    sums = {phase: Counter(block_of(c["module"]) for c in found if c["op"] in ("all_reduce", "reduce_scatter"))
+            for phase, found in activations.items()}
+    per_block = 1 if name in PARALLEL_BLOCKS else 2
+    assert all(sums["forward"][b] - per_block in ((0, 1) if b == 0 else (0,)) for b in range(blocks)), (name, sums)
+    assert len(activations["forward"]) <= 2 * blocks + 2, (name, activations["forward"])
+    assert len(activations["backward"]) <= 2 * blocks + 1, (name, activations["backward"])
 
 
 def _architectures(rank: int, world: int) -> None:
     for name in NAMES:
         model = hf_model(name)
         sharded = autotp.parallelize(model, (torch.randint(0, 90, (2, 5)),))
+        _megatrons_collectives(name, model, sharded)
         same_as_unsharded(model, sharded)
         params = sharded.autotp_plan.params
         replicated = [n for n, p in model.named_parameters() if p.dim() == 2 and params.get(n) == "R"]

@@ -2,6 +2,7 @@
 links only to what exists."""
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 import sys
@@ -122,3 +123,47 @@ def test_every_figure_says_the_command_that_draws_it():
                 if f"--svg docs/{figure}" not in near:
                     missing.append(f"docs/{page.name}:{number + 1}: {figure}")
     assert not missing, "figures without the command that draws them:\n" + "\n".join(missing)
+
+
+_NAMED = re.compile(r"(tests/test_\w+\.py)((?:::\w+)?)|`::(test_\w+)")
+
+
+def _tests_of(path: Path) -> dict[str, bool]:
+    """Each test function of a test file -> whether it runs in the slow tier only (marked slow itself or by the file;
+    a test with some of its parameters marked slow runs the others in the default tier)."""
+    tree = ast.parse(path.read_text())
+    whole = any(isinstance(n, ast.Assign) and "pytestmark" in ast.unparse(n) and "slow" in ast.unparse(n.value)
+                for n in tree.body)
+    return {n.name: whole or any("mark.slow" in ast.unparse(d) and "parametrize" not in ast.unparse(d)
+                                 for d in n.decorator_list)
+            for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")}
+
+
+def _units(text: str) -> list[str]:
+    """Paragraphs and table rows: where a claim and the test that checks it are written together."""
+    units = []
+    for block in re.split(r"\n\s*\n", text):
+        rows = [line for line in block.splitlines() if line.startswith("|")]
+        units += rows if rows else [block]
+    return units
+
+
+def test_the_tests_the_docs_name_exist_and_slow_ones_are_said_to_be():
+    """A claim that names its test names one that exists, and one that runs only in the slow tier (``pytest -m
+    slow``, not what CI runs) says so where it is named."""
+    bad = []
+    for page in [ROOT / "README.md", *DOCS]:
+        for unit in _units(page.read_text()):
+            file = None
+            for path, name, more in _NAMED.findall(unit):
+                file = path or file
+                name = (name[2:] if name else more) or None
+                if file is None or not (ROOT / file).exists():
+                    bad.append(f"{page.name}: {file or '::' + more} does not exist")
+                    continue
+                tests = _tests_of(ROOT / file)
+                if name and name not in tests:
+                    bad.append(f"{page.name}: {file}::{name} does not exist")
+                elif name and tests[name] and "slow" not in unit:
+                    bad.append(f"{page.name}: {file}::{name} runs in the slow tier only, and the text does not say so")
+    assert not bad, "\n".join(bad)

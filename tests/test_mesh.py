@@ -232,12 +232,21 @@ def _second_step(rank: int, step, queue, stop) -> None:
         queue.put((rank, f"{type(exc).__name__}: {exc}", time.monotonic() - start))
 
 
+DIED = "did not complete: another rank died, is stuck, or runs different code (look at the other ranks' output)"
+
+
 def test_a_dead_dp_rank_makes_the_others_raise():
-    reports = sorted(run_unsupervised(4, _victim, reports=3))
-    assert [r for r, _, _ in reports] == [0, 1, 2]
-    for rank, message, seconds in reports:
-        assert message != "no error", rank
+    """Rank 3 of TP 2 x DP 2 dies: each survivor raises the CollectiveError reliability.md documents, naming the
+    collective and its mesh dimension: rank 1 (its "dp" peer) FSDP's all-gather, rank 2 (its "tp" peer) the TP
+    all-reduce, rank 0 whichever collective its peers, leaving, end."""
+    reports = {rank: (message, seconds) for rank, message, seconds in run_unsupervised(4, _victim, reports=3)}
+    assert sorted(reports) == [0, 1, 2]
+    for rank, (message, seconds) in reports.items():
+        assert message.startswith("CollectiveError: autotp: ") and DIED in message, (rank, message)
         assert seconds < 60, (rank, message, seconds)  # the process group's timeout is 300 s
+    assert "FSDP all_gather over mesh dimension 'dp' (ranks [1, 3]) of the parameters" in reports[1][0], reports[1]
+    assert "all_reduce over mesh dimension 'tp' (ranks [2, 3]) of torch.float32" in reports[2][0], reports[2]
+    assert any(f"over mesh dimension {dim}" in reports[0][0] for dim in ("'tp' (ranks [0, 1])", "'dp' (ranks [0, 2])"))
 
 
 class _Residual(torch.nn.Module):

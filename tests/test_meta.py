@@ -8,6 +8,7 @@ import gc
 import pytest
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 from torch.distributed.device_mesh import init_device_mesh
 
 import autotp
@@ -44,14 +45,18 @@ def _status(field: str) -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
 
 
-def _bounded(rank: int, world: int, directory: str, full: int) -> dict:
-    """Peak RSS growth while building a meta model on TP 2 x PP 2, then on TP 2 x DP 2: at most 1.3x what the rank
-    then holds, which is about a quarter of the model."""
+MESHES = [((2, 2), ("pp", "tp")), ((2, 2), ("dp", "tp"))]
+
+
+def _bounded(rank: int, world: int, directory: str, full: int, bounded: bool = True, meshes: list = MESHES) -> dict:
+    """Peak RSS growth while building a meta model on each mesh (TP 2 x PP 2, then TP 2 x DP 2): at most 1.3x what
+    the rank then holds (``bounded``: a model large enough that capture and planning do not dominate), which is about
+    a quarter of the model, equal to the checkpoint's slices."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
     ids = torch.arange(16).view(2, 8)
     found = {}
-    for dims, names in [((2, 2), ("pp", "tp")), ((2, 2), ("dp", "tp"))]:
+    for dims, names in meshes:
         with init_empty_weights(include_buffers=False):
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory))
         mesh = init_device_mesh("cpu", dims, mesh_dim_names=names)
@@ -65,7 +70,11 @@ def _bounded(rank: int, world: int, directory: str, full: int) -> dict:
         held = sum(t.numel() * t.element_size() for t in _local(result))
         found[names[0]] = (growth, held)
         assert abs(held / (full / 4) - 1) < 0.05, (names, held, full)
-        assert growth <= 1.3 * held, (names, growth, held)
+        assert growth <= 1.3 * held or not bounded, (names, growth, held)
+        whole = None if bounded else result.full_state_dict() if "pp" in names else autotp.full_state_dict(result)
+        if whole is not None and rank == 0:  # at a small size: what the ranks read, put back together, is the file
+            saved = load_file(f"{directory}/model.safetensors")
+            assert whole.keys() == saved.keys() and all(torch.equal(whole[k], saved[k]) for k in saved), names
         del result, model
         dist.barrier()
     return found
@@ -91,6 +100,19 @@ def test_a_meta_model_loads_a_quarter_per_rank_on_tp2_x_pp2_and_tp2_x_dp2(tmp_pa
         for dim, (growth, held) in found.items():
             print(f"rank {rank}, TP 2 x {dim.upper()} 2: peak RSS grew {growth / 1e6:.0f} MB, holds {held / 1e6:.0f} "
                   f"MB ({held / full:.3f} of {full / 1e6:.0f} MB): {growth / held:.2f}x")
+
+
+def test_a_small_meta_model_loads_a_quarter_per_rank_on_tp2_x_pp2(tmp_path):
+    """The 1.35 GB check's path in the default tier, on 21 MB of LLaMA (4 blocks of 256, vocabulary 4000): built on
+    meta, each rank of TP 2 x PP 2 holds a quarter, read from the checkpoint (its memory is not bounded at this
+    size: capture and planning weigh more than the weights; TP 2 x DP 2 from meta and a checkpoint: test_mesh.py)."""
+    from transformers import LlamaForCausalLM
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(configs.llama_1gb(tie_word_embeddings=False, hidden_size=256, intermediate_size=704,
+                                               vocab_size=4000, num_attention_heads=4, num_key_value_heads=4))
+    full = sum(p.numel() * p.element_size() for p in model.parameters())
+    model.save_pretrained(tmp_path)
+    run_local(4, _bounded, str(tmp_path), full, False, MESHES[:1])
 
 
 class _TwoRankMesh:

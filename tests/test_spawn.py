@@ -5,6 +5,7 @@ import os
 import sys
 
 import pytest
+from torch.multiprocessing import ProcessRaisedException
 
 from autotp.tools.spawn import run_local
 
@@ -43,8 +44,11 @@ def test_ranks_fork_from_a_process_that_ran_setup():
     reaches the caller."""
     found = run_local(3, _inherited, setup=_set_up)
     assert len(found[0]) == 1 and found[0][0] != os.getpid() and found == [found[0]] * 3
-    with pytest.raises(Exception, match="rank 1 fails"):
+    failed = r"(?s)-- Process 1 terminated with the following error:.*ValueError: rank 1 fails"  # the rank, its error
+    with pytest.raises(ProcessRaisedException, match=failed):
         run_local(2, _fails, setup=_set_up)
+    with pytest.raises(ProcessRaisedException, match=failed):  # and without setup: started by the fork server
+        run_local(2, _fails)
 
 
 def _fails(rank: int, world: int) -> None:

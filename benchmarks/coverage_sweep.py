@@ -1,0 +1,367 @@
+"""Coverage sweep: every architecture of the installed transformers (and the models of the ``sweep`` extra), shrunk
+by one generic rule (benchmarks/coverage_models.py), planned for 2 ranks on the meta device and, where asked, run on
+2 gloo ranks against one process.
+
+    HF_HUB_OFFLINE=1 python benchmarks/coverage_sweep.py plan  [--only T1 T2] [--limit N] [--chunk I/K]
+    HF_HUB_OFFLINE=1 python benchmarks/coverage_sweep.py exact [--only ...] [--minutes M]
+    python benchmarks/coverage_sweep.py summary             # the table and benchmarks/coverage/summary.md
+
+``plan`` records per architecture (JSON lines, benchmarks/coverage/plan-<time>.jsonl; entries in earlier files are
+skipped, so a stopped run resumes): whether the shrunk config builds and runs one forward on the CPU, whether
+autotp's capture (torch.export) takes it, the plan's share of block (numbered, non-embedding) weights per rank, the
+forward collectives per block against Megatron's (2 a block, 3 with cross-attention; a reduce-scatter + all-gather
+pair or an all-to-all pair counts as one), whether every attention core (SDPA, softmax, flex) is split by heads,
+and why ops ran replicated.  ``exact`` runs the models that planned on 2 gloo ranks (autotp.tools.spawn), comparing
+outputs and gradients with one process at fp32 rtol 1e-4 / atol 1e-5.  The whole run is pinned to one core.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import signal
+import time
+import traceback
+from collections import Counter
+from pathlib import Path
+
+import coverage_models as cm
+import torch
+from machine import describe
+
+OUT = Path(__file__).resolve().parent / "coverage"
+TOL = {"rtol": 1e-4, "atol": 1e-5}  # the suite's (tests/helpers/exact.py)
+_BLOCK = re.compile(r"^(.*?\.\d+)(\.|$)")
+
+
+class Timeout(Exception):
+    pass
+
+
+def _alarm(seconds: int):
+    def fire(*_):
+        raise Timeout(f"took over {seconds} s")
+    signal.signal(signal.SIGALRM, fire)
+    signal.alarm(seconds)
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0][:300] if text else ''}"
+
+
+def names() -> list[str]:
+    return cm.hf_types() + list(cm.OTHERS)
+
+
+def build(name: str, device: str, spec: dict | None = None):
+    """(model in eval mode, keyword inputs, family); ``spec``: the input layout and extra inputs a probe found."""
+    torch.manual_seed(0)
+    if name in cm.OTHERS:
+        with torch.device(device):
+            model, kwargs = cm.OTHERS[name]()
+        return model.eval(), {k: v.to(device) for k, v in kwargs.items()}, "other library"
+    config = cm.hf_config(name)
+    cls = cm.hf_class(name, config)
+    if cls is None:
+        raise LookupError("no causal-LM or base model class in transformers")
+    with torch.device(device):
+        model = cls(config).eval()
+    spec = spec or {"layout": 0, "extra": []}
+    kwargs = cm.inputs(model, config, layout=spec["layout"])
+    for extra in spec["extra"]:
+        kwargs[extra] = cm._tensor(extra, config, torch.Generator().manual_seed(1))
+    return model, {k: v.to(device) for k, v in kwargs.items()}, cm.family(type(model), config)
+
+
+def probe(name: str) -> dict:
+    """Build on the CPU and find inputs a forward accepts: the audio layout, inputs the error names as missing."""
+    model, kwargs, family = build(name, "cpu")
+    if name in cm.OTHERS:
+        with torch.no_grad():
+            model(**kwargs)
+        return {"layout": 0, "extra": [], "family": family}
+    error = None
+    for layout in (0, 1):
+        spec = {"layout": layout, "extra": []}
+        for _ in range(3):
+            model, kwargs, family = build(name, "cpu", spec)
+            try:
+                with torch.no_grad():
+                    model(**kwargs)
+                return {**spec, "family": family}
+            except Exception as exc:  # any model's error: try the next inputs
+                error = exc
+                missing = cm.missing_input(exc, model)
+                if missing is None or missing in kwargs:
+                    break
+                spec["extra"].append(missing)
+        if getattr(model, "main_input_name", "") != "input_features":
+            break
+    raise error
+
+
+def _local(placement, shape: list, rank: int, world: int) -> int:
+    from autotp.placement import Disjoint, Routed, Shard
+    full = math.prod(shape)
+    shard = placement.experts if isinstance(placement, (Routed, Disjoint)) else placement
+    if not isinstance(shard, Shard) or not shape:
+        return full
+    ranks = placement.ranks if isinstance(placement, Routed) else world
+    held = sum(n for _, n in shard.ranges(shape[shard.dim], min(rank, ranks - 1), ranks))
+    return full // shape[shard.dim] * held
+
+
+def measure(plan, model, gm) -> dict:
+    """What the plan does to the blocks: weight share a rank, forward collectives a block, heads split, replicated."""
+    from autotp.placement import parse
+    shapes = {n: list(p.shape) for n, p in model.named_parameters()}
+    block_params = [n for n in plan.params if _BLOCK.match(n) and n in shapes]
+    full = sum(math.prod(shapes[n]) for n in block_params)
+    share = max((sum(_local(parse(plan.params[n]), shapes[n], r, plan.world_size) for n in block_params) / full
+                 for r in range(plan.world_size)), default=1.0) if full else None
+    blocks = {_BLOCK.match(n).group(1) for n in block_params}
+    per: dict = {b: Counter() for b in blocks}
+    for c in plan.collectives:
+        found = _BLOCK.match(c["module"] or "")
+        if c["phase"] == "forward" and found:
+            per.setdefault(found.group(1), Counter())[c["op"]] += c.get("count", 1)
+    nodes = {n.name: n for n in gm.graph.nodes}
+    attention = [(k, v, _rank_of(nodes.get(k))) for k, v in plan.nodes.items() if _ATTENTION.search(v.get("op", ""))
+                 and ("softmax" not in v["op"] or _rank_of(nodes.get(k)) >= 3)]  # a router's softmax is 2-D
+    cores = Counter(found.group(1) for _, v, _ in attention for found in [_BLOCK.match(v.get("module") or "")] if found)
+    worst, counts, extra = 0, {}, []
+    for block, n in per.items():
+        megatron = cores[block] + 1  # one sum per attention core, one for the MLP (or mixer)
+        paired = min(n["reduce_scatter"], n["all_gather"])
+        effective = n["all_reduce"] + n["reduce_scatter"] + (n["all_gather"] - paired) + math.ceil(
+            n["all_to_all"] / 2) + sum(v for k, v in n.items() if k not in (
+                "all_reduce", "reduce_scatter", "all_gather", "all_to_all"))
+        if effective - megatron > worst:
+            extra = [f"{c['op']} of {c['tensor']} ({plan.nodes.get(c['tensor'], {}).get('op', '?')}) in {c['module']}"
+                     for c in plan.collectives if c["phase"] == "forward" and (c["module"] or "").startswith(block)]
+        worst = max(worst, effective - megatron)
+        counts[block] = dict(n)
+    unsplit = [f"{v['op']} in {v.get('module') or '?'}: out {v['out']}" for _, v, rank in attention
+               if not _by_heads(v["out"], rank)]
+    replicated = plan.cost.get("replicated") or dict.fromkeys(plan.replicated_ops, "no sharding rule")
+    return {"share": share, "blocks": len(blocks), "per_block": counts, "over_megatron": worst, "collectives": extra,
+            "attention_ops": len(attention), "unsplit_attention": unsplit[:3],
+            "replicated": [f"{op}: {why}" for op, why in list(replicated.items())[:6]],
+            "replicated_count": len(replicated)}
+
+
+_ATTENTION = re.compile(r"scaled_dot_product|_softmax|softmax\.|flex_attention")
+
+
+def _rank_of(node) -> int:
+    val = node.meta.get("val") if node is not None else None
+    val = val[0] if isinstance(val, (tuple, list)) and val else val
+    return val.dim() if isinstance(val, torch.Tensor) else 0
+
+
+def _by_heads(placement: str, rank: int) -> bool:
+    """An attention core's output split on a head dim: [b, h, s, *] (or [b, g, h, s, *]) on h, [b*h, s, s] on 0."""
+    found = re.match(r"S\((\d+)", placement)
+    if not found:
+        return False
+    dim = int(found.group(1))
+    return 0 < dim < rank - 2 or (rank == 3 and dim == 0)
+
+
+def _plan(model, kwargs):
+    """autotp.plan(model, (), kwargs, world_size=2) as api.plan writes it, keeping the graph (shapes of its ops)."""
+    from autotp.options import PlanOptions
+    from autotp.passes.prepared_graph import prepared_graph
+    from autotp.planning.tensor_plan import solve_plan
+    gm = prepared_graph(model, (), kwargs, True)
+    return solve_plan(gm, 2, PlanOptions(), price_experts=True), gm
+
+
+def plan_entry(name: str, timeout: int) -> dict:
+    from autotp.passes.capture import CaptureError
+    entry, start = {"name": name}, time.perf_counter()
+    _alarm(timeout)
+    try:
+        stage = "build"
+        spec = probe(name)
+        entry.update(family=spec.pop("family"), spec=spec, built=True)
+        stage = "meta build"
+        try:
+            model, kwargs, _ = build(name, "meta", spec)
+            entry["meta_build"] = "meta"
+        except Exception:  # a constructor that computes on tensors (.item(), linspace().tolist()): build, then move
+            model, kwargs, _ = build(name, "cpu", spec)
+            model, kwargs = model.to("meta"), {k: v.to("meta") for k, v in kwargs.items()}
+            entry["meta_build"] = "cpu, moved to meta"
+        stage = "plan"
+        try:
+            plan, gm = _plan(model, kwargs)
+        except CaptureError as exc:  # on meta: try the same on the CPU, then a plain static torch.export
+            entry.update(captured=False, capture_error=first_line(exc).split("\n")[0])
+            model, kwargs, _ = build(name, "cpu", spec)
+            try:
+                plan, gm = _plan(model, kwargs)
+                entry["planned_on"] = "cpu (the capture on meta failed)"
+            except CaptureError:
+                stage = "plain export"
+                torch.export.export(model, (), kwargs, strict=False)  # static shapes, one process: the denominator
+                entry.update(captured=True, autotp_capture=False)  # plain export takes it, autotp's capture did not
+                return entry
+        entry.update(captured=True, autotp_capture=True, planned=True, **measure(plan, model, gm))
+    except Exception as exc:  # every failure is a result: recorded with its stage
+        entry.update(stage=stage, error=first_line(exc), where=_where(exc))
+        entry.setdefault("built", False)
+        if stage == "plan" and "captured" not in entry:  # autotp failed after its capture: does export take it?
+            entry["captured"] = _exports(name, entry["spec"])
+    finally:
+        signal.alarm(0)
+        entry["seconds"] = round(time.perf_counter() - start, 2)
+    return entry
+
+
+def _exports(name: str, spec: dict) -> bool:
+    try:
+        model, kwargs, _ = build(name, "cpu", spec)
+        torch.export.export(model, (), kwargs, strict=False)
+        return True
+    except Exception:  # not capturable in one process: outside the denominator
+        return False
+
+
+def _where(exc: BaseException) -> str:
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "site-packages" in f.filename
+              or "/autotp/" in f.filename]
+    return f"{Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
+
+
+def _leaves(out) -> list:
+    from torch.utils._pytree import tree_leaves
+    if hasattr(out, "to_tuple"):
+        out = out.to_tuple()
+    return [x for x in tree_leaves(out) if isinstance(x, torch.Tensor) and x.is_floating_point()]
+
+
+def _rank(rank: int, world: int, name: str, spec: dict) -> dict:
+    import autotp
+    model, kwargs, _ = build(name, "cpu", spec)
+    sharded = autotp.parallelize(model, (), kwargs)
+    got, want = _leaves(sharded(**kwargs)), _leaves(model(**kwargs))
+    result = {"outputs": len(want), "out_err": 0.0, "grad_err": 0.0, "mismatch": None, "grads_off": []}
+    if len(got) != len(want):
+        result["mismatch"] = f"{len(got)} float outputs, one process has {len(want)}"
+        return result
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        err = (g - w).abs().max().item() if g.shape == w.shape else float("inf")
+        result["out_err"] = max(result["out_err"], err)
+        if g.shape != w.shape or not torch.allclose(g, w, **TOL):
+            result["mismatch"] = result["mismatch"] or f"output {i} {tuple(w.shape)}: max error {err:.3g}"
+    sum(x.float().square().mean() for x in got).backward()
+    sum(x.float().square().mean() for x in want).backward()
+    grads = autotp.full_state_dict(sharded, grads=True)
+    for n, p in model.named_parameters():
+        if p.grad is None or grads.get(n) is None:
+            continue
+        err = (grads[n] - p.grad).abs().max().item()
+        result["grad_err"] = max(result["grad_err"], err)
+        if not torch.allclose(grads[n], p.grad, **TOL):
+            result["mismatch"] = result["mismatch"] or f"grad {n}: max error {err:.3g}"
+            result["grads_off"].append(n)
+    return result
+
+
+def exact_entry(name: str, spec: dict, timeout: int) -> dict:
+    from autotp.tools.spawn import run_local
+    entry, start = {"name": name}, time.perf_counter()
+    _alarm(timeout)
+    try:
+        result = run_local(2, _rank, name, spec, timeout=timeout)[0]
+        entry.update(result, result="exact" if result["mismatch"] is None else "mismatch")
+    except Exception as exc:  # a rank's error, raised here
+        entry.update(result="crash", error=first_line(exc))
+    finally:
+        signal.alarm(0)
+        entry["seconds"] = round(time.perf_counter() - start, 2)
+    return entry
+
+
+def records(part: str) -> dict:
+    """name -> its latest record of ``part`` over every run's file.  A start with no result is run again once (the
+    run may have been stopped); twice: the process died on it."""
+    found, started = {}, Counter()
+    for path in sorted(OUT.glob(f"{part}-*.jsonl")):
+        for line in path.read_text().splitlines():
+            entry = json.loads(line)
+            if entry.get("started"):
+                started[entry["name"]] += 1
+            elif not (entry.get("error", "").startswith("Timeout") and found.get(entry["name"], {}).get("planned")):
+                found[entry["name"]] = entry  # (a timeout on a busy core does not undo an earlier plan)
+    for name in {n for n, k in started.items() if k > 1} - set(found):
+        found[name] = {"name": name, "stage": "process", "error": "the process died on this model", "result": "crash"}
+    return found
+
+
+def run(part: str, todo: list[str], timeout: int, minutes: float, limit: int | None, redo: str | None) -> None:
+    OUT.mkdir(exist_ok=True)
+    done = records(part)
+    if redo == "all":
+        done = {}
+    elif redo == "failed":  # recorded, but not built (plan) or not exact (exact): run again, the new record wins
+        done = {n: e for n, e in done.items() if e.get("built") or e.get("result") == "exact"}
+    todo = [n for n in todo if n not in done][:limit]
+    path = OUT / f"{part}-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
+    planned = records("plan")
+    stop = time.monotonic() + minutes * 60
+    print(f"{part}: {len(todo)} to run, {len(done)} already recorded; writing {path.name}", flush=True)
+    for i, name in enumerate(todo):
+        if time.monotonic() > stop:
+            print(f"stopped after {minutes} minutes", flush=True)
+            break
+        with path.open("a") as f:
+            f.write(json.dumps({"name": name, "started": True}) + "\n")
+        if part == "plan":
+            entry = plan_entry(name, timeout)
+        else:
+            entry = exact_entry(name, planned[name]["spec"], timeout)
+        with path.open("a") as f:
+            f.write(json.dumps(entry) + "\n")
+        status = entry.get("result") or ("planned" if entry.get("planned") else entry.get("error", "captured")[:90])
+        print(f"[{i + 1}/{len(todo)}] {name}: {status} ({entry['seconds']} s)", flush=True)
+
+
+def main() -> None:
+    from coverage_summary import summarize
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("part", choices=["plan", "exact", "summary"])
+    parser.add_argument("--only", nargs="+", help="these model types / library models only")
+    parser.add_argument("--limit", type=int, help="the first N of those left to run")
+    parser.add_argument("--chunk", help="I/K: the I-th of K equal slices of the list (1-based)")
+    parser.add_argument("--timeout", type=int, default=240, help="seconds per model")
+    parser.add_argument("--minutes", type=float, default=float("inf"), help="stop starting models after this long")
+    parser.add_argument("--redo", choices=["failed", "all"], help="run recorded ones again: those that failed "
+                        "(plan: did not build; exact: not exact), or all")
+    parser.add_argument("--core", type=int, default=0, help="the one CPU core the run (and its ranks) is pinned to")
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.part == "summary":
+        summarize(records("plan"), records("exact"))
+        return
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {args.core})
+    torch.set_num_threads(1)
+    print(describe("gloo"), flush=True)
+    todo = args.only or names()
+    if args.part == "exact":  # the models that planned
+        planned = records("plan")
+        todo = [n for n in todo if planned.get(n, {}).get("planned")]
+    if args.chunk:
+        i, k = map(int, args.chunk.split("/"))
+        todo = todo[(i - 1) * len(todo) // k:i * len(todo) // k]
+    run(args.part, todo, args.timeout, args.minutes, args.limit, args.redo)
+    summarize(records("plan"), records("exact"))
+
+
+if __name__ == "__main__":
+    main()

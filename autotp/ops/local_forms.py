@@ -14,7 +14,7 @@ from torch.fx.operator_schemas import normalize_function
 
 from autotp.ops.expert_rules import GROUPED_MM_FALLBACK, is_grouped_mm, offsets
 from autotp.ops.layout_rules import block_of, constant_positions, cut_range, gathered, pieces_of
-from autotp.ops.rules import held_heads, separate_pieces
+from autotp.ops.rules import conv_groups, held_heads, separate_pieces
 from autotp.ops.strategies import token_inputs
 from autotp.placement import Disjoint, Partial, R, Shard
 from autotp.runtime import kernels
@@ -226,7 +226,7 @@ def attention(node: Node, strategy, rank: int, world: int) -> None:
 
 def depthwise_groups(node: Node, strategy, rank: int, world: int) -> None:
     """A depthwise conv with its channels split: one group per channel this rank holds."""
-    groups = node.args[6] if len(node.args) > 6 else node.kwargs.get("groups", 1)
+    groups = conv_groups(node)
     if groups == 1 or not isinstance(strategy.output, Shard) or strategy.output.dim != 1:
         return
     (_, count), = strategy.output.ranges(groups, rank, world)

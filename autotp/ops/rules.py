@@ -294,13 +294,18 @@ def top_k(node: Node, ctx: Context) -> list[Strategy]:
             for s in ctx.shard_options(x, d) + ctx.token_options(x, d)]
 
 
+def conv_groups(node: Node):
+    """conv1d / conv2d(x, w, bias, stride, padding, dilation, groups)'s groups."""
+    return node.args[6] if len(node.args) > 6 else node.kwargs.get("groups", 1)
+
+
 def convolution(node: Node, ctx: Context) -> list[Strategy]:
     """conv1d / conv2d (channels at dim 1, weight [out, in / groups, ...]): output channels split (weight rows,
     bias alike), input channels split into partial sums (no bias), the batch split; a depthwise conv (one group
     per channel) splits its channels in input, weight and output alike."""
     x, w = node.args[0], node.args[1]
     bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-    groups = node.args[6] if len(node.args) > 6 else node.kwargs.get("groups", 1)
+    groups = conv_groups(node)
     sx, sw = ctx.shape(x), ctx.shape(w)
     if not isinstance(groups, int) or not all(ctx.static(v) for v in (sx[1], sw[0], sw[1])):
         return []

@@ -11,6 +11,8 @@ import operator
 import torch
 from torch.fx import Node
 
+from autotp.passes.prepare import getattr_path
+
 _AUTOCAST = getattr(torch.ops.higher_order, "wrap_with_autocast", None)
 _GRAD = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
 
@@ -89,7 +91,7 @@ def _inline(gm: torch.fx.GraphModule, node: Node, body: Node, operands: tuple, c
 
 
 def _adopt(gm: torch.fx.GraphModule, sub: torch.nn.Module, target: str) -> str:
-    value = sub.get_submodule(target) if isinstance(_lookup(sub, target), torch.nn.Module) else _lookup(sub, target)
+    value = getattr_path(sub, target)
     name = "_inlined_" + target.replace(".", "_")
     while hasattr(gm, name) and getattr(gm, name) is not value:
         name += "_"
@@ -99,8 +101,3 @@ def _adopt(gm: torch.fx.GraphModule, sub: torch.nn.Module, target: str) -> str:
         setattr(gm, name, value)
     return name
 
-
-def _lookup(module: torch.nn.Module, target: str):
-    for part in target.split("."):
-        module = getattr(module, part)
-    return module

@@ -169,16 +169,10 @@ def _regathered_near(node: torch.fx.Node, strategy, choice: dict, whole: dict, g
     """The tensors re-gathered in the backward (saved.regathered) that ``node`` produces or keeps, were it to
     take ``strategy`` with every other op as chosen (``whole``: kept_whole of the chosen plan)."""
     keeps = {item.tensor for item in kept(node, strategy, grad) if item.kind == "value" and item.placement == R}
-    found = {}  # in graph order: the seconds summed over them are the same in every process
-    near = keeps | {node}
-    for tensor in sorted(near, key=_position(node.graph)) if len(near) > 1 else near:
+    found = {}  # in graph order (fx nodes compare by position): the seconds summed are the same in every process
+    for tensor in sorted(keeps | {node}):
         producer = strategy if tensor is node else choice.get(tensor)
         keepers = (whole.get(tensor, set()) - {node}) | ({node} & keeps)
         if producer is not None and keepers and on_tokens(tensor, producer):
             found[tensor] = None
     return list(found)
-
-
-def _position(graph: torch.fx.Graph):
-    index = {n: i for i, n in enumerate(graph.nodes)}
-    return index.__getitem__

@@ -134,7 +134,7 @@ class Programs:
             if self._refusal(other, args, kwargs) is None:
                 self.others.move_to_end(key)
                 return self._run(other, args, kwargs)
-        if self.most <= 0 or self.make is None:
+        if self.most <= 0:
             fix = self.why_not or "pass recaptures=8 to parallelize"
             raise InputStructureError(f"this call's inputs differ from those the model was captured with: {why}; "
                                       f"{fix}, or call with inputs of that structure")

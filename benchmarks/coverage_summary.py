@@ -73,8 +73,8 @@ def rows(plans: dict, exacts: dict) -> list[dict]:
         exact = x.get("result", "not run")
         if exact == "mismatch":
             exact = f"mismatch ({x.get('mismatch')})"
-        elif exact == "crash":
-            exact = f"crash ({x.get('error', '')[:120]})"
+        elif exact in ("crash", "refused"):
+            exact = f"{exact} ({x.get('error', '')[:120]})"
         h = heads_split(e)
         out.append({"name": name, "family": e.get("family", "?"),
                     "planned": "yes" if e.get("planned") else "no",
@@ -110,6 +110,8 @@ def shortfalls(plans: dict, exacts: dict) -> dict:
             found[f"not exact: {x['mismatch']}"].append(name)
         elif x and x.get("result") == "crash":
             found[f"crashed at 2 ranks: {x.get('error')}"].append(name)
+        elif x and x.get("result") == "refused":
+            found[f"refused with a reason: {x.get('error')}"].append(name)
     return found
 
 
@@ -133,6 +135,7 @@ def counts(plans: dict, exacts: dict) -> dict:
             "heads split": sum(heads_split(e) is True for e in captured),
             "at Megatron's count": sum(at_megatron(e) for e in captured),
             "exact runs": len(ran), "exact": sum(exacts[n].get("result") == "exact" for n in ran),
+            "refused with a reason": sum(exacts[n].get("result") == "refused" for n in ran),
             "seconds (plan)": round(sum(e.get("seconds", 0) for e in plans.values())),
             "seconds (exact)": round(sum(x.get("seconds", 0) for x in exacts.values()))}
 

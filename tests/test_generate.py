@@ -46,6 +46,26 @@ def _greedy_captures() -> list:
     return [(model, (padded_prompts(128)[0],)) for model in _greedy_models()]
 
 
+def _flex(rank: int, world: int) -> None:
+    """A model configured with ``attn_implementation="flex_attention"``: its forward program attends with
+    FlexAttention, its decode program with SDPA (serving/generation.py says why), and the
+    tokens are transformers' own, left padding included."""
+    model = llama_with(heads=8, kv=2, vocab=128, layers=2)
+    model.set_attn_implementation("flex_attention")
+    ids, mask = padded_prompts(128)
+    sharded = autotp.parallelize(model, (ids,))
+    assert any("flex_attention" in str(entry.get("op")) for entry in sharded.autotp_plan.nodes.values())
+    with pytest.warns(UserWarning, match="decode program attends with SDPA"):
+        got = autotp.generate(sharded, ids, mask, max_new_tokens=8, pad_token_id=0)
+    assert model.config._attn_implementation == "flex_attention"  # put back after the decode capture
+    want = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(got, want), (got, want)
+
+
+def test_a_flex_attention_model_generates_token_exact():
+    run_ranks(2, _flex)
+
+
 def _sampling_model():
     return llama_with(heads=4, kv=2, vocab=128, layers=1)
 

@@ -17,6 +17,8 @@ from torch.utils._pytree import SUPPORTED_NODES, tree_leaves, tree_map
 
 from autotp.ops.flex import exportable_on_cpu, mask_tensors, register_block_mask
 from autotp.ops.table import drops
+from autotp.passes.canonical_order import canonical_order
+from autotp.passes.faithful import check_faithful
 from autotp.runtime import kernels
 
 
@@ -120,6 +122,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> 
             "model's forward() signature."
         ) from exc
     gm = program.module()
+    check_faithful(model, program, gm, args, kwargs)
     for refused in ("train", "eval"):  # an exported module refuses both; the sharded program's dropouts follow them
         gm.__dict__.pop(refused, None)
     gm.train(model.training)
@@ -166,19 +169,24 @@ def _user_frame(exc: BaseException) -> str:
 
 
 def canonical_names(gm: torch.fx.GraphModule) -> None:
-    """Ops renamed by their kind and order (``mul``, ``mul_1``, ...): torch.export's names count ops it traced and
-    then dropped, which differ by device (SDPA on the meta device and on the CPU), and plans name the ops."""
+    """Ops renamed by their kind and canonical order (``mul``, ``mul_1``, ...; passes/canonical_order.py):
+    torch.export's names count ops it traced and then dropped, which differ by device (SDPA on the meta device and
+    on the CPU), and plans name the ops."""
     graph = torch.fx.Graph(owning_module=gm, tracer_cls=gm.graph._tracer_cls, tracer_extras=gm.graph._tracer_extras)
     graph._codegen = gm.graph._codegen  # the model's call signature (input and output pytrees)
-    env, counts = {}, {}
-    for node in gm.graph.nodes:
+    names, counts = {}, {}
+    for rank, node in enumerate(canonical_order(gm.graph)):  # counted in an order of the graph alone
         name = node.name
         if node.op == "call_function":
             base = re.sub(r"_\d+$", "", name)
             counts[base] = counts.get(base, -1) + 1
             name = f"{base}_{counts[base]}" if counts[base] else base
+        names[node] = name
+        node.meta["autotp_rank"] = rank
+    env = {}
+    for node in gm.graph.nodes:  # run in the captured order
         env[node] = graph.create_node(node.op, node.target, map_arg(node.args, env.__getitem__),
-                                      map_arg(node.kwargs, env.__getitem__), name=name, type_expr=node.type)
+                                      map_arg(node.kwargs, env.__getitem__), name=names[node], type_expr=node.type)
         env[node].meta = node.meta
     gm.graph = graph
 
@@ -219,7 +227,7 @@ def fingerprint(gm: torch.fx.GraphModule, key=None, keep=None, seed: str = "") -
     names) and ``keep`` selects them, for folded graphs (passes/fold.py)."""
     key = key or (lambda n: n.target if n.op == "get_attr" else n.name)
     parts = [hashlib.sha256(seed.encode()) for _ in FINGERPRINT_PARTS]
-    for node in gm.graph.nodes:
+    for node in sorted(gm.graph.nodes, key=lambda n: n.meta.get("autotp_rank", 0)):  # stable: captured order
         if keep is not None and not keep(node):
             continue
         target = "" if node.op == "get_attr" else target_name(node.target)

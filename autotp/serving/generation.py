@@ -9,6 +9,7 @@ broadcasts it, so every rank continues with the same tokens.
 """
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
 
 import torch
@@ -96,12 +97,30 @@ def decoder(sharded: torch.nn.Module, batch: int, max_len: int) -> torch.nn.Modu
                torch.zeros(batch, 2, dtype=torch.long, device=where),      # position_ids
                torch.arange(2, device=where))                               # cache_position
     fixed = {f"model.{name}": sharded.autotp_plan.placement(name) for name in sharded.autotp_plan.params}
+    attention = _decode_attention(source)
     try:
         return tensor_parallel(wrapper, example, None,
                                PlanOptions(topology=sharded.autotp_plan.topology, training=False, fixed=fixed),
                                RunOptions(group=group, checkpoint=_Resident(sharded, "model.")))
     finally:
         source.train(training)
+        if attention is not None:
+            source.set_attn_implementation(attention)
+
+
+def _decode_attention(source: torch.nn.Module) -> str | None:
+    """A model configured for FlexAttention is captured for decoding with SDPA (the same attention, read from
+    ``config._attn_implementation``; the forward program keeps FlexAttention): transformers' flex mask skips the
+    padding mask when every entry is 1 (``if not fast_all(attention_mask)``), a branch on the mask's values that
+    torch.export cannot capture.  Returns the implementation to put back, or None."""
+    config = source.config.get_text_config()
+    if getattr(config, "_attn_implementation", None) != "flex_attention":
+        return None
+    warnings.warn(f"{type(source).__name__} attends with FlexAttention: its decode program attends with SDPA "
+                  "(transformers' flex mask branches on the mask's values, which torch.export cannot capture)",
+                  stacklevel=4)
+    source.set_attn_implementation("sdpa")
+    return "flex_attention"
 
 
 def _is_meta(model: torch.nn.Module) -> bool:

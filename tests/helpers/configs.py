@@ -200,3 +200,24 @@ def architecture(name: str, **overrides):
     config_cls, _, config = ARCHITECTURES[name]
     extra = {} if name == "bert" else {"use_cache": False}
     return getattr(transformers, config_cls)(**{**config, **overrides}, **SMALL, **extra)
+
+
+def by_layer_type(config_cls: str):
+    """A current transformers config (Gemma3TextConfig, ModernBertConfig) whose layers alternate sliding-window
+    and full attention, each type with its own rotary table and mask, made in the order of
+    ``set(config.layer_types)`` (strings: an order the hash seed picks)."""
+    import transformers
+    return getattr(transformers, config_cls)(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, vocab_size=100, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+        use_cache=False, pad_token_id=0)
+
+
+def paligemma():
+    """A PaliGemma of a 2-block Gemma (4 heads sharing 2 KV heads) and a 1-block SigLIP, token 127 the image's."""
+    from transformers import GemmaConfig, PaliGemmaConfig, SiglipVisionConfig
+    text = GemmaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, vocab_size=128, use_cache=False)
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=32, patch_size=16)
+    return PaliGemmaConfig(text_config=text, vision_config=vision, image_token_index=127)

@@ -258,10 +258,16 @@ def _float64(model, kwargs) -> tuple[list, dict]:
 
 
 def _rounding(got: torch.Tensor, want: torch.Tensor, truth: torch.Tensor) -> bool:
-    """Off the one-process value by more than TOL, but no farther from float64 than one process is (twice its
-    distance, plus atol): fp32 rounding of a long sum (a token's gradient summed over every position), not a bug."""
-    ours, theirs = (got.double() - truth).abs().max().item(), (want.double() - truth).abs().max().item()
-    return ours <= 2 * theirs + TOL["atol"]
+    """Off the one-process value by more than TOL, but about as far from float64 as one process is (at most 4 times
+    its distance, plus atol): fp32 rounding of a long or ill-conditioned sum (a token's gradient summed over every
+    position; BLIP's gradients of 1.8e10, 3.8e3 apart from float64 in one process), not a bug, which is orders of
+    magnitude farther."""
+    ours, theirs = _error(got.double(), truth), _error(want.double(), truth)
+    return ours <= 4 * theirs + TOL["atol"]
+
+
+def _error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return (got - want).abs().max().item() if want.numel() else 0.0  # a model may hold empty tensors (DINOv3)
 
 
 def _rank(rank: int, world: int, name: str, spec: dict) -> dict:
@@ -276,7 +282,7 @@ def _rank(rank: int, world: int, name: str, spec: dict) -> dict:
         return result
     truth = None
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
-        err = (g - w).abs().max().item() if g.shape == w.shape else float("inf")
+        err = _error(g, w) if g.shape == w.shape else float("inf")
         result["out_err"] = max(result["out_err"], err)
         if g.shape != w.shape or not torch.allclose(g, w, **TOL):
             truth = truth or _float64(model, kwargs)
@@ -290,7 +296,7 @@ def _rank(rank: int, world: int, name: str, spec: dict) -> dict:
     for n, p in model.named_parameters():
         if p.grad is None or grads.get(n) is None:
             continue
-        err = (grads[n] - p.grad).abs().max().item()
+        err = _error(grads[n], p.grad)
         result["grad_err"] = max(result["grad_err"], err)
         if not torch.allclose(grads[n], p.grad, **TOL):
             truth = truth or _float64(model, kwargs)
@@ -310,11 +316,13 @@ def exact_entry(name: str, spec: dict, timeout: int) -> dict:
         result = run_local(2, _rank, name, spec, timeout=timeout)[0]
         entry.update(result, result="exact" if result["mismatch"] is None else "mismatch")
     except Exception as exc:  # a rank's error, raised here
-        refused = next((line for line in str(exc).splitlines() if "UnfaithfulCapture" in line), None)
+        lines = [line.strip() for line in str(exc).splitlines()]
+        refused = next((line for line in lines if "UnfaithfulCapture" in line), None)
         if refused:  # autotp's check of the capture said why, in one line
-            entry.update(result="refused", error=refused.strip()[:400])
-        else:
-            entry.update(result="crash", error=first_line(exc))
+            entry.update(result="refused", error=refused[:400])
+        else:  # the rank's own error: the last "...Error: ..." line of its traceback
+            raised = [line for line in lines if re.match(r"^[\w.]+(Error|Exception)\b", line)]
+            entry.update(result="crash", error=raised[-1][:300] if raised else first_line(exc))
     finally:
         signal.alarm(0)
         entry["seconds"] = round(time.perf_counter() - start, 2)

@@ -302,12 +302,14 @@ def getitem(node: Node, ctx: Context) -> list[Strategy]:
 def cat(node: Node, ctx: Context) -> list[Strategy]:
     """cat / stack of parts sharded alike on another dim (stack: those after its new dim move up one; GPT-J's
     rotary, ``torch.stack((-x2, x1), dim=-1)``), or on the joined dim where every rank holds all of it."""
-    parts = node.args[0]
     n = len(ctx.shape(node))
     at = positive_dim(node.args[1] if len(node.args) > 1 else 0, n)
     stacked = node.target == aten.stack.default
+    parts = node.args[0]
+    if not stacked and n > 1:  # cat skips a 1-D empty part (XLM's cache starts as torch.empty(0)): it stays R
+        parts = [p for p in parts if not (isinstance(p, Node) and [str(d) for d in ctx.shape(p)] == ["0"])]
     found = []
-    if all(isinstance(p, Node) for p in parts) and len(set(parts)) == len(parts):
+    if parts and all(isinstance(p, Node) for p in parts) and len(set(parts)) == len(parts):
         found += [Strategy(ctx.fill(node, dict.fromkeys(parts, P)), P)] if all(map(summable, parts)) else []
         for d in range(n):  # whole on the joined dim: every rank holds all of it
             found += [Strategy(ctx.fill(node, dict.fromkeys(parts, s.at(d - (stacked and d > at)))), s)

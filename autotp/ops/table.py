@@ -319,6 +319,7 @@ TAGS = {
     "pure": [aten.contiguous.default, aten.clone.default, aten.alias.default, aten.repeat.default,
              aten.bmm.default],  # values of its inputs alone: unmerge erases it once nothing reads it
     "row_wise": [aten.bmm.default, operator.getitem],  # expert rows pass through in place (ops/expert_rules.py)
+    "uninitialized": [aten.new_empty.default, aten.empty.memory_format],  # a new tensor of no values yet
 }
 
 

@@ -34,23 +34,24 @@ def canonical_order(graph: torch.fx.Graph) -> list[Node]:
 
     walk(output, 1)
     rank.pop(output)
-    entries = {n.args[0]: n for n in nodes if n.op == "call_function" and n.target in _LEAVES
-               and n.args and isinstance(n.args[0], Node)}
+    exits = {n.args[0]: n for n in nodes if n.op == "call_function" and n.target in _LEAVES
+             and n.args and isinstance(n.args[0], Node)}
+    position = {n: i for i, n in enumerate(nodes)}
+    regions = {}  # a region's entry and exit -> its ops between them
+    for entry, leave in exits.items():
+        regions[entry] = regions[leave] = nodes[position[entry] + 1:position[leave]]
     left = [n for n in nodes if n not in rank and n is not output]
-    anchors = {n: (_anchor(n, rank, nodes, entries), _describe(n)) for n in left}
+    anchors = {n: (_anchor(n, rank, regions), _describe(n)) for n in left}
     for n in sorted(left, key=anchors.__getitem__):
         walk(n, 2)
     rank[output] = (3, 0)
     return sorted(nodes, key=rank.__getitem__)
 
 
-def _anchor(node: Node, rank: dict, nodes: list[Node], entries: dict) -> tuple:
-    """The lowest rank among what ``node`` reads, or for a region's entry or exit among the region's ops."""
+def _anchor(node: Node, rank: dict, regions: dict) -> tuple:
+    """The lowest rank among what ``node`` reads, and for a region's entry or exit among the region's ops."""
     near = [rank[d] for d in node.all_input_nodes if d in rank]
-    entry = node.args[0] if node in entries.values() else node if node in entries else None
-    if entry is not None:
-        inside = nodes[nodes.index(entry) + 1:nodes.index(entries[entry])]
-        near += [rank[n] for n in inside if n in rank]
+    near += [rank[n] for n in regions.get(node, ()) if n in rank]
     return min(near) if near else (2, 0)
 
 

@@ -14,7 +14,8 @@ class UnfaithfulCapture(RuntimeError):
     """The captured program and the eager model compute other values on the example inputs."""
 
 
-def _leaves(out) -> list[torch.Tensor]:
+def float_leaves(out) -> list[torch.Tensor]:
+    """A model output's floating-point tensors, in order (the coverage sweep compares them too)."""
     if hasattr(out, "to_tuple"):  # transformers' ModelOutput: the fields that are set, in order
         out = out.to_tuple()
     return [x for x in tree_leaves(out) if isinstance(x, torch.Tensor) and x.is_floating_point()]
@@ -48,7 +49,7 @@ def _untouched(model: torch.nn.Module, args, kwargs, forward) -> list[torch.Tens
     copies = tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, (args, kwargs))
     try:
         with torch.no_grad():
-            return _leaves(forward(*copies[0], **copies[1]))
+            return float_leaves(forward(*copies[0], **copies[1]))
     finally:
         with torch.no_grad():
             for buffer, value in kept:

@@ -244,7 +244,7 @@ class Context:
 def needs_grad(gm: torch.fx.GraphModule) -> set:
     """Nodes whose value depends on a trainable parameter (their gradients flow); integer values (expert
     ids sorted by a router's scores) have none."""
-    params = {name for name, p in gm.named_parameters() if p.requires_grad}
+    params = {name for name, p in gm.named_parameters(remove_duplicate=False) if p.requires_grad}
     grad: set = set()
     for node in gm.graph.nodes:
         v = value(node)

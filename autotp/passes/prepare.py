@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
-from autotp.ops.semantics import may_alias, written
+from autotp.ops.semantics import may_alias, writes, written
 from autotp.ops.table import op
 
 aten = torch.ops.aten
@@ -31,9 +31,8 @@ def drop_no_ops(gm: torch.fx.GraphModule) -> None:
     """Remove what only costs dispatch time at run time and hides the graph's structure from the rules:
     torch.export's dtype/device assertions, casts to the dtype a tensor already has (``to`` without copy
     returns its input; ``x.type_as(y)`` is such a cast that reads ``y`` for its dtype only), copies into contiguous
-    memory that no reader needs (``_any_layout``), slices of everything
-    (``x[:, :, a:b]`` slices dims 0 and 1 whole first), and in-place adds into a new tensor that nothing else reads
-    (Falcon's ``mlp_output += attention_output``)."""
+    memory that no reader needs (``_any_layout``) and slices of everything (``x[:, :, a:b]`` slices dims 0 and 1
+    whole first)."""
     for node in list(gm.graph.nodes):
         if node.target == aten.type_as.default:
             node.target, node.args = aten.to.dtype, (node.args[0], node.args[1].meta["val"].dtype)
@@ -42,8 +41,6 @@ def drop_no_ops(gm: torch.fx.GraphModule) -> None:
         elif node.target == aten.slice.Tensor and len(node.args) <= 4 and _whole(node):
             node.replace_all_uses_with(node.args[0])
             gm.graph.erase_node(node)
-        elif node.target == aten.add_.Tensor and _fresh(node.args[0]) and len(node.args[0].users) == 1:
-            node.target = aten.add.Tensor
         elif node.target == aten.contiguous.default and len(node.args) == 1 and not node.kwargs and _any_layout(node):
             node.replace_all_uses_with(node.args[0])
             gm.graph.erase_node(node)
@@ -63,6 +60,28 @@ def _any_layout(node: Node) -> bool:
         user.op == "call_function" and "strided" not in op(user.target).tags for user in node.users)
 
 
+def out_of_place(gm: torch.fx.GraphModule) -> None:
+    """An in-place op on a new tensor that no view shares -> its out-of-place twin, read by what comes after it
+    (Falcon's ``mlp_output += attention_output``; DeBERTa's softmax output zeroed by ``masked_fill_``, which autograd
+    refuses: softmax's backward reads the output it overwrote).  The same values, one less write for the rules."""
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    for node in list(gm.graph.nodes):
+        schema = getattr(node.target, "_schema", None)
+        if node.op != "call_function" or schema is None or not schema.name.endswith("_") or not node.args:
+            continue
+        x = node.args[0]
+        twin = getattr(getattr(aten, schema.name.split("::")[-1][:-1], None), schema.overload_name or "default", None)
+        if twin is None or not isinstance(x, Node) or not _fresh(x) or not writes(node, x) \
+                or any(user.op != "call_function" or may_alias(user.target) for user in x.users):
+            continue
+        with gm.graph.inserting_before(node):
+            new = gm.graph.call_function(twin, node.args, node.kwargs)
+        new.meta = dict(node.meta)
+        order[new] = order[node]
+        node.replace_all_uses_with(new)
+        x.replace_all_uses_with(new, delete_user_cb=lambda user, at=order[node]: order.get(user, -1) > at)
+        gm.graph.erase_node(node)
+    gm.graph.lint()
 
 
 def _fresh(node: Node) -> bool:

@@ -8,7 +8,14 @@ from autotp.passes.capture import check_inputs as check_example_inputs
 from autotp.passes.fold import NotFoldable, find_fold, fold_graph, folded
 from autotp.passes.group_cuts import cuts_to_gathers
 from autotp.passes.inline_regions import inline_regions
-from autotp.passes.prepare import drop_no_ops, fuse_repeat_kv, merge_aliases, split_bias, unflatten_products
+from autotp.passes.prepare import (
+    drop_no_ops,
+    fuse_repeat_kv,
+    merge_aliases,
+    out_of_place,
+    split_bias,
+    unflatten_products,
+)
 from autotp.passes.slice_fills import fills_to_cat
 from autotp.passes.unmerge import unmerge
 from autotp.runtime.hf_models import default_inputs, no_kv_cache
@@ -43,6 +50,7 @@ def prepare(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     unflatten_products(gm)
     fuse_repeat_kv(gm)
     drop_no_ops(gm)
+    out_of_place(gm)
     fills_to_cat(gm)
     unmerge(gm)
     cuts_to_gathers(gm)

@@ -219,6 +219,9 @@ def merged_views(gm: torch.fx.GraphModule, ctx: Context) -> None:
             if order != sorted(order):
                 result = graph.call_function(aten.permute.default, (viewed, order))
                 result.meta = {**last.meta, "val": viewed.meta["val"].permute(order)}
+            if aten.reshape.default in (first.target, last.target):  # a reshape copies what no view can reach:
+                result = graph.call_function(aten.contiguous.default, (result,))  # readers may view it (laguna)
+                result.meta = {**last.meta, "val": result.args[0].meta["val"].contiguous()}
         last.replace_all_uses_with(result)
         graph.erase_node(last)
         _erase_unused(graph, chain)

@@ -268,10 +268,10 @@ def _error(got: torch.Tensor, want: torch.Tensor) -> float:
     return (got - want).abs().max().item() if want.numel() else 0.0  # a model may hold empty tensors (DINOv3)
 
 
-def _rank(rank: int, world: int, name: str, spec: dict) -> dict:
+def _rank(rank: int, world: int, name: str, spec: dict, timeout: int) -> dict:
     import autotp
     model, kwargs, _ = build(name, "cpu", spec)
-    sharded = autotp.parallelize(model, (), kwargs)
+    sharded = autotp.parallelize(model, (), kwargs, timeout=timeout)  # rank 0 plans alone: the others wait
     got, want = _leaves(sharded(**kwargs)), _leaves(model(**kwargs))
     result = {"outputs": len(want), "out_err": 0.0, "grad_err": 0.0, "mismatch": None, "grads_off": [],
               "rounding": []}
@@ -311,7 +311,7 @@ def exact_entry(name: str, spec: dict, timeout: int) -> dict:
     entry, start = {"name": name}, time.perf_counter()
     _alarm(timeout)
     try:
-        result = run_local(2, _rank, name, spec, timeout=timeout)[0]
+        result = run_local(2, _rank, name, spec, timeout, timeout=timeout)[0]
         entry.update(result, result="exact" if result["mismatch"] is None else "mismatch")
     except Exception as exc:  # a rank's error, raised here
         lines = [line.strip() for line in str(exc).splitlines()]

@@ -22,10 +22,13 @@ aten = torch.ops.aten
 
 
 def unmerge(gm: torch.fx.GraphModule) -> None:
-    """All three rewrites, each where it applies."""
+    """All four rewrites, each where it applies."""
     probes = Context(world=1)
     packed_picks(gm)
     merged_views(gm, probes)
+    for _ in range(2):  # a product's merge moved on by merged_rows reaches the next product
+        merged_products(gm, probes)
+        merged_rows(gm, probes)
     merged_products(gm, probes)
     gm.graph.lint()
     gm.recompile()
@@ -229,6 +232,66 @@ def merged_views(gm: torch.fx.GraphModule, ctx: Context) -> None:
 
 # ---- products over heads merged with the batch -------------------------------------------------------
 
+# ops that treat every row of their first operand alike (their dim arguments: which positional args, if any)
+_ROW_WISE = {aten.softmax.int: (1,), aten._softmax.default: (1,), aten.dropout.default: (), aten.to.dtype: ()}
+_SCALED = (aten.mul.Tensor, aten.div.Tensor, aten.add.Tensor, aten.sub.Tensor)  # by a number: row-wise too
+
+
+def _row_dims(node: Node):
+    """The dim arguments of ``node`` if it treats every row of its first operand alike, else None."""
+    if node.target in _SCALED and len(node.args) == 2 and isinstance(node.args[1], (int, float)):
+        return ()
+    return _ROW_WISE.get(node.target)
+
+
+def _merge(node: Node, ctx: Context) -> bool:
+    """``node`` views a [B, H, ...] tensor as [B*H, ...]."""
+    flat = node.target == aten.flatten.using_ints and tuple(node.args[1:3]) == (0, 1)
+    if not (flat or "sized_view" in op(node.target).tags) or not isinstance(node.args[0], Node):
+        return False
+    inner, outer = _sizes(ctx, node.args[0]), _sizes(ctx, node)
+    return len(inner) == len(outer) + 1 > 2 and inner[0] * inner[1] == outer[0] and inner[2:] == outer[1:] \
+        and 1 not in inner[:2]
+
+
+def merged_rows(gm: torch.fx.GraphModule, ctx: Context) -> None:
+    """A [B, H, ...] -> [B*H, ...] view read by ops that treat every row alike (softmax over a later dim, dropout,
+    a cast), or viewed straight back  =>  those ops on [B, H, ...] and the view after them, so the view reaches the
+    product that merged_products unmerges (XGLM, TrOCR, MVP: ``scores.view(b * h, t, s).softmax(-1)`` then
+    ``probs.bmm(v)``)."""
+    graph = gm.graph
+    todo = [node for node in graph.nodes if _merge(node, ctx)]
+    while todo:
+        merge = todo.pop(0)
+        if merge.graph is not graph or not _merge(merge, ctx):
+            continue
+        x = merge.args[0]
+        for user in list(merge.users):
+            if "sized_view" in op(user.target).tags and user.args[0] is merge and _sizes(ctx, user) == _sizes(ctx, x):
+                user.replace_all_uses_with(x)  # viewed back: the [B, H, ...] tensor itself
+                graph.erase_node(user)
+                todo += [u for u in x.users if _merge(u, ctx)]
+                continue
+            dims = _row_dims(user)
+            if dims is None or user.args[0] is not merge or merge in user.args[1:] or merge in user.kwargs.values():
+                continue
+            args = list(user.args)
+            if any(args[i] % len(_sizes(ctx, merge)) == 0 for i in dims):
+                continue  # across the merged rows
+            for i in dims:
+                args[i] = args[i] + 1 if args[i] >= 0 else args[i]
+            with graph.inserting_before(user):
+                rows = graph.call_function(user.target, (x, *args[1:]), user.kwargs)
+                rows.meta = {**user.meta, "val": user.target(x.meta["val"], *args[1:], **user.kwargs)}
+                view = graph.call_function(merge.target, (rows, *merge.args[1:]), merge.kwargs)
+                view.meta = dict(user.meta)
+            user.replace_all_uses_with(view)
+            graph.erase_node(user)
+            todo.append(view)
+        if not merge.users:
+            graph.erase_node(merge)
+
+
 def _unmerged(node: Node, b: int, h: int, ctx: Context):
     """How the [b*h, ...] operand ``node`` is a [b, h, ...] value: (source, broadcast over b, transposes to apply),
     or None.  Sources: a view of a [b, h, ...] tensor, or ``x.repeat(b, 1, ...)`` of an [h, ...] one (BLOOM's
@@ -245,7 +308,8 @@ def _unmerged(node: Node, b: int, h: int, ctx: Context):
     if src is None:
         return None
     inner = _sizes(ctx, src)
-    if "sized_view" in op(node.target).tags and inner[:2] == [b, h] and inner[2:] == _sizes(ctx, node)[1:]:
+    merge = "sized_view" in op(node.target).tags or (node.target == aten.flatten.using_ints and node.args[1:3] == (0, 1))
+    if merge and inner[:2] == [b, h] and inner[2:] == _sizes(ctx, node)[1:]:
         return src, False, moves[::-1]
     if node.target == aten.repeat.default and len(node.args[1]) == len(inner) and inner[0] == h:
         first, *rest = node.args[1]
@@ -272,35 +336,52 @@ def _call(graph: torch.fx.Graph, target, args: tuple, like: Node) -> Node:
     return made
 
 
+def _heads(node: Node, ctx: Context):
+    """(B, H) of a [B*H, ...] product operand that views (through transposes) a [B, H, ...] tensor, H fixed."""
+    while node.target == aten.transpose.int and 0 not in (node.args[1] % 3, node.args[2] % 3):
+        node = node.args[0]
+    if not _merge(node, ctx) or not ctx.static(ctx.shape(node.args[0])[1]):
+        return None
+    return tuple(_sizes(ctx, node.args[0])[:2])
+
+
 def merged_products(gm: torch.fx.GraphModule, ctx: Context) -> None:
-    """``bmm`` / ``baddbmm`` of [B*H, ...] operands whose result is only viewed back as [B, H, ...] (BLOOM's
-    ``alibi.baddbmm(q, k^T)`` and ``probs.bmm(v)``)  =>  the 4-D matmul of the unmerged operands
-    (``beta * input + alpha * (a @ b)``)."""
+    """``bmm`` / ``baddbmm`` of [B*H, ...] operands (BLOOM's ``alibi.baddbmm(q, k^T)`` and ``probs.bmm(v)``)  =>
+    the 4-D matmul of the unmerged operands (``beta * input + alpha * (a @ b)``), and where the result is not only
+    viewed back as [B, H, ...], a merge of it that merged_rows moves on (MVP's ``q.bmm(k^T).softmax(-1)``)."""
     graph = gm.graph
     for node in list(graph.nodes):
         if "batched_product" not in op(node.target).tags:
             continue
         users = list(node.users)
         shapes = {tuple(_sizes(ctx, u)) for u in users}
-        if not users or any("sized_view" not in op(u.target).tags for u in users) or len(shapes) != 1:
-            continue
-        (b, h, *rest), = shapes
-        if rest != _sizes(ctx, node)[1:] or b * h != _sizes(ctx, node)[0] or not ctx.static(ctx.shape(users[0])[1]):
-            continue
+        back = bool(users) and all("sized_view" in op(u.target).tags for u in users) and len(shapes) == 1
+        if back:
+            (b, h, *rest), = shapes
+            back = rest == _sizes(ctx, node)[1:] and b * h == _sizes(ctx, node)[0] and \
+                ctx.static(ctx.shape(users[0])[1])
+        if not back:
+            found = {_heads(a, ctx) for a in node.args[:3] if isinstance(a, Node)} - {None}
+            if len(found) != 1:
+                continue
+            (b, h), = found
         operands = node.args[:3] if node.target == aten.baddbmm.default else (None, *node.args[:2])
         recipes = [_unmerged(a, b, h, ctx) if a is not None else None for a in operands]
         if None in recipes[1:] or (operands[0] is not None and recipes[0] is None):
             continue
+        like = users[0] if back else node
         with graph.inserting_before(node):
             bias, left, right = (_built(graph, r) if r is not None else None for r in recipes)
-            value = _call(graph, aten.matmul.default, (left, right), users[0])
+            value = _call(graph, aten.matmul.default, (left, right), like)
             alpha, beta = node.kwargs.get("alpha", 1), node.kwargs.get("beta", 1)
             if alpha != 1:
-                value = _call(graph, aten.mul.Tensor, (value, alpha), users[0])
+                value = _call(graph, aten.mul.Tensor, (value, alpha), like)
             if bias is not None:
-                bias = _call(graph, aten.mul.Tensor, (bias, beta), users[0]) if beta != 1 else bias
-                value = _call(graph, aten.add.Tensor, (bias, value), users[0])
-        for user in users:
+                bias = _call(graph, aten.mul.Tensor, (bias, beta), like) if beta != 1 else bias
+                value = _call(graph, aten.add.Tensor, (bias, value), like)
+            if not back:
+                node.replace_all_uses_with(_call(graph, aten.flatten.using_ints, (value, 0, 1), node))
+        for user in users if back else ():
             user.replace_all_uses_with(value)
             graph.erase_node(user)
         graph.erase_node(node)

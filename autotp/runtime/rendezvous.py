@@ -199,7 +199,7 @@ class Rendezvous:
             except Exception as exc:
                 self.store.set(key, f"error:{type(exc).__name__}: {exc}")
                 raise
-        self._wait([key], [0], f"receive the {name} from rank 0 (rank 0 must finish it)", presence)
+        self._wait([key], [0], f"share the {name} (rank 0 makes it for every rank)", presence)
         body = self.store.get(key).decode()
         self._acknowledge(name, [key])
         if body.startswith("error:"):

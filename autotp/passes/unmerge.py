@@ -244,10 +244,13 @@ def _row_dims(node: Node):
     return _ROW_WISE.get(node.target)
 
 
+def _flattens_heads(node: Node) -> bool:
+    return node.target == aten.flatten.using_ints and tuple(node.args[1:3]) == (0, 1)
+
+
 def _merge(node: Node, ctx: Context) -> bool:
     """``node`` views a [B, H, ...] tensor as [B*H, ...]."""
-    flat = node.target == aten.flatten.using_ints and tuple(node.args[1:3]) == (0, 1)
-    if not (flat or "sized_view" in op(node.target).tags) or not isinstance(node.args[0], Node):
+    if not (_flattens_heads(node) or "sized_view" in op(node.target).tags) or not isinstance(node.args[0], Node):
         return False
     inner, outer = _sizes(ctx, node.args[0]), _sizes(ctx, node)
     return len(inner) == len(outer) + 1 > 2 and inner[0] * inner[1] == outer[0] and inner[2:] == outer[1:] \
@@ -308,8 +311,8 @@ def _unmerged(node: Node, b: int, h: int, ctx: Context):
     if src is None:
         return None
     inner = _sizes(ctx, src)
-    merge = "sized_view" in op(node.target).tags or (node.target == aten.flatten.using_ints and node.args[1:3] == (0, 1))
-    if merge and inner[:2] == [b, h] and inner[2:] == _sizes(ctx, node)[1:]:
+    merges = "sized_view" in op(node.target).tags or _flattens_heads(node)
+    if merges and inner[:2] == [b, h] and inner[2:] == _sizes(ctx, node)[1:]:
         return src, False, moves[::-1]
     if node.target == aten.repeat.default and len(node.args[1]) == len(inner) and inner[0] == h:
         first, *rest = node.args[1]

@@ -210,10 +210,12 @@ def einsums(m, x):
 
 def convolutions(m, x, image):
     """A 1-D conv over the sequence (channels first), a depthwise one with a bias (state-space layers), a 2-D
-    patch embedding."""
+    patch embedding and an eval-mode batch norm of it."""
     h = torch.nn.functional.conv1d(x.transpose(1, 2), m.mix, padding=1)
     h = torch.nn.functional.conv1d(h, m.depthwise, m.depthwise_bias, padding=2, groups=FFN)
     patches = torch.nn.functional.conv2d(image, m.patch, m.patch_bias, stride=2)
+    stats = m.bn_mean.detach(), (m.bn_var.square() + 0.5).detach()  # running statistics: no gradient
+    patches = torch.nn.functional.batch_norm(patches, *stats, m.bn_w, m.bn_b)
     return h.transpose(1, 2)[:, : x.shape[1]].sum(-1) + patches.flatten(2).sum((1, 2)).unsqueeze(-1)
 
 
@@ -235,7 +237,8 @@ SAMPLES = {
     "einsums": (lambda: Program(einsums, q=(HEADS * D, H), k=(HEADS * D, H), o=(H, HEADS * D)),
                 lambda: (_floats(2, 5, H),)),
     "convolutions": (lambda: Program(convolutions, mix=(FFN, H, 3), depthwise=(FFN, 1, 5), depthwise_bias=(FFN,),
-                                     patch=(H, 3, 2, 2), patch_bias=(H,)),
+                                     patch=(H, 3, 2, 2), patch_bias=(H,), bn_mean=(H,),
+                                     bn_var=(H,), bn_w=(H,), bn_b=(H,)),
                      lambda: (_floats(2, 5, H), _floats(2, 3, 4, 4))),
     "scans": (lambda: Program(scans, w=(H,)), lambda: (_floats(2, 5, H),)),
     "experts": (lambda: Program(experts, w=(3, H, 8)), lambda: (_floats(8, H), torch.tensor([0, 0, 0, 1, 1, 2, 2, 2]))),

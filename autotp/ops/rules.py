@@ -322,3 +322,20 @@ def convolution(node: Node, ctx: Context) -> list[Strategy]:
         found += [Strategy(ctx.fill(node, {x: s, w: s.at(0), **({bias: s.at(0)} if with_bias else {})}), s)
                   for s in ctx.shard_options(node, 1) if s.chunks is None and not s.grouped(ctx.world)]
     return found
+
+
+def batch_norm(node: Node, ctx: Context) -> list[Strategy]:
+    """batch_norm in eval mode, a per-channel affine map of fixed statistics: channels (dim 1) split with the
+    weight, bias and running statistics alike, or another dim split with them whole.  In training mode it takes
+    statistics over the batch and writes the running ones in place: no rule, so it runs replicated."""
+    x, *per_channel = node.args[:5]
+    training = node.args[5] if len(node.args) > 5 else node.kwargs.get("training", True)
+    if training is not False:
+        return []
+    per_channel = [a for a in per_channel if isinstance(a, Node)]
+    found = [Strategy(ctx.fill(node, {x: s, **{a: s.at(0) for a in per_channel}}), s)
+             for s in ctx.shard_options(x, 1) if s.chunks is None]
+    for d in range(len(ctx.shape(x))):
+        if d != 1:
+            found += [Strategy(ctx.fill(node, {x: s}), s) for s in ctx.shard_options(x, d) + ctx.token_options(x, d)]
+    return found

@@ -38,6 +38,7 @@ from autotp.ops.layout_rules import (
 )
 from autotp.ops.rules import (
     attention,
+    batch_norm,
     convolution,
     dropout,
     einsum,
@@ -273,6 +274,7 @@ _ROWS: dict = {
     **_rows([aten._log_softmax.default, aten.log_softmax.int], family="log_softmax", rule=normalize,
             keeps=keeps_output),
     **_rows([aten.layer_norm.default], family="layer_norm", rule=normalize, keeps=keeps_normalized),
+    **_rows([aten.batch_norm.default], family="batch_norm", rule=batch_norm, keeps=keeps_input),
     **_rows([aten.cumsum.default], family="scan", rule=normalize, keeps=keeps_nothing),
     **_rows([aten.topk.default], family="scan", rule=top_k, keeps=keeps_nothing),
     **_rows([aten.pad.default, aten.constant_pad_nd.default], family="pad", rule=pad, keeps=keeps_nothing),

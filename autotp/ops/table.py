@@ -322,6 +322,10 @@ TAGS = {
              aten.bmm.default],  # values of its inputs alone: unmerge erases it once nothing reads it
     "row_wise": [aten.bmm.default, operator.getitem],  # expert rows pass through in place (ops/expert_rules.py)
     "uninitialized": [aten.new_empty.default, aten.empty.memory_format],  # a new tensor of no values yet
+    # every row of input 0 alike (unmerge moves a batch*heads merge past them): over the dim at args[1] ...
+    "per_row_over_dim": [aten.softmax.int, aten._softmax.default],
+    "per_row": [aten.dropout.default, aten.to.dtype],  # ... or elementwise
+    "by_number": [aten.mul.Tensor, aten.div.Tensor, aten.add.Tensor, aten.sub.Tensor],  # elementwise with a number
 }
 
 

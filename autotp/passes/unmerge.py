@@ -232,16 +232,12 @@ def merged_views(gm: torch.fx.GraphModule, ctx: Context) -> None:
 
 # ---- products over heads merged with the batch -------------------------------------------------------
 
-# ops that treat every row of their first operand alike (their dim arguments: which positional args, if any)
-_ROW_WISE = {aten.softmax.int: (1,), aten._softmax.default: (1,), aten.dropout.default: (), aten.to.dtype: ()}
-_SCALED = (aten.mul.Tensor, aten.div.Tensor, aten.add.Tensor, aten.sub.Tensor)  # by a number: row-wise too
-
-
 def _row_dims(node: Node):
-    """The dim arguments of ``node`` if it treats every row of its first operand alike, else None."""
-    if node.target in _SCALED and len(node.args) == 2 and isinstance(node.args[1], (int, float)):
+    """Which positional args of ``node`` are dims if it treats every row of its first operand alike, else None."""
+    tags = op(node.target).tags
+    if "by_number" in tags and len(node.args) == 2 and isinstance(node.args[1], (int, float)):
         return ()
-    return _ROW_WISE.get(node.target)
+    return (1,) if "per_row_over_dim" in tags else () if "per_row" in tags else None
 
 
 def _flattens_heads(node: Node) -> bool:

@@ -161,7 +161,21 @@ def _table(items: list[dict]) -> list[str]:
     return lines
 
 
-def summarize(plans: dict, exacts: dict) -> str:
+def _at_four(plans: dict, at_four: dict) -> list:
+    """Exactness at 4 ranks, one model a family (``coverage_sweep.py exact4``)."""
+    if not at_four:
+        return []
+    lines = ["## At 4 ranks", "", f"{sum(e.get('result') == 'exact' for e in at_four.values())} of {len(at_four)} "
+             "exact: the first planned model of each family, in name order.", "",
+             "| model | family | result | output error | gradient error |", "|---|---|---|---|---|"]
+    for name, e in sorted(at_four.items()):
+        result = e.get("result", "?") + (f" ({e['error'][:120]})" if e.get("error") else "")
+        lines.append(f"| {name} | {plans.get(name, {}).get('family', '?')} | {result} | "
+                     f"{e.get('out_err', float('nan')):.2g} | {e.get('grad_err', float('nan')):.2g} |")
+    return [*lines, ""]
+
+
+def summarize(plans: dict, exacts: dict, at_four: dict | None = None) -> str:
     from coverage_models import family_of
     for name, e in plans.items():  # families by today's rule (records keep the one of their run)
         if e.get("captured"):
@@ -176,7 +190,7 @@ def summarize(plans: dict, exacts: dict) -> str:
              f"plain static torch.export where autotp's failed), of {c['found']} found and {c['built']} that build "
              "from the shrunk config and run a forward on the CPU.", "",
              "| count | value |", "|---|---|", *[f"| {k} | {v} |" for k, v in c.items()], "",
-             *_table(families(plans, exacts)), "", "## Shortfalls", ""]
+             *_table(families(plans, exacts)), "", *_at_four(plans, at_four or {}), "## Shortfalls", ""]
     for reason, who in sorted(shortfalls(plans, exacts).items(), key=lambda kv: -len(kv[1])):
         lines.append(f"- {reason.replace('|', '/')} ({len(who)}): {', '.join(who)}")
     lines += ["", "## Results", "", *_table(rows(plans, exacts)), "", "## Not in the denominator", ""]

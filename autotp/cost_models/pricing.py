@@ -7,6 +7,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import sympy
 import torch
 from torch.fx import Node
 
@@ -69,9 +70,8 @@ class Sizes:
     def __call__(self, size) -> int:
         if isinstance(size, int):
             return size
-        expr = size.node.expr
-        hints = size.node.shape_env.backed_var_to_val
-        return int(expr.xreplace({sym: self.overrides.get(str(sym), hints[sym]) for sym in expr.free_symbols}))
+        expr, env = size.node.expr, size.node.shape_env
+        return int(expr.xreplace({sym: self.overrides.get(str(sym), _hint(env, sym)) for sym in expr.free_symbols}))
 
     def numel(self, node: Node) -> float:
         return float(math.prod(self(s) for s in node.meta["val"].shape))
@@ -85,6 +85,43 @@ class Sizes:
     def flops(self, node: Node) -> float:
         """One forward of ``node`` at these sizes (the op table's FLOPs)."""
         return flops(node, self)
+
+
+def input_sizes(gm: torch.fx.GraphModule, price_at: Mapping) -> dict:
+    """Symbol overrides that price ``gm`` at ``price_at`` (input name -> shape, None: the example's size)."""
+    inputs = {n.name: n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"}
+    inputs = {name: val for name, val in inputs.items() if isinstance(val, torch.Tensor)}
+    found: dict = {}
+    for name, shape in price_at.items():
+        if name not in inputs:
+            raise ValueError(f"price_at names {name!r}, not a tensor input of the captured model; its tensor inputs: "
+                             f"{', '.join(inputs) or 'none'}")
+        example = inputs[name].shape
+        if len(shape) != len(example):
+            raise ValueError(f"price_at[{name!r}] has {len(shape)} dims, the example input {len(example)}: "
+                             f"give one size (or None) per dim of {tuple(example)}")
+        for d, (want, have) in enumerate(zip(shape, example, strict=True)):
+            if want is None or (isinstance(have, int) and have == want):
+                continue
+            if isinstance(have, int) or not have.node.expr.is_Symbol:
+                raise ValueError(f"price_at[{name!r}] sets dim {d} to {want}, but the capture fixed it at {have}: "
+                                 "pass an example input of that size, or None for this dim")
+            symbol = str(have.node.expr)
+            if found.setdefault(symbol, want) != want:
+                raise ValueError(f"price_at gives {symbol}, one size of the capture, both {found[symbol]} and {want}")
+    return found
+
+
+def _hint(env, sym) -> int:
+    """A symbol's example size; a data-dependent one (rows a mask or a router selects, u0) has none, so it is
+    priced at its upper bound where export knows one, else as large as the largest example size: all rows
+    selected, the price of the worst case, never a guess below it."""
+    if sym in env.backed_var_to_val:
+        return env.backed_var_to_val[sym]
+    upper = env.var_to_range[sym].upper if sym in env.var_to_range else None
+    if isinstance(upper, sympy.Integer) and int(upper) < 2**31:  # int_oo, unbounded, is no sympy.Integer
+        return int(upper)
+    return max((int(v) for v in env.backed_var_to_val.values()), default=1)
 
 
 def held_fraction(placement, world: int) -> float:
@@ -101,7 +138,7 @@ def _held(placement, world: int) -> float:
     sizes = placement.blocks(1)
     held = [sum(size * count / placement.parts(world, k) for k, (size, (_, count))
                 in enumerate(zip(sizes, placement.spans(r, world, len(sizes)), strict=True))) for r in range(world)]
-    return max(held) / sum(sizes)
+    return max(held) / sum(sizes) if sum(sizes) else 1.0
 
 
 def shared_fraction(placement: Shard, world: int) -> float:

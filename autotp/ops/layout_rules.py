@@ -237,8 +237,10 @@ def split(node: Node, ctx: Context) -> list[Strategy]:
     at = positive_dim(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0), n)
     sizes = tuple(o.shape[at] for o in node.meta["val"])
     k = len(sizes)
-    # chunk(n) recomputes piece sizes from the local size: only equal pieces stay aligned
-    split_dim_ok = node.target != aten.chunk.default or len(set(sizes)) == 1
+    # chunk(n) recomputes piece sizes from the local size: only equal pieces stay aligned; pieces of a
+    # dynamic size (a sequence chunked) are not known to line up with any shard
+    split_dim_ok = all(isinstance(v, int) for v in sizes) and (
+        node.target != aten.chunk.default or len(set(sizes)) == 1)
     found = [Strategy(ctx.fill(node, {x: P}), (P,) * k)] if summable(x) else []
     for d in range(n):
         for s in ctx.shard_options(x, d):

@@ -114,6 +114,8 @@ def find_fold(model: torch.nn.Module, min_blocks: int = MIN_BLOCKS) -> Fold | No
         if not isinstance(mod, torch.nn.ModuleList) or len(mod) < min_blocks:
             continue
         blocks = list(mod)
+        if any(b is None for b in blocks):
+            continue  # a ModuleList may hold None (x-transformers' missing norms): no blocks to fold
         start = next((s for s in range(len(blocks) - min_blocks + 1) if _identical(blocks[s:], s)), None)
         if start is None or len({id(b) for b in blocks}) < len(blocks) or (
                 best and len(blocks) - start <= best.count - best.start):

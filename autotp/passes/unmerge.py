@@ -190,8 +190,8 @@ def merged_views(gm: torch.fx.GraphModule, ctx: Context) -> None:
             continue
         x = first.args[0]
         sizes = [_sizes(ctx, n) for n in (x, first)]
-        if 1 in sizes[0] or 1 in sizes[1]:
-            continue
+        if {0, 1} & {*sizes[0], *sizes[1]}:
+            continue  # a size 1 or 0 belongs to no dim alone
         atoms = _Atoms(sizes[0])
         if not atoms.regroup(sizes[1]) or all(len(d) == 1 for d in atoms.dims):
             continue  # no merge to undo

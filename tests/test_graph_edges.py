@@ -1,0 +1,91 @@
+"""Graphs the coverage sweep found planning crashed on (benchmarks/coverage_sweep.py): each plans now, and the
+ones that run are exact at 2 ranks against one process."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import autotp
+from autotp.passes.fold import find_fold
+from tests.helpers.distributed import run_ranks
+from tests.helpers.exact import TOL
+
+
+class Selected(nn.Module):
+    """Rows picked by a mask of their values (a router's, a detector's): a size only the data knows (u0)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 64), nn.Linear(64, 16)
+
+    def forward(self, x):
+        picked = x[x.sum(-1) > 0]
+        return self.down(self.up(picked).relu()).sum(0) + x.sum((0, 1))
+
+
+class EmptyWindows(nn.Module):
+    """Heads viewed out of a run of zero rows (Swin's padding where an image needs none): a size 0 in a view."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 64), nn.Linear(64, 16)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        h = self.up(x)
+        none = h[:, :0].view(b, 0, 4, 16).transpose(1, 2).reshape(b * 4, 0, 16)
+        return self.down(h.relu()) + none.sum()
+
+
+class Halves(nn.Module):
+    """The sequence split in two by a size computed from it (ProphetNet's main and predicted streams)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 64), nn.Linear(64, 16)
+
+    def forward(self, x):
+        first, second = self.up(x).chunk(2, dim=1)
+        return self.down(first.relu()) + self.down(second.relu())
+
+
+def _plan(model, x):
+    return autotp.plan(model, (), {"x": x}, world_size=2)
+
+
+def test_a_size_only_the_data_knows_is_priced():
+    plan = _plan(Selected(), torch.randn(2, 8, 16))
+    assert plan.params["up.weight"] != "R"  # planned, and the MLP still split
+
+
+def test_a_view_with_a_size_0_plans():
+    plan = _plan(EmptyWindows(), torch.randn(2, 8, 16))
+    assert plan.params["up.weight"] != "R"
+
+
+def test_pieces_of_a_dynamic_size_are_not_sharded_along_it():
+    plan = _plan(Halves(), torch.randn(2, 8, 16))
+    assert plan.params["up.weight"] != "R"
+
+
+def test_a_module_list_holding_none_is_not_folded():
+    blocks = nn.ModuleList([nn.Linear(4, 4) for _ in range(6)] + [None])
+    assert find_fold(nn.ModuleDict({"blocks": blocks})) is None
+
+
+def _run(rank: int, world: int) -> None:
+    for make in (Selected, EmptyWindows, Halves):
+        torch.manual_seed(0)
+        model, x = make(), torch.randn(2, 8, 16)
+        sharded = autotp.parallelize(model, (), {"x": x})
+        for y in (x, torch.randn(3, 6, 16)):
+            torch.testing.assert_close(sharded(x=y), model(x=y), **TOL)
+        sharded(x=x).square().mean().backward()
+        model(x=x).square().mean().backward()
+        grads = autotp.full_state_dict(sharded, grads=True)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, **TOL)
+
+
+def test_they_run_exact_at_two_ranks():
+    run_ranks(2, _run)

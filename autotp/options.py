@@ -45,6 +45,10 @@ class PlanOptions:
     """Parameters at least this large (against the largest) are only offered sharded."""
     gather_outputs: bool = True
     """Return full outputs on every rank; False leaves outputs sharded where the plan computes them sharded."""
+    price_at: Mapping | None = None
+    """Input name -> the shape to price the plan at (``{"input_ids": (8, 4096)}``; None in a dim: the example's):
+    capture at small example inputs, plan for the batch and sequence a run uses.  Only dims the capture made
+    dynamic can differ from the example; None: price at the example inputs' sizes."""
 
     def __post_init__(self):
         if self.sequence_parallel not in (None, True, False):
@@ -58,6 +62,11 @@ class PlanOptions:
         if self.ep > 1 and self.experts == "parallel":
             raise ValueError('experts="parallel" computes whole experts on the TP group alone; with a mesh\'s "ep" '
                              'dimension choose "all-to-all" or "tensor" (or None)')
+        for name, shape in (self.price_at or {}).items():
+            if not isinstance(name, str) or not isinstance(shape, (tuple, list)) or not all(
+                    d is None or (isinstance(d, int) and d >= 1) for d in shape):
+                raise ValueError(f"price_at maps input names to shapes of positive sizes (None: the example's), "
+                                 f"got {name!r}: {shape!r}")
         if not self.expert_imbalance >= 1:
             raise ValueError(f"expert_imbalance is the busiest rank's load over the uniform share, at least 1: got "
                              f"{self.expert_imbalance!r}")

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from autotp.cost_models import load_topology
-from autotp.cost_models.pricing import Experts, Sizes, activation_bytes
+from autotp.cost_models.pricing import Experts, Sizes, activation_bytes, input_sizes
 from autotp.cost_models.topology import Topology
 from autotp.ops import expert_segments
 from autotp.ops.strategies import Context, Strategy, input_slots, needs_grad, on_tokens, token_inputs
@@ -77,7 +77,9 @@ def _solve_once(gm: torch.fx.GraphModule, world_size: int, options: PlanOptions,
     if options.ep > 1 and world_size == 1 and options.experts is None:
         options = replace(options, experts="all-to-all")  # no TP to split experts over: whole, dealt over "ep"
     found = candidates(gm, world_size, options, attempt.tokens, options.experts)
-    sizes = Sizes(sizes.overrides if sizes else None, Experts(options.expert_imbalance, options.ep, found.segments))
+    priced = input_sizes(gm, options.price_at) if options.price_at else {}
+    sizes = Sizes({**priced, **(sizes.overrides if sizes else {})},
+                  Experts(options.expert_imbalance, options.ep, found.segments))
     folding = gm.meta.get("autotp_fold")
     if folding and any(found.strategies.get(a) != found.strategies.get(b) for a, b in folding.ties):
         raise PlanningError(f"the blocks of {folding.fold.path} look identical but offer different shardings: "

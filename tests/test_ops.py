@@ -219,6 +219,22 @@ def convolutions(m, x, image):
     return h.transpose(1, 2)[:, : x.shape[1]].sum(-1) + patches.flatten(2).sum((1, 2)).unsqueeze(-1)
 
 
+def channels(m, image, x):
+    """A weight-normed conv (wav2vec2's positional conv), a gate over channels (conformers), a flip, pooling and
+    resampling of the image and of a signal, and an acos: batch and channels pass through each."""
+    h = torch.nn.functional.conv2d(image, torch._weight_norm(m.v, m.g, 0))  # [2, H, 3, 3]
+    h = torch.nn.functional.glu(torch.cat([h, h.flip([2, 3])], 3), dim=3) + torch.acos(torch.tanh(h) / 2)
+    pooled = (torch.nn.functional.avg_pool2d(h, 2, stride=1).sum((2, 3)) +
+              torch.nn.functional.adaptive_avg_pool2d(h, 1).flatten(1))
+    for mode in ("nearest", "bilinear", "bicubic"):
+        pooled = pooled + torch.nn.functional.interpolate(h, size=(4, 5), mode=mode).sum((2, 3))
+    signal = x.transpose(1, 2) * pooled.unsqueeze(-1)  # [2, H, 5]
+    for mode in ("nearest", "linear"):
+        signal = signal + torch.nn.functional.interpolate(signal, size=7, mode=mode)[..., :5]
+    signal = torch.nn.functional.avg_pool1d(signal, 2, stride=1, padding=1)[..., :5]
+    return signal + torch.nn.functional.adaptive_avg_pool1d(signal, 1)
+
+
 SAMPLES = {
     "pointwise": (lambda: Program(pointwise, w=(H,)), lambda: (_floats(2, 5, H), _floats(2, 5, H))),
     "products": (lambda: Program(products, up=(FFN, H), up_bias=(FFN,), down=(H, FFN), proj=(H, H),
@@ -241,6 +257,8 @@ SAMPLES = {
                                      bn_var=(H,), bn_w=(H,), bn_b=(H,)),
                      lambda: (_floats(2, 5, H), _floats(2, 3, 4, 4))),
     "scans": (lambda: Program(scans, w=(H,)), lambda: (_floats(2, 5, H),)),
+    "channels": (lambda: Program(channels, v=(H, 3, 2, 2), g=(H, 1, 1, 1)),
+                 lambda: (_floats(2, 3, 4, 4), _floats(2, 5, H))),
     "experts": (lambda: Program(experts, w=(3, H, 8)), lambda: (_floats(8, H), torch.tensor([0, 0, 0, 1, 1, 2, 2, 2]))),
 }
 

@@ -339,3 +339,40 @@ def batch_norm(node: Node, ctx: Context) -> list[Strategy]:
         if d != 1:
             found += [Strategy(ctx.fill(node, {x: s}), s) for s in ctx.shard_options(x, d) + ctx.token_options(x, d)]
     return found
+
+
+# ---- ops that compute along some dims and map the others through ----------------------------------
+
+def _through(node: Node, ctx: Context, acted: set) -> list[Strategy]:
+    """Any dim of input 0 outside ``acted`` may stay sharded; the output keeps it at the same dim."""
+    x = node.args[0]
+    n = len(ctx.shape(x))
+    return [Strategy(ctx.fill(node, {x: s}), s) for d in range(n) if d not in acted
+            for s in ctx.shard_options(x, d) + ctx.token_options(x, d)]
+
+
+def along_dims(node: Node, ctx: Context) -> list[Strategy]:
+    """glu(x, dim) halves ``dim``, flip(x, dims) reverses ``dims``: every other dim passes through."""
+    n = len(ctx.shape(node.args[0]))
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", -1)
+    return _through(node, ctx, {positive_dim(d, n) for d in (dims if isinstance(dims, (list, tuple)) else [dims])})
+
+
+def spatial(count: int):
+    """Pooling and resampling over the last ``count`` dims (the image's or the signal's): batch and channels
+    pass through."""
+    def rule(node: Node, ctx: Context) -> list[Strategy]:
+        n = len(ctx.shape(node.args[0]))
+        return _through(node, ctx, set(range(n - count, n)))
+    rule.__name__ = f"spatial_{count}d"
+    return rule
+
+
+def weight_norm(node: Node, ctx: Context) -> list[Strategy]:
+    """_weight_norm(v, g, dim) = v * g / ||v|| over every dim but ``dim``: ``dim`` split in v and g alike."""
+    v, g = node.args[0], node.args[1]
+    n = len(ctx.shape(v))
+    dim = positive_dim(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0), n)
+    if len(ctx.shape(g)) != n:
+        return []
+    return [Strategy(ctx.fill(node, {v: s, g: s}), s) for s in ctx.shard_options(v, dim) if s.chunks is None]

@@ -37,6 +37,7 @@ from autotp.ops.layout_rules import (
     view,
 )
 from autotp.ops.rules import (
+    along_dims,
     attention,
     batch_norm,
     convolution,
@@ -50,7 +51,9 @@ from autotp.ops.rules import (
     pointwise,
     reduction,
     repeat_interleave,
+    spatial,
     top_k,
+    weight_norm,
 )
 from autotp.ops.semantics import Op, may_alias, row_of
 
@@ -225,7 +228,7 @@ _ROWS: dict = {
     **_rows([aten.silu.default, aten.gelu.default], family="elementwise", rule=pointwise, experts="zeros",
             keeps=keeps_input),
     **_rows([aten.erf.default, aten.abs.default, aten.cos.default, aten.sin.default, aten.pow.Tensor_Scalar,
-             aten.square.default, aten.softplus.default, aten.expm1.default],
+             aten.square.default, aten.softplus.default, aten.expm1.default, aten.acos.default],
             family="elementwise", rule=pointwise, keeps=keeps_input),
     **_rows([aten.rsub.Scalar, aten.zeros_like.default, aten.ones_like.default], family="elementwise",
             rule=pointwise, keeps=keeps_nothing),
@@ -278,6 +281,18 @@ _ROWS: dict = {
     **_rows([aten.cumsum.default], family="scan", rule=normalize, keeps=keeps_nothing),
     **_rows([aten.topk.default], family="scan", rule=top_k, keeps=keeps_nothing),
     **_rows([aten.pad.default, aten.constant_pad_nd.default], family="pad", rule=pad, keeps=keeps_nothing),
+    # along some dims, the others passed through: gates, flips, pooling and resampling of images and signals
+    **_rows([aten.glu.default], family="along", rule=along_dims, keeps=keeps_input),
+    **_rows([aten.flip.default], family="along", rule=along_dims, keeps=keeps_nothing),
+    **_rows([aten.avg_pool2d.default, aten.adaptive_avg_pool2d.default], family="pool", rule=spatial(2),
+            keeps=keeps_input),
+    **_rows([aten.avg_pool1d.default, aten.adaptive_avg_pool1d.default], family="pool", rule=spatial(1),
+            keeps=keeps_input),
+    **_rows([aten.upsample_nearest2d.vec, aten.upsample_bilinear2d.vec, aten.upsample_bicubic2d.vec],
+            family="resample", rule=spatial(2), keeps=keeps_nothing),
+    **_rows([aten.upsample_nearest1d.vec, aten.upsample_linear1d.vec], family="resample", rule=spatial(1),
+            keeps=keeps_nothing),
+    **_rows([aten._weight_norm.default], family="weight_norm", rule=weight_norm, keeps=keeps_input),
     # layout: the same data seen another way
     **_rows([aten.view.default, aten.reshape.default, aten._unsafe_view.default], family="view", rule=view,
             layout=True, keeps=keeps_nothing, local=local_forms.resize),

@@ -89,3 +89,10 @@ def _run(rank: int, world: int) -> None:
 
 def test_they_run_exact_at_two_ranks():
     run_ranks(2, _run)
+
+
+def test_a_fused_dim_of_empty_blocks_holds_all_of_nothing():
+    """HunYuan v4 fuses blocks of size 0: a rank holds all of such a tensor (its share of 0 bytes is 0 bytes)."""
+    from autotp.cost_models.pricing import held_fraction
+    from autotp.placement import Shard
+    assert held_fraction(Shard(0, chunks=(0, 0)), 2) == 1.0

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 from autotp.cost_models.pricing import IMBALANCE
+from autotp.placement import parse
 from autotp.runtime.dropout import MODES
 from autotp.runtime.rendezvous import DEFAULT_TIMEOUT
 
@@ -40,7 +41,8 @@ class PlanOptions:
     expert_imbalance: float = IMBALANCE
     """The busiest rank's routed rows over the uniform top-k share, for pricing dispatch."""
     fixed: Mapping | None = None
-    """Parameter name -> placement to impose (another program's layout, to share its shards)."""
+    """Parameter name -> placement to impose (another program's layout, to share its shards): a Placement or its
+    text (``"S(0)"``, ``"R"``, as plans write them); a tied weight's placement holds under each of its names."""
     min_shard_fraction: float = 0.02
     """Parameters at least this large (against the largest) are only offered sharded."""
     gather_outputs: bool = True
@@ -62,6 +64,12 @@ class PlanOptions:
         if self.ep > 1 and self.experts == "parallel":
             raise ValueError('experts="parallel" computes whole experts on the TP group alone; with a mesh\'s "ep" '
                              'dimension choose "all-to-all" or "tensor" (or None)')
+        if self.fixed:
+            try:
+                object.__setattr__(self, "fixed", {name: parse(p) if isinstance(p, str) else p
+                                                   for name, p in self.fixed.items()})
+            except (ValueError, AttributeError) as exc:
+                raise ValueError(f"fixed maps parameter names to placements (\"S(0)\", \"R\", ...): {exc}") from None
         for name, shape in (self.price_at or {}).items():
             if not isinstance(name, str) or not isinstance(shape, (tuple, list)) or not all(
                     d is None or (isinstance(d, int) and d >= 1) for d in shape):

@@ -366,3 +366,31 @@ def test_tied_embeddings_on_two_stages_train_like_one_process(dims, names):
     want = trained_in_one_process(_gpt2)
     assert "lm_head.weight" not in want[1]
     run_local(math.prod(dims), _train, dims, names, "1f1b", None, want, _gpt2)
+
+
+def _tied_fixed(rank: int, world: int, want: tuple) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import autotp
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    x, y = batch()
+    model = _gpt2()
+    pipelined = autotp.parallelize(model, (x,), mesh=mesh, loss_fn=token_loss, microbatches=4,
+                                   fixed={"transformer.wte.weight": "S(1)"})
+    placed = {name: module.autotp_plan.params[name] for module in pipelined.modules.values()
+              for name in ("transformer.wte.weight", "lm_head.weight") if name in module.autotp_plan.params}
+    losses = []
+    pipelined.step(x, target=y, losses=losses)
+    if losses:
+        torch.testing.assert_close(torch.stack(losses).mean().item(), want[0][0], **TOL)
+    return placed
+
+
+def test_a_users_placement_of_a_tied_weight_reaches_both_end_stages():
+    """The user's plan options reach the choice of a tied weight's placement (the whole model's offers, read with
+    those options): GPT-2's embedding, fixed hidden-split by its first name, is hidden-split on both end stages of
+    PP 2 x TP 2, where its stages read it as ``lm_head.weight`` (with the default options' offers it took the
+    vocabulary split; a string placement was not parsed), and the first step's loss is one process's."""
+    want = trained_in_one_process(_gpt2)
+    placed = run_local(4, _tied_fixed, want)
+    assert all(placed) and {p for rank in placed for p in rank.values()} == {"S(1)"}, placed

@@ -80,8 +80,8 @@ def parallelize(model: torch.nn.Module, args=None, kwargs=None, *, mesh: DeviceM
                                       "use a mesh of 'dp' and 'tp' only") from exc
         return pipeline(model, args, kwargs, mesh=mesh, loss_fn=meshing.loss_fn, schedule=meshing.schedule,
                         microbatches=meshing.microbatches, stages=meshing.stages, shard_stage=shard_stage,
-                        data_parallel=meshing.data_parallel, topology=planning.topology,
-                        memory_limit=planning.memory_limit, virtual_stages=meshing.virtual_stages)
+                        data_parallel=meshing.data_parallel, planning=planning,
+                        virtual_stages=meshing.virtual_stages)
     if meshing.pipelined():
         raise ValueError("loss_fn, microbatches, stages and virtual_stages are for pipeline stages: add a 'pp' "
                          "dimension to the mesh, or drop them")

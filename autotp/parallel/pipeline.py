@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 from autotp.cost_models import load_topology
 from autotp.cost_models.memory import memory_limit as device_limit
 from autotp.cost_models.mesh_layout import Candidate, Setting
+from autotp.options import PlanOptions
 from autotp.parallel.schedules import check_evaluates, resolve, step_failure
 from autotp.parallel.split import stage_graph
 from autotp.parallel.stages import StageError, block_profile, find_blocks, stage_starts
@@ -39,15 +40,16 @@ from autotp.runtime.rendezvous import InputCheck
 
 def pipeline(model: torch.nn.Module, args, kwargs=None, *, mesh, loss_fn, schedule="1F1B",
              microbatches: int | None = None, stages: list | None = None, shard_stage=None,
-             data_parallel: str = "fsdp", topology=None, memory_limit: float | None = None,
+             data_parallel: str = "fsdp", planning: PlanOptions | None = None,
              virtual_stages: int | None = None) -> Pipelined:
     """This rank's pipeline stages of ``model`` over ``mesh["pp"]``, ready to train with ``step``.
 
     ``args`` / ``kwargs``: example inputs of one step on this data-parallel rank (its share of the batch);
     they are cut into ``microbatches`` along dim 0 (default: one per pipeline rank).  ``stages``: the block
     indices where stages begin (first 0), overriding the cost model's split (stage time balanced under
-    ``memory_limit`` bytes per device, default 90% of the ``topology``'s, with ``data_parallel`` sharding over
-    the mesh's "dp").  ``schedule``: a torch.distributed.pipelining name or class (parallel/schedules.py);
+    ``planning.memory_limit`` bytes per device, default 90% of its topology's, with ``data_parallel`` sharding
+    over the mesh's "dp"; ``planning``, the user's plan options, also decide the tied weights' placements).
+    ``schedule``: a torch.distributed.pipelining name or class (parallel/schedules.py);
     multi-stage schedules hold ``virtual_stages`` stages per rank (default: ``len(stages) / pp`` when ``stages``
     is given, else 2).  ``shard_stage(model, args, kwargs, graph=, fixed=) -> module`` shards one stage's graph
     (``fixed``: placements its tied weights must take; default: the graph itself).
@@ -71,9 +73,10 @@ def pipeline(model: torch.nn.Module, args, kwargs=None, *, mesh, loss_fn, schedu
     fold = find_blocks(model)
     tp, dp = (mesh[d].size() if d in mesh.mesh_dim_names else 1 for d in ("tp", "dp"))
     whole = _Whole(model, mb_args, mb_kwargs)
+    planning = planning or PlanOptions()
     if stages is None:
-        topo, size = load_topology(topology), _batch_size(mb_args, mb_kwargs)
-        limit = device_limit(topo, memory_limit)
+        topo, size = load_topology(planning.topology), _batch_size(mb_args, mb_kwargs)
+        limit = device_limit(topo, planning.memory_limit)
         stages = stage_starts(block_profile(whole.graph(), fold, tp, topo),
                               Candidate(tp, pp, dp, microbatch_size=size, schedule=plan.cls,
                                         virtual_stages=plan.per_rank),
@@ -87,7 +90,7 @@ def pipeline(model: torch.nn.Module, args, kwargs=None, *, mesh, loss_fn, schedu
     for index in plan.stage_indices(pp, pp_rank):
         stage = stage_graph(model, mb_args, mb_kwargs, fold.path, fold.count, bounds[index], bounds[index + 1])
         tied.read(stage)
-        fixed = tied.placements(stage.graph, lambda: offered(whole.graph(), tp)) if tp > 1 else {}
+        fixed = tied.placements(stage.graph, lambda: offered(whole.graph(), tp, planning)) if tp > 1 else {}
         modules[index] = shard_stage(skeleton, stage.args, stage.kwargs, graph=stage.graph, fixed=fixed or None)
         _check_inputs_once(modules[index], stage.args, stage.kwargs, index == 0)
         built.append(PipelineStage(modules[index], index, count, device, group=group))

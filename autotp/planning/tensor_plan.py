@@ -6,6 +6,7 @@ call; ``plan_choice`` reads a plan back onto a graph for the rewrite.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 import torch
@@ -145,12 +146,26 @@ def offered(gm: torch.fx.GraphModule, world_size: int, options: PlanOptions | No
             if n.op == "get_attr" and n in found.strategies}
 
 
+def tied_names(gm: torch.fx.GraphModule, fixed: Mapping) -> dict:
+    """``fixed`` under every name of each weight it names: a tied weight is read by one of its names (GPT-2's
+    embedding as ``lm_head.weight``), whichever the user placed."""
+    names: dict = {}
+    for name, p in gm.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    found = dict(fixed)
+    for group in names.values():
+        placed = [fixed[n] for n in group if n in fixed]
+        if placed:
+            found.update({n: found.get(n, placed[0]) for n in group})
+    return found
+
+
 def analyse(gm: torch.fx.GraphModule, world_size: int, options: PlanOptions, tokens: bool,
             experts: str | None) -> Context:
     """What the rules may ask: expert segments, then the hints, then the gradients' path and the token sizes
     (each found with the ones before it known, as the rules that find them read them)."""
-    ctx = Context(world=world_size, min_shard_fraction=options.min_shard_fraction, fixed=options.fixed or {},
-                  tokens=tokens, experts=experts, ep=options.ep, ops=TABLE)
+    ctx = Context(world=world_size, min_shard_fraction=options.min_shard_fraction,
+                  fixed=tied_names(gm, options.fixed or {}), tokens=tokens, experts=experts, ep=options.ep, ops=TABLE)
     ctx = replace(ctx, segments=expert_segments.members(expert_segments.find(gm, ctx)))
     ctx = with_hints(gm, ctx)
     return replace(ctx, grad=frozenset(needs_grad(gm)), token_symbols=frozenset(token_inputs(gm.graph)))

@@ -240,3 +240,57 @@ def test_plans_and_meshes_draw_as_pictures(tmp_path):
     rows = [e.text for e in root.iter() if e.tag.endswith("text") and (e.text or "").startswith("TP ")]
     assert len(rows) == len(candidates)
     assert sum(e.get("fill") == "#27ae60" for e in root.iter() if e.tag.endswith("rect")) == 1
+
+
+def _errors(tmp_path: Path) -> list:
+    """(arguments, exit status, the start of the one line on stderr): each documented error of each command."""
+    model, plan = str(_tiny_llama_dir(tmp_path)), tmp_path / "not-a-plan.json"
+    plan.write_text("{}")
+    usage = [
+        (["plan", model, "--world-size", "0"], "argument --world-size: expected a whole number of at least 1"),
+        (["plan", model, "--world-size", "2", "--topology", "dgx-h1000"], "unknown topology 'dgx-h1000'; give one of"),
+        (["plan", model, "--world-size", "64"], "--world-size 64 is more than topology dgx-h100 has (8 devices)"),
+        (["plan", model, "--world-size", "2", "--memory-limit", "0"], "--memory-limit must be a positive number"),
+        (["plan", "no_such_module:build", "--world-size", "2"], "cannot load 'no_such_module:build'"),
+        (["plan", str(tmp_path / "missing"), "--world-size", "2"], "MODEL must be package.module:factory"),
+        (["plan"], "the following arguments are required: model, --world-size"),
+        (["mesh", model, "--nodes", "0"], "argument --nodes: expected a whole number of at least 1"),
+        (["mesh", model, "--devices", "9"], "--devices 9 is more than topology dgx-h100 has"),
+        (["compare", model, "--world-size", "2", "--topology", "nope.json"], "topology file nope.json does not exist"),
+        (["show", str(tmp_path / "missing.json")], "cannot read"),
+        (["show", str(plan)], f"{plan}: "),
+        (["diff", str(plan), str(plan)], f"{plan}: "),
+        (["frob"], "argument command: invalid choice: 'frob'"),
+    ]
+    return [(args, 2, start) for args, start in usage] + [
+        (["plan", model, "--world-size", "1", "--seq", "64", "--memory-limit", "1e-6"], 1, "no plan fits"),
+    ]
+
+
+def test_every_documented_error_is_one_line_with_its_status(tmp_path):
+    """Each error a user can make is said in one line, ``autotp: <what is wrong>; <what to do>``, with no trace:
+    exit status 2 for a usage error (checked before any capture), 1 where nothing fits.  Run as processes, in
+    parallel (each imports torch)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "160"}
+    cases = _errors(tmp_path)
+    running = [subprocess.Popen([sys.executable, "-m", "autotp.tools.cli", *args], cwd=ROOT, env=env, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE) for args, _, _ in cases]
+    for (args, status, start), process in zip(cases, running, strict=True):
+        _, err = process.communicate(timeout=300)
+        lines = [line for line in err.splitlines() if not line.startswith("[transformers]")]
+        assert process.returncode == status and len(lines) == 1, (args, process.returncode, err[-2000:])
+        assert lines[0].startswith(f"autotp: {start}") and "; " in lines[0], (args, lines)
+
+
+def test_an_internal_error_says_so_and_debug_shows_its_trace(monkeypatch):
+    """An error inside autotp is named as one (exit status 3, asking for a report); --debug prints its trace."""
+    import autotp.tools.cli as cli
+
+    def broken(args):
+        raise KeyError("a bug")
+    monkeypatch.setattr(cli, "_show", broken)
+    quiet = _autotp("show", "plan.json")
+    assert quiet.returncode == 3 and quiet.stderr.strip().splitlines() == [
+        "autotp: internal error (KeyError: 'a bug'); rerun with --debug for the trace and report it"]
+    loud = _autotp("--debug", "show", "plan.json")
+    assert loud.returncode == 3 and "Traceback" in loud.stderr and "raise KeyError" in loud.stderr

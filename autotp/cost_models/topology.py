@@ -107,12 +107,13 @@ def _resolve(spec: str | Path) -> Path:
     path = Path(spec)
     if path.suffix == ".json":
         if not path.exists():
-            raise FileNotFoundError(f"topology file {path} does not exist")
+            raise FileNotFoundError(f"topology file {path} does not exist; give a profile's name or the path of a "
+                                    ".json profile")
         return path
     path = PROFILES / f"{spec}.json"
     if not path.exists():
         known = ", ".join(sorted(p.stem for p in PROFILES.glob("*.json")))
-        raise FileNotFoundError(f"unknown topology {spec!r}: give one of {known} or a path to a .json profile")
+        raise FileNotFoundError(f"unknown topology {spec!r}; give one of {known} or a path to a .json profile")
     return path
 
 

@@ -3,11 +3,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
 import sys
 from pathlib import Path
 
 import torch
+
+from autotp.tools.cli_errors import OneLineParser, UsageError, positive, run
 
 
 def load_model(spec: str, batch: int, seq: int):
@@ -17,7 +20,8 @@ def load_model(spec: str, batch: int, seq: int):
     if path.is_dir() or path.suffix == ".json":
         config_path = path / "config.json" if path.is_dir() else path
         if not config_path.exists():
-            raise SystemExit(f"autotp: {config_path} does not exist")
+            raise UsageError(f"{config_path} does not exist", "give a config.json, a model directory holding one, "
+                             "or package.module:factory")
         from transformers import AutoConfig, AutoModelForCausalLM
         config = AutoConfig.from_pretrained(str(config_path))
         config.use_cache = False
@@ -26,13 +30,14 @@ def load_model(spec: str, batch: int, seq: int):
         return model, (torch.zeros(batch, seq, dtype=torch.long, device="meta"),)
     module, _, name = spec.partition(":")
     if not name:
-        raise SystemExit(f"autotp: MODEL must be package.module:factory, a config.json or a model directory, "
-                         f"got {spec!r}")
+        raise UsageError(f"MODEL must be package.module:factory, a config.json or a model directory, got {spec!r}",
+                         "see autotp plan --help")
     sys.path.insert(0, os.getcwd())  # like `python -m`: modules of the current directory are importable
     try:
         factory = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as exc:
-        raise SystemExit(f"autotp: cannot load {spec!r}: {exc}") from exc
+        raise UsageError(f"cannot load {spec!r} ({exc})", "run from the directory that holds the module, or give "
+                         "its full package path") from exc
     with torch.device("meta"):
         return factory()
 
@@ -42,9 +47,25 @@ def _console():
     return Console(width=140, stderr=True)
 
 
+def _checked(args) -> None:
+    """The arguments a capture would need, checked before it (which takes seconds to minutes)."""
+    from autotp.cost_models import load_topology
+    topology = load_topology(args.topology, getattr(args, "nodes", None))  # a name it does not know: one line
+    for flag in ("world_size", "devices"):
+        wanted = getattr(args, flag, None)
+        if wanted is not None and wanted > topology.devices:
+            raise UsageError(f"--{flag.replace('_', '-')} {wanted} is more than topology {topology.name} has "
+                             f"({topology.devices} devices)", "pick a topology with more devices (e.g. "
+                             "2x-dgx-h100), --nodes N, or fewer ranks")
+    if args.memory_limit is not None and not args.memory_limit > 0:
+        raise UsageError(f"--memory-limit must be a positive number of GB, got {args.memory_limit}",
+                         "give GB per device, e.g. --memory-limit 70")
+
+
 def _plan(args) -> int:
     import autotp
     from autotp.tools.report import print_plan, tensor_shapes
+    _checked(args)
     with _console().status("building the model on the meta device, capturing, solving ..."):
         model, example = load_model(args.model, args.batch, args.seq)
         if args.inference:
@@ -88,6 +109,7 @@ def _limit(args) -> float | None:
 
 
 def _mesh(args) -> int:
+    _checked(args)
     with _console().status("building the model on the meta device ..."):
         model, example = load_model(args.model, args.batch, args.seq)
     return _print_mesh(model, example, args)
@@ -120,8 +142,8 @@ def _print_mesh(model, example, args) -> int:
 
 
 def _mesh_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nodes", type=int, default=None, help="a cluster of this many of the topology's nodes")
-    parser.add_argument("--global-batch", type=int, default=None,
+    parser.add_argument("--nodes", type=positive, default=None, help="a cluster of this many of the topology's nodes")
+    parser.add_argument("--global-batch", type=positive, default=None,
                         help="samples per training step, split over data-parallel replicas and micro-batches "
                              "(default: --batch)")
     parser.add_argument("--data-parallel", choices=("fsdp", "ddp"), default="fsdp",
@@ -136,8 +158,12 @@ def _load_plan(path: str):
     from autotp.plan import Plan, PlanMismatch
     try:
         return Plan.load(path)
-    except (OSError, PlanMismatch) as exc:
-        raise SystemExit(f"autotp: {path}: {exc}") from exc
+    except OSError as exc:
+        raise UsageError(f"cannot read {path} ({exc.strerror or exc})", "give a plan file written by autotp plan "
+                         "--out") from exc
+    except (PlanMismatch, ValueError) as exc:
+        raise UsageError(f"{path}: {str(exc).splitlines()[0]}",
+                         "give a plan file written by autotp plan --out") from exc
 
 
 def _show(args) -> int:
@@ -165,7 +191,7 @@ def _explain(args) -> int:
     try:
         Console(width=160).print(explain_table(_load_plan(args.plan), args.node))
     except KeyError as exc:
-        raise SystemExit(f"autotp: {exc.args[0]}") from exc
+        raise UsageError(str(exc.args[0]), "autotp show PLAN lists the parameters and ops it names") from exc
     return 0
 
 
@@ -174,6 +200,7 @@ def _compare(args) -> int:
 
     from autotp.tools.compare import compare
     from autotp.tools.report import compare_table
+    _checked(args)
     with _console().status("pricing Hugging Face's tp_plan and autotp's plan ..."):
         model, example = load_model(args.model, args.batch, args.seq)
         result = compare(model, example, world_size=args.world_size, topology=args.topology,
@@ -210,23 +237,25 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="package.module:factory returning (model, example_args), a Hugging Face "
                                       "config.json, or a model directory")
     parser.add_argument("--topology", default=None, help="profile name (dgx-h100, 2x-dgx-h100, ...) or a .json path")
-    parser.add_argument("--batch", type=int, default=1, help="batch to price Hugging Face models at")
-    parser.add_argument("--seq", type=int, default=2048, help="sequence length to price Hugging Face models at")
+    parser.add_argument("--batch", type=positive, default=1, help="batch to price Hugging Face models at")
+    parser.add_argument("--seq", type=positive, default=2048, help="sequence length to price Hugging Face models at")
     parser.add_argument("--inference", action="store_true", help="price a forward pass: no gradients or optimizer")
     parser.add_argument("--memory-limit", type=float, default=None,
                         help="GB per device a plan may use (default: 90%% of the topology's device memory)")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="autotp", description="Automatic tensor parallelism for PyTorch")
+    parser = OneLineParser(prog="autotp", description="Automatic tensor parallelism for PyTorch")
+    parser.add_argument("--debug", action="store_true", help="print the trace of an error, not just its line")
+    parser.add_argument("--verbose", action="store_true", help="also print torch.export's own log lines")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("demo", help="plan a small LLaMA, run it sharded on 2 gloo processes, compare outputs")
     plan = sub.add_parser("plan", help="plan a model without any process group (built on the meta device)")
     _model_arguments(plan)
-    plan.add_argument("--world-size", type=int, required=True)
+    plan.add_argument("--world-size", type=positive, required=True)
     plan.add_argument("--out", help="write the plan JSON here")
     plan.add_argument("--json", action="store_true", help="print the plan JSON instead of tables")
-    plan.add_argument("--devices", type=int, default=None,
+    plan.add_argument("--devices", type=positive, default=None,
                       help="also price every tp x pp x dp layout of this many devices")
     _mesh_arguments(plan)
     plan.add_argument("--no-fold", action="store_true",
@@ -240,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
                       help="mixture-of-experts layers: every expert split (tensor), whole experts per rank computing "
                            "their rows in place (parallel) or sent their rows by all-to-all (all-to-all), or whichever "
                            "the cost model prices lower (auto)")
-    plan.add_argument("--ep", type=int, default=1,
+    plan.add_argument("--ep", type=positive, default=1,
                       help="ranks of a mesh's expert-parallel dimension beyond the TP group (default 1: none)")
     plan.add_argument("--recompute", choices=("auto", "selective", "off"), default="auto",
                       help="compute the attention cores again in the backward instead of keeping their scores: when "
@@ -248,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     mesh = sub.add_parser("mesh", help="choose tensor x pipeline x data parallel sizes, micro-batches, schedule "
                                        "and stage boundaries for a number of devices")
     _model_arguments(mesh)
-    mesh.add_argument("--devices", type=int, default=None, help="how many devices (default: all of the topology)")
+    mesh.add_argument("--devices", type=positive, default=None, help="how many devices (default: all of the topology)")
     _mesh_arguments(mesh)
     mesh.add_argument("--json", action="store_true", help="print the choice and every candidate as JSON")
     _figure_arguments(mesh)
@@ -265,14 +294,20 @@ def main(argv: list[str] | None = None) -> int:
                                       "strategies' estimated step times")
     compare = sub.add_parser("compare", help="price transformers' own tp_plan beside autotp's plan")
     _model_arguments(compare)
-    compare.add_argument("--world-size", type=int, required=True)
+    compare.add_argument("--world-size", type=positive, required=True)
     cal = sub.add_parser("calibrate", help="measure collectives on this machine's process group, write a topology")
     cal.add_argument("--out", default="calibrated.json", help="where to write the topology profile")
-    cal.add_argument("--nproc", type=int, default=2, help="local gloo ranks to spawn when not under torchrun")
-    args = parser.parse_args(argv)
+    cal.add_argument("--nproc", type=positive, default=2, help="local gloo ranks to spawn when not under torchrun")
     commands = {"plan": _plan, "mesh": _mesh, "show": _show, "diff": _diff, "explain": _explain, "compare": _compare,
                 "demo": _demo, "calibrate": _calibrate}
-    return commands[args.command](args)
+    argv = sys.argv[1:] if argv is None else argv
+    args = run(parser.parse_args, argv, "--debug" in argv)
+    if isinstance(args, int):  # a usage error, already said
+        return args
+    if not args.verbose:  # export's notes on specialized dims ("W... dimension ... specialized") are for --verbose
+        for name in ("torch._export", "torch.export", "torch.fx.experimental.symbolic_shapes"):
+            logging.getLogger(name).setLevel(logging.ERROR)
+    return run(commands[args.command], args, args.debug)
 
 
 if __name__ == "__main__":

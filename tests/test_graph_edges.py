@@ -96,3 +96,18 @@ def test_a_fused_dim_of_empty_blocks_holds_all_of_nothing():
     from autotp.cost_models.pricing import held_fraction
     from autotp.placement import Shard
     assert held_fraction(Shard(0, chunks=(0, 0)), 2) == 1.0
+
+
+def test_a_size_the_example_fixes_is_said_once_in_autotps_words(caplog):
+    """torch.export logs "dimension inputs[...] 0/1 specialized" for a batch of 1 on every capture; autotp holds the
+    line back and warns once what it means for the user (issue 34: quiet, in its own words)."""
+    import logging
+    import warnings
+
+    from autotp.passes.capture import capture
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.WARNING):
+        warnings.simplefilter("always")
+        capture(Halves(), (), {"x": torch.randn(1, 8, 16)})
+    said = [str(w.message) for w in caught if "autotp: the example inputs fix" in str(w.message)]
+    assert len(said) == 1 and "inputs['x'].shape[0] at 1" in said[0], [str(w.message) for w in caught]
+    assert not [r for r in caplog.records if "specialized" in r.getMessage()]

@@ -1,9 +1,11 @@
 """Capture: torch.export (non-strict) to an ATen-level fx graph with dynamic sizes."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
+import logging
 import os
 import re
 import traceback
@@ -102,6 +104,32 @@ def _advice(complex_buffers: list) -> str:
             "in float32 afterwards, or keep this part outside")
 
 
+class _Specialized(logging.Filter):
+    """Keeps export's "dimension inputs[...] 0/1 specialized" log lines (one per dim, on every capture) for autotp
+    to say once in its own words; the logger's other lines pass."""
+
+    def __init__(self):
+        super().__init__()
+        self.dims: list = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        found = re.match(r"dimension (\S+) 0/1 specialized.*hint = (\d+)", record.getMessage())
+        if found:
+            self.dims.append(f"{found.group(1)} at {found.group(2)}")
+        return not found or logging.getLogger("autotp").isEnabledFor(logging.DEBUG)
+
+
+@contextlib.contextmanager
+def _specialized_dims():
+    """The dims export fixed at a size of 0 or 1, its own log lines about them held back."""
+    logger, held = logging.getLogger("torch._export.non_strict_utils"), _Specialized()
+    logger.addFilter(held)
+    try:
+        yield held.dims
+    finally:
+        logger.removeFilter(held)
+
+
 def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> torch.fx.GraphModule:
     """An fx GraphModule of ATen ops with the model's parameter names; works on meta models."""
     check_inputs(model, args, kwargs)
@@ -109,10 +137,14 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> 
     register_inputs(args, kwargs)
     args, kwargs = _standalone(_on_model_device(model, (tuple(args), kwargs)))
     try:  # in the model's own mode: a model in training mode drops in the sharded program too
-        with exportable_on_cpu():
+        with exportable_on_cpu(), _specialized_dims() as fixed:
             program = torch.export.export(
                 model, args, kwargs, dynamic_shapes=_dynamic_shapes(model, args, kwargs), strict=False
             )
+        if fixed:
+            warnings.warn(f"autotp: the example inputs fix {', '.join(fixed)} (torch.export makes no size of 0 or 1 "
+                          "dynamic): calls at other sizes get a program of their own, captured again; pass examples "
+                          "of at least 2 for one program of any size", stacklevel=3)
     except Exception as exc:  # torch.export raises many kinds
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CaptureError(

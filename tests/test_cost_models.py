@@ -160,7 +160,7 @@ def test_memory_limit_infeasible_says_what_fits():
     with pytest.raises(PlanningError, match="try world size"):
         autotp.plan(model, args, world_size=2, memory_limit=need * 0.6)
     inference = autotp.plan(model, args, world_size=2, training=False)
-    assert inference.cost["memory"]["optimizer"] == 0 and inference.cost["memory"]["kv_cache"] > 0
+    assert "optimizer" not in inference.cost["memory"] and inference.cost["memory"]["kv_cache"] > 0
 
 
 def test_an_all_to_all_across_nodes_sends_its_off_node_share_over_the_nics():
@@ -172,3 +172,25 @@ def test_an_all_to_all_across_nodes_sends_its_off_node_share_over_the_nics():
     assert across >= sent / 2 / topo.nic_bandwidth  # at least the off-node half at one NIC's speed: 0.64 ms
     assert across > 2 * inside
     assert collective_time("all_to_all", sent, 256, topo) > across  # 31/32 of it off the node
+
+
+def test_an_inference_plan_lists_nothing_of_a_backward():
+    """training=False: no backward collectives, gradients, optimizer state or activations kept for a backward in the
+    plan, its JSON or the CLI's tables (issue 35: inference prices inference); the training plan has them."""
+    from rich.console import Console
+
+    from autotp.plan import Plan
+    from autotp.tools.report import print_plan
+    model, args, _ = build("llama", device="meta")
+    trained, served = (autotp.plan(model, args, world_size=2, training=t) for t in (True, False))
+    assert {c["phase"] for c in trained.collectives} == {"forward", "backward"}
+    assert {c["phase"] for c in served.collectives} == {"forward"}
+    assert {"grads", "optimizer", "activations"} <= set(trained.cost["memory"])
+    assert not {"grads", "optimizer", "activations"} & set(served.cost["memory"])
+    assert not {"activations", "regathers", "recompute"} & set(served.cost)
+    again = Plan.from_json(served.to_json())
+    assert again.collectives == served.collectives and again.cost["memory"] == served.cost["memory"]
+    console = Console(record=True, width=160)
+    print_plan(served, console=console)
+    text = console.export_text()
+    assert "backward" not in text and "estimated forward time" in text

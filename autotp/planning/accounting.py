@@ -16,11 +16,12 @@ from autotp.placement import R, Routed, Shard, dump
 
 
 def planned_collectives(gm: torch.fx.GraphModule, choice: dict, world: int, topology: Topology,
-                        sizes: Sizes | None = None, weights: dict | None = None) -> list[dict]:
+                        sizes: Sizes | None = None, weights: dict | None = None, training: bool = True) -> list[dict]:
     """The collectives the rewriter will insert for ``choice`` (one per tensor and target placement;
     ``count``: how many real tensors a folded graph's node stands for; ``regather``: a backward all-gather of
     tokens kept as this rank's piece, runtime/activations.py; ``tensors``: the replicated parameters whose partial
-    gradients one all-reduce sums, passes/strategies.partial_params)."""
+    gradients one all-reduce sums, passes/strategies.partial_params); an inference plan (``training=False``) lists
+    the forward's alone."""
     grad = needs_grad(gm)
     # ranks sharing a unit sum its gradient (a bias with its weight)
     found: dict = {(members[0], "group"): ("backward", "all_reduce") for members in gradient_sums(gm, choice, world)}
@@ -66,7 +67,7 @@ def planned_collectives(gm: torch.fx.GraphModule, choice: dict, world: int, topo
                        "module": _module(members[0]), "bytes": nbytes, "count": 1,
                        "seconds": collective_time("all_reduce", nbytes, world, topology),
                        "tensors": [m.name for m in members]})
-    return listed
+    return listed if training else [c for c in listed if c["phase"] == "forward"]  # inference runs no backward
 
 
 def _dispatched(gm: torch.fx.GraphModule, choice: dict, routed: list, world: int, topology: Topology, sizes: Sizes,

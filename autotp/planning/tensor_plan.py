@@ -29,6 +29,10 @@ from autotp.planning.candidates import Candidates, enumerate_strategies
 from autotp.planning.solve import DoesNotFit, PlanningError, Solution, solve
 
 
+# What only a training step holds (cost_models.memory.breakdown's kinds): an inference plan lists none of them
+BACKWARD_MEMORY = ("grads", "optimizer", "activations")
+
+
 @dataclass(frozen=True)
 class Attempt:
     """One solve of a plan's search: sequence parallelism on or off, and how attention cores are recomputed
@@ -120,13 +124,14 @@ def to_plan(gm: torch.fx.GraphModule, found: Candidates, solution: Solution, top
                         "args": [a.name for a in input_slots(n)], **({"recompute": True} if n in recomputed else {}),
                         **({"key": folding.blocks.key[n]} if folding else {})} for n, s in choice.items()},
         params=expand({n.target: str(s.output) for n, s in choice.items() if n.op == "get_attr"}),
-        collectives=planned_collectives(gm, choice, world_size, topo, sizes, weights),
+        collectives=planned_collectives(gm, choice, world_size, topo, sizes, weights, training),
         styles=expand(param_styles(gm, choice, world_size)),
         shapes=expand({n.target: list(n.meta["val"].shape) for n in choice if n.op == "get_attr"}),
         alternatives=alternatives(gm, found, choice, topo, training, sizes),
-        cost={"seconds": solution.seconds, "compute_seconds": solution.compute, "memory": solution.memory,
-              "training": training,
-              "regathers": [{"tensor": n.name, **priced} for n, priced in solution.regathers.items()],
+        cost={"seconds": solution.seconds, "compute_seconds": solution.compute, "training": training,
+              "memory": {k: v for k, v in solution.memory.items() if training or k not in BACKWARD_MEMORY},
+              **({"regathers": [{"tensor": n.name, **priced} for n, priced in solution.regathers.items()]}
+                 if training else {}),
               **_activations_by_module(gm, choice, sizes, world_size, training, solution.recomputed),
               **({"experts": experts_cost} if experts_cost else {}),
               **({"replicated": dict(sorted(found.unruled.items()))} if found.unruled else {})},
@@ -221,14 +226,15 @@ def _activations_by_module(gm: torch.fx.GraphModule, choice: dict, sizes: Sizes 
                            training: bool, recomputed: list) -> dict:
     """Bytes kept for backward per device by the module that computes them, the modules that split
     the tokens (sequence parallelism) and those whose attention core is recomputed, for reports."""
-    kept: dict = {}
-    grad = needs_grad(gm) if training else set()
-    for node, held in activation_bytes(choice, sizes or Sizes(), world, grad, recomputed).items():
-        kept[module_path(node)] = kept.get(module_path(node), 0.0) + held
     split = sorted({module_path(n) for n, s in choice.items() if on_tokens(n, s)})
+    dropping = sorted({module_path(n) for n in choice if drops(n)})
+    if not training:  # nothing is kept for a backward, nothing recomputed
+        return {"token_split": split, "dropout": dropping}
+    kept: dict = {}
+    for node, held in activation_bytes(choice, sizes or Sizes(), world, needs_grad(gm), recomputed).items():
+        kept[module_path(node)] = kept.get(module_path(node), 0.0) + held
     return {"activations": kept, "token_split": split,
-            "recompute": sorted({module_path(core[-1]) for core in recomputed}),
-            "dropout": sorted({module_path(n) for n in choice if drops(n)})}
+            "recompute": sorted({module_path(core[-1]) for core in recomputed}), "dropout": dropping}
 
 
 def plan_choice(gm: torch.fx.GraphModule, plan: Plan, graph_hash: str, world: int) -> dict:

@@ -88,8 +88,9 @@ def _block(module: str) -> str:
 
 def collectives_table(plan: Plan) -> Table:
     """Collectives per block: how many of each kind, bytes and estimated time per step."""
-    table = Table(title="collectives per step, by block")
-    for column in ("block", "forward", "backward", "bytes", "est. µs"):
+    training = plan.cost.get("training", True)
+    table = Table(title="collectives per step, by block" if training else "collectives per forward, by block")
+    for column in ("block", "forward", *(("backward",) if training else ()), "bytes", "est. µs"):
         table.add_column(column)
     blocks: dict = {}
     for c in plan.collectives:
@@ -100,7 +101,8 @@ def collectives_table(plan: Plan) -> Table:
         entry["b"] += c["bytes"]
         entry["s"] += c["seconds"]
     for block, e in blocks.items():
-        table.add_row(block, _counts(e["forward"]), _counts(e["backward"]), f"{e['b']:.0f}", f"{e['s'] * 1e6:.1f}")
+        table.add_row(block, _counts(e["forward"]), *((_counts(e["backward"]),) if training else ()), f"{e['b']:.0f}",
+                      f"{e['s'] * 1e6:.1f}")
     return table
 
 
@@ -183,7 +185,7 @@ def print_plan(plan: Plan, shapes: dict | None = None, console: Console | None =
     console.print(plan_table(plan, shapes or plan.shapes, every))
     console.print(collectives_table(plan))
     console.print(memory_table(plan))
-    if plan.cost.get("activations"):
+    if plan.cost.get("activations") and plan.cost.get("training", True):  # inference keeps nothing for a backward
         console.print(activations_table(plan))
     if plan.fold:
         start = plan.fold.get("start", 0)
@@ -271,7 +273,7 @@ def compare_table(plans: dict, title: str) -> Table:
     for column in ("", *plans):
         table.add_column(column, justify="right")
     table.add_row("est. step µs", *(f"{p['seconds'] * 1e6:.1f}" for p in plans.values()))
-    for phase in ("forward", "backward"):
+    for phase in ("forward", "backward"):  # an inference plan's summaries list no backward collectives
         for op in sorted(set().union(*(p[phase] for p in plans.values()))):
             table.add_row(f"{phase} {op}", *(str(p[phase].get(op, 0)) for p in plans.values()))
     table.add_row("parameter MB/device", *(f"{p['param_bytes'] / 1e6:.3f}" for p in plans.values()))

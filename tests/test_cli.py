@@ -294,3 +294,20 @@ def test_an_internal_error_says_so_and_debug_shows_its_trace(monkeypatch):
         "autotp: internal error (KeyError: 'a bug'); rerun with --debug for the trace and report it"]
     loud = _autotp("--debug", "show", "plan.json")
     assert loud.returncode == 3 and "Traceback" in loud.stderr and "raise KeyError" in loud.stderr
+
+
+def test_long_work_shows_progress_on_a_terminal_and_nothing_when_piped():
+    """Capturing and solving draw rich progress bars where stderr is a terminal, and print nothing when it is piped
+    (issue 34: progress on long work, quiet otherwise)."""
+    from rich.console import Console
+
+    import autotp
+    from autotp.tools.progress_bars import progress_bars
+    from examples.mlp import build
+    shown, piped = io.StringIO(), io.StringIO()
+    for out, terminal in ((shown, True), (piped, False)):
+        with progress_bars(Console(file=out, force_terminal=terminal, width=120)):
+            model, example = build()
+            autotp.plan(model, example, world_size=2)
+    assert "capturing" in shown.getvalue() and "solving the plan for 2 ranks" in shown.getvalue()
+    assert piped.getvalue() == ""

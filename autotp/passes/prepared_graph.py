@@ -19,6 +19,7 @@ from autotp.passes.prepare import (
 from autotp.passes.slice_fills import fills_to_cat
 from autotp.passes.unmerge import unmerge
 from autotp.runtime.hf_models import default_inputs, no_kv_cache
+from autotp.runtime.progress import step
 
 
 def prepared_graph(model: torch.nn.Module, args=None, kwargs=None, fold: bool = False) -> torch.fx.GraphModule:
@@ -38,8 +39,10 @@ def prepared_graph(model: torch.nn.Module, args=None, kwargs=None, fold: bool = 
             return gm
         except (CaptureError, NotFoldable):
             pass  # the forward needs every block (e.g. indexes the list), or they differ: capture them all
-    with no_kv_cache(model):
-        return prepare(capture(model, args if args is not None else (), kwargs))
+    with no_kv_cache(model), step(f"capturing {type(model).__name__} with torch.export"):
+        gm = capture(model, args if args is not None else (), kwargs)
+    with step("preparing the graph for the sharding rules"):
+        return prepare(gm)
 
 
 def prepare(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

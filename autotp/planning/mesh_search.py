@@ -43,6 +43,7 @@ from autotp.placement import parse
 from autotp.planning.expert_roles import block_experts, expert_part
 from autotp.planning.solve import PlanningError
 from autotp.planning.tensor_plan import solve_plan
+from autotp.runtime.progress import step
 
 ACTIVATION_MODEL = ("activations: every op output the backward keeps, counted per block on the TP plan's graph "
                     "(with sequence parallelism split by tokens, with selective recomputation without the attention "
@@ -96,8 +97,12 @@ def search_mesh(gm: torch.fx.GraphModule, search: SearchOptions) -> MeshPlan:
     global_batch = search.global_batch or unit
     limit = device_limit(topo, search.memory_limit)
     flops = model_flops(gm, sizes) / unit * global_batch if training else 0.0
-    profiles = [tp_profile(gm, tp, topo, training, sizes, unit) for tp in pipe.divisors(devices)
-                if tp <= topo.gpus_per_node]  # TP stays inside a node (Narayanan et al. 2021 section 3.3)
+    # TP stays inside a node (Narayanan et al. 2021 section 3.3)
+    tp_sizes, profiles = [tp for tp in pipe.divisors(devices) if tp <= topo.gpus_per_node], []
+    with step("planning each tensor-parallel size", total=len(tp_sizes)) as advance:
+        for tp in tp_sizes:
+            profiles.append(tp_profile(gm, tp, topo, training, sizes, unit))
+            advance()
     setting = Setting(topo, global_batch, training, data_parallel, limit, flops, search.expert_imbalance,
                       search.overlap_all_to_all)
     found = _layouts(profiles, devices, setting)

@@ -27,7 +27,7 @@ from autotp.plan import Plan, PlanMismatch
 from autotp.planning.accounting import alternatives, planned_collectives
 from autotp.planning.candidates import Candidates, enumerate_strategies
 from autotp.planning.solve import DoesNotFit, PlanningError, Solution, solve
-
+from autotp.runtime.progress import step
 
 # What only a training step holds (cost_models.memory.breakdown's kinds): an inference plan lists none of them
 BACKWARD_MEMORY = ("grads", "optimizer", "activations")
@@ -58,12 +58,14 @@ def solve_plan(gm: torch.fx.GraphModule, world_size: int, options: PlanOptions |
     expert strategy imposed, keep the cheapest plan and list them (``plan.cost["experts"]``)."""
     options = options or PlanOptions()
     tries = attempts(options)
-    for k, attempt in enumerate(tries):
-        try:
-            return _solve_once(gm, world_size, options, sizes, attempt, price_experts)
-        except DoesNotFit:
-            if k == len(tries) - 1:
-                raise
+    with step(f"solving the plan for {world_size} ranks (ILP)", total=len(tries)) as advance:
+        for k, attempt in enumerate(tries):
+            try:
+                return _solve_once(gm, world_size, options, sizes, attempt, price_experts)
+            except DoesNotFit:
+                if k == len(tries) - 1:
+                    raise
+            advance()
 
 
 def checked_topology(world_size: int, options: PlanOptions) -> Topology:

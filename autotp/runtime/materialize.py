@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from autotp.placement import R, Routed, fill_ranges, parse, piece_ranges
 from autotp.runtime.conversion import CheckpointError, on_meta
+from autotp.runtime.progress import step
 
 
 def device_of(group) -> torch.device:
@@ -73,26 +74,28 @@ def _fill(module: torch.nn.Module, device: torch.device, checkpoint, seed: int |
     if computed:
         from autotp.runtime.hf_models import computed_buffers
         computed = computed_buffers(model, computed)
-    for tensor, names, shape, stored, ranges in pieces:
-        if stored is not None and getattr(checkpoint, "shares", False):  # another program's pieces: the same memory
-            _put(module, tensor, names, checkpoint.read_box(stored, None))
-            continue
-        if stored is not None:
-            read = functools.partial(checkpoint.read_box, stored)
-        elif names[0] in computed:
-            read = functools.partial(_box, computed[names[0]])
-        elif seed is not None:
-            read = functools.partial(_box, initialised(skeleton, canonical.get(names[0], names[0]), shape,
-                                                       tensor.dtype, seed))
-        else:
-            read = None
-        local = tensor.to_local() if isinstance(tensor, DTensor) else torch.empty(
-            tensor.shape, dtype=tensor.dtype, device=device)
-        if read is not None:
-            with torch.no_grad():
-                fill_ranges(local, ranges, read)
-        if not isinstance(tensor, DTensor):
-            _put(module, tensor, names, local)
+    with step("loading this rank's pieces", total=len(pieces)) as advance:
+        for tensor, names, shape, stored, ranges in pieces:
+            advance()
+            if stored is not None and getattr(checkpoint, "shares", False):  # another program's pieces: same memory
+                _put(module, tensor, names, checkpoint.read_box(stored, None))
+                continue
+            if stored is not None:
+                read = functools.partial(checkpoint.read_box, stored)
+            elif names[0] in computed:
+                read = functools.partial(_box, computed[names[0]])
+            elif seed is not None:
+                read = functools.partial(_box, initialised(skeleton, canonical.get(names[0], names[0]), shape,
+                                                           tensor.dtype, seed))
+            else:
+                read = None
+            local = tensor.to_local() if isinstance(tensor, DTensor) else torch.empty(
+                tensor.shape, dtype=tensor.dtype, device=device)
+            if read is not None:
+                with torch.no_grad():
+                    fill_ranges(local, ranges, read)
+            if not isinstance(tensor, DTensor):
+                _put(module, tensor, names, local)
 
 
 def _box(full: torch.Tensor, box: list) -> torch.Tensor:

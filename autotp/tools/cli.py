@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from autotp.tools.cli_errors import OneLineParser, UsageError, positive, run
+from autotp.tools.progress_bars import progress_bars
 
 
 def load_model(spec: str, batch: int, seq: int):
@@ -66,7 +67,7 @@ def _plan(args) -> int:
     import autotp
     from autotp.tools.report import print_plan, tensor_shapes
     _checked(args)
-    with _console().status("building the model on the meta device, capturing, solving ..."):
+    with progress_bars(_console()):
         model, example = load_model(args.model, args.batch, args.seq)
         if args.inference:
             model.eval()  # no dropout: a model in training mode drops (and keeps its masks)
@@ -110,7 +111,7 @@ def _limit(args) -> float | None:
 
 def _mesh(args) -> int:
     _checked(args)
-    with _console().status("building the model on the meta device ..."):
+    with progress_bars(_console()):
         model, example = load_model(args.model, args.batch, args.seq)
     return _print_mesh(model, example, args)
 
@@ -122,7 +123,7 @@ def _print_mesh(model, example, args) -> int:
     from autotp.planning.mesh_search import plan_mesh
     from autotp.planning.solve import PlanningError
     from autotp.tools.report import mesh_table
-    with _console().status("capturing once, solving one TP plan per TP size, pricing every layout ..."):
+    with progress_bars(_console()):
         try:
             result = plan_mesh(model, example, devices=args.devices, topology=args.topology, nodes=args.nodes,
                                global_batch=args.global_batch or args.batch, training=not args.inference,
@@ -201,7 +202,7 @@ def _compare(args) -> int:
     from autotp.tools.compare import compare
     from autotp.tools.report import compare_table
     _checked(args)
-    with _console().status("pricing Hugging Face's tp_plan and autotp's plan ..."):
+    with progress_bars(_console()):
         model, example = load_model(args.model, args.batch, args.seq)
         result = compare(model, example, world_size=args.world_size, topology=args.topology,
                          training=not args.inference, memory_limit=_limit(args))

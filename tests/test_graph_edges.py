@@ -2,6 +2,7 @@
 ones that run are exact at 2 ranks against one process."""
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -49,6 +50,18 @@ class Halves(nn.Module):
         return self.down(first.relu()) + self.down(second.relu())
 
 
+class Tower(nn.Module):
+    """A vision tower handed the text's inputs too, which its forward takes through ``**kwargs`` and ignores
+    (Idefics3's, SmolVLM's): torch.export (2.13) matches no dynamic shapes to such inputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 64), nn.Linear(64, 16)
+
+    def forward(self, x, **kwargs):
+        return self.down(self.up(x).relu())
+
+
 def _plan(model, x):
     return autotp.plan(model, (), {"x": x}, world_size=2)
 
@@ -85,6 +98,20 @@ def _run(rank: int, world: int) -> None:
         grads = autotp.full_state_dict(sharded, grads=True)
         for name, p in model.named_parameters():
             torch.testing.assert_close(grads[name], p.grad, **TOL)
+
+
+def _tower(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    model, x, ids = Tower(), torch.randn(2, 8, 16), torch.zeros(2, 8, dtype=torch.long)
+    with pytest.warns(UserWarning, match=r"input_ids reach Tower.forward through \*\*kwargs"):
+        sharded = autotp.parallelize(model, (), {"x": x, "input_ids": ids})
+    assert sharded.autotp_plan.params["up.weight"] != "R"
+    for y in (x, torch.randn(3, 5, 16)):  # another size: a program of its own
+        torch.testing.assert_close(sharded(x=y, input_ids=ids), model(x=y), **TOL)
+
+
+def test_inputs_through_var_keyword_are_captured_at_their_sizes():
+    run_ranks(2, _tower)
 
 
 def test_they_run_exact_at_two_ranks():

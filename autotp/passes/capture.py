@@ -5,6 +5,7 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
+import inspect
 import logging
 import os
 import re
@@ -31,12 +32,26 @@ class CaptureError(RuntimeError):
 def _dynamic_shapes(model: torch.nn.Module, args: tuple, kwargs: dict):
     """Every dim of every tensor input is AUTO: dynamic unless the trace pins it (hidden sizes); a BlockMask's block
     tables keep their sizes (ops/flex.py).  Inputs may be any registered pytree (dataclasses, NamedTuples)."""
+    if _through_var_keyword(model, kwargs):
+        return None  # torch.export (2.13) matches no dynamic shapes to inputs a forward takes through **kwargs
     tables = mask_tensors(args, kwargs)
     shapes = ShapesCollection()
     for x in tree_leaves((args, kwargs)):
         if isinstance(x, torch.Tensor) and id(x) not in tables:
             shapes[x] = dict.fromkeys(range(x.dim()), Dim.AUTO)
     return shapes.dynamic_shapes(model, args, kwargs)
+
+
+def _through_var_keyword(model: torch.nn.Module, kwargs: dict) -> list:
+    """Keyword inputs ``model.forward`` takes through ``**kwargs`` (a vision tower handed the text's input_ids)."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return []
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return []
+    named = {n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return [k for k in kwargs if k not in named]
 
 
 def register_inputs(args, kwargs) -> None:
@@ -141,7 +156,12 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> 
             program = torch.export.export(
                 model, args, kwargs, dynamic_shapes=_dynamic_shapes(model, args, kwargs), strict=False
             )
-        if fixed:
+        if _through_var_keyword(model, kwargs):
+            warnings.warn(f"autotp: {', '.join(_through_var_keyword(model, kwargs))} reach "
+                          f"{type(model).__name__}.forward through **kwargs, where torch.export takes no dynamic "
+                          "sizes: captured at the example's sizes, other sizes get a program of their own",
+                          stacklevel=3)
+        elif fixed:
             warnings.warn(f"autotp: the example inputs fix {', '.join(fixed)} (torch.export makes no size of 0 or 1 "
                           "dynamic): calls at other sizes get a program of their own, captured again; pass examples "
                           "of at least 2 for one program of any size", stacklevel=3)

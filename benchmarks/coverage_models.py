@@ -20,7 +20,7 @@ HIDDEN, HEADS, HEAD_DIM, EXPERTS, VOCAB, BATCH, SEQ = 64, 4, 16, 4, 1000, 2, 8
 
 _HIDDEN = re.compile(r"(^|_)(hidden_size|d_model|n_embd|n_embed|embed_dim|hidden_dim|d_embed|emb_dim|model_dim|"
                      r"embedding_size|embedding_dim|dim|projection_dim|proj_dim|word_embed_proj_dim)$")
-_INTER = re.compile(r"(intermediate|ffn|inner|d_ff|feed_forward|mlp_dim|ff_dim|ffn_hidden)")
+_INTER = re.compile(r"(intermediate|ffn|inner|d_ff|dff|feed_forward|mlp_dim|ff_dim|ffn_hidden)")
 _LAYERS = re.compile(r"(^|_)(layers?|n_layer|depth|blocks)$")
 _KV = re.compile(r"(key_value_heads|kv_heads|multi_query_group_num|num_query_groups)$")
 _HEADS = re.compile(r"(^|_)(heads?|n_head|num_heads|attention_heads)$")

@@ -134,6 +134,7 @@ def counts(plans: dict, exacts: dict) -> dict:
             "with attention": sum(heads_split(e) is not None for e in captured),
             "heads split": sum(heads_split(e) is True for e in captured),
             "at Megatron's count": sum(at_megatron(e) for e in captured),
+            "heads split at Megatron's count": sum(heads_split(e) is True and at_megatron(e) for e in captured),
             "exact runs": len(ran), "exact": sum(exacts[n].get("result") == "exact" for n in ran),
             "refused with a reason": sum(exacts[n].get("result") == "refused" for n in ran),
             "seconds (plan)": round(sum(e.get("seconds", 0) for e in plans.values())),
@@ -181,10 +182,10 @@ def summarize(plans: dict, exacts: dict, at_four: dict | None = None) -> str:
         if e.get("captured"):
             e["family"] = family_of(name) or e.get("family", "?")
     c = counts(plans, exacts)
-    m, megatron = c["captured"], c["at Megatron's count"]
+    m, megatron, both = c["captured"], c["at Megatron's count"], c["heads split at Megatron's count"]
     head = (f"{c['exact']} of {m} exact ({c['exact runs']} run at 2 ranks), {c['sharded']} of {m} sharded, "
             f"{megatron} of {m} at Megatron's count; heads split in {c['heads split']} of "
-            f"{c['with attention']} with attention cores")
+            f"{c['with attention']} with attention cores, {both} of them at Megatron's count")
     lines = ["# Coverage sweep", "", head, "",
              f"M = {m}: the architectures whose model torch.export captures in one process (autotp's capture, or a "
              f"plain static torch.export where autotp's failed), of {c['found']} found and {c['built']} that build "

@@ -184,7 +184,8 @@ def test_plan_calls_out_uneven_and_shared_heads(tmp_path):
 
 
 def _rows(text: str) -> dict:
-    return {cells[0]: cells[1:] for line in text.splitlines()
+    """The parameter table's rows (the first table; the collectives table follows it)."""
+    return {cells[0]: cells[1:] for line in text.split("collectives per")[0].splitlines()
             if len(cells := [c.strip() for c in line.split("│")[1:-1]]) == 4}
 
 

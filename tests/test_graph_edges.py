@@ -32,7 +32,7 @@ class EmptyWindows(nn.Module):
         self.up, self.down = nn.Linear(16, 64), nn.Linear(64, 16)
 
     def forward(self, x):
-        b, s, _ = x.shape
+        b = x.shape[0]
         h = self.up(x)
         none = h[:, :0].view(b, 0, 4, 16).transpose(1, 2).reshape(b * 4, 0, 16)
         return self.down(h.relu()) + none.sum()

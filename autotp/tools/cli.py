@@ -6,6 +6,7 @@ import importlib
 import logging
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -248,7 +249,7 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(prog="autotp", description="Automatic tensor parallelism for PyTorch")
     parser.add_argument("--debug", action="store_true", help="print the trace of an error, not just its line")
-    parser.add_argument("--verbose", action="store_true", help="also print torch.export's own log lines")
+    parser.add_argument("--verbose", action="store_true", help="also print torch.export's notes on dims it fixed")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("demo", help="plan a small LLaMA, run it sharded on 2 gloo processes, compare outputs")
     plan = sub.add_parser("plan", help="plan a model without any process group (built on the meta device)")
@@ -305,9 +306,10 @@ def main(argv: list[str] | None = None) -> int:
     args = run(parser.parse_args, argv, "--debug" in argv)
     if isinstance(args, int):  # a usage error, already said
         return args
-    if not args.verbose:  # export's notes on specialized dims ("W... dimension ... specialized") are for --verbose
-        for name in ("torch._export", "torch.export", "torch.fx.experimental.symbolic_shapes"):
-            logging.getLogger(name).setLevel(logging.ERROR)
+    if args.verbose:  # export's own notes on dims it specialized pass too (autotp says what they mean either way)
+        logging.getLogger("autotp").setLevel(logging.DEBUG)
+    else:  # a plan is priced at the example's sizes; which sizes a program would run at is for parallelize's users
+        warnings.filterwarnings("ignore", message="autotp: the example inputs fix")
     return run(commands[args.command], args, args.debug)
 
 

@@ -32,8 +32,6 @@ class CaptureError(RuntimeError):
 def _dynamic_shapes(model: torch.nn.Module, args: tuple, kwargs: dict):
     """Every dim of every tensor input is AUTO: dynamic unless the trace pins it (hidden sizes); a BlockMask's block
     tables keep their sizes (ops/flex.py).  Inputs may be any registered pytree (dataclasses, NamedTuples)."""
-    if _through_var_keyword(model, kwargs):
-        return None  # torch.export (2.13) matches no dynamic shapes to inputs a forward takes through **kwargs
     tables = mask_tensors(args, kwargs)
     shapes = ShapesCollection()
     for x in tree_leaves((args, kwargs)):
@@ -151,13 +149,15 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> 
     kwargs = dict(kwargs or {})
     register_inputs(args, kwargs)
     args, kwargs = _standalone(_on_model_device(model, (tuple(args), kwargs)))
+    through = _through_var_keyword(model, kwargs)  # torch.export (2.13) matches no dynamic shapes to these
     try:  # in the model's own mode: a model in training mode drops in the sharded program too
         with exportable_on_cpu(), _specialized_dims() as fixed:
             program = torch.export.export(
-                model, args, kwargs, dynamic_shapes=_dynamic_shapes(model, args, kwargs), strict=False
+                model, args, kwargs, dynamic_shapes=None if through else _dynamic_shapes(model, args, kwargs),
+                strict=False
             )
-        if _through_var_keyword(model, kwargs):
-            warnings.warn(f"autotp: {', '.join(_through_var_keyword(model, kwargs))} reach "
+        if through:
+            warnings.warn(f"autotp: {', '.join(through)} reach "
                           f"{type(model).__name__}.forward through **kwargs, where torch.export takes no dynamic "
                           "sizes: captured at the example's sizes, other sizes get a program of their own",
                           stacklevel=3)

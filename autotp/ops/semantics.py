@@ -85,3 +85,15 @@ def written(node: Node) -> bool:
     ``index_copy_`` writes the cache, not the new keys it is given)."""
     return any(writes(user, node) or (user.op == "call_function" and may_alias(user.target) and written(user))
                for user in node.users)
+
+
+def shared_with_writes(gm) -> set:
+    """Every tensor of the graph whose storage some op writes in place: the written tensor, the tensor it views,
+    and every view of either.  Each reader must take such a tensor as it is placed: a copy moved to another
+    placement (gathered for an op without a rule, say) would miss writes made after it, or take them alone."""
+    found: set = set()
+    for node in gm.graph.nodes:
+        source = next((a for a in node.args if isinstance(a, Node)), None) if node.op == "call_function" else None
+        if written(node) or (source in found and may_alias(node.target)):
+            found.add(node)
+    return found

@@ -58,6 +58,7 @@ from autotp.cost_models.pricing import (
     regather_time,
 )
 from autotp.cost_models.topology import Topology
+from autotp.ops.semantics import shared_with_writes
 from autotp.ops.strategies import input_slots, is_placed, needs_grad, on_tokens
 from autotp.ops.table import stored_views
 from autotp.options import PlanOptions
@@ -260,11 +261,12 @@ class Ilp:
         else:  # shards stay where they are; partial sums are still reduced
             self.costs += [v * collective_time("all_reduce", sizes.nbytes(src), t, self.topology) for src in returned
                            for v, s in zip(x[src], strategies[src], strict=True) if isinstance(s.output, Partial)]
-        stored = stored_views(self.gm)
+        stored, written = stored_views(self.gm), shared_with_writes(self.gm)
         for e, (src, wanted) in enumerate(edges):
             produced = [(v, s.output) for v, s in zip(x[src], strategies[src], strict=True)]
             for (p, q), z in _link(problem, produced, wanted,
-                                   lambda p, q, s=src: _reshard_ok(s, s in stored, p, q, sizes, t, self.topology),
+                                   lambda p, q, s=src: p == q or s not in written and _reshard_ok(
+                                       s, s in stored, p, q, sizes, t, self.topology),
                                    f"z{e}_").items():
                 if p != q:
                     key = (src, p, q)

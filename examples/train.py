@@ -50,6 +50,10 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup", type=int, default=0, help="steps of linear learning-rate warm-up (a scheduler)")
+    p.add_argument("--save-dir", help="save the training state here and resume from its newest complete checkpoint")
+    p.add_argument("--save-every", type=int, default=100, help="steps between checkpoints (with --save-dir)")
+    p.add_argument("--keep", type=int, help="checkpoints to keep, the newest (with --save-dir; default: all)")
     p.add_argument("--check", action="store_true", help="also train in one process and compare the losses")
     p.add_argument("--meta", action="store_true", help="build on the meta device; each rank fills only its pieces")
     p.add_argument("--checkpoint", help="weights to load: a safetensors directory (transformers' save_pretrained)")
@@ -110,6 +114,7 @@ class Trainer:
         self.model = autotp.parallelize(model, (self.share(global_batch(o, 0)[0]),), mesh=self.mesh,
                                         data_parallel=o.data_parallel, **options)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr)
+        self.scheduler = schedule(o, self.optimizer)
 
     def share(self, tensor: torch.Tensor) -> torch.Tensor:
         """This DP replica's slice of a global batch."""
@@ -127,18 +132,39 @@ class Trainer:
             loss.backward()
             loss = loss.detach()
         self.optimizer.step()
+        self.scheduler.step()
         self.optimizer.zero_grad()
         return _mean_over_replicas(loss, self.device)
 
 
+def schedule(o: argparse.Namespace, optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    """Linear warm-up over ``--warmup`` steps, then the constant ``--lr``."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda done: min(1.0, (done + 1) / (o.warmup + 1)))
+
+
 def train(o: argparse.Namespace, display: bool = True) -> tuple[Trainer, list[float]]:
-    """Train on this rank's share: (the trainer, the global mean loss of each step)."""
+    """Train on this rank's share: (the trainer, the global mean loss of each step this process ran).  With
+    ``--save-dir`` the run resumes from the directory's newest complete checkpoint (model, AdamW, scheduler,
+    step, random generators), saves every ``--save-every`` steps, and on SIGTERM saves and stops."""
+    from autotp.runtime.run_checkpoints import RunCheckpoints
     trainer, losses = Trainer(o), []
-    with _Display(o, display and dist.get_rank() == 0) as show:
-        for step in range(o.steps):
+    saves = RunCheckpoints(o.save_dir, o.save_every, o.keep) if o.save_dir else None
+    state = {"scheduler": trainer.scheduler}
+    first = saves.resume(trainer.model, trainer.optimizer, **state) if saves else 0
+    show_here = display and dist.get_rank() == 0
+    if first and show_here:
+        print(f"resumed from {saves.complete()[-1]}: {first} steps done", flush=True)
+    with _Display(o, show_here, first) as show:
+        for step in range(first, o.steps):
             start = time.perf_counter()
             losses.append(trainer.step(step))
             show(step, losses[-1], o.batch * o.seq / (time.perf_counter() - start))
+            if saves and saves.after(step, trainer.model, trainer.optimizer, **state):
+                if show_here:
+                    print(f"stopped by SIGTERM after step {step + 1}: saved to {saves.complete()[-1]}", flush=True)
+                break
+    if saves:
+        saves.close()
     return trainer, losses
 
 
@@ -160,14 +186,15 @@ def reference(o: argparse.Namespace) -> tuple[torch.nn.Module, list[float]]:
     return model, train_whole(o, model, torch.optim.AdamW(model.parameters(), lr=o.lr), range(o.steps))
 
 
-def train_whole(o: argparse.Namespace, model: torch.nn.Module, optimizer, steps) -> list[float]:
+def train_whole(o: argparse.Namespace, model: torch.nn.Module, optimizer, steps, scheduler=None) -> list[float]:
     """Steps ``steps`` on whole global batches (one process, or TP alone): their losses."""
-    losses = []
+    losses, scheduler = [], scheduler or schedule(o, optimizer)
     for step in steps:
         x, y = global_batch(o, step)
         loss = loss_fn(model(x), y)
         loss.backward()
         optimizer.step()
+        scheduler.step()
         optimizer.zero_grad()
         losses.append(loss.item())
     return losses
@@ -182,8 +209,8 @@ def _peak_memory_mb() -> float:
 class _Display:
     """A rich progress bar with one line per step, on rank 0 only."""
 
-    def __init__(self, o: argparse.Namespace, enabled: bool):
-        self.enabled, self.steps = enabled, o.steps
+    def __init__(self, o: argparse.Namespace, enabled: bool, done: int = 0):
+        self.enabled, self.steps, self.done = enabled, o.steps, done
         self.title = f"TP {o.tp} x DP {o.dp} ({o.data_parallel}) x PP {o.pp}"
 
     def __enter__(self):
@@ -192,12 +219,12 @@ class _Display:
             self.progress = Progress(TextColumn(self.title), BarColumn(), MofNCompleteColumn(),
                                      TextColumn("{task.fields[status]}"))
             self.progress.__enter__()
-            self.task = self.progress.add_task("train", total=self.steps, status="")
+            self.task = self.progress.add_task("train", total=self.steps, completed=self.done, status="")
         return self
 
     def __call__(self, step: int, loss: float, tokens_per_second: float) -> None:
         if self.enabled:
-            line = (f"step {step + 1:4d}  loss {loss:.4f}  {tokens_per_second:9.0f} tokens/s  "
+            line = (f"step {step + 1:4d}  loss {loss:.6f}  {tokens_per_second:9.0f} tokens/s  "
                     f"peak memory {_peak_memory_mb():.0f} MB")
             self.progress.console.print(line)
             self.progress.update(self.task, advance=1, status=f"loss {loss:.4f}")

@@ -2,6 +2,8 @@
 ones that run are exact at 2 ranks against one process."""
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import pytest
 import torch
 from torch import nn
@@ -67,7 +69,7 @@ class RowUpdates(nn.Module):
     (``attn[..., i, :i] = ...``, a ``copy_`` into a view, which has no rule).  Its heads imposed split."""
 
     H, D = 4, 8
-    SPLIT = {"q.weight": "S(0)", "k.weight": "S(0)", "v.weight": "S(0)", "o.weight": "S(1)"}
+    SPLIT = MappingProxyType({"q.weight": "S(0)", "k.weight": "S(0)", "v.weight": "S(0)", "o.weight": "S(1)"})
 
     def __init__(self):
         super().__init__()

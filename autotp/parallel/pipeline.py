@@ -156,7 +156,7 @@ class Pipelined:
     def named_parameters(self):
         for index in sorted(self.modules):
             for name, param in self.modules[index].named_parameters():
-                yield self._name(name), param
+                yield self.autotp_canonical(name), param
 
     def parameters(self):
         for _, param in self.named_parameters():
@@ -167,14 +167,21 @@ class Pipelined:
         of this pipeline (a collective over the pipeline group and each stage's TP and DP groups)."""
         mine = {}
         for index in sorted(self.modules):  # the cut loses which buffers were persistent: the model says
-            mine.update((self._name(name), t) for name, t in _full_tensors(self.modules[index], buffers).items()
+            full = _full_tensors(self.modules[index], buffers)
+            mine.update((self.autotp_canonical(name), t) for name, t in full.items()
                         if not buffers or name in self.stored)
         everyone = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(everyone, mine, group=self.group)
         return {name: tensor for stage in everyone for name, tensor in stage.items()}
 
-    def _name(self, name: str) -> str:
-        return name if self.tied is None else self.tied.canonical(name)  # a tied weight once, under its first name
+    @property
+    def autotp_stages(self) -> dict:
+        """Stage index -> this rank's stage module, what a checkpoint reads and fills (runtime/dcp_checkpoint.py)."""
+        return self.modules
+
+    def autotp_canonical(self, name: str) -> str:
+        """A tied weight once, under its first name."""
+        return name if self.tied is None else self.tied.canonical(name)
 
     def _output(self, merged):
         return None if merged is None else _unflatten(merged, self.out_spec)

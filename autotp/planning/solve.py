@@ -265,8 +265,8 @@ class Ilp:
         for e, (src, wanted) in enumerate(edges):
             produced = [(v, s.output) for v, s in zip(x[src], strategies[src], strict=True)]
             for (p, q), z in _link(problem, produced, wanted,
-                                   lambda p, q, s=src: p == q or s not in written and _reshard_ok(
-                                       s, s in stored, p, q, sizes, t, self.topology),
+                                   lambda p, q, s=src: p == q or (s not in written and _reshard_ok(
+                                       s, s in stored, p, q, sizes, t, self.topology)),
                                    f"z{e}_").items():
                 if p != q:
                     key = (src, p, q)

@@ -12,6 +12,7 @@ against the pieces the ranks really hold before it is used.
 """
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass
 
 import torch
@@ -42,27 +43,129 @@ class _Layout:
     dealt: Dealt | None = None  # an expert table's experts dealt over a dispatch group beyond the TP group first
 
 
-def checkpoint_state_dict(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
-    """``{"model": ..., "optim": ...}`` for ``dcp.save`` / ``dcp.load`` (a collective).
+def checkpoint_state_dict(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                          **run_state) -> dict:
+    """``{"model": ..., "optim": ..., "rng": ...}`` for ``dcp.save`` / ``dcp.load`` (a collective).
 
     Tensors have their full shapes (DTensors on the module's mesh, or whole tensors where no DTensor
     placement describes autotp's split), so the checkpoint loads into any other mesh or one process.
-    Works on a module from ``autotp.parallelize`` (with or without a mesh) and on a plain module.
+    Works on what ``autotp.parallelize`` returns on any mesh (a pipeline's stages on this rank by their
+    full names), and on a plain module; a tied weight is stored once, under its first name.  "rng": the
+    default generators, from which dropout draws its masks (every rank holds them in the same state).
+    ``run_state``: the rest a resumed run needs, stored under its keyword: an object with ``state_dict``
+    (a learning-rate scheduler, a data loader) or a plain value (the step count, the data position).
     """
-    pieces = _Pieces(module)
-    state = {"model": {n: pieces.to_global(n, t) for n, t in get_model_state_dict(module).items()}}
+    state = {"model": {}, "rng": _generators()}
+    for stage, pieces, key, saved in _stages(module):
+        state["model"].update((key(n), pieces.to_global(n, t)) for n, t in get_model_state_dict(stage).items()
+                              if saved(n))
     if optimizer is not None:
-        state["optim"] = pieces.optimizer(get_optimizer_state_dict(module, optimizer), pieces.to_global)
+        state["optim"] = _Optimizer(module).state(optimizer)
+    for name, value in run_state.items():
+        state[name] = value.state_dict() if hasattr(value, "state_dict") else value
     return state
 
 
 def load_checkpoint_state_dict(module: torch.nn.Module, state: dict,
-                               optimizer: torch.optim.Optimizer | None = None) -> None:
-    """Put ``state`` (from ``checkpoint_state_dict``, filled by ``dcp.load``) into the module and optimizer."""
-    pieces = _Pieces(module)
-    set_model_state_dict(module, {n: pieces.to_local(n, t) for n, t in state["model"].items()})
+                               optimizer: torch.optim.Optimizer | None = None, **run_state) -> None:
+    """Put ``state`` (from ``checkpoint_state_dict``, filled by ``dcp.load``) into the module, the optimizer,
+    the default generators and each object of ``run_state`` that has ``load_state_dict``."""
+    for stage, pieces, key, _ in _stages(module):
+        set_model_state_dict(stage, {n: t if key(n) is None else pieces.to_local(n, state["model"][key(n)])
+                                     for n, t in get_model_state_dict(stage).items()})
     if optimizer is not None:
-        set_optimizer_state_dict(module, optimizer, pieces.optimizer(state["optim"], pieces.to_local))
+        _Optimizer(module).load(optimizer, state["optim"])
+    if "rng" in state:
+        _set_generators(state["rng"])
+    for name, value in run_state.items():
+        if hasattr(value, "load_state_dict"):
+            value.load_state_dict(state[name])
+
+
+def _stages(module: torch.nn.Module) -> list:
+    """(module, its _Pieces, name -> its key in the checkpoint, whether this name is saved) for each part that holds
+    this rank's tensors: a pipeline's stages (``autotp_stages``, by the model's names; a buffer the model does not
+    store has no key), or the module.  A tied weight's key is its first name, and only that name is saved (the
+    copies two stages hold are one tensor of the checkpoint: DCP writes it once)."""
+    stages = getattr(module, "autotp_stages", None)
+    if stages is None:
+        first = _first_names(module)
+        return [(module, _Pieces(module), lambda n: first.get(n, n), lambda n: first.get(n, n) == n)]
+    canonical, stored = module.autotp_canonical, module.stored
+    key = lambda n: canonical(n) if n in stored else None  # noqa: E731
+    return [(stage, _Pieces(stage), key, lambda n: key(n) is not None) for _, stage in sorted(stages.items())]
+
+
+def _first_names(module: torch.nn.Module) -> dict:
+    """name -> the first name of the same tensor (tied weights), for every parameter and buffer."""
+    first: dict = {}
+    for named in (module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False)):
+        seen: dict = {}
+        for name, tensor in named:
+            first[name] = seen.setdefault(id(tensor), name)
+    return first
+
+
+class _Optimizer:
+    """The optimizer's state by the checkpoint's names, each tensor converted as its parameter is; a pipeline's
+    stages are put under one module (``ModuleDict``: stage index, then the stage's own names) to read it."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.parts = _stages(module)
+        self.one = getattr(module, "autotp_stages", None) is None
+        self.whole = module if self.one else torch.nn.ModuleDict({str(i): part[0] for i, part in
+                                                                  enumerate(self.parts)})
+
+    def _split(self, name: str) -> tuple:
+        """(pieces, the part's own name, the checkpoint's key) of a name in ``self.whole``."""
+        index, own = (0, name) if self.one else name.split(".", 1)
+        _, pieces, key, _ = self.parts[int(index)]
+        return pieces, own, key(own)
+
+    def state(self, optimizer) -> dict:
+        found = get_optimizer_state_dict(self.whole, optimizer)
+        out: dict = {}
+        for name, values in found["state"].items():
+            pieces, own, key = self._split(name)
+            out[key] = {k: pieces.to_global(own, v) if _param_shaped(v) else v for k, v in values.items()}
+        groups = [{**g, "params": list(dict.fromkeys(self._split(n)[2] for n in g["params"]))}
+                  for g in found["param_groups"]]
+        return {"state": out, "param_groups": groups}
+
+    def load(self, optimizer, saved: dict) -> None:
+        mine = get_optimizer_state_dict(self.whole, optimizer)
+        state = {}
+        for name in mine["state"]:
+            pieces, own, key = self._split(name)
+            state[name] = {k: pieces.to_local(own, v) if _param_shaped(v) else v
+                           for k, v in saved["state"][key].items()}
+        groups = [{**theirs, "params": ours["params"]}
+                  for ours, theirs in zip(mine["param_groups"], saved["param_groups"], strict=True)]
+        set_optimizer_state_dict(self.whole, optimizer, {"state": state, "param_groups": groups})
+
+
+def _generators() -> bytes:
+    """Every rank's default generators (CPU, and the GPU's in use), from which dropout draws its masks: each
+    rank's own on the mesh it was saved from, the first rank's on another (ranks start them alike)."""
+    mine = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        mine["cuda"] = torch.cuda.get_rng_state()
+    everyone = [mine]
+    if dist.is_initialized():
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+    buffer = io.BytesIO()
+    torch.save(everyone, buffer)
+    return buffer.getvalue()
+
+
+def _set_generators(saved: bytes) -> None:
+    everyone = torch.load(io.BytesIO(saved), weights_only=True)
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    mine = everyone[rank] if len(everyone) == world else everyone[0]
+    torch.set_rng_state(mine["cpu"])
+    if "cuda" in mine and torch.cuda.is_available():
+        torch.cuda.set_rng_state(mine["cuda"])
 
 
 class DcpDirectory:
@@ -122,11 +225,6 @@ class _Pieces:
                                              isinstance(tensor, DTensor), deal)
         self.placements = {name: None if layout.dealt else _dtensor_placements(self.mesh, layout)
                            for name, layout in self.layouts.items()}
-
-    def optimizer(self, state: dict, convert) -> dict:
-        """``state`` with every parameter-shaped tensor converted (``step`` counters are scalars)."""
-        return {**state, "state": {name: {k: convert(name, v) if _param_shaped(v) else v for k, v in values.items()}
-                                   for name, values in state["state"].items()}}
 
     def to_global(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's piece as a DTensor of the full shape, or the full tensor (a collective then)."""

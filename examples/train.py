@@ -280,7 +280,13 @@ def main(argv=None) -> None:
         dry_run(o)
         return
     if "WORLD_SIZE" in os.environ:  # torchrun
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        # keys of this attempt only: a group torchrun restarts must not read the failed attempt's addresses
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        hosted = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's agent serves the store
+        store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=not hosted and rank == 0))
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", store=store, rank=rank,
+                                world_size=world)
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         losses = train(o)[1]

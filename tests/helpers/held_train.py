@@ -14,8 +14,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import examples.train as train  # noqa: E402
-from autotp.runtime import run_checkpoints  # noqa: E402
+import examples.train as train
+from autotp.runtime import run_checkpoints
 
 
 def _hold() -> None:

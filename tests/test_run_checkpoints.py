@@ -9,7 +9,7 @@ import signal
 import torch
 
 from autotp.runtime.run_checkpoints import RunCheckpoints
-from examples.train import build, global_batch, loss_fn, parse, schedule
+from examples.train import build, parse, schedule, train_whole
 from tests.helpers.exact import TOL
 
 TINY = parse(["--batch", "2", "--seq", "8", "--layers", "1", "--hidden", "32", "--vocab", "64", "--warmup", "3"])
@@ -24,13 +24,7 @@ def _run(directory, steps: int, keep=None, stop_after=None) -> tuple:
     first, losses = saves.resume(model, optimizer, scheduler=scheduler), {}
     try:
         for step in range(first, steps):
-            x, y = global_batch(TINY, step)
-            loss = loss_fn(model(x), y)
-            loss.backward()
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad()
-            losses[step] = loss.item()
+            losses[step] = train_whole(TINY, model, optimizer, [step], scheduler)[0]
             if step + 1 == stop_after:
                 os.kill(os.getpid(), signal.SIGTERM)  # noted, acted on at the end of the step
             if saves.after(step, model, optimizer, scheduler=scheduler):

@@ -26,12 +26,12 @@ ARGS = ["--tp", "2", "--steps", "6", "--batch", "4", "--seq", "8", "--layers", "
 
 
 def _run(tmp_path: Path, hold: str, extra: list = ()) -> tuple[str, int]:
-    """torchrun of held_train.py with rank 1 held at ``hold``, killed there: (what it printed, its exit code)."""
+    """torchrun of tests.helpers.held_train (a module, run from the root) with rank 1 held at ``hold``, killed there: (what it printed, its exit code)."""
     held = tmp_path / "held"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "AUTOTP_HOLD": hold, "AUTOTP_HOLD_FILE": str(held),
            "PYTHONPATH": str(ROOT)}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "--max-restarts", "1", "--monitor-interval", "0.2", str(ROOT / "tests/helpers/held_train.py"),
+               "--max-restarts", "1", "--monitor-interval", "0.2", "-m", "tests.helpers.held_train",
                *ARGS, "--save-dir", str(tmp_path / "run"), *extra]
     log = tmp_path / "printed"
     with log.open("w") as out, subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT,

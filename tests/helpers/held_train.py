@@ -8,11 +8,8 @@ attempt holds (torchrun's restart count 0); the restarted group runs examples/tr
 from __future__ import annotations
 
 import os
-import sys
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import examples.train as train
 from autotp.runtime import run_checkpoints

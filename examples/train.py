@@ -147,11 +147,12 @@ def train(o: argparse.Namespace, display: bool = True) -> tuple[Trainer, list[fl
     ``--save-dir`` the run resumes from the directory's newest complete checkpoint (model, AdamW, scheduler,
     step, random generators), saves every ``--save-every`` steps, and on SIGTERM saves and stops."""
     from autotp.runtime.run_checkpoints import RunCheckpoints
-    trainer, losses = Trainer(o), []
-    saves = RunCheckpoints(o.save_dir, o.save_every, o.keep) if o.save_dir else None
-    state = {"scheduler": trainer.scheduler}
-    first = saves.resume(trainer.model, trainer.optimizer, **state) if saves else 0
     show_here = display and dist.get_rank() == 0
+    with _bars(show_here):  # capturing, solving, loading: before the steps' own display
+        trainer, losses = Trainer(o), []
+        saves = RunCheckpoints(o.save_dir, o.save_every, o.keep) if o.save_dir else None
+        state = {"scheduler": trainer.scheduler}
+        first = saves.resume(trainer.model, trainer.optimizer, **state) if saves else 0
     if first and show_here:
         print(f"resumed from {saves.complete()[-1]}: {first} steps done", flush=True)
     with _Display(o, show_here, first) as show:
@@ -206,6 +207,16 @@ def _peak_memory_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # peak RSS (Linux reports KiB)
 
 
+def _bars(enabled: bool):
+    """Rich bars for autotp's long steps (capture, solve, a checkpoint load) on a terminal's stderr."""
+    import contextlib
+
+    from rich.console import Console
+
+    from autotp.tools.progress_bars import progress_bars
+    return progress_bars(Console(stderr=True)) if enabled else contextlib.nullcontext()
+
+
 class _Display:
     """A rich progress bar with one line per step, on rank 0 only."""
 
@@ -239,11 +250,18 @@ def dry_run(o: argparse.Namespace) -> dict:
     rank of any size): its parameter, AdamW state and activation bytes, beside the mesh planner's estimate of the
     same layout's peak per device."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from autotp.cost_models import load_topology
-    from autotp.cost_models.schedule_tables import in_flight
     world = o.world_size or o.tp * o.dp * o.pp
     dist.init_process_group("fake", store=FakeStore(), rank=o.rank, world_size=world)
+    with _bars(True):  # rich redirects stdout while it draws: the report is printed after
+        mine, report = _measure(o, world)
+    print(report)
+    dist.destroy_process_group()
+    return mine
+
+
+def _measure(o: argparse.Namespace, world: int) -> tuple[dict, str]:
+    from autotp.cost_models import load_topology
+    from autotp.cost_models.schedule_tables import in_flight
     start = time.perf_counter()
     model = Trainer(o).model
     built = time.perf_counter() - start
@@ -254,15 +272,14 @@ def dry_run(o: argparse.Namespace) -> dict:
         o.schedule if o.pp > 1 else None, o.pp, microbatches, index, len(stages)) for index, m in stages.items())
     mine = {"parameters": params, "optimizer": 2 * params, "activations": activations}
     per_device = load_topology(None).gpus_per_node
-    plan = autotp.plan_mesh(build(o, meta=True), (global_batch(o, 0)[0][:1],), devices=world, global_batch=o.batch,
+    plan = autotp.plan_mesh(build(o, meta=True), (global_batch(o, 0)[0][:2],), devices=world, global_batch=o.batch,
                             nodes=-(-world // per_device), data_parallel=o.data_parallel)
     same = next((c for c in plan.candidates if (c.tp, c.pp, c.dp) == (o.tp, o.pp, o.dp)), None)
-    print(f"rank {o.rank} of {world} (TP {o.tp} x DP {o.dp} x PP {o.pp}), built on meta in {built:.1f} s: "
-          + ", ".join(f"{k} {v / 2 ** 20:.1f} MiB" for k, v in mine.items())
-          + f"; total {sum(mine.values()) / 2 ** 20:.1f} MiB; the mesh planner's peak per device for this layout: "
-          + (f"{same.memory_bytes / 2 ** 20:.1f} MiB" if same and same.memory_bytes else "not priced"))
-    dist.destroy_process_group()
-    return mine
+    return mine, (f"rank {o.rank} of {world} (TP {o.tp} x DP {o.dp} x PP {o.pp}), built on meta in {built:.1f} s: "
+                  + ", ".join(f"{k} {v / 2 ** 20:.1f} MiB" for k, v in mine.items())
+                  + f"; total {sum(mine.values()) / 2 ** 20:.1f} MiB; the mesh planner's peak per device for this "
+                  + "layout: " + (f"{same.memory_bytes / 2 ** 20:.1f} MiB" if same and same.memory_bytes
+                                  else "not priced"))
 
 
 def _pieces(module: torch.nn.Module) -> list:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import functools
 import os
+import re
 import time
 from types import SimpleNamespace
 
@@ -297,13 +298,12 @@ def _stops(dims: tuple, names: tuple, rank: int, port: int, queue) -> None:
     time.sleep(600)  # its peers may still be waiting on it: ended by the test
 
 
-@pytest.mark.parametrize("dims, names, dim", [  # a "dp" rank lost later: test_a_dead_dp_rank_makes_the_others_raise
-    pytest.param((2, 2), ("dp", "tp"), "dp", marks=pytest.mark.slow), ((2, 2), ("pp", "dp"), "pp")])
+@pytest.mark.parametrize("dims, names, dim", [((2, 2), ("dp", "tp"), "dp"), ((2, 2), ("pp", "dp"), "pp")])
 def test_a_stopped_rank_makes_the_others_raise_within_parallelizes_timeout(dims, names, dim):
-    """Rank 3 stops: its peer in the named dimension (rank 1: FSDP's all-gather; a pipeline's receive from
-    stage 1) raises a CollectiveError naming the dimension within parallelize's 8 s, not the process group's
-    300 s (nor DeviceMesh's 30-minute default); the others fail through that peer or directly, as late as two
-    timeouts (slack for a loaded machine)."""
+    """Rank 3 stops: its peer in each dimension raises a CollectiveError naming that dimension within
+    parallelize's 8 s, not the process group's 300 s (nor DeviceMesh's 30-minute default) — rank 1, its "dp" peer,
+    in FSDP's all-gather or its "pp" peer in a receive from stage 1; rank 2, its "tp" peer, in a TP collective —
+    and the others fail through that peer or directly, as late as two timeouts (slack for a loaded machine)."""
     reports = {r: (message, seconds) for r, message, seconds in
                run_unsupervised(4, functools.partial(_stops, dims, names), reports=3, end=True)}
     assert sorted(reports) == [0, 1, 2]
@@ -315,6 +315,10 @@ def test_a_stopped_rank_makes_the_others_raise_within_parallelizes_timeout(dims,
     assert 7 < seconds, (message, seconds)  # it waited for the stuck rank: the timeout, not a closed connection
     if dim == "dp":
         assert "FSDP all_gather" in message and "parameters" in message, message
+        message, seconds = reports[2]
+        assert re.search(r"(all_reduce|reduce_scatter|all_gather) over mesh dimension 'tp' \(ranks \[2, 3\]\) of "
+                         r"torch.float32 .* for \w+ \(aten\.", message), message  # one of the plan's TP collectives
+        assert 7 < seconds, (message, seconds)
     else:
         assert "pipeline stage(s) [0]" in message and "stage 1 on rank 3" in message, message
 

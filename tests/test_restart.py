@@ -26,7 +26,8 @@ ARGS = ["--tp", "2", "--steps", "6", "--batch", "4", "--seq", "8", "--layers", "
 
 
 def _run(tmp_path: Path, hold: str, extra: list = ()) -> tuple[str, int]:
-    """torchrun of tests.helpers.held_train (a module, run from the root) with rank 1 held at ``hold``, killed there: (what it printed, its exit code)."""
+    """torchrun of tests.helpers.held_train (a module, from the root) with rank 1 held at ``hold``, killed there:
+    (what it printed, its exit code)."""
     held = tmp_path / "held"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "AUTOTP_HOLD": hold, "AUTOTP_HOLD_FILE": str(held),
            "PYTHONPATH": str(ROOT)}

@@ -51,3 +51,17 @@ def test_a_sigterm_saves_at_the_end_of_the_step_and_stops(tmp_path):
     assert sorted(losses) == [0, 1, 2] and sorted(p.name for p in tmp_path.iterdir()) == ["step-2", "step-3"]
     _, rest, first = _run(tmp_path, 6)
     assert first == 3 and sorted(rest) == [3, 4, 5]
+
+
+def test_a_resume_shows_its_load_on_a_terminal(tmp_path):
+    """Loading a checkpoint is long work at scale: a rich bar says which one (issue 34), on a terminal only."""
+    import io
+
+    from rich.console import Console
+
+    from autotp.tools.progress_bars import progress_bars
+    _run(tmp_path, 2)
+    shown = io.StringIO()
+    with progress_bars(Console(file=shown, force_terminal=True, width=120)):
+        _, _, first = _run(tmp_path, 2)
+    assert first == 2 and "loading the checkpoint step-2" in shown.getvalue(), shown.getvalue()

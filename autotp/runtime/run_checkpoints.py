@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from autotp.runtime import progress
 from autotp.runtime.dcp_checkpoint import checkpoint_state_dict, load_checkpoint_state_dict
 
 _NAME = re.compile(r"step-(\d+)")
@@ -52,8 +53,9 @@ class RunCheckpoints:
         if not found:
             return 0
         state = checkpoint_state_dict(module, optimizer, step=0, **run_state)
-        dcp.load(state, checkpoint_id=str(found[-1]))
-        load_checkpoint_state_dict(module, state, optimizer, **run_state)
+        with progress.step(f"loading the checkpoint {found[-1].name}"):
+            dcp.load(state, checkpoint_id=str(found[-1]))
+            load_checkpoint_state_dict(module, state, optimizer, **run_state)
         return int(state["step"])
 
     def after(self, step: int, module, optimizer=None, **run_state) -> bool:

@@ -149,7 +149,7 @@ def test_compare_with_transformers_plans(tmp_path):
     configs.phi3(vocab_size=256, intermediate_size=128, num_key_value_heads=4, pad_token_id=0,
                  max_position_embeddings=4096, use_cache=True).save_pretrained(phi3)
     for model_dir in (llama, phi3):
-        result = _autotp("compare", str(model_dir), "--world-size", "2", "--seq", "64")
+        result = _autotp("compare", str(model_dir), "--world-size", "2", "--seq", "64", "--against", "hf")
         assert result.returncode == 0, result.stderr[-3000:]
         rows = {cells[0]: cells[1:] for line in result.stdout.splitlines()
                 if len(cells := [c.strip() for c in line.split("│")[1:-1]]) == 3}
@@ -158,6 +158,25 @@ def test_compare_with_transformers_plans(tmp_path):
         assert forward[1] <= forward[0], rows  # autotp never needs more forward collectives than HF's plan
         if model_dir == phi3:  # HF gathers the fused qkv and gate_up outputs: two all-gathers a layer
             assert int(rows["forward all_gather"][0]) >= 4, rows
+
+
+def test_compare_against_megatron_prices_each_plan_no_cheaper_than_autotps(tmp_path):
+    """`--against`: Megatron's plan with and without sequence parallelism beside autotp's, one column each, all
+    priced by the one price; autotp's estimate is the lowest; a plan naming no module is said, not shown."""
+    llama = _tiny_llama_dir(tmp_path / "llama")
+    result = _autotp("compare", str(llama), "--world-size", "2", "--seq", "64", "--against", "megatron",
+                     "megatron-sp")
+    assert result.returncode == 0, result.stderr[-3000:]
+    header = next(line for line in result.stdout.splitlines() if "┃" in line)
+    assert [c.strip() for c in header.split("┃")[1:-1]] == ["", "Megatron", "Megatron + SP", "autotp"], header
+    rows = {cells[0]: cells[1:] for line in result.stdout.splitlines()
+            if len(cells := [c.strip() for c in line.split("│")[1:-1]]) == 4}
+    megatron, split, ours = (float(v) for v in rows["est. step µs"])
+    assert ours <= min(megatron, split), rows
+    gpt2 = tmp_path / "gpt2"
+    configs.gpt2(n_layer=1, n_embd=32, n_head=4, vocab_size=64).save_pretrained(gpt2)
+    other = _autotp("compare", str(gpt2), "--world-size", "2", "--seq", "16", "--against", "megatron")
+    assert other.returncode == 1 and "no megatron plan names modules of GPT2LMHeadModel" in other.stdout, other
 
 
 def _llama_config(path: Path, heads: int, kv: int, head_dim: int, vocab: int, layers: int = 1) -> Path:

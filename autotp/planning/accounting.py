@@ -16,12 +16,13 @@ from autotp.placement import R, Routed, Shard, dump
 
 
 def planned_collectives(gm: torch.fx.GraphModule, choice: dict, world: int, topology: Topology,
-                        sizes: Sizes | None = None, weights: dict | None = None, training: bool = True) -> list[dict]:
+                        sizes: Sizes | None = None, weights: dict | None = None, training: bool = True,
+                        per_reader: bool = False) -> list[dict]:
     """The collectives the rewriter will insert for ``choice`` (one per tensor and target placement;
     ``count``: how many real tensors a folded graph's node stands for; ``regather``: a backward all-gather of
     tokens kept as this rank's piece, runtime/activations.py; ``tensors``: the replicated parameters whose partial
     gradients one all-reduce sums, passes/strategies.partial_params); an inference plan (``training=False``) lists
-    the forward's alone."""
+    the forward's alone; ``per_reader``: each reader sums its input's partial gradient itself (solve.Imposed)."""
     grad = needs_grad(gm)
     # ranks sharing a unit sum its gradient (a bias with its weight)
     found: dict = {(members[0], "group"): ("backward", "all_reduce") for members in gradient_sums(gm, choice, world)}
@@ -52,8 +53,8 @@ def planned_collectives(gm: torch.fx.GraphModule, choice: dict, world: int, topo
                 found.setdefault((src, have, want, "back"), ("backward", back))
             if strategy is not None and partial_grad(node, strategy, want) and src in grad and src not in alone:
                 # partial gradients summed: a reduce-scatter where the input was gathered from shards
-                found.setdefault((src, want, "grad"), ("backward", "reduce_scatter" if isinstance(have, Shard)
-                                                       else "all_reduce"))
+                found.setdefault((src, want, "grad", node if per_reader else None), (
+                    "backward", "reduce_scatter" if isinstance(have, Shard) else "all_reduce"))
     sizes = sizes or Sizes()
     count = (weights or {}).get
     listed = [{"op": op, "phase": phase, "tensor": src.name, "module": _module(src), "bytes": sizes.nbytes(src),

@@ -77,6 +77,16 @@ class PlanningError(RuntimeError):
     pass
 
 
+@dataclass(frozen=True)
+class Imposed:
+    """How a hand-written plan runs, beyond where it puts the parameters: ``conversions(producer, reader, have,
+    want)`` says where a value may change placement (None: wherever a conversion exists); with
+    ``grad_sums_per_reader`` each reader of a replicated value sums its own gradient (a hook per module), not one
+    sum per value."""
+    conversions: object = None
+    grad_sums_per_reader: bool = False
+
+
 class DoesNotFit(PlanningError):
     """No plan among the options fits the memory limit."""
 
@@ -93,16 +103,19 @@ class Solution:
 
 
 def solve(gm: torch.fx.GraphModule, found: Candidates, topology: Topology, options: PlanOptions, *,
-          sizes: Sizes | None = None, weights: dict | None = None, ties: list = (), recompute: str = "off") -> Solution:
+          sizes: Sizes | None = None, weights: dict | None = None, ties: list = (), recompute: str = "off",
+          imposed: Imposed | None = None) -> Solution:
     """The fastest plan whose estimated memory per device fits ``options.memory_limit`` (cost_models.memory).
 
     ``weights``: node -> how many real nodes it stands for (folded blocks); a conversion or gradient sum is
     counted as often as its tensor.  ``ties``: node pairs that must choose alike.  ``options.sequence_parallel``:
     every op that may split the tokens keeps its output split (by tokens, or as tensor parallelism splits it),
     never whole or partial.  ``recompute``: "off", "forced" (every attention core is recomputed) or "priced"
-    (each core's forward time against the bytes it frees, taken where memory demands it).
+    (each core's forward time against the bytes it frees, taken where memory demands it).  ``imposed``: how a
+    hand-written plan runs (tools/hand_plans.py).
     """
     ilp = Ilp(gm, found, topology, options, sizes or Sizes(), weights or {})
+    ilp.imposed = imposed or Imposed()
     ilp.choose_one()
     cores = attention_cores(gm, ilp.grad) if recompute != "off" else []
     again = ilp.recompute(cores, recompute == "forced", ties)
@@ -134,6 +147,7 @@ class Ilp:
         self.x: dict = {}
         self.saves: dict = {}  # kept tensor key -> (bytes, options that keep it, nodes)
         self.latency = collective_time("all_reduce", 0.0, self.world, topology)
+        self.imposed = Imposed()
 
     def choose_one(self) -> None:
         """x: one strategy per node; each brings its op time, its memory and its tie-break preference."""
@@ -244,29 +258,32 @@ class Ilp:
         problem, strategies, x, t, sizes = self.problem, self.found.strategies, self.x, self.world, self.sizes
         need: dict = {}        # (tensor, from, to) -> indicator that this reshard happens
         grad_reduce: dict = {}
-        edges = []             # (producer, consumer choices [(var or 1, required placement)])
+        edges = []             # (producer, reader, the reader's choices [(var or 1, required placement)])
         for node, options in strategies.items():
             for slot_i, src in enumerate(input_slots(node)):
                 if src in strategies and is_placed(src):
-                    edges.append((src, [(v, s.inputs[slot_i]) for v, s in zip(x[node], options, strict=True)]))
+                    edges.append((src, node, [(v, s.inputs[slot_i]) for v, s in zip(x[node], options,
+                                                                                     strict=True)]))
                     bad = [v for v, s in zip(x[node], options, strict=True) if partial_grad(node, s, s.inputs[slot_i])]
                     if src in self.grad and bad:
-                        g = grad_reduce.setdefault(src, problem.add_variable(f"g{len(grad_reduce)}", lowBound=0))
+                        key = (src, node) if self.imposed.grad_sums_per_reader else (src, None)
+                        g = grad_reduce.setdefault(key, problem.add_variable(f"g{len(grad_reduce)}", lowBound=0))
                         problem += g >= pulp.lpSum(bad)
         output = next(n for n in self.gm.graph.nodes if n.op == "output")
         returned = [src for src in input_slots(output) if src in strategies and is_placed(src)
                     and not isinstance(src.meta.get("val"), (list, tuple))]
         if self.gather_outputs:
-            edges += [(src, [(1, R)]) for src in returned]  # returned full on every rank
+            edges += [(src, output, [(1, R)]) for src in returned]  # returned full on every rank
         else:  # shards stay where they are; partial sums are still reduced
             self.costs += [v * collective_time("all_reduce", sizes.nbytes(src), t, self.topology) for src in returned
                            for v, s in zip(x[src], strategies[src], strict=True) if isinstance(s.output, Partial)]
-        stored, written = stored_views(self.gm), shared_with_writes(self.gm)
-        for e, (src, wanted) in enumerate(edges):
+        stored, written, allowed = stored_views(self.gm), shared_with_writes(self.gm), self.imposed.conversions
+        for e, (src, reader, wanted) in enumerate(edges):
             produced = [(v, s.output) for v, s in zip(x[src], strategies[src], strict=True)]
             for (p, q), z in _link(problem, produced, wanted,
-                                   lambda p, q, s=src: p == q or (s not in written and _reshard_ok(
-                                       s, s in stored, p, q, sizes, t, self.topology)),
+                                   lambda p, q, s=src, r=reader: p == q or (s not in written and _reshard_ok(
+                                       s, s in stored, p, q, sizes, t, self.topology) and (
+                                       allowed is None or allowed(s, r, p, q))),
                                    f"z{e}_").items():
                 if p != q:
                     key = (src, p, q)
@@ -283,7 +300,7 @@ class Ilp:
         problem, w, t, sizes, latency = self.problem, self.weight, self.world, self.sizes, self.latency
         together = problem.add_variable("together", lowBound=0)
         self.costs.append(together * latency)
-        for k, (src, g) in enumerate(grad_reduce.items()):
+        for k, ((src, _), g) in enumerate(grad_reduce.items()):
             summed = collective_time("all_reduce", sizes.nbytes(src), t, self.topology)
             if coalesced(src):  # summed with the others in one all-reduce (partial_params)
                 problem += together >= g

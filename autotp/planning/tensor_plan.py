@@ -8,6 +8,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from types import MappingProxyType
 
 import torch
 
@@ -26,7 +27,7 @@ from autotp.placement import Disjoint, Routed, Shard
 from autotp.plan import Plan, PlanMismatch
 from autotp.planning.accounting import alternatives, planned_collectives
 from autotp.planning.candidates import Candidates, enumerate_strategies
-from autotp.planning.solve import DoesNotFit, PlanningError, Solution, solve
+from autotp.planning.solve import DoesNotFit, Imposed, PlanningError, Solution, solve
 from autotp.runtime.progress import step
 
 # What only a training step holds (cost_models.memory.breakdown's kinds): an inference plan lists none of them
@@ -42,30 +43,42 @@ class Attempt:
 
 
 def attempts(options: PlanOptions) -> list[Attempt]:
-    """The solves to try in order, cheapest first (Korthikanti et al.): without sequence parallelism, with it,
-    then recomputing attention cores where memory demands it; only what ``options`` leave open (None)."""
+    """The solves to try: without sequence parallelism and with it (only what ``options`` leave open, None), then,
+    training, recomputing attention cores where memory demands it (Korthikanti et al.)."""
     mode = "forced" if options.recompute else "off"
     tokens = [bool(options.sequence_parallel)] if options.sequence_parallel is not None else [False, True]
     found = [Attempt(t, mode) for t in tokens]
-    if options.recompute is None:
+    if options.recompute is None and options.training:
         found.append(Attempt(found[-1].tokens, "priced"))
-    return found if options.training else found[:1]
+    return found
 
 
 def solve_plan(gm: torch.fx.GraphModule, world_size: int, options: PlanOptions | None = None, *,
-               sizes: Sizes | None = None, price_experts: bool = False) -> Plan:
-    """The plan for ``world_size`` ranks: the first attempt that fits.  ``price_experts``: also solve with each
-    expert strategy imposed, keep the cheapest plan and list them (``plan.cost["experts"]``)."""
+               sizes: Sizes | None = None, price_experts: bool = False, imposed: Imposed | None = None,
+               attempt: Attempt | None = None) -> Plan:
+    """The plan for ``world_size`` ranks: the cheaper of the plans with and without sequence parallelism that fit
+    (the earlier on a tie), else the first recomputing plan that fits.  ``price_experts``: also solve with each
+    expert strategy imposed, keep the cheapest plan and list them (``plan.cost["experts"]``).  ``imposed`` (solve's)
+    and ``attempt`` (the one solve to run): a hand-written plan's."""
     options = options or PlanOptions()
-    tries = attempts(options)
+    tries, best = [attempt] if attempt else attempts(options), None
     with step(f"solving the plan for {world_size} ranks (ILP)", total=len(tries)) as advance:
         for k, attempt in enumerate(tries):
+            if best is not None and attempt.recompute == "priced":  # recomputation only where nothing else fits
+                break
+            if best is not None and attempt.tokens and not token_inputs(gm.graph):  # no tokens to split: the same
+                continue
             try:
-                return _solve_once(gm, world_size, options, sizes, attempt, price_experts)
+                found = _solve_once(gm, world_size, options, sizes, attempt, price_experts, imposed=imposed)
             except DoesNotFit:
-                if k == len(tries) - 1:
+                if k == len(tries) - 1 and best is None:
                     raise
-            advance()
+                continue
+            finally:
+                advance()
+            if best is None or found.cost["seconds"] < best.cost["seconds"] * (1 - 1e-9):
+                best = found
+    return best
 
 
 def checked_topology(world_size: int, options: PlanOptions) -> Topology:
@@ -78,12 +91,37 @@ def checked_topology(world_size: int, options: PlanOptions) -> Topology:
     return topo
 
 
+def price_plan(gm: torch.fx.GraphModule, plan: Plan, options: PlanOptions | None = None, *,
+               sizes: Sizes | None = None, imposed: Imposed | None = None) -> Plan:
+    """A complete assignment priced by the solver's own objective: ``plan``'s strategy for every node of ``gm``
+    (the graph it was solved on), nothing left to choose but what the strategies imply (the conversions between
+    them, the gradient sums, recomputation where the plan recomputes).  The one price every plan gets, the
+    solver's and a hand-written one's alike (tools/compare.py)."""
+    options = replace(options or PlanOptions(), training=plan.cost.get("training", True), sequence_parallel=False,
+                      memory_limit=float("inf"))  # priced as it stands, fitting or not (its memory is reported)
+    choice = {node: Strategy(tuple(plan.strategy(node.name)[0]), plan.strategy(node.name)[1])
+              for node in gm.graph.nodes if node.name in plan.nodes}
+    # a plan recomputes attention cores where memory demanded it: priced as recomputing each (the solver's
+    # "priced" attempts may take some), exact for plans that recompute none or all
+    recompute = "forced" if any(entry.get("recompute") for entry in plan.nodes.values()) else "off"
+
+    def one_each(found: Candidates) -> Candidates:
+        missing = [n.name for n in found.strategies if n not in choice]
+        if missing:
+            raise PlanMismatch(f"the plan places no strategy for {len(missing)} node(s) of this graph ({missing[0]}, "
+                               "...): price it on the graph it was solved on")
+        return replace(found, strategies=MappingProxyType({n: [choice[n]] for n in found.strategies}))
+    return _solve_once(gm, plan.world_size, options, sizes, Attempt(False, recompute), False, restrict=one_each,
+                       imposed=imposed)
+
+
 def _solve_once(gm: torch.fx.GraphModule, world_size: int, options: PlanOptions, sizes: Sizes | None,
-                attempt: Attempt, price_experts: bool) -> Plan:
+                attempt: Attempt, price_experts: bool, *, imposed: Imposed | None = None, restrict=None) -> Plan:
     topo = checked_topology(world_size, options)
     if options.ep > 1 and world_size == 1 and options.experts is None:
         options = replace(options, experts="all-to-all")  # no TP to split experts over: whole, dealt over "ep"
     found = candidates(gm, world_size, options, attempt.tokens, options.experts)
+    found = restrict(found) if restrict else found
     priced = input_sizes(gm, options.price_at) if options.price_at else {}
     sizes = Sizes({**priced, **(sizes.overrides if sizes else {})},
                   Experts(options.expert_imbalance, options.ep, found.segments))
@@ -98,7 +136,7 @@ def _solve_once(gm: torch.fx.GraphModule, world_size: int, options: PlanOptions,
 
     def run(offer: Candidates) -> Solution:
         return solve(gm, offer, topo, options, sizes=sizes, weights=folding.weights if folding else None,
-                     ties=folding.ties if folding else (), recompute=attempt.recompute)
+                     ties=folding.ties if folding else (), recompute=attempt.recompute, imposed=imposed)
     solution, experts_cost = run(found), None
     offered_experts = found.segments or any(isinstance(s.output, Disjoint) for found_here in found.strategies.values()
                                             for s in found_here)
@@ -107,11 +145,11 @@ def _solve_once(gm: torch.fx.GraphModule, world_size: int, options: PlanOptions,
             found, solution, options.ep,
             lambda mode: _priced(run, candidates(gm, world_size, options, attempt.tokens, mode)))
     _check_experts(found, solution.choice, options)
-    return to_plan(gm, found, solution, topo, options, sizes, experts_cost)
+    return to_plan(gm, found, solution, topo, options, sizes, experts_cost, imposed)
 
 
 def to_plan(gm: torch.fx.GraphModule, found: Candidates, solution: Solution, topo: Topology, options: PlanOptions,
-            sizes: Sizes, experts_cost: dict | None) -> Plan:
+            sizes: Sizes, experts_cost: dict | None, imposed: Imposed | None = None) -> Plan:
     """The solution as plan data: placements by node and parameter, the collectives, prices, styles and memory."""
     folding = gm.meta.get("autotp_fold")
     weights = folding.weights if folding else None
@@ -126,7 +164,8 @@ def to_plan(gm: torch.fx.GraphModule, found: Candidates, solution: Solution, top
                         "args": [a.name for a in input_slots(n)], **({"recompute": True} if n in recomputed else {}),
                         **({"key": folding.blocks.key[n]} if folding else {})} for n, s in choice.items()},
         params=expand({n.target: str(s.output) for n, s in choice.items() if n.op == "get_attr"}),
-        collectives=planned_collectives(gm, choice, world_size, topo, sizes, weights, training),
+        collectives=planned_collectives(gm, choice, world_size, topo, sizes, weights, training,
+                                        per_reader=bool(imposed and imposed.grad_sums_per_reader)),
         styles=expand(param_styles(gm, choice, world_size)),
         shapes=expand({n.target: list(n.meta["val"].shape) for n in choice if n.op == "get_attr"}),
         alternatives=alternatives(gm, found, choice, topo, training, sizes),

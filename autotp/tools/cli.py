@@ -206,19 +206,27 @@ def _compare(args) -> int:
     with progress_bars(_console()):
         model, example = load_model(args.model, args.batch, args.seq)
         result = compare(model, example, world_size=args.world_size, topology=args.topology,
-                         training=not args.inference, memory_limit=_limit(args))
-    if result["hf_invalid"]:
-        print(f"{type(model).__name__}: Hugging Face's tp_plan is not valid here: {result['hf_invalid']}; "
-              f"autotp's plan: {result['autotp']['seconds'] * 1e6:.1f} µs per step (estimated)")
+                         training=not args.inference, memory_limit=_limit(args), against=args.against)
+    if result["hf_invalid"] and "hf" in args.against:
+        print(f"{type(model).__name__}: Hugging Face's tp_plan is not valid here: {result['hf_invalid']}")
+    labels = {"hf": "HF tp_plan", "megatron": "Megatron", "megatron-sp": "Megatron + SP", "dtensor": "DTensor"}
+    plans = {labels[name]: result[name] for name in args.against if result.get(name)}
+    plans.update({"HF ep_plan": result["hf_ep"]} if result.get("hf_ep") else {})
+    invalid = [name for name in args.against if result.get(name) is False and name != "hf"]
+    if invalid:
+        print(f"{', '.join(invalid)}: the plan's even splits cut whole heads or other units at TP {args.world_size}, "
+              "so no exact program runs it")
+    missing = [name for name in args.against if name not in result]
+    if missing:
+        print(f"no {', '.join(missing)} plan names modules of {type(model).__name__} "
+              f"(autotp/tools/hand_plans.json lists their patterns)")
+    if not plans:
+        print(f"autotp's plan: {result['autotp']['seconds'] * 1e6:.1f} µs per step (estimated); nothing to compare")
         return 1
-    if result["hf"] is None:
-        print(f"{type(model).__name__} has no Hugging Face tp_plan to compare with")
-        return 1
-    title = (f"{type(model).__name__} at TP {args.world_size}: transformers' plans as it runs them vs autotp "
-             "(same cost model)")
-    plans = {"HF tp_plan": result["hf"], **({"HF ep_plan": result["hf_ep"]} if result.get("hf_ep") else {}),
-             "autotp": result["autotp"]}
-    Console(width=140).print(compare_table(plans, title))
+    title = (f"{type(model).__name__} at TP {args.world_size}: hand-written plans vs autotp, each priced as it runs "
+             "(one cost model)")
+    plans["autotp"] = result["autotp"]
+    Console(width=160).print(compare_table(plans, title))
     for name, priced in plans.items():
         if priced.get("unpriced"):
             print(f"{name}: collectives of styles {', '.join(priced['unpriced'])} not counted (unknown to autotp)")
@@ -294,9 +302,13 @@ def main(argv: list[str] | None = None) -> int:
     explain.add_argument("plan")
     explain.add_argument("node", help="a node name, module path or parameter name; 'experts': the expert "
                                       "strategies' estimated step times")
-    compare = sub.add_parser("compare", help="price transformers' own tp_plan beside autotp's plan")
+    compare = sub.add_parser("compare", help="price hand-written plans (transformers', Megatron's, DTensor's) "
+                                             "beside autotp's")
     _model_arguments(compare)
     compare.add_argument("--world-size", type=positive, required=True)
+    from autotp.tools.compare import AGAINST
+    compare.add_argument("--against", nargs="+", choices=AGAINST, default=list(AGAINST),
+                         help="the hand-written plans to price (default: all that name this model's modules)")
     cal = sub.add_parser("calibrate", help="measure collectives on this machine's process group, write a topology")
     cal.add_argument("--out", default="calibrated.json", help="where to write the topology profile")
     cal.add_argument("--nproc", type=positive, default=2, help="local gloo ranks to spawn when not under torchrun")

@@ -1,11 +1,12 @@
-"""`autotp compare`: transformers' own plans for the architecture (its tp_plan, and its ep_plan where it has
-one) priced as transformers runs them, beside autotp's plan, with one cost model.
+"""`autotp compare`: hand-written plans for the architecture priced beside autotp's, each by the one price the
+solver's own plan gets (planning/tensor_plan.price_plan).
 
-A transformers plan places parameters and hooks modules.  The collectives a hooked module runs are those of its
-style (transformers.distributed.tensor_parallel and expert_parallel, 5.x), counted per call from the captured
-graph and priced at the example's sizes; they are not re-solved.  Compute is priced with the parameters where
-transformers places them (autotp's solver around those placements only decides where activations live).
-tests/test_interop.py checks the counts against the collectives transformers is measured to run.
+The dense plans (transformers' tp_plan, Megatron's with and without sequence parallelism, torchtitan's DTensor
+plan) are complete assignments of the captured graph (tools/hand_plans.py): the parameters where the plan puts
+them, and collectives only where its styles run them.  transformers' expert-parallel plan (its ep_plan) and tp_plans
+with expert styles are still priced the older way: compute as the solver places activations around the plan's
+parameters, collectives as the hooked modules run them (STYLES below, counted per call from the graph).
+tests/test_interop.py checks both against the collectives transformers is measured to run.
 """
 from __future__ import annotations
 
@@ -22,7 +23,10 @@ from autotp.passes.prepared_graph import prepared_graph
 from autotp.plan import Plan
 from autotp.planning.solve import PlanningError
 from autotp.planning.tensor_plan import solve_plan
+from autotp.tools.hand_plans import hand_plans, solve_hand_plan
 from autotp.tools.interop import hf_parameter_placements
+
+AGAINST = ("hf", "megatron", "megatron-sp", "dtensor")
 
 # style -> (forward, backward) collectives per call of the hooked module, in training: (op, what it moves) with
 # "in" the module's input, "out" its output, "weights" its routing weights (an experts module), "rows" every routed
@@ -47,38 +51,48 @@ STYLES = {
 
 
 def summary(plan: Plan) -> dict:
+    comm = {phase: sum(c["seconds"] * c["count"] for c in plan.collectives if c["phase"] == phase)
+            for phase in ("forward", "backward")}
     return {"seconds": plan.cost["seconds"], "forward": dict(plan.collective_counts("forward")),
-            "backward": dict(plan.collective_counts("backward")),
-            "param_bytes": plan.cost["memory"]["params"], "memory": plan.cost["memory"]["total"]}
+            "backward": dict(plan.collective_counts("backward")), "comm_seconds": comm,
+            "param_bytes": plan.cost["memory"]["params"], "memory": plan.cost["memory"]["total"], "unpriced": []}
 
 
 def compare(model: torch.nn.Module, args=None, kwargs=None, *, world_size: int, topology=None,
-            training: bool = True, memory_limit: float | None = None) -> dict:
-    """{"autotp": summary, "hf": its tp_plan as transformers runs it (None: no tp_plan for this architecture),
-    "hf_invalid": why transformers' placements cannot run this model exactly (e.g. heads not divisible by the
-    world size), or None, "hf_ep": its ep_plan over the tp_plan, where it has one}.  A transformers summary lists
-    under "unpriced" the styles whose collectives autotp does not know (never guessed)."""
+            training: bool = True, memory_limit: float | None = None, against=AGAINST) -> dict:
+    """{"autotp": summary, and for each plan of ``against`` that names modules of this model its summary (None:
+    its placements cut whole heads at this world size, so no exact program runs them; "hf": transformers'
+    tp_plan), "hf_invalid": why transformers' placements cannot run this model exactly, or None, "hf_ep": its
+    ep_plan over the tp_plan, where it has one}.  A summary lists under "unpriced" the styles whose collectives
+    autotp does not know (never guessed)."""
     gm = prepared_graph(model, args, kwargs, fold=True)
     options = PlanOptions(topology=topology, training=training, memory_limit=memory_limit)
-    ours = summary(solve_plan(gm, world_size, options))
+    result = {"autotp": summary(solve_plan(gm, world_size, options)), "hf": None, "hf_invalid": None,
+              "hf_ep": None}
+    for name, hand in hand_plans(model, against).items():
+        if hand.unknown:  # expert styles: priced as the hooked modules run them
+            result[name] = _hooked(model, gm, dict(hand.styles), False, world_size, options)
+        else:
+            solved = solve_hand_plan(model, gm, hand, world_size, options)
+            result[name] = summary(solved) if solved else False
+    if result["hf"] is False:
+        result["hf"], result["hf_invalid"] = None, (
+            f"its even splits cut through attention heads or other whole units at TP {world_size}, so no exact "
+            "program uses those placements")
+    ep_styles = {**dict(getattr(model, "tp_plan", None) or {}), **(getattr(model, "ep_plan", None) or {})}
+    if "hf" in against and ep_styles != dict(getattr(model, "tp_plan", None) or {}):
+        result["hf_ep"] = _hooked(model, gm, ep_styles, True, world_size, options) or None
+    return result
 
-    def priced(styles: dict, expert_parallel: bool):
-        placements = hf_parameter_placements(model, expert_parallel)
-        if not placements:
-            return None
-        try:
-            placed = solve_plan(gm, world_size, replace(options, fixed=placements))
-        except PlanningError:
-            return False
-        return as_run(gm, placed, styles, world_size, topology, training)
 
-    tp_styles = dict(getattr(model, "tp_plan", None) or {})
-    ep_styles = {**tp_styles, **(getattr(model, "ep_plan", None) or {})}
-    theirs = priced(tp_styles, False)
-    invalid = (f"its even splits cut through attention heads or other whole units at TP {world_size}, so no "
-               "exact program uses those placements") if theirs is False else None
-    whole_experts = (priced(ep_styles, True) or None) if ep_styles != tp_styles else None
-    return {"autotp": ours, "hf": theirs or None, "hf_invalid": invalid, "hf_ep": whole_experts}
+def _hooked(model, gm: torch.fx.GraphModule, styles: dict, expert_parallel: bool, world_size: int,
+            options: PlanOptions):
+    placements = hf_parameter_placements(model, expert_parallel)
+    try:
+        placed = solve_plan(gm, world_size, replace(options, fixed=placements))
+    except PlanningError:
+        return False
+    return as_run(gm, placed, styles, world_size, options.topology, options.training)
 
 
 def as_run(gm: torch.fx.GraphModule, placed: Plan, styles: dict, world: int, topology, training: bool) -> dict:

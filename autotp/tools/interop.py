@@ -120,7 +120,9 @@ def to_hf_tp_plan(plan: Plan) -> tuple[dict, dict]:
 # HF styles -> the dim of the weight they split, counted from the end as transformers counts it (a 3-D expert
 # tensor [E, out, in] splits like its 2-D matrices); "packed": gate|up split block by block; experts: dim 0
 _HF_WEIGHT = {"colwise": -2, "colwise_gather_output": -2, "local_colwise": -2, "packed_colwise": -2,
-              "rowwise": -1, "rowwise_split_input": -1, "local_rowwise": -1, "grouped_gemm": 0}
+              "rowwise": -1, "rowwise_split_input": -1, "local_rowwise": -1, "grouped_gemm": 0,
+              "colwise_rep": -2, "rowwise_rep": -1,
+              "embedding_rowwise": -2, "embedding_colwise": -1}  # an embedding table is [vocab, hidden]
 
 
 def _hf_shard(style: str, shape) -> Shard:
@@ -128,9 +130,11 @@ def _hf_shard(style: str, shape) -> Shard:
     return Shard(dim, (shape[dim] // 2,) * 2) if style == "packed_colwise" else Shard(dim)
 
 
-def hf_parameter_placements(model, expert_parallel: bool = False) -> dict:
-    """Hugging Face's hand-written plan for this architecture, as parameter placements; ``expert_parallel``:
-    its ep_plan (whole experts per rank) over the tp_plan."""
+def hf_styles(model, expert_parallel: bool = False) -> dict:
+    """Hugging Face's hand-written plan for this architecture: module pattern -> style (its tp_plan, and with
+    ``expert_parallel`` its ep_plan over it), patterns from the model's root."""
+    if getattr(model, "tp_plan", None):  # the instance's whole plan (transformers 5: the embedding's too)
+        return {**model.tp_plan, **((getattr(model, "ep_plan", None) or {}) if expert_parallel else {})}
     config = getattr(model, "config", None)
     rules = {}
     prefix = getattr(model, "base_model_prefix", "")
@@ -140,6 +144,17 @@ def hf_parameter_placements(model, expert_parallel: bool = False) -> dict:
         for pattern, style in (plan or {}).items():
             rules[f"{prefix}.{pattern}" if prefix else pattern] = style
     rules.update(getattr(type(model), "_tp_plan", None) or {})
+    return rules
+
+
+def hf_parameter_placements(model, expert_parallel: bool = False) -> dict:
+    """Hugging Face's hand-written plan for this architecture, as parameter placements."""
+    return style_placements(model, hf_styles(model, expert_parallel))
+
+
+def style_placements(model, rules: dict) -> dict:
+    """Parameter name -> placement for the parameters a plan of HF-style strings (module pattern -> style, ``*``
+    a layer index) splits; the rest are left out (replicated)."""
     placements = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         module, _, attr = name.rpartition(".")

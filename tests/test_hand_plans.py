@@ -1,0 +1,68 @@
+"""One price for every plan (issue 35): the solver's plan and hand-written ones (transformers' tp_plan, Megatron's
+with and without sequence parallelism, torchtitan's DTensor plan; module patterns in autotp/tools/hand_plans.json)
+as complete assignments of one capture, each priced by ``price_plan``.  The solver's plan priced so equals its
+objective, and is no dearer than any hand plan at the shapes users run.  Meta device, no ranks."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from autotp.options import PlanOptions
+from autotp.passes.prepared_graph import prepared_graph
+from autotp.planning.tensor_plan import price_plan, solve_plan
+from autotp.tools.hand_plans import hand_plans, solve_hand_plan
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPES = {"prefill 1x2048": ((1, 2048), False), "prefill 8x128": ((8, 128), False),
+          "training 1x4096": ((1, 4096), True)}
+
+
+def _llama(config: str, **changes):
+    from transformers import AutoConfig, LlamaForCausalLM
+    config = AutoConfig.from_pretrained(ROOT / config, **changes)
+    with torch.device("meta"):
+        return LlamaForCausalLM(config)
+
+
+def _priced_against_hand_plans(model, world: int, shapes: dict) -> None:
+    gm = prepared_graph(model, (torch.zeros(2, 16, dtype=torch.long, device="meta"),), None, fold=True)
+    hands = hand_plans(model, ("hf", "megatron", "megatron-sp"))  # "dtensor" runs megatron-sp's styles
+    assert sorted(hands) == ["hf", "megatron", "megatron-sp"], sorted(hands)
+    for label, (shape, training) in shapes.items():
+        options = PlanOptions(topology="dgx-h100", training=training, price_at={"input_ids": shape})
+        ours = solve_plan(gm, world, options)
+        again = price_plan(gm, ours, options)
+        assert again.cost["seconds"] == pytest.approx(ours.cost["seconds"], rel=1e-3), label
+        for name, hand in hands.items():
+            theirs = solve_hand_plan(model, gm, hand, world, options)
+            assert theirs is not None, (label, name)
+            assert ours.cost["seconds"] <= theirs.cost["seconds"] * (1 + 1e-9), (
+                label, name, ours.cost["seconds"], theirs.cost["seconds"], ours.collective_counts("forward"),
+                theirs.collective_counts("forward"))
+
+
+def test_llama3_8b_at_tp4_is_no_dearer_than_any_hand_plan():
+    _priced_against_hand_plans(_llama("docs/figures/llama-3-8b.json"), 4, SHAPES)
+
+
+def test_a_hand_plan_runs_its_own_collectives():
+    """transformers' plan for LLaMA runs two all-reduces a block and the vocabulary-parallel embedding's, and
+    gathers the logits (Megatron's count); with sequence parallelism each all-reduce is a reduce-scatter and an
+    all-gather.  Inference: no backward collective listed."""
+    model = _llama("docs/figures/llama-3-8b.json", num_hidden_layers=4)
+    gm = prepared_graph(model, (torch.zeros(2, 16, dtype=torch.long, device="meta"),), None, fold=True)
+    options = PlanOptions(topology="dgx-h100", training=False, price_at={"input_ids": (1, 2048)})
+    hands = hand_plans(model)
+    plain = solve_hand_plan(model, gm, hands["megatron"], 4, options)
+    assert dict(plain.collective_counts("forward")) == {"all_reduce": 2 * 4 + 1, "all_gather": 1}
+    assert not plain.collective_counts("backward")
+    split = solve_hand_plan(model, gm, hands["megatron-sp"], 4, options)
+    assert dict(split.collective_counts("forward")) == {"reduce_scatter": 2 * 4 + 1, "all_gather": 2 * 4 + 2}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [8])
+def test_llama3_8b_at_tp8_is_no_dearer_than_any_hand_plan(world):
+    _priced_against_hand_plans(_llama("docs/figures/llama-3-8b.json"), world, SHAPES)

@@ -28,8 +28,8 @@ class PlanOptions:
     training: bool = True
     """Price gradients, optimizer state and the backward; False: inference (forward only)."""
     sequence_parallel: bool | None = None
-    """Split norms, dropouts and residual adds by tokens: True forces it, False rules it out, None offers it
-    only when no plan without it fits."""
+    """Split norms, dropouts and residual adds by tokens: True forces it, False rules it out, None solves with and
+    without it and keeps the cheaper plan that fits."""
     recompute: str | bool | None = None
     """"selective" recomputes every attention core in the backward, False none, None offers it (priced per core)
     only when no plan fits without it."""

@@ -159,6 +159,9 @@ def test_memory_limit_infeasible_says_what_fits():
     need = free.cost["memory"]["total"]
     with pytest.raises(PlanningError, match="try world size"):
         autotp.plan(model, args, world_size=2, memory_limit=need * 0.6)
+    with pytest.raises(PlanningError, match=r"try world size (16|32) \(more than a node's 8 devices: `autotp mesh "
+                       r"MODEL --nodes (2|4)` lays out TP inside a node"):
+        autotp.plan(model, args, world_size=2, memory_limit=need * 2 / 14, topology="dgx-h100")
     inference = autotp.plan(model, args, world_size=2, training=False)
     assert "optimizer" not in inference.cost["memory"] and inference.cost["memory"]["kv_cache"] > 0
 

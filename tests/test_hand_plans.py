@@ -62,7 +62,11 @@ def test_a_hand_plan_runs_its_own_collectives():
     assert dict(split.collective_counts("forward")) == {"reduce_scatter": 2 * 4 + 1, "all_gather": 2 * 4 + 2}
 
 
+LLAMA_70B = {"hidden_size": 8192, "intermediate_size": 28672, "num_attention_heads": 64, "num_hidden_layers": 80}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [8])
-def test_llama3_8b_at_tp8_is_no_dearer_than_any_hand_plan(world):
-    _priced_against_hand_plans(_llama("docs/figures/llama-3-8b.json"), world, SHAPES)
+@pytest.mark.parametrize("shape, world", [("8b", 8), ("70b", 4), ("70b", 8)])
+def test_llama3_is_no_dearer_than_any_hand_plan_at_tp4_and_8(shape, world):
+    changes = LLAMA_70B if shape == "70b" else {}
+    _priced_against_hand_plans(_llama("docs/figures/llama-3-8b.json", **changes), world, SHAPES)

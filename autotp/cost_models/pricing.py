@@ -101,7 +101,8 @@ def input_sizes(gm: torch.fx.GraphModule, price_at: Mapping) -> dict:
             raise ValueError(f"price_at[{name!r}] has {len(shape)} dims, the example input {len(example)}: "
                              f"give one size (or None) per dim of {tuple(example)}")
         for d, (want, have) in enumerate(zip(shape, example, strict=True)):
-            if want is None or (isinstance(have, int) and have == want):
+            fixed = have if isinstance(have, int) else int(have.node.expr) if have.node.expr.is_number else None
+            if want is None or fixed == want:
                 continue
             if isinstance(have, int) or not have.node.expr.is_Symbol:
                 raise ValueError(f"price_at[{name!r}] sets dim {d} to {want}, but the capture fixed it at {have}: "

@@ -323,7 +323,7 @@ class Ilp:
         _run(self.problem, objective)
         if pulp.value(total_memory) > limit:
             hint = _fit_hint(self.found, self.x, self.sizes, limit, self.trainable, self.training, self.weight,
-                             self.grad)
+                             self.grad, self.topology.gpus_per_node)
             self.problem += total_memory <= limit, "memory_limit"
             try:
                 _run(self.problem, objective)
@@ -357,7 +357,7 @@ def _run(problem: pulp.LpProblem, objective) -> None:
 
 
 def _fit_hint(ctx: Candidates, x: dict, sizes: Sizes, limit: float, trainable: dict, training: bool, w,
-              grad: set) -> str:
+              grad: set, per_node: int) -> str:
     """What would fit: the smallest world size for the current plan's memory, or the memory it needs."""
     replicated = sharded = 0.0
     activations: dict = {}
@@ -375,6 +375,9 @@ def _fit_hint(ctx: Candidates, x: dict, sizes: Sizes, limit: float, trainable: d
     need = replicated + sharded / ctx.world
     fits = smallest_fitting_world(replicated, sharded, limit, [2 ** k for k in range(1, 11)])
     advice = f"try world size {fits}" if fits else "no world size helps: its replicated part alone is too large"
+    if fits and fits > per_node:  # TP stays inside a node: the rest is pipeline or data parallelism
+        advice += (f" (more than a node's {per_node} devices: `autotp mesh MODEL --nodes {-(-fits // per_node)}` "
+                   "lays out TP inside a node, pipeline and data parallelism across)")
     return f"the best plan needs about {need / 1e9:.1f} GB per device; {advice}, or use devices with more memory"
 
 

@@ -1,0 +1,120 @@
+"""Plans for serving: one set of weights for a decode step with its KV cache at a context length and for the
+prefill, priced with the figures a deployment is sized by (vLLM's ``--max-model-len``,
+``--gpu-memory-utilization``): decode time per step and tokens/s at a batch, prefill time per 1,000 tokens, and
+how many sequences of that context fit beside the weights.
+
+The decode program is the one ``autotp.generate`` runs (serving/generation.py: the model around a static KV
+cache written in place), captured on the meta device and planned for a one-token step of ``max_batch``
+sequences whose attention reads the whole cache; the cache is a tensor like any other, so it is split by KV heads
+where the plan splits the heads.  The prefill is the plain forward priced at ``prefill_tokens`` tokens with the
+decode plan's parameter placements imposed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from autotp.cost_models import load_topology
+from autotp.options import PlanOptions
+from autotp.passes.prepared_graph import prepared_graph
+from autotp.plan import Plan
+from autotp.planning.tensor_plan import solve_plan
+
+PREFIX = "model."  # the decode wrapper holds the model as ``model``
+
+
+@dataclass(frozen=True)
+class ServePlan:
+    decode: Plan                    # a one-token step of ``batch`` sequences, the cache at ``context``
+    prefill: Plan                   # ``prefill_tokens`` tokens of one sequence, the decode plan's weights
+    world_size: int
+    context: int
+    batch: int
+    prefill_tokens: int
+    memory_fraction: float
+    device_bytes: float
+    bandwidth_bound_seconds: float  # the weights and the cache read once at the device's memory bandwidth
+
+    @property
+    def decode_seconds(self) -> float:
+        return self.decode.cost["seconds"]
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.batch / self.decode_seconds
+
+    @property
+    def prefill_seconds_per_1000(self) -> float:
+        return self.prefill.cost["seconds"] * 1000 / self.prefill_tokens
+
+    @property
+    def cache_bytes(self) -> float:
+        """This rank's KV cache for ``batch`` sequences: the decode program's buffers beyond the forward's own
+        (rotary tables and the like)."""
+        return self.decode.cost["memory"].get("buffers", 0.0) - self.prefill.cost["memory"].get("buffers", 0.0)
+
+    @property
+    def kv_bytes_per_sequence(self) -> float:
+        return self.cache_bytes / self.batch
+
+    @property
+    def sequences_that_fit(self) -> int:
+        """Sequences of ``context`` tokens whose cache fits beside the weights in ``memory_fraction`` of a device."""
+        beside = self.decode.cost["memory"]["params"] + self.prefill.cost["memory"].get("buffers", 0.0)
+        free = self.memory_fraction * self.device_bytes - beside
+        return max(0, int(free // self.kv_bytes_per_sequence)) if self.kv_bytes_per_sequence else 0
+
+    def summary(self) -> dict:
+        return {"world_size": self.world_size, "context": self.context, "batch": self.batch,
+                "decode_ms": self.decode_seconds * 1e3, "tokens_per_second": self.tokens_per_second,
+                "prefill_ms_per_1000_tokens": self.prefill_seconds_per_1000 * 1e3,
+                "bandwidth_bound_ms": self.bandwidth_bound_seconds * 1e3,
+                "kv_cache_gb_per_sequence": self.kv_bytes_per_sequence / 1e9,
+                "sequences_that_fit": self.sequences_that_fit,
+                "decode_forward": dict(self.decode.collective_counts("forward"))}
+
+
+def plan_serving(model: torch.nn.Module, *, world_size: int, context: int, max_batch: int, topology=None,
+                 memory_fraction: float = 0.9, prefill_tokens: int = 1000) -> ServePlan:
+    """The serving plan of a causal LM (a transformers model; built on meta, nothing is read) on ``world_size``
+    ranks."""
+    from autotp.serving.generation import _CachedLM
+    for name, value in (("context", context), ("max_batch", max_batch), ("prefill_tokens", prefill_tokens)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if not 0 < memory_fraction <= 1:
+        raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction!r}")
+    topo = load_topology(topology)
+    meta = torch.device("meta")
+    wrapper = _CachedLM(model, max_batch, context, meta).eval()
+    example = (torch.zeros(max_batch, 2, dtype=torch.long, device=meta),
+               torch.ones(max_batch, context, dtype=torch.long, device=meta),
+               torch.zeros(max_batch, 2, dtype=torch.long, device=meta), torch.arange(2, device=meta))
+    step = {"input_ids": (max_batch, 1), "position_ids": (max_batch, 1), "cache_position": (1,)}
+    model.eval()
+    decode = solve_plan(prepared_graph(wrapper, example, None, fold=False), world_size,
+                        PlanOptions(topology=topo, training=False, price_at=step))
+    weights = {name[len(PREFIX):]: placement for name, placement in decode.params.items()
+               if name.startswith(PREFIX)}
+    ids = torch.zeros(2, 16, dtype=torch.long, device=meta)
+    forward = prepared_graph(model, (ids,), None, fold=True)
+    names = {n.target for n in forward.graph.nodes if n.op == "get_attr"}
+    prefill = solve_plan(forward, world_size, PlanOptions(
+        topology=topo, training=False, fixed={k: v for k, v in weights.items() if k in names},
+        price_at={"input_ids": (1, prefill_tokens)}))
+    memory = decode.cost["memory"]
+    read = memory["params"] + memory.get("buffers", 0.0)  # every weight and the whole cache, once a step
+    return ServePlan(decode, prefill, world_size, context, max_batch, prefill_tokens, memory_fraction,
+                     topo.memory_bytes, read / topo.hbm_bandwidth)
+
+
+def fastest_tp_within(model_factory, *, decode_ms: float, sizes=(1, 2, 4, 8), **serving) -> tuple:
+    """(the smallest TP size whose decode step meets ``decode_ms``, or None; {size: ServePlan}) over ``sizes``.
+    ``model_factory()`` builds the model afresh for each size (a capture sets its mode and config)."""
+    found: dict = {}
+    for size in sizes:
+        found[size] = plan_serving(model_factory(), world_size=size, **serving)
+        if found[size].decode_seconds * 1e3 <= decode_ms:
+            return size, found
+    return None, found

@@ -160,6 +160,23 @@ def test_compare_with_transformers_plans(tmp_path):
             assert int(rows["forward all_gather"][0]) >= 4, rows
 
 
+def test_plan_serve_prints_what_a_deployment_is_sized_by(tmp_path):
+    """`autotp plan --serve`: prefill per 1,000 tokens, a decode step and tokens/s at the batch, the KV cache a
+    sequence holds and how many fit; --max-decode-ms names the smallest TP size that meets it."""
+    llama = _tiny_llama_dir(tmp_path / "llama")
+    result = _autotp("plan", str(llama), "--serve", "--context", "128", "--max-batch", "4", "--world-size", "2",
+                     "--max-decode-ms", "1000")
+    assert result.returncode == 0, result.stderr[-3000:]
+    first, second = result.stdout.strip().splitlines()[-2:]
+    assert re.fullmatch(r"TP 2, context 128, batch 4: prefill [\d.]+ ms per 1,000 tokens; decode [\d.]+ ms a step "
+                        r"\(reading the weights and cache at memory bandwidth: [\d.]+ ms\), [\d,]+ tokens/s; KV cache "
+                        r"[\d.]+ MiB a sequence per device: \d+ sequences of 128 tokens fit beside the weights in 90% "
+                        r"of a device \(estimates\)", first), first
+    assert second.startswith("TP 1 is the smallest size that decodes a step within 1000.0 ms (TP 1 "), second
+    bad = _autotp("plan", str(llama), "--serve", "--world-size", "2", "--memory-fraction", "1.5")
+    assert bad.returncode == 2 and bad.stderr.strip().startswith("autotp: --memory-fraction must be in (0, 1]")
+
+
 def test_compare_against_megatron_prices_each_plan_no_cheaper_than_autotps(tmp_path):
     """`--against`: Megatron's plan with and without sequence parallelism beside autotp's, one column each, all
     priced by the one price; autotp's estimate is the lowest; a plan naming no module is said, not shown."""

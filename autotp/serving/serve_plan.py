@@ -11,6 +11,7 @@ decode plan's parameter placements imposed.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -79,25 +80,17 @@ def plan_serving(model: torch.nn.Module, *, world_size: int, context: int, max_b
                  memory_fraction: float = 0.9, prefill_tokens: int = 1000) -> ServePlan:
     """The serving plan of a causal LM (a transformers model; built on meta, nothing is read) on ``world_size``
     ranks."""
-    from autotp.serving.generation import _CachedLM
     for name, value in (("context", context), ("max_batch", max_batch), ("prefill_tokens", prefill_tokens)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if not 0 < memory_fraction <= 1:
         raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction!r}")
     topo = load_topology(topology)
-    meta = torch.device("meta")
-    wrapper = _CachedLM(model, max_batch, context, meta).eval()
-    example = (torch.zeros(max_batch, 2, dtype=torch.long, device=meta),
-               torch.ones(max_batch, context, dtype=torch.long, device=meta),
-               torch.zeros(max_batch, 2, dtype=torch.long, device=meta), torch.arange(2, device=meta))
-    step = {"input_ids": (max_batch, 1), "position_ids": (max_batch, 1), "cache_position": (1,)}
-    model.eval()
-    decode = solve_plan(prepared_graph(wrapper, example, None, fold=False), world_size,
-                        PlanOptions(topology=topo, training=False, price_at=step))
+    _, gm, step = decode_program(model, context, max_batch)
+    decode = solve_plan(gm, world_size, PlanOptions(topology=topo, training=False, price_at=step))
     weights = {name[len(PREFIX):]: placement for name, placement in decode.params.items()
                if name.startswith(PREFIX)}
-    ids = torch.zeros(2, 16, dtype=torch.long, device=meta)
+    ids = torch.zeros(2, 16, dtype=torch.long, device=torch.device("meta"))
     forward = prepared_graph(model, (ids,), None, fold=True)
     names = {n.target for n in forward.graph.nodes if n.op == "get_attr"}
     prefill = solve_plan(forward, world_size, PlanOptions(
@@ -107,6 +100,21 @@ def plan_serving(model: torch.nn.Module, *, world_size: int, context: int, max_b
     read = memory["params"] + memory.get("buffers", 0.0)  # every weight and the whole cache, once a step
     return ServePlan(decode, prefill, world_size, context, max_batch, prefill_tokens, memory_fraction,
                      topo.memory_bytes, read / topo.hbm_bandwidth)
+
+
+def decode_program(model: torch.nn.Module, context: int, batch: int) -> tuple:
+    """(the decode wrapper, its captured graph, the price_at of a one-token step of ``batch`` sequences)."""
+    from autotp.serving.generation import _CachedLM
+    meta = torch.device("meta")
+    model.eval()
+    wrapper = _CachedLM(model, batch, context, meta).eval()
+    example = (torch.zeros(batch, 2, dtype=torch.long, device=meta),
+               torch.ones(batch, context, dtype=torch.long, device=meta),
+               torch.zeros(batch, 2, dtype=torch.long, device=meta), torch.arange(2, device=meta))
+    step = {"input_ids": (batch, 1), "position_ids": (batch, 1), "cache_position": (1,)}
+    with warnings.catch_warnings():  # the cache tensors are buffers written in place, not parameters
+        warnings.filterwarnings("ignore", message="A model attribute .* requires gradient")
+        return wrapper, prepared_graph(wrapper, example, None, fold=False), step
 
 
 def fastest_tp_within(model_factory, *, decode_ms: float, sizes=(1, 2, 4, 8), **serving) -> tuple:

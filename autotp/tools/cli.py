@@ -68,6 +68,10 @@ def _plan(args) -> int:
     import autotp
     from autotp.tools.report import print_plan, tensor_shapes
     _checked(args)
+    if args.serve:
+        from autotp.tools.serve_report import print_serving
+        with progress_bars(_console()):
+            return print_serving(args, lambda: load_model(args.model, args.batch, args.seq))
     with progress_bars(_console()):
         model, example = load_model(args.model, args.batch, args.seq)
         if args.inference:
@@ -272,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
                       help="capture and solve every block (default: identical blocks planned from four)")
     plan.add_argument("--all", action="store_true", help="one row per parameter (default: blocks placed alike folded)")
     _figure_arguments(plan)
+    from autotp.tools.serve_report import add_serve_arguments
+    add_serve_arguments(plan)
     plan.add_argument("--sequence-parallel", choices=("auto", "on", "off"), default="auto",
                       help="split norms, dropouts and residual adds by tokens: when memory demands it (auto), always, "
                            "never")

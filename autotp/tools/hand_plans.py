@@ -48,9 +48,10 @@ class HandPlan:
     unknown: tuple = field(default=())  # styles with no entry in _BOUNDARY: the plan is not priced (never guessed)
 
 
-def hand_plans(model: torch.nn.Module, names=("hf", "megatron", "megatron-sp", "dtensor")) -> dict:
+def hand_plans(model: torch.nn.Module, names=("hf", "megatron", "megatron-sp", "dtensor"), prefix: str = "") -> dict:
     """name -> HandPlan for this model: transformers' own (its tp_plan) and the data file's plans each of whose
-    patterns names a module of this model (they are written for one layout)."""
+    patterns names a module of this model (they are written for one layout); ``prefix``: where a wrapper holds
+    the model (the decode program's ``model.``), put before every pattern."""
     modules = [name for name, _ in model.named_modules()]
     found = {}
     for name in names:
@@ -63,7 +64,8 @@ def hand_plans(model: torch.nn.Module, names=("hf", "megatron", "megatron-sp", "
             entry = {**plans.get(plans[name].get("as"), {}), **plans[name]}  # "as": another plan's styles
             plan = HandPlan(name, entry["styles"], entry.get("sequence_parallel", False), entry["source"])
         if plan and (name == "hf" or all(any(_style_of(m, {p: s}) for m in modules) for p, s in plan.styles.items())):
-            found[name] = replace(plan, unknown=tuple(sorted({s for s in plan.styles.values() if s not in _BOUNDARY})))
+            found[name] = replace(plan, styles={prefix + p: s for p, s in plan.styles.items()},
+                                  unknown=tuple(sorted({s for s in plan.styles.values() if s not in _BOUNDARY})))
     return found
 
 

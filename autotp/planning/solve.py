@@ -46,7 +46,7 @@ import pulp
 import torch
 
 from autotp.cost_models import collective_time
-from autotp.cost_models.memory import breakdown, smallest_fitting_world
+from autotp.cost_models.memory import breakdown
 from autotp.cost_models.memory import memory_limit as device_limit
 from autotp.cost_models.pricing import (
     Sizes,
@@ -66,6 +66,7 @@ from autotp.passes.gradients import bias_weights, coalesced, partial_grad
 from autotp.passes.recompute import attention_cores, dropped
 from autotp.placement import Partial, R, Replicate, Shard
 from autotp.planning.candidates import Candidates
+from autotp.planning.fit_advice import fit_advice
 
 # Equal-cost plans are common (an all-gather before a matmul or a reduce-scatter after it move the
 # same bytes); a tenth of a nanosecond per option index makes the solver prefer the rules' earlier
@@ -322,7 +323,7 @@ class Ilp:
         objective = pulp.lpSum(self.costs + self.preference)
         _run(self.problem, objective)
         if pulp.value(total_memory) > limit:
-            hint = _fit_hint(self.found, self.x, self.sizes, limit, self.trainable, self.training, self.weight,
+            hint = fit_advice(self.found, self.x, self.sizes, limit, self.trainable, self.training, self.weight,
                              self.grad, self.topology.gpus_per_node)
             self.problem += total_memory <= limit, "memory_limit"
             try:
@@ -354,31 +355,6 @@ def _run(problem: pulp.LpProblem, objective) -> None:
     status = pulp.LpStatus[problem.status]
     if status != "Optimal":
         raise PlanningError(f"the sharding ILP ended {status}")
-
-
-def _fit_hint(ctx: Candidates, x: dict, sizes: Sizes, limit: float, trainable: dict, training: bool, w,
-              grad: set, per_node: int) -> str:
-    """What would fit: the smallest world size for the current plan's memory, or the memory it needs."""
-    replicated = sharded = 0.0
-    activations: dict = {}
-    for node, options in ctx.strategies.items():
-        for var, s in zip(x[node], options, strict=True):
-            if (var.value() or 0) > 0.5:
-                held = w(node, 1) * sum(op_memory(node, s, sizes, ctx.world, trainable, training).values())
-                split = isinstance(s.output, Shard) or (node.op != "get_attr" and not s.replicated)
-                replicated += 0 if split else held
-                sharded += held * ctx.world if split else 0
-                activations.update(kept_bytes(node, s, sizes, ctx.world, grad))
-    for (tensor, _, share), nbytes in activations.items():
-        replicated += w(tensor, 1) * nbytes if share == 1 else 0
-        sharded += w(tensor, 1) * nbytes * ctx.world if share < 1 else 0
-    need = replicated + sharded / ctx.world
-    fits = smallest_fitting_world(replicated, sharded, limit, [2 ** k for k in range(1, 11)])
-    advice = f"try world size {fits}" if fits else "no world size helps: its replicated part alone is too large"
-    if fits and fits > per_node:  # TP stays inside a node: the rest is pipeline or data parallelism
-        advice += (f" (more than a node's {per_node} devices: `autotp mesh MODEL --nodes {-(-fits // per_node)}` "
-                   "lays out TP inside a node, pipeline and data parallelism across)")
-    return f"the best plan needs about {need / 1e9:.1f} GB per device; {advice}, or use devices with more memory"
 
 
 def _link(problem, produced, wanted, ok, tag) -> dict:

@@ -23,16 +23,19 @@ def _llama(config: str, **changes):
     from transformers import AutoConfig, LlamaForCausalLM
     config = AutoConfig.from_pretrained(ROOT / config, **changes)
     with torch.device("meta"):
-        return LlamaForCausalLM(config)
+        return LlamaForCausalLM(config).to(torch.bfloat16)
 
 
-def _priced_against_hand_plans(model, world: int, shapes: dict) -> None:
+def _priced_against_hand_plans(model, world: int, shapes: dict,
+                               names=("hf", "megatron", "megatron-sp")) -> None:  # "dtensor": megatron-sp's styles
     gm = prepared_graph(model, (torch.zeros(2, 16, dtype=torch.long, device="meta"),), None, fold=True)
-    hands = hand_plans(model, ("hf", "megatron", "megatron-sp"))  # "dtensor" runs megatron-sp's styles
-    assert sorted(hands) == ["hf", "megatron", "megatron-sp"], sorted(hands)
+    hands = hand_plans(model, names)
+    assert sorted(hands) == sorted(names), sorted(hands)
     for label, (shape, training) in shapes.items():
-        options = PlanOptions(topology="dgx-h100", training=training, price_at={"input_ids": shape})
-        ours = solve_plan(gm, world, options)
+        # the fastest plans, fitting or not (hand plans are priced as they stand; 70B's training needs more ranks)
+        options = PlanOptions(topology="dgx-h100", training=training, price_at={"input_ids": shape},
+                              memory_limit=float("inf"))
+        ours = solve_plan(gm, world, options, price_experts=True)  # as autotp.plan solves
         again = price_plan(gm, ours, options)
         assert again.cost["seconds"] == pytest.approx(ours.cost["seconds"], rel=1e-3), label
         for name, hand in hands.items():
@@ -70,3 +73,31 @@ LLAMA_70B = {"hidden_size": 8192, "intermediate_size": 28672, "num_attention_hea
 def test_llama3_is_no_dearer_than_any_hand_plan_at_tp4_and_8(shape, world):
     changes = LLAMA_70B if shape == "70b" else {}
     _priced_against_hand_plans(_llama("docs/figures/llama-3-8b.json", **changes), world, SHAPES)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [4, 8])
+def test_mixtral_is_no_dearer_than_transformers_expert_plans(world):
+    """Mixtral-8x7B's shape (2 of its blocks): transformers' tp_plan (every expert split) and its ep_plan (whole
+    experts, rows dispatched by all-to-all) against autotp's plan, which chooses its own expert strategy."""
+    from transformers import MixtralForCausalLM
+
+    from tests.helpers import configs
+    with torch.device("meta"):
+        model = MixtralForCausalLM(configs.mixtral_8x7b(num_hidden_layers=2)).to(torch.bfloat16)
+    _priced_against_hand_plans(model, world, SHAPES, names=("hf", "hf-ep"))
+
+
+@pytest.mark.slow
+def test_qwen_moe_is_no_dearer_than_transformers_expert_plans():
+    """A Qwen2-MoE config (60 experts of 1408 and a shared expert, 2 blocks) at TP 4."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+    config = Qwen2MoeConfig(hidden_size=2048, intermediate_size=5632, moe_intermediate_size=1408,
+                            shared_expert_intermediate_size=5632, num_experts=60, num_experts_per_tok=4,
+                            num_hidden_layers=2, num_attention_heads=16, num_key_value_heads=16, vocab_size=151936,
+                            use_cache=False)
+    with torch.device("meta"):
+        model = Qwen2MoeForCausalLM(config).to(torch.bfloat16)
+    names = tuple(hand_plans(model, ("hf", "hf-ep")))
+    assert "hf" in names
+    _priced_against_hand_plans(model, 4, SHAPES, names=names)

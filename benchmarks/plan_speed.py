@@ -1,5 +1,6 @@
 """Time to a plan at the sizes users plan (issue 35): LLaMA-3 8B over 64 GPUs (``autotp mesh``: 8 nodes of 8,
-tp x pp x dp searched) and LLaMA-3 70B at TP 8 (``autotp plan``), on the meta device, this machine, one run.
+tp x pp x dp searched) and LLaMA-3 70B at TP 8 for inference (``autotp plan``;
+training it needs more than 8 devices' memory), on the meta device, this machine, one run.
 
     python benchmarks/plan_speed.py [--layers-8b 32] [--layers-70b 80] [--hidden-scale 1]
 
@@ -57,8 +58,8 @@ def main(argv=None) -> None:
           f"autoparallel's published 8B on 64 GPUs: {AUTOPARALLEL_8B_64_GPUS_S} s (its hardware, PR #521)")
     start = time.perf_counter()
     plan = autotp.plan(_llama(w(8192), w(28672), 64, 8, o.layers_70b, w(128256)), _ids(), world_size=8,
-                       topology="dgx-h100", price_at={"input_ids": (1, 8192)})
-    print(f"LLaMA-3 70B ({o.layers_70b} layers) at TP 8, autotp plan: {time.perf_counter() - start:.1f} s "
+                       topology="dgx-h100", training=False, price_at={"input_ids": (1, 8192)})  # serving it
+    print(f"LLaMA-3 70B ({o.layers_70b} layers) at TP 8, inference, autotp plan: {time.perf_counter() - start:.1f} s "
           f"(estimated step {plan.cost['seconds'] * 1e3:.1f} ms)")
     print("time to a plan: measured")
 

@@ -87,7 +87,7 @@ def plan_serving(model: torch.nn.Module, *, world_size: int, context: int, max_b
         raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction!r}")
     topo = load_topology(topology)
     _, gm, step = decode_program(model, context, max_batch)
-    decode = solve_plan(gm, world_size, PlanOptions(topology=topo, training=False, price_at=step))
+    decode = solve_plan(gm, world_size, PlanOptions(topology=topo, training=False, price_at=step), price_experts=True)
     weights = {name[len(PREFIX):]: placement for name, placement in decode.params.items()
                if name.startswith(PREFIX)}
     ids = torch.zeros(2, 16, dtype=torch.long, device=torch.device("meta"))

@@ -67,9 +67,11 @@ def test_eleven_tokens_on_four_ranks():
     run_ranks(4, _eleven_tokens, captures=_eleven_tokens_models)
 
 
-def test_taken_only_when_memory_demands_it():
-    """A GPT-2 (layer norms: the residual stream cannot be split by hidden instead) at 4 x 4096 tokens:
-    the default plan is plain tensor parallelism; under a limit it exceeds the tokens are split."""
+def test_taken_where_cheaper_or_where_memory_demands_it():
+    """A GPT-2 (layer norms: the residual stream cannot be split by hidden instead) at 4 x 4096 tokens: plain
+    tensor parallelism is the cheaper plan there, so the default takes it; under a limit it exceeds the tokens are
+    split.  (Where splitting is cheaper, LLaMA-3 8B at 2,048 tokens, the default plan is no dearer than Megatron's
+    with it: tests/test_hand_plans.py.)"""
     from rich.console import Console
     from transformers import GPT2LMHeadModel
 
@@ -85,7 +87,8 @@ def test_taken_only_when_memory_demands_it():
 
     def ops(plan):
         return {c["op"] for c in plan.collectives if c["phase"] == "forward"}
-    assert "reduce_scatter" not in ops(autotp.plan(model, args, world_size=2))  # plenty of memory
+    assert split.cost["seconds"] > plain.cost["seconds"]
+    assert "reduce_scatter" not in ops(autotp.plan(model, args, world_size=2))  # plenty of memory: the cheaper
     limit = (plain.cost["memory"]["total"] + split.cost["memory"]["total"]) / 2
     tight = autotp.plan(model, args, world_size=2, memory_limit=limit)
     assert "reduce_scatter" in ops(tight) and tight.cost["memory"]["total"] <= limit

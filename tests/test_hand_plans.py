@@ -91,11 +91,13 @@ def test_mixtral_is_no_dearer_than_transformers_expert_plans(world):
 @pytest.mark.slow
 def test_qwen_moe_is_no_dearer_than_transformers_expert_plans():
     """A Qwen2-MoE config (60 experts of 1408 and a shared expert, 2 blocks) at TP 4."""
-    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
-    config = Qwen2MoeConfig(hidden_size=2048, intermediate_size=5632, moe_intermediate_size=1408,
-                            shared_expert_intermediate_size=5632, num_experts=60, num_experts_per_tok=4,
-                            num_hidden_layers=2, num_attention_heads=16, num_key_value_heads=16, vocab_size=151936,
-                            use_cache=False)
+    from transformers import Qwen2MoeForCausalLM
+
+    from tests.helpers import configs
+    config = configs.qwen2_moe(hidden_size=2048, intermediate_size=5632, moe_intermediate_size=1408,
+                               shared_expert_intermediate_size=5632, num_experts=60, num_experts_per_tok=4,
+                               num_attention_heads=16, num_key_value_heads=16, vocab_size=151936,
+                               max_position_embeddings=8192)
     with torch.device("meta"):
         model = Qwen2MoeForCausalLM(config).to(torch.bfloat16)
     names = tuple(hand_plans(model, ("hf", "hf-ep")))

@@ -40,6 +40,7 @@ constraint couples the blocks and CBC stays fast; the capacity constraint is add
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pulp
@@ -84,7 +85,7 @@ class Imposed:
     want)`` says where a value may change placement (None: wherever a conversion exists); with
     ``grad_sums_per_reader`` each reader of a replicated value sums its own gradient (a hook per module), not one
     sum per value."""
-    conversions: object = None
+    conversions: Callable | None = None
     grad_sums_per_reader: bool = False
 
 
@@ -115,8 +116,7 @@ def solve(gm: torch.fx.GraphModule, found: Candidates, topology: Topology, optio
     (each core's forward time against the bytes it frees, taken where memory demands it).  ``imposed``: how a
     hand-written plan runs (tools/hand_plans.py).
     """
-    ilp = Ilp(gm, found, topology, options, sizes or Sizes(), weights or {})
-    ilp.imposed = imposed or Imposed()
+    ilp = Ilp(gm, found, topology, options, sizes or Sizes(), weights or {}, imposed or Imposed())
     ilp.choose_one()
     cores = attention_cores(gm, ilp.grad) if recompute != "off" else []
     again = ilp.recompute(cores, recompute == "forced", ties)
@@ -135,7 +135,7 @@ class Ilp:
     """The problem under construction: the choice variables x and the objective's and memory's terms, by kind."""
 
     def __init__(self, gm: torch.fx.GraphModule, found: Candidates, topology: Topology, options: PlanOptions,
-                 sizes: Sizes, weights: dict):
+                 sizes: Sizes, weights: dict, imposed: Imposed):
         self.gm, self.found, self.topology, self.sizes = gm, found, topology, sizes
         self.world, self.training, self.gather_outputs = found.world, options.training, options.gather_outputs
         self.weight = weights.get
@@ -148,7 +148,7 @@ class Ilp:
         self.x: dict = {}
         self.saves: dict = {}  # kept tensor key -> (bytes, options that keep it, nodes)
         self.latency = collective_time("all_reduce", 0.0, self.world, topology)
-        self.imposed = Imposed()
+        self.imposed = imposed
 
     def choose_one(self) -> None:
         """x: one strategy per node; each brings its op time, its memory and its tie-break preference."""

@@ -99,8 +99,8 @@ def price_plan(gm: torch.fx.GraphModule, plan: Plan, options: PlanOptions | None
     solver's and a hand-written one's alike (tools/compare.py)."""
     options = replace(options or PlanOptions(), training=plan.cost.get("training", True), sequence_parallel=False,
                       memory_limit=float("inf"))  # priced as it stands, fitting or not (its memory is reported)
-    choice = {node: Strategy(tuple(plan.strategy(node.name)[0]), plan.strategy(node.name)[1])
-              for node in gm.graph.nodes if node.name in plan.nodes}
+    placed = {node: plan.strategy(node.name) for node in gm.graph.nodes if node.name in plan.nodes}
+    choice = {node: Strategy(tuple(inputs), output) for node, (inputs, output) in placed.items()}
     # a plan recomputes attention cores where memory demanded it: priced as recomputing each (the solver's
     # "priced" attempts may take some), exact for plans that recompute none or all
     recompute = "forced" if any(entry.get("recompute") for entry in plan.nodes.values()) else "off"

@@ -11,7 +11,6 @@ local form each op computes in), and the result is priced by ``price_plan`` like
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -24,11 +23,11 @@ from autotp.placement import Routed
 from autotp.plan import Plan
 from autotp.planning.solve import Imposed, PlanningError
 from autotp.planning.tensor_plan import Attempt, price_plan, solve_plan
-from autotp.tools.interop import hf_styles, style_placements
+from autotp.tools.interop import hf_styles, pattern_regex, style_placements
 
 PLANS_FILE = Path(__file__).with_name("hand_plans.json")
 
-# style -> (collectives at its output, at its input; the sequence-parallel forms after "|")
+# style -> (collectives at its output, at its input); "" a local slice, "routed" an expert dispatch or combine
 _BOUNDARY = {
     "colwise": ((), ()), "packed_colwise": ((), ()),
     "colwise_gather_output": (("all_gather",), ()), "colwise_rep": (("all_gather",), ()),
@@ -60,17 +59,17 @@ def hand_plans(model: torch.nn.Module, names=("hf", "hf-ep", "megatron", "megatr
     patterns names a module of this model (they are written for one layout); ``prefix``: where a wrapper holds
     the model (the decode program's ``model.``), put before every pattern."""
     modules = [name for name, _ in model.named_modules()]
+    plans, own = json.loads(PLANS_FILE.read_text())["plans"], hf_styles(model)
     found = {}
     for name in names:
         if name in ("hf", "hf-ep"):  # hf-ep: its ep_plan over its tp_plan, where it has one
-            styles = hf_styles(model, expert_parallel=name == "hf-ep")
-            if name == "hf-ep" and styles == hf_styles(model):
+            styles = hf_styles(model, expert_parallel=True) if name == "hf-ep" else own
+            if name == "hf-ep" and styles == own:
                 continue
             plan = HandPlan(name, styles, grad_sums_per_module=True, experts="all-to-all" if name == "hf-ep" else None,
                             source=f"transformers' {'ep' if name == 'hf-ep' else 'tp'}_plan for this architecture"
                             ) if styles else None
         else:
-            plans = json.loads(PLANS_FILE.read_text())["plans"]
             entry = {**plans.get(plans[name].get("as"), {}), **plans[name]}  # "as": another plan's styles
             plan = HandPlan(name, entry["styles"], entry.get("sequence_parallel", False), entry["source"])
         named = plan and all(any(_style_of(m, {p: s}) for m in modules) for p, s in plan.styles.items())
@@ -129,7 +128,7 @@ def _style_of(path: str, styles: dict) -> tuple | None:
     """(the styled module ``path`` is in, its style), the innermost first; None outside every styled module."""
     while path:
         for pattern, style in styles.items():
-            if re.fullmatch(pattern.replace(".", r"\.").replace("*", r"\d+"), path):
+            if pattern_regex(pattern).fullmatch(path):
                 return path, style
         path = path.rpartition(".")[0]
     return None

@@ -2,6 +2,7 @@
 and Hugging Face's own per-architecture plans as parameter placements (for ``autotp compare``)."""
 from __future__ import annotations
 
+import functools
 import re
 
 from autotp.passes.fold import Fold
@@ -152,6 +153,12 @@ def hf_parameter_placements(model, expert_parallel: bool = False) -> dict:
     return style_placements(model, hf_styles(model, expert_parallel))
 
 
+@functools.cache
+def pattern_regex(pattern: str) -> re.Pattern:
+    """A plan's module pattern as a regex: ``*`` stands for a layer index (HF's tp_plan convention)."""
+    return re.compile(pattern.replace(".", r"\.").replace("*", r"\d+"))
+
+
 def style_placements(model, rules: dict) -> dict:
     """Parameter name -> placement for the parameters a plan of HF-style strings (module pattern -> style, ``*``
     a layer index) splits; the rest are left out (replicated)."""
@@ -159,13 +166,13 @@ def style_placements(model, rules: dict) -> dict:
     for name, param in model.named_parameters(remove_duplicate=False):
         module, _, attr = name.rpartition(".")
         for pattern, style in rules.items():
-            regex = pattern.replace(".", r"\.").replace("*", r"\d+")
+            regex = pattern_regex(pattern)
             if style not in _HF_WEIGHT:
                 continue
-            if re.fullmatch(regex, name):  # a parameter the plan names (3-D experts)
+            if regex.fullmatch(name):  # a parameter the plan names (3-D experts)
                 placements[name] = _hf_shard(style, param.shape)
                 break
-            if re.fullmatch(regex, module):
+            if regex.fullmatch(module):
                 weight = _hf_shard(style, param.shape) if attr == "weight" else None
                 placements[name] = weight or (Shard(0) if _HF_WEIGHT[style] == -2 else R)
                 break

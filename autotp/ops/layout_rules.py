@@ -284,14 +284,19 @@ def refined(shard: Shard, sizes: tuple, world: int) -> tuple | None:
                          units=None if shard.units is None else tuple(units[k] for k in ks)) for ks in pieces)
 
 
-def index_copy(node: Node, ctx: Context) -> list[Strategy]:
-    """x.index_copy_(dim, index, source) (a KV cache written at cache positions): any other dim may be
-    sharded alike in x and source; the index stays whole."""
-    x, at, _, source = node.args[:4]
+def indexed(node: Node, ctx: Context) -> list[Strategy]:
+    """x.index_select(dim, index) and x.index_copy_(dim, index, source) (a KV cache read through block tables and
+    written at its positions or slots): any other dim may be sharded alike in x, the source and the output; the index
+    stays whole."""
+    x, at = node.args[:2]
+    source = node.args[3] if len(node.args) > 3 else None
     at = positive_dim(at, len(ctx.shape(x)))
-    return [Strategy(ctx.fill(node, {x: s, source: s}), s)
-            for d in range(len(ctx.shape(x))) if d != at for s in ctx.shard_options(x, d)
-            if ctx.shape(source)[d] == ctx.shape(x)[d]]
+    found = []
+    for d in range(len(ctx.shape(x))):
+        if d != at and (source is None or ctx.shape(source)[d] == ctx.shape(x)[d]):
+            found += [Strategy(ctx.fill(node, {x: s, **({source: s} if source is not None else {})}), s)
+                      for s in ctx.shard_options(x, d)]
+    return found
 
 
 def getitem(node: Node, ctx: Context) -> list[Strategy]:

@@ -26,7 +26,7 @@ from autotp.ops.layout_rules import (
     cat,
     expand,
     getitem,
-    index_copy,
+    indexed,
     permute,
     slice_,
     split,
@@ -320,8 +320,8 @@ _ROWS: dict = {
     **_rows([aten.chunk.default], family="split", rule=split, experts="rows", keeps=keeps_nothing),
     **_rows([operator.getitem], family="getitem", rule=getitem, view=True, keeps=keeps_nothing),
     **_rows([aten.cat.default, aten.stack.default], family="cat", rule=cat, keeps=keeps_nothing),
-    **_rows([aten.index_copy_.default, aten.index_copy.default], family="index_copy", rule=index_copy,
-            keeps=keeps_nothing),
+    **_rows([aten.index_copy_.default, aten.index_copy.default, aten.index_select.default], family="indexed",
+            rule=indexed, moves=lookup_bytes, keeps=keeps_nothing),
     # metadata only
     **_rows([aten.sym_size.int, aten._assert_tensor_metadata.default], family="observer", observer=True),
 }

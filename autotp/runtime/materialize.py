@@ -77,7 +77,7 @@ def _fill(module: torch.nn.Module, device: torch.device, checkpoint, seed: int |
     with step("loading this rank's pieces", total=len(pieces)) as advance:
         for tensor, names, shape, stored, ranges in pieces:
             advance()
-            if stored is not None and getattr(checkpoint, "shares", False):  # another program's pieces: same memory
+            if stored is not None and stored in getattr(checkpoint, "shared", ()):  # another program's: same memory
                 _put(module, tensor, names, checkpoint.read_box(stored, None))
                 continue
             if stored is not None:

@@ -44,25 +44,28 @@ def _dtype_of(model: torch.nn.Module) -> torch.dtype:
     return next(p.dtype for p in model.parameters() if p.is_floating_point())
 
 
-class _Resident:
-    """The forward program's local shards, served like a checkpoint (``checkpoint=`` of parallelize)."""
+class ResidentShards:
+    """The forward program's local shards, served like a checkpoint (``checkpoint=`` of parallelize), and
+    ``zeros``: tensors of the new program that no checkpoint holds (a KV pool; name -> full shape), each rank's
+    piece allocated zeroed."""
 
-    shares = True  # hand out the tensors themselves: the decode program uses the same memory
-
-    def __init__(self, sharded: torch.nn.Module, prefix: str):
+    def __init__(self, sharded: torch.nn.Module, prefix: str, zeros: dict | None = None):
         plan = sharded.autotp_plan
         named = [*sharded.named_parameters(remove_duplicate=False), *sharded.named_buffers(remove_duplicate=False)]
         full = {id(t): tuple(plan.shapes[n]) for n, t in named if n in plan.shapes}  # tied: any alias's
         self.local = {prefix + n: t for n, t in named}
-        self.shapes = {prefix + n: full.get(id(t), tuple(t.shape)) for n, t in named}
-        self.files = dict.fromkeys(self.local)
+        self.shared = frozenset(self.local)  # handed out themselves: the new program uses the same memory
+        self.shapes = {prefix + n: full.get(id(t), tuple(t.shape)) for n, t in named} | dict(zeros or {})
+        self.files = dict.fromkeys(self.shapes)
         self.directory = "the sharded model's own shards"
 
     def shape(self, name: str) -> tuple:
         return self.shapes[name]
 
     def read_box(self, name: str, box) -> torch.Tensor:
-        return self.local[name]  # shared: this rank's piece itself, whatever the box
+        if name in self.shared:
+            return self.local[name]  # this rank's piece itself, whatever the box
+        return torch.zeros([len(range(*b.indices(n))) for b, n in zip(box, self.shapes[name], strict=True)])
 
 
 def _choose(logits: torch.Tensor, do_sample: bool, temperature: float, top_k: int | None, top_p: float | None,
@@ -101,7 +104,7 @@ def decoder(sharded: torch.nn.Module, batch: int, max_len: int) -> torch.nn.Modu
     try:
         return tensor_parallel(wrapper, example, None,
                                PlanOptions(topology=sharded.autotp_plan.topology, training=False, fixed=fixed),
-                               RunOptions(group=group, checkpoint=_Resident(sharded, "model.")))
+                               RunOptions(group=group, checkpoint=ResidentShards(sharded, "model.")))
     finally:
         source.train(training)
         if attention is not None:

@@ -318,8 +318,10 @@ def main(argv: list[str] | None = None) -> int:
     cal = sub.add_parser("calibrate", help="measure collectives on this machine's process group, write a topology")
     cal.add_argument("--out", default="calibrated.json", help="where to write the topology profile")
     cal.add_argument("--nproc", type=positive, default=2, help="local gloo ranks to spawn when not under torchrun")
+    from autotp.tools.serve import add_serve_parser, serve_command
+    add_serve_parser(sub, positive)
     commands = {"plan": _plan, "mesh": _mesh, "show": _show, "diff": _diff, "explain": _explain, "compare": _compare,
-                "demo": _demo, "calibrate": _calibrate}
+                "demo": _demo, "calibrate": _calibrate, "serve": serve_command}
     argv = sys.argv[1:] if argv is None else argv
     args = run(parser.parse_args, argv, "--debug" in argv)
     if isinstance(args, int):  # a usage error, already said

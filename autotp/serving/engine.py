@@ -1,0 +1,292 @@
+"""The serving loop: rank 0 decides each step, every rank runs it, rank 0 picks the tokens.
+
+Rank 0 holds the scheduler (serving/scheduler.py) and the requests; each step it broadcasts the step's tensors (the
+rows' tokens, positions, slots and contexts) to the tensor-parallel group, so every rank runs the same program on
+the same inputs and no rank can diverge.  While idle it broadcasts a tick a second, so the other ranks' waits never
+reach the group's timeout; a stop ends every rank's loop.  Sampling runs on rank 0 only (its logits are the whole
+vocabulary on every rank), from each request's own generator when it gives a seed.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from autotp.serving.paged_cache import step_program
+from autotp.serving.scheduler import Refused, Run, Scheduler, Sequence
+
+TICK_SECONDS = 1.0
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """What a request asks of its tokens (OpenAI's fields; ``top_k`` is vLLM's extension). temperature 0: greedy."""
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple = ()
+    n: int = 1
+    logprobs: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        checks = [(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens must be a positive integer"),
+                  (self.temperature >= 0, "temperature must be at least 0"),
+                  (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+                  (isinstance(self.top_k, int) and self.top_k >= 0, "top_k must be 0 (off) or a positive integer"),
+                  (isinstance(self.n, int) and 1 <= self.n <= 16, "n must be an integer from 1 to 16"),
+                  (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be from 0 to 20"),
+                  (all(isinstance(s, str) and s for s in self.stop) and len(self.stop) <= 4,
+                   "stop must be up to 4 non-empty strings")]
+        for ok, message in checks:
+            if not ok:
+                raise Refused(message)
+
+
+class Choice:
+    """One of a request's ``n`` sequences as the client sees it: text so far, and what is sent of it."""
+
+    def __init__(self, index: int, sequence: Sequence, sampling: Sampling, tokenizer, device):
+        self.index, self.sequence, self.sampling, self.tokenizer = index, sequence, sampling, tokenizer
+        self.text, self.sent, self.finish_reason, self.logprobs = "", 0, None, []
+        self.generator = None
+        if sampling.seed is not None:
+            self.generator = torch.Generator(device=device).manual_seed(sampling.seed + index)
+
+    def pick(self, logits: torch.Tensor, eos: set) -> None:
+        """Choose the next token from this step's logits [vocab]; finish on end of sequence, a stop string or length."""
+        s = self.sampling
+        token = int(_choose(logits, s.temperature, s.top_k, s.top_p, self.generator))
+        if s.logprobs is not None:
+            logprobs = logits.float().log_softmax(-1)
+            top = logprobs.topk(s.logprobs) if s.logprobs else None
+            best = [] if top is None else list(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+            self.logprobs.append((token, float(logprobs[token]), best))
+        self.sequence.output.append(token)
+        if token in eos and not s.ignore_eos:
+            self.finish_reason = "stop"
+        self.text = self.tokenizer.decode(self._shown(), skip_special_tokens=True)
+        cut = min((i for i in (self.text.find(stop) for stop in s.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self.text, self.finish_reason = self.text[:cut], "stop"
+        elif self.finish_reason is None and len(self.sequence.output) >= s.max_tokens:
+            self.finish_reason = "length"
+
+    def _shown(self) -> list:
+        out = self.sequence.output
+        return out[:-1] if self.finish_reason == "stop" and out else out
+
+    def delta(self) -> str:
+        """Text not sent yet; while unfinished, the tail that may begin a stop string is held back."""
+        hold = 0 if self.finish_reason else max((len(stop) - 1 for stop in self.sampling.stop), default=0)
+        end = max(self.sent, len(self.text) - hold)
+        piece, self.sent = self.text[self.sent:end], end
+        return piece
+
+
+def _choose(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, generator) -> torch.Tensor:
+    if temperature == 0:
+        return logits.argmax(-1)
+    scores = logits.float() / temperature
+    if top_k:
+        kth = torch.topk(scores, min(top_k, scores.shape[-1])).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p < 1:
+        ordered, order = scores.sort()
+        drop = ordered.softmax(-1).cumsum(-1) <= 1 - top_p
+        drop[-1] = False
+        scores = scores.masked_fill(drop.scatter(0, order, drop), float("-inf"))
+    return torch.multinomial(scores.softmax(-1), 1, generator=generator)[0]
+
+
+class Request:
+    """A client's request: its choices, and ``notify(request)``, called on the engine's thread after each step
+    that changed it (or with ``error`` set when the engine failed)."""
+
+    def __init__(self, prompt: list, sampling: Sampling, notify):
+        self.prompt, self.sampling, self.notify = list(prompt), sampling, notify
+        self.choices: list = []
+        self.error: str | None = None
+        self.created = time.time()
+        self.first_token_at: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.choices) and all(c.finish_reason for c in self.choices)
+
+
+class Engine:
+    """The step loop over a sharded model (``autotp.parallelize``'s).  Every rank constructs it (a collective: it
+    captures and plans the step program); rank 0 then calls ``run`` on a thread of its own, the others
+    ``follow``."""
+
+    def __init__(self, sharded, tokenizer, *, blocks: int, block_size: int = 16, max_num_seqs: int = 32,
+                 max_batched_tokens: int = 512, max_model_len: int | None = None):
+        self.group = sharded.autotp_group
+        self.rank = dist.get_rank(self.group)
+        self.device = next(sharded.parameters()).device
+        self.program = step_program(sharded, blocks, block_size)
+        self.block_size, self.tokenizer = block_size, tokenizer
+        config = sharded.autotp_source.config.get_text_config()
+        self.vocab_size = config.vocab_size
+        limit = max_model_len or getattr(config, "max_position_embeddings", None) or blocks * block_size
+        self.scheduler = Scheduler(blocks, block_size, max_num_seqs=max_num_seqs,
+                                   max_batched_tokens=max_batched_tokens, max_model_len=limit)
+        eos = getattr(getattr(sharded.autotp_source, "generation_config", None), "eos_token_id", None)
+        eos = eos if eos is not None else getattr(tokenizer, "eos_token_id", None)
+        self.eos = {eos} if isinstance(eos, int) else set(eos or ())
+        self.inbox: deque = deque()
+        self.wake = threading.Condition()
+        self.stopping = False
+        self.error: str | None = None
+        self.requests: list = []
+        self.generated = 0
+        self.recent: deque = deque(maxlen=64)  # (time, tokens) of recent steps
+
+    # ---- called from the server's threads --------------------------------------------------------------
+    def submit(self, request: Request) -> None:
+        """Queue ``request`` (its prompt checked now: Refused names what is wrong)."""
+        if self.error is not None:
+            raise RuntimeError(self.error)
+        if self.stopping:
+            raise RuntimeError("the server is shutting down")
+        sequences = [Sequence(request.prompt, request.sampling.max_tokens) for _ in range(request.sampling.n)]
+        self.scheduler.check(sequences[0])
+        request.choices = [Choice(i, s, request.sampling, self.tokenizer, self.device) for i, s in enumerate(sequences)]
+        with self.wake:
+            self.inbox.append(("add", request))
+            self.wake.notify()
+
+    def abort(self, request: Request) -> None:
+        with self.wake:
+            self.inbox.append(("abort", request))
+            self.wake.notify()
+
+    def stop(self) -> None:
+        """Finish what is running and waiting, then end every rank's loop."""
+        with self.wake:
+            self.stopping = True
+            self.wake.notify()
+
+    def metrics(self) -> dict:
+        now = time.time()
+        window = [n for t, n in self.recent if now - t < 10]
+        return {"requests_running": len({id(r) for r in self.requests if r.choices and any(
+                    c.sequence in self.scheduler.running for c in r.choices)}),
+                "requests_waiting": len(self.scheduler.waiting) + len(self.inbox),
+                "kv_blocks_used": self.scheduler.blocks_in_use, "kv_blocks_total": self.scheduler.total,
+                "preemptions": self.scheduler.preemptions, "generation_tokens": self.generated,
+                "tokens_per_second": sum(window) / 10}
+
+    # ---- the loops -----------------------------------------------------------------------------------------
+    def run(self) -> None:
+        """Rank 0's loop: until ``stop`` and nothing is left, or a failure (every request then hears of it)."""
+        try:
+            while True:
+                self._take_inbox()
+                runs = self.scheduler.schedule()
+                if not runs:
+                    if self.stopping and not self.requests:
+                        break
+                    with self.wake:
+                        if not self.inbox and not self.stopping:
+                            self.wake.wait(TICK_SECONDS)
+                    self._send(("tick",))
+                    continue
+                self._step(runs)
+            self._send(("stop",))
+        except Exception as exc:  # a rank died or a collective failed: every waiting client is told
+            self.error = f"the model's ranks failed: {type(exc).__name__}: {exc}"
+            for request in self.requests:
+                request.error = self.error
+                request.notify(request)
+            raise
+
+    def follow(self) -> None:
+        """Every other rank's loop: run what rank 0 sends until it says stop."""
+        while True:
+            message = self._send(None)
+            if message[0] == "stop":
+                return
+            if message[0] == "step":
+                self._forward(message[1])
+
+    def _send(self, message):
+        box = [message]
+        dist.broadcast_object_list(box, group_src=0, group=self.group)
+        return box[0]
+
+    def _take_inbox(self) -> None:
+        with self.wake:
+            items, self.inbox = list(self.inbox), deque()
+        for kind, request in items:
+            if kind == "add":
+                self.requests.append(request)
+                for choice in request.choices:
+                    self.scheduler.add(choice.sequence)
+            elif request in self.requests:
+                self._finish(request)
+
+    def _finish(self, request: Request) -> None:
+        for choice in request.choices:
+            self.scheduler.drop(choice.sequence)
+        self.requests.remove(request)
+
+    def _step(self, runs: list[Run]) -> None:
+        calls = self._calls(runs)
+        self._send(("step", [inputs for inputs, _ in calls]))
+        logits = self._forward([inputs for inputs, _ in calls])
+        self.scheduler.advance(runs)
+        changed = {}
+        for (_, rows), out in zip(calls, logits, strict=True):
+            for run, row in zip(rows, out, strict=True):
+                if run.samples:
+                    choice, request = self._owner(run.sequence)
+                    choice.pick(row, self.eos)
+                    self.generated += 1
+                    request.first_token_at = request.first_token_at or time.time()
+                    changed[id(request)] = request
+        self.recent.append((time.time(), sum(r.samples for r in runs)))
+        for request in changed.values():
+            for choice in request.choices:
+                if choice.finish_reason and not choice.sequence.finished:
+                    self.scheduler.drop(choice.sequence)
+            if request.finished:
+                self.requests.remove(request)
+            request.notify(request)
+
+    def _owner(self, sequence: Sequence):
+        for request in self.requests:
+            for choice in request.choices:
+                if choice.sequence is sequence:
+                    return choice, request
+        raise KeyError(sequence)
+
+    def _calls(self, runs: list[Run]) -> list:
+        """The step as program calls: the one-token rows together, each longer chunk alone."""
+        singles = [r for r in runs if r.count == 1]
+        groups = ([singles] if singles else []) + [[r] for r in runs if r.count > 1]
+        return [(self._inputs(rows), rows) for rows in groups]
+
+    def _inputs(self, rows: list[Run]) -> tuple:
+        width = max(r.start + r.count for r in rows)
+        size = self.block_size
+        ids, positions, slots, context = [], [], [], []
+        for r in rows:
+            blocks = r.sequence.blocks
+            where = [blocks[p // size] * size + p % size for p in range(r.start + r.count)]
+            ids.append(r.sequence.tokens[r.start:r.start + r.count])
+            positions.append(list(range(r.start, r.start + r.count)))
+            slots.append(where[r.start:])
+            context.append(where + [where[0]] * (width - len(where)))  # padding: any slot, masked
+        return tuple(torch.tensor(x, dtype=torch.long) for x in (ids, positions, slots, context))
+
+    @torch.no_grad()
+    def _forward(self, calls: list) -> list:
+        return [self.program(*(t.to(self.device) for t in inputs)) for inputs in calls]

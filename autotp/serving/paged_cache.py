@@ -1,0 +1,148 @@
+"""A paged KV cache and the one program that serves every step of continuous batching.
+
+The cache of each attention layer is a pool of slots, ``[blocks × block_size, kv_heads, head_dim]``; a
+sequence owns whole blocks, listed in its block table, and its token at position p lives in slot
+``table[p // block_size] * block_size + p % block_size`` (vLLM's layout).  A step hands the program, per row of
+its batch, the tokens to run, their positions, the slots they are written to and the slots of the row's whole
+context (positions 0..n-1, this step's included).  The layer writes this step's keys and values into their slots
+(``index_copy_``) and reads the context back (``index_select``): both are rows of the op table with the KV-heads
+dim free, so the planner splits the pool by KV heads as it splits the attention heads, like any other tensor.
+
+Every size of a step is dynamic in the one captured program: rows, tokens a row and context length.  The pool's
+slots are zero at the start; a slot past a row's context is read as padding and masked away.
+"""
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+PREFIX = "model."  # the step wrapper holds the model as ``model``
+
+
+class _PagedLayer(CacheLayerMixin):
+    """One attention layer's view of the pool for the current step."""
+
+    is_compileable = True
+    supports_early_init = False
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, context: torch.Tensor):
+        super().__init__()
+        self.pool_keys, self.pool_values, self.slots, self.context = keys, values, slots, context
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        pass
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        heads, dim = key_states.shape[1], key_states.shape[3]
+        at, read = self.slots.reshape(-1), self.context.reshape(-1)
+        out = []
+        for pool, states in ((self.pool_keys, key_states), (self.pool_values, value_states)):
+            pool.index_copy_(0, at, states.transpose(1, 2).reshape(-1, heads, dim).to(pool.dtype))
+            out.append(pool.index_select(0, read).unflatten(0, self.context.shape).transpose(1, 2))
+        return out[0], out[1]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.context.shape[1], 0
+
+    def get_seq_length(self) -> int:
+        return 0  # positions come with the step; nothing is counted since capture
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class _StepCache(Cache):
+    def __init__(self, layers: list):
+        super().__init__(layers=layers)
+
+
+def attention_layer_types(config) -> list[str]:
+    """Each decoder layer's attention kind, from the config; a layer kind without keys and values is refused."""
+    count = config.num_hidden_layers
+    kinds = list(getattr(config, "layer_types", None) or [])
+    if not kinds:
+        windowed = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
+        kinds = ["sliding_attention" if windowed else "full_attention"] * count
+    other = sorted({k for k in kinds if k not in ("full_attention", "sliding_attention")})
+    if other:
+        raise ValueError(f"{type(config).__name__} has {', '.join(other)} layers: the paged KV cache serves full and "
+                         "sliding-window attention layers only; serve this model with autotp.generate")
+    return kinds
+
+
+class PagedLM(torch.nn.Module):
+    """model(input_ids, position_ids, slots, context) -> each row's last-position logits, [rows, vocab].
+
+    ``input_ids``, ``position_ids``, ``slots``: [rows, tokens]; ``context``: [rows, n], the slots of positions
+    0..n-1 of each row (a row shorter than n pads with any slot: masked).  Every row runs the same number of
+    tokens, and a row's tokens are its last ones (positions ascending)."""
+
+    def __init__(self, model: torch.nn.Module, blocks: int, block_size: int, dtype: torch.dtype | None = None):
+        super().__init__()
+        config = model.config.get_text_config()
+        self.model = model
+        self.kinds = attention_layer_types(config)
+        self.window = getattr(config, "sliding_window", None)
+        self.block_size = block_size
+        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        dtype = dtype or next(p.dtype for p in model.parameters() if p.is_floating_point())
+        meta = torch.device("meta")  # each rank allocates only its piece, zeroed (runtime/materialize.py)
+        for i in range(len(self.kinds)):
+            for kind in ("keys", "values"):
+                self.register_buffer(f"{kind}_{i}", torch.empty(blocks * block_size, heads, dim, dtype=dtype,
+                                                                device=meta))
+
+    def pools(self) -> list[torch.Tensor]:
+        return [b for n, b in self.named_buffers() if n.startswith(("keys_", "values_"))]
+
+    def forward(self, input_ids, position_ids, slots, context):
+        cache = _StepCache([_PagedLayer(getattr(self, f"keys_{i}"), getattr(self, f"values_{i}"), slots, context)
+                            for i in range(len(self.kinds))])
+        return self.model(input_ids=input_ids, attention_mask=self._masks(position_ids, context.shape[1]),
+                          position_ids=position_ids, past_key_values=cache, use_cache=True,
+                          logits_to_keep=1).logits[:, -1]
+
+    def _masks(self, position_ids: torch.Tensor, width: int):
+        """The additive masks [rows, 1, tokens, n]: a token sees its row's positions up to its own (and within the
+        window on sliding layers).  One mask where every layer is alike; a mapping by layer kind otherwise."""
+        dtype = self.pools()[0].dtype
+        seen = torch.arange(width, device=position_ids.device)[None, None, :]
+        here = position_ids[:, :, None]
+        masks = {}
+        for kind in dict.fromkeys(self.kinds):
+            allowed = seen <= here
+            if kind == "sliding_attention":
+                allowed = allowed & (here - seen < self.window)
+            masks[kind] = torch.zeros(allowed.shape, dtype=dtype, device=position_ids.device).masked_fill(
+                ~allowed, torch.finfo(dtype).min)[:, None]
+        return masks if len(masks) > 1 else next(iter(masks.values()))
+
+
+def step_program(sharded: torch.nn.Module, blocks: int, block_size: int) -> torch.nn.Module:
+    """The sharded step program of ``sharded`` (a model from ``autotp.parallelize``) over a pool of ``blocks``
+    blocks of ``block_size`` slots a layer, its weights the forward program's own shards (a collective).  Each rank
+    holds its KV heads' piece of the pool, zeroed."""
+    from autotp.api import tensor_parallel
+    from autotp.options import PlanOptions, RunOptions
+    from autotp.runtime.conversion import on_meta
+    from autotp.serving.generation import ResidentShards
+    source = sharded.autotp_source
+    training = source.training
+    wrapper = PagedLM(on_meta(source), blocks, block_size).eval()  # captured weightless: the weights are shared
+    where = torch.device("meta")
+    rows, tokens, width = 2, 3, 5  # distinct sizes: each dim stays its own symbol
+    example = (torch.zeros(rows, tokens, dtype=torch.long, device=where),
+               torch.arange(tokens, device=where).repeat(rows, 1) + 2,
+               torch.arange(tokens, device=where).repeat(rows, 1) + 2,
+               torch.arange(width, device=where).repeat(rows, 1))
+    pools = {name: tuple(pool.shape) for name, pool in wrapper.named_buffers() if name.startswith(("keys_", "values_"))}
+    fixed = {PREFIX + name: sharded.autotp_plan.placement(name) for name in sharded.autotp_plan.params}
+    try:
+        return tensor_parallel(wrapper, example, None,
+                               PlanOptions(topology=sharded.autotp_plan.topology, training=False, fixed=fixed),
+                               RunOptions(group=sharded.autotp_group,
+                                          checkpoint=ResidentShards(sharded, PREFIX, pools)))
+    finally:
+        source.train(training)

@@ -1,0 +1,214 @@
+"""``autotp serve MODEL_DIR --world-size N``: the model sharded over N ranks behind an OpenAI-compatible endpoint.
+
+Under torchrun each process is one rank; otherwise this process starts the N ranks itself (one per GPU under NCCL,
+gloo processes on the CPU) and exits with rank 0's status.  Every rank loads only its pieces of the checkpoint and
+builds the step program; rank 0 then serves HTTP (uvicorn) while its engine thread drives every rank's steps.  When
+rank 0 stops (SIGTERM: it drains the requests in flight first) or fails, the whole group ends; a failed rank makes
+rank 0 answer 503 and exit non-zero.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import re
+import signal
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+GROUP_TIMEOUT = datetime.timedelta(seconds=60)  # a stopped rank is noticed within this (the idle tick is 1 s)
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    model: str
+    world_size: int
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None
+    api_key: str | None = None
+    kv_blocks: int | None = None
+    kv_cache_memory: int | None = None  # bytes a rank
+    block_size: int = 16
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None
+    dtype: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self.served_model_name or Path(self.model).name
+
+
+def bytes_of(text: str) -> int:
+    """'4GiB', '512MB', '1000000' -> bytes."""
+    match = re.fullmatch(r"\s*([\d.]+)\s*([kmgt]?)(i?)b?\s*", text.lower())
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (say 4GiB, 512MB or a number of bytes)")
+    number, unit, binary = match.groups()
+    return int(float(number) * (1024 if binary else 1000) ** " kmgt".index(unit or " "))
+
+
+def add_serve_parser(sub, positive) -> None:
+    serve = sub.add_parser("serve", help="serve a Hugging Face causal LM directory over an OpenAI-compatible HTTP "
+                                         "API, sharded over --world-size ranks")
+    serve.add_argument("model", help="a directory with config.json, safetensors weights and a tokenizer")
+    serve.add_argument("--world-size", type=positive, default=None,
+                       help="tensor-parallel ranks (default: torchrun's WORLD_SIZE, else 1)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=positive, default=8000)
+    serve.add_argument("--served-model-name", default=None, help="the model's name in the API (default: the "
+                                                                 "directory's name)")
+    serve.add_argument("--api-key", default=os.environ.get("AUTOTP_API_KEY"),
+                       help="require 'Authorization: Bearer KEY' (default: $AUTOTP_API_KEY, else none)")
+    size = serve.add_mutually_exclusive_group()
+    size.add_argument("--kv-blocks", type=positive, default=None, help="KV cache blocks (each --block-size tokens)")
+    size.add_argument("--kv-cache-memory", type=bytes_of, default=None,
+                      help="KV cache bytes a rank, e.g. 4GiB (default: on a GPU 90%% of what the weights leave; on "
+                           "the CPU room for --max-num-seqs sequences of --max-model-len)")
+    serve.add_argument("--block-size", type=positive, default=16, help="tokens a KV block")
+    serve.add_argument("--max-num-seqs", type=positive, default=32, help="sequences running at once")
+    serve.add_argument("--max-num-batched-tokens", type=positive, default=512,
+                       help="tokens a step: running decodes first, prompt chunks fill the rest")
+    serve.add_argument("--max-model-len", type=positive, default=None,
+                       help="tokens a sequence may hold (default: the config's max_position_embeddings)")
+    serve.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                       help="weights' dtype (default: the checkpoint's)")
+
+
+def serve_command(args) -> int:
+    options = ServeOptions(**{k: v for k, v in vars(args).items() if k in ServeOptions.__dataclass_fields__
+                              and k != "world_size"}, world_size=args.world_size or int(os.environ.get("WORLD_SIZE",
+                                                                                                         1)))
+    if not (Path(options.model) / "config.json").is_file():
+        raise ValueError(f"{options.model} has no config.json: give a directory saved by save_pretrained")
+    if "RANK" in os.environ:  # under torchrun: this process is one rank
+        return serve_rank(options)
+    import torch.multiprocessing as mp
+
+    from autotp.tools.spawn import free_port
+    port = free_port()
+    context = mp.get_context("spawn")
+    ranks = [context.Process(target=_spawned, args=(rank, port, options), daemon=False)
+             for rank in range(options.world_size)]
+    for process in ranks:
+        process.start()
+    for stop in (signal.SIGTERM, signal.SIGINT):  # rank 0 drains its requests, then the group ends
+        signal.signal(stop, lambda *_: ranks[0].terminate())
+    return _supervise(ranks)
+
+
+def _supervise(ranks: list) -> int:
+    """Rank 0's exit status once it ends; a rank that died first gives rank 0 the group's timeout to notice, answer
+    503 and exit, then every rank left is stopped."""
+    import time
+    lead, deadline = ranks[0], None
+    while lead.is_alive():
+        lead.join(0.5)
+        if deadline is None and any(p.exitcode not in (None, 0) for p in ranks[1:]):
+            deadline = time.monotonic() + GROUP_TIMEOUT.total_seconds() + 30
+        if deadline is not None and time.monotonic() > deadline:
+            lead.terminate()
+    for process in ranks[1:]:
+        process.join(10)
+        if process.is_alive():
+            process.terminate()
+    codes = [p.exitcode for p in ranks]
+    return 0 if all(c == 0 for c in codes) else (codes[0] or 1)
+
+
+def _spawned(rank: int, port: int, options: ServeOptions) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(options.world_size), LOCAL_WORLD_SIZE=str(options.world_size))
+    code = serve_rank(options)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # gloo's threads may abort an interpreter's teardown
+
+
+def serve_rank(options: ServeOptions) -> int:
+    import torch
+    import torch.distributed as dist
+
+    import autotp
+    from autotp.serving.engine import Engine
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=GROUP_TIMEOUT)
+    if dist.get_world_size() != options.world_size:
+        raise ValueError(f"--world-size {options.world_size}, but the launcher started {dist.get_world_size()} ranks")
+    rank = dist.get_rank()
+    dtype = getattr(torch, options.dtype) if options.dtype else None
+    sharded = autotp.from_pretrained(options.model, dtype=dtype)
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(options.model)
+    config = sharded.autotp_source.config.get_text_config()
+    max_len = options.max_model_len or getattr(config, "max_position_embeddings", None) or 4096
+    blocks = kv_blocks(options, sharded, max_len)
+    engine = Engine(sharded, tokenizer, blocks=blocks, block_size=options.block_size,
+                    max_num_seqs=options.max_num_seqs, max_batched_tokens=options.max_num_batched_tokens,
+                    max_model_len=max_len)
+    if rank != 0:
+        engine.follow()
+        return 0
+    return _serve_http(engine, tokenizer, options, blocks)
+
+
+def kv_blocks(options: ServeOptions, sharded, max_len: int) -> int:
+    """Blocks of the pool: as asked, from the bytes asked, or the default (a GPU's free memory, else room for
+    --max-num-seqs sequences of max_len).  A rank's block holds its KV heads: the whole heads over the ranks,
+    rounded up."""
+    import torch
+    if options.kv_blocks:
+        return options.kv_blocks
+    config = sharded.autotp_source.config.get_text_config()
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    dtype = next(p.dtype for p in sharded.parameters() if p.is_floating_point())
+    per_block = (2 * config.num_hidden_layers * options.block_size * -(-heads // options.world_size) * dim
+                 * dtype.itemsize)
+    budget = options.kv_cache_memory
+    if budget is None and torch.cuda.is_available():
+        free, _ = torch.cuda.mem_get_info()
+        budget = int(0.9 * free)
+    if budget is None:
+        return options.max_num_seqs * -(-max_len // options.block_size)
+    if budget < per_block:
+        raise ValueError(f"--kv-cache-memory {budget} bytes holds no block ({per_block} bytes a block a rank)")
+    return budget // per_block
+
+
+def _serve_http(engine, tokenizer, options: ServeOptions, blocks: int) -> int:
+    import uvicorn
+
+    from autotp.serving.openai_api import make_app
+    failed = threading.Event()
+
+    def drive():
+        try:
+            engine.run()
+        except Exception:
+            failed.set()
+            server.should_exit = True
+
+    app = make_app(engine, tokenizer, model_name=options.name, api_key=options.api_key)
+    config = uvicorn.Config(app, host=options.host, port=options.port, log_level="warning",
+                            timeout_graceful_shutdown=30)
+    server = uvicorn.Server(config)
+    loop = threading.Thread(target=drive, name="autotp-engine", daemon=True)
+    loop.start()
+    print(f"autotp: serving {options.name} on http://{options.host}:{options.port}/v1 over {options.world_size} "
+          f"rank(s), {blocks} KV blocks of {options.block_size} tokens", flush=True)
+    for stop in (signal.SIGTERM, signal.SIGINT):  # uvicorn raises what it caught again once drained: heard here
+        signal.signal(stop, lambda *_: None)
+    server.run()  # until SIGINT/SIGTERM (after the requests in flight) or a failure
+    engine.stop()
+    loop.join(None if not failed.is_set() else 5)
+    if failed.is_set():
+        print(f"autotp serve: {engine.error}", file=sys.stderr, flush=True)
+        return 1
+    return 0

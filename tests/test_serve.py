@@ -1,0 +1,165 @@
+"""``autotp serve`` as a user runs it: a saved model directory, the server started by the command, requests sent by the
+``openai`` client package.  Each request's tokens and log-probabilities are checked against transformers run on that
+prompt alone, whatever ran beside it (continuous batching over a paged KV cache small enough to force preemption)."""
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+
+from tests.helpers.exact import TOL
+from tests.helpers.serving import Server, save_model, tokenizer
+
+pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+
+MARGIN = 1e-3  # greedy choices closer than this may differ by rounding
+KEY = "secret-key"
+
+
+def _client(server: Server, key: str = KEY):
+    import openai
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def _post(server: Server, path: str, body: bytes, key: str = KEY) -> tuple[int, dict]:
+    request = urllib.request.Request(server.url + path, data=body, method="POST",
+                                     headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def _metrics(server: Server) -> dict:
+    with urllib.request.urlopen(server.url + "/metrics", timeout=10) as answer:
+        lines = answer.read().decode().splitlines()
+    return {k: float(v) for k, v in (line.split() for line in lines if not line.startswith("#"))}
+
+
+def _check_against_transformers(model, prompt: list, tokens: list, logprobs: list, top: list) -> None:
+    """Teacher-forced: transformers' log-probabilities over prompt + tokens equal the server's at every step, and
+    each greedy token is transformers' argmax wherever its top-2 margin exceeds MARGIN."""
+    with torch.no_grad():
+        ref = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].log_softmax(-1)
+    assert len(tokens) == len(logprobs) == len(top) == ref.shape[0]
+    for step, (token, logprob, best) in enumerate(zip(tokens, logprobs, top, strict=True)):
+        torch.testing.assert_close(torch.tensor(logprob), ref[step, token], **TOL)
+        ids = torch.tensor([i for i, _ in best])
+        torch.testing.assert_close(torch.tensor([v for _, v in best]), ref[step, ids], **TOL)
+        first, second = ref[step].topk(2).values
+        if first - second > MARGIN:
+            assert token == int(ref[step].argmax()), f"step {step}: greedy token {token}, transformers' argmax differs"
+    generated = model.generate(torch.tensor([prompt]), max_new_tokens=len(tokens), do_sample=False,
+                               attention_mask=torch.ones(1, len(prompt), dtype=torch.long))[0, len(prompt):].tolist()
+    for step, (mine, theirs) in enumerate(zip(tokens, generated, strict=False)):
+        first, second = ref[step].topk(2).values
+        if first - second <= MARGIN:
+            break
+        assert mine == theirs, f"step {step}: {mine} != transformers' generate's {theirs}"
+
+
+def test_requests_arriving_at_different_times_get_transformers_answers(tmp_path):
+    """8 requests (completions and chat, streamed and not) of 3 to 14 prompt tokens, started 0.05 s apart on 2 ranks;
+    the cache holds 8 blocks of 4 tokens and a step 8 tokens, so prompts are chunked and sequences preempted."""
+    model = save_model(tmp_path, seed=3)
+    words = tokenizer(model.config.vocab_size)
+    server = Server(tmp_path, "--kv-blocks", "8", "--block-size", "4", "--max-num-batched-tokens", "8",
+                    "--max-num-seqs", "8", "--api-key", KEY, "--served-model-name", "tiny")
+    with server:
+        client = _client(server)
+        assert [m.id for m in client.models.list().data] == ["tiny"]
+        results: dict = {}
+
+        def ask(i: int) -> None:
+            time.sleep(0.05 * i)
+            text = " ".join(f"w{10 + (7 * i + 3 * k) % 80}" for k in range(3 + (i * 5) % 12))
+            if i % 3 == 2:  # chat: the tokenizer's template around the message
+                messages = [{"role": "user", "content": text}]
+                prompt = words.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                   return_dict=False)
+                reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0,
+                                                       logprobs=True, top_logprobs=3)
+                content = reply.choices[0].logprobs.content
+                results[i] = (list(prompt), [words.convert_tokens_to_ids(c.token) for c in content],
+                              [c.logprob for c in content],
+                              [[(words.convert_tokens_to_ids(t.token), t.logprob) for t in c.top_logprobs]
+                               for c in content], reply.usage)
+                return
+            prompt = words(text)["input_ids"]
+            if i % 3 == 1:  # streamed
+                chunks = list(client.completions.create(model="tiny", prompt=text, max_tokens=12, temperature=0,
+                                                        logprobs=3, stream=True,
+                                                        stream_options={"include_usage": True}))
+                parts = [c.choices[0].logprobs for c in chunks if c.choices]
+                usage = chunks[-1].usage
+            else:
+                reply = client.completions.create(model="tiny", prompt=text, max_tokens=12, temperature=0, logprobs=3)
+                parts, usage = [reply.choices[0].logprobs], reply.usage
+            tokens = [words.convert_tokens_to_ids(t) for p in parts for t in p.tokens]
+            results[i] = (prompt, tokens, [v for p in parts for v in p.token_logprobs],
+                          [[(words.convert_tokens_to_ids(t), v) for t, v in d.items()] for p in parts
+                           for d in p.top_logprobs], usage)
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(300)
+        assert sorted(results) == list(range(8)), "a request got no answer"
+        metrics = _metrics(server)
+        assert metrics["autotp_preemptions_total"] > 0, "the small cache was meant to force preemption"
+        assert metrics["autotp_kv_blocks_used"] == 0 and metrics["autotp_requests_running"] == 0
+        for prompt, tokens, logprobs, top, usage in results.values():
+            assert usage.prompt_tokens == len(prompt) and usage.completion_tokens == len(tokens)
+            _check_against_transformers(model, prompt, tokens, logprobs, top)
+
+        # bad input: one line each, a 4xx
+        status, body = _post(server, "/v1/completions", b'{"prompt": "w9", ')
+        assert status == 400 and "not valid JSON" in body["error"]["message"]
+        status, body = _post(server, "/v1/completions", json.dumps({"model": "other", "prompt": "w9"}).encode())
+        assert status == 404 and "'tiny'" in body["error"]["message"]
+        status, body = _post(server, "/v1/completions", json.dumps({"prompt": " ".join(["w9"] * 30)}).encode())
+        assert status == 400 and "at most 32" in body["error"]["message"]
+        status, body = _post(server, "/v1/completions", json.dumps({"prompt": "w9"}).encode(), key="wrong")
+        assert status == 401
+
+        # sampling: a seed reproduces, n choices, a stop string ends the text before it
+        seeded = {"model": "tiny", "prompt": "w9 w10", "max_tokens": 6, "temperature": 0.8, "top_p": 0.9, "seed": 7,
+                  "n": 2}
+        a, b = client.completions.create(**seeded), client.completions.create(**seeded)
+        assert [c.text for c in a.choices] == [c.text for c in b.choices] and len(a.choices) == 2
+        greedy = client.completions.create(model="tiny", prompt="w9 w10", max_tokens=6, temperature=0).choices[0]
+        stop = greedy.text.split()[2]
+        cut = client.completions.create(model="tiny", prompt="w9 w10", max_tokens=6, temperature=0, stop=[stop])
+        assert cut.choices[0].text == greedy.text[:greedy.text.index(stop)] and cut.choices[0].finish_reason == "stop"
+
+        # a client that leaves frees its blocks; SIGTERM drains the request in flight, then the server exits 0
+        stream = client.completions.create(model="tiny", prompt="w9 w10", max_tokens=12, temperature=0, stream=True)
+        next(iter(stream))
+        stream.close()
+        time.sleep(2)
+        assert _metrics(server)["autotp_kv_blocks_used"] == 0
+        chunks: list = []
+        started = threading.Event()
+
+        def in_flight() -> None:
+            for chunk in client.completions.create(model="tiny", prompt="w9 w10", max_tokens=12, temperature=0,
+                                                   stream=True):
+                chunks.append(chunk)
+                started.set()
+
+        flight = threading.Thread(target=in_flight)
+        flight.start()
+        assert started.wait(60)
+        server.process.send_signal(signal.SIGTERM)
+        flight.join(60)
+        assert server.process.wait(60) == 0, server.output()
+        assert chunks and chunks[-1].choices[0].finish_reason == "length"

@@ -179,9 +179,10 @@ def grouped_bf16(m, x):
 
 
 def cache_write(m, x, positions):
-    """A KV cache written in place at cache positions (generation's programs)."""
+    """A KV cache written in place at cache positions (generation's programs), and read back at some (a paged
+    cache's block tables)."""
     m.cache.index_copy_(1, positions, x * m.w)
-    return m.cache * 2 + m.cache.index_copy(1, positions, x)
+    return m.cache * 2 + m.cache.index_copy(1, positions, x) + m.cache.index_select(1, positions).sum(1, keepdim=True)
 
 
 def _floats(*shape):

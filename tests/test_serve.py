@@ -4,11 +4,13 @@ prompt alone, whatever ran beside it (continuous batching over a paged KV cache 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
@@ -163,3 +165,31 @@ def test_requests_arriving_at_different_times_get_transformers_answers(tmp_path)
         flight.join(60)
         assert server.process.wait(60) == 0, server.output()
         assert chunks and chunks[-1].choices[0].finish_reason == "length"
+
+
+def _ranks_of(launcher: int) -> list[int]:
+    """The rank processes ``autotp serve`` started, in rank order (multiprocessing's spawned children)."""
+    children = Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()
+    spawned = [int(c) for c in children if "spawn_main" in Path(f"/proc/{c}/cmdline").read_text()]
+    return sorted(spawned)
+
+
+def test_a_dead_rank_makes_the_server_answer_503_and_exit_non_zero(tmp_path):
+    save_model(tmp_path)
+    with Server(tmp_path) as server:
+        client = _client(server)
+        assert client.completions.create(model=tmp_path.name, prompt="w9 w10", max_tokens=2).usage.completion_tokens
+        os.kill(_ranks_of(server.process.pid)[1], signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        status = None
+        while time.monotonic() < deadline and status != 503:
+            try:
+                with urllib.request.urlopen(server.url + "/health", timeout=5) as answer:
+                    status = answer.status
+            except urllib.error.HTTPError as exc:
+                status = exc.code
+            time.sleep(0.1)
+        assert status == 503, "the server never said it had failed"
+        status, body = _post(server, "/v1/completions", json.dumps({"prompt": "w9"}).encode())
+        assert status == 503 and "ranks failed" in body["error"]["message"]
+        assert server.process.wait(90) != 0

@@ -15,10 +15,12 @@ import re
 import signal
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 GROUP_TIMEOUT = datetime.timedelta(seconds=60)  # a stopped rank is noticed within this (the idle tick is 1 s)
+FAIL_GRACE_SECONDS = 2.0
 
 
 @dataclass(frozen=True)
@@ -103,7 +105,6 @@ def serve_command(args) -> int:
 def _supervise(ranks: list) -> int:
     """Rank 0's exit status once it ends; a rank that died first gives rank 0 the group's timeout to notice, answer
     503 and exit, then every rank left is stopped."""
-    import time
     lead, deadline = ranks[0], None
     while lead.is_alive():
         lead.join(0.5)
@@ -193,6 +194,7 @@ def _serve_http(engine, tokenizer, options: ServeOptions, blocks: int) -> int:
             engine.run()
         except Exception:
             failed.set()
+            time.sleep(FAIL_GRACE_SECONDS)  # clients hear 503 a while before the port closes
             server.should_exit = True
 
     app = make_app(engine, tokenizer, model_name=options.name, api_key=options.api_key)

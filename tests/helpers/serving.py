@@ -36,14 +36,14 @@ def tokenizer(vocab: int):
                                    unk_token="<unk>", chat_template=CHAT_TEMPLATE)
 
 
-def save_model(directory: Path, seed: int = 0, **overrides) -> torch.nn.Module:
-    """A LLaMA (configs.llama with a KV cache, ``overrides`` applied) and its tokenizer saved in ``directory``;
-    returns the model, in eval mode."""
-    from transformers import LlamaForCausalLM
+def save_model(directory: Path, family: str = "llama", seed: int = 0, **overrides) -> torch.nn.Module:
+    """A causal LM of ``family`` (a function of tests/helpers/configs.py: llama, mixtral, ...) with a KV cache and
+    ``overrides`` applied, and its tokenizer, saved in ``directory``; returns the model, in eval mode."""
+    from transformers import AutoModelForCausalLM
     torch.manual_seed(seed)
-    config = configs.llama(**{"use_cache": True, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
-                              "max_position_embeddings": 128, **overrides})
-    model = LlamaForCausalLM(config).eval()
+    config = getattr(configs, family)(**{"use_cache": True, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+                                         "max_position_embeddings": 128, **overrides})
+    model = AutoModelForCausalLM.from_config(config).eval()
     model.save_pretrained(directory)
     tokenizer(config.vocab_size).save_pretrained(directory)
     return model

@@ -2,8 +2,8 @@
 
 Every step, each running sequence whose prompt is in the cache decodes one token, and the rest of the step's token
 budget prefills prompts in chunks (so a long prompt never stalls the decodes around it).  A sequence owns whole
-blocks (its block table); when the pool runs out, the sequence admitted last is preempted: its blocks are freed and
-it waits at the head of the queue, to be recomputed from its prompt and the tokens it had produced, never dropped.
+blocks (its block table); when the pool runs out, the latest-arrived sequence not yet in this step is preempted: its
+blocks are freed and it waits at the head of the queue, to be recomputed from its prompt and the tokens it had produced, never dropped.
 Pure bookkeeping, no tensors: rank 0 runs it and sends every rank the step it decided (serving/engine.py).
 """
 from __future__ import annotations
@@ -95,7 +95,8 @@ class Scheduler:
                     runs.append(Run(sequence, sequence.cached, 1))
         budget = self.budget - len(runs)
         for sequence in [s for s in self.running if s.cached < len(s.tokens) - 1]:  # prompts being prefilled
-            budget -= self._chunk(sequence, budget, runs)
+            if sequence in self.running:  # not preempted by an earlier chunk
+                budget -= self._chunk(sequence, budget, runs)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             sequence = self.waiting[0]
             room = (len(sequence.blocks) + len(self.free)) * self.block_size - sequence.cached

@@ -1,0 +1,95 @@
+"""Serving throughput: output tokens/s and time to first token at 1, 8 and 32 concurrent requests, autotp serve
+against transformers' own continuous batching (``generate_batch``), same model, same ranks, one run.
+
+    OMP_NUM_THREADS=1 python benchmarks/serve_throughput.py [--world-size 2] [--hidden 256] [--tokens 32]
+
+autotp is measured through its HTTP server and the openai client (streamed, so the first token's time is seen);
+transformers' manager is measured in process (no HTTP), which favours it.  Prints one table; the numbers are for
+the machine it runs on (docs/serving.md gives a dated run).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.helpers.serving import Server, save_model  # noqa: E402
+
+CONCURRENCY = (1, 8, 32)
+
+
+def _prompts(count: int, vocab: int) -> list[str]:
+    return [" ".join(f"w{10 + (7 * i + 3 * k) % (vocab - 10)}" for k in range(8 + i % 24)) for i in range(count)]
+
+
+def measure_autotp(directory: Path, world: int, tokens: int, vocab: int) -> dict:
+    import openai
+    results = {}
+    with Server(directory, "--max-num-seqs", "32", world=world) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=600)
+        client.completions.create(model=directory.name, prompt="w10 w11", max_tokens=2)  # warm
+
+        def one(prompt: str) -> tuple[float, float, int]:
+            start = time.perf_counter()
+            first, count = None, 0
+            for chunk in client.completions.create(model=directory.name, prompt=prompt, max_tokens=tokens,
+                                                   temperature=0, stream=True, extra_body={"ignore_eos": True},
+                                                   stream_options={"include_usage": True}):
+                if chunk.choices and chunk.choices[0].text and first is None:
+                    first = time.perf_counter() - start
+                if chunk.usage:
+                    count = chunk.usage.completion_tokens
+            return first or 0.0, time.perf_counter() - start, count
+
+        for concurrent in CONCURRENCY:
+            prompts = _prompts(max(concurrent, 8) * 2, vocab)
+            start = time.perf_counter()
+            with ThreadPoolExecutor(concurrent) as pool:
+                done = list(pool.map(one, prompts))
+            wall = time.perf_counter() - start
+            results[concurrent] = {"tokens_per_s": sum(d[2] for d in done) / wall,
+                                   "ttft_ms": 1e3 * statistics.median(d[0] for d in done)}
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=32, help="output tokens a request")
+    args = parser.parse_args()
+    vocab = 1000
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = Path(tmp) / "bench-llama"
+        save_model(directory, hidden_size=args.hidden, intermediate_size=4 * args.hidden, vocab_size=vocab,
+                   num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=4,
+                   max_position_embeddings=512)
+        ours = measure_autotp(directory, args.world_size, args.tokens, vocab)
+        theirs = measure_transformers(directory, args.world_size, args.tokens, vocab)
+    print(f"LLaMA hidden {args.hidden}, {args.layers} layers, {args.world_size} ranks, {args.tokens} output tokens a "
+          "request")
+    print(f"{'concurrent':>10} | {'autotp tok/s':>12} | {'TTFT ms':>8} | {'transformers tok/s':>18} | {'TTFT ms':>8} |"
+          f" {'ratio':>5}")
+    for c in CONCURRENCY:
+        a, t = ours[c], theirs.get(c)
+        if t is None:
+            print(f"{c:>10} | {a['tokens_per_s']:>12.1f} | {a['ttft_ms']:>8.1f} | {'n/a':>18} | {'':>8} |")
+            continue
+        print(f"{c:>10} | {a['tokens_per_s']:>12.1f} | {a['ttft_ms']:>8.1f} | {t['tokens_per_s']:>18.1f} | "
+              f"{t['ttft_ms']:>8.1f} | {a['tokens_per_s'] / t['tokens_per_s']:>5.2f}")
+
+
+def measure_transformers(directory: Path, world: int, tokens: int, vocab: int) -> dict:
+    """transformers' continuous batching on the same directory (see ``_transformers_rank``)."""
+    return {}
+
+
+if __name__ == "__main__":
+    main()

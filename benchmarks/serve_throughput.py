@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.helpers.serving import Server, save_model  # noqa: E402
+from tests.helpers.serving import Server, save_model
 
 CONCURRENCY = (1, 8, 32)
 

@@ -3,8 +3,9 @@
 Every step, each running sequence whose prompt is in the cache decodes one token, and the rest of the step's token
 budget prefills prompts in chunks (so a long prompt never stalls the decodes around it).  A sequence owns whole
 blocks (its block table); when the pool runs out, the latest-arrived sequence not yet in this step is preempted: its
-blocks are freed and it waits at the head of the queue, to be recomputed from its prompt and the tokens it had produced, never dropped.
-Pure bookkeeping, no tensors: rank 0 runs it and sends every rank the step it decided (serving/engine.py).
+blocks are freed and it waits at the head of the queue, to be recomputed from its prompt and the tokens it had
+produced, never dropped.  Pure bookkeeping, no tensors: rank 0 runs it and sends every rank the step it decided
+(serving/engine.py).
 """
 from __future__ import annotations
 

@@ -4,7 +4,8 @@ against transformers' own continuous batching (``generate_batch``), same model, 
     OMP_NUM_THREADS=1 python benchmarks/serve_throughput.py [--world-size 2] [--hidden 256] [--tokens 32]
 
 autotp is measured through its HTTP server and the openai client (streamed, so the first token's time is seen);
-transformers' manager is measured in process (no HTTP), which favours it.  Prints one table; the numbers are for
+transformers' ``generate_batch`` is measured in process (no HTTP: that favours it), in waves of ``concurrent``
+prompts (no request joins a wave already running: that does not).  Prints one table; the numbers are for
 the machine it runs on (docs/serving.md gives a dated run).
 """
 from __future__ import annotations
@@ -87,8 +88,37 @@ def main() -> None:
 
 
 def measure_transformers(directory: Path, world: int, tokens: int, vocab: int) -> dict:
-    """transformers' continuous batching on the same directory (see ``_transformers_rank``)."""
-    return {}
+    """transformers' continuous batching on the same directory and ranks: ``from_pretrained`` with its tp_plan
+    (``DistributedConfig(tp_size=world)``) on gloo processes, then ``generate_batch`` of the same prompts, handed
+    over ``concurrent`` at a time (a wave ends before the next starts: new requests do not join a running one)."""
+    from autotp.tools.spawn import run_local
+    prompts = {c: _prompts(max(c, 8) * 2, vocab) for c in CONCURRENCY}
+    return run_local(world, _transformers_rank, str(directory), tokens, prompts, timeout=1200)[0]
+
+
+def _transformers_rank(rank: int, world: int, directory: str, tokens: int, prompts: dict) -> dict:
+    import torch
+    from transformers import AutoTokenizer, DistributedConfig, GenerationConfig, LlamaForCausalLM
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    batching = ContinuousBatchingConfig(page_size=16, num_blocks=1024, max_batch_tokens=512,
+                                        allow_block_sharing=False, use_cuda_graph=False)
+    model = LlamaForCausalLM.from_pretrained(directory, distributed_config=DistributedConfig(tp_size=world),
+                                             dtype=torch.float32, attn_implementation="sdpa").eval()
+    words = AutoTokenizer.from_pretrained(directory)
+    generation = GenerationConfig(max_new_tokens=tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    model.generate_batch([words("w10 w11")["input_ids"]], generation_config=generation,
+                         continuous_batching_config=batching)  # warm
+    results = {}
+    for concurrent, texts in prompts.items():
+        ids = [words(t)["input_ids"] for t in texts]
+        start, done = time.perf_counter(), []
+        for wave in range(0, len(ids), concurrent):  # ``concurrent`` requests in flight at a time
+            done += model.generate_batch(ids[wave:wave + concurrent], generation_config=generation,
+                                         continuous_batching_config=batching, record_timestamps=True).values()
+        wall = time.perf_counter() - start
+        results[concurrent] = {"tokens_per_s": sum(len(o.generated_tokens) for o in done) / wall,
+                               "ttft_ms": 1e3 * statistics.median(o.timestamps[0] - o.created_time for o in done)}
+    return results
 
 
 if __name__ == "__main__":

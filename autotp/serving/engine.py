@@ -131,7 +131,8 @@ class Engine:
         self.group = sharded.autotp_group
         self.rank = dist.get_rank(self.group)
         self.device = next(sharded.parameters()).device
-        self.program = step_program(sharded, blocks, block_size)
+        self.program = step_program(sharded, blocks + 1, block_size)  # the last block: where padding is written
+        self.scratch = blocks * block_size
         self.block_size, self.tokenizer = block_size, tokenizer
         config = sharded.autotp_source.config.get_text_config()
         self.vocab_size = config.vocab_size
@@ -269,22 +270,23 @@ class Engine:
         raise KeyError(sequence)
 
     def _calls(self, runs: list[Run]) -> list:
-        """The step as program calls: the one-token rows together, each longer chunk alone."""
-        singles = [r for r in runs if r.count == 1]
-        groups = ([singles] if singles else []) + [[r] for r in runs if r.count > 1]
-        return [(self._inputs(rows), rows) for rows in groups]
+        """The step as program calls: the one-token rows together, the prompt chunks together."""
+        groups = [[r for r in runs if r.count == 1], [r for r in runs if r.count > 1]]
+        return [(self._inputs(rows), rows) for rows in groups if rows]
 
     def _inputs(self, rows: list[Run]) -> tuple:
-        width = max(r.start + r.count for r in rows)
+        """Rows padded on the left to the longest chunk (each row's last token gives its logits): a padding token is
+        written to the scratch block, which no context reads; a context is padded with any slot (masked)."""
+        width, tokens = max(r.start + r.count for r in rows), max(r.count for r in rows)
         size = self.block_size
         ids, positions, slots, context = [], [], [], []
         for r in rows:
-            blocks = r.sequence.blocks
+            blocks, pad = r.sequence.blocks, tokens - r.count
             where = [blocks[p // size] * size + p % size for p in range(r.start + r.count)]
-            ids.append(r.sequence.tokens[r.start:r.start + r.count])
-            positions.append(list(range(r.start, r.start + r.count)))
-            slots.append(where[r.start:])
-            context.append(where + [where[0]] * (width - len(where)))  # padding: any slot, masked
+            ids.append([0] * pad + r.sequence.tokens[r.start:r.start + r.count])
+            positions.append([0] * pad + list(range(r.start, r.start + r.count)))
+            slots.append([self.scratch] * pad + where[r.start:])
+            context.append(where + [where[0]] * (width - len(where)))
         return tuple(torch.tensor(x, dtype=torch.long) for x in (ids, positions, slots, context))
 
     @torch.no_grad()

@@ -1,12 +1,12 @@
 """Serving throughput: output tokens/s and time to first token at 1, 8 and 32 concurrent requests, autotp serve
-against transformers' own continuous batching (``generate_batch``), same model, same ranks, one run.
+against transformers' own continuous batching (its manager, ``init_continuous_batching``, with its tp_plan): same
+model, same ranks, one run.
 
     OMP_NUM_THREADS=1 python benchmarks/serve_throughput.py [--world-size 2] [--hidden 256] [--tokens 32]
 
 autotp is measured through its HTTP server and the openai client (streamed, so the first token's time is seen);
-transformers' ``generate_batch`` is measured in process (no HTTP: that favours it), in waves of ``concurrent``
-prompts (no request joins a wave already running: that does not).  Prints one table; the numbers are for
-the machine it runs on (docs/serving.md gives a dated run).
+transformers' manager in process, with no HTTP between the client and it (that favours it).  Prints one table;
+the numbers are for the machine it runs on (docs/serving.md gives a dated run).
 """
 from __future__ import annotations
 
@@ -89,8 +89,8 @@ def main() -> None:
 
 def measure_transformers(directory: Path, world: int, tokens: int, vocab: int) -> dict:
     """transformers' continuous batching on the same directory and ranks: ``from_pretrained`` with its tp_plan
-    (``DistributedConfig(tp_size=world)``) on gloo processes, then ``generate_batch`` of the same prompts, handed
-    over ``concurrent`` at a time (a wave ends before the next starts: new requests do not join a running one)."""
+    (``DistributedConfig(tp_size=world)``) on gloo processes, then its manager (``init_continuous_batching``) kept
+    ``concurrent`` requests in flight, a new one added as each finishes, streamed (the first token's time seen)."""
     from autotp.tools.spawn import run_local
     prompts = {c: _prompts(max(c, 8) * 2, vocab) for c in CONCURRENCY}
     return run_local(world, _transformers_rank, str(directory), tokens, prompts, timeout=1200)[0]
@@ -100,24 +100,42 @@ def _transformers_rank(rank: int, world: int, directory: str, tokens: int, promp
     import torch
     from transformers import AutoTokenizer, DistributedConfig, GenerationConfig, LlamaForCausalLM
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
-    batching = ContinuousBatchingConfig(page_size=16, num_blocks=1024, max_batch_tokens=512,
-                                        allow_block_sharing=False, use_cuda_graph=False)
     model = LlamaForCausalLM.from_pretrained(directory, distributed_config=DistributedConfig(tp_size=world),
                                              dtype=torch.float32, attn_implementation="sdpa").eval()
     words = AutoTokenizer.from_pretrained(directory)
-    generation = GenerationConfig(max_new_tokens=tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
-    model.generate_batch([words("w10 w11")["input_ids"]], generation_config=generation,
-                         continuous_batching_config=batching)  # warm
     results = {}
-    for concurrent, texts in prompts.items():
+    for concurrent, texts in [(1, ["w10 w11"] * 2), *prompts.items()]:  # the first: a warm-up
         ids = [words(t)["input_ids"] for t in texts]
-        start, done = time.perf_counter(), []
-        for wave in range(0, len(ids), concurrent):  # ``concurrent`` requests in flight at a time
-            done += model.generate_batch(ids[wave:wave + concurrent], generation_config=generation,
-                                         continuous_batching_config=batching, record_timestamps=True).values()
+        manager = model.init_continuous_batching(
+            generation_config=GenerationConfig(max_new_tokens=tokens, do_sample=False, eos_token_id=-1,
+                                               pad_token_id=0),
+            continuous_batching_config=ContinuousBatchingConfig(page_size=16, num_blocks=1024, max_batch_tokens=512,
+                                                                allow_block_sharing=False, use_cuda_graph=False))
+        manager.start()
+        if not manager.is_tp_driver:  # another rank: it follows the driver until the group's stop
+            manager._generation_thread.join()
+            manager.stop(block=True)
+            manager.destroy()
+            continue
+        sent, first, done, flying, start = {}, {}, {}, 0, time.perf_counter()
+        while len(done) < len(ids):
+            while flying < concurrent and len(sent) < len(ids):
+                name = f"r{len(sent)}"
+                sent[name] = time.perf_counter()
+                manager.add_request(ids[len(sent) - 1], request_id=name, max_new_tokens=tokens, streaming=True)
+                flying += 1
+            out = manager.get_result(timeout=1.0)
+            if out is None:
+                continue
+            if out.generated_tokens and out.request_id not in first:
+                first[out.request_id] = time.perf_counter() - sent[out.request_id]
+            if out.is_finished():
+                done[out.request_id], flying = len(out.generated_tokens), flying - 1
         wall = time.perf_counter() - start
-        results[concurrent] = {"tokens_per_s": sum(len(o.generated_tokens) for o in done) / wall,
-                               "ttft_ms": 1e3 * statistics.median(o.timestamps[0] - o.created_time for o in done)}
+        manager.stop(block=True, timeout=10)
+        manager.destroy()
+        results[concurrent] = {"tokens_per_s": sum(done.values()) / wall, "ttft_ms": 1e3 * statistics.median(
+            first.values())}
     return results
 
 

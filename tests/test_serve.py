@@ -175,6 +175,21 @@ def test_requests_arriving_at_different_times_get_transformers_answers(tmp_path,
         assert chunks and chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_under_torchrun_each_process_is_a_rank_and_sigterm_drains(tmp_path):
+    """``torchrun --nproc-per-node 2 autotp serve DIR``: rank 0 serves; torchrun passes its SIGTERM to every rank, the
+    others wait for rank 0's last step, and no rank fails (torchrun itself exits 1 when signalled, as it always
+    does)."""
+    save_model(tmp_path)
+    with Server(tmp_path, torchrun=True) as server:
+        reply = _client(server).chat.completions.create(model=tmp_path.name, max_tokens=3, temperature=0,
+                                                        messages=[{"role": "user", "content": "w9 w10"}])
+        assert reply.choices[0].finish_reason in ("stop", "length") and reply.usage.prompt_tokens == 7
+        server.process.send_signal(signal.SIGTERM)
+        server.process.wait(60)
+        said = server.output()
+        assert "closing signal SIGTERM" in said and "ChildFailedError" not in said and "ranks failed" not in said, said
+
+
 def _ranks_of(launcher: int) -> list[int]:
     """The rank processes ``autotp serve`` started, in rank order (multiprocessing's spawned children)."""
     children = Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()
@@ -224,3 +239,23 @@ def test_two_hundred_requests_from_32_clients_are_all_answered(tmp_path):
     print(f"200 requests of 16 tokens from 32 clients: {took:.1f} s")
     assert all(r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 16 for r in replies)
     assert took < LOAD_SECONDS, f"200 requests took {took:.0f} s"
+
+
+def test_the_pool_is_sized_from_blocks_bytes_or_the_default():
+    """--kv-blocks as given; --kv-cache-memory over a rank's bytes a block (its share of the KV heads, rounded up);
+    on the CPU by default room for --max-num-seqs sequences of the longest length; too few bytes refused."""
+    from types import SimpleNamespace
+
+    from autotp.tools.serve import ServeOptions, bytes_of, kv_blocks
+    from tests.helpers import configs
+    config = configs.llama(num_key_value_heads=2)  # 2 blocks, 2 KV heads of 16
+    sharded = SimpleNamespace(autotp_source=SimpleNamespace(config=config),
+                              parameters=lambda: iter([torch.nn.Parameter(torch.zeros(1))]))
+    assert bytes_of("4GiB") == 4 * 2 ** 30 and bytes_of("512MB") == 512 * 10 ** 6 and bytes_of("1000") == 1000
+    per_block = 2 * 2 * 16 * 1 * 16 * 4  # keys and values, 2 layers, 16 tokens, 1 head of 2 on each of 4 ranks, fp32
+    options = ServeOptions(model="m", world_size=4)
+    assert kv_blocks(ServeOptions(model="m", world_size=4, kv_blocks=7), sharded, 64) == 7
+    assert kv_blocks(ServeOptions(model="m", world_size=4, kv_cache_memory=10 * per_block + 1), sharded, 64) == 10
+    assert kv_blocks(options, sharded, 64) == 32 * 4
+    with pytest.raises(ValueError, match="holds no block"):
+        kv_blocks(ServeOptions(model="m", world_size=4, kv_cache_memory=per_block - 1), sharded, 64)

@@ -153,7 +153,9 @@ def serve_rank(options: ServeOptions) -> int:
     engine = Engine(sharded, tokenizer, blocks=blocks, block_size=options.block_size,
                     max_num_seqs=options.max_num_seqs, max_batched_tokens=options.max_num_batched_tokens,
                     max_model_len=max_len)
-    if rank != 0:
+    if rank != 0:  # stopped by rank 0's last step, after it drains: a launcher's SIGTERM to every rank waits for it
+        for stop in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(stop, signal.SIG_IGN)
         engine.follow()
         return 0
     return _serve_http(engine, tokenizer, options, blocks)

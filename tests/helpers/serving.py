@@ -52,12 +52,17 @@ def save_model(directory: Path, family: str = "llama", seed: int = 0, **override
 class Server:
     """``autotp serve`` in a process of its own, on a free port; stopped (SIGTERM) on exit."""
 
-    def __init__(self, directory: Path, *args: str, world: int = 2, env: dict | None = None):
+    def __init__(self, directory: Path, *args: str, world: int = 2, env: dict | None = None, torchrun: bool = False):
         from autotp.tools.spawn import free_port
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        command = [str(Path(sys.executable).parent / "autotp"), "serve", str(directory), "--world-size", str(world),
-                   "--port", str(self.port), *args]
+        bin_dir = Path(sys.executable).parent
+        command = [str(bin_dir / "autotp"), "serve", str(directory), "--port", str(self.port), *args]
+        if torchrun:  # each process one rank, as torchrun starts them
+            command = [str(bin_dir / "torchrun"), "--nproc-per-node", str(world), "--master-port", str(free_port()),
+                       *command]
+        else:
+            command += ["--world-size", str(world)]
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                         env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 

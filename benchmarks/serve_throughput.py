@@ -4,9 +4,9 @@ model, same ranks, one run.
 
     OMP_NUM_THREADS=1 python benchmarks/serve_throughput.py [--world-size 2] [--hidden 256] [--tokens 32]
 
-autotp is measured through its HTTP server and the openai client (streamed, so the first token's time is seen);
-transformers' manager in process, with no HTTP between the client and it (that favours it).  Prints one table;
-the numbers are for the machine it runs on (docs/serving.md gives a dated run).
+autotp is measured through its HTTP server and the openai client (streamed, so the first token's time is seen), and
+its engine in process driven as transformers' manager is, with no HTTP between the client and it (like with like).
+Prints one table; the numbers are for the machine it runs on (docs/serving.md gives a dated run).
 """
 from __future__ import annotations
 
@@ -73,18 +73,63 @@ def main() -> None:
                    num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=4,
                    max_position_embeddings=512)
         ours = measure_autotp(directory, args.world_size, args.tokens, vocab)
+        engine = measure_engine(directory, args.world_size, args.tokens, vocab)
         theirs = measure_transformers(directory, args.world_size, args.tokens, vocab)
     print(f"LLaMA hidden {args.hidden}, {args.layers} layers, {args.world_size} ranks, {args.tokens} output tokens a "
           "request")
-    print(f"{'concurrent':>10} | {'autotp tok/s':>12} | {'TTFT ms':>8} | {'transformers tok/s':>18} | {'TTFT ms':>8} |"
-          f" {'ratio':>5}")
+    print("tokens/s (median time to first token, ms); ratio: autotp's engine / transformers', both in process")
+    print(f"{'concurrent':>10} | {'autotp serve (HTTP)':>20} | {'autotp engine':>16} | {'transformers':>16} | ratio")
     for c in CONCURRENCY:
-        a, t = ours[c], theirs.get(c)
-        if t is None:
-            print(f"{c:>10} | {a['tokens_per_s']:>12.1f} | {a['ttft_ms']:>8.1f} | {'n/a':>18} | {'':>8} |")
-            continue
-        print(f"{c:>10} | {a['tokens_per_s']:>12.1f} | {a['ttft_ms']:>8.1f} | {t['tokens_per_s']:>18.1f} | "
-              f"{t['ttft_ms']:>8.1f} | {a['tokens_per_s'] / t['tokens_per_s']:>5.2f}")
+        cells = [f"{r[c]['tokens_per_s']:.1f} ({r[c]['ttft_ms']:.0f})" for r in (ours, engine, theirs)]
+        print(f"{c:>10} | {cells[0]:>20} | {cells[1]:>16} | {cells[2]:>16} | "
+              f"{engine[c]['tokens_per_s'] / theirs[c]['tokens_per_s']:.2f}")
+
+
+def measure_engine(directory: Path, world: int, tokens: int, vocab: int) -> dict:
+    """autotp's engine in process, driven as transformers' manager is (no HTTP): like with like."""
+    from autotp.tools.spawn import run_local
+    prompts = {c: _prompts(max(c, 8) * 2, vocab) for c in CONCURRENCY}
+    return run_local(world, _engine_rank, str(directory), tokens, prompts, timeout=1200)[0]
+
+
+def _engine_rank(rank: int, world: int, directory: str, tokens: int, prompts: dict) -> dict:
+    import queue
+    import threading
+
+    from transformers import AutoTokenizer
+
+    import autotp
+    from autotp.serving.engine import Engine, Request, Sampling
+    sharded = autotp.from_pretrained(directory)
+    words = AutoTokenizer.from_pretrained(directory)
+    engine = Engine(sharded, words, blocks=1024, block_size=16, max_num_seqs=32, max_batched_tokens=512)
+    if rank != 0:
+        engine.follow()
+        return {}
+    loop = threading.Thread(target=engine.run)
+    loop.start()
+    results = {}
+    for concurrent, texts in [(1, ["w10 w11"] * 2), *prompts.items()]:  # the first: a warm-up
+        events: queue.Queue = queue.Queue()
+        sent, first, done, flying, start = {}, {}, {}, 0, time.perf_counter()
+        while len(done) < len(texts):
+            while flying < concurrent and len(sent) < len(texts):
+                request = Request(words(texts[len(sent)])["input_ids"], Sampling(max_tokens=tokens, temperature=0,
+                                                                                 ignore_eos=True), events.put)
+                sent[id(request)] = time.perf_counter()
+                engine.submit(request)
+                flying += 1
+            request = events.get()
+            if id(request) not in first:
+                first[id(request)] = time.perf_counter() - sent[id(request)]
+            if request.finished and id(request) not in done:
+                done[id(request)], flying = len(request.choices[0].sequence.output), flying - 1
+        wall = time.perf_counter() - start
+        results[concurrent] = {"tokens_per_s": sum(done.values()) / wall, "ttft_ms": 1e3 * statistics.median(
+            first.values())}
+    engine.stop()
+    loop.join()
+    return results
 
 
 def measure_transformers(directory: Path, world: int, tokens: int, vocab: int) -> dict:

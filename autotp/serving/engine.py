@@ -20,6 +20,8 @@ from autotp.serving.paged_cache import step_program
 from autotp.serving.scheduler import Refused, Run, Scheduler, Sequence
 
 TICK_SECONDS = 1.0
+KINDS = ("tick", "stop", "step")
+HEADER = 2 + 3 * 2  # a step is at most two calls (serving/engine.py: Engine._calls)
 
 
 @dataclass(frozen=True)
@@ -219,9 +221,29 @@ class Engine:
                 self._forward(message[1])
 
     def _send(self, message):
-        box = [message]
-        dist.broadcast_object_list(box, group_src=0, group=self.group)
-        return box[0]
+        """Rank 0's message to every rank, as two broadcasts of int64 tensors (no pickling): a header (kind, then rows,
+        tokens and context width of each call) and the calls' inputs, flat."""
+        header = torch.zeros(HEADER, dtype=torch.long)
+        if message is not None:
+            calls = message[1] if message[0] == "step" else []
+            header[0], header[1] = KINDS.index(message[0]), len(calls)
+            for i, (ids, _, _, context) in enumerate(calls):
+                header[2 + 3 * i: 5 + 3 * i] = torch.tensor([*ids.shape, context.shape[1]])
+        dist.broadcast(header, group_src=0, group=self.group)
+        kind, count = KINDS[int(header[0])], int(header[1])
+        if kind != "step":
+            return (kind,)
+        shapes = [header[2 + 3 * i: 5 + 3 * i].tolist() for i in range(count)]
+        sizes = [n for rows, tokens, width in shapes for n in (rows * tokens,) * 3 + (rows * width,)]
+        flat = (torch.cat([t.reshape(-1) for call in message[1] for t in call]) if message is not None
+                else torch.empty(sum(sizes), dtype=torch.long))
+        dist.broadcast(flat, group_src=0, group=self.group)
+        if message is not None:
+            return message
+        pieces, calls = iter(flat.split(sizes)), []
+        for rows, tokens, width in shapes:
+            calls.append(tuple(next(pieces).view(rows, n) for n in (tokens, tokens, tokens, width)))
+        return ("step", calls)
 
     def _take_inbox(self) -> None:
         with self.wake:

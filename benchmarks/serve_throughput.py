@@ -20,6 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from machine import describe
+
 from tests.helpers.serving import Server, save_model
 
 CONCURRENCY = (1, 8, 32)
@@ -54,6 +56,7 @@ def measure_autotp(directory: Path, world: int, tokens: int, vocab: int) -> dict
             with ThreadPoolExecutor(concurrent) as pool:
                 done = list(pool.map(one, prompts))
             wall = time.perf_counter() - start
+            assert all(d[2] == tokens for d in done), "a request ended short"
             results[concurrent] = {"tokens_per_s": sum(d[2] for d in done) / wall,
                                    "ttft_ms": 1e3 * statistics.median(d[0] for d in done)}
     return results
@@ -75,6 +78,7 @@ def main() -> None:
         ours = measure_autotp(directory, args.world_size, args.tokens, vocab)
         engine = measure_engine(directory, args.world_size, args.tokens, vocab)
         theirs = measure_transformers(directory, args.world_size, args.tokens, vocab)
+    print(describe("gloo"))
     print(f"LLaMA hidden {args.hidden}, {args.layers} layers, {args.world_size} ranks, {args.tokens} output tokens a "
           "request")
     print("tokens/s (median time to first token, ms); ratio: autotp's engine / transformers', both in process")
@@ -116,15 +120,16 @@ def _engine_rank(rank: int, world: int, directory: str, tokens: int, prompts: di
             while flying < concurrent and len(sent) < len(texts):
                 request = Request(words(texts[len(sent)])["input_ids"], Sampling(max_tokens=tokens, temperature=0,
                                                                                  ignore_eos=True), events.put)
-                sent[id(request)] = time.perf_counter()
+                request.number = len(sent)
+                sent[request.number] = time.perf_counter()
                 engine.submit(request)
                 flying += 1
             request = events.get()
-            if id(request) not in first:
-                first[id(request)] = time.perf_counter() - sent[id(request)]
-            if request.finished and id(request) not in done:
-                done[id(request)], flying = len(request.choices[0].sequence.output), flying - 1
+            first.setdefault(request.number, time.perf_counter() - sent[request.number])
+            if request.finished and request.number not in done:
+                done[request.number], flying = len(request.choices[0].sequence.output), flying - 1
         wall = time.perf_counter() - start
+        assert all(n == tokens for n in done.values()), "a request ended short"
         results[concurrent] = {"tokens_per_s": sum(done.values()) / wall, "ttft_ms": 1e3 * statistics.median(
             first.values())}
     engine.stop()
@@ -177,6 +182,7 @@ def _transformers_rank(rank: int, world: int, directory: str, tokens: int, promp
             if out.is_finished():
                 done[out.request_id], flying = len(out.generated_tokens), flying - 1
         wall = time.perf_counter() - start
+        assert all(n == tokens for n in done.values()), "a request ended short"
         manager.stop(block=True, timeout=10)
         manager.destroy()
         results[concurrent] = {"tokens_per_s": sum(done.values()) / wall, "ttft_ms": 1e3 * statistics.median(

@@ -23,6 +23,7 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
      "autotp / hand-written memory"),
     ("dropout.py", ["--layers", "1", "--hidden", "32", "--repeats", "1"], "reference vs one process"),
     ("plan_speed.py", ["--layers-8b", "2", "--layers-70b", "2", "--hidden-scale", "0.0625"], "time to a plan"),
+    ("serve_throughput.py", ["--layers", "1", "--hidden", "64", "--tokens", "4"], "autotp engine"),
 ])
 def test_benchmark_runs(script, args, expect):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -190,6 +190,64 @@ def test_under_torchrun_each_process_is_a_rank_and_sigterm_drains(tmp_path):
         assert "closing signal SIGTERM" in said and "ChildFailedError" not in said and "ranks failed" not in said, said
 
 
+def _engine_logits(rank: int, world: int) -> list:
+    """8 requests submitted to the engine two steps apart over a pool of 8 blocks of 4 tokens, every step's full
+    logits recorded (rank 0's: they pick the tokens)."""
+    import autotp
+    from autotp.serving import engine as serving
+    torch.manual_seed(5)
+    from transformers import LlamaForCausalLM
+
+    from tests.helpers import configs
+    model = LlamaForCausalLM(configs.llama(use_cache=True, max_position_embeddings=128)).eval()
+    sharded = autotp.parallelize(model, (torch.zeros(2, 8, dtype=torch.long),))
+    engine = serving.Engine(sharded, tokenizer(96), blocks=8, block_size=4, max_num_seqs=8, max_batched_tokens=8)
+    if rank != 0:
+        engine.follow()
+        return []
+    seen: dict = {}
+    pick = serving.Choice.pick
+
+    def recording(choice, logits, eos):
+        seen.setdefault(id(choice), []).append(logits.clone())
+        pick(choice, logits, eos)
+
+    serving.Choice.pick = recording
+    loop = threading.Thread(target=engine.run)
+    loop.start()
+    requests = []
+    for i in range(8):
+        while engine.generated < 2 * i and i:
+            time.sleep(0.001)
+        prompt = [10 + (7 * i + 3 * k) % 80 for k in range(3 + (i * 5) % 12)]
+        requests.append(serving.Request(prompt, serving.Sampling(max_tokens=12, temperature=0, ignore_eos=True),
+                                        lambda r: None))
+        engine.submit(requests[-1])
+    while not all(r.finished for r in requests):
+        time.sleep(0.01)
+    engine.stop()
+    loop.join()
+    assert engine.scheduler.preemptions > 0, "the small pool was meant to force preemption"
+    return [(r.prompt, r.choices[0].sequence.output, torch.stack(seen[id(r.choices[0])]).tolist()) for r in requests]
+
+
+def test_every_steps_logits_equal_transformers_whatever_runs_beside():
+    """The engine itself on 2 ranks: 8 requests joining a running batch two steps apart, prompts chunked, sequences
+    preempted; each step's whole row of logits equals transformers' for that prompt alone (teacher-forced)."""
+    from transformers import LlamaForCausalLM
+
+    from tests.helpers import configs
+    from tests.helpers.distributed import run_ranks
+    results = run_ranks(2, _engine_logits)[0]
+    torch.manual_seed(5)  # the ranks' model
+    model = LlamaForCausalLM(configs.llama(use_cache=True, max_position_embeddings=128)).eval()
+    for prompt, output, logits in results:
+        with torch.no_grad():
+            ref = model(torch.tensor([prompt + output])).logits[0, len(prompt) - 1:-1]
+        assert ref.shape == (12, 96)
+        torch.testing.assert_close(torch.tensor(logits), ref, **TOL)
+
+
 def _ranks_of(launcher: int) -> list[int]:
     """The rank processes ``autotp serve`` started, in rank order (multiprocessing's spawned children)."""
     children = Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()

@@ -228,6 +228,7 @@ def _engine_logits(rank: int, world: int) -> list:
     engine.stop()
     loop.join()
     assert engine.scheduler.preemptions > 0, "the small pool was meant to force preemption"
+    assert engine.program.autotp_programs.made == 0, "the step program was captured again for some step's sizes"
     return [(r.prompt, r.choices[0].sequence.output, torch.stack(seen[id(r.choices[0])]).tolist()) for r in requests]
 
 

@@ -162,6 +162,8 @@ class Engine:
         sequences = [Sequence(request.prompt, request.sampling.max_tokens) for _ in range(request.sampling.n)]
         self.scheduler.check(sequences[0])
         request.choices = [Choice(i, s, request.sampling, self.tokenizer, self.device) for i, s in enumerate(sequences)]
+        for choice in request.choices:
+            choice.sequence.owner = (choice, request)
         with self.wake:
             self.inbox.append(("add", request))
             self.wake.notify()
@@ -270,7 +272,7 @@ class Engine:
         for (_, rows), out in zip(calls, logits, strict=True):
             for run, row in zip(rows, out, strict=True):
                 if run.samples:
-                    choice, request = self._owner(run.sequence)
+                    choice, request = run.sequence.owner
                     choice.pick(row, self.eos)
                     self.generated += 1
                     request.first_token_at = request.first_token_at or time.time()
@@ -283,13 +285,6 @@ class Engine:
             if request.finished:
                 self.requests.remove(request)
             request.notify(request)
-
-    def _owner(self, sequence: Sequence):
-        for request in self.requests:
-            for choice in request.choices:
-                if choice.sequence is sequence:
-                    return choice, request
-        raise KeyError(sequence)
 
     def _calls(self, runs: list[Run]) -> list:
         """The step as program calls: the one-token rows together, the prompt chunks together."""

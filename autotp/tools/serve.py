@@ -81,9 +81,8 @@ def add_serve_parser(sub, positive) -> None:
 
 
 def serve_command(args) -> int:
-    options = ServeOptions(**{k: v for k, v in vars(args).items() if k in ServeOptions.__dataclass_fields__
-                              and k != "world_size"}, world_size=args.world_size or int(os.environ.get("WORLD_SIZE",
-                                                                                                         1)))
+    given = {k: v for k, v in vars(args).items() if k in ServeOptions.__dataclass_fields__}
+    options = ServeOptions(**{**given, "world_size": args.world_size or int(os.environ.get("WORLD_SIZE", 1))})
     if not (Path(options.model) / "config.json").is_file():
         raise ValueError(f"{options.model} has no config.json: give a directory saved by save_pretrained")
     if "RANK" in os.environ:  # under torchrun: this process is one rank

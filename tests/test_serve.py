@@ -181,9 +181,12 @@ def test_under_torchrun_each_process_is_a_rank_and_sigterm_drains(tmp_path):
     does)."""
     save_model(tmp_path)
     with Server(tmp_path, torchrun=True) as server:
-        reply = _client(server).chat.completions.create(model=tmp_path.name, max_tokens=3, temperature=0,
-                                                        messages=[{"role": "user", "content": "w9 w10"}])
-        assert reply.choices[0].finish_reason in ("stop", "length") and reply.usage.prompt_tokens == 7
+        reply = _client(server).chat.completions.create(model=tmp_path.name, temperature=0,
+                                                        messages=[{"role": "user", "content": "w9 w10"}],
+                                                        extra_body={"ignore_eos": True})
+        # no max_tokens: a chat reply runs to the end of the sequence's room (128 positions)
+        assert reply.choices[0].finish_reason == "length" and reply.usage.prompt_tokens == 7
+        assert reply.usage.completion_tokens == 128 - 7
         server.process.send_signal(signal.SIGTERM)
         server.process.wait(60)
         said = server.output()

@@ -26,15 +26,17 @@ class ApiError(Exception):
         self.status, self.message, self.kind, self.param = status, message, kind, param
 
 
-def sampling_of(body: dict) -> Sampling:
-    """The request's sampling fields, checked (Refused names the wrong one)."""
+def sampling_of(body: dict, room: int) -> Sampling:
+    """The request's sampling fields, checked (Refused names the wrong one).  Without max_tokens a completion makes
+    16 tokens (OpenAI's default) and a chat reply runs to ``room``, the tokens its sequence has left."""
     stop = body.get("stop") or ()
     stop = (stop,) if isinstance(stop, str) else tuple(stop)
     logprobs = body.get("logprobs")
     if body.get("messages") is not None:  # chat: logprobs is a flag, top_logprobs the count
         logprobs = (body.get("top_logprobs") or 0) if logprobs else None
     try:
-        return Sampling(max_tokens=body.get("max_tokens", body.get("max_completion_tokens")) or 16,
+        asked = body.get("max_tokens", body.get("max_completion_tokens"))
+        return Sampling(max_tokens=asked if asked is not None else (room if "messages" in body else 16),
                         temperature=float(body.get("temperature", 1.0)), top_p=float(body.get("top_p", 1.0)),
                         top_k=max(0, int(body.get("top_k", 0))), seed=body.get("seed"), stop=stop,
                         n=body.get("n", 1), logprobs=logprobs, ignore_eos=bool(body.get("ignore_eos", False)))
@@ -91,7 +93,7 @@ def make_app(engine, tokenizer, *, model_name: str, api_key: str | None = None) 
 
     async def serve(http: HttpRequest, prompt: list, body: dict, chat: bool):
         try:
-            sampling = sampling_of(body)
+            sampling = sampling_of(body, max(1, engine.scheduler.max_model_len - len(prompt)))
         except Refused as exc:
             raise ApiError(400, str(exc)) from exc
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()

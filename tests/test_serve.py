@@ -193,18 +193,31 @@ def test_under_torchrun_each_process_is_a_rank_and_sigterm_drains(tmp_path):
         assert "closing signal SIGTERM" in said and "ChildFailedError" not in said and "ranks failed" not in said, said
 
 
-def _engine_logits(rank: int, world: int) -> list:
+def _served_model(family: str):
+    """The engine tests' model, the same on every rank: LLaMA; Gemma-3 (sliding-window and full layers alternating,
+    a window of 4); Mistral with every layer windowed to 4."""
+    import transformers
+
+    from tests.helpers import configs
+    torch.manual_seed(5)
+    if family == "gemma3":
+        return transformers.Gemma3ForCausalLM(configs.by_layer_type("Gemma3TextConfig")).eval()
+    if family == "mistral":
+        config = configs.architecture("mistral", sliding_window=4)
+        config.use_cache = True
+        return transformers.MistralForCausalLM(config).eval()
+    return transformers.LlamaForCausalLM(configs.llama(use_cache=True, max_position_embeddings=128)).eval()
+
+
+def _engine_logits(rank: int, world: int, family: str) -> list:
     """8 requests submitted to the engine two steps apart over a pool of 8 blocks of 4 tokens, every step's full
     logits recorded (rank 0's: they pick the tokens)."""
     import autotp
     from autotp.serving import engine as serving
-    torch.manual_seed(5)
-    from transformers import LlamaForCausalLM
-
-    from tests.helpers import configs
-    model = LlamaForCausalLM(configs.llama(use_cache=True, max_position_embeddings=128)).eval()
+    model = _served_model(family)
     sharded = autotp.parallelize(model, (torch.zeros(2, 8, dtype=torch.long),))
-    engine = serving.Engine(sharded, tokenizer(96), blocks=8, block_size=4, max_num_seqs=8, max_batched_tokens=8)
+    engine = serving.Engine(sharded, tokenizer(model.config.vocab_size), blocks=8, block_size=4, max_num_seqs=8,
+                            max_batched_tokens=8, max_model_len=32)
     if rank != 0:
         engine.follow()
         return []
@@ -235,20 +248,19 @@ def _engine_logits(rank: int, world: int) -> list:
     return [(r.prompt, r.choices[0].sequence.output, torch.stack(seen[id(r.choices[0])]).tolist()) for r in requests]
 
 
-def test_every_steps_logits_equal_transformers_whatever_runs_beside():
+@pytest.mark.parametrize("family", ["llama", pytest.param("gemma3", marks=pytest.mark.slow),
+                                    pytest.param("mistral", marks=pytest.mark.slow)])
+def test_every_steps_logits_equal_transformers_whatever_runs_beside(family):
     """The engine itself on 2 ranks: 8 requests joining a running batch two steps apart, prompts chunked, sequences
-    preempted; each step's whole row of logits equals transformers' for that prompt alone (teacher-forced)."""
-    from transformers import LlamaForCausalLM
-
-    from tests.helpers import configs
+    preempted; each step's whole row of logits equals transformers' for that prompt alone (teacher-forced), with
+    full attention and with sliding windows shorter than the prompts."""
     from tests.helpers.distributed import run_ranks
-    results = run_ranks(2, _engine_logits)[0]
-    torch.manual_seed(5)  # the ranks' model
-    model = LlamaForCausalLM(configs.llama(use_cache=True, max_position_embeddings=128)).eval()
+    results = run_ranks(2, _engine_logits, family)[0]
+    model = _served_model(family)
     for prompt, output, logits in results:
         with torch.no_grad():
             ref = model(torch.tensor([prompt + output])).logits[0, len(prompt) - 1:-1]
-        assert ref.shape == (12, 96)
+        assert ref.shape == (12, model.config.vocab_size)
         torch.testing.assert_close(torch.tensor(logits), ref, **TOL)
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.exact import TOL
+from tests.helpers.exact import TOL, sums_per_block
 from tests.helpers.serving import Server, save_model, tokenizer
 
 pytest.importorskip("openai")
@@ -245,7 +245,12 @@ def _engine_logits(rank: int, world: int, family: str) -> list:
     loop.join()
     assert engine.scheduler.preemptions > 0, "the small pool was meant to force preemption"
     assert engine.program.autotp_programs.made == 0, "the step program was captured again for some step's sizes"
-    return [(r.prompt, r.choices[0].sequence.output, torch.stack(seen[id(r.choices[0])]).tolist()) for r in requests]
+    plan = engine.program.autotp_plan
+    layout = {"pools": {n: p for n, p in plan.params.items() if n.startswith(("keys_", "values_"))},
+              "local": tuple(engine.program.get_buffer("keys_0").shape), "sums": dict(sums_per_block(plan)),
+              "in_blocks": sorted({c["op"] for c in plan.collectives if ".layers." in c["module"]})}
+    return [(r.prompt, r.choices[0].sequence.output, torch.stack(seen[id(r.choices[0])]).tolist(), layout)
+            for r in requests]
 
 
 @pytest.mark.parametrize("family", ["llama", pytest.param("gemma3", marks=pytest.mark.slow),
@@ -257,7 +262,12 @@ def test_every_steps_logits_equal_transformers_whatever_runs_beside(family):
     from tests.helpers.distributed import run_ranks
     results = run_ranks(2, _engine_logits, family)[0]
     model = _served_model(family)
-    for prompt, output, logits in results:
+    if family == "llama":  # the pool split by KV heads (2 on 2 ranks), Megatron's two sums a block, nothing else
+        layout = results[0][3]
+        assert set(layout["pools"].values()) == {"S(1)"} and len(layout["pools"]) == 4
+        assert layout["local"] == ((8 + 1) * 4, 1, 16)  # 8 blocks and the scratch block, of 4 slots; 1 KV head
+        assert layout["sums"] == {0: 2, 1: 2} and layout["in_blocks"] == ["all_reduce"]
+    for prompt, output, logits, _ in results:
         with torch.no_grad():
             ref = model(torch.tensor([prompt + output])).logits[0, len(prompt) - 1:-1]
         assert ref.shape == (12, model.config.vocab_size)

@@ -343,3 +343,13 @@ def test_the_pool_is_sized_from_blocks_bytes_or_the_default():
     assert kv_blocks(options, sharded, 64) == 32 * 4
     with pytest.raises(ValueError, match="holds no block"):
         kv_blocks(ServeOptions(model="m", world_size=4, kv_cache_memory=per_block - 1), sharded, 64)
+
+
+def test_a_wrong_command_line_is_one_line(tmp_path):
+    import subprocess
+    import sys
+    autotp = Path(sys.executable).parent / "autotp"
+    for args, says in [([str(tmp_path / "nowhere")], "has no config.json"),
+                       ([str(tmp_path), "--kv-cache-memory", "4XB"], "not a size: '4XB'")]:
+        done = subprocess.run([str(autotp), "serve", *args], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and says in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr

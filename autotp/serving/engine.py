@@ -16,12 +16,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from autotp.serving.generation import choose_tokens
 from autotp.serving.paged_cache import step_program
 from autotp.serving.scheduler import Refused, Run, Scheduler, Sequence
 
 TICK_SECONDS = 1.0
 KINDS = ("tick", "stop", "step")
-HEADER = 2 + 3 * 2  # a step is at most two calls (serving/engine.py: Engine._calls)
+HEADER = 2 + 3 * 2  # a step is at most two calls (Engine._calls)
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,7 @@ class Choice:
     def pick(self, logits: torch.Tensor, eos: set) -> None:
         """Choose the next token from this step's logits [vocab]; finish on end of sequence, a stop string or length."""
         s = self.sampling
-        token = int(_choose(logits, s.temperature, s.top_k, s.top_p, self.generator))
+        token = int(choose_tokens(logits, s.temperature > 0, s.temperature, s.top_k, s.top_p, self.generator))
         if s.logprobs is not None:
             logprobs = logits.float().log_softmax(-1)
             top = logprobs.topk(s.logprobs) if s.logprobs else None
@@ -92,21 +93,6 @@ class Choice:
         return piece
 
 
-def _choose(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, generator) -> torch.Tensor:
-    if temperature == 0:
-        return logits.argmax(-1)
-    scores = logits.float() / temperature
-    if top_k:
-        kth = torch.topk(scores, min(top_k, scores.shape[-1])).values[-1]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    if top_p < 1:
-        ordered, order = scores.sort()
-        drop = ordered.softmax(-1).cumsum(-1) <= 1 - top_p
-        drop[-1] = False
-        scores = scores.masked_fill(drop.scatter(0, order, drop), float("-inf"))
-    return torch.multinomial(scores.softmax(-1), 1, generator=generator)[0]
-
-
 class Request:
     """A client's request: its choices, and ``notify(request)``, called on the engine's thread after each step
     that changed it (or with ``error`` set when the engine failed)."""
@@ -115,8 +101,6 @@ class Request:
         self.prompt, self.sampling, self.notify = list(prompt), sampling, notify
         self.choices: list = []
         self.error: str | None = None
-        self.created = time.time()
-        self.first_token_at: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -131,7 +115,6 @@ class Engine:
     def __init__(self, sharded, tokenizer, *, blocks: int, block_size: int = 16, max_num_seqs: int = 32,
                  max_batched_tokens: int = 512, max_model_len: int | None = None):
         self.group = sharded.autotp_group
-        self.rank = dist.get_rank(self.group)
         self.device = next(sharded.parameters()).device
         self.program = step_program(sharded, blocks + 1, block_size)  # the last block: where padding is written
         self.scratch = blocks * block_size
@@ -275,7 +258,6 @@ class Engine:
                     choice, request = run.sequence.owner
                     choice.pick(row, self.eos)
                     self.generated += 1
-                    request.first_token_at = request.first_token_at or time.time()
                     changed[id(request)] = request
         self.recent.append((time.time(), sum(r.samples for r in runs)))
         for request in changed.values():

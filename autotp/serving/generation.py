@@ -26,11 +26,10 @@ class _CachedLM(torch.nn.Module):
         config = model.config.get_text_config()
         self.model = model
         self.cache = StaticCache(config=config, max_cache_len=max_len)
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        kv_heads, head_dim = kv_heads_and_dim(config)
         # the cache tensors become constants of the captured graph, updated in place by index_copy_
         where = torch.device("meta") if _is_meta(model) else device  # allocated per rank, sharded, when meta
-        self.cache.early_initialization(batch, kv_heads, head_dim, _dtype_of(model), where)
+        self.cache.early_initialization(batch, kv_heads, head_dim, dtype_of(model), where)
 
     def forward(self, input_ids, attention_mask, position_ids, cache_position):
         for layer in self.cache.layers:  # where this call writes: its positions, not a count kept since capture
@@ -40,8 +39,14 @@ class _CachedLM(torch.nn.Module):
                           logits_to_keep=1).logits
 
 
-def _dtype_of(model: torch.nn.Module) -> torch.dtype:
+def dtype_of(model: torch.nn.Module) -> torch.dtype:
     return next(p.dtype for p in model.parameters() if p.is_floating_point())
+
+
+def kv_heads_and_dim(config) -> tuple[int, int]:
+    """(KV heads, head dim) of a text config: what a layer's cache holds per token."""
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return heads, getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 class ResidentShards:
@@ -68,9 +73,10 @@ class ResidentShards:
         return torch.zeros([len(range(*b.indices(n))) for b, n in zip(box, self.shapes[name], strict=True)])
 
 
-def _choose(logits: torch.Tensor, do_sample: bool, temperature: float, top_k: int | None, top_p: float | None,
+def choose_tokens(logits: torch.Tensor, do_sample: bool, temperature: float, top_k: int | None, top_p: float | None,
             generator: torch.Generator | None) -> torch.Tensor:
-    """Next tokens (batch,) from last-position logits, as transformers' generate picks them."""
+    """Next tokens (batch,) from last-position logits [batch, vocab] (or one token from [vocab]), as transformers'
+    generate picks them."""
     if not do_sample:
         return logits.argmax(dim=-1)
     scores = logits.float() / temperature
@@ -179,7 +185,7 @@ def generate(sharded: torch.nn.Module, input_ids: torch.Tensor, attention_mask: 
     generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
     tokens, done = input_ids.to(device), torch.zeros(batch, dtype=torch.bool, device=device)
     for start in range(prompt, total):
-        chosen = _choose(last_logits(tokens, start), do_sample, temperature, top_k, top_p, generator)
+        chosen = choose_tokens(last_logits(tokens, start), do_sample, temperature, top_k, top_p, generator)
         dist.broadcast(chosen, group_src=0, group=group)  # every rank continues with rank 0's tokens
         chosen = torch.where(done, torch.full_like(chosen, pad), chosen)
         done |= torch.isin(chosen, torch.tensor(sorted(eos), device=device, dtype=chosen.dtype))

@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from autotp.serving.generation import ResidentShards, dtype_of, kv_heads_and_dim
+
 PREFIX = "model."  # the step wrapper holds the model as ``model``
 
 
@@ -85,9 +87,8 @@ class PagedLM(torch.nn.Module):
         self.kinds = attention_layer_types(config)
         self.window = getattr(config, "sliding_window", None)
         self.block_size = block_size
-        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        dtype = dtype or next(p.dtype for p in model.parameters() if p.is_floating_point())
+        heads, dim = kv_heads_and_dim(config)
+        dtype = dtype or dtype_of(model)
         meta = torch.device("meta")  # each rank allocates only its piece, zeroed (runtime/materialize.py)
         for i in range(len(self.kinds)):
             for kind in ("keys", "values"):
@@ -127,7 +128,6 @@ def step_program(sharded: torch.nn.Module, blocks: int, block_size: int) -> torc
     from autotp.api import tensor_parallel
     from autotp.options import PlanOptions, RunOptions
     from autotp.runtime.conversion import on_meta
-    from autotp.serving.generation import ResidentShards
     source = sharded.autotp_source
     training = source.training
     wrapper = PagedLM(on_meta(source), blocks, block_size).eval()  # captured weightless: the weights are shared

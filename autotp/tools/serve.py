@@ -165,14 +165,14 @@ def kv_blocks(options: ServeOptions, sharded, max_len: int) -> int:
     --max-num-seqs sequences of max_len).  A rank's block holds its KV heads: the whole heads over the ranks,
     rounded up."""
     import torch
+
+    from autotp.serving.generation import dtype_of, kv_heads_and_dim
     if options.kv_blocks:
         return options.kv_blocks
     config = sharded.autotp_source.config.get_text_config()
-    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    dtype = next(p.dtype for p in sharded.parameters() if p.is_floating_point())
+    heads, dim = kv_heads_and_dim(config)
     per_block = (2 * config.num_hidden_layers * options.block_size * -(-heads // options.world_size) * dim
-                 * dtype.itemsize)
+                 * dtype_of(sharded).itemsize)
     budget = options.kv_cache_memory
     if budget is None and torch.cuda.is_available():
         free, _ = torch.cuda.mem_get_info()

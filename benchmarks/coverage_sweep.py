@@ -36,10 +36,12 @@ from machine import describe
 OUT = Path(__file__).resolve().parent / "coverage"
 TOL = {"rtol": 1e-4, "atol": 1e-5}  # the suite's (tests/helpers/exact.py)
 RUN_BATCH, RUN_SEQ = 8, 1024  # the shapes plans are priced at (run_shapes)
-# A block's matrices only offered sharded (its norm and bias vectors, under 0.3% of the largest table, left free), as
-# for a model too large for one device, what TP is for: at the sweep's widths (hidden 64) replicating a small
-# attention beside a wide MLP or conv stem is rightly cheaper
-MIN_SHARD_FRACTION = 3e-3
+# Parameters of at least hidden x hidden elements (the shrunk width, cm.HIDDEN) only offered sharded, as for a model
+# too large for one device, what TP is for: at the sweep's widths replicating a small attention beside a wide MLP or
+# conv stem is rightly cheaper.  Narrower ones (a router's rows of 4 experts, a low-rank down projection, a depthwise
+# kernel, norm and bias vectors) are left to the cost model, as Megatron and vLLM keep them whole.  A fraction of the
+# largest parameter would not do: that is a vocabulary, a position table or a conv stem, sized unlike the blocks.
+SHARD_FROM = cm.HIDDEN ** 2
 _BLOCK = re.compile(r"^(.*?\.\d+)(\.|$)")
 
 
@@ -130,19 +132,21 @@ def measure(plan, model, gm) -> dict:
     share = max((sum(_local(parse(plan.params[n]), shapes[n], r, plan.world_size) for n in block_params) / full
                  for r in range(plan.world_size)), default=1.0) if full else None
     blocks = {_BLOCK.match(n).group(1) for n in block_params}
-    per: dict = {b: Counter() for b in blocks}
     nodes = {n.name: n for n in gm.graph.nodes}
-    for c in plan.collectives:
-        found = _BLOCK.match(c["module"] or "")
-        if c["phase"] == "forward" and found:
-            kind = "statistics" if c["op"] == "all_reduce" and _statistic(nodes.get(c["tensor"])) else c["op"]
-            per.setdefault(found.group(1), Counter())[kind] += c.get("count", 1)
     attention = [(k, v, _rank_of(nodes.get(k))) for k, v in plan.nodes.items() if _ATTENTION.search(v.get("op", ""))
                  and ("softmax" not in v["op"] or _rank_of(nodes.get(k)) >= 3)]  # a router's softmax is 2-D
-    cores = Counter(found.group(1) for _, v, _ in attention for found in [_BLOCK.match(v.get("module") or "")] if found)
+    cores = Counter(found[-1] for _, v, _ in attention for found in [_numbered(v.get("module") or "")] if found)
+    per: dict = {b: Counter() for b in blocks}
+    for c in plan.collectives:
+        block = _block_of(c["module"] or "", cores)
+        if c["phase"] == "forward" and block:
+            kind = "statistics" if c["op"] == "all_reduce" and _statistic(nodes.get(c["tensor"])) else c["op"]
+            per.setdefault(block, Counter())[kind] += c.get("count", 1)
+    calls = Counter(v.get("module") for v in plan.nodes.values() if v.get("op") == "aten.linear.default")
     worst, counts, extra = 0, {}, []
     for block, n in per.items():
-        megatron = cores[block] + 1  # one sum per attention core, one for the MLP (or mixer)
+        applied = max((k for m, k in calls.items() if m and _block_of(m, cores) == block), default=1)
+        megatron = cores[block] + applied  # one sum per attention core, one for the MLP (or mixer) each time it runs
         paired = min(n["reduce_scatter"], n["all_gather"])
         effective = n["all_reduce"] + n["reduce_scatter"] + (n["all_gather"] - paired) + math.ceil(
             n["all_to_all"] / 2) + sum(v for k, v in n.items() if k not in (
@@ -151,7 +155,7 @@ def measure(plan, model, gm) -> dict:
             extra = [f"{c['op']} of {c['tensor']} ({plan.nodes.get(c['tensor'], {}).get('op', '?')}) in {c['module']}"
                      for c in plan.collectives if c["phase"] == "forward" and (c["module"] or "").startswith(block)]
         worst = max(worst, effective - megatron)
-        counts[block] = dict(n)
+        counts[block] = dict(n, applied=applied) if applied > 1 else dict(n)
     unsplit = [f"{v['op']} in {v.get('module') or '?'}: out {v['out']}" for _, v, rank in attention
                if not _by_heads(v["out"], rank)]
     replicated = plan.cost.get("replicated") or dict.fromkeys(plan.replicated_ops, "no sharding rule")
@@ -159,6 +163,19 @@ def measure(plan, model, gm) -> dict:
             "attention_ops": len(attention), "unsplit_attention": unsplit[:3],
             "replicated": [f"{op}: {why}" for op, why in list(replicated.items())[:6]],
             "replicated_count": len(replicated)}
+
+
+def _numbered(module: str) -> list[str]:
+    """The module's numbered prefixes, outermost first: ``a.layers.1.mlp.experts.3`` -> ``a.layers.1``, ``...3``."""
+    parts = module.split(".")
+    return [".".join(parts[:i + 1]) for i, part in enumerate(parts) if part.isdigit()]
+
+
+def _block_of(module: str, cores: Counter) -> str | None:
+    """The block a collective of ``module`` is counted in: the innermost numbered module holding an attention core
+    (ALBERT's and Funnel's layers inside a numbered group each count as a block), else the outermost numbered one."""
+    numbered = _numbered(module)
+    return next((p for p in reversed(numbered) if p in cores), numbered[0] if numbered else None)
 
 
 def _statistic(node) -> bool:
@@ -189,12 +206,13 @@ def _by_heads(placement: str, rank: int) -> bool:
 
 def _plan(model, kwargs):
     """autotp.plan(model, (), kwargs, world_size=2, **options) as api.plan writes it, keeping the graph (shapes
-    of its ops) and the options: priced at a run's shapes (run_shapes), block weights only offered sharded."""
+    of its ops) and the options: priced at a run's shapes (run_shapes), a block's matrices only offered sharded."""
     from autotp.options import PlanOptions
     from autotp.passes.prepared_graph import prepared_graph
     from autotp.planning.tensor_plan import solve_plan
     gm = prepared_graph(model, (), kwargs, True)
-    options = {"price_at": run_shapes(gm), "min_shard_fraction": MIN_SHARD_FRACTION}
+    largest = max((p.numel() for p in model.parameters()), default=1)
+    options = {"price_at": run_shapes(gm), "min_shard_fraction": min(1.0, SHARD_FROM / largest)}
     return solve_plan(gm, 2, PlanOptions(**options), price_experts=True), gm, options
 
 

@@ -9,9 +9,9 @@ by one generic rule (benchmarks/coverage_models.py), planned for 2 ranks on the 
 ``plan`` records per architecture (JSON lines, benchmarks/coverage/plan-<time>.jsonl; entries in earlier files are
 skipped, so a stopped run resumes): whether the shrunk config builds and runs one forward on the CPU, whether
 autotp's capture (torch.export) takes it, the plan's share of block (numbered, non-embedding) weights per rank, the
-forward collectives per block against Megatron's (2 a block, 3 with cross-attention; a reduce-scatter + all-gather
-pair or an all-to-all pair counts as one), whether every attention core (SDPA, softmax, flex) is split by heads,
-and why ops ran replicated.  ``exact`` runs the models that planned on 2 gloo ranks (autotp.tools.spawn), comparing
+forward collectives per block against Megatron's (2 a block, 3 with cross-attention; an all-gather or a
+reduce-scatter counts half an all-reduce, an all-to-all pair one), whether every attention core (SDPA, softmax,
+flex) is split by heads, and why ops ran replicated.  ``exact`` runs the models that planned on 2 gloo ranks (autotp.tools.spawn), comparing
 outputs and gradients with one process at fp32 rtol 1e-4 / atol 1e-5 (a value off by more is measured against
 float64: at most 4 times as far from it as one process is, it is fp32 rounding, recorded as such).  The whole run
 is pinned to one core.
@@ -143,12 +143,16 @@ def measure(plan, model, gm) -> dict:
             kind = "statistics" if c["op"] == "all_reduce" and _statistic(nodes.get(c["tensor"])) else c["op"]
             per.setdefault(block, Counter())[kind] += c.get("count", 1)
     calls = Counter(v.get("module") for v in plan.nodes.values() if v.get("op") == "aten.linear.default")
+    residuals = Counter(v.get("module") for k, v in plan.nodes.items() if _residual(nodes.get(k)))
     worst, counts, extra = 0, {}, []
     for block, n in per.items():
         applied = max((k for m, k in calls.items() if m and _block_of(m, cores) == block), default=1)
-        megatron = cores[block] + applied  # one sum per attention core, one for the MLP (or mixer) each time it runs
-        paired = min(n["reduce_scatter"], n["all_gather"])
-        effective = n["all_reduce"] + n["reduce_scatter"] + (n["all_gather"] - paired) + math.ceil(
+        # one sum per attention core, one for the MLP (or mixer) each time the block runs; or one per sublayer
+        # added to the residual stream (a conformer's two half-step FFNs, attention and conv module: four)
+        megatron = max(cores[block] + applied, residuals[block])
+        # an all-gather or a reduce-scatter is half an all-reduce (a ring all-reduce is one of each, same bytes):
+        # Megatron-SP's pair counts one, and so do the two gathers of a residual stream split by channels
+        effective = n["all_reduce"] + math.ceil((n["reduce_scatter"] + n["all_gather"]) / 2) + math.ceil(
             n["all_to_all"] / 2) + sum(v for k, v in n.items() if k not in (
                 "all_reduce", "reduce_scatter", "all_gather", "all_to_all", "statistics"))
         if effective - megatron > worst:
@@ -176,6 +180,15 @@ def _block_of(module: str, cores: Counter) -> str | None:
     (ALBERT's and Funnel's layers inside a numbered group each count as a block), else the outermost numbered one."""
     numbered = _numbered(module)
     return next((p for p in reversed(numbered) if p in cores), numbered[0] if numbered else None)
+
+
+def _residual(node) -> bool:
+    """An add of two tensors of its own shape: at a block's own level, a sublayer's output added to the stream."""
+    if node is None or node.target != torch.ops.aten.add.Tensor:
+        return False
+    shapes = [a.meta.get("val").shape if isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
+              else None for a in node.args[:2]]
+    return shapes[0] is not None and shapes[0] == shapes[1] == node.meta["val"].shape
 
 
 def _statistic(node) -> bool:

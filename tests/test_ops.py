@@ -62,7 +62,11 @@ def pointwise(m, x, y):
     h = h.square() + torch.nn.functional.softplus(h) + torch.expm1(h / 4) + (1 - h) + torch.zeros_like(h)
     h = torch.minimum(h, y) + torch.maximum(h, y) + torch.min(h, y) + torch.max(h, y) + torch.ones_like(y)
     h = aten.where.ScalarOther(masks[0], h, 0.5)
-    return h * m.w + masks[0] + masks[1] + masks[4] + masks[5]
+    g = h.abs() + 1
+    h = h + torch.log(g) + torch.log2(g) + torch.log1p(g) + torch.nn.functional.logsigmoid(h) + g.reciprocal()
+    h = h + torch.nn.functional.hardtanh(h) + torch.nn.functional.hardsigmoid(h) + torch.nn.functional.hardswish(h)
+    h = h + torch.sign(h) + torch.ceil(h) + torch.floor(h) + torch.round(h) + aten.multiply.Tensor(h, y)
+    return h * m.w.expand_as(h) + masks[0] + masks[1] + masks[4] + masks[5]
 
 
 def products(m, x, rows):
@@ -211,10 +215,11 @@ def einsums(m, x):
 
 def convolutions(m, x, image):
     """A 1-D conv over the sequence (channels first), a depthwise one with a bias (state-space layers), a 2-D
-    patch embedding and an eval-mode batch norm of it."""
+    patch embedding (and one padded "same"), and an eval-mode batch norm of it."""
     h = torch.nn.functional.conv1d(x.transpose(1, 2), m.mix, padding=1)
     h = torch.nn.functional.conv1d(h, m.depthwise, m.depthwise_bias, padding=2, groups=FFN)
     patches = torch.nn.functional.conv2d(image, m.patch, m.patch_bias, stride=2)
+    patches = patches + torch.nn.functional.conv2d(image, m.patch, padding="same")[..., ::2, ::2]
     stats = m.bn_mean.detach(), (m.bn_var.square() + 0.5).detach()  # running statistics: no gradient
     patches = torch.nn.functional.batch_norm(patches, *stats, m.bn_w, m.bn_b)
     return h.transpose(1, 2)[:, : x.shape[1]].sum(-1) + patches.flatten(2).sum((1, 2)).unsqueeze(-1)
@@ -234,6 +239,33 @@ def channels(m, image, x):
         signal = signal + torch.nn.functional.interpolate(signal, size=7, mode=mode)[..., :5]
     signal = torch.nn.functional.avg_pool1d(signal, 2, stride=1, padding=1)[..., :5]
     return signal + torch.nn.functional.adaptive_avg_pool1d(signal, 1)
+
+
+def selections(m, x, ids):
+    """Reductions that are no sums (max, logsumexp, a vector norm), picks along a dim (relative positions read
+    with gather, a router's weights written with scatter), repeats, a causal mask's tril and a concat."""
+    h = x * m.w  # [2, 5, H]
+    values, where = h.max(-1, keepdim=True)
+    low, _ = h.min(1)
+    h = (h - values + torch.amax(h, 1, keepdim=True) + torch.amin(h, (0, 1)) + torch.logsumexp(h, 1, keepdim=True)
+         + torch.linalg.vector_norm(h, dim=-1, keepdim=True) + where + low.unsqueeze(1)
+         + h.argmax(1, keepdim=True) + h.argmin(-1, keepdim=True))
+    picked = torch.gather(h, 2, ids) + h.scatter(2, ids, 0.5)[..., :3] + h.scatter(2, ids, h[..., 3:6])[..., :3]
+    heads = h.view(2, 5, HEADS, D).transpose(1, 2)
+    scores = ((heads @ heads.transpose(2, 3)).tril() + (heads @ heads.transpose(2, 3)).triu(1)).sum(1)  # [2, 5, 5]
+    tiled = h.repeat(1, 2, 1)[:, :5] + h.repeat(2, 1, 1, 1).sum(0)
+    return torch.concat([picked, scores, tiled], -1)
+
+
+def conformer(m, x):
+    """A conformer's convolution module: a pointwise conv to two gated halves (glu over the channels), a depthwise
+    conv, a batch norm, and a pointwise conv back, each with a bias."""
+    h = torch.nn.functional.conv1d(x.transpose(1, 2), m.pw1, m.pw1_bias)  # [2, 2 * FFN, 5]
+    h = torch.nn.functional.glu(h, dim=1)
+    h = torch.nn.functional.conv1d(h, m.dw, m.dw_bias, padding="same", groups=FFN)
+    h = torch.nn.functional.batch_norm(h, m.bn_mean.detach(), (m.bn_var.square() + 0.5).detach(), m.bn_w, m.bn_b)
+    h = torch.nn.functional.conv1d(torch.nn.functional.silu(h), m.pw2, m.pw2_bias)
+    return x + h.transpose(1, 2)
 
 
 SAMPLES = {
@@ -260,6 +292,11 @@ SAMPLES = {
     "scans": (lambda: Program(scans, w=(H,)), lambda: (_floats(2, 5, H),)),
     "channels": (lambda: Program(channels, v=(H, 3, 2, 2), g=(H, 1, 1, 1)),
                  lambda: (_floats(2, 3, 4, 4), _floats(2, 5, H))),
+    "selections": (lambda: Program(selections, w=(H,)),
+                   lambda: (_floats(2, 5, H), torch.randint(0, H, (2, 5, 3)))),
+    "conformer": (lambda: Program(conformer, pw1=(2 * FFN, H, 1), pw1_bias=(2 * FFN,), dw=(FFN, 1, 3), dw_bias=(FFN,),
+                                  bn_mean=(FFN,), bn_var=(FFN,), bn_w=(FFN,), bn_b=(FFN,), pw2=(H, FFN, 1),
+                                  pw2_bias=(H,)), lambda: (_floats(2, 5, H),)),
     "experts": (lambda: Program(experts, w=(3, H, 8)), lambda: (_floats(8, H), torch.tensor([0, 0, 0, 1, 1, 2, 2, 2]))),
 }
 

@@ -311,9 +311,9 @@ def convolution(node: Node, ctx: Context) -> list[Strategy]:
         return []
     with_bias = isinstance(bias, Node)
     found = [Strategy(ctx.fill(node, {x: s}), s) for s in ctx.shard_options(node, 0) if s.chunks is None]
-    if groups == 1:
+    if groups == 1:  # output channels, block by block too (a gate's halves: glu after it)
         found += [Strategy(ctx.fill(node, {w: s.at(0), **({bias: s.at(0)} if with_bias else {})}), s)
-                  for s in ctx.shard_options(node, 1) if s.chunks is None]
+                  for s in ctx.shard_options(node, 1) if s.chunks is None or s.groups is None]
         if not with_bias:
             found += [Strategy(ctx.fill(node, {x: s, w: s.at(1)}), P)
                       for s in contractible(ctx.shard_options(x, 1), 1, ctx.world)]
@@ -352,10 +352,29 @@ def _through(node: Node, ctx: Context, acted: set) -> list[Strategy]:
 
 
 def along_dims(node: Node, ctx: Context) -> list[Strategy]:
-    """glu(x, dim) halves ``dim``, flip(x, dims) reverses ``dims``: every other dim passes through."""
-    n = len(ctx.shape(node.args[0]))
+    """glu(x, dim) halves ``dim``, flip(x, dims) reverses ``dims``: every other dim passes through.  glu's dim
+    split block by block, each half alike (a conformer's pointwise conv before it), gives each rank its slice
+    of the gated output."""
+    x = node.args[0]
+    n = len(ctx.shape(x))
     dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", -1)
-    return _through(node, ctx, {positive_dim(d, n) for d in (dims if isinstance(dims, (list, tuple)) else [dims])})
+    acted = {positive_dim(d, n) for d in (dims if isinstance(dims, (list, tuple)) else [dims])}
+    found = _through(node, ctx, acted)
+    if node.target == aten.glu.default:
+        (at,) = acted
+        found += [Strategy(ctx.fill(node, {x: s}), s.block(0, s.chunks[0], ctx.world))
+                  for s in ctx.shard_options(x, at) if s.chunks is not None and len(s.chunks) == 2
+                  and s.chunks[0] == s.chunks[1] and s.groups is None]
+    return found
+
+
+def last_dims(count: int):
+    """Ops over the last ``count`` dims (tril / triu of a matrix): the leading dims pass through."""
+    def rule(node: Node, ctx: Context) -> list[Strategy]:
+        n = len(ctx.shape(node.args[0]))
+        return _through(node, ctx, set(range(n - count, n)))
+    rule.__name__ = f"last_{count}_dims"
+    return rule
 
 
 def spatial(count: int):

@@ -18,6 +18,7 @@ import torch
 from torch.fx import Node
 
 from autotp.ops import dim_maps, local_forms
+from autotp.ops.along_rules import gather, reduced, repeat
 from autotp.ops.expert_rules import GROUPED_MM_FALLBACK, disjoint, grouped_mm, index, routed, squeeze, strided_slice
 from autotp.ops.flex import FLEX, flex_heads, global_heads, keeps_flex
 from autotp.ops.layout_rules import (
@@ -44,6 +45,7 @@ from autotp.ops.rules import (
     dropout,
     einsum,
     embedding,
+    last_dims,
     linear,
     matmul,
     normalize,
@@ -103,6 +105,10 @@ def keeps_attention(node, grad):
     """SDPA's fused kernels keep q, k, v, the mask, the output and the log-sum-exp of each row (fp32)."""
     mask = sum(isinstance(a, Node) for a in node.args[3:4]) + isinstance(node.kwargs.get("attn_mask"), Node)
     return [(0, None), (1, None), (2, None), *((3, "additive") for _ in range(mask)), (None, None), (None, "stats")]
+
+
+def keeps_index(node, grad):
+    return [(1, None)]  # gather / scatter(x, dim, index, ...): the index (input slot 1) routes the gradient
 
 
 def keeps_condition(node, grad):
@@ -208,8 +214,8 @@ _ROWS: dict = {
             keeps=keeps_nothing, local=local_forms.add_once),
     **_rows([aten.sub.Tensor], family="elementwise", rule=pointwise, additive=True, keeps=keeps_nothing,
             local=local_forms.add_once),
-    **_rows([aten.mul.Tensor], family="elementwise", rule=pointwise, linear=(0, 1), experts="combine",
-            keeps=keeps_operands),
+    **_rows([aten.mul.Tensor, aten.multiply.Tensor], family="elementwise", rule=pointwise, linear=(0, 1),
+            experts="combine", keeps=keeps_operands),
     **_rows([aten.div.Tensor], family="elementwise", rule=pointwise, linear=(0,), keeps=keeps_divisor),
     **_rows([aten.mul.Scalar], family="elementwise", rule=pointwise, linear=(0,), experts="zeros",
             keeps=keeps_nothing),
@@ -228,8 +234,15 @@ _ROWS: dict = {
     **_rows([aten.silu.default, aten.gelu.default], family="elementwise", rule=pointwise, experts="zeros",
             keeps=keeps_input),
     **_rows([aten.erf.default, aten.abs.default, aten.cos.default, aten.sin.default, aten.pow.Tensor_Scalar,
-             aten.square.default, aten.softplus.default, aten.expm1.default, aten.acos.default],
+             aten.square.default, aten.softplus.default, aten.expm1.default, aten.acos.default, aten.log.default,
+             aten.log2.default, aten.log1p.default, aten.log_sigmoid.default, aten.hardtanh.default,
+             aten.hardsigmoid.default, aten.hardswish.default],
             family="elementwise", rule=pointwise, keeps=keeps_input),
+    **_rows([aten.sign.default, aten.ceil.default, aten.floor.default, aten.round.default], family="elementwise",
+            rule=pointwise, keeps=keeps_nothing),
+    **_rows([aten.reciprocal.default], family="elementwise", rule=pointwise, keeps=keeps_output),
+    # x.expand_as(y): x broadcast to y's shape, y's dims split alike
+    **_rows([aten.expand_as.default], family="elementwise", rule=pointwise, keeps=keeps_nothing),
     **_rows([aten.rsub.Scalar, aten.zeros_like.default, aten.ones_like.default], family="elementwise",
             rule=pointwise, keeps=keeps_nothing),
     **_rows([aten.minimum.default, aten.maximum.default, aten.min.other, aten.max.other], family="elementwise",
@@ -264,8 +277,8 @@ _ROWS: dict = {
             local=local_forms.attention),
     **_rows([FLEX], family="attention", rule=flex_heads, flops=attention_flops, shape=attention_shape,
             keeps=keeps_flex, local=global_heads),
-    **_rows([aten.conv1d.default, aten.conv2d.default], family="convolution", rule=convolution,
-            keeps=keeps_operands, local=local_forms.depthwise_groups),
+    **_rows([aten.conv1d.default, aten.conv2d.default, aten.conv1d.padding, aten.conv2d.padding],
+            family="convolution", rule=convolution, keeps=keeps_operands, local=local_forms.depthwise_groups),
     **_rows([aten.embedding.default], family="embedding", rule=embedding, keeps=keeps_nothing, moves=lookup_bytes,
             local=local_forms.vocab_rows, styles={0: {1: "hidden split", 0: "vocab split"}}),
     **_rows([aten.repeat_interleave.self_int], family="repeat", rule=repeat_interleave, keeps=keeps_nothing,
@@ -279,11 +292,18 @@ _ROWS: dict = {
     **_rows([aten.layer_norm.default], family="layer_norm", rule=normalize, keeps=keeps_normalized),
     **_rows([aten.batch_norm.default], family="batch_norm", rule=batch_norm, keeps=keeps_input),
     **_rows([aten.cumsum.default], family="scan", rule=normalize, keeps=keeps_nothing),
+    **_rows([aten.max.dim, aten.min.dim, aten.amax.default, aten.amin.default, aten.argmax.default,
+             aten.argmin.default, aten.logsumexp.default, aten.linalg_vector_norm.default], family="reduced",
+            rule=reduced, keeps=keeps_input),
     **_rows([aten.topk.default], family="scan", rule=top_k, keeps=keeps_nothing),
     **_rows([aten.pad.default, aten.constant_pad_nd.default], family="pad", rule=pad, keeps=keeps_nothing),
     # along some dims, the others passed through: gates, flips, pooling and resampling of images and signals
     **_rows([aten.glu.default], family="along", rule=along_dims, keeps=keeps_input),
     **_rows([aten.flip.default], family="along", rule=along_dims, keeps=keeps_nothing),
+    **_rows([aten.tril.default, aten.triu.default], family="along", rule=last_dims(2), keeps=keeps_nothing),
+    **_rows([aten.repeat.default], family="repeat", rule=repeat, keeps=keeps_nothing),
+    **_rows([aten.gather.default, aten.scatter.value, aten.scatter.src], family="gather", rule=gather,
+            keeps=keeps_index),
     **_rows([aten.avg_pool2d.default, aten.adaptive_avg_pool2d.default], family="pool", rule=spatial(2),
             keeps=keeps_input),
     **_rows([aten.avg_pool1d.default, aten.adaptive_avg_pool1d.default], family="pool", rule=spatial(1),
@@ -319,7 +339,7 @@ _ROWS: dict = {
             keeps=keeps_nothing, local=local_forms.split),
     **_rows([aten.chunk.default], family="split", rule=split, experts="rows", keeps=keeps_nothing),
     **_rows([operator.getitem], family="getitem", rule=getitem, view=True, keeps=keeps_nothing),
-    **_rows([aten.cat.default, aten.stack.default], family="cat", rule=cat, keeps=keeps_nothing),
+    **_rows([aten.cat.default, aten.concat.default, aten.stack.default], family="cat", rule=cat, keeps=keeps_nothing),
     **_rows([aten.index_copy_.default, aten.index_copy.default, aten.index_select.default], family="indexed",
             rule=indexed, moves=lookup_bytes, keeps=keeps_nothing),
     # metadata only

@@ -39,6 +39,12 @@ def _fused_cuts(gm: torch.fx.GraphModule, ctx: Context) -> list:
             if len(sizes) > 1 and all(ctx.static(s) for s in sizes):
                 pieces = {user.args[1]: user for user in node.users if user.target is operator.getitem}
                 cuts.append((x, at % n, sizes, [pieces.get(k) for k in range(len(sizes))]))
+        elif node.target == aten.glu.default:  # gated halves: [a | b] -> a * sigmoid(b)
+            x = node.args[0]
+            n = len(ctx.shape(x))
+            at = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", -1)) % n
+            if ctx.static(ctx.shape(x)[at]) and ctx.shape(x)[at] % 2 == 0:
+                cuts.append((x, at, (ctx.shape(x)[at] // 2,) * 2, [None, None]))
     return cuts + _tiling_slices(gm, ctx)
 
 

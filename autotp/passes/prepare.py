@@ -52,6 +52,27 @@ def drop_no_ops(gm: torch.fx.GraphModule) -> None:
     gm.graph.lint()
 
 
+def spell_out_sizes(gm: torch.fx.GraphModule) -> None:
+    """x.reshape_as(y) -> x.reshape(y's sizes), x.view_as(y) -> x.view(...): the view rules read sizes, not a tensor
+    that only lends its shape (RoFormer's rotary); a dynamic size is read from y with sym_size."""
+    spelled = {aten.reshape_as.default: aten.reshape.default, aten.view_as.default: aten.view.default}
+    for node in list(gm.graph.nodes):
+        if node.target not in spelled or not isinstance(node.args[1], Node):
+            continue
+        like = node.args[1]
+        sizes = []
+        for d, size in enumerate(like.meta["val"].shape):
+            if isinstance(size, torch.SymInt):
+                with gm.graph.inserting_before(node):
+                    size_node = gm.graph.call_function(aten.sym_size.int, (like, d))
+                size_node.meta = {**node.meta, "val": size}
+                size = size_node
+            sizes.append(size)
+        node.target, node.args = spelled[node.target], (node.args[0], sizes)
+    gm.graph.lint()
+    gm.recompile()
+
+
 def _any_layout(node: Node) -> bool:
     """Every reader of ``node`` takes it in any memory layout (no ``view``, nothing writes into it or a view of it): a
     ``contiguous`` before them changes no value, and whether it is captured at all depends on the device (the meta
@@ -96,13 +117,18 @@ def getattr_path(gm: torch.nn.Module, target: str):
     return value
 
 
-def split_bias(gm: torch.fx.GraphModule) -> None:
-    """linear(x, w, b) -> linear(x, w) + b and addmm(b, x, w) -> mm(x, w) + b.
+_CONVOLUTIONS = (aten.conv1d.default, aten.conv2d.default, aten.conv1d.padding, aten.conv2d.padding)
 
-    A row-split matmul yields partial sums; the bias must be added once: by one rank to the partial
-    sums (strategies.adds_once) or after they are reduced.
+
+def split_bias(gm: torch.fx.GraphModule) -> None:
+    """linear(x, w, b) -> linear(x, w) + b, addmm(b, x, w) -> mm(x, w) + b and conv(x, w, b, ...) ->
+    conv(x, w, None, ...) + b[:, None, ...].
+
+    A row-split matmul (a conv over split input channels) yields partial sums; the bias must be added once: by one
+    rank to the partial sums (strategies.adds_once) or after they are reduced.
     """
     for node in list(gm.graph.nodes):
+        bias_shape = None
         if node.target == aten.linear.default and len(node.args) > 2 and node.args[2] is not None:
             x, w, b = node.args
             matmul_args = (x, w)
@@ -111,10 +137,18 @@ def split_bias(gm: torch.fx.GraphModule) -> None:
             b, x, w = node.args
             matmul_args = (x, w)
             target = aten.mm.default
+        elif node.target in _CONVOLUTIONS and len(node.args) > 2 and isinstance(node.args[2], Node):
+            b, target = node.args[2], node.target
+            matmul_args = (*node.args[:2], None, *node.args[3:])
+            bias_shape = [-1] + [1] * (node.meta["val"].dim() - 2)  # channels first: [C, 1, ...]
         else:
             continue
         with gm.graph.inserting_before(node):
-            product = gm.graph.call_function(target, matmul_args)
+            product = gm.graph.call_function(target, matmul_args, dict(node.kwargs))
+            if bias_shape is not None:
+                column = gm.graph.call_function(aten.view.default, (b, bias_shape))
+                column.meta = {**node.meta, "val": b.meta["val"].view(bias_shape)}
+                b = column
             total = gm.graph.call_function(aten.add.Tensor, (product, b))
         for new in (product, total):
             new.meta = dict(node.meta)

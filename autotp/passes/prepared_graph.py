@@ -13,6 +13,7 @@ from autotp.passes.prepare import (
     fuse_repeat_kv,
     merge_aliases,
     out_of_place,
+    spell_out_sizes,
     split_bias,
     unflatten_products,
 )
@@ -49,6 +50,7 @@ def prepare(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A captured graph (of a model, or of one pipeline stage: parallel/split.py) made ready for the rules."""
     inline_regions(gm)
     merge_aliases(gm)
+    spell_out_sizes(gm)
     split_bias(gm)
     unflatten_products(gm)
     fuse_repeat_kv(gm)

@@ -1,0 +1,65 @@
+"""Sharding rules of ops that reduce, pick or repeat along some dims (max, logsumexp, vector norms, gather,
+scatter, repeat): the other dims stay sharded; the dims they act along are not sums of their parts, so they are
+never split, except where each rank's rows pick from a whole input (gather's index)."""
+from __future__ import annotations
+
+import torch
+from torch.fx import Node
+
+from autotp.ops.layout_rules import positive_dim
+from autotp.ops.strategies import Context, Strategy
+
+aten = torch.ops.aten
+
+
+# (dims, keepdim) argument positions of reductions that are no sum of parts, and their defaults
+_REDUCED_ARGS = {aten.max.dim: (1, 2), aten.min.dim: (1, 2), aten.amax.default: (1, 2), aten.amin.default: (1, 2),
+                 aten.logsumexp.default: (1, 2), aten.argmax.default: (1, 2), aten.argmin.default: (1, 2),
+                 aten.linalg_vector_norm.default: (2, 3)}
+
+
+def reduced(node: Node, ctx: Context) -> list[Strategy]:
+    """max / amax / logsumexp / argmax / a vector norm over some dims (none given: all): any other dim stays
+    sharded; a reduced dim is no sum of its parts, so it is never split.  max.dim's values and indices alike."""
+    x = node.args[0]
+    n = len(ctx.shape(x))
+    at, keep_at = _REDUCED_ARGS[node.target]
+    dims = node.args[at] if len(node.args) > at else None
+    dims = range(n) if dims is None or dims == [] else [dims] if isinstance(dims, int) else dims
+    dims = {positive_dim(d, n) for d in dims}
+    keep = bool(node.args[keep_at]) if len(node.args) > keep_at else bool(node.kwargs.get("keepdim", False))
+    found = []
+    for d in set(range(n)) - dims:
+        od = d if keep else d - sum(1 for r in dims if r < d)
+        for s in ctx.shard_options(x, d) + ctx.token_options(x, d):
+            out = s.at(od)
+            found.append(Strategy(ctx.fill(node, {x: s}), (out, out) if isinstance(node.meta["val"], tuple) else out))
+    return found
+
+
+def repeat(node: Node, ctx: Context) -> list[Strategy]:
+    """x.repeat(sizes): a dim repeated once passes through (the sizes may add leading dims)."""
+    x, sizes = node.args[0], node.args[1]
+    n = len(ctx.shape(x))
+    lead = len(sizes) - n
+    return [Strategy(ctx.fill(node, {x: s}), s.at(d + lead)) for d in range(n) if sizes[d + lead] == 1
+            for s in ctx.shard_options(x, d) + ctx.token_options(x, d)]
+
+
+def gather(node: Node, ctx: Context) -> list[Strategy]:
+    """gather(x, dim, index) / scatter(x, dim, index, value or src): another dim of equal size in x and the index
+    (and src) split alike; for gather also ``dim`` itself in the index alone, x read whole (each row of the index
+    picks from all of x)."""
+    x, at, index = node.args[:3]
+    src = node.args[3] if len(node.args) > 3 and isinstance(node.args[3], Node) else None
+    shape, n = ctx.shape(x), len(ctx.shape(x))
+    at = positive_dim(at, n)
+    found = []
+    for d in range(n):  # (shard options are of static sizes alone)
+        alike = [ctx.shape(t)[d] for t in (index, src) if t is not None]
+        if d != at and all(ctx.static(v) and v == shape[d] for v in alike):
+            found += [Strategy(ctx.fill(node, {x: s, index: s, **({src: s} if src is not None else {})}), s)
+                      for s in ctx.shard_options(x, d)]
+    if node.target == aten.gather.default:
+        found += [Strategy(ctx.fill(node, {index: s}), s) for s in ctx.shard_options(index, at)]
+    return found

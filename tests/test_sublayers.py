@@ -1,0 +1,102 @@
+"""Sublayers the coverage sweep (benchmarks/coverage_sweep.py) found gathered or computed whole, each now split as a
+hand plan splits it -- one all-reduce, nothing gathered -- and exact at 2 ranks against one process: a conformer's
+convolution module (biased convs, a gate over channels, a depthwise conv, a batch norm) and attention written with
+the ops that had no rule (``reshape_as``, ``gather`` of relative positions, ``logsumexp``, ``max``, ``tril``)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import autotp
+from tests.helpers.distributed import run_ranks
+from tests.helpers.exact import TOL
+
+C, HEADS, D = 16, 4, 8
+
+
+class ConvModule(nn.Module):
+    """Parakeet's, Canary's and wav2vec2-conformer's: pointwise conv to 2C, glu over channels, depthwise conv,
+    batch norm, SiLU, pointwise conv back, each conv with a bias; a residual around it."""
+
+    def __init__(self):
+        super().__init__()
+        self.pointwise1 = nn.Conv1d(C, 2 * C, 1)
+        self.depthwise = nn.Conv1d(C, C, 3, padding="same", groups=C)
+        self.norm = nn.BatchNorm1d(C)
+        self.pointwise2 = nn.Conv1d(C, C, 1)
+
+    def forward(self, x):
+        h = nn.functional.glu(self.pointwise1(x.transpose(1, 2)), dim=1)
+        h = self.pointwise2(nn.functional.silu(self.norm(self.depthwise(h))))
+        return x + h.transpose(1, 2)
+
+
+class RelativeAttention(nn.Module):
+    """Scores plus a bias gathered per head from a table of relative positions (DeBERTa's ``gather``), a causal
+    mask by ``tril``, softmax written as ``exp(s - logsumexp(s))`` after subtracting the row ``max``, and heads
+    merged back with ``reshape_as`` (RoFormer's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = (nn.Linear(C, HEADS * D, bias=False) for _ in range(3))
+        self.o = nn.Linear(HEADS * D, C, bias=False)
+        self.table = nn.Parameter(torch.randn(HEADS, 15) / 4)
+
+    def forward(self, x, positions):
+        b, s, _ = x.shape
+        q, k, v = (f(x).view(b, s, HEADS, D).transpose(1, 2) for f in (self.q, self.k, self.v))
+        scores = q @ k.transpose(-1, -2) / D ** 0.5  # [b, h, s, s]
+        bias = self.table[None, :, None, :].expand(b, HEADS, s, 15)
+        scores = scores + torch.gather(bias, -1, positions[:, None].expand(b, HEADS, s, s))
+        scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).tril().logical_not(), -1e4)
+        scores = scores - scores.max(-1, keepdim=True).values
+        weights = torch.exp(scores - torch.logsumexp(scores, -1, keepdim=True))
+        out = (weights @ v).transpose(1, 2)
+        return x + self.o(out.reshape_as(torch.empty(b, s, HEADS * D)))
+
+
+def _inputs(b: int, s: int) -> dict:
+    positions = (torch.arange(s)[None, :] - torch.arange(s)[:, None] + 7).clamp(0, 14)
+    return {"x": torch.randn(b, s, C), "positions": positions.expand(b, s, s)}
+
+
+def all_reduces_worth(plan) -> float:
+    """The forward's collectives in all-reduces: an all-gather or a reduce-scatter is half of one (a ring all-reduce
+    is one of each, of the same bytes); anything else fails."""
+    worth = {"all_reduce": 1.0, "all_gather": 0.5, "reduce_scatter": 0.5}
+    return sum(worth[c["op"]] * c.get("count", 1) for c in plan.collectives if c["phase"] == "forward")
+
+
+def _exact(model, kwargs: dict, others: list[dict]) -> None:
+    sharded = autotp.parallelize(model, (), kwargs)
+    assert all_reduces_worth(sharded.autotp_plan) <= 1, sharded.autotp_plan.collectives  # Megatron's one sum
+    for inputs in (kwargs, *others):
+        torch.testing.assert_close(sharded(**inputs), model(**inputs), **TOL)
+    sharded(**kwargs).square().mean().backward()
+    model(**kwargs).square().mean().backward()
+    grads = autotp.full_state_dict(sharded, grads=True)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, **TOL)
+
+
+def _run(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    conv = ConvModule().eval()  # batch norm of fixed statistics, as in inference (and the sweep)
+    conv.norm.running_mean.uniform_(-0.5, 0.5)
+    conv.norm.running_var.uniform_(0.5, 1.5)
+    _exact(conv, {"x": torch.randn(2, 8, C)}, [{"x": torch.randn(1, 1, C)}, {"x": torch.randn(3, 5, C)}])
+    torch.manual_seed(0)
+    _exact(RelativeAttention(), _inputs(2, 8), [_inputs(1, 1), _inputs(3, 5)])
+
+
+def test_split_by_channels_and_heads_with_one_all_reduce_and_exact():
+    run_ranks(2, _run)
+
+
+def test_the_convs_split_by_channels_in_matching_gate_halves():
+    """The first pointwise conv's rows split block by block (each rank the same channels of both halves), the
+    depthwise conv and the norm by channels, nothing computed whole (before: the gate's input gathered)."""
+    plan = autotp.plan(ConvModule().eval(), (), {"x": torch.randn(2, 8, C)}, world_size=2)
+    assert plan.params["pointwise1.weight"] == plan.params["pointwise1.bias"] == f"S(0|{C},{C})", plan.params
+    assert plan.params["depthwise.weight"] == plan.params["norm.weight"] == "S(0)", plan.params
+    assert plan.params["pointwise2.weight"] != "R" and not plan.replicated_ops, plan.params

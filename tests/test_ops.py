@@ -257,6 +257,16 @@ def selections(m, x, ids):
     return torch.concat([picked, scores, tiled], -1)
 
 
+def written(m, x):
+    """Rows of a per-head buffer written in place through a view (a chunked linear attention's output filled chunk
+    by chunk): ``copy_`` into a slice of a tensor split by heads."""
+    h = (x * m.w).view(2, 5, HEADS, D).transpose(1, 2).contiguous()  # [2, HEADS, 5, D]
+    out = torch.zeros_like(h)
+    out[:, :, 1:3] = h[:, :, 1:3] * 2
+    out[:, :, 4] = 0.5
+    return out + h
+
+
 def conformer(m, x):
     """A conformer's convolution module: a pointwise conv to two gated halves (glu over the channels), a depthwise
     conv, a batch norm, and a pointwise conv back, each with a bias."""
@@ -294,6 +304,7 @@ SAMPLES = {
                  lambda: (_floats(2, 3, 4, 4), _floats(2, 5, H))),
     "selections": (lambda: Program(selections, w=(H,)),
                    lambda: (_floats(2, 5, H), torch.randint(0, H, (2, 5, 3)))),
+    "written": (lambda: Program(written, w=(H,)), lambda: (_floats(2, 5, H),)),
     "conformer": (lambda: Program(conformer, pw1=(2 * FFN, H, 1), pw1_bias=(2 * FFN,), dw=(FFN, 1, 3), dw_bias=(FFN,),
                                   bn_mean=(FFN,), bn_var=(FFN,), bn_w=(FFN,), bn_b=(FFN,), pw2=(H, FFN, 1),
                                   pw2_bias=(H,)), lambda: (_floats(2, 5, H),)),
@@ -325,13 +336,17 @@ SAMPLES["complex_rotary"] = (_complex_program, lambda: (_floats(2, 5, H),))
 
 
 def _values(gm: torch.fx.GraphModule, inputs: tuple) -> dict:
-    """Every node's full value on the inputs."""
-    values = {}
+    """Every node's full value on the inputs as the node made it, and under (node, input) each input as the node
+    read it: a write in place in between (``copy_`` into a view) changes what later readers read."""
+    values, live = {}, {}
 
     class Recorder(torch.fx.Interpreter):
         def run_node(self, node):
-            values[node] = super().run_node(node)
-            return values[node]
+            for src in node.all_input_nodes:
+                values[(node, src)] = torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, live[src])
+            live[node] = super().run_node(node)
+            values[node] = torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, live[node])
+            return live[node]
     Recorder(gm).run(*inputs)
     return values
 
@@ -364,7 +379,7 @@ def _local_output(gm: torch.fx.GraphModule, node: torch.fx.Node, strategy, value
             env[src] = graph.node_copy(src, lambda a: graph.get_attr(a.target))
         else:
             env[src] = graph.placeholder(src.name)
-            feed.append(_piece(values[src], want, rank, world, rng))
+            feed.append(_piece(values[(node, src)], want, rank, world, rng))
         env[src].meta = dict(src.meta)
     copy = graph.node_copy(node, env.__getitem__)
     graph.output(copy)

@@ -241,6 +241,9 @@ _ROWS: dict = {
     **_rows([aten.sign.default, aten.ceil.default, aten.floor.default, aten.round.default], family="elementwise",
             rule=pointwise, keeps=keeps_nothing),
     **_rows([aten.reciprocal.default], family="elementwise", rule=pointwise, keeps=keeps_output),
+    # written in place into input 0 (a view of a placed tensor: every reader takes it as placed,
+    # ops/semantics.shared_with_writes), its source split alike: each rank writes its own piece
+    **_rows([aten.copy_.default], family="elementwise", rule=pointwise, keeps=keeps_nothing),
     # x.expand_as(y): x broadcast to y's shape, y's dims split alike
     **_rows([aten.expand_as.default], family="elementwise", rule=pointwise, keeps=keeps_nothing),
     **_rows([aten.rsub.Scalar, aten.zeros_like.default, aten.ones_like.default], family="elementwise",

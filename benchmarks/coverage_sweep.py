@@ -7,14 +7,13 @@ by one generic rule (benchmarks/coverage_models.py), planned for 2 ranks on the 
     python benchmarks/coverage_sweep.py summary             # the table and benchmarks/coverage/summary.md
 
 ``plan`` records per architecture (JSON lines, benchmarks/coverage/plan-<time>.jsonl; entries in earlier files are
-skipped, so a stopped run resumes): whether the shrunk config builds and runs one forward on the CPU, whether
-autotp's capture (torch.export) takes it, the plan's share of block (numbered, non-embedding) weights per rank, the
-forward collectives per block against Megatron's (2 a block, 3 with cross-attention; an all-gather or a
-reduce-scatter counts half an all-reduce, an all-to-all pair one), whether every attention core (SDPA, softmax,
-flex) is split by heads, and why ops ran replicated.  ``exact`` runs the models that planned on 2 gloo ranks (autotp.tools.spawn), comparing
-outputs and gradients with one process at fp32 rtol 1e-4 / atol 1e-5 (a value off by more is measured against
-float64: at most 4 times as far from it as one process is, it is fp32 rounding, recorded as such).  The whole run
-is pinned to one core.
+skipped, so a stopped run resumes): whether the shrunk config builds and runs one forward on the CPU, whether autotp's
+capture (torch.export) takes it, the plan's share of block (numbered, non-embedding) weights per rank, the forward
+collectives per block against Megatron's (2 a block, 3 with cross-attention; an all-gather or a reduce-scatter counts
+half an all-reduce, an all-to-all pair one), whether every attention core (SDPA, softmax, flex) is split by heads, and
+why ops ran replicated. ``exact`` runs the models that planned on 2 gloo ranks (autotp.tools.spawn), comparing outputs
+and gradients with one process at fp32 rtol 1e-4 / atol 1e-5 (a value off by more is measured against float64: at most
+4 times as far from it as one process is, it is fp32 rounding, recorded as such). The whole run is pinned to one core.
 """
 from __future__ import annotations
 

@@ -251,6 +251,7 @@ def selections(m, x, ids):
          + torch.linalg.vector_norm(h, dim=-1, keepdim=True) + where + low.unsqueeze(1)
          + h.argmax(1, keepdim=True) + h.argmin(-1, keepdim=True))
     picked = torch.gather(h, 2, ids) + h.scatter(2, ids, 0.5)[..., :3] + h.scatter(2, ids, h[..., 3:6])[..., :3]
+    h = h + torch.nn.functional.rms_norm(h, (H,), m.w, 1e-6)
     heads = h.view(2, 5, HEADS, D).transpose(1, 2)
     scores = ((heads @ heads.transpose(2, 3)).tril() + (heads @ heads.transpose(2, 3)).triu(1)).sum(1)  # [2, 5, 5]
     tiled = h.repeat(1, 2, 1)[:, :5] + h.repeat(2, 1, 1, 1).sum(0)

@@ -1,9 +1,11 @@
 """Sublayers the coverage sweep (benchmarks/coverage_sweep.py) found gathered or computed whole, each now split as a
 hand plan splits it -- one all-reduce, nothing gathered -- and exact at 2 ranks against one process: a conformer's
-convolution module (biased convs, a gate over channels, a depthwise conv, a batch norm) and attention written with
-the ops that had no rule (``reshape_as``, ``gather`` of relative positions, ``logsumexp``, ``max``, ``tril``)."""
+convolution module (biased convs, a gate over channels, a depthwise conv, a batch norm), attention written with
+the ops that had no rule (``reshape_as``, ``gather`` of relative positions, ``logsumexp``, ``max``, ``tril``), and
+q, k, v packed as [3, heads, head dim] and picked apart by index or ``unbind``."""
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -55,6 +57,28 @@ class RelativeAttention(nn.Module):
         return x + self.o(out.reshape_as(torch.empty(b, s, HEADS * D)))
 
 
+class PackedHeads(nn.Module):
+    """q, k and v packed as [3, heads, head dim] and picked by index (BLIP's ``qkv[0], qkv[1], qkv[2]`` after a
+    permute) or by ``unbind`` (ModernBERT's): each rank's heads of all three."""
+
+    def __init__(self, unbind: bool):
+        super().__init__()
+        self.unbind = unbind
+        self.qkv = nn.Linear(C, 3 * HEADS * D)
+        self.o = nn.Linear(HEADS * D, C)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        qkv = self.qkv(x).reshape(b, s, 3, HEADS, D)
+        if self.unbind:
+            q, k, v = qkv.transpose(3, 1).unbind(dim=2)  # [b, heads, s, d] each
+        else:
+            qkv = qkv.permute(2, 0, 3, 1, 4)
+            q, k, v = qkv[0], qkv[1], qkv[2]
+        out = nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, s, -1)
+        return x + self.o(out)
+
+
 def _inputs(b: int, s: int) -> dict:
     positions = (torch.arange(s)[None, :] - torch.arange(s)[:, None] + 7).clamp(0, 14)
     return {"x": torch.randn(b, s, C), "positions": positions.expand(b, s, s)}
@@ -87,6 +111,17 @@ def _run(rank: int, world: int) -> None:
     _exact(conv, {"x": torch.randn(2, 8, C)}, [{"x": torch.randn(1, 1, C)}, {"x": torch.randn(3, 5, C)}])
     torch.manual_seed(0)
     _exact(RelativeAttention(), _inputs(2, 8), [_inputs(1, 1), _inputs(3, 5)])
+    for unbind in (False, True):
+        torch.manual_seed(0)
+        _exact(PackedHeads(unbind), {"x": torch.randn(2, 8, C)}, [{"x": torch.randn(1, 1, C)}])
+
+
+@pytest.mark.parametrize("unbind", [False, True])
+def test_packed_heads_picked_by_index_split_by_heads(unbind):
+    """The packed projection's rows split block by block: each rank the same heads of q, of k and of v."""
+    plan = autotp.plan(PackedHeads(unbind), (), {"x": torch.randn(2, 8, C)}, world_size=2)
+    assert plan.params["qkv.weight"] == f"S(0|{HEADS * D},{HEADS * D},{HEADS * D})", plan.params
+    assert plan.params["o.weight"] == "S(1)" and not plan.replicated_ops, plan.params
 
 
 def test_split_by_channels_and_heads_with_one_all_reduce_and_exact():

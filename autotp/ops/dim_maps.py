@@ -66,6 +66,11 @@ def transpose(node: Node, dim: int, blocks, ctx: Context) -> list:
     return [(node.args[0], {a: b, b: a}.get(dim, dim), blocks)]
 
 
+def permute(node: Node, dim: int, blocks, ctx: Context) -> list:
+    order = node.args[1]
+    return [(node.args[0], positive_dim(order[dim], len(ctx.shape(node))), blocks)]
+
+
 def squeeze(node: Node, dim: int, blocks, ctx: Context) -> list:
     at = positive_dim(node.args[1], len(ctx.shape(node.args[0])))
     return [(node.args[0], dim + (dim >= at), blocks)] if ctx.shape(node.args[0])[at] == 1 else \
@@ -118,4 +123,5 @@ def in_flat_units(hint, rest: int):
 
 
 BY_FAMILY = {"view": view, "t": t, "matmul": matmul, "unsqueeze": unsqueeze, "linear": linear,
-             "getitem": getitem, "elementwise": elementwise, "transpose": transpose, "grouped_mm": grouped}
+             "getitem": getitem, "elementwise": elementwise, "transpose": transpose, "grouped_mm": grouped,
+             "permute": permute}

@@ -47,7 +47,7 @@ def view(node: Node, ctx: Context) -> list[Strategy]:
             if s.whole(ctx.world) and s.chunks is None and static:  # every rank holds all: any static dim
                 mapped = (mapped[0] if mapped and mapped[0] in static else static[-1], True)
             if s.chunks is not None and not (mapped and mapped[1]):
-                rows = _in_rows(s, src, dst, d, ctx.world)
+                rows = _in_rows(s, src, dst, d, ctx.world) or _per_block(s, src, dst, d, ctx.world)
                 found += [Strategy(ctx.fill(node, {x: s}), rows)] if rows else []
                 continue
             if mapped is None:
@@ -67,6 +67,25 @@ def _in_rows(shard: Shard, src: list, dst: list, d: int, world: int) -> Shard | 
             if all([(a * rest, n * rest) for a, n in rows.ranges(size // rest, r, world)] ==
                    shard.ranges(size, r, world) for r in range(world)):
                 return rows
+    return None
+
+
+def _per_block(shard: Shard, src: list, dst: list, d: int, world: int) -> Shard | None:
+    """k equal blocks of a fused dim viewed as (k, heads, ...), each split alike: the shard of the heads dim
+    (BLIP's and ModernBERT's qkv, [3 x heads x head dim] viewed as [3, heads, head dim])."""
+    for dim, out, rest in split_runs(src, dst):
+        size = src[d]
+        if dim != d or dst[out] != len(shard.chunks) or set(shard.chunks) != {rest} or out + 1 >= len(dst):
+            continue
+        heads = dst[out + 1]
+        inner = rest // heads
+        one = shard.block(0, rest, world)
+        if one.chunks is not None or (one.units is not None and heads % one.units and one.units % heads):
+            continue
+        found = replace(one, dim=out + 1, units=None if one.units is None else min(one.units, heads))
+        if all(shard.ranges(size, r, world) == [(k * rest + a * inner, n * inner) for k in range(dst[out])
+                                                for a, n in found.ranges(heads, r, world)] for r in range(world)):
+            return found
     return None
 
 

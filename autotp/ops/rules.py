@@ -228,10 +228,10 @@ def reduction(node: Node, ctx: Context) -> list[Strategy]:
 
 
 def normalize(node: Node, ctx: Context) -> list[Strategy]:
-    """softmax / layer_norm / cumsum: any dim outside the normalized (scanned) ones may stay sharded."""
+    """softmax / layer_norm / rms_norm / cumsum: any dim outside the normalized (scanned) ones may stay sharded."""
     x = node.args[0]
     n = len(ctx.shape(x))
-    if node.target == aten.layer_norm.default:
+    if node.target in (aten.layer_norm.default, aten.rms_norm.default):
         normed = set(range(n - len(node.args[1]), n))
     else:
         normed = {positive_dim(node.args[1], n)}

@@ -9,7 +9,7 @@ from dataclasses import replace
 import torch
 
 from autotp.ops.flex import FLEX
-from autotp.ops.layout_rules import cut_range
+from autotp.ops.layout_rules import cut_range, positive_dim
 from autotp.ops.strategies import Context
 from autotp.ops.table import op
 from autotp.ops.views import split_runs, view_groups
@@ -39,13 +39,18 @@ def _fused_cuts(gm: torch.fx.GraphModule, ctx: Context) -> list:
             if len(sizes) > 1 and all(ctx.static(s) for s in sizes):
                 pieces = {user.args[1]: user for user in node.users if user.target is operator.getitem}
                 cuts.append((x, at % n, sizes, [pieces.get(k) for k in range(len(sizes))]))
+        elif node.target == aten.unbind.int and len(node.meta["val"]) > 1:  # [3, heads, d] -> q, k, v
+            x = node.args[0]
+            at = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % len(ctx.shape(x))
+            pieces = {user.args[1]: user for user in node.users if user.target is operator.getitem}
+            cuts.append((x, at, (1,) * len(node.meta["val"]), [pieces.get(k) for k in range(len(node.meta["val"]))]))
         elif node.target == aten.glu.default:  # gated halves: [a | b] -> a * sigmoid(b)
             x = node.args[0]
             n = len(ctx.shape(x))
             at = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", -1)) % n
             if ctx.static(ctx.shape(x)[at]) and ctx.shape(x)[at] % 2 == 0:
                 cuts.append((x, at, (ctx.shape(x)[at] // 2,) * 2, [None, None]))
-    return cuts + _tiling_slices(gm, ctx)
+    return cuts + _tiling_slices(gm, ctx) + _tiling_selects(gm, ctx)
 
 
 def fused_block_hints(gm: torch.fx.GraphModule, ctx: Context) -> dict:
@@ -159,4 +164,21 @@ def _tiling_slices(gm: torch.fx.GraphModule, ctx: Context) -> list:
                 a[1] == b[0] for a, b in itertools.pairwise(spans))
             if tiles:
                 found.append((node, dim, tuple(end - start for start, end in spans), [cut[s] for s in spans]))
+    return found
+
+
+def _tiling_selects(gm: torch.fx.GraphModule, ctx: Context) -> list:
+    """Selects of every index of a static dim (``qkv[0], qkv[1], qkv[2]``): blocks of one."""
+    found = []
+    for node in gm.graph.nodes:
+        picked: dict = {}
+        for user in node.users:
+            if user.target == aten.select.int and user.args[0] is node and isinstance(user.args[2], int):
+                dim = positive_dim(user.args[1], len(ctx.shape(node)))
+                if ctx.static(ctx.shape(node)[dim]):
+                    picked.setdefault(dim, {})[user.args[2] % ctx.shape(node)[dim]] = user
+        for dim, users in picked.items():
+            size = ctx.shape(node)[dim]
+            if isinstance(size, int) and size > 1 and len(users) == size:
+                found.append((node, dim, (1,) * size, [users[k] for k in range(size)]))
     return found

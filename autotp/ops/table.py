@@ -21,6 +21,19 @@ from autotp.ops import dim_maps, local_forms
 from autotp.ops.along_rules import gather, reduced, repeat
 from autotp.ops.expert_rules import GROUPED_MM_FALLBACK, disjoint, grouped_mm, index, routed, squeeze, strided_slice
 from autotp.ops.flex import FLEX, flex_heads, global_heads, keeps_flex
+from autotp.ops.keeps import (
+    dropout_rate,
+    keeps_attention,
+    keeps_condition,
+    keeps_divisor,
+    keeps_index,
+    keeps_input,
+    keeps_mask,
+    keeps_normalized,
+    keeps_nothing,
+    keeps_operands,
+    keeps_output,
+)
 from autotp.ops.layout_rules import (
     as_complex,
     as_real,
@@ -60,59 +73,6 @@ from autotp.ops.rules import (
 from autotp.ops.semantics import Op, may_alias, row_of
 
 aten = torch.ops.aten
-
-
-# ---- what the backward keeps: (input slot, or None for the output; kind, or None for the value) --------
-
-def keeps_nothing(node, grad):
-    return []
-
-
-def keeps_input(node, grad):
-    return [(0, None)]
-
-
-def keeps_output(node, grad):
-    return [(None, None)]
-
-
-def keeps_operands(node, grad):
-    """a * b or a @ b: a's gradient needs b and b's needs a."""
-    a, b = node.args[0], node.args[1]
-    if not (isinstance(a, Node) and isinstance(b, Node)):
-        return []  # scaled by a number: nothing kept
-    return [(1, None)] * (a in grad) + [(0, None)] * (b in grad)
-
-
-def keeps_divisor(node, grad):
-    a, b = node.args[0], node.args[1]
-    if not isinstance(b, Node):
-        return []
-    return [(1, None)] + [(0, None)] * (b in grad and isinstance(a, Node))
-
-
-def keeps_mask(node, grad):
-    """Dropout keeps a one-byte mask (CUDA's ``native_dropout``); eval mode and p = 0 return the input itself."""
-    return [(None, "mask")] if 0 < dropout_rate(node) < 1 else []
-
-
-def keeps_normalized(node, grad):
-    """Layer norm: its input, and a mean and 1/std per row in fp32."""
-    return [(0, None), (None, "stats")]
-
-
-def keeps_attention(node, grad):
-    """SDPA's fused kernels keep q, k, v, the mask, the output and the log-sum-exp of each row (fp32)."""
-    mask = sum(isinstance(a, Node) for a in node.args[3:4]) + isinstance(node.kwargs.get("attn_mask"), Node)
-    return [(0, None), (1, None), (2, None), *((3, "additive") for _ in range(mask)), (None, None), (None, "stats")]
-
-
-def keeps_index(node, grad):
-    return [(1, None)]  # gather / scatter(x, dim, index, ...): the index (input slot 1) routes the gradient
-
-
-def keeps_condition(node, grad):
-    return [(0, None)]  # where / masked_fill: the boolean condition
 
 
 # ---- FLOPs of products, at concrete sizes (``size``: a SymInt or int -> int) ----------------------------
@@ -173,11 +133,6 @@ def same_dtype(node) -> bool:
     """A cast to the dtype its input already has (linear then; a cast to another dtype rounds)."""
     src = node.args[0].meta.get("val")
     return src is not None and src.dtype == node.meta["val"].dtype
-
-
-def dropout_rate(node) -> float:
-    """A dropout captured in training mode drops (in eval mode it is the identity)."""
-    return node.args[1] if node.args[2] else 0.0
 
 
 def attention_dropout(node) -> float:

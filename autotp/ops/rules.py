@@ -231,7 +231,7 @@ def normalize(node: Node, ctx: Context) -> list[Strategy]:
     """softmax / layer_norm / rms_norm / cumsum: any dim outside the normalized (scanned) ones may stay sharded."""
     x = node.args[0]
     n = len(ctx.shape(x))
-    if node.target in (aten.layer_norm.default, aten.rms_norm.default):
+    if ctx.op(node.target).family == "layer_norm":  # layer_norm / rms_norm(x, normalized_shape, ...)
         normed = set(range(n - len(node.args[1]), n))
     else:
         normed = {positive_dim(node.args[1], n)}

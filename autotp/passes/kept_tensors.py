@@ -71,7 +71,7 @@ def element_bytes(item: Kept, numel: float) -> float:
     if item.kind == "additive":
         return numel * item.like.meta["val"].element_size()
     if item.kind == "stats":
-        if item.tensor.target in (aten.layer_norm.default, aten.rms_norm.default):
+        if op(item.tensor.target).family == "layer_norm":
             rows = numel / math.prod(item.tensor.args[1])
             return 2 * 4 * rows
         return 4 * numel / val.shape[-1]  # attention: one fp32 log-sum-exp per query row

@@ -117,9 +117,6 @@ def getattr_path(gm: torch.nn.Module, target: str):
     return value
 
 
-_CONVOLUTIONS = (aten.conv1d.default, aten.conv2d.default, aten.conv1d.padding, aten.conv2d.padding)
-
-
 def split_bias(gm: torch.fx.GraphModule) -> None:
     """linear(x, w, b) -> linear(x, w) + b, addmm(b, x, w) -> mm(x, w) + b and conv(x, w, b, ...) ->
     conv(x, w, None, ...) + b[:, None, ...].
@@ -137,7 +134,7 @@ def split_bias(gm: torch.fx.GraphModule) -> None:
             b, x, w = node.args
             matmul_args = (x, w)
             target = aten.mm.default
-        elif node.target in _CONVOLUTIONS and len(node.args) > 2 and isinstance(node.args[2], Node):
+        elif op(node.target).family == "convolution" and len(node.args) > 2 and isinstance(node.args[2], Node):
             b, target = node.args[2], node.target
             matmul_args = (*node.args[:2], None, *node.args[3:])
             bias_shape = [-1] + [1] * (node.meta["val"].dim() - 2)  # channels first: [C, 1, ...]

@@ -185,9 +185,9 @@ def _residual(node) -> bool:
     """An add of two tensors of its own shape: at a block's own level, a sublayer's output added to the stream."""
     if node is None or node.target != torch.ops.aten.add.Tensor:
         return False
-    shapes = [a.meta.get("val").shape if isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
-              else None for a in node.args[:2]]
-    return shapes[0] is not None and shapes[0] == shapes[1] == node.meta["val"].shape
+    shapes = [[str(n) for n in a.meta["val"].shape] if isinstance(a, torch.fx.Node) and isinstance(
+        a.meta.get("val"), torch.Tensor) else None for a in node.args[:2]]  # as text: a size only data knows
+    return shapes[0] is not None and shapes[0] == shapes[1] == [str(n) for n in node.meta["val"].shape]
 
 
 def _statistic(node) -> bool:

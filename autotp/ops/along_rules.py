@@ -57,7 +57,7 @@ def gather(node: Node, ctx: Context) -> list[Strategy]:
     found = []
     for d in range(n):  # (shard options are of static sizes alone)
         alike = [ctx.shape(t)[d] for t in (index, src) if t is not None]
-        if d != at and all(ctx.static(v) and v == shape[d] for v in alike):
+        if d != at and ctx.static(shape[d]) and all(ctx.static(v) and v == shape[d] for v in alike):
             found += [Strategy(ctx.fill(node, {x: s, index: s, **({src: s} if src is not None else {})}), s)
                       for s in ctx.shard_options(x, d)]
     if node.target == aten.gather.default:

@@ -64,10 +64,10 @@ def test_world_size_larger_than_the_topology():
 
 def test_ops_without_rules_warn_once_listing_them():
     with pytest.warns(UserWarning, match=r"2 op\(s\) .* replicated .*aten\.cumprod\.default: no sharding rule.*; "
-                                         r"aten\.max\.dim: no sharding rule"):
+                                         r"aten\.sort\.default: no sharding rule"):
         plan = autotp.plan(Unruly(), (torch.randn(2, 8, 32),), world_size=2)
-    assert plan.replicated_ops == ["aten.cumprod.default", "aten.max.dim"]
-    assert plan.cost["replicated"]["aten.max.dim"].startswith("no sharding rule")
+    assert plan.replicated_ops == ["aten.cumprod.default", "aten.sort.default"]
+    assert plan.cost["replicated"]["aten.sort.default"].startswith("no sharding rule")
     model, args, _ = build("mlp")
     with warnings.catch_warnings():
         warnings.simplefilter("error")

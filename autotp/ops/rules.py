@@ -369,21 +369,12 @@ def along_dims(node: Node, ctx: Context) -> list[Strategy]:
 
 
 def last_dims(count: int):
-    """Ops over the last ``count`` dims (tril / triu of a matrix): the leading dims pass through."""
+    """Ops over the last ``count`` dims -- pooling and resampling of an image or a signal, tril / triu of a matrix:
+    the leading dims (batch, channels, heads) pass through."""
     def rule(node: Node, ctx: Context) -> list[Strategy]:
         n = len(ctx.shape(node.args[0]))
         return _through(node, ctx, set(range(n - count, n)))
     rule.__name__ = f"last_{count}_dims"
-    return rule
-
-
-def spatial(count: int):
-    """Pooling and resampling over the last ``count`` dims (the image's or the signal's): batch and channels
-    pass through."""
-    def rule(node: Node, ctx: Context) -> list[Strategy]:
-        n = len(ctx.shape(node.args[0]))
-        return _through(node, ctx, set(range(n - count, n)))
-    rule.__name__ = f"spatial_{count}d"
     return rule
 
 

@@ -132,8 +132,11 @@ def measure(plan, model, gm) -> dict:
                  for r in range(plan.world_size)), default=1.0) if full else None
     blocks = {_BLOCK.match(n).group(1) for n in block_params}
     nodes = {n.name: n for n in gm.graph.nodes}
-    attention = [(k, v, _rank_of(nodes.get(k))) for k, v in plan.nodes.items() if _ATTENTION.search(v.get("op", ""))
-                 and ("softmax" not in v["op"] or _rank_of(nodes.get(k)) >= 3)]  # a router's softmax is 2-D
+    found = [(k, v, _rank_of(nodes.get(k))) for k, v in plan.nodes.items() if _ATTENTION.search(v.get("op", ""))
+             and ("softmax" not in v["op"] or _rank_of(nodes.get(k)) >= 3)]  # a router's softmax is 2-D
+    # per block, by heads: a core outside the numbered blocks (a pooling head's one query) runs once a model, and
+    # one without a heads dim (one query per token over a few states, attention across depth) has none to split
+    attention = [c for c in found if _numbered(c[1].get("module") or "") and _has_heads(nodes.get(c[0]))]
     cores = Counter(found[-1] for _, v, _ in attention for found in [_numbered(v.get("module") or "")] if found)
     per: dict = {b: Counter() for b in blocks}
     for c in plan.collectives:
@@ -164,6 +167,8 @@ def measure(plan, model, gm) -> dict:
     replicated = plan.cost.get("replicated") or dict.fromkeys(plan.replicated_ops, "no sharding rule")
     return {"share": share, "blocks": len(blocks), "per_block": counts, "over_megatron": worst, "collectives": extra,
             "attention_ops": len(attention), "unsplit_attention": unsplit[:3],
+            "attention_not_counted": [f"{v['op']} in {v.get('module') or '?'}" for c in found if c not in attention
+                                      for _, v, _ in [c]][:3],
             "replicated": [f"{op}: {why}" for op, why in list(replicated.items())[:6]],
             "replicated_count": len(replicated)}
 
@@ -205,6 +210,15 @@ def _rank_of(node) -> int:
     val = node.meta.get("val") if node is not None else None
     val = val[0] if isinstance(val, (tuple, list)) and val else val
     return val.dim() if isinstance(val, torch.Tensor) else 0
+
+
+def _has_heads(node) -> bool:
+    """[b, h, s, *] (or [b, g, h, s, *]) with a heads dim of fixed size over 1, or [b*h, s, s]."""
+    val = node.meta.get("val") if node is not None else None
+    val = val[0] if isinstance(val, (tuple, list)) and val else val
+    if not isinstance(val, torch.Tensor) or val.dim() < 3:
+        return False
+    return val.dim() == 3 or any(isinstance(size, int) and size > 1 for size in val.shape[1:-2])
 
 
 def _by_heads(placement: str, rank: int) -> bool:

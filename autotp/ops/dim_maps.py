@@ -7,12 +7,16 @@ the walk.  DTensor's ``dim_maps`` play the same part for its view ops.
 """
 from __future__ import annotations
 
+import torch
 from torch.fx import Node
 
 from autotp.ops.expert_rules import integer_indices
 from autotp.ops.layout_rules import positive_dim
+from autotp.ops.rules import conv_groups
 from autotp.ops.strategies import Context, is_placed
 from autotp.ops.views import inverse_view_dim, split_runs
+
+aten = torch.ops.aten
 
 
 def view(node: Node, dim: int, blocks, ctx: Context) -> list:
@@ -112,6 +116,46 @@ def getitem(node: Node, dim: int, blocks, ctx: Context) -> list:
     return [(x, at, (*sizes[:index], *blocks, *sizes[index + 1:]))]
 
 
+def slice_(node: Node, dim: int, blocks, ctx: Context) -> list:
+    """A slice or select keeps the dims it does not cut (a causal conv's padding cut off the sequence)."""
+    at = positive_dim(node.args[1] if len(node.args) > 1 else 0, len(ctx.shape(node.args[0])))
+    if node.target == aten.select.int:
+        return [(node.args[0], dim + (dim >= at), blocks)]
+    return [(node.args[0], dim, blocks)] if dim != at else []
+
+
+def convolution(node: Node, dim: int, blocks, ctx: Context) -> list:
+    """Output channels are the weight's rows, and a depthwise conv's input channels too."""
+    if dim != 1:
+        return []
+    depthwise = conv_groups(node) == ctx.shape(node.args[0])[1] != 1
+    return [(node.args[1], 0, blocks)] + ([(node.args[0], 1, blocks)] if depthwise else [])
+
+
+def cat(node: Node, dim: int, blocks, ctx: Context) -> list:
+    """Every part has the dims a cat does not join; on the joined dim, blocks that end where parts end are
+    each part's own (q | k | v concatenated, then cut again after a conv)."""
+    parts = [p for p in node.args[0] if isinstance(p, Node)]
+    at = positive_dim(node.args[1] if len(node.args) > 1 else 0, len(ctx.shape(node)))
+    if node.target == aten.stack.default:
+        return [(p, dim - (dim > at), blocks) for p in parts] if dim != at else []
+    if dim != at:
+        return [(p, dim, blocks) for p in parts]
+    if isinstance(blocks, int) or not all(isinstance(b, int) for b in blocks) or len(parts) != len(node.args[0]) or \
+            any(len(ctx.shape(p)) != len(ctx.shape(node)) for p in parts):
+        return []
+    found, k = [], 0
+    for p in parts:
+        size, taken = ctx.shape(p)[at], []
+        while k < len(blocks) and sum(taken) < size:
+            taken.append(blocks[k])
+            k += 1
+        if sum(taken) != size:
+            return []
+        found += [(p, at, tuple(taken))] if len(taken) > 1 else []
+    return found
+
+
 def in_flat_units(hint, rest: int):
     """A hint on a heads dim, for the flat dim the heads were viewed from (blocks ``rest`` times longer)."""
     if isinstance(hint, int):
@@ -124,4 +168,4 @@ def in_flat_units(hint, rest: int):
 
 BY_FAMILY = {"view": view, "t": t, "matmul": matmul, "unsqueeze": unsqueeze, "linear": linear,
              "getitem": getitem, "elementwise": elementwise, "transpose": transpose, "grouped_mm": grouped,
-             "permute": permute}
+             "permute": permute, "slice": slice_, "convolution": convolution, "cat": cat}

@@ -327,7 +327,8 @@ def getitem(node: Node, ctx: Context) -> list[Strategy]:
 
 def cat(node: Node, ctx: Context) -> list[Strategy]:
     """cat / stack of parts sharded alike on another dim (stack: those after its new dim move up one; GPT-J's
-    rotary, ``torch.stack((-x2, x1), dim=-1)``), or on the joined dim where every rank holds all of it."""
+    rotary, ``torch.stack((-x2, x1), dim=-1)``), or on the joined dim where every rank holds all of it; cat of
+    parts each split on the joined dim into a dim fused block by block (split's inverse)."""
     n = len(ctx.shape(node))
     at = positive_dim(node.args[1] if len(node.args) > 1 else 0, n)
     stacked = node.target == aten.stack.default
@@ -341,6 +342,11 @@ def cat(node: Node, ctx: Context) -> list[Strategy]:
             found += [Strategy(ctx.fill(node, dict.fromkeys(parts, s.at(d - (stacked and d > at)))), s)
                       for s in ctx.shard_options(node, d)
                       if s.chunks is None and (d != at or (s.whole(ctx.world) and not stacked))]
+        sizes = tuple(ctx.shape(p)[at] if len(ctx.shape(p)) == n else None for p in parts)
+        if not stacked and all(isinstance(v, int) for v in sizes):  # split's inverse: each part a block
+            found += [Strategy(ctx.fill(node, {p: s.block(k, v, ctx.world) for k, (p, v) in
+                                               enumerate(zip(parts, sizes, strict=True))}), s)
+                      for s in ctx.shard_options(node, at) if s.chunks == sizes and s.groups is None]
     return found
 
 

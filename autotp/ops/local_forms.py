@@ -229,7 +229,7 @@ def depthwise_groups(node: Node, strategy, rank: int, world: int) -> None:
     groups = conv_groups(node)
     if groups == 1 or not isinstance(strategy.output, Shard) or strategy.output.dim != 1:
         return
-    (_, count), = strategy.output.ranges(groups, rank, world)
+    count = strategy.output.local_size(groups, rank, world)
     if len(node.args) > 6:
         node.args = (*node.args[:6], count)
     else:

@@ -302,7 +302,8 @@ def conv_groups(node: Node):
 def convolution(node: Node, ctx: Context) -> list[Strategy]:
     """conv1d / conv2d (channels at dim 1, weight [out, in / groups, ...]): output channels split (weight rows,
     bias alike), input channels split into partial sums (no bias), the batch split; a depthwise conv (one group
-    per channel) splits its channels in input, weight and output alike."""
+    per channel) splits its channels in input, weight and output alike, in any layout no two ranks share (q, k
+    and v concatenated before a short conv: each block by heads)."""
     x, w = node.args[0], node.args[1]
     bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
     groups = conv_groups(node)
@@ -320,7 +321,7 @@ def convolution(node: Node, ctx: Context) -> list[Strategy]:
             found.append(Strategy(ctx.fill(node, {x: P}), P))
     elif groups == sx[1] == sw[0] and sw[1] == 1:
         found += [Strategy(ctx.fill(node, {x: s, w: s.at(0), **({bias: s.at(0)} if with_bias else {})}), s)
-                  for s in ctx.shard_options(node, 1) if s.chunks is None and not s.grouped(ctx.world)]
+                  for s in ctx.shard_options(node, 1) if not s.grouped(ctx.world)]  # fused blocks too: per channel
     return found
 
 

@@ -17,6 +17,7 @@ from autotp.passes.prepare import (
     split_bias,
     unflatten_products,
 )
+from autotp.passes.row_merges import unflatten_rows
 from autotp.passes.slice_fills import fills_to_cat
 from autotp.passes.unmerge import unmerge
 from autotp.runtime.hf_models import default_inputs, no_kv_cache
@@ -55,6 +56,7 @@ def prepare(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     unflatten_products(gm)
     fuse_repeat_kv(gm)
     drop_no_ops(gm)
+    unflatten_rows(gm)
     out_of_place(gm)
     fills_to_cat(gm)
     unmerge(gm)

@@ -190,9 +190,11 @@ def _residual(node) -> bool:
     """An add of two tensors of its own shape: at a block's own level, a sublayer's output added to the stream."""
     if node is None or node.target != torch.ops.aten.add.Tensor:
         return False
-    shapes = [[str(n) for n in a.meta["val"].shape] if isinstance(a, torch.fx.Node) and isinstance(
-        a.meta.get("val"), torch.Tensor) else None for a in node.args[:2]]  # as text: a size only data knows
-    return shapes[0] is not None and shapes[0] == shapes[1] == [str(n) for n in node.meta["val"].shape]
+    def text(val) -> list[str]:  # as text: a size only data knows (rows picked by a mask: u0, u1) is any such size
+        return [re.sub(r"^u\d+$", "u", str(n)) for n in val.shape]
+    shapes = [text(a.meta["val"]) if isinstance(a, torch.fx.Node) and isinstance(
+        a.meta.get("val"), torch.Tensor) else None for a in node.args[:2]]
+    return shapes[0] is not None and shapes[0] == shapes[1] == text(node.meta["val"])
 
 
 def _statistic(node) -> bool:

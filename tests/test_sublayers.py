@@ -1,8 +1,9 @@
 """Sublayers the coverage sweep (benchmarks/coverage_sweep.py) found gathered or computed whole, each now split as a
 hand plan splits it -- one all-reduce, nothing gathered -- and exact at 2 ranks against one process: a conformer's
 convolution module (biased convs, a gate over channels, a depthwise conv, a batch norm), attention written with
-the ops that had no rule (``reshape_as``, ``gather`` of relative positions, ``logsumexp``, ``max``, ``tril``), and
-q, k, v packed as [3, heads, head dim] and picked apart by index or ``unbind``."""
+the ops that had no rule (``reshape_as``, ``gather`` of relative positions, ``logsumexp``, ``max``, ``tril``),
+q, k, v packed as [3, heads, head dim] and picked apart by index or ``unbind``, and a linear-attention mixer (a
+short conv over q, k and v concatenated, a state begun with ``new_zeros``, a gated norm on flattened rows)."""
 from __future__ import annotations
 
 import pytest
@@ -79,6 +80,31 @@ class PackedHeads(nn.Module):
         return x + self.o(out)
 
 
+class LinearAttention(nn.Module):
+    """Qwen3-Next's gated delta net in outline: q, k and v cut from one projection and concatenated again for a
+    causal depthwise conv, then cut apart; a state begun with ``new_zeros``; each head's output row normalized and
+    gated on rows flattened from [b, s, heads, d] (the gate from [b, s, heads * d])."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(C, 3 * HEADS * D, bias=False)
+        self.z = nn.Linear(C, HEADS * D, bias=False)
+        self.conv = nn.Conv1d(3 * HEADS * D, 3 * HEADS * D, 4, groups=3 * HEADS * D, padding=3, bias=False)
+        self.norm = nn.Parameter(1 + torch.randn(D) / 4)
+        self.o = nn.Linear(HEADS * D, C, bias=False)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        mixed = torch.cat(self.qkv(x).split(HEADS * D, -1), -1).transpose(1, 2)
+        mixed = nn.functional.silu(self.conv(mixed)[..., :s]).transpose(1, 2)
+        q, k, v = (t.reshape(b, s, HEADS, D).transpose(1, 2) for t in mixed.split(HEADS * D, -1))
+        state = x.new_zeros(b, HEADS, D, D) + k.transpose(-1, -2) @ v / s
+        out = (q @ state + (q @ k.transpose(-1, -2)).tril() @ v).transpose(1, 2)  # [b, s, heads, d]
+        rows, gate = out.reshape(-1, D), self.z(x).reshape(-1, D)
+        rows = rows * torch.rsqrt(rows.pow(2).mean(-1, keepdim=True) + 1e-6) * self.norm * nn.functional.silu(gate)
+        return x + self.o(rows.reshape(b, s, HEADS, D).reshape(b, s, -1))
+
+
 def _inputs(b: int, s: int) -> dict:
     positions = (torch.arange(s)[None, :] - torch.arange(s)[:, None] + 7).clamp(0, 14)
     return {"x": torch.randn(b, s, C), "positions": positions.expand(b, s, s)}
@@ -114,6 +140,8 @@ def _run(rank: int, world: int) -> None:
     for unbind in (False, True):
         torch.manual_seed(0)
         _exact(PackedHeads(unbind), {"x": torch.randn(2, 8, C)}, [{"x": torch.randn(1, 1, C)}])
+    torch.manual_seed(0)
+    _exact(LinearAttention(), {"x": torch.randn(2, 8, C)}, [{"x": torch.randn(1, 1, C)}, {"x": torch.randn(3, 5, C)}])
 
 
 @pytest.mark.parametrize("unbind", [False, True])
@@ -135,3 +163,13 @@ def test_the_convs_split_by_channels_in_matching_gate_halves():
     assert plan.params["pointwise1.weight"] == plan.params["pointwise1.bias"] == f"S(0|{C},{C})", plan.params
     assert plan.params["depthwise.weight"] == plan.params["norm.weight"] == "S(0)", plan.params
     assert plan.params["pointwise2.weight"] != "R" and not plan.replicated_ops, plan.params
+
+
+def test_linear_attention_split_by_heads_through_its_conv_and_gated_norm():
+    """The short conv's channels split block by block (each rank the same heads of q, k and v), the gate's
+    projection by heads, nothing computed whole (before: the conv's input, the state and the norm's rows gathered)."""
+    plan = autotp.plan(LinearAttention(), (), {"x": torch.randn(2, 8, C)}, world_size=2)
+    blocks = f"S(0|{HEADS * D},{HEADS * D},{HEADS * D})"
+    assert plan.params["qkv.weight"] == plan.params["conv.weight"] == blocks, plan.params
+    assert plan.params["z.weight"] == "S(0)" and plan.params["o.weight"] == "S(1)", plan.params
+    assert not plan.replicated_ops and all_reduces_worth(plan) <= 1, plan.collectives

@@ -1,5 +1,5 @@
-"""Sharding rules of ops that reduce, pick or repeat along some dims (max, logsumexp, vector norms, gather,
-scatter, repeat): the other dims stay sharded; the dims they act along are not sums of their parts, so they are
+"""Sharding rules of ops that reduce, pick, repeat or window along some dims (max, logsumexp, vector norms, gather,
+scatter, repeat, unfold): the other dims stay sharded; the dims they act along are not sums of their parts, so they are
 never split, except where each rank's rows pick from a whole input (gather's index)."""
 from __future__ import annotations
 
@@ -43,6 +43,15 @@ def repeat(node: Node, ctx: Context) -> list[Strategy]:
     n = len(ctx.shape(x))
     lead = len(sizes) - n
     return [Strategy(ctx.fill(node, {x: s}), s.at(d + lead)) for d in range(n) if sizes[d + lead] == 1
+            for s in ctx.shard_options(x, d) + ctx.token_options(x, d)]
+
+
+def unfold(node: Node, ctx: Context) -> list[Strategy]:
+    """x.unfold(dim, size, step): windows along ``dim`` (their elements a new last dim); any other dim stays split."""
+    x = node.args[0]
+    n = len(ctx.shape(x))
+    at = positive_dim(node.args[1], n)
+    return [Strategy(ctx.fill(node, {x: s}), s) for d in range(n) if d != at
             for s in ctx.shard_options(x, d) + ctx.token_options(x, d)]
 
 

@@ -18,8 +18,9 @@ import torch
 from torch.fx import Node
 
 from autotp.ops import dim_maps, local_forms
-from autotp.ops.along_rules import gather, reduced, repeat
+from autotp.ops.along_rules import gather, reduced, repeat, unfold
 from autotp.ops.expert_rules import GROUPED_MM_FALLBACK, disjoint, grouped_mm, index, routed, squeeze, strided_slice
+from autotp.ops.factory_rules import new_filled
 from autotp.ops.flex import FLEX, flex_heads, global_heads, keeps_flex
 from autotp.ops.keeps import (
     dropout_rate,
@@ -260,6 +261,7 @@ _ROWS: dict = {
     **_rows([aten.flip.default], family="along", rule=along_dims, keeps=keeps_nothing),
     **_rows([aten.tril.default, aten.triu.default], family="along", rule=last_dims(2), keeps=keeps_nothing),
     **_rows([aten.repeat.default], family="repeat", rule=repeat, keeps=keeps_nothing),
+    **_rows([aten.unfold.default], family="unfold", rule=unfold, layout=True, keeps=keeps_nothing),
     **_rows([aten.gather.default, aten.scatter.value, aten.scatter.src], family="gather", rule=gather,
             keeps=keeps_index),
     **_rows([aten.avg_pool2d.default, aten.adaptive_avg_pool2d.default], family="pool", rule=last_dims(2),
@@ -281,6 +283,8 @@ _ROWS: dict = {
     **_rows([aten.view_as_real.default], family="complex", rule=as_real, layout=True, keeps=keeps_nothing),
     **_rows([aten.expand.default, aten.broadcast_to.default], family="expand", rule=expand, layout=True,
             keeps=keeps_nothing, local=local_forms.resize),
+    **_rows([aten.new_zeros.default, aten.new_ones.default, aten.new_full.default, aten.new_empty.default],
+            family="factory", rule=new_filled, keeps=keeps_nothing, local=local_forms.resize),
     **_rows([aten.transpose.int], family="transpose", rule=transpose, layout=True, keeps=keeps_nothing),
     **_rows([aten.t.default, aten.numpy_T.default], family="t", rule=t, layout=True, keeps=keeps_nothing),
     **_rows([aten.permute.default], family="permute", rule=permute, layout=True, keeps=keeps_nothing),
@@ -316,7 +320,9 @@ TAGS = {
     "row_wise": [aten.bmm.default, operator.getitem],  # expert rows pass through in place (ops/expert_rules.py)
     "uninitialized": [aten.new_empty.default, aten.empty.memory_format],  # a new tensor of no values yet
     # every row of input 0 alike (unmerge moves a batch*heads merge past them): over the dim at args[1] ...
-    "per_row_over_dim": [aten.softmax.int, aten._softmax.default],
+    "per_row_over_dim": [aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default],
+    "reduces_dims": [aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default],  # (x, dims, keep)
+    "zeros": [aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default],  # all zeros, of a given size
     "per_row": [aten.dropout.default, aten.to.dtype],  # ... or elementwise
     "by_number": [aten.mul.Tensor, aten.div.Tensor, aten.add.Tensor, aten.sub.Tensor],  # elementwise with a number
 }

@@ -82,7 +82,7 @@ def _any_layout(node: Node) -> bool:
 
 
 def out_of_place(gm: torch.fx.GraphModule) -> None:
-    """An in-place op on a new tensor that no view shares -> its out-of-place twin, read by what comes after it
+    """An in-place op on a new tensor that no other view shares -> its out-of-place twin, read by what comes after it
     (Falcon's ``mlp_output += attention_output``; DeBERTa's softmax output zeroed by ``masked_fill_``, which autograd
     refuses: softmax's backward reads the output it overwrote).  The same values, one less write for the rules."""
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
@@ -92,7 +92,7 @@ def out_of_place(gm: torch.fx.GraphModule) -> None:
             continue
         x = node.args[0]
         twin = getattr(getattr(aten, schema.name.split("::")[-1][:-1], None), schema.overload_name or "default", None)
-        if twin is None or not isinstance(x, Node) or not _fresh(x) or not writes(node, x) \
+        if twin is None or not isinstance(x, Node) or not _unseen(x) or not writes(node, x) \
                 or any(user.op != "call_function" or may_alias(user.target) for user in x.users):
             continue
         with gm.graph.inserting_before(node):
@@ -105,9 +105,39 @@ def out_of_place(gm: torch.fx.GraphModule) -> None:
     gm.graph.lint()
 
 
+def drop_zero_bias(gm: torch.fx.GraphModule) -> None:
+    """baddbmm(zeros, a, b, alpha=k) -> bmm(a, b) * k (GPT-NeoX-Japanese starts its scores from a zeros tensor of
+    [batch * heads, s, s]): a bmm of heads merged with the batch is what unmerge rewrites on [batch, heads, ...]."""
+    for node in list(gm.graph.nodes):
+        zero = node.args[0] if node.target == aten.baddbmm.default else None
+        if not isinstance(zero, Node) or "zeros" not in op(zero.target).tags:
+            continue
+        alpha = node.args[4] if len(node.args) > 4 else node.kwargs.get("alpha", 1)
+        with gm.graph.inserting_before(node):
+            product = gm.graph.call_function(aten.bmm.default, tuple(node.args[1:3]))
+            product.meta = dict(node.meta)
+            if alpha != 1:
+                product = gm.graph.call_function(aten.mul.Tensor, (product, alpha))
+                product.meta = dict(node.meta)
+        node.replace_all_uses_with(product)
+        gm.graph.erase_node(node)
+        if not zero.users:
+            gm.graph.erase_node(zero)
+
+
 def _fresh(node: Node) -> bool:
     """A tensor an op made anew (its schema says it aliases no input), not an input, parameter or view."""
     return node.op == "call_function" and not may_alias(node.target)
+
+
+def _unseen(node: Node) -> bool:
+    """A new tensor, or a view of one that nothing else reads, each base read by the view on it alone (Funnel's
+    ``scores[..., :n] *= mask``): a write into it shows only through the in-place op's result."""
+    while node.op == "call_function" and may_alias(node.target) and node.args and isinstance(node.args[0], Node):
+        if len(node.args[0].users) != 1:
+            return False
+        node = node.args[0]
+    return _fresh(node)
 
 
 def getattr_path(gm: torch.nn.Module, target: str):

@@ -10,6 +10,7 @@ from autotp.passes.group_cuts import cuts_to_gathers
 from autotp.passes.inline_regions import inline_regions
 from autotp.passes.prepare import (
     drop_no_ops,
+    drop_zero_bias,
     fuse_repeat_kv,
     merge_aliases,
     out_of_place,
@@ -58,6 +59,7 @@ def prepare(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     drop_no_ops(gm)
     unflatten_rows(gm)
     out_of_place(gm)
+    drop_zero_bias(gm)
     fills_to_cat(gm)
     unmerge(gm)
     cuts_to_gathers(gm)

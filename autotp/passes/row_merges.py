@@ -17,8 +17,6 @@ from autotp.ops.strategies import Context
 from autotp.ops.table import drops, op
 
 aten = torch.ops.aten
-_OVER_LAST = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default}  # (x, dims, keepdim)
-_SOFTMAX = {aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default}  # (x, dim)
 
 
 def unflatten_rows(gm: torch.fx.GraphModule) -> None:
@@ -100,11 +98,11 @@ def _rowwise(node: Node, region: set, starts: list) -> bool:
     others = [a for a in node.all_input_nodes if a not in flat]
     if not flat or any(len(a.meta["val"].shape) > 1 for a in others if isinstance(a.meta.get("val"), torch.Tensor)):
         return False
-    if node.target in _OVER_LAST:
+    if "reduces_dims" in op(node.target).tags:
         dims = node.args[1] if len(node.args) > 1 else None
         keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
         return bool(keep) and isinstance(dims, (list, tuple)) and len(dims) == 1 and dims[0] in (-1, 1)
-    if node.target in _SOFTMAX:
+    if "per_row_over_dim" in op(node.target).tags:
         return node.args[1] in (-1, 1)
     schema = getattr(node.target, "_schema", None)
     return op(node.target).family == "elementwise" and schema is not None and not schema.is_mutable
@@ -112,8 +110,8 @@ def _rowwise(node: Node, region: set, starts: list) -> bool:
 
 def _last_dim(node: Node, index: int, arg):
     """A dim argument of a reduction or softmax over a flattened [rows, d] value, counted from the end."""
-    if index == 1 and node.target in _OVER_LAST:
+    if index == 1 and "reduces_dims" in op(node.target).tags:
         return [-1]
-    if index == 1 and node.target in _SOFTMAX:
+    if index == 1 and "per_row_over_dim" in op(node.target).tags:
         return -1
     return arg

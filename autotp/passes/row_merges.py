@@ -26,26 +26,28 @@ def unflatten_rows(gm: torch.fx.GraphModule) -> None:
         leading = _flattened_rows(node, ctx)
         if leading is not None:
             groups.setdefault(leading, []).append(node)
-    changed = False
-    for starts in groups.values():
-        region = _region(starts)
-        if region is None or not all(_rowwise(n, region, starts) for n in region):
-            continue
-        for start in starts:
-            start.replace_all_uses_with(_rows_of(gm.graph, start))
-            gm.graph.erase_node(start)
-        for node in [n for n in gm.graph.nodes if n in region]:  # graph order: operands' values first
-            node.args = tuple(_last_dim(node, i, a) for i, a in enumerate(node.args))
-            values = [a.meta["val"] if isinstance(a, Node) else a for a in node.args]
-            node.meta["val"] = node.target(*values, **node.kwargs)
-        for view in [u for n in region for u in n.users if u not in region]:
-            if list(view.meta["val"].shape) == list(view.args[0].meta["val"].shape):
-                view.replace_all_uses_with(view.args[0])  # viewed back: the unflattened value itself
-                gm.graph.erase_node(view)
-        changed = True
-    if changed:
+    kept_apart = [_keep_apart(gm.graph, starts, region) for starts in groups.values()
+                  for region in [_region(starts)] if region is not None
+                  and all(_rowwise(n, region, starts) for n in region)]
+    if kept_apart:
         gm.graph.lint()
         gm.recompile()
+
+
+def _keep_apart(graph: torch.fx.Graph, starts: list, region: set) -> set:
+    """The flattening views dropped, the ops between them and the views after them on the unflattened values."""
+    for start in starts:
+        start.replace_all_uses_with(_rows_of(graph, start))
+        graph.erase_node(start)
+    for node in [n for n in graph.nodes if n in region]:  # graph order: operands' values first
+        node.args = tuple(_last_dim(node, i, a) for i, a in enumerate(node.args))
+        values = [a.meta["val"] if isinstance(a, Node) else a for a in node.args]
+        node.meta["val"] = node.target(*values, **node.kwargs)
+    for view in [u for n in region for u in n.users if u not in region]:
+        if list(view.meta["val"].shape) == list(view.args[0].meta["val"].shape):
+            view.replace_all_uses_with(view.args[0])  # viewed back: the unflattened value itself
+            graph.erase_node(view)
+    return region
 
 
 def _flattened_rows(node: Node, ctx: Context):

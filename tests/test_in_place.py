@@ -71,3 +71,20 @@ def test_a_write_a_view_shares_is_kept():
     gm = prepared_graph(WriteThroughView(), (x,))
     assert torch.ops.aten.add_.Tensor in _targets(gm)
     torch.testing.assert_close(gm(x), WriteThroughView()(x))
+
+
+class WriteIntoUnreadView(nn.Module):
+    """Funnel's ``positional_attn = positional_attn[..., :n]; positional_attn *= cls_mask``: the base is read by the
+    view alone and the view by the write alone, so nothing but the write's result sees it."""
+
+    def forward(self, x, mask):
+        scores = (x * 2)[..., :3]
+        scores *= mask
+        return scores
+
+
+def test_a_write_into_a_view_nothing_else_reads_is_prepared_out_of_place():
+    x, mask = torch.randn(3, 5, requires_grad=True), torch.rand(3, 3)
+    gm = prepared_graph(WriteIntoUnreadView(), (x, mask))
+    assert torch.ops.aten.mul_.Tensor not in _targets(gm) and torch.ops.aten.mul.Tensor in _targets(gm)
+    torch.testing.assert_close(gm(x, mask), WriteIntoUnreadView()(x, mask))

@@ -215,12 +215,14 @@ def _rank_of(node) -> int:
 
 
 def _has_heads(node) -> bool:
-    """[b, h, s, *] (or [b, g, h, s, *]) with a heads dim of fixed size over 1, or [b*h, s, s]."""
+    """[b, h, s, *] (or [b, g, h, s, *]) with a heads dim over 1, or [b*h, s, s].  A dynamic input dim (a bare
+    symbol: batch, tokens) is no heads dim; a size the capture left as an expression (SEW-D's heads) may be."""
     val = node.meta.get("val") if node is not None else None
     val = val[0] if isinstance(val, (tuple, list)) and val else val
     if not isinstance(val, torch.Tensor) or val.dim() < 3:
         return False
-    return val.dim() == 3 or any(isinstance(size, int) and size > 1 for size in val.shape[1:-2])
+    return val.dim() == 3 or any(size > 1 if isinstance(size, int) else not size.node.expr.is_Symbol
+                                 for size in val.shape[1:-2])
 
 
 def _by_heads(placement: str, rank: int) -> bool:

@@ -11,7 +11,7 @@ import torch
 from torch.fx import Node
 
 from autotp.ops.expert_rules import integer_indices
-from autotp.ops.layout_rules import positive_dim
+from autotp.ops.layout_rules import pieces_of, positive_dim
 from autotp.ops.rules import conv_groups
 from autotp.ops.strategies import Context, is_placed
 from autotp.ops.views import inverse_view_dim, split_runs
@@ -144,16 +144,8 @@ def cat(node: Node, dim: int, blocks, ctx: Context) -> list:
     if isinstance(blocks, int) or not all(isinstance(b, int) for b in blocks) or len(parts) != len(node.args[0]) or \
             any(len(ctx.shape(p)) != len(ctx.shape(node)) for p in parts):
         return []
-    found, k = [], 0
-    for p in parts:
-        size, taken = ctx.shape(p)[at], []
-        while k < len(blocks) and sum(taken) < size:
-            taken.append(blocks[k])
-            k += 1
-        if sum(taken) != size:
-            return []
-        found += [(p, at, tuple(taken))] if len(taken) > 1 else []
-    return found
+    pieces = pieces_of(tuple(blocks), [ctx.shape(p)[at] for p in parts])
+    return [(p, at, tuple(blocks[k] for k in ks)) for p, ks in zip(parts, pieces or (), strict=False) if len(ks) > 1]
 
 
 def in_flat_units(hint, rest: int):

@@ -140,7 +140,7 @@ def measure(plan, model, gm) -> dict:
     cores = Counter(found[-1] for _, v, _ in attention for found in [_numbered(v.get("module") or "")] if found)
     per: dict = {b: Counter() for b in blocks}
     for c in plan.collectives:
-        block = _block_of(c["module"] or "", cores)
+        block = _block_of(_made_in(nodes.get(c["tensor"]), plan) or c["module"] or "", cores)
         if c["phase"] == "forward" and block:
             kind = "statistics" if c["op"] == "all_reduce" and _statistic(nodes.get(c["tensor"])) else c["op"]
             per.setdefault(block, Counter())[kind] += c.get("count", 1)
@@ -184,6 +184,15 @@ def _block_of(module: str, cores: Counter) -> str | None:
     (ALBERT's and Funnel's layers inside a numbered group each count as a block), else the outermost numbered one."""
     numbered = _numbered(module)
     return next((p for p in reversed(numbered) if p in cores), numbered[0] if numbered else None)
+
+
+def _made_in(node, plan) -> str | None:
+    """The module whose op made the value a collective moves: back through layout ops, which move no data (ViTDet's
+    next block starts by permuting the stream its last one left partial: that sum is the last block's)."""
+    from autotp.ops.table import op
+    while node is not None and node.op == "call_function" and op(node.target).layout and node.all_input_nodes:
+        node = node.args[0] if isinstance(node.args[0], torch.fx.Node) else None
+    return plan.nodes.get(node.name, {}).get("module") if node is not None else None
 
 
 def _residual(node) -> bool:

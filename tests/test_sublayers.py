@@ -2,8 +2,10 @@
 hand plan splits it -- one all-reduce, nothing gathered -- and exact at 2 ranks against one process: a conformer's
 convolution module (biased convs, a gate over channels, a depthwise conv, a batch norm), attention written with
 the ops that had no rule (``reshape_as``, ``gather`` of relative positions, ``logsumexp``, ``max``, ``tril``),
-q, k, v packed as [3, heads, head dim] and picked apart by index or ``unbind``, and a linear-attention mixer (a
-short conv over q, k and v concatenated, a state begun with ``new_zeros``, a gated norm on flattened rows)."""
+q, k, v packed as [3, heads, head dim] and picked apart by index or ``unbind``, heads merged with the batch around
+SAM's decomposed relative positions, a linear-attention mixer (a
+short conv over q, k and v concatenated, a state begun with ``new_zeros``, a gated norm on flattened rows), and
+layer norms over a width split by heads or columns (each by its statistics: a number a row summed over the ranks)."""
 from __future__ import annotations
 
 import pytest
@@ -15,6 +17,10 @@ from tests.helpers.distributed import run_ranks
 from tests.helpers.exact import TOL
 
 C, HEADS, D = 16, 4, 8
+GRID = 3  # MergedRelativePositions' tokens: a GRID x GRID grid
+# its position tables are a 20th of its projection's weight here (SAM's: a 1000th), so not only offered sharded
+TABLES_WHOLE = {"min_shard_fraction": 0.1}
+RUN = {"x": [8, 4096, C]}  # priced at a run's tokens: a norm's statistics are then far cheaper than its activation
 
 
 class ConvModule(nn.Module):
@@ -80,6 +86,33 @@ class PackedHeads(nn.Module):
         return x + self.o(out)
 
 
+class MergedRelativePositions(nn.Module):
+    """SAM's and ViTDet's attention over a grid of tokens: q, k and v picked from [3, batch * heads, tokens, d],
+    a relative-position bias decomposed into two einsums over the rows and columns of the grid on q viewed as
+    [batch * heads, h, w, d], unsqueezed, added and viewed as [batch, heads, tokens, tokens]; the scores by SDPA
+    with that bias as its mask, or (PP-FormulaNet's) by a 3-D matmul, softmax and a second matmul."""
+
+    def __init__(self, sdpa: bool):
+        super().__init__()
+        self.sdpa = sdpa
+        self.qkv, self.o = nn.Linear(C, 3 * HEADS * D), nn.Linear(HEADS * D, C)
+        self.rows, self.cols = (nn.Parameter(torch.randn(GRID, GRID, D) / 4) for _ in range(2))
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        qkv = self.qkv(x).reshape(b, n, 3, HEADS, D).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.reshape(3, b * HEADS, n, D).unbind(0)
+        grid = q.reshape(b * HEADS, GRID, GRID, D)
+        rows, cols = torch.einsum("bhwc,hkc->bhwk", grid, self.rows), torch.einsum("bhwc,wkc->bhwk", grid, self.cols)
+        bias = (rows[:, :, :, :, None] + cols[:, :, :, None, :]).reshape(b, HEADS, n, n)
+        if self.sdpa:
+            out = nn.functional.scaled_dot_product_attention(*(t.view(b, HEADS, n, D) for t in (q, k, v)), bias)
+        else:
+            scores = (q * D ** -0.5) @ k.transpose(-2, -1) + bias.reshape(b * HEADS, n, n)
+            out = (scores.softmax(-1) @ v).reshape(b, HEADS, n, D)
+        return x + self.o(out.transpose(1, 2).reshape(b, n, -1))
+
+
 class LinearAttention(nn.Module):
     """Qwen3-Next's gated delta net in outline: q, k and v cut from one projection and concatenated again for a
     causal depthwise conv, then cut apart; a state begun with ``new_zeros``; each head's output row normalized and
@@ -105,21 +138,52 @@ class LinearAttention(nn.Module):
         return x + self.o(rows.reshape(b, s, HEADS, D).reshape(b, s, -1))
 
 
+class SubNorms(nn.Module):
+    """Layer norms over a split width: q and k each normalized over all heads (ESM-C, OLMo-2), the attention's
+    output normalized before its projection and the MLP's hidden before its second matrix (Magneto's sub-LN)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.ModuleList(nn.Linear(C, HEADS * D) for _ in range(3))
+        self.q_norm, self.k_norm, self.inner = (nn.LayerNorm(HEADS * D) for _ in range(3))
+        self.o = nn.Linear(HEADS * D, C)
+        self.up, self.hidden_norm, self.down = nn.Linear(C, 4 * C), nn.LayerNorm(4 * C), nn.Linear(4 * C, C)
+        for norm in (self.q_norm, self.k_norm, self.inner, self.hidden_norm):
+            nn.init.normal_(norm.weight, 1, 0.25)
+            nn.init.normal_(norm.bias, 0, 0.25)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (f(x) for f in self.qkv)
+        q, k, v = (t.view(b, s, HEADS, D).transpose(1, 2) for t in (self.q_norm(q), self.k_norm(k), v))
+        out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, -1)
+        x = x + self.o(self.inner(out))
+        return x + self.down(self.hidden_norm(nn.functional.gelu(self.up(x))))
+
+
 def _inputs(b: int, s: int) -> dict:
     positions = (torch.arange(s)[None, :] - torch.arange(s)[:, None] + 7).clamp(0, 14)
     return {"x": torch.randn(b, s, C), "positions": positions.expand(b, s, s)}
 
 
 def all_reduces_worth(plan) -> float:
-    """The forward's collectives in all-reduces: an all-gather or a reduce-scatter is half of one (a ring all-reduce
-    is one of each, of the same bytes); anything else fails."""
+    """The forward's collectives of activations in all-reduces: an all-gather or a reduce-scatter is half of one (a
+    ring all-reduce is one of each, of the same bytes); anything else fails.  A norm's statistics (at most a number
+    a row of the width, under a 16th of an activation's bytes here) are not counted."""
     worth = {"all_reduce": 1.0, "all_gather": 0.5, "reduce_scatter": 0.5}
-    return sum(worth[c["op"]] * c.get("count", 1) for c in plan.collectives if c["phase"] == "forward")
+    largest = max((c["bytes"] for c in plan.collectives), default=0)
+    return sum(worth[c["op"]] * c.get("count", 1) for c in plan.collectives
+               if c["phase"] == "forward" and c["bytes"] * 16 > largest)
 
 
-def _exact(model, kwargs: dict, others: list[dict]) -> None:
-    sharded = autotp.parallelize(model, (), kwargs)
-    assert all_reduces_worth(sharded.autotp_plan) <= 1, sharded.autotp_plan.collectives  # Megatron's one sum
+def statistics(plan) -> int:
+    largest = max((c["bytes"] for c in plan.collectives), default=0)
+    return sum(c.get("count", 1) for c in plan.collectives if c["phase"] == "forward" and c["bytes"] * 16 <= largest)
+
+
+def _exact(model, kwargs: dict, others: list[dict], sums: int = 1, **options) -> None:
+    sharded = autotp.parallelize(model, (), kwargs, **options)
+    assert all_reduces_worth(sharded.autotp_plan) <= sums, sharded.autotp_plan.collectives  # Megatron's
     for inputs in (kwargs, *others):
         torch.testing.assert_close(sharded(**inputs), model(**inputs), **TOL)
     sharded(**kwargs).square().mean().backward()
@@ -142,6 +206,13 @@ def _run(rank: int, world: int) -> None:
         _exact(PackedHeads(unbind), {"x": torch.randn(2, 8, C)}, [{"x": torch.randn(1, 1, C)}])
     torch.manual_seed(0)
     _exact(LinearAttention(), {"x": torch.randn(2, 8, C)}, [{"x": torch.randn(1, 1, C)}, {"x": torch.randn(3, 5, C)}])
+    for sdpa in (True, False):
+        torch.manual_seed(0)
+        _exact(MergedRelativePositions(sdpa), {"x": torch.randn(2, GRID * GRID, C)},
+               [{"x": torch.randn(1, GRID * GRID, C)}, {"x": torch.randn(3, GRID * GRID, C)}], **TABLES_WHOLE)
+    torch.manual_seed(0)
+    _exact(SubNorms(), {"x": torch.randn(2, 8, C)}, [{"x": torch.randn(1, 1, C)}, {"x": torch.randn(3, 5, C)}], 2,
+           price_at=RUN)
 
 
 @pytest.mark.parametrize("unbind", [False, True])
@@ -173,3 +244,25 @@ def test_linear_attention_split_by_heads_through_its_conv_and_gated_norm():
     assert plan.params["qkv.weight"] == plan.params["conv.weight"] == blocks, plan.params
     assert plan.params["z.weight"] == "S(0)" and plan.params["o.weight"] == "S(1)", plan.params
     assert not plan.replicated_ops and all_reduces_worth(plan) <= 1, plan.collectives
+
+
+def test_norms_over_a_split_width_split_by_their_statistics():
+    """Each norm's width split as its projection's output is (heads, the MLP's columns), its weight and bias alike:
+    two all-reduces of activations, as Megatron's, and two of statistics a norm (before: q, k, the attention's output
+    and the MLP's hidden gathered)."""
+    plan = autotp.plan(SubNorms(), (), {"x": torch.randn(2, 8, C)}, world_size=2, price_at=RUN)
+    for norm in ("q_norm", "k_norm", "inner", "hidden_norm"):
+        assert plan.params[f"{norm}.weight"] == plan.params[f"{norm}.bias"] == "S(0)", plan.params
+    assert plan.params["o.weight"] == plan.params["down.weight"] == "S(1)" and not plan.replicated_ops, plan.params
+    assert all_reduces_worth(plan) <= 2 and statistics(plan) == 8, plan.collectives
+
+
+@pytest.mark.parametrize("sdpa", [True, False])
+def test_heads_merged_with_the_batch_around_relative_positions_split_by_heads(sdpa):
+    """q, k and v's projection split block by block, the relative-position einsums and the scores by heads, one
+    all-reduce (before: the heads merged with the batch were gathered, attention computed whole)."""
+    plan = autotp.plan(MergedRelativePositions(sdpa), (), {"x": torch.randn(2, GRID * GRID, C)}, world_size=2,
+                       **TABLES_WHOLE)
+    assert plan.params["qkv.weight"] == f"S(0|{HEADS * D},{HEADS * D},{HEADS * D})", plan.params
+    assert plan.params["o.weight"] == "S(1)" and not plan.replicated_ops, plan.params
+    assert all_reduces_worth(plan) <= 1, plan.collectives

@@ -8,6 +8,7 @@ from autotp.passes.capture import check_inputs as check_example_inputs
 from autotp.passes.fold import NotFoldable, find_fold, fold_graph, folded
 from autotp.passes.group_cuts import cuts_to_gathers
 from autotp.passes.inline_regions import inline_regions
+from autotp.passes.norms import spell_out_norms
 from autotp.passes.prepare import (
     drop_no_ops,
     drop_zero_bias,
@@ -57,6 +58,7 @@ def prepare(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     unflatten_products(gm)
     fuse_repeat_kv(gm)
     drop_no_ops(gm)
+    spell_out_norms(gm)
     unflatten_rows(gm)
     out_of_place(gm)
     drop_zero_bias(gm)

@@ -17,25 +17,23 @@ from torch.fx import Node
 from autotp.ops.semantics import may_alias
 from autotp.ops.strategies import Context
 from autotp.ops.table import op
+from autotp.passes.merged_rows import call, flattens_heads, merged_picks, merged_rows, merges_heads, sizes_of
 
 aten = torch.ops.aten
 
 
 def unmerge(gm: torch.fx.GraphModule) -> None:
-    """All four rewrites, each where it applies."""
+    """All five rewrites, each where it applies."""
     probes = Context(world=1)
+    merged_picks(gm, probes)
     packed_picks(gm)
     merged_views(gm, probes)
-    for _ in range(2):  # a product's merge moved on by merged_rows reaches the next product
+    for _ in range(3):  # a product's merge moved on by merged_rows reaches the next product, or a view back
         merged_products(gm, probes)
         merged_rows(gm, probes)
-    merged_products(gm, probes)
+    _erase_unused(gm.graph, [n for n in gm.graph.nodes if n.target == aten.sym_size.int])  # a moved merge's size
     gm.graph.lint()
     gm.recompile()
-
-
-def _sizes(ctx: Context, node: Node) -> list[int]:
-    return [ctx.probe(s) for s in ctx.shape(node)]
 
 
 def _erase_unused(graph: torch.fx.Graph, nodes) -> None:
@@ -45,7 +43,7 @@ def _erase_unused(graph: torch.fx.Graph, nodes) -> None:
     while todo:
         node = todo.pop()
         pure = node.op == "call_function" and (
-            may_alias(node.target) or "pure" in op(node.target).tags)
+            may_alias(node.target) or "pure" in op(node.target).tags or node.target == aten.sym_size.int)
         if pure and not node.users and node not in erased:
             todo += node.all_input_nodes
             graph.erase_node(node)
@@ -189,7 +187,7 @@ def merged_views(gm: torch.fx.GraphModule, ctx: Context) -> None:
         if "sized_view" not in op(first.target).tags or first.graph is not graph or not isinstance(first.args[0], Node):
             continue
         x = first.args[0]
-        sizes = [_sizes(ctx, n) for n in (x, first)]
+        sizes = [sizes_of(ctx, n) for n in (x, first)]
         if {0, 1} & {*sizes[0], *sizes[1]}:
             continue  # a size 1 or 0 belongs to no dim alone
         atoms = _Atoms(sizes[0])
@@ -209,8 +207,8 @@ def merged_views(gm: torch.fx.GraphModule, ctx: Context) -> None:
             node = user
             chain.append(node)
         last = next(iter(node.users)) if len(node.users) == 1 else None
-        if last is None or "sized_view" not in op(last.target).tags or 1 in _sizes(ctx, last) \
-                or not atoms.regroup(_sizes(ctx, last)) or any(len(d) != 1 for d in atoms.dims):
+        if last is None or "sized_view" not in op(last.target).tags or 1 in sizes_of(ctx, last) \
+                or not atoms.regroup(sizes_of(ctx, last)) or any(len(d) != 1 for d in atoms.dims):
             continue
         final = [d[0] for d in atoms.dims]
         given, order = list(last.args[1]), [atoms.order.index(a) for a in final]
@@ -232,65 +230,6 @@ def merged_views(gm: torch.fx.GraphModule, ctx: Context) -> None:
 
 # ---- products over heads merged with the batch -------------------------------------------------------
 
-def _row_dims(node: Node):
-    """Which positional args of ``node`` are dims if it treats every row of its first operand alike, else None."""
-    tags = op(node.target).tags
-    if "by_number" in tags and len(node.args) == 2 and isinstance(node.args[1], (int, float)):
-        return ()
-    return (1,) if "per_row_over_dim" in tags else () if "per_row" in tags else None
-
-
-def _flattens_heads(node: Node) -> bool:
-    return node.target == aten.flatten.using_ints and tuple(node.args[1:3]) == (0, 1)
-
-
-def _merge(node: Node, ctx: Context) -> bool:
-    """``node`` views a [B, H, ...] tensor as [B*H, ...]."""
-    if not (_flattens_heads(node) or "sized_view" in op(node.target).tags) or not isinstance(node.args[0], Node):
-        return False
-    inner, outer = _sizes(ctx, node.args[0]), _sizes(ctx, node)
-    return len(inner) == len(outer) + 1 > 2 and inner[0] * inner[1] == outer[0] and inner[2:] == outer[1:] \
-        and 1 not in inner[:2]
-
-
-def merged_rows(gm: torch.fx.GraphModule, ctx: Context) -> None:
-    """A [B, H, ...] -> [B*H, ...] view read by ops that treat every row alike (softmax over a later dim, dropout,
-    a cast), or viewed straight back  =>  those ops on [B, H, ...] and the view after them, so the view reaches the
-    product that merged_products unmerges (XGLM, TrOCR, MVP: ``scores.view(b * h, t, s).softmax(-1)`` then
-    ``probs.bmm(v)``)."""
-    graph = gm.graph
-    todo = [node for node in graph.nodes if _merge(node, ctx)]
-    while todo:
-        merge = todo.pop(0)
-        if merge.graph is not graph or not _merge(merge, ctx):
-            continue
-        x = merge.args[0]
-        for user in list(merge.users):
-            if "sized_view" in op(user.target).tags and user.args[0] is merge and _sizes(ctx, user) == _sizes(ctx, x):
-                user.replace_all_uses_with(x)  # viewed back: the [B, H, ...] tensor itself
-                graph.erase_node(user)
-                todo += [u for u in x.users if _merge(u, ctx)]
-                continue
-            dims = _row_dims(user)
-            if dims is None or user.args[0] is not merge or merge in user.args[1:] or merge in user.kwargs.values():
-                continue
-            args = list(user.args)
-            if any(args[i] % len(_sizes(ctx, merge)) == 0 for i in dims):
-                continue  # across the merged rows
-            for i in dims:
-                args[i] = args[i] + 1 if args[i] >= 0 else args[i]
-            with graph.inserting_before(user):
-                rows = graph.call_function(user.target, (x, *args[1:]), user.kwargs)
-                rows.meta = {**user.meta, "val": user.target(x.meta["val"], *args[1:], **user.kwargs)}
-                view = graph.call_function(merge.target, (rows, *merge.args[1:]), merge.kwargs)
-                view.meta = dict(user.meta)
-            user.replace_all_uses_with(view)
-            graph.erase_node(user)
-            todo.append(view)
-        if not merge.users:
-            graph.erase_node(merge)
-
-
 def _unmerged(node: Node, b: int, h: int, ctx: Context):
     """How the [b*h, ...] operand ``node`` is a [b, h, ...] value: (source, broadcast over b, transposes to apply),
     or None.  Sources: a view of a [b, h, ...] tensor, or ``x.repeat(b, 1, ...)`` of an [h, ...] one (BLOOM's
@@ -306,9 +245,9 @@ def _unmerged(node: Node, b: int, h: int, ctx: Context):
     src = node.args[0] if node.args and isinstance(node.args[0], Node) else None
     if src is None:
         return None
-    inner = _sizes(ctx, src)
-    merges = "sized_view" in op(node.target).tags or _flattens_heads(node)
-    if merges and inner[:2] == [b, h] and inner[2:] == _sizes(ctx, node)[1:]:
+    inner = sizes_of(ctx, src)
+    merges = "sized_view" in op(node.target).tags or flattens_heads(node)
+    if merges and inner[:2] == [b, h] and inner[2:] == sizes_of(ctx, node)[1:]:
         return src, False, moves[::-1]
     if node.target == aten.repeat.default and len(node.args[1]) == len(inner) and inner[0] == h:
         first, *rest = node.args[1]
@@ -329,35 +268,36 @@ def _built(graph: torch.fx.Graph, recipe) -> Node:
     return value
 
 
-def _call(graph: torch.fx.Graph, target, args: tuple, like: Node) -> Node:
-    made = graph.call_function(target, args)
-    made.meta = {**like.meta, "val": target(*(a.meta["val"] if isinstance(a, Node) else a for a in args))}
-    return made
-
-
 def _heads(node: Node, ctx: Context):
     """(B, H) of a [B*H, ...] product operand that views (through transposes) a [B, H, ...] tensor, H fixed."""
     while node.target == aten.transpose.int and 0 not in (node.args[1] % 3, node.args[2] % 3):
         node = node.args[0]
-    if not _merge(node, ctx) or not ctx.static(ctx.shape(node.args[0])[1]):
+    if not merges_heads(node, ctx) or not ctx.static(ctx.shape(node.args[0])[1]):
         return None
-    return tuple(_sizes(ctx, node.args[0])[:2])
+    return tuple(sizes_of(ctx, node.args[0])[:2])
+
+
+def _batched(node: Node, ctx: Context) -> bool:
+    """bmm / baddbmm, or a matmul of two 3-D operands (the same product)."""
+    return "batched_product" in op(node.target).tags or (node.target == aten.matmul.default and all(
+        isinstance(a, Node) and len(ctx.shape(a)) == 3 for a in node.args[:2]))
 
 
 def merged_products(gm: torch.fx.GraphModule, ctx: Context) -> None:
-    """``bmm`` / ``baddbmm`` of [B*H, ...] operands (BLOOM's ``alibi.baddbmm(q, k^T)`` and ``probs.bmm(v)``)  =>
-    the 4-D matmul of the unmerged operands (``beta * input + alpha * (a @ b)``), and where the result is not only
-    viewed back as [B, H, ...], a merge of it that merged_rows moves on (MVP's ``q.bmm(k^T).softmax(-1)``)."""
+    """``bmm`` / ``baddbmm`` (or a 3-D ``matmul``) of [B*H, ...] operands (BLOOM's ``alibi.baddbmm(q, k^T)`` and
+    ``probs.bmm(v)``)  =>  the 4-D matmul of the unmerged operands (``beta * input + alpha * (a @ b)``), and where
+    the result is not only viewed back as [B, H, ...], a merge of it that merged_rows moves on (MVP's
+    ``q.bmm(k^T).softmax(-1)``)."""
     graph = gm.graph
     for node in list(graph.nodes):
-        if "batched_product" not in op(node.target).tags:
+        if not _batched(node, ctx):
             continue
         users = list(node.users)
-        shapes = {tuple(_sizes(ctx, u)) for u in users}
+        shapes = {tuple(sizes_of(ctx, u)) for u in users}
         back = bool(users) and all("sized_view" in op(u.target).tags for u in users) and len(shapes) == 1
         if back:
             (b, h, *rest), = shapes
-            back = rest == _sizes(ctx, node)[1:] and b * h == _sizes(ctx, node)[0] and \
+            back = rest == sizes_of(ctx, node)[1:] and b * h == sizes_of(ctx, node)[0] and \
                 ctx.static(ctx.shape(users[0])[1])
         if not back:
             found = {_heads(a, ctx) for a in node.args[:3] if isinstance(a, Node)} - {None}
@@ -371,15 +311,15 @@ def merged_products(gm: torch.fx.GraphModule, ctx: Context) -> None:
         like = users[0] if back else node
         with graph.inserting_before(node):
             bias, left, right = (_built(graph, r) if r is not None else None for r in recipes)
-            value = _call(graph, aten.matmul.default, (left, right), like)
+            value = call(graph, aten.matmul.default, (left, right), like)
             alpha, beta = node.kwargs.get("alpha", 1), node.kwargs.get("beta", 1)
             if alpha != 1:
-                value = _call(graph, aten.mul.Tensor, (value, alpha), like)
+                value = call(graph, aten.mul.Tensor, (value, alpha), like)
             if bias is not None:
-                bias = _call(graph, aten.mul.Tensor, (bias, beta), like) if beta != 1 else bias
-                value = _call(graph, aten.add.Tensor, (bias, value), like)
+                bias = call(graph, aten.mul.Tensor, (bias, beta), like) if beta != 1 else bias
+                value = call(graph, aten.add.Tensor, (bias, value), like)
             if not back:
-                node.replace_all_uses_with(_call(graph, aten.flatten.using_ints, (value, 0, 1), node))
+                node.replace_all_uses_with(call(graph, aten.flatten.using_ints, (value, 0, 1), node))
         for user in users if back else ():
             user.replace_all_uses_with(value)
             graph.erase_node(user)

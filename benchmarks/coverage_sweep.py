@@ -139,14 +139,18 @@ def measure(plan, model, gm) -> dict:
     attention = [c for c in found if _numbered(c[1].get("module") or "") and _has_heads(nodes.get(c[0]))]
     cores = Counter(found[-1] for _, v, _ in attention for found in [_numbered(v.get("module") or "")] if found)
     per: dict = {b: Counter() for b in blocks}
+    inner: dict = {}  # block -> modules inside it whose values a collective moves (beyond the sums of sublayers)
     for c in plan.collectives:
-        block = _block_of(_made_in(nodes.get(c["tensor"]), plan) or c["module"] or "", cores)
+        module = _made_in(nodes.get(c["tensor"]), plan) or c["module"] or ""
+        block = _block_of(module, cores)
         if c["phase"] == "forward" and block:
             kind = "statistics" if c["op"] == "all_reduce" and _statistic(nodes.get(c["tensor"])) else c["op"]
             per.setdefault(block, Counter())[kind] += c.get("count", 1)
+            if kind != "statistics" and module.startswith(block + "."):
+                inner.setdefault(block, set()).add(module)
     calls = Counter(v.get("module") for v in plan.nodes.values() if v.get("op") == "aten.linear.default")
     residuals = Counter(v.get("module") for k, v in plan.nodes.items() if _residual(nodes.get(k)))
-    worst, counts, extra = 0, {}, []
+    worst, counts, extra, over_modules = 0, {}, [], set()
     for block, n in per.items():
         applied = max((k for m, k in calls.items() if m and _block_of(m, cores) == block), default=1)
         # one sum per attention core, one for the MLP (or mixer) each time the block runs; or one per sublayer
@@ -161,11 +165,14 @@ def measure(plan, model, gm) -> dict:
             extra = [f"{c['op']} of {c['tensor']} ({plan.nodes.get(c['tensor'], {}).get('op', '?')}) in {c['module']}"
                      for c in plan.collectives if c["phase"] == "forward" and (c["module"] or "").startswith(block)]
         worst = max(worst, effective - megatron)
+        if effective > megatron:
+            over_modules.update(inner.get(block, ()))
         counts[block] = dict(n, applied=applied) if applied > 1 else dict(n)
     unsplit = [f"{v['op']} in {v.get('module') or '?'}: out {v['out']}" for _, v, rank in attention
                if not _by_heads(v["out"], rank)]
     replicated = plan.cost.get("replicated") or dict.fromkeys(plan.replicated_ops, "no sharding rule")
     return {"share": share, "blocks": len(blocks), "per_block": counts, "over_megatron": worst, "collectives": extra,
+            "over_modules": sorted(over_modules),
             "attention_ops": len(attention), "unsplit_attention": unsplit[:3],
             "attention_not_counted": [f"{v['op']} in {v.get('module') or '?'}" for c in found if c not in attention
                                       for _, v, _ in [c]][:3],
@@ -250,9 +257,34 @@ def _plan(model, kwargs):
     from autotp.passes.prepared_graph import prepared_graph
     from autotp.planning.tensor_plan import solve_plan
     gm = prepared_graph(model, (), kwargs, True)
-    largest = max((p.numel() for p in model.parameters()), default=1)
+    # the largest the graph reads, as the planner's fraction is of those (a vision tower a text input never runs
+    # would lower the bar below hidden x hidden)
+    params = dict(gm.named_parameters(remove_duplicate=False))
+    largest = max((params[n.target].numel() for n in gm.graph.nodes if n.op == "get_attr" and n.target in params),
+                  default=1)
     options = {"price_at": run_shapes(gm), "min_shard_fraction": min(1.0, SHARD_FROM / largest)}
     return solve_plan(gm, 2, PlanOptions(**options), price_experts=True), gm, options
+
+
+def at_count(plan, model, gm, options: dict, modules: list[str]) -> dict:
+    """The plan a hand-written one is where autotp's is over Megatron's count: the modules whose values the extra
+    collectives move (a DSA indexer, a relative-position table, a low-rank projection) kept whole in every block,
+    the rest planned as before, priced by the same cost model.  autotp's plan is better where that plan is at
+    Megatron's count with heads split and costs at least as much a step."""
+    from autotp.options import PlanOptions
+    from autotp.planning.tensor_plan import solve_plan
+    patterns = [re.compile(r"\.".join(r"\d+" if part.isdigit() else re.escape(part) for part in m.split("."))
+                           + r"\.") for m in modules]  # the same module in every block
+    whole = {n: "R" for n, _ in model.named_parameters() if any(p.match(n) for p in patterns)}
+    if not whole:
+        return {"kept_whole": [], "better": False}
+    other = solve_plan(gm, 2, PlanOptions(**options, fixed=whole), price_experts=True)
+    found = measure(other, model, gm)
+    better = found["over_megatron"] <= 0 and not found["unsplit_attention"] and (
+        plan.cost["seconds"] <= other.cost["seconds"] * (1 + 1e-9))
+    return {"kept_whole": modules, "parameters": len(whole), "over_megatron": found["over_megatron"],
+            "unsplit_attention": found["unsplit_attention"], "share": found["share"],
+            "seconds": other.cost["seconds"], "autotp_seconds": plan.cost["seconds"], "better": better}
 
 
 def run_shapes(gm) -> dict:
@@ -307,6 +339,9 @@ def plan_entry(name: str, timeout: int) -> dict:
                 return entry
         entry["spec"]["options"] = options  # the exact run's parallelize plans alike
         entry.update(captured=True, autotp_capture=True, planned=True, **measure(plan, model, gm))
+        if entry["over_megatron"] > 0 and entry["over_modules"]:
+            stage = "plan at Megatron's count"
+            entry["at_count"] = at_count(plan, model, gm, options, entry["over_modules"])
     except Exception as exc:  # every failure is a result: recorded with its stage
         entry.update(stage=stage, error=first_line(exc), where=_where(exc))
         entry.setdefault("built", False)

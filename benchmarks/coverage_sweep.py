@@ -231,14 +231,15 @@ def _rank_of(node) -> int:
 
 
 def _has_heads(node) -> bool:
-    """[b, h, s, *] (or [b, g, h, s, *]) with a heads dim over 1, or [b*h, s, s].  A dynamic input dim (a bare
-    symbol: batch, tokens) is no heads dim; a size the capture left as an expression (SEW-D's heads) may be."""
+    """[b, h, s, *] (or [b, g, h, s, *]) with a heads dim over 1, or [b*h, s, s] with heads in its first dim.  A
+    dynamic input dim (a bare symbol: batch, tokens) is no heads dim, so a router's [b, s, experts] softmax is no
+    attention; a size the capture left as an expression (SEW-D's heads, b*h) may be."""
     val = node.meta.get("val") if node is not None else None
     val = val[0] if isinstance(val, (tuple, list)) and val else val
     if not isinstance(val, torch.Tensor) or val.dim() < 3:
         return False
-    return val.dim() == 3 or any(size > 1 if isinstance(size, int) else not size.node.expr.is_Symbol
-                                 for size in val.shape[1:-2])
+    dims = val.shape[:1] if val.dim() == 3 else val.shape[1:-2]
+    return any(size > 1 if isinstance(size, int) else not size.node.expr.is_Symbol for size in dims)
 
 
 def _by_heads(placement: str, rank: int) -> bool:

@@ -266,3 +266,26 @@ def test_heads_merged_with_the_batch_around_relative_positions_split_by_heads(sd
     assert plan.params["qkv.weight"] == f"S(0|{HEADS * D},{HEADS * D},{HEADS * D})", plan.params
     assert plan.params["o.weight"] == "S(1)" and not plan.replicated_ops, plan.params
     assert all_reduces_worth(plan) <= 1, plan.collectives
+
+
+class NormOnTheStream(nn.Module):
+    """A conformer's first norm: on its input projection's output, which the residual add reads too."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.norm, self.ff = nn.Linear(C, C), nn.LayerNorm(C), nn.Linear(C, C)
+
+    def forward(self, x):
+        x = self.proj(x)
+        return x + self.ff(self.norm(x))
+
+
+def test_norms_are_spelled_out_inside_a_sublayer_only():
+    """A norm only its projection's output reaches is written as its statistics; one on a value the residual add
+    reads stays one fused op (nothing to split there that an all-reduce of the stream would not do first)."""
+    from autotp.passes.prepared_graph import prepared_graph
+    fused = [n for n in prepared_graph(SubNorms(), (), {"x": torch.randn(2, 8, C)}).graph.nodes
+             if n.target == torch.ops.aten.layer_norm.default]
+    kept = [n for n in prepared_graph(NormOnTheStream(), (), {"x": torch.randn(2, 8, C)}).graph.nodes
+            if n.target == torch.ops.aten.layer_norm.default]
+    assert not fused and len(kept) == 1, (fused, kept)

@@ -5,7 +5,7 @@ before the output projection or inside the MLP -- normalizes a width that tensor
 columns.  As one fused op it has no split form, so the plan would gather the whole activation around it.  Written as
 its means (``x - mean``, the mean of the squares, ``rsqrt``) the rules split it like an RMSNorm written in Python: each
 rank sums its columns, one all-reduce of a number a row per statistic.  A norm over the residual stream (its input an
-add, an embedding, an input) stays one op: nothing splits its width, and one kernel is faster than five.
+add, an embedding, an input, or a value the residual add reads too) stays one op: one kernel is faster than five.
 """
 from __future__ import annotations
 
@@ -30,8 +30,9 @@ def spell_out_norms(gm: torch.fx.GraphModule) -> None:
 
 def _after_product(x) -> bool:
     """``x`` comes from a matrix product (or attention) through views and elementwise ops of it alone (a bias,
-    an activation, a dropout): inside a sublayer, not on the residual stream."""
-    while isinstance(x, Node) and x.op == "call_function":
+    an activation, a dropout), and only the norm reads what they make: inside a sublayer.  The residual stream is
+    read by the residual add too (a conformer's first norm on its input projection's output stays fused)."""
+    while isinstance(x, Node) and x.op == "call_function" and len(x.users) == 1:
         if is_product(x):
             return True
         row = op(x.target)

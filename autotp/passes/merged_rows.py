@@ -19,6 +19,7 @@ from torch.fx import Node
 
 from autotp.ops.strategies import Context
 from autotp.ops.table import op
+from autotp.passes.prepare import call
 
 aten = torch.ops.aten
 
@@ -38,15 +39,6 @@ def merges_heads(node: Node, ctx: Context) -> bool:
     inner, outer = sizes_of(ctx, node.args[0]), sizes_of(ctx, node)
     return len(inner) == len(outer) + 1 > 2 and inner[0] * inner[1] == outer[0] and inner[2:] == outer[1:] \
         and 1 not in inner[:2]
-
-
-def call(graph: torch.fx.Graph, target, args: tuple, like: Node, kwargs: dict | None = None) -> Node:
-    """A new node computing ``target``, its value from its operands' (``like``'s other metadata)."""
-    made = graph.call_function(target, args, kwargs or {})
-    values = [[v.meta["val"] if isinstance(v, Node) else v for v in a] if isinstance(a, (list, tuple)) else
-              a.meta["val"] if isinstance(a, Node) else a for a in args]
-    made.meta = {**like.meta, "val": target(*values, **(kwargs or {}))}
-    return made
 
 
 def merged_picks(gm: torch.fx.GraphModule, ctx: Context) -> None:
@@ -86,6 +78,7 @@ def _first_dim_pick(node: Node) -> bool:
 
 
 def merged_rows(gm: torch.fx.GraphModule, ctx: Context) -> None:
+    """Each merge's readers rewritten on the unmerged value where they can be (_moved), the merge after them."""
     graph = gm.graph
     todo = [node for node in graph.nodes if merges_heads(node, ctx)]
     while todo:
@@ -127,7 +120,7 @@ def _moved(graph: torch.fx.Graph, merge: Node, user: Node, ctx: Context) -> Node
         args[i] = args[i] + 1 if args[i] >= 0 else args[i]
     for i, a in enumerate(args[1:], 1):
         if isinstance(a, Node):  # another operand: a merge alike, or one broadcast over the rows
-            same = merges_heads(a, ctx) and sizes_of(ctx, a.args[0])[:2] == unmerged[:2] and _fixed_heads(a)
+            same = merges_heads(a, ctx) and sizes_of(ctx, a.args[0])[:2] == unmerged[:2] and fixed_heads(a, ctx)
             if not (same or (isinstance(a.meta.get("val"), torch.Tensor) and (
                     a.meta["val"].dim() < len(unmerged) - 1 or sizes_of(ctx, a)[0] == 1))):
                 return None
@@ -136,9 +129,9 @@ def _moved(graph: torch.fx.Graph, merge: Node, user: Node, ctx: Context) -> Node
     return call(graph, aten.flatten.using_ints, (rows, 0, 1), user)
 
 
-def _fixed_heads(merge: Node) -> bool:
+def fixed_heads(merge: Node, ctx: Context) -> bool:
     """The merged dim after the batch has a fixed size (heads; not tokens merged with the batch into rows)."""
-    return isinstance(merge.args[0].meta["val"].shape[1], int)
+    return ctx.static(ctx.shape(merge.args[0])[1])
 
 
 def _row_dims(node: Node, rank: int):
@@ -163,11 +156,10 @@ def _view(graph: torch.fx.Graph, merge: Node, user: Node, ctx: Context) -> Node 
         return x
     if out[:2] == unmerged[:2] and math.prod(out[2:]) == math.prod(unmerged[2:]):
         return call(graph, aten.reshape.default, (x, list(user.args[1])), user)
-    heads = x.meta["val"].shape[1]
-    if len(out) < 2 or out[0] != unmerged[0] * unmerged[1] or not isinstance(heads, int):
+    if len(out) < 2 or out[0] != unmerged[0] * unmerged[1] or not fixed_heads(merge, ctx):
         return None
-    batch = x.meta["val"].shape[0]
-    if not isinstance(batch, int):
+    batch, heads = ctx.shape(x)[:2]
+    if not ctx.static(batch):
         batch = call(graph, aten.sym_size.int, (x, 0), x)
     rows = call(graph, aten.reshape.default, (x, [batch, heads, *user.args[1][1:]]), user)
     return call(graph, aten.reshape.default, (rows, list(user.args[1])), user)
@@ -177,7 +169,7 @@ def _einsum(graph: torch.fx.Graph, merge: Node, user: Node, ctx: Context) -> Nod
     """An einsum whose merged operand's first letter no other operand has and the output leads with: that letter
     as two, batch and heads."""
     equation, operands = user.args[0], list(user.args[1])
-    if "." in equation or "->" not in equation or operands.count(merge) != 1 or not _fixed_heads(merge):
+    if "." in equation or "->" not in equation or operands.count(merge) != 1 or not fixed_heads(merge, ctx):
         return None
     ins, out = equation.replace(" ", "").split("->")
     ins = ins.split(",")

@@ -13,6 +13,7 @@ import torch
 from torch.fx import Node
 
 from autotp.ops.table import is_product, op
+from autotp.passes.prepare import call
 
 aten = torch.ops.aten
 _LOW = (torch.float16, torch.bfloat16)  # fused kernels keep the statistics in float32: so does the spelled-out form
@@ -55,22 +56,19 @@ def _spell_out(graph: torch.fx.Graph, node: Node) -> None:
     eps = torch.finfo(dtype).eps if eps is None else eps
     dims = list(range(-len(shape), 0))
 
-    def call(target, *operands):
-        made = graph.call_function(target, operands)
-        made.meta = {**node.meta, "val": target(*(a.meta["val"] if isinstance(a, Node) else a for a in operands))}
-        return made
-
     with graph.inserting_before(node):
-        y = call(aten.to.dtype, x, torch.float32) if dtype in _LOW else x
+        y = call(graph, aten.to.dtype, (x, torch.float32), node) if dtype in _LOW else x
         if not rms:
-            y = call(aten.sub.Tensor, y, call(aten.mean.dim, y, dims, True))
-        variance = call(aten.mean.dim, call(aten.mul.Tensor, y, y), dims, True)
-        y = call(aten.mul.Tensor, y, call(aten.rsqrt.default, call(aten.add.Tensor, variance, eps)))
+            y = call(graph, aten.sub.Tensor, (y, call(graph, aten.mean.dim, (y, dims, True), node)), node)
+        squares = call(graph, aten.mul.Tensor, (y, y), node)
+        variance = call(graph, aten.mean.dim, (squares, dims, True), node)
+        scale = call(graph, aten.rsqrt.default, (call(graph, aten.add.Tensor, (variance, eps), node),), node)
+        y = call(graph, aten.mul.Tensor, (y, scale), node)
         if weight is not None:
-            y = call(aten.mul.Tensor, y, weight)
+            y = call(graph, aten.mul.Tensor, (y, weight), node)
         if bias is not None:
-            y = call(aten.add.Tensor, y, bias)
+            y = call(graph, aten.add.Tensor, (y, bias), node)
         if dtype in _LOW:
-            y = call(aten.to.dtype, y, dtype)
+            y = call(graph, aten.to.dtype, (y, dtype), node)
     node.replace_all_uses_with(y)
     graph.erase_node(node)

@@ -140,6 +140,15 @@ def _unseen(node: Node) -> bool:
     return _fresh(node)
 
 
+def call(graph: torch.fx.Graph, target, args: tuple, like: Node, kwargs: dict | None = None) -> Node:
+    """A new node computing ``target``, its value from its operands' (``like``'s other metadata)."""
+    made = graph.call_function(target, args, kwargs or {})
+    values = [[v.meta["val"] if isinstance(v, Node) else v for v in a] if isinstance(a, (list, tuple)) else
+              a.meta["val"] if isinstance(a, Node) else a for a in args]
+    made.meta = {**like.meta, "val": target(*values, **(kwargs or {}))}
+    return made
+
+
 def getattr_path(gm: torch.nn.Module, target: str):
     value = gm
     for part in target.split("."):

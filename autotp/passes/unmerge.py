@@ -17,7 +17,8 @@ from torch.fx import Node
 from autotp.ops.semantics import may_alias
 from autotp.ops.strategies import Context
 from autotp.ops.table import op
-from autotp.passes.merged_rows import call, flattens_heads, merged_picks, merged_rows, merges_heads, sizes_of
+from autotp.passes.merged_rows import fixed_heads, flattens_heads, merged_picks, merged_rows, merges_heads, sizes_of
+from autotp.passes.prepare import call
 
 aten = torch.ops.aten
 
@@ -262,9 +263,7 @@ def _built(graph: torch.fx.Graph, recipe) -> Node:
     value = src
     steps = [(aten.unsqueeze.default, (0,))] * broadcast + [(aten.transpose.int, m) for m in moves]
     for target, extra in steps:
-        made = graph.call_function(target, (value, *extra))
-        made.meta = {**src.meta, "val": target(value.meta["val"], *extra)}
-        value = made
+        value = call(graph, target, (value, *extra), src)
     return value
 
 
@@ -272,7 +271,7 @@ def _heads(node: Node, ctx: Context):
     """(B, H) of a [B*H, ...] product operand that views (through transposes) a [B, H, ...] tensor, H fixed."""
     while node.target == aten.transpose.int and 0 not in (node.args[1] % 3, node.args[2] % 3):
         node = node.args[0]
-    if not merges_heads(node, ctx) or not ctx.static(ctx.shape(node.args[0])[1]):
+    if not merges_heads(node, ctx) or not fixed_heads(node, ctx):
         return None
     return tuple(sizes_of(ctx, node.args[0])[:2])
 

@@ -42,9 +42,14 @@ class PlanOptions:
     """The busiest rank's routed rows over the uniform top-k share, for pricing dispatch."""
     fixed: Mapping | None = None
     """Parameter name -> placement to impose (another program's layout, to share its shards): a Placement or its
-    text (``"S(0)"``, ``"R"``, as plans write them); a tied weight's placement holds under each of its names."""
+    text (``"S(0)"``, ``"R"``, as plans write them); a tied weight's placement holds under each of its names.  A
+    module's name -> ``"R"``: every op inside it computed whole on every rank, its parameters held whole."""
     min_shard_fraction: float = 0.02
     """Parameters at least this large (against the largest) are only offered sharded."""
+    parameter_sizes: Mapping | None = None
+    """Parameter name -> its number of elements in the model the plan stands for (a shrunk config standing for the
+    full one): what ``min_shard_fraction`` compares, where a small config's proportions differ from the full one's
+    (a position-bias MLP as wide as a projection).  Names it leaves out are compared at their own sizes."""
     gather_outputs: bool = True
     """Return full outputs on every rank; False leaves outputs sharded where the plan computes them sharded."""
     price_at: Mapping | None = None
@@ -70,6 +75,9 @@ class PlanOptions:
                                                    for name, p in self.fixed.items()})
             except (ValueError, AttributeError) as exc:
                 raise ValueError(f"fixed maps parameter names to placements (\"S(0)\", \"R\", ...): {exc}") from None
+        if self.parameter_sizes is not None and not all(
+                isinstance(k, str) and isinstance(v, int) and v >= 0 for k, v in self.parameter_sizes.items()):
+            raise ValueError("parameter_sizes maps parameter names to numbers of elements (non-negative ints)")
         for name, shape in (self.price_at or {}).items():
             if not isinstance(name, str) or not isinstance(shape, (tuple, list)) or not all(
                     d is None or (isinstance(d, int) and d >= 1) for d in shape):

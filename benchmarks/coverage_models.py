@@ -46,8 +46,9 @@ def _layer_pick(kinds: list) -> list:
     return [kinds[0], other]
 
 
-def shrink(d: dict) -> dict:
-    """A small copy of one config's fields (recursively for sub-configs), by the rule in the module docstring."""
+def shrink(d: dict, widths: bool = True) -> dict:
+    """A small copy of one config's fields (recursively for sub-configs), by the rule in the module docstring;
+    ``widths=False``: the layers alone (the full model's widths at the small one's depth, to size its parameters)."""
     if not all(isinstance(k, str) for k in d):
         return d  # a table (id2label), not a config
     hidden = next((v for k, v in d.items() if _is_hidden(k, v)), None)
@@ -59,16 +60,16 @@ def shrink(d: dict) -> dict:
     for key, value in d.items():
         k = key.lower()
         if isinstance(value, dict):
-            out[key] = _rope(value) if "rope" in k else shrink(value)
+            out[key] = _rope(value) if "rope" in k and widths else shrink(value, widths)
         elif isinstance(value, bool) or value is None or isinstance(value, (float, str)):
             out[key] = value
         elif isinstance(value, int):
-            out[key] = _int(k, value, hidden, heads)
+            out[key] = _int(k, value, hidden, heads) if widths else _depth(k, value, value)
         elif isinstance(value, (list, tuple)):
-            out[key] = _list(k, list(value), layers, hidden)
+            out[key] = _list(k, list(value), layers, hidden, widths)
         else:
             out[key] = value
-    return _ssm_heads(out)
+    return _ssm_heads(out) if widths else out
 
 
 def _ssm_heads(d: dict) -> dict:
@@ -107,20 +108,13 @@ def _int(k: str, v: int, hidden: int | None, heads: int | None) -> int:
         return min(v, 2)
     if k in ("topk_group", "num_limited_groups"):
         return min(v, 1)
-    if "first_k_dense" in k:
-        return min(v, 1)
     if _INTER.search(k) and v > 0:
         return _round(v * HIDDEN / hidden, 16) if hidden and hidden > HIDDEN else v
     if _HIDDEN.search(k):
         return min(v, HIDDEN)
-    if _LAYERS.search(k) or (k.startswith("num_") and k.endswith("_layers")):
-        return min(v, 2)
-    if k.endswith("_period") or k.endswith("_frequency") or k.endswith("_freq") or k == "sliding_window_pattern":
-        return min(v, 2)
-    if k.endswith("_offset") and "layer" in k:
-        return v % 2
-    if k.endswith("_layer") or k.endswith("feature_layer"):
-        return v if v < 0 else min(v, 1)
+    depth = _depth(k, v, None)
+    if depth is not None:
+        return depth
     if k in ("image_size", "img_size", "input_size", "crop_size"):
         return v  # fixed in _vision below, once the patch size is known
     if k in ("max_source_positions", "max_target_positions", "max_text_positions"):
@@ -130,7 +124,26 @@ def _int(k: str, v: int, hidden: int | None, heads: int | None) -> int:
     return v
 
 
-def _list(k: str, v: list, layers: set, hidden: int | None) -> list:
+_DEPTHS = ("depths", "num_layers", "layers", "depth", "blocks_per_stage", "stage_depths", "num_blocks")
+_FEATURE_LAYERS = ("vision_feature_layer", "feature_layers")
+
+
+def _depth(k: str, v: int, other: int | None) -> int | None:
+    """A field of the model's depth (layers, a layer pattern's period, a layer index) at 2 layers; else ``other``."""
+    if "first_k_dense" in k:
+        return min(v, 1)
+    if _LAYERS.search(k) or (k.startswith("num_") and k.endswith("_layers")):
+        return min(v, 2)
+    if k.endswith("_period") or k.endswith("_frequency") or k.endswith("_freq") or k == "sliding_window_pattern":
+        return min(v, 2)
+    if k.endswith("_offset") and "layer" in k:
+        return v % 2
+    if k.endswith("_layer") or k.endswith("feature_layer"):
+        return v if v < 0 else min(v, 1)
+    return other
+
+
+def _list(k: str, v: list, layers: set, hidden: int | None, widths: bool = True) -> list:
     if not v or not all(isinstance(x, (int, str, bool, float, type(None))) for x in v):
         return v
     ints = all(isinstance(x, int) and not isinstance(x, bool) for x in v)
@@ -138,10 +151,10 @@ def _list(k: str, v: list, layers: set, hidden: int | None) -> list:
         return None  # a backbone's default: its last stage
     if len(v) in layers:
         v = _layer_pick(v)  # a per-layer list: layer_types, intermediate sizes a layer, ...
-        if k.endswith("intermediate_size") and ints and hidden:
+        if k.endswith("intermediate_size") and ints and hidden and widths:
             return [_round(x * HIDDEN / hidden, 16) for x in v]
         return v
-    if not ints:
+    if not ints or (not widths and not (k.endswith("_layers") or k in _DEPTHS or k in _FEATURE_LAYERS)):
         return v
     if "section" in k and sum(v) > HEAD_DIM // 2:  # multimodal rotary sections share head_dim / 2
         scaled = [max(1, x * (HEAD_DIM // 2) // sum(v)) for x in v]
@@ -150,13 +163,13 @@ def _list(k: str, v: list, layers: set, hidden: int | None) -> list:
     if _LIST_WIDTH.search(k):
         factor = max(1, max(v) // (2 * HIDDEN))
         return [_round(x / factor) if x > 8 else x for x in v]
-    if k in ("depths", "num_layers", "layers", "depth", "blocks_per_stage", "stage_depths", "num_blocks"):
+    if k in _DEPTHS:
         return [min(x, 1) for x in v]
     if _HEADS.search(k) or k.endswith("_heads"):
         return [min(x, 2) for x in v]
     if k.endswith("_layers") or k in ("mlp_only_layers",):
         return [x for x in v if x < 2]
-    if k in ("vision_feature_layer", "feature_layers"):
+    if k in _FEATURE_LAYERS:
         return [x if x < 0 else min(x, 1) for x in v][-1:]
     return v
 
@@ -220,10 +233,11 @@ def _model_of(model_type: str):
     return found[0] if found else None
 
 
-def hf_config(model_type: str):
+def hf_config(model_type: str, widths: bool = True):
+    """The shrunk config; ``widths=False``: the full one's widths at the same depth (to size its parameters)."""
     from transformers import CONFIG_MAPPING
     cls = CONFIG_MAPPING[model_type]
-    small = _vision(shrink(cls().to_dict()))
+    small = _vision(shrink(cls().to_dict())) if widths else shrink(cls().to_dict(), widths=False)
     small.pop("transformers_version", None)
     config = cls.from_dict(small)
     for sub in [config, *[v for v in vars(config).values() if hasattr(v, "to_dict") and hasattr(v, "use_cache")]]:

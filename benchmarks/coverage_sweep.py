@@ -122,14 +122,17 @@ def _local(placement, shape: list, rank: int, world: int) -> int:
     return full // shape[shard.dim] * held
 
 
-def measure(plan, model, gm) -> dict:
-    """What the plan does to the blocks: weight share a rank, forward collectives a block, heads split, replicated."""
+def measure(plan, model, gm, full: dict | None = None) -> dict:
+    """What the plan does to the blocks: weight share a rank, forward collectives a block, heads split, replicated.
+    The share weighs each parameter by its size in the full config where ``full`` has them (a 64-wide model's norms
+    and position tables are a large part of it, a full one's are not), else by its own."""
     from autotp.placement import parse
     shapes = {n: list(p.shape) for n, p in model.named_parameters()}
-    block_params = [n for n in plan.params if _BLOCK.match(n) and n in shapes]
-    full = sum(math.prod(shapes[n]) for n in block_params)
-    share = max((sum(_local(parse(plan.params[n]), shapes[n], r, plan.world_size) for n in block_params) / full
-                 for r in range(plan.world_size)), default=1.0) if full else None
+    block_params = [n for n in plan.params if _BLOCK.match(n) and n in shapes and math.prod(shapes[n])]
+    weight = {n: (full or {}).get(n, math.prod(shapes[n])) for n in block_params}
+    total = sum(weight.values())
+    share = max((sum(_local(parse(plan.params[n]), shapes[n], r, plan.world_size) / math.prod(shapes[n]) * weight[n]
+                     for n in block_params) / total for r in range(plan.world_size)), default=1.0) if total else None
     blocks = {_BLOCK.match(n).group(1) for n in block_params}
     nodes = {n.name: n for n in gm.graph.nodes}
     found = [(k, v, _rank_of(nodes.get(k))) for k, v in plan.nodes.items() if _ATTENTION.search(v.get("op", ""))
@@ -251,9 +254,10 @@ def _by_heads(placement: str, rank: int) -> bool:
     return 0 < dim < rank - 2 or (rank == 3 and dim == 0)
 
 
-def _plan(model, kwargs):
+def _plan(model, kwargs, full: dict | None = None):
     """autotp.plan(model, (), kwargs, world_size=2, **options) as api.plan writes it, keeping the graph (shapes
-    of its ops) and the options: priced at a run's shapes (run_shapes), a block's matrices only offered sharded."""
+    of its ops) and the options: priced at a run's shapes (run_shapes), a block's matrices only offered sharded
+    (``full``: the full config's parameter sizes, see inflated)."""
     from autotp.options import PlanOptions
     from autotp.passes.prepared_graph import prepared_graph
     from autotp.planning.tensor_plan import solve_plan
@@ -261,31 +265,70 @@ def _plan(model, kwargs):
     # the largest the graph reads, as the planner's fraction is of those (a vision tower a text input never runs
     # would lower the bar below hidden x hidden)
     params = dict(gm.named_parameters(remove_duplicate=False))
-    largest = max((params[n.target].numel() for n in gm.graph.nodes if n.op == "get_attr" and n.target in params),
-                  default=1)
+    read = {n.target: params[n.target].numel() for n in gm.graph.nodes if n.op == "get_attr" and n.target in params}
+    sizes = inflated(read, full or {})
+    largest = max({**read, **sizes}.values(), default=1)  # the bar stays at SHARD_FROM elements
     options = {"price_at": run_shapes(gm), "min_shard_fraction": min(1.0, SHARD_FROM / largest)}
+    if sizes:
+        options["parameter_sizes"] = sizes
     return solve_plan(gm, 2, PlanOptions(**options), price_experts=True), gm, options
 
 
-def at_count(plan, model, gm, options: dict, modules: list[str]) -> dict:
+def full_sizes(name: str, model) -> dict:
+    """Parameter name -> elements in the full config's model at the same depth (built on meta): {} where that does
+    not build or names differ."""
+    if name in cm.OTHERS:
+        return {}
+    try:
+        with torch.device("meta"):
+            full = type(model)(cm.hf_config(name, widths=False))
+    except Exception:
+        return {}
+    sizes = {n: p.numel() for n, p in full.named_parameters(remove_duplicate=False)}
+    return sizes if all(n in sizes for n, _ in model.named_parameters(remove_duplicate=False)) else {}
+
+
+def inflated(read: dict, full: dict) -> dict:
+    """The parameters the shrink made large beside the rest, at their full sizes over the typical growth: a
+    relative-position MLP or a state-space dt projection of fixed width, as wide as hidden x hidden at hidden 64 but
+    a thousandth of a projection in the full model.  The forcing compares those as the full model has them; the rest
+    at their own sizes (a query projection, hidden x hidden in both, stays at the bar).  Typical: the median growth
+    of the parameters the forcing holds sharded; inflated: grown 8 times less than that."""
+    growth = {n: full[n] / size for n, size in read.items() if n in full and size}
+    typical = sorted(g for n, g in growth.items() if read[n] >= SHARD_FROM)
+    if not typical:
+        return {}
+    median = typical[len(typical) // 2]
+    return {n: int(full[n] / median) for n, g in growth.items() if g * 8 < median and read[n] >= SHARD_FROM}
+
+
+def at_count(plan, model, gm, options: dict, modules: list[str], full: dict | None = None) -> dict:
     """The plan a hand-written one is where autotp's is over Megatron's count: the modules whose values the extra
-    collectives move (a DSA indexer, a relative-position table, a low-rank projection) kept whole in every block,
-    the rest planned as before, priced by the same cost model.  autotp's plan is better where that plan is at
-    Megatron's count with heads split and costs at least as much a step."""
+    collectives move (a DSA indexer, a relative-position table, a low-rank projection) computed whole on every rank
+    in every block, as a hand plan replicates them, the rest planned as before, priced by the same cost model.  Only
+    modules whose weights the forcing lets be whole (a hand plan shards a block's large matrices too).  autotp's plan
+    is better where that plan is at Megatron's count with heads split and costs at least as much a step."""
     from autotp.options import PlanOptions
-    from autotp.planning.tensor_plan import solve_plan
-    patterns = [re.compile(r"\.".join(r"\d+" if part.isdigit() else re.escape(part) for part in m.split("."))
-                           + r"\.") for m in modules]  # the same module in every block
-    whole = {n: "R" for n, _ in model.named_parameters() if any(p.match(n) for p in patterns)}
+    from autotp.placement import Replicate
+    from autotp.planning.tensor_plan import offered, solve_plan
+    forced = {n for n, placements in offered(gm, 2, PlanOptions(**options)).items()
+              if not any(isinstance(p, Replicate) for p in placements)}
+    patterns = [re.compile(r"\.".join(r"\d+" if part.isdigit() else re.escape(part) for part in m.split(".")))
+                for m in modules]  # the same module in every block
+    names = [n for n, _ in model.named_modules() if n and any(p.fullmatch(n) for p in patterns)]
+    holding = {m for m in names if any(p.startswith(m + ".") for p in forced)}
+    whole = {m: "R" for m in names if m not in holding}
+    left = sorted({m for m in modules if m in holding})
     if not whole:
-        return {"kept_whole": [], "better": False}
+        return {"kept_whole": [], "holding_forced": left, "better": False}
     other = solve_plan(gm, 2, PlanOptions(**options, fixed=whole), price_experts=True)
-    found = measure(other, model, gm)
+    found = measure(other, model, gm, full)
     better = found["over_megatron"] <= 0 and not found["unsplit_attention"] and (
         plan.cost["seconds"] <= other.cost["seconds"] * (1 + 1e-9))
-    return {"kept_whole": modules, "parameters": len(whole), "over_megatron": found["over_megatron"],
-            "unsplit_attention": found["unsplit_attention"], "share": found["share"],
-            "seconds": other.cost["seconds"], "autotp_seconds": plan.cost["seconds"], "better": better}
+    return {"kept_whole": [m for m in modules if m not in holding], "holding_forced": left, "modules": len(whole),
+            "over_megatron": found["over_megatron"], "unsplit_attention": found["unsplit_attention"],
+            "share": found["share"], "seconds": other.cost["seconds"], "autotp_seconds": plan.cost["seconds"],
+            "better": better}
 
 
 def run_shapes(gm) -> dict:
@@ -324,14 +367,16 @@ def plan_entry(name: str, timeout: int) -> dict:
             model, kwargs, _ = build(name, "cpu", spec)
             model, kwargs = model.to("meta"), {k: v.to("meta") for k, v in kwargs.items()}
             entry["meta_build"] = "cpu, moved to meta"
+        stage = "full sizes"
+        full = full_sizes(name, model)
         stage = "plan"
         try:
-            plan, gm, options = _plan(model, kwargs)
+            plan, gm, options = _plan(model, kwargs, full)
         except CaptureError as exc:  # on meta: try the same on the CPU, then a plain static torch.export
             entry.update(captured=False, capture_error=first_line(exc).split("\n")[0])
             model, kwargs, _ = build(name, "cpu", spec)
             try:
-                plan, gm, options = _plan(model, kwargs)
+                plan, gm, options = _plan(model, kwargs, full)
                 entry["planned_on"] = "cpu (the capture on meta failed)"
             except CaptureError:
                 stage = "plain export"
@@ -339,10 +384,11 @@ def plan_entry(name: str, timeout: int) -> dict:
                 entry.update(captured=True, autotp_capture=False)  # plain export takes it, autotp's capture did not
                 return entry
         entry["spec"]["options"] = options  # the exact run's parallelize plans alike
-        entry.update(captured=True, autotp_capture=True, planned=True, **measure(plan, model, gm))
+        entry.update(captured=True, autotp_capture=True, planned=True, share_weighed="full config" if full else "own",
+                     **measure(plan, model, gm, full))
         if entry["over_megatron"] > 0 and entry["over_modules"]:
             stage = "plan at Megatron's count"
-            entry["at_count"] = at_count(plan, model, gm, options, entry["over_modules"])
+            entry["at_count"] = at_count(plan, model, gm, options, entry["over_modules"], full)
     except Exception as exc:  # every failure is a result: recorded with its stage
         entry.update(stage=stage, error=first_line(exc), where=_where(exc))
         entry.setdefault("built", False)

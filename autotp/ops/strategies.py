@@ -134,7 +134,9 @@ class Context:
     grad: frozenset = frozenset()                       # values on the weights' path (gradients flow)
     token_symbols: frozenset = frozenset()              # sizes of token dims: inputs' symbolic non-leading dims
     min_shard_fraction: float = 0.02                    # parameters this large (vs the largest) must shard
+    parameter_sizes: Mapping = field(default_factory=dict)  # name -> elements the fraction compares (else its own)
     fixed: Mapping = field(default_factory=dict)        # parameter name -> placement imposed (to price other plans)
+    whole: frozenset = frozenset()                      # modules every op of which computes whole (options.fixed)
     tokens: bool = False                                # offer sequence parallelism (token_options)
     experts: str | None = None                          # impose "tensor", "parallel" or "all-to-all" (expert_rules)
     ep: int = 1                                         # a mesh's "ep" ranks the expert segments are dispatched over

@@ -300,6 +300,7 @@ def fingerprint_difference(planned: str, found: str) -> str:
 
 
 def module_path(node: torch.fx.Node) -> str:
-    """The innermost module that produced this node, for reports (never for decisions)."""
+    """The innermost module that produced this node: for reports, and for the modules a user fixed whole (never
+    for a decision of autotp's own)."""
     stack = node.meta.get("nn_module_stack") or {}
     return list(stack.values())[-1][0] if stack else ""

@@ -13,7 +13,7 @@ import torch
 from torch.fx import Node
 
 from autotp.ops.strategies import Context, Strategy, input_slots, is_placed, replicated_like, value, vmapped
-from autotp.passes.capture import target_name
+from autotp.passes.capture import module_path, target_name
 from autotp.placement import R, Replicate, Routed, Shard
 
 
@@ -40,15 +40,20 @@ def enumerate_strategies(gm: torch.fx.GraphModule, ctx: Context) -> Candidates:
             continue
         all_r = Strategy(ctx.fill(node, {}), replicated_like(node))
         found = [all_r]
+        whole = bool(ctx.whole) and _within(module_path(node), ctx.whole)  # the user's: not a rule's shortfall
         rule = ctx.op(node.target).rule if node.op == "call_function" and node not in batched else None
-        proposed = rule(node, ctx) if rule is not None else None  # None: no rule for this use of the op
+        proposed = rule(node, ctx) if rule is not None and not whole else None  # None: no rule for this use
         found += [s for s in proposed or () if s not in found]
-        if proposed is None and node.op == "call_function" and node in weighted:
+        if proposed is None and node.op == "call_function" and node in weighted and not whole:
             unruled.setdefault(target_name(node.target), ctx.why.get(node) or _unruled(node, ctx, batched))
         ctx.strategies[node] = found
     _add_parameter_options(gm, ctx)
     return Candidates(ctx.world, MappingProxyType(dict(ctx.strategies)), MappingProxyType(unruled),
                       ctx.segments)
+
+
+def _within(path: str, modules: frozenset) -> bool:
+    return any(path == m or path.startswith(m + ".") for m in modules)
 
 
 def _unruled(node: Node, ctx: Context, batched: set) -> str:
@@ -62,13 +67,13 @@ def _unruled(node: Node, ctx: Context, batched: set) -> str:
 def _add_parameter_options(gm: torch.fx.GraphModule, ctx: Context) -> None:
     """A parameter is stored in a placement its users compute with (parameters are never gathered).
 
-    Large parameters (at least ``ctx.min_shard_fraction`` of the largest) must be sharded whenever
-    one shard layout suits every user: holding them whole would defeat tensor parallelism.  Small
-    ones (norm weights, output biases) are left to the cost model.
+    Large parameters (at least ``ctx.min_shard_fraction`` of the largest, in ``ctx.parameter_sizes`` where it
+    names them) must be sharded whenever one shard layout suits every user: holding them whole would defeat
+    tensor parallelism.  Small ones (norm weights, output biases) are left to the cost model.
     """
     trainable = dict(gm.named_parameters(remove_duplicate=False))
     nodes = [n for n in gm.graph.nodes if n.op == "get_attr" and n in ctx.strategies]
-    sizes = {n: value(n).numel() * value(n).element_size() for n in nodes}
+    sizes = {n: ctx.parameter_sizes.get(n.target, value(n).numel()) * value(n).element_size() for n in nodes}
     largest = max((sizes[n] for n in nodes if n.target in trainable), default=0)
     for node in nodes:
         wanted = {R}.union(*(_wanted(node, user, ctx) for user in node.users))

@@ -23,7 +23,7 @@ from autotp.passes.capture import fingerprint, module_path, target_name
 from autotp.passes.fold import Fold, NotFoldable, fold_graph
 from autotp.passes.hints import with_hints
 from autotp.passes.styles import param_styles
-from autotp.placement import Disjoint, Routed, Shard
+from autotp.placement import Disjoint, R, Routed, Shard
 from autotp.plan import Plan, PlanMismatch
 from autotp.planning.accounting import alternatives, planned_collectives
 from autotp.planning.candidates import Candidates, enumerate_strategies
@@ -206,12 +206,28 @@ def tied_names(gm: torch.fx.GraphModule, fixed: Mapping) -> dict:
     return found
 
 
+def fixed_parameters(gm: torch.fx.GraphModule, fixed: Mapping) -> tuple[dict, frozenset]:
+    """``fixed`` as parameter placements (tied names included) and the modules it computes whole: a name that is
+    no parameter is a module's, fixed "R" (a router or an indexer kept whole, as a hand plan replicates it), which
+    holds each parameter under it whole too."""
+    params = dict(gm.named_parameters(remove_duplicate=False))
+    modules = {name for name in fixed if name not in params}
+    for name in modules:
+        if fixed[name] != R:
+            raise ValueError(f"fixed[{name!r}] = {fixed[name]}: {name!r} is no parameter of the model, and a module "
+                             f"can only be fixed \"R\" (computed whole on every rank)")
+    inside = {p: R for p in params if any(p.startswith(m + ".") for m in modules)}
+    return tied_names(gm, {**inside, **{k: v for k, v in fixed.items() if k not in modules}}), frozenset(modules)
+
+
 def analyse(gm: torch.fx.GraphModule, world_size: int, options: PlanOptions, tokens: bool,
             experts: str | None) -> Context:
     """What the rules may ask: expert segments, then the hints, then the gradients' path and the token sizes
     (each found with the ones before it known, as the rules that find them read them)."""
+    fixed, whole = fixed_parameters(gm, options.fixed or {})
     ctx = Context(world=world_size, min_shard_fraction=options.min_shard_fraction,
-                  fixed=tied_names(gm, options.fixed or {}), tokens=tokens, experts=experts, ep=options.ep, ops=TABLE)
+                  parameter_sizes=dict(options.parameter_sizes or {}), fixed=fixed, whole=whole,
+                  tokens=tokens, experts=experts, ep=options.ep, ops=TABLE)
     ctx = replace(ctx, segments=expert_segments.members(expert_segments.find(gm, ctx)))
     ctx = with_hints(gm, ctx)
     return replace(ctx, grad=frozenset(needs_grad(gm)), token_symbols=frozenset(token_inputs(gm.graph)))

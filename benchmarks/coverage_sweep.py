@@ -147,7 +147,9 @@ def measure(plan, model, gm, full: dict | None = None) -> dict:
         module = _made_in(nodes.get(c["tensor"]), plan) or c["module"] or ""
         block = _block_of(module, cores)
         if c["phase"] == "forward" and block:
-            kind = "statistics" if c["op"] == "all_reduce" and _statistic(nodes.get(c["tensor"])) else c["op"]
+            node = nodes.get(c["tensor"])
+            kind = "statistics" if (c["op"] == "all_reduce" and _statistic(node)) or (
+                c["op"] == "all_gather" and _gathered_for_norm(node)) else c["op"]
             per.setdefault(block, Counter())[kind] += c.get("count", 1)
             if kind != "statistics" and module.startswith(block + "."):
                 inner.setdefault(block, set()).add(module)
@@ -222,6 +224,34 @@ def _statistic(node) -> bool:
     val = node.meta.get("val") if node is not None else None
     return (node is not None and node.target in (torch.ops.aten.mean.dim, torch.ops.aten.sum.dim_IntList)
             and isinstance(val, torch.Tensor) and val.dim() > 0 and val.shape[-1] == 1)
+
+
+def _gathered_for_norm(node) -> bool:
+    """A product's output gathered for a norm over the width the plan split it by (a sub-LN, ESM-C's q and k norms
+    over all heads): what a hand plan does (vLLM's and SGLang's OLMo-2 gather q and k for their norms), the other
+    way to such a norm than its statistics.  Not a residual stream's gather (its source is an add or a norm)."""
+    from autotp.ops.table import is_product, op
+    source = node  # back through layout ops and a bias or an activation (elementwise, no other tensor but weights)
+    def passes_on(n) -> bool:
+        row = op(n.target)
+        return row.layout or (row.family == "elementwise" and all(a.op == "get_attr" for a in n.all_input_nodes[1:]))
+    while (source is not None and source.op == "call_function" and source.all_input_nodes and not is_product(source)
+           and passes_on(source)):
+        source = source.args[0] if isinstance(source.args[0], torch.fx.Node) else None
+    if source is None or source.op != "call_function" or not is_product(source):
+        return False
+    todo, seen = [node], set()
+    while todo:
+        n = todo.pop()
+        for user in n.users:
+            if user in seen:
+                continue
+            seen.add(user)
+            if _statistic(user) or (user.op == "call_function" and op(user.target).family == "layer_norm"):
+                return True
+            if user.op == "call_function" and op(user.target).layout:
+                todo.append(user)
+    return False
 
 
 _ATTENTION = re.compile(r"scaled_dot_product|_softmax|softmax\.|flex_attention")
@@ -307,7 +337,9 @@ def at_count(plan, model, gm, options: dict, modules: list[str], full: dict | No
     collectives move (a DSA indexer, a relative-position table, a low-rank projection) computed whole on every rank
     in every block, as a hand plan replicates them, the rest planned as before, priced by the same cost model.  Only
     modules whose weights the forcing lets be whole (a hand plan shards a block's large matrices too).  autotp's plan
-    is better where that plan is at Megatron's count with heads split and costs at least as much a step."""
+    is better where that plan, with heads split, costs at least as much a step: it is the cheapest of the plans that
+    compute those modules whole, the hand plan among them, whatever its count (Doge's dt projection reads every
+    head's values: whole, it needs them gathered, one collective over the count too)."""
     from autotp.options import PlanOptions
     from autotp.placement import Replicate
     from autotp.planning.tensor_plan import offered, solve_plan
@@ -323,8 +355,7 @@ def at_count(plan, model, gm, options: dict, modules: list[str], full: dict | No
         return {"kept_whole": [], "holding_forced": left, "better": False}
     other = solve_plan(gm, 2, PlanOptions(**options, fixed=whole), price_experts=True)
     found = measure(other, model, gm, full)
-    better = found["over_megatron"] <= 0 and not found["unsplit_attention"] and (
-        plan.cost["seconds"] <= other.cost["seconds"] * (1 + 1e-9))
+    better = not found["unsplit_attention"] and plan.cost["seconds"] <= other.cost["seconds"] * (1 + 1e-9)
     return {"kept_whole": [m for m in modules if m not in holding], "holding_forced": left, "modules": len(whole),
             "over_megatron": found["over_megatron"], "unsplit_attention": found["unsplit_attention"],
             "share": found["share"], "seconds": other.cost["seconds"], "autotp_seconds": plan.cost["seconds"],

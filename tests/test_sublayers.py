@@ -113,6 +113,25 @@ class MergedRelativePositions(nn.Module):
         return x + self.o(out.transpose(1, 2).reshape(b, n, -1))
 
 
+class MergedScaledKeys(nn.Module):
+    """DeBERTa's attention: q, k and v viewed as [batch * heads, tokens, d], the keys transposed and divided by a
+    0-d tensor before a bmm, the scores viewed back as [batch, heads, tokens, tokens]."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = (nn.Linear(C, HEADS * D) for _ in range(3))
+        self.o = nn.Linear(HEADS * D, C)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (p(x).view(b, s, HEADS, D).permute(0, 2, 1, 3).contiguous().view(-1, s, D)
+                   for p in (self.q, self.k, self.v))
+        scale = torch.sqrt(torch.tensor(D, dtype=torch.float))
+        scores = torch.bmm(q, k.transpose(-1, -2) / scale.to(q.dtype)).view(b, HEADS, s, s)
+        out = torch.matmul(scores.softmax(-1), v.view(b, HEADS, s, D))
+        return x + self.o(out.permute(0, 2, 1, 3).reshape(b, s, -1))
+
+
 class LinearAttention(nn.Module):
     """Qwen3-Next's gated delta net in outline: q, k and v cut from one projection and concatenated again for a
     causal depthwise conv, then cut apart; a state begun with ``new_zeros``; each head's output row normalized and
@@ -211,6 +230,8 @@ def _run(rank: int, world: int) -> None:
         _exact(MergedRelativePositions(sdpa), {"x": torch.randn(2, GRID * GRID, C)},
                [{"x": torch.randn(1, GRID * GRID, C)}, {"x": torch.randn(3, GRID * GRID, C)}], **TABLES_WHOLE)
     torch.manual_seed(0)
+    _exact(MergedScaledKeys(), {"x": torch.randn(2, 8, C)}, [{"x": torch.randn(1, 1, C)}, {"x": torch.randn(3, 5, C)}])
+    torch.manual_seed(0)
     _exact(SubNorms(), {"x": torch.randn(2, 8, C)}, [{"x": torch.randn(1, 1, C)}, {"x": torch.randn(3, 5, C)}], 2,
            price_at=RUN)
 
@@ -266,6 +287,15 @@ def test_heads_merged_with_the_batch_around_relative_positions_split_by_heads(sd
     assert plan.params["qkv.weight"] == f"S(0|{HEADS * D},{HEADS * D},{HEADS * D})", plan.params
     assert plan.params["o.weight"] == "S(1)" and not plan.replicated_ops, plan.params
     assert all_reduces_worth(plan) <= 1, plan.collectives
+
+
+def test_merged_keys_transposed_and_scaled_split_by_heads():
+    """The transpose and the division by a 0-d scale of merged keys moved past the merge: q, k and v split by heads,
+    the bmm and softmax by heads, one all-reduce (before: the bmm computed whole)."""
+    plan = autotp.plan(MergedScaledKeys(), (), {"x": torch.randn(2, 8, C)}, world_size=2)
+    assert all(plan.params[f"{p}.weight"] == "S(0)" for p in "qkv") and plan.params["o.weight"] == "S(1)", plan.params
+    softmax = [v for v in plan.nodes.values() if "softmax" in v["op"]]
+    assert softmax and all(v["out"] == "S(1)" for v in softmax) and all_reduces_worth(plan) <= 1, plan.collectives
 
 
 class NormOnTheStream(nn.Module):

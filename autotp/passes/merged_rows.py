@@ -3,10 +3,10 @@
 A view of [B, H, ...] as [B*H, ...] hides the heads from the rules.  Each op between such a merge and the product
 or view that ends it is rewritten on [B, H, ...] with the merge after it, until the merge meets a view back to
 [B, H, ...] (then it is gone) or a product (passes/unmerge.py's merged_products rewrites that): ops over later dims
-(softmax, dropout, a cast, an unsqueeze), elementwise ops of merges alike, an einsum whose merged letter only that
-operand and the output lead with, a view of the later dims.  SAM's and ViTDet's decomposed relative positions are
-all of these: ``q.reshape(B*H, h, w, c)`` in two einsums, unsqueezed, added, viewed as [B, H, N, N].  A pick of
-q, k and v from [3, B*H, ...] is made from [3, B, H, ...] and merged after (merged_picks).
+(softmax, dropout, a cast, an unsqueeze, a transpose), elementwise ops of merges alike, an einsum whose merged letter
+only that operand and the output lead with, a view of the later dims.  SAM's and ViTDet's decomposed relative
+positions are all of these: ``q.reshape(B*H, h, w, c)`` in two einsums, unsqueezed, added, viewed as [B, H, N, N].
+A pick of q, k and v from [3, B*H, ...] is made from [3, B, H, ...] and merged after (merged_picks).
 """
 from __future__ import annotations
 
@@ -140,6 +140,8 @@ def _row_dims(node: Node, rank: int):
     row = op(node.target)
     if node.target == aten.unsqueeze.default:
         return (1,) if node.args[1] % (rank + 1) != 0 else None
+    if node.target == aten.transpose.int:  # of later dims (DeBERTa's ``k.transpose(-1, -2)`` of merged heads)
+        return (1, 2) if node.args[1] % rank != 0 and node.args[2] % rank != 0 else None
     if row.family == "elementwise" or "by_number" in row.tags or "per_row" in row.tags:
         return ()
     if "per_row_over_dim" in row.tags:

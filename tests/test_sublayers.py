@@ -132,6 +132,23 @@ class MergedScaledKeys(nn.Module):
         return x + self.o(out.permute(0, 2, 1, 3).reshape(b, s, -1))
 
 
+class TableBiases(nn.Module):
+    """LeViT's attention biases: a [heads, offsets] table read as [heads, n, n] by ``table[:, idxs]``."""
+
+    def __init__(self, n: int = 8):
+        super().__init__()
+        self.qkv, self.o = nn.Linear(C, 3 * HEADS * D), nn.Linear(HEADS * D, C)
+        self.table = nn.Parameter(torch.randn(HEADS, n) / 4)
+        pos = torch.arange(n)
+        self.register_buffer("idxs", (pos[:, None] - pos[None, :]).abs(), persistent=False)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, HEADS, D).permute(2, 0, 3, 1, 4)
+        scores = q @ k.transpose(-2, -1) * D ** -0.5 + self.table[:, self.idxs]
+        return x + self.o((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, s, -1))
+
+
 class LinearAttention(nn.Module):
     """Qwen3-Next's gated delta net in outline: q, k and v cut from one projection and concatenated again for a
     causal depthwise conv, then cut apart; a state begun with ``new_zeros``; each head's output row normalized and
@@ -232,6 +249,9 @@ def _run(rank: int, world: int) -> None:
     torch.manual_seed(0)
     _exact(MergedScaledKeys(), {"x": torch.randn(2, 8, C)}, [{"x": torch.randn(1, 1, C)}, {"x": torch.randn(3, 5, C)}])
     torch.manual_seed(0)
+    _exact(TableBiases(), {"x": torch.randn(2, 8, C)}, [{"x": torch.randn(1, 8, C)}, {"x": torch.randn(3, 8, C)}],
+           min_shard_fraction=0.001)
+    torch.manual_seed(0)
     _exact(SubNorms(), {"x": torch.randn(2, 8, C)}, [{"x": torch.randn(1, 1, C)}, {"x": torch.randn(3, 5, C)}], 2,
            price_at=RUN)
 
@@ -296,6 +316,14 @@ def test_merged_keys_transposed_and_scaled_split_by_heads():
     assert all(plan.params[f"{p}.weight"] == "S(0)" for p in "qkv") and plan.params["o.weight"] == "S(1)", plan.params
     softmax = [v for v in plan.nodes.values() if "softmax" in v["op"]]
     assert softmax and all(v["out"] == "S(1)" for v in softmax) and all_reduces_worth(plan) <= 1, plan.collectives
+
+
+def test_a_table_read_past_its_heads_dim_split_by_heads():
+    """``table[:, idxs]`` keeps the table's heads dim: the table split by heads as the scores are, nothing computed
+    whole (before: an index with a leading whole dim had no rule)."""
+    plan = autotp.plan(TableBiases(), (), {"x": torch.randn(2, 8, C)}, world_size=2, min_shard_fraction=0.001)
+    assert plan.params["table"] == "S(0)" and not plan.replicated_ops, (plan.params, plan.replicated_ops)
+    assert all_reduces_worth(plan) <= 1, plan.collectives
 
 
 class NormOnTheStream(nn.Module):

@@ -91,6 +91,9 @@ def index(node: Node, ctx: Context) -> list[Strategy] | None:
     if constant_positions(node) is not None:
         return gather(node, ctx)
     x, indices = node.args[0], node.args[1]
+    lead = next((i for i, index in enumerate(indices) if index is not None), 0)
+    if lead and integer_indices(indices[lead:]):
+        return _past_whole_dims(node, ctx, lead)
     if not integer_indices(indices):
         ctx.why[node] = "indexed by positions known only at run time: computed whole, its inputs gathered"
         return None
@@ -103,6 +106,20 @@ def index(node: Node, ctx: Context) -> list[Strategy] | None:
     for d in range(n if imposed else k, n):
         found += [Strategy(ctx.fill(node, {x: s}), s.at(d + shift)) for s in ctx.shard_options(x, d)
                   if ctx.shape(node)[d + shift] == ctx.shape(x)[d]]
+    return found
+
+
+def _past_whole_dims(node: Node, ctx: Context, lead: int) -> list[Strategy]:
+    """``x[:, ids]`` (LeViT's ``attention_biases[:, idxs]``, a [heads, offsets] table read as [heads, n, n]): the
+    whole dims before the indexed ones keep their place and shard, the dims after them move behind the index's."""
+    x, indices = node.args[0], node.args[1]
+    k, n = len(indices) - lead, len(ctx.shape(x))
+    shift = len(ctx.shape(node)) - n
+    found = [Strategy(ctx.fill(node, {x: P}), P)]
+    for d in [*range(lead), *range(lead + k, n)]:
+        at = d if d < lead else d + shift
+        found += [Strategy(ctx.fill(node, {x: s}), s.at(at)) for s in ctx.shard_options(x, d)
+                  if ctx.shape(node)[at] == ctx.shape(x)[d]]
     return found
 
 

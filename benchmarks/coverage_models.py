@@ -20,7 +20,7 @@ HIDDEN, HEADS, HEAD_DIM, EXPERTS, VOCAB, BATCH, SEQ = 64, 4, 16, 4, 1000, 2, 8
 
 _HIDDEN = re.compile(r"(^|_)(hidden_size|d_model|n_embd|n_embed|embed_dim|hidden_dim|d_embed|emb_dim|model_dim|"
                      r"embedding_size|embedding_dim|dim|projection_dim|proj_dim|word_embed_proj_dim)$")
-_INTER = re.compile(r"(intermediate|ffn|inner|d_ff|dff|feed_forward|mlp_dim|ff_dim|ffn_hidden)")
+_INTER = re.compile(r"(intermediate|ffn|inner|d_ff|dff|dim_ff|dim_feedforward|feed_forward|mlp_dim|ff_dim|ffn_hidden)")
 _LAYERS = re.compile(r"(^|_)(layers?|n_layer|depth|blocks)$")
 _KV = re.compile(r"(key_value_heads|kv_heads|multi_query_group_num|num_query_groups)$")
 _HEADS = re.compile(r"(^|_)(heads?|n_head|num_heads|attention_heads)$")
@@ -91,11 +91,11 @@ def _int(k: str, v: int, hidden: int | None, heads: int | None) -> int:
         return VOCAB - 1 - zlib.crc32(k.encode()) % 48  # special tokens stay distinct, above the ids the inputs draw
     if _KV.search(k):
         return v if v <= 1 else (HEADS if heads is not None and v >= heads else min(v, 2))
-    if _HEADS.search(k) or (k.startswith("num_") and k.endswith("_heads")):
-        return min(v, HEADS)
     if "head_dim" in k or k in ("attention_head_size", "d_kv", "kv_channels", "head_size", "dim_head", "d_head",
                                 "rotary_dim", "rotary_emb_dim", "rope_dim", "mamba_d_head"):
-        return min(v, HEAD_DIM)
+        return min(v, HEAD_DIM)  # before the heads: "d_head" ends as a count of heads would
+    if _HEADS.search(k) or (k.startswith("num_") and k.endswith("_heads")):
+        return min(v, HEADS)
     if "lora_rank" in k:
         return min(v, 32)
     if _EXPERTS.search(k):

@@ -149,6 +149,23 @@ class TableBiases(nn.Module):
         return x + self.o((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, s, -1))
 
 
+class MergedEinsums(nn.Module):
+    """Perceiver's attention (einops): q, k and v as [batch * heads, tokens, d], ``einsum('bid,bjd->bij')`` and
+    ``einsum('bij,bjd->bid')`` of two merges each."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.kv, self.o = nn.Linear(C, HEADS * D), nn.Linear(C, 2 * HEADS * D), nn.Linear(HEADS * D, C)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        k, v = self.kv(x).chunk(2, dim=-1)
+        q, k, v = (t.reshape(b, s, HEADS, D).permute(0, 2, 1, 3).reshape(b * HEADS, s, D) for t in (self.q(x), k, v))
+        weights = torch.einsum("bid,bjd->bij", q, k).mul(D ** -0.5).softmax(-1)
+        out = torch.einsum("bij,bjd->bid", weights, v).reshape(b, HEADS, s, D).permute(0, 2, 1, 3)
+        return x + self.o(out.reshape(b, s, HEADS * D))
+
+
 class LinearAttention(nn.Module):
     """Qwen3-Next's gated delta net in outline: q, k and v cut from one projection and concatenated again for a
     causal depthwise conv, then cut apart; a state begun with ``new_zeros``; each head's output row normalized and
@@ -252,6 +269,8 @@ def _run(rank: int, world: int) -> None:
     _exact(TableBiases(), {"x": torch.randn(2, 8, C)}, [{"x": torch.randn(1, 8, C)}, {"x": torch.randn(3, 8, C)}],
            min_shard_fraction=0.001)
     torch.manual_seed(0)
+    _exact(MergedEinsums(), {"x": torch.randn(2, 8, C)}, [{"x": torch.randn(1, 1, C)}, {"x": torch.randn(3, 5, C)}])
+    torch.manual_seed(0)
     _exact(SubNorms(), {"x": torch.randn(2, 8, C)}, [{"x": torch.randn(1, 1, C)}, {"x": torch.randn(3, 5, C)}], 2,
            price_at=RUN)
 
@@ -324,6 +343,16 @@ def test_a_table_read_past_its_heads_dim_split_by_heads():
     plan = autotp.plan(TableBiases(), (), {"x": torch.randn(2, 8, C)}, world_size=2, min_shard_fraction=0.001)
     assert plan.params["table"] == "S(0)" and not plan.replicated_ops, (plan.params, plan.replicated_ops)
     assert all_reduces_worth(plan) <= 1, plan.collectives
+
+
+def test_einsums_of_two_merges_split_by_heads():
+    """Both einsums' merged operands unmerged together: the scores and softmax split by heads, k and v's packed
+    projection block by block, one all-reduce (before: q, k and v gathered, attention computed whole)."""
+    plan = autotp.plan(MergedEinsums(), (), {"x": torch.randn(2, 8, C)}, world_size=2)
+    softmax = [v for v in plan.nodes.values() if "softmax" in v["op"]]
+    assert softmax and all(v["out"] == "S(1)" for v in softmax), softmax
+    assert plan.params["kv.weight"] == f"S(0|{HEADS * D},{HEADS * D})" and plan.params["o.weight"] == "S(1)"
+    assert all_reduces_worth(plan) <= 1 and not plan.replicated_ops, plan.collectives
 
 
 class NormOnTheStream(nn.Module):

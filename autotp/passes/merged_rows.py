@@ -168,20 +168,24 @@ def _view(graph: torch.fx.Graph, merge: Node, user: Node, ctx: Context) -> Node 
 
 
 def _einsum(graph: torch.fx.Graph, merge: Node, user: Node, ctx: Context) -> Node | None:
-    """An einsum whose merged operand's first letter no other operand has and the output leads with: that letter
-    as two, batch and heads."""
+    """An einsum whose merged operand's first letter the output leads with, and every other operand that has it
+    leads with it too and is a merge alike (Perceiver's ``einsum('b i d, b j d -> b i j', q, k)`` of heads merged
+    by einops): that letter as two, batch and heads."""
     equation, operands = user.args[0], list(user.args[1])
     if "." in equation or "->" not in equation or operands.count(merge) != 1 or not fixed_heads(merge, ctx):
         return None
     ins, out = equation.replace(" ", "").split("->")
     ins = ins.split(",")
-    at = operands.index(merge)
-    letter = ins[at][0]
-    if not out.startswith(letter) or any(letter in s for i, s in enumerate(ins) if i != at) \
-            or ins[at].count(letter) != 1:
+    letter = ins[operands.index(merge)][0]
+    having = [i for i, s in enumerate(ins) if letter in s]
+    unmerged = sizes_of(ctx, merge.args[0])[:2]
+    if not out.startswith(letter) or any(
+            ins[i][0] != letter or ins[i].count(letter) != 1 or not isinstance(operands[i], Node)
+            or not merges_heads(operands[i], ctx) or not fixed_heads(operands[i], ctx)
+            or sizes_of(ctx, operands[i].args[0])[:2] != unmerged for i in having):
         return None
     fresh = "".join(c for c in string.ascii_letters if c not in equation)[:2]
-    ins[at] = fresh + ins[at][1:]
-    operands[at] = merge.args[0]
+    for i in having:
+        ins[i], operands[i] = fresh + ins[i][1:], operands[i].args[0]
     rows = call(graph, aten.einsum.default, (",".join(ins) + "->" + fresh + out[1:], operands), user)
     return call(graph, aten.flatten.using_ints, (rows, 0, 1), user)

@@ -151,8 +151,9 @@ def measure(plan, model, gm, full: dict | None = None) -> dict:
             kind = "statistics" if (c["op"] == "all_reduce" and _statistic(node)) or (
                 c["op"] == "all_gather" and _gathered_for_norm(node)) else c["op"]
             per.setdefault(block, Counter())[kind] += c.get("count", 1)
-            if kind != "statistics" and module.startswith(block + "."):
-                inner.setdefault(block, set()).add(module)
+            if kind != "statistics":  # the module that made the value, and those a gathered value is read in
+                readers = _readers(node, plan) if c["op"] == "all_gather" else set()
+                inner.setdefault(block, set()).update(m for m in {module, *readers} if m.startswith(block + "."))
     calls = Counter(v.get("module") for v in plan.nodes.values() if v.get("op") == "aten.linear.default")
     residuals = Counter(v.get("module") for k, v in plan.nodes.items() if _residual(nodes.get(k)))
     worst, counts, extra, over_modules = 0, {}, [], set()
@@ -200,11 +201,34 @@ def _block_of(module: str, cores: Counter) -> str | None:
 
 def _made_in(node, plan) -> str | None:
     """The module whose op made the value a collective moves: back through layout ops, which move no data (ViTDet's
-    next block starts by permuting the stream its last one left partial: that sum is the last block's)."""
+    next block starts by permuting the stream its last one left partial: that sum is the last block's), and through
+    a cat of pieces of one value (Swin's patch merging: four strided slices of the last block's partial stream)."""
     from autotp.ops.table import op
-    while node is not None and node.op == "call_function" and op(node.target).layout and node.all_input_nodes:
-        node = node.args[0] if isinstance(node.args[0], torch.fx.Node) else None
+    def back(n):
+        while n is not None and n.op == "call_function" and op(n.target).layout and n.all_input_nodes:
+            n = n.args[0] if isinstance(n.args[0], torch.fx.Node) else None
+        return n
+    node = back(node)
+    while node is not None and node.target in (torch.ops.aten.cat.default, torch.ops.aten.stack.default):
+        sources = {back(p) for p in node.args[0] if isinstance(p, torch.fx.Node)}
+        if len(sources) != 1:  # a cat of pieces of one value (Swin's patch merging) moves that value
+            break
+        node = sources.pop()
     return plan.nodes.get(node.name, {}).get("module") if node is not None else None
+
+
+def _readers(node, plan) -> set[str]:
+    """The modules whose ops read ``node``, forward through layout ops (Jamba's ``x_proj`` reads the gathered
+    output of the Mamba conv: a hand plan may compute that small projection whole)."""
+    from autotp.ops.table import op
+    found, todo = set(), [node] if node is not None else []
+    while todo:
+        for user in todo.pop().users:
+            if user.op == "call_function" and op(user.target).layout:
+                todo.append(user)
+            elif plan.nodes.get(user.name, {}).get("module"):
+                found.add(plan.nodes[user.name]["module"])
+    return found
 
 
 def _residual(node) -> bool:

@@ -255,14 +255,20 @@ def _gathered_for_norm(node) -> bool:
     over all heads): what a hand plan does (vLLM's and SGLang's OLMo-2 gather q and k for their norms), the other
     way to such a norm than its statistics.  Not a residual stream's gather (its source is an add or a norm)."""
     from autotp.ops.table import is_product, op
-    source = node  # back through layout ops and a bias or an activation (elementwise, no other tensor but weights)
-    def passes_on(n) -> bool:
+    def weight(n) -> bool:  # a parameter, or a view of one (a conv's bias viewed to broadcast)
+        while n.op == "call_function" and op(n.target).layout and n.all_input_nodes:
+            n = n.all_input_nodes[0]
+        return n.op == "get_attr"
+    def passes_on(n) -> bool:  # a layout op, a bias or an activation (elementwise, no other tensor but weights)
         row = op(n.target)
-        return row.layout or (row.family == "elementwise" and all(a.op == "get_attr" for a in n.all_input_nodes[1:]))
-    while (source is not None and source.op == "call_function" and source.all_input_nodes and not is_product(source)
-           and passes_on(source)):
+        return row.layout or (row.family == "elementwise" and all(weight(a) for a in n.all_input_nodes[1:]))
+    def made(n) -> bool:  # a product, attention or a convolution: a sublayer's own value, not the stream
+        return n.op == "call_function" and (is_product(n) or op(n.target).family == "convolution")
+    source = node
+    while source is not None and source.op == "call_function" and source.all_input_nodes and not made(source) \
+            and passes_on(source):
         source = source.args[0] if isinstance(source.args[0], torch.fx.Node) else None
-    if source is None or source.op != "call_function" or not is_product(source):
+    if source is None or not made(source):
         return False
     todo, seen = [node], set()
     while todo:
@@ -356,14 +362,14 @@ def inflated(read: dict, full: dict) -> dict:
     return {n: int(full[n] / median) for n, g in growth.items() if g * 8 < median and read[n] >= SHARD_FROM}
 
 
-def at_count(plan, model, gm, options: dict, modules: list[str], full: dict | None = None) -> dict:
+def at_count(plan, model, gm, options: dict, modules: list[str], over: int, full: dict | None = None) -> dict:
     """The plan a hand-written one is where autotp's is over Megatron's count: the modules whose values the extra
     collectives move (a DSA indexer, a relative-position table, a low-rank projection) computed whole on every rank
     in every block, as a hand plan replicates them, the rest planned as before, priced by the same cost model.  Only
     modules whose weights the forcing lets be whole (a hand plan shards a block's large matrices too).  autotp's plan
-    is better where that plan, with heads split, costs at least as much a step: it is the cheapest of the plans that
-    compute those modules whole, the hand plan among them, whatever its count (Doge's dt projection reads every
-    head's values: whole, it needs them gathered, one collective over the count too)."""
+    is better where that plan, with heads split, has fewer collectives a block (those modules are where the extra
+    ones come from: a DSA indexer, hyper-connections) and costs at least as much a step.  A plan that computes them
+    whole and is over by as many says nothing (a norm kept whole beside a large conv's extra sum)."""
     from autotp.options import PlanOptions
     from autotp.placement import Replicate
     from autotp.planning.tensor_plan import offered, solve_plan
@@ -379,7 +385,8 @@ def at_count(plan, model, gm, options: dict, modules: list[str], full: dict | No
         return {"kept_whole": [], "holding_forced": left, "better": False}
     other = solve_plan(gm, 2, PlanOptions(**options, fixed=whole), price_experts=True)
     found = measure(other, model, gm, full)
-    better = not found["unsplit_attention"] and plan.cost["seconds"] <= other.cost["seconds"] * (1 + 1e-9)
+    fewer = found["over_megatron"] <= 0 or found["over_megatron"] < over
+    better = fewer and not found["unsplit_attention"] and plan.cost["seconds"] <= other.cost["seconds"] * (1 + 1e-9)
     return {"kept_whole": [m for m in modules if m not in holding], "holding_forced": left, "modules": len(whole),
             "over_megatron": found["over_megatron"], "unsplit_attention": found["unsplit_attention"],
             "share": found["share"], "seconds": other.cost["seconds"], "autotp_seconds": plan.cost["seconds"],
@@ -443,7 +450,7 @@ def plan_entry(name: str, timeout: int) -> dict:
                      **measure(plan, model, gm, full))
         if entry["over_megatron"] > 0 and entry["over_modules"]:
             stage = "plan at Megatron's count"
-            entry["at_count"] = at_count(plan, model, gm, options, entry["over_modules"], full)
+            entry["at_count"] = at_count(plan, model, gm, options, entry["over_modules"], entry["over_megatron"], full)
     except Exception as exc:  # every failure is a result: recorded with its stage
         entry.update(stage=stage, error=first_line(exc), where=_where(exc))
         entry.setdefault("built", False)

@@ -203,32 +203,44 @@ def _made_in(node, plan) -> str | None:
     """The module whose op made the value a collective moves: back through layout ops, which move no data (ViTDet's
     next block starts by permuting the stream its last one left partial: that sum is the last block's), and through
     a cat of pieces of one value (Swin's patch merging: four strided slices of the last block's partial stream)."""
-    from autotp.ops.table import op
-    def back(n):
-        while n is not None and n.op == "call_function" and op(n.target).layout and n.all_input_nodes:
-            n = n.args[0] if isinstance(n.args[0], torch.fx.Node) else None
-        return n
-    node = back(node)
+    node = _back(node)
     while node is not None and node.target in (torch.ops.aten.cat.default, torch.ops.aten.stack.default):
-        sources = {back(p) for p in node.args[0] if isinstance(p, torch.fx.Node)}
+        sources = {_back(p) for p in node.args[0] if isinstance(p, torch.fx.Node)}
         if len(sources) != 1:  # a cat of pieces of one value (Swin's patch merging) moves that value
             break
         node = sources.pop()
     return plan.nodes.get(node.name, {}).get("module") if node is not None else None
 
 
-def _readers(node, plan) -> set[str]:
-    """The modules whose ops read ``node``, forward through layout ops (Jamba's ``x_proj`` reads the gathered
-    output of the Mamba conv: a hand plan may compute that small projection whole)."""
+def _back(node, through=None):
+    """``node``'s source back through ops that pass their first operand on (``through``; layout ops by default)."""
     from autotp.ops.table import op
-    found, todo = set(), [node] if node is not None else []
+    through = through or (lambda n: op(n.target).layout)
+    while node is not None and node.op == "call_function" and node.all_input_nodes and through(node):
+        node = node.args[0] if isinstance(node.args[0], torch.fx.Node) else None
+    return node
+
+
+def _read_by(node) -> list:
+    """The ops that read ``node``, forward through layout ops."""
+    from autotp.ops.table import op
+    found, todo, seen = [], [node] if node is not None else [], set()
     while todo:
         for user in todo.pop().users:
+            if user in seen:
+                continue
+            seen.add(user)
             if user.op == "call_function" and op(user.target).layout:
                 todo.append(user)
-            elif plan.nodes.get(user.name, {}).get("module"):
-                found.add(plan.nodes[user.name]["module"])
+            else:
+                found.append(user)
     return found
+
+
+def _readers(node, plan) -> set[str]:
+    """The modules whose ops read ``node`` (Jamba's ``x_proj`` reads the gathered output of the Mamba conv: a hand
+    plan may compute that small projection whole)."""
+    return {plan.nodes[u.name]["module"] for u in _read_by(node) if plan.nodes.get(u.name, {}).get("module")}
 
 
 def _residual(node) -> bool:
@@ -256,32 +268,16 @@ def _gathered_for_norm(node) -> bool:
     way to such a norm than its statistics.  Not a residual stream's gather (its source is an add or a norm)."""
     from autotp.ops.table import is_product, op
     def weight(n) -> bool:  # a parameter, or a view of one (a conv's bias viewed to broadcast)
-        while n.op == "call_function" and op(n.target).layout and n.all_input_nodes:
-            n = n.all_input_nodes[0]
-        return n.op == "get_attr"
+        n = _back(n)
+        return n is not None and n.op == "get_attr"
     def passes_on(n) -> bool:  # a layout op, a bias or an activation (elementwise, no other tensor but weights)
         row = op(n.target)
         return row.layout or (row.family == "elementwise" and all(weight(a) for a in n.all_input_nodes[1:]))
     def made(n) -> bool:  # a product, attention or a convolution: a sublayer's own value, not the stream
         return n.op == "call_function" and (is_product(n) or op(n.target).family == "convolution")
-    source = node
-    while source is not None and source.op == "call_function" and source.all_input_nodes and not made(source) \
-            and passes_on(source):
-        source = source.args[0] if isinstance(source.args[0], torch.fx.Node) else None
-    if source is None or not made(source):
-        return False
-    todo, seen = [node], set()
-    while todo:
-        n = todo.pop()
-        for user in n.users:
-            if user in seen:
-                continue
-            seen.add(user)
-            if _statistic(user) or (user.op == "call_function" and op(user.target).family == "layer_norm"):
-                return True
-            if user.op == "call_function" and op(user.target).layout:
-                todo.append(user)
-    return False
+    source = _back(node, lambda n: not made(n) and passes_on(n))
+    return source is not None and made(source) and any(
+        _statistic(u) or (u.op == "call_function" and op(u.target).family == "layer_norm") for u in _read_by(node))
 
 
 _ATTENTION = re.compile(r"scaled_dot_product|_softmax|softmax\.|flex_attention")

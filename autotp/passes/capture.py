@@ -304,3 +304,8 @@ def module_path(node: torch.fx.Node) -> str:
     for a decision of autotp's own)."""
     stack = node.meta.get("nn_module_stack") or {}
     return list(stack.values())[-1][0] if stack else ""
+
+
+def within(path: str, modules) -> bool:
+    """``path`` (a module's or a parameter's) is one of ``modules`` or inside one."""
+    return any(path == m or path.startswith(m + ".") for m in modules)

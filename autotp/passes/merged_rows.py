@@ -120,13 +120,19 @@ def _moved(graph: torch.fx.Graph, merge: Node, user: Node, ctx: Context) -> Node
         args[i] = args[i] + 1 if args[i] >= 0 else args[i]
     for i, a in enumerate(args[1:], 1):
         if isinstance(a, Node):  # another operand: a merge alike, or one broadcast over the rows
-            same = merges_heads(a, ctx) and sizes_of(ctx, a.args[0])[:2] == unmerged[:2] and fixed_heads(a, ctx)
+            same = _alike(a, merge, ctx)
             if not (same or (isinstance(a.meta.get("val"), torch.Tensor) and (
                     a.meta["val"].dim() < len(unmerged) - 1 or sizes_of(ctx, a)[0] == 1))):
                 return None
             args[i] = a.args[0] if same else a
     rows = call(graph, user.target, (x, *args[1:]), user, user.kwargs)
     return call(graph, aten.flatten.using_ints, (rows, 0, 1), user)
+
+
+def _alike(other, merge: Node, ctx: Context) -> bool:
+    """``other`` merges the same batch and fixed heads as ``merge`` does."""
+    return isinstance(other, Node) and merges_heads(other, ctx) and fixed_heads(other, ctx) and \
+        sizes_of(ctx, other.args[0])[:2] == sizes_of(ctx, merge.args[0])[:2]
 
 
 def fixed_heads(merge: Node, ctx: Context) -> bool:
@@ -178,11 +184,8 @@ def _einsum(graph: torch.fx.Graph, merge: Node, user: Node, ctx: Context) -> Nod
     ins = ins.split(",")
     letter = ins[operands.index(merge)][0]
     having = [i for i, s in enumerate(ins) if letter in s]
-    unmerged = sizes_of(ctx, merge.args[0])[:2]
-    if not out.startswith(letter) or any(
-            ins[i][0] != letter or ins[i].count(letter) != 1 or not isinstance(operands[i], Node)
-            or not merges_heads(operands[i], ctx) or not fixed_heads(operands[i], ctx)
-            or sizes_of(ctx, operands[i].args[0])[:2] != unmerged for i in having):
+    if not out.startswith(letter) or any(ins[i][0] != letter or ins[i].count(letter) != 1
+                                         or not _alike(operands[i], merge, ctx) for i in having):
         return None
     fresh = "".join(c for c in string.ascii_letters if c not in equation)[:2]
     for i in having:

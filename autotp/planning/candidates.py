@@ -13,7 +13,7 @@ import torch
 from torch.fx import Node
 
 from autotp.ops.strategies import Context, Strategy, input_slots, is_placed, replicated_like, value, vmapped
-from autotp.passes.capture import module_path, target_name
+from autotp.passes.capture import module_path, target_name, within
 from autotp.placement import R, Replicate, Routed, Shard
 
 
@@ -40,7 +40,7 @@ def enumerate_strategies(gm: torch.fx.GraphModule, ctx: Context) -> Candidates:
             continue
         all_r = Strategy(ctx.fill(node, {}), replicated_like(node))
         found = [all_r]
-        whole = bool(ctx.whole) and _within(module_path(node), ctx.whole)  # the user's: not a rule's shortfall
+        whole = bool(ctx.whole) and within(module_path(node), ctx.whole)  # the user's: not a rule's shortfall
         rule = ctx.op(node.target).rule if node.op == "call_function" and node not in batched else None
         proposed = rule(node, ctx) if rule is not None and not whole else None  # None: no rule for this use
         found += [s for s in proposed or () if s not in found]
@@ -50,10 +50,6 @@ def enumerate_strategies(gm: torch.fx.GraphModule, ctx: Context) -> Candidates:
     _add_parameter_options(gm, ctx)
     return Candidates(ctx.world, MappingProxyType(dict(ctx.strategies)), MappingProxyType(unruled),
                       ctx.segments)
-
-
-def _within(path: str, modules: frozenset) -> bool:
-    return any(path == m or path.startswith(m + ".") for m in modules)
 
 
 def _unruled(node: Node, ctx: Context, batched: set) -> str:

@@ -19,7 +19,7 @@ from autotp.ops import expert_segments
 from autotp.ops.strategies import Context, Strategy, input_slots, needs_grad, on_tokens, token_inputs
 from autotp.ops.table import TABLE, drops
 from autotp.options import PlanOptions
-from autotp.passes.capture import fingerprint, module_path, target_name
+from autotp.passes.capture import fingerprint, module_path, target_name, within
 from autotp.passes.fold import Fold, NotFoldable, fold_graph
 from autotp.passes.hints import with_hints
 from autotp.passes.styles import param_styles
@@ -216,7 +216,7 @@ def fixed_parameters(gm: torch.fx.GraphModule, fixed: Mapping) -> tuple[dict, fr
         if fixed[name] != R:
             raise ValueError(f"fixed[{name!r}] = {fixed[name]}: {name!r} is no parameter of the model, and a module "
                              f"can only be fixed \"R\" (computed whole on every rank)")
-    inside = {p: R for p in params if any(p.startswith(m + ".") for m in modules)}
+    inside = {p: R for p in params if within(p, modules)}
     return tied_names(gm, {**inside, **{k: v for k, v in fixed.items() if k not in modules}}), frozenset(modules)
 
 

@@ -18,7 +18,7 @@ import torch
 
 from autotp.cost_models.communication import backward_collective, reshard_collective
 from autotp.options import PlanOptions
-from autotp.passes.capture import module_path
+from autotp.passes.capture import module_path, within
 from autotp.placement import Routed
 from autotp.plan import Plan
 from autotp.planning.solve import Imposed, PlanningError
@@ -117,7 +117,7 @@ def _conversions(hand: HandPlan, training: bool):
             return bool(left and op in collectives(left[1], 0)) or bool(right and op in collectives(right[1], 1))
         # at the module's output, or at the input of its last op (a cast that a partial sum cannot pass exactly)
         last = right and left and right[0] == left[0] and any(
-            not _within(module_path(u), left[0]) for u in reader.users)
+            not within(module_path(u), (left[0],)) for u in reader.users)
         if left and (right is None or right[0] != left[0] or last) and op in collectives(left[1], 0):
             return True
         return bool(right and (left is None or left[0] != right[0]) and op in collectives(right[1], 1))
@@ -132,7 +132,3 @@ def _style_of(path: str, styles: dict) -> tuple | None:
                 return path, style
         path = path.rpartition(".")[0]
     return None
-
-
-def _within(path: str, module: str) -> bool:
-    return path == module or path.startswith(module + ".")

@@ -68,3 +68,24 @@ def test_packed_picks_and_merged_heads_are_unmerged(batch_first):
     heads = [n for n in gm.graph.nodes if n.target == torch.ops.aten.scaled_dot_product_attention.default]
     assert len(heads) == 5 and all(a.meta["val"].shape[1] == 4 for n in heads for a in n.args[:3])
     assert all(n.args[0].target == torch.ops.aten.permute.default for n in heads)
+
+
+def _weights_path(rank: int, world: int) -> None:
+    model = torch_layers_lm("weights").train()
+    sharded = autotp.parallelize(model, (torch.randint(0, VOCAB, (2, 8)),))
+    plan = sharded.autotp_plan
+    assert plan.replicated_ops == [], plan.replicated_ops
+    assert {n: p for n, p in plan.params.items() if n.startswith("attention.")} == {
+        **{f"attention.{i}.{w}": "S(0|32,32,32)" for i in (0, 1) for w in ("in_proj_weight", "in_proj_bias")},
+        **{f"attention.{i}.out_proj.weight": "S(1)" for i in (0, 1)},
+        **{f"attention.{i}.out_proj.bias": "R" for i in (0, 1)}}, plan.params
+    # the first block's weights are read by nothing: its attention moves no values, its sum is the residual add's
+    assert [c for c in plan.collectives if c["module"].startswith("attention.0")] == [], plan.collectives
+    same_as_model(model, sharded, lambda batch, seq: (torch.randint(0, VOCAB, (batch, seq)),))
+
+
+def test_need_weights_path_split_by_heads():
+    """F.multi_head_attention_forward with ``need_weights`` (nn.MultiheadAttention's default): q, k and v viewed as
+    [S, B*H, hd] and moved to [B*H, S, hd] by a transpose, no view back; ``baddbmm`` with a [1, S, S] mask, ``bmm``,
+    the output moved back and viewed as [S*B, E]; the returned weights are averaged over the split heads."""
+    run_ranks(2, _weights_path)

@@ -25,7 +25,13 @@ def view_groups(src: list[int], dst: list[int]) -> list[tuple[list[int], list[in
                 j += 1
             else:
                 break
-            if pi == pj and gi and gj and not (i < len(src) and src[i] == 1) and not (j < len(dst) and dst[j] == 1):
+            if pi == pj and gi and gj:  # a run ends: the size-1 dims after it on either side join it
+                while i < len(src) and src[i] == 1:
+                    gi.append(i)
+                    i += 1
+                while j < len(dst) and dst[j] == 1:
+                    gj.append(j)
+                    j += 1
                 break
         groups.append((gi, gj))
     return groups

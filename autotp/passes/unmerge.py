@@ -10,6 +10,7 @@ the packed dim (its weight then splits block by block, S(0|E,E,E)), and merged v
 from __future__ import annotations
 
 import operator
+from copy import deepcopy
 
 import torch
 from torch.fx import Node
@@ -29,9 +30,10 @@ def unmerge(gm: torch.fx.GraphModule) -> None:
     merged_picks(gm, probes)
     packed_picks(gm)
     merged_views(gm, probes)
-    for _ in range(3):  # a product's merge moved on by merged_rows reaches the next product, or a view back
+    for _ in range(4):  # a product's merge moved on by merged_rows reaches the next product, or a view back
         merged_products(gm, probes)
         merged_rows(gm, probes)
+        merged_views(gm, probes)
     _erase_unused(gm.graph, [n for n in gm.graph.nodes if n.target == aten.sym_size.int])  # a moved merge's size
     gm.graph.lint()
     gm.recompile()
@@ -141,6 +143,7 @@ class _Atoms:
         self.size: dict = {}
         self.dims = [[self._new(s)] for s in sizes]
         self.order = [d[0] for d in self.dims]
+        self.dims_in = [list(d) for d in self.dims]  # each input dim's atoms
 
     def _new(self, size: int) -> int:
         self.size[len(self.size)] = size
@@ -150,7 +153,8 @@ class _Atoms:
         """An atom cut into (outer, inner) runs, everywhere it appears."""
         pair = (self._new(outer), self._new(self.size[atom] // outer))
         self.order = [x for y in self.order for x in (pair if y == atom else (y,))]
-        self.dims = [[x for y in d for x in (pair if y == atom else (y,))] for d in self.dims]
+        self.dims, self.dims_in = ([[x for y in d for x in (pair if y == atom else (y,))] for d in dims]
+                                   for dims in (self.dims, self.dims_in))
         return pair
 
     def regroup(self, sizes: list[int]) -> bool:
@@ -182,10 +186,14 @@ class _Atoms:
 def merged_views(gm: torch.fx.GraphModule, ctx: Context) -> None:
     """``view`` merging a dim with part of its neighbour -> transposes -> ``view`` splitting them back into single
     dims (nn.MultiheadAttention: [S, B, E] -> [S, B*H, hd] -> [B*H, S, hd] -> [B, H, S, hd])  =>  one view of the
-    input into those dims and a permute."""
+    input into those dims and a permute.  Where no view splits them back but the dim moves lead with heads merged
+    with the batch (F.multi_head_attention_forward's bmm path: [B*H, S, hd] into ``baddbmm``), that merge alone is
+    made after them (a flatten merged_rows and merged_products move on); where a merge of [B, H, ...] ends in a view
+    into other merges ([B*H, S, hd] -> [S, B*H, hd] -> [S*B, E]), the input is permuted and reshaped."""
     graph = gm.graph
     for first in list(graph.nodes):
-        if "sized_view" not in op(first.target).tags or first.graph is not graph or not isinstance(first.args[0], Node):
+        if first.graph is not graph or not first.args or not isinstance(first.args[0], Node) or not (
+                "sized_view" in op(first.target).tags or flattens_heads(first)):
             continue
         x = first.args[0]
         sizes = [sizes_of(ctx, n) for n in (x, first)]
@@ -208,25 +216,78 @@ def merged_views(gm: torch.fx.GraphModule, ctx: Context) -> None:
             node = user
             chain.append(node)
         last = next(iter(node.users)) if len(node.users) == 1 else None
-        if last is None or "sized_view" not in op(last.target).tags or 1 in sizes_of(ctx, last) \
-                or not atoms.regroup(sizes_of(ctx, last)) or any(len(d) != 1 for d in atoms.dims):
-            continue
-        final = [d[0] for d in atoms.dims]
-        given, order = list(last.args[1]), [atoms.order.index(a) for a in final]
-        with graph.inserting_before(last):
-            viewed = graph.call_function(aten.view.default, (x, [given[final.index(a)] for a in atoms.order]))
-            viewed.meta = {**first.meta, "val": x.meta["val"].view(
-                [last.meta["val"].shape[final.index(a)] for a in atoms.order])}
-            result = viewed
-            if order != sorted(order):
-                result = graph.call_function(aten.permute.default, (viewed, order))
-                result.meta = {**last.meta, "val": viewed.meta["val"].permute(order)}
-            if aten.reshape.default in (first.target, last.target):  # a reshape copies what no view can reach:
-                result = graph.call_function(aten.contiguous.default, (result,))  # readers may view it (laguna)
-                result.meta = {**last.meta, "val": result.args[0].meta["val"].contiguous()}
-        last.replace_all_uses_with(result)
-        graph.erase_node(last)
-        _erase_unused(graph, chain)
+        if last is not None and "sized_view" in op(last.target).tags and 1 not in sizes_of(ctx, last):
+            split_back = deepcopy(atoms)
+            if split_back.regroup(sizes_of(ctx, last)):
+                if all(len(d) == 1 for d in split_back.dims):
+                    with graph.inserting_before(last):
+                        result = _split_back(graph, x, first, last, split_back)
+                elif merges_heads(first, ctx) and not _pieces(split_back):
+                    with graph.inserting_before(last):
+                        result = call(graph, aten.reshape.default, (_permuted(graph, x, split_back), last.args[1]),
+                                      last)
+                else:
+                    continue
+                last.replace_all_uses_with(result)
+                graph.erase_node(last)
+                _erase_unused(graph, chain)
+                continue
+        lead, *rest = atoms.dims
+        if len(chain) > 1 and len(lead) == 2 and all(len(d) == 1 for d in rest) and not merges_heads(first, ctx):
+            with graph.inserting_before(node):
+                result = _lead_merged(graph, x, atoms, node, ctx)
+            if result is not None:
+                node.replace_all_uses_with(result)
+                _erase_unused(graph, chain)
+
+
+def _pieces(atoms: _Atoms) -> bool:
+    """Whether an input dim was cut into several atoms."""
+    return any(len(d) > 1 for d in atoms.dims_in)
+
+
+def _split_back(graph: torch.fx.Graph, x: Node, first: Node, last: Node, atoms: _Atoms) -> Node:
+    """One view of ``x`` into the single dims of ``last`` (its sizes as given there), permuted to their order."""
+    final = [d[0] for d in atoms.dims]
+    given, order = list(last.args[1]), [atoms.order.index(a) for a in final]
+    viewed = graph.call_function(aten.view.default, (x, [given[final.index(a)] for a in atoms.order]))
+    viewed.meta = {**first.meta, "val": x.meta["val"].view(
+        [last.meta["val"].shape[final.index(a)] for a in atoms.order])}
+    result = viewed
+    if order != sorted(order):
+        result = graph.call_function(aten.permute.default, (viewed, order))
+        result.meta = {**last.meta, "val": viewed.meta["val"].permute(order)}
+    if aten.reshape.default in (first.target, last.target):  # a reshape copies what no view can reach:
+        result = graph.call_function(aten.contiguous.default, (result,))  # readers may view it (laguna)
+        result.meta = {**last.meta, "val": result.args[0].meta["val"].contiguous()}
+    return result
+
+
+def _permuted(graph: torch.fx.Graph, value: Node, atoms: _Atoms) -> Node:
+    """``value``, already cut into ``atoms``' order, permuted to the order its dims list them."""
+    flat = [a for d in atoms.dims for a in d]
+    order = [atoms.order.index(a) for a in flat]
+    return value if order == sorted(order) else call(graph, aten.permute.default, (value, order), value)
+
+
+def _lead_merged(graph: torch.fx.Graph, x: Node, atoms: _Atoms, like: Node, ctx: Context) -> Node | None:
+    """``x`` viewed into ``atoms``, permuted, the two leading ones flattened; None where the second, the heads,
+    has no fixed size or an atom of a symbolic dim has no size to give."""
+    shape = ctx.shape(x)
+    given = []
+    for i, dim in enumerate(atoms.dims_in):
+        if len(dim) == 1:
+            given.append(shape[i] if ctx.static(shape[i]) else call(graph, aten.sym_size.int, (x, i), x))
+        elif ctx.static(shape[i]):
+            given += [atoms.size[a] for a in dim]
+        else:
+            return None
+    heads = atoms.dims[0][1]
+    at = atoms.order.index(heads)
+    if not isinstance(given[at], int):
+        return None
+    viewed = x if len(given) == len(shape) else call(graph, aten.view.default, (x, given), like)
+    return call(graph, aten.flatten.using_ints, (_permuted(graph, viewed, atoms), 0, 1), like)
 
 
 # ---- products over heads merged with the batch -------------------------------------------------------
@@ -256,6 +317,12 @@ def _unmerged(node: Node, b: int, h: int, ctx: Context):
         if times == b and all(r == 1 for r in rest):
             return src, True, moves[::-1]
     return None
+
+
+def _broadcast(node, ctx: Context) -> bool:
+    """A ``baddbmm`` input that one [1, ...] (or fewer dims) row broadcasts over all [B*H] rows."""
+    shape = ctx.shape(node) if isinstance(node, Node) else ()
+    return 0 < len(shape) < 3 or (len(shape) == 3 and shape[0] == 1)
 
 
 def _built(graph: torch.fx.Graph, recipe) -> Node:
@@ -305,6 +372,8 @@ def merged_products(gm: torch.fx.GraphModule, ctx: Context) -> None:
             (b, h), = found
         operands = node.args[:3] if node.target == aten.baddbmm.default else (None, *node.args[:2])
         recipes = [_unmerged(a, b, h, ctx) if a is not None else None for a in operands]
+        if operands[0] is not None and recipes[0] is None and _broadcast(operands[0], ctx):
+            recipes[0] = (operands[0], False, [])  # a mask alike for every row: alike for every (batch, head)
         if None in recipes[1:] or (operands[0] is not None and recipes[0] is None):
             continue
         like = users[0] if back else node

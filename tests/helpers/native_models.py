@@ -141,6 +141,29 @@ class EncoderLM(nn.Module):
         return self.head(h if self.batch_first else h.transpose(0, 1))
 
 
+class WeightsLM(nn.Module):
+    """nn.MultiheadAttention called as its docs show, sequence first and ``need_weights`` left on: the bmm path of
+    F.multi_head_attention_forward (heads merged with the batch into [S, B*H, hd], ``baddbmm`` with the mask, the
+    weights averaged over heads); the last block's largest weight a row added to the logits."""
+
+    def __init__(self, dim: int = 32, heads: int = 4, layers: int = 2):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, dim)
+        self.attention = nn.ModuleList(nn.MultiheadAttention(dim, heads) for _ in range(layers))
+        self.mlp = nn.ModuleList(nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+                                 for _ in range(layers))
+        self.head = nn.Linear(dim, VOCAB, bias=False)
+
+    def forward(self, ids):
+        mask = nn.Transformer.generate_square_subsequent_mask(ids.shape[1], device=ids.device)
+        h = self.emb(ids).transpose(0, 1)
+        for attention, mlp in zip(self.attention, self.mlp, strict=True):
+            out, weights = attention(h, h, h, attn_mask=mask)
+            h = h + out
+            h = h + mlp(h)
+        return self.head(h.transpose(0, 1)) + weights.amax(-1, keepdim=True)
+
+
 class DecoderLM(nn.Module):
     """An encoder layer, then nn.TransformerDecoderLayer blocks (causal self-attention, cross-attention on the
     encoded sequence, MLP)."""
@@ -166,7 +189,7 @@ class DecoderLM(nn.Module):
 
 def torch_layers_lm(kind: str = "encoder", **config) -> nn.Module:
     torch.manual_seed(0)
-    return (EncoderLM if kind == "encoder" else DecoderLM)(**config)
+    return {"encoder": EncoderLM, "decoder": DecoderLM, "weights": WeightsLM}[kind](**config)
 
 
 def causal(b, h, q, kv):

@@ -227,11 +227,13 @@ def convolutions(m, x, image):
 
 def channels(m, image, x):
     """A weight-normed conv (wav2vec2's positional conv), a gate over channels (conformers), a flip, pooling and
-    resampling of the image and of a signal, and an acos: batch and channels pass through each."""
+    resampling of the image and of a signal, an acos, windows by im2col (ConvBERT's span convolution): batch and
+    channels pass through each."""
     h = torch.nn.functional.conv2d(image, torch._weight_norm(m.v, m.g, 0))  # [2, H, 3, 3]
     h = torch.nn.functional.glu(torch.cat([h, h.flip([2, 3])], 3), dim=3) + torch.acos(torch.tanh(h) / 2)
     pooled = (torch.nn.functional.avg_pool2d(h, 2, stride=1).sum((2, 3)) +
               torch.nn.functional.adaptive_avg_pool2d(h, 1).flatten(1))
+    pooled = pooled + torch.nn.functional.unfold(h, (2, 1), padding=(1, 0)).sum(-1).unflatten(1, (H, 2)).sum(-1)
     for mode in ("nearest", "bilinear", "bicubic"):
         pooled = pooled + torch.nn.functional.interpolate(h, size=(4, 5), mode=mode).sum((2, 3))
     signal = x.transpose(1, 2) * pooled.unsqueeze(-1)  # [2, H, 5]

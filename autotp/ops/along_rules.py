@@ -1,13 +1,14 @@
 """Sharding rules of ops that reduce, pick, repeat or window along some dims (max, logsumexp, vector norms, gather,
-scatter, repeat, unfold): the other dims stay sharded; the dims they act along are not sums of their parts, so they are
-never split, except where each rank's rows pick from a whole input (gather's index)."""
+scatter, repeat, unfold, im2col): the other dims stay sharded; the dims they act along are not sums of their parts,
+so they are never split, except where each rank's rows pick from a whole input (gather's index)."""
 from __future__ import annotations
 
 import torch
 from torch.fx import Node
 
 from autotp.ops.layout_rules import positive_dim
-from autotp.ops.strategies import Context, Strategy
+from autotp.ops.strategies import Context, Strategy, summable
+from autotp.placement import P
 
 aten = torch.ops.aten
 
@@ -53,6 +54,18 @@ def unfold(node: Node, ctx: Context) -> list[Strategy]:
     at = positive_dim(node.args[1], n)
     return [Strategy(ctx.fill(node, {x: s}), s) for d in range(n) if d != at
             for s in ctx.shard_options(x, d) + ctx.token_options(x, d)]
+
+
+def im2col(node: Node, ctx: Context) -> list[Strategy]:
+    """im2col(x [N, C, H, W]): [N, C * kh * kw, windows], channel c's window values rows c*k .. c*k + k - 1, so a
+    split of the channels (in whole units or not) is the same split of those rows (ConvBERT's span convolution of
+    the heads' values); the batch passes through; partial sums stay partial (a linear op, its padding zeros)."""
+    x = node.args[0]
+    channels = len(ctx.shape(x)) - 3  # 1 with a batch dim, 0 without
+    found = [Strategy(ctx.fill(node, {x: P}), P)] if summable(x) else []
+    found += [Strategy(ctx.fill(node, {x: s}), s) for s in ctx.shard_options(x, channels)
+              if s.chunks is None and s.of is None and s.groups is None]
+    return found + [Strategy(ctx.fill(node, {x: s}), s) for s in ctx.token_options(x, 0)] if channels else found
 
 
 def gather(node: Node, ctx: Context) -> list[Strategy]:

@@ -18,7 +18,7 @@ import torch
 from torch.fx import Node
 
 from autotp.ops import dim_maps, local_forms
-from autotp.ops.along_rules import gather, reduced, repeat, unfold
+from autotp.ops.along_rules import gather, im2col, reduced, repeat, unfold
 from autotp.ops.expert_rules import GROUPED_MM_FALLBACK, disjoint, grouped_mm, index, routed, squeeze, strided_slice
 from autotp.ops.factory_rules import new_filled
 from autotp.ops.flex import FLEX, flex_heads, global_heads, keeps_flex
@@ -262,6 +262,7 @@ _ROWS: dict = {
     **_rows([aten.tril.default, aten.triu.default], family="along", rule=last_dims(2), keeps=keeps_nothing),
     **_rows([aten.repeat.default], family="repeat", rule=repeat, keeps=keeps_nothing),
     **_rows([aten.unfold.default], family="unfold", rule=unfold, layout=True, keeps=keeps_nothing),
+    **_rows([aten.im2col.default], family="unfold", rule=im2col, keeps=keeps_nothing),
     **_rows([aten.gather.default, aten.scatter.value, aten.scatter.src], family="gather", rule=gather,
             keeps=keeps_index),
     **_rows([aten.avg_pool2d.default, aten.adaptive_avg_pool2d.default], family="pool", rule=last_dims(2),

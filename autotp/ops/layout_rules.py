@@ -5,6 +5,7 @@ the table and the compute ops).
 """
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import replace
 
@@ -13,7 +14,7 @@ from torch.fx import Node
 
 from autotp.ops.semantics import written
 from autotp.ops.strategies import Context, Strategy, concrete, summable
-from autotp.ops.views import map_view_dim, split_runs
+from autotp.ops.views import map_view_dim, split_runs, view_groups
 from autotp.placement import P, Shard, dealt
 
 aten = torch.ops.aten
@@ -47,7 +48,8 @@ def view(node: Node, ctx: Context) -> list[Strategy]:
             if s.whole(ctx.world) and s.chunks is None and static:  # every rank holds all: any static dim
                 mapped = (mapped[0] if mapped and mapped[0] in static else static[-1], True)
             if s.chunks is not None and not (mapped and mapped[1]):
-                rows = _in_rows(s, src, dst, d, ctx.world) or _per_block(s, src, dst, d, ctx.world)
+                rows = _in_rows(s, src, dst, d, ctx.world) or _per_block(s, src, dst, d, ctx.world) or \
+                    _merged_blocks(s, src, dst, d, ctx.world)
                 found += [Strategy(ctx.fill(node, {x: s}), rows)] if rows else []
                 continue
             if mapped is None:
@@ -67,6 +69,23 @@ def _in_rows(shard: Shard, src: list, dst: list, d: int, world: int) -> Shard | 
             if all([(a * rest, n * rest) for a, n in rows.ranges(size // rest, r, world)] ==
                    shard.ranges(size, r, world) for r in range(world)):
                 return rows
+    return None
+
+
+def _merged_blocks(shard: Shard, src: list, dst: list, d: int, world: int) -> Shard | None:
+    """A block-wise shard of the first dim of a run the view merges into one: the same blocks, each counted in
+    the merged dim (heads of two kinds joined, [b, s, 2 + 2, d] viewed as [b, s, 4 * d]), where every rank's
+    pieces stay whole runs of the merged dims."""
+    if shard.of is not None or shard.groups is not None:
+        return None
+    for gi, gj in view_groups(src, dst):
+        lead_in, lead_out = [i for i in gi if src[i] != 1], [j for j in gj if dst[j] != 1]
+        if lead_in[:1] == [d] and len(lead_in) > 1 and len(lead_out) == 1:
+            rest = math.prod(src[i] for i in lead_in[1:])
+            merged = replace(shard, dim=lead_out[0], chunks=tuple(c * rest for c in shard.chunks))
+            if all([(a * rest, n * rest) for a, n in shard.ranges(src[d], r, world)] ==
+                   merged.ranges(dst[lead_out[0]], r, world) for r in range(world)):
+                return merged
     return None
 
 

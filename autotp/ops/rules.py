@@ -103,7 +103,7 @@ def linear(node: Node, ctx: Context) -> list[Strategy]:
     out = ctx.shape(node)
     last, xlast = len(out) - 1, len(ctx.shape(x)) - 1
     found = [Strategy(ctx.fill(node, {w: s.at(0)}), s) for s in ctx.shard_options(node, last)]
-    for s in contractible(ctx.output_options(x) + ctx.shard_options(x, xlast), xlast, ctx.world):
+    for s in contractible(ctx.output_options(x) + ctx.shard_options(x, xlast), xlast, ctx.world, blocks=True):
         found.append(Strategy(ctx.fill(node, {x: s, w: s.at(1)}), P))
     found.append(Strategy(ctx.fill(node, {x: P}), P))
     for d in range(last):
@@ -317,7 +317,7 @@ def convolution(node: Node, ctx: Context) -> list[Strategy]:
                   for s in ctx.shard_options(node, 1) if s.chunks is None or s.groups is None]
         if not with_bias:
             found += [Strategy(ctx.fill(node, {x: s, w: s.at(1)}), P)
-                      for s in contractible(ctx.shard_options(x, 1), 1, ctx.world)]
+                      for s in contractible(ctx.shard_options(x, 1), 1, ctx.world, blocks=True)]
             found.append(Strategy(ctx.fill(node, {x: P}), P))
     elif groups == sx[1] == sw[0] and sw[1] == 1:
         found += [Strategy(ctx.fill(node, {x: s, w: s.at(0), **({bias: s.at(0)} if with_bias else {})}), s)

@@ -42,10 +42,12 @@ def input_slots(node: Node) -> list[Node]:
     return slots
 
 
-def contractible(options, dim: int, world: int) -> list[Shard]:
+def contractible(options, dim: int, world: int, blocks: bool = False) -> list[Shard]:
     """Shards of a contracted dim whose partial products sum to the full one: each element is held
-    by exactly one rank (not grouped), and not block-wise (the other operand cannot follow)."""
-    found = [p for p in options if isinstance(p, Shard) and p.dim == dim and p.chunks is None and not p.grouped(world)]
+    by exactly one rank (not grouped), and not block-wise unless ``blocks`` (a weight follows any layout of its
+    input's features: ConvBERT's two kinds of heads joined before the output projection; an activation may not)."""
+    found = [p for p in options if isinstance(p, Shard) and p.dim == dim and not p.grouped(world) and (
+        p.chunks is None or (blocks and p.of is None and p.groups is None))]
     return list(dict.fromkeys(found))
 
 

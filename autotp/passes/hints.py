@@ -1,8 +1,10 @@
 """Hints for the rules, read from downstream of each node: the blocks of fused projections, head counts, and
-the query heads each KV head is repeated to.  The rules offer shards by these units (ops/strategies.py)."""
+the query heads each KV head is repeated to; and from upstream, the blocks of values joined from pieces.  The
+rules offer shards by these units (ops/strategies.py)."""
 from __future__ import annotations
 
 import itertools
+import math
 import operator
 from dataclasses import replace
 
@@ -21,7 +23,9 @@ aten = torch.ops.aten
 def with_hints(gm: torch.fx.GraphModule, ctx: Context) -> Context:
     """``ctx`` with what the rules learn from downstream of a node: fused blocks, heads, the query heads KV heads
     serve (each found with the ones before it known)."""
-    ctx = replace(ctx, hints=fused_block_hints(gm, ctx), covers=repeat_hints(gm))
+    cuts, joins = fused_block_hints(gm, ctx), join_hints(gm, ctx)
+    hints = {key: cuts.get(key, set()) | joins.get(key, set()) for key in {*cuts, *joins}}
+    ctx = replace(ctx, hints=hints, covers=repeat_hints(gm))
     ctx = replace(ctx, units=unit_hints(gm, ctx))
     return replace(ctx, block_units=block_unit_hints(gm, ctx))
 
@@ -60,6 +64,52 @@ def fused_block_hints(gm: torch.fx.GraphModule, ctx: Context) -> dict:
     matmul can offer a block-wise shard, giving each rank matching slices of every piece.
     """
     return _walk_back([(x, dim, sizes) for x, dim, sizes, _ in _fused_cuts(gm, ctx)], ctx)
+
+
+def join_hints(gm: torch.fx.GraphModule, ctx: Context) -> dict:
+    """(node, dim) -> block sizes, for values joined from pieces along a dim (two kinds of heads concatenated,
+    ConvBERT's; a feature map and the input it is fused with, MobileViT's) and for what they are viewed as, moved
+    to or combined with on the way to the op that reads them: its weight may then follow the blocks, each piece
+    split as it was made (a split's hints, walked forwards)."""
+    work = []
+    for node in gm.graph.nodes:
+        if node.target == aten.cat.default and len(node.args[0]) > 1:
+            n = len(ctx.shape(node))
+            at = positive_dim(node.args[1] if len(node.args) > 1 else 0, n)
+            sizes = tuple(ctx.shape(p)[at] if len(ctx.shape(p)) == n else None for p in node.args[0])
+            if all(isinstance(v, int) for v in sizes):
+                work.append((node, at, sizes))
+    hints: dict = {}
+    while work:
+        node, dim, sizes = work.pop()
+        if sizes not in hints.setdefault((node, dim), set()):
+            hints[(node, dim)].add(sizes)
+            work += [found for user in node.users for found in _forward(user, node, dim, sizes, ctx)]
+    return hints
+
+
+def _forward(user, node, dim: int, sizes: tuple, ctx: Context) -> list:
+    """Where ``user`` carries blocks of ``node``'s dim: a view keeping it or merging it first with later dims, a
+    dim move, a copy or an elementwise op of the same shape."""
+    row = op(user.target)
+    if not user.args or user.args[0] is not node:
+        return []
+    if row.family == "view":
+        src, dst = ([ctx.probe(s) for s in ctx.shape(v)] for v in (node, user))
+        for gi, gj in view_groups(src, dst):
+            lead_in, lead_out = [i for i in gi if src[i] != 1], [j for j in gj if dst[j] != 1]
+            if lead_in[:1] == [dim] and len(lead_out) == 1:
+                rest = math.prod(src[i] for i in lead_in[1:])
+                return [(user, lead_out[0], tuple(c * rest for c in sizes))]
+        return []
+    n = len(ctx.shape(node))
+    if user.target == aten.transpose.int:
+        a, b = positive_dim(user.args[1], n), positive_dim(user.args[2], n)
+        return [(user, {a: b, b: a}.get(dim, dim), sizes)]
+    if user.target == aten.permute.default:
+        return [(user, [positive_dim(d, n) for d in user.args[1]].index(dim), sizes)]
+    same = ctx.shape(user) == ctx.shape(node)
+    return [(user, dim, sizes)] if same and ("copy" in row.tags or row.family == "elementwise") else []
 
 
 def block_unit_hints(gm: torch.fx.GraphModule, ctx: Context) -> dict:

@@ -1,10 +1,13 @@
-"""Rows flattened for an op over the last dim, kept apart.
+"""Rows flattened for ops over their later dims, kept apart.
 
 The gated norms of linear-attention layers (Qwen3-Next, Qwen3.5, OLMo-hybrid) flatten the attention output and its
-gate from [b, s, heads, d] to [b*s*heads, d], normalize each row and view the result back.  Heads merged with the
-tokens are no dim a rule can split, so the norm, its gate and the attention before it would be gathered.  Ops that
-treat each row alike give the same values on the unflattened tensors, so the flattening views are dropped where every
-op they lead to (up to a view of another shape) is such an op.
+gate from [b, s, heads, d] to [b*s*heads, d], normalize each row and view the result back; ConvBERT's span
+convolution views its kernels [b, s, heads*k] as [b*s*heads, k, 1] and its windows [b, s, heads*d, k] as
+[b*s*heads, d, k], softmaxes the kernels over k and multiplies the two row by row.  Heads merged with the tokens are
+no dim a rule can split, so these ops and the attention before them would be gathered.  Ops that treat each row
+alike give the same values on the unflattened tensors, so the flattening views are dropped where every op they lead
+to (up to a view of another shape) is such an op: elementwise ops, reductions and softmaxes over later dims, and
+products of two such rows.
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ def unflatten_rows(gm: torch.fx.GraphModule) -> None:
         leading = _flattened_rows(node, ctx)
         if leading is not None:
             groups.setdefault(leading, []).append(node)
-    kept_apart = [_keep_apart(gm.graph, starts, region) for starts in groups.values()
+    kept_apart = [_keep_apart(gm.graph, starts, region, ctx) for starts in groups.values()
                   for region in [_region(starts)] if region is not None
                   and all(_rowwise(n, region, starts) for n in region)]
     if kept_apart:
@@ -34,13 +37,14 @@ def unflatten_rows(gm: torch.fx.GraphModule) -> None:
         gm.recompile()
 
 
-def _keep_apart(graph: torch.fx.Graph, starts: list, region: set) -> set:
+def _keep_apart(graph: torch.fx.Graph, starts: list, region: set, ctx: Context) -> set:
     """The flattening views dropped, the ops between them and the views after them on the unflattened values."""
     for start in starts:
-        start.replace_all_uses_with(_rows_of(graph, start))
+        start.replace_all_uses_with(_rows_of(graph, start, ctx))
         graph.erase_node(start)
     for node in [n for n in graph.nodes if n in region]:  # graph order: operands' values first
-        node.args = tuple(_last_dim(node, i, a) for i, a in enumerate(node.args))
+        node.args = tuple(_from_end(node, i, a) for i, a in enumerate(node.args))
+        node.target = aten.matmul.default if node.target == aten.bmm.default else node.target
         values = [a.meta["val"] if isinstance(a, Node) else a for a in node.args]
         node.meta["val"] = node.target(*values, **node.kwargs)
     for view in [u for n in region for u in n.users if u not in region]:
@@ -51,28 +55,47 @@ def _keep_apart(graph: torch.fx.Graph, starts: list, region: set) -> set:
 
 
 def _flattened_rows(node: Node, ctx: Context):
-    """The leading sizes (as text) of x when ``node`` views x [..., d] (rank 3 or more) as [rows, d], or x
-    [..., k*d] (rank 2 or more: a gate straight from its projection) as [rows, d]."""
+    """The leading sizes (as text) of the rows when ``node`` views x [*lead, *mid] as [rows, *tail]: rows the lead
+    (two dims or more) and k pieces of mid (k >= 1), tail static.  None for any other view."""
+    cut = _cut(node, ctx)
+    return None if cut is None else tuple(str(s) for s in cut[0]) + ((str(cut[1]),) if cut[1] > 1 else ())
+
+
+def _cut(node: Node, ctx: Context):
+    """(lead, k, mid) of a flattening view (see _flattened_rows), the longest lead that gives it, or None."""
     if "sized_view" not in op(node.target).tags or not isinstance(node.args[0], Node):
         return None
-    inner, outer = list(ctx.shape(node.args[0])), ctx.shape(node)
-    if len(outer) != 2 or not ctx.static(outer[1]) or not ctx.static(inner[-1]) or inner[-1] % outer[1]:
+    inner, (rows, *tail) = list(ctx.shape(node.args[0])), ctx.shape(node)
+    if not tail or not all(ctx.static(s) for s in tail):
         return None
-    if inner[-1] != outer[1]:
-        inner[-1:] = [inner[-1] // outer[1], outer[1]]
-    if len(inner) < 3 or ctx.probe(outer[0]) != math.prod(ctx.probe(s) for s in inner[:-1]):
-        return None
-    return tuple(str(s) for s in inner[:-1])
+    for at in range(len(inner) - 1, 0, -1):
+        lead, mid = inner[:at], inner[at:]
+        held = math.prod(ctx.probe(s) for s in lead)
+        if not all(ctx.static(s) for s in mid) or ctx.probe(rows) % held:
+            continue
+        k = ctx.probe(rows) // held
+        if math.prod(mid) == k * math.prod(tail) and len(lead) + (k > 1) >= 2 and _pieces(mid, k, tail):
+            return lead, k, mid
+    return None
 
 
-def _rows_of(graph: torch.fx.Graph, start: Node) -> Node:
-    """What a flattening view becomes: its input, or its input with the last dim cut into [k, d]."""
-    x, d = start.args[0], start.meta["val"].shape[-1]
-    if x.meta["val"].shape[-1] == d:
+def _pieces(mid: list, k: int, tail: list) -> bool:
+    """mid cut as [k, *tail] by one unflatten: of its first dim (the rest as in tail), or of its only one."""
+    return (len(mid) == len(tail) and mid[0] == k * tail[0] and mid[1:] == tail[1:]) or len(mid) == 1
+
+
+def _rows_of(graph: torch.fx.Graph, start: Node, ctx: Context) -> Node:
+    """What a flattening view becomes: its input, or its input with mid cut into [k, *tail]."""
+    x = start.args[0]
+    lead, k, mid = _cut(start, ctx)
+    tail = list(start.meta["val"].shape[1:])
+    if k == 1 and mid == tail:
         return x
+    at, sizes = (len(lead), [k, tail[0]]) if len(mid) == len(tail) and mid[1:] == tail[1:] else (-1, [k, *tail])
+    sizes = sizes[1:] if k == 1 else sizes  # mid one dim, cut into tail alone
     with graph.inserting_before(start):
-        rows = graph.call_function(aten.unflatten.int, (x, -1, [x.meta["val"].shape[-1] // d, d]))
-    rows.meta = {**start.meta, "val": x.meta["val"].unflatten(-1, (x.meta["val"].shape[-1] // d, d))}
+        rows = graph.call_function(aten.unflatten.int, (x, at, sizes))
+    rows.meta = {**start.meta, "val": x.meta["val"].unflatten(at, sizes)}
     return rows
 
 
@@ -93,27 +116,33 @@ def _region(starts: list):
 
 def _rowwise(node: Node, region: set, starts: list) -> bool:
     """``node`` treats each row alike: an elementwise op of flattened values and of values broadcast along a row
-    (a norm's weight, a number), or a reduction or softmax over the last dim."""
+    (a norm's weight, a number), a reduction (keeping its dims) or softmax over later dims, or a product of two
+    flattened [rows, m, k] and [rows, k, n] values."""
     if node.op != "call_function" or drops(node):
         return False
     flat = [a for a in node.all_input_nodes if a in region or a in starts]
     others = [a for a in node.all_input_nodes if a not in flat]
     if not flat or any(len(a.meta["val"].shape) > 1 for a in others if isinstance(a.meta.get("val"), torch.Tensor)):
         return False
+    rank = len(flat[0].meta["val"].shape)
     if "reduces_dims" in op(node.target).tags:
         dims = node.args[1] if len(node.args) > 1 else None
         keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
-        return bool(keep) and isinstance(dims, (list, tuple)) and len(dims) == 1 and dims[0] in (-1, 1)
+        return bool(keep) and isinstance(dims, (list, tuple)) and bool(dims) and all(d % rank for d in dims)
     if "per_row_over_dim" in op(node.target).tags:
-        return node.args[1] in (-1, 1)
+        return node.args[1] % rank != 0
+    if op(node.target).family == "matmul":
+        return len(flat) == 2 == len(node.args) and not others and rank == 3 == len(flat[1].meta["val"].shape)
     schema = getattr(node.target, "_schema", None)
     return op(node.target).family == "elementwise" and schema is not None and not schema.is_mutable
 
 
-def _last_dim(node: Node, index: int, arg):
-    """A dim argument of a reduction or softmax over a flattened [rows, d] value, counted from the end."""
+def _from_end(node: Node, index: int, arg):
+    """A dim argument of a reduction or softmax over flattened [rows, *tail] values, counted from the end (the
+    tail dims stay last in the unflattened value)."""
+    rank = len(node.meta["val"].shape)  # a softmax's, or a reduction's that keeps its dims: the input's rank
     if index == 1 and "reduces_dims" in op(node.target).tags:
-        return [-1]
+        return [d - rank if d > 0 else d for d in arg]
     if index == 1 and "per_row_over_dim" in op(node.target).tags:
-        return -1
+        return arg - rank if arg > 0 else arg
     return arg

@@ -292,13 +292,25 @@ def _rank_of(node) -> int:
 def _has_heads(node) -> bool:
     """[b, h, s, *] (or [b, g, h, s, *]) with a heads dim over 1, or [b*h, s, s] with heads in its first dim.  A
     dynamic input dim (a bare symbol: batch, tokens) is no heads dim, so a router's [b, s, experts] softmax is no
-    attention; a size the capture left as an expression (SEW-D's heads, b*h) may be."""
+    attention; in [b, h, s, *] a size the capture left as an expression is heads where it is one number at any
+    input sizes (SEW-D's, an expression that is always 4), not where it grows with them (DeepSeek-V4's compressor
+    gates windows of 4 tokens: [b, s // 4, 4, d], no heads); in [b*h, s, s] any expression may be."""
     val = node.meta.get("val") if node is not None else None
     val = val[0] if isinstance(val, (tuple, list)) and val else val
     if not isinstance(val, torch.Tensor) or val.dim() < 3:
         return False
-    dims = val.shape[:1] if val.dim() == 3 else val.shape[1:-2]
-    return any(size > 1 if isinstance(size, int) else not size.node.expr.is_Symbol for size in dims)
+    if val.dim() == 3:
+        return any(size > 1 if isinstance(size, int) else not size.node.expr.is_Symbol for size in val.shape[:1])
+    return any(size > 1 if isinstance(size, int) else _fixed(size.node.expr) for size in val.shape[1:-2])
+
+
+def _fixed(expr) -> bool:
+    """An expression of the input sizes that has one value over 1 whatever they are (tried at two sets)."""
+    if expr.is_Symbol:
+        return False
+    values = {int(expr.subs({s: base + 7 * i for i, s in enumerate(sorted(expr.free_symbols, key=str))}))
+              for base in (10007, 20011)}
+    return len(values) == 1 and values.pop() > 1
 
 
 def _by_heads(placement: str, rank: int) -> bool:

@@ -8,7 +8,7 @@ from torch.fx import Node
 
 from autotp.ops.layout_rules import positive_dim
 from autotp.ops.strategies import Context, Strategy, summable
-from autotp.placement import P
+from autotp.placement import P, Shard
 
 aten = torch.ops.aten
 
@@ -39,12 +39,16 @@ def reduced(node: Node, ctx: Context) -> list[Strategy]:
 
 
 def repeat(node: Node, ctx: Context) -> list[Strategy]:
-    """x.repeat(sizes): a dim repeated once passes through (the sizes may add leading dims)."""
+    """x.repeat(sizes): a dim repeated once passes through (the sizes may add leading dims); a dim split evenly and
+    repeated m times is m blocks, each split alike (DiffLlama's value heads repeated over both halves of heads)."""
     x, sizes = node.args[0], node.args[1]
-    n = len(ctx.shape(x))
-    lead = len(sizes) - n
-    return [Strategy(ctx.fill(node, {x: s}), s.at(d + lead)) for d in range(n) if sizes[d + lead] == 1
-            for s in ctx.shard_options(x, d) + ctx.token_options(x, d)]
+    shape = ctx.shape(x)
+    lead = len(sizes) - len(shape)
+    found = [Strategy(ctx.fill(node, {x: s}), s.at(d + lead)) for d in range(len(shape)) if sizes[d + lead] == 1
+             for s in ctx.shard_options(x, d) + ctx.token_options(x, d)]
+    return found + [Strategy(ctx.fill(node, {x: Shard(d)}), Shard(d + lead, (shape[d],) * sizes[d + lead]))
+                    for d in range(len(shape)) if isinstance(sizes[d + lead], int) and sizes[d + lead] > 1
+                    and Shard(d) in ctx.shard_options(x, d)]
 
 
 def unfold(node: Node, ctx: Context) -> list[Strategy]:

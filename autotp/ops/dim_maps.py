@@ -36,10 +36,16 @@ def t(node: Node, dim: int, blocks, ctx: Context) -> list:
 
 
 def matmul(node: Node, dim: int, blocks, ctx: Context) -> list:
-    """``x @ w.t()``: the output's columns are the second operand's."""
-    if dim == len(ctx.shape(node)) - 1 and len(ctx.shape(node.args[1])) >= 2:
+    """``x @ w.t()``: the output's columns are the second operand's; a batch dim (heads) is each operand's that
+    has it, broadcast from the right."""
+    out = ctx.shape(node)
+    if dim == len(out) - 1 and len(ctx.shape(node.args[1])) >= 2:
         return [(node.args[1], len(ctx.shape(node.args[1])) - 1, blocks)]
-    return []
+    if dim >= len(out) - 2:
+        return []
+    return [(a, ad, blocks) for a in node.args[:2] if isinstance(a, Node)
+            for ad in [dim - len(out) + len(ctx.shape(a))] if 0 <= ad < len(ctx.shape(a)) - 2
+            and ctx.shape(a)[ad] == out[dim]]
 
 
 def bmm(node: Node, dim: int, blocks, ctx: Context) -> list:
@@ -158,6 +164,15 @@ def in_flat_units(hint, rest: int):
     return tuple(c * rest for c in chunks), *units
 
 
+def attention(node: Node, dim: int, blocks, ctx: Context) -> list:
+    """Attention's heads are its query's, and its keys' and values' where they have as many (DiffLlama's two
+    halves of heads, each value head repeated over both)."""
+    out = ctx.shape(node)
+    return [(a, 1, blocks) for a in node.args[:3] if dim == 1 and isinstance(a, Node) and len(ctx.shape(a)) == len(out)
+            and ctx.shape(a)[1] == out[1]]
+
+
 BY_FAMILY = {"view": view, "t": t, "matmul": matmul, "unsqueeze": unsqueeze, "linear": linear,
              "getitem": getitem, "elementwise": elementwise, "transpose": transpose, "grouped_mm": grouped,
-             "permute": permute, "slice": slice_, "convolution": convolution, "cat": cat}
+             "permute": permute, "slice": slice_, "convolution": convolution, "cat": cat, "attention": attention,
+             "softmax": elementwise, "log_softmax": elementwise}

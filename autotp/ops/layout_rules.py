@@ -360,7 +360,7 @@ def cat(node: Node, ctx: Context) -> list[Strategy]:
         for d in range(n):  # whole on the joined dim: every rank holds all of it
             found += [Strategy(ctx.fill(node, dict.fromkeys(parts, s.at(d - (stacked and d > at)))), s)
                       for s in ctx.shard_options(node, d)
-                      if s.chunks is None and (d != at or (s.whole(ctx.world) and not stacked))]
+                      if d != at or (s.chunks is None and s.whole(ctx.world) and not stacked)]
         sizes = tuple(ctx.shape(p)[at] if len(ctx.shape(p)) == n else None for p in parts)
         if not stacked and all(isinstance(v, int) for v in sizes):  # split's inverse: each part a block
             found += [Strategy(ctx.fill(node, {p: s.block(k, v, ctx.world) for k, (p, v) in

@@ -124,26 +124,26 @@ def matmul(node: Node, ctx: Context) -> list[Strategy]:
     for s in contractible(ctx.output_options(a) + ctx.shard_options(a, k), k, ctx.world) if ctx.static(sa[-1]) else ():
         found.append(Strategy(ctx.fill(node, {a: s, b: s.at(len(sb) - 2)}), P))
     found += [Strategy(ctx.fill(node, {a: P}), P), Strategy(ctx.fill(node, {b: P}), P)]
-    for d in range(n - 2):  # batch dims, right-aligned against each operand
+    for d in range(n - 2):  # batch dims, right-aligned against each operand, in any layout both share
         for s in ctx.shard_options(node, d):
-            if s.chunks is None:
-                placements = {t: _aligned(s, shape[:-2], d - (n - len(shape)), out[d], ctx)
-                              for t, shape in ((a, sa), (b, sb))}
-                if None not in placements.values():
-                    found.append(Strategy(ctx.fill(node, placements), s))
+            placements = {t: _aligned(s, shape[:-2], d - (n - len(shape)), out[d], ctx)
+                          for t, shape in ((a, sa), (b, sb))}
+            if None not in placements.values():
+                found.append(Strategy(ctx.fill(node, placements), s))
     return found
 
 
 def attention(node: Node, ctx: Context) -> list[Strategy]:
-    """scaled_dot_product_attention split by heads (dim 1); GQA needs both head counts divisible.  A single
+    """scaled_dot_product_attention split by heads (dim 1), in blocks too (DiffLlama's halves of heads, each
+    split alike); GQA needs both head counts divisible.  A single
     KV head that attention broadcasts to every query head (Falcon's multi-query) is read whole: replicated,
     or held whole by every rank (its gradient then partial sums, like the query heads' shares)."""
     q, k, v = node.args[:3]
     mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
     heads = ctx.shape(q)[1]
     found = []
-    for s in ctx.shard_options(node, 1):
-        if s.chunks is not None:
+    for s in ctx.shard_options(node, 1):  # block by block where keys and values are laid out alike
+        if s.chunks is not None and not all(ctx.shape(t)[1] == heads for t in (k, v)):
             continue
         for pk, pv in itertools.product(_kv_reads(k, s, heads, ctx), _kv_reads(v, s, heads, ctx)):
             if k is v and pk != pv:

@@ -124,7 +124,10 @@ def _rowwise(node: Node, region: set, starts: list) -> bool:
     others = [a for a in node.all_input_nodes if a not in flat]
     if not flat or any(len(a.meta["val"].shape) > 1 for a in others if isinstance(a.meta.get("val"), torch.Tensor)):
         return False
-    rank = len(flat[0].meta["val"].shape)
+    ranks = [len(a.meta["val"].shape) for a in flat if isinstance(a.meta.get("val"), torch.Tensor)]
+    if len(ranks) != len(flat):
+        return False  # a tuple of pieces (a split's): no row of its own
+    rank = ranks[0]
     if "reduces_dims" in op(node.target).tags:
         dims = node.args[1] if len(node.args) > 1 else None
         keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
@@ -132,7 +135,7 @@ def _rowwise(node: Node, region: set, starts: list) -> bool:
     if "per_row_over_dim" in op(node.target).tags:
         return node.args[1] % rank != 0
     if op(node.target).family == "matmul":
-        return len(flat) == 2 == len(node.args) and not others and rank == 3 == len(flat[1].meta["val"].shape)
+        return len(flat) == 2 == len(node.args) and not others and ranks == [3, 3]
     schema = getattr(node.target, "_schema", None)
     return op(node.target).family == "elementwise" and schema is not None and not schema.is_mutable
 

@@ -40,6 +40,19 @@ class EmptyWindows(nn.Module):
         return self.down(h.relu()) + none.sum()
 
 
+class ViewedAsNumber(nn.Module):
+    """A one-element tensor viewed as a number (ViT-MAE's and Pixtral's ``noise.view(())``-like scalars, VITS's):
+    a view with no rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 64), nn.Linear(64, 16)
+
+    def forward(self, x):
+        scale = self.up.bias[:1].reshape(())
+        return self.down(self.up(x).relu()) * scale
+
+
 class Halves(nn.Module):
     """The sequence split in two by a size computed from it (ProphetNet's main and predicted streams)."""
 
@@ -97,6 +110,11 @@ def test_a_size_only_the_data_knows_is_priced():
 
 def test_a_view_with_a_size_0_plans():
     plan = _plan(EmptyWindows(), torch.randn(2, 8, 16))
+    assert plan.params["up.weight"] != "R"
+
+
+def test_a_view_to_a_number_plans():
+    plan = _plan(ViewedAsNumber(), torch.randn(2, 8, 16))
     assert plan.params["up.weight"] != "R"
 
 

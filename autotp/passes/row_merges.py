@@ -65,14 +65,15 @@ def _cut(node: Node, ctx: Context):
     """(lead, k, mid) of a flattening view (see _flattened_rows), the longest lead that gives it, or None."""
     if "sized_view" not in op(node.target).tags or not isinstance(node.args[0], Node):
         return None
-    inner, (rows, *tail) = list(ctx.shape(node.args[0])), ctx.shape(node)
-    if not tail or not all(ctx.static(s) for s in tail):
-        return None
+    inner, outer = list(ctx.shape(node.args[0])), ctx.shape(node)
+    if len(outer) < 2 or not all(ctx.static(s) for s in outer[1:]):
+        return None  # (a view to a number has no rows)
+    rows, *tail = outer
     for at in range(len(inner) - 1, 0, -1):
         lead, mid = inner[:at], inner[at:]
         held = math.prod(ctx.probe(s) for s in lead)
-        if not all(ctx.static(s) for s in mid) or ctx.probe(rows) % held:
-            continue
+        if not all(ctx.static(s) for s in mid) or not held or not ctx.probe(rows) or ctx.probe(rows) % held:
+            continue  # (no rows at all: a run of size 0, Swin's padding where an image needs none)
         k = ctx.probe(rows) // held
         if math.prod(mid) == k * math.prod(tail) and len(lead) + (k > 1) >= 2 and _pieces(mid, k, tail):
             return lead, k, mid

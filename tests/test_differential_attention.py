@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import DiffLlamaConfig, DiffLlamaForCausalLM
+from transformers import DiffLlamaForCausalLM
 
 import autotp
+from tests.helpers.configs import diffllama
 from tests.helpers.distributed import run_ranks
 from tests.helpers.exact import same_as_model, sums_per_block
 
@@ -19,10 +20,8 @@ VOCAB, HEADS, HEAD_DIM = 100, 4, 8
 
 def _model(layout: str) -> DiffLlamaForCausalLM:
     torch.manual_seed(0)
-    config = DiffLlamaConfig(vocab_size=VOCAB, hidden_size=HEADS * HEAD_DIM, intermediate_size=64,
-                             num_hidden_layers=2, num_attention_heads=HEADS, num_key_value_heads=HEADS,
-                             max_position_embeddings=64, attn_implementation=layout)
-    return DiffLlamaForCausalLM(config).train()
+    return DiffLlamaForCausalLM(diffllama(hidden_size=HEADS * HEAD_DIM, num_attention_heads=HEADS,
+                                          num_key_value_heads=HEADS, attn_implementation=layout)).train()
 
 
 def _inputs(batch: int, seq: int) -> tuple:

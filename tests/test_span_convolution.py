@@ -6,9 +6,10 @@ Both softmaxes split by heads, exact in training at 2 ranks."""
 from __future__ import annotations
 
 import torch
-from transformers import ConvBertConfig, ConvBertForMaskedLM
+from transformers import ConvBertForMaskedLM
 
 import autotp
+from tests.helpers.configs import convbert
 from tests.helpers.distributed import run_ranks
 from tests.helpers.exact import same_as_model
 
@@ -17,10 +18,7 @@ VOCAB = 100
 
 def _model() -> ConvBertForMaskedLM:
     torch.manual_seed(0)
-    config = ConvBertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                            intermediate_size=64, embedding_size=32, conv_kernel_size=3, head_ratio=2,
-                            max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    return ConvBertForMaskedLM(config).train()
+    return ConvBertForMaskedLM(convbert(vocab_size=VOCAB)).train()
 
 
 def _inputs(batch: int, seq: int) -> tuple:

@@ -164,6 +164,24 @@ def deepseek_v3_671b(**overrides):
     return DeepseekV3Config(**overrides)
 
 
+
+def convbert(**overrides):
+    """ConvBERT: 4 heads of 8 (head ratio 2: 2 self-attention heads beside 2 span-convolution heads, kernel 3),
+    2 blocks of 32, FFN 64, no dropout."""
+    from transformers import ConvBertConfig
+    return ConvBertConfig(**{"vocab_size": 100, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+                             "intermediate_size": 64, "embedding_size": 32, "conv_kernel_size": 3, "head_ratio": 2,
+                             "max_position_embeddings": 64, "hidden_dropout_prob": 0.0,
+                             "attention_probs_dropout_prob": 0.0, **overrides})
+
+
+def diffllama(**overrides):
+    """DiffLlama: differential attention over 4 heads of 8 (as many KV heads), 2 blocks of 32, FFN 64."""
+    from transformers import DiffLlamaConfig
+    return DiffLlamaConfig(**{"vocab_size": 100, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                              "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 64,
+                              "use_cache": False, **overrides})
+
 # name: (config class, model class, config) -- the layouts tests/test_architectures.py runs, at toy sizes
 ARCHITECTURES = {
     "mistral": ("MistralConfig", "MistralForCausalLM", {  # sliding window, GQA

@@ -5,7 +5,6 @@ the table and the compute ops).
 """
 from __future__ import annotations
 
-import math
 import operator
 from dataclasses import replace
 
@@ -14,7 +13,7 @@ from torch.fx import Node
 
 from autotp.ops.semantics import written
 from autotp.ops.strategies import Context, Strategy, concrete, summable
-from autotp.ops.views import map_view_dim, split_runs, view_groups
+from autotp.ops.views import map_view_dim, merged_runs, split_runs
 from autotp.placement import P, Shard, dealt
 
 aten = torch.ops.aten
@@ -65,9 +64,7 @@ def _in_rows(shard: Shard, src: list, dst: list, d: int, world: int) -> Shard | 
     for dim, out, rest in split_runs(src, dst):
         if dim == d and all(c % rest == 0 for c in shard.chunks):
             rows = replace(shard, dim=out, chunks=tuple(c // rest for c in shard.chunks))
-            size = src[d]
-            if all([(a * rest, n * rest) for a, n in rows.ranges(size // rest, r, world)] ==
-                   shard.ranges(size, r, world) for r in range(world)):
+            if _scaled_alike(rows, shard, src[d] // rest, rest, world):
                 return rows
     return None
 
@@ -78,15 +75,19 @@ def _merged_blocks(shard: Shard, src: list, dst: list, d: int, world: int) -> Sh
     pieces stay whole runs of the merged dims."""
     if shard.of is not None or shard.groups is not None:
         return None
-    for gi, gj in view_groups(src, dst):
-        lead_in, lead_out = [i for i in gi if src[i] != 1], [j for j in gj if dst[j] != 1]
-        if lead_in[:1] == [d] and len(lead_in) > 1 and len(lead_out) == 1:
-            rest = math.prod(src[i] for i in lead_in[1:])
-            merged = replace(shard, dim=lead_out[0], chunks=tuple(c * rest for c in shard.chunks))
-            if all([(a * rest, n * rest) for a, n in shard.ranges(src[d], r, world)] ==
-                   merged.ranges(dst[lead_out[0]], r, world) for r in range(world)):
+    for dim, out, rest in merged_runs(src, dst):
+        if dim == d and rest > 1:
+            merged = replace(shard, dim=out, chunks=tuple(c * rest for c in shard.chunks))
+            if _scaled_alike(shard, merged, src[d], rest, world):
                 return merged
     return None
+
+
+def _scaled_alike(coarse: Shard, fine: Shard, size: int, rest: int, world: int) -> bool:
+    """Every rank's pieces of ``coarse`` (a dim of ``size``), each ``rest`` times longer, are its pieces of
+    ``fine`` (the dim of size * rest the view makes of it, or made it from)."""
+    return all([(a * rest, n * rest) for a, n in coarse.ranges(size, r, world)] ==
+               fine.ranges(size * rest, r, world) for r in range(world))
 
 
 def _per_block(shard: Shard, src: list, dst: list, d: int, world: int) -> Shard | None:

@@ -77,3 +77,17 @@ def split_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
         if len(lead_in) == 1 and len(lead_out) > 1:
             found.append((lead_in[0], lead_out[0], math.prod(dst[d] for d in lead_out[1:])))
     return found
+
+
+def merged_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
+    """(input dim, output dim, rest) for each run of input dims the view merges into one output dim, the run's
+    first dim given (rest: the product of the others; 1 where the run is that dim alone): [b, s, H, d] ->
+    [b, s, H*d] gives (2, 2, d).  split_runs' inverse: blocks of the input dim, each times ``rest``, are the same
+    blocks of the output dim."""
+    found = []
+    for gi, gj in view_groups(src, dst):
+        lead_in = [d for d in gi if src[d] != 1]
+        lead_out = [d for d in gj if dst[d] != 1]
+        if lead_in and len(lead_out) == 1:
+            found.append((lead_in[0], lead_out[0], math.prod(src[d] for d in lead_in[1:])))
+    return found

@@ -4,7 +4,6 @@ rules offer shards by these units (ops/strategies.py)."""
 from __future__ import annotations
 
 import itertools
-import math
 import operator
 from dataclasses import replace
 
@@ -14,7 +13,7 @@ from autotp.ops.flex import FLEX
 from autotp.ops.layout_rules import cut_range, positive_dim
 from autotp.ops.strategies import Context
 from autotp.ops.table import op
-from autotp.ops.views import split_runs, view_groups
+from autotp.ops.views import merged_runs, split_runs, view_groups
 from autotp.passes.group_cuts import group_blocks
 
 aten = torch.ops.aten
@@ -96,12 +95,7 @@ def _forward(user, node, dim: int, sizes: tuple, ctx: Context) -> list:
         return []
     if row.family == "view":
         src, dst = ([ctx.probe(s) for s in ctx.shape(v)] for v in (node, user))
-        for gi, gj in view_groups(src, dst):
-            lead_in, lead_out = [i for i in gi if src[i] != 1], [j for j in gj if dst[j] != 1]
-            if lead_in[:1] == [dim] and len(lead_out) == 1:
-                rest = math.prod(src[i] for i in lead_in[1:])
-                return [(user, lead_out[0], tuple(c * rest for c in sizes))]
-        return []
+        return [(user, out, tuple(c * rest for c in sizes)) for d, out, rest in merged_runs(src, dst) if d == dim]
     n = len(ctx.shape(node))
     if user.target == aten.transpose.int:
         a, b = positive_dim(user.args[1], n), positive_dim(user.args[2], n)

@@ -25,11 +25,12 @@ from autotp.plan import Plan, PlanMismatch
 from autotp.planning.tensor_plan import planned, solve_plan
 from autotp.runtime.conversion import model_conversions
 from autotp.runtime.dcp_checkpoint import DcpDirectory
+from autotp.runtime.devices import shard_device
 from autotp.runtime.dropout import set_mode
 from autotp.runtime.expert_dispatch import Group, Groups
 from autotp.runtime.hf_checkpoint import Checkpoint, check_tensors
 from autotp.runtime.hf_models import default_inputs
-from autotp.runtime.materialize import device_of, materialize
+from autotp.runtime.materialize import materialize
 from autotp.runtime.programs import InputStructureError, install
 from autotp.runtime.rendezvous import InputCheck, RandomCheck, Rendezvous, inputs_digest
 from autotp.runtime.transport import register
@@ -54,7 +55,7 @@ def tensor_parallel(model: torch.nn.Module, args, kwargs, planning: PlanOptions,
     pipeline stage, parallel/split.py).  ``expert_groups``: (a mesh's "ep" group, its "ep" x "tp" group), over which
     expert segments are dispatched.  ``fill=False`` leaves the checkpoint's and ``init_seed``'s tensors on meta,
     for the caller to fill once FSDP2 has split them (parallel/mesh.py)."""
-    ranks = Ranks.of(running, expert_groups, graph)
+    ranks = Ranks.of(running, expert_groups, graph, model)
     if planning.ep not in (1, ranks.ep):
         raise ValueError(f"ep={planning.ep}: a program's expert ranks are its mesh's \"ep\" dimension ({ranks.ep} "
                          "here): give parallelize a mesh with an 'ep' dimension, or drop ep")
@@ -92,7 +93,7 @@ def another_program(model: torch.nn.Module, first: Plan, planning: PlanOptions, 
     of the group at once, rank 0 planning): the first plan where it fits the new graph, else a plan whose
     parameters are placed as the first plan places them, so that both programs hold the same pieces; captured
     in ``training`` mode (the user's model is left in its own)."""
-    ranks = Ranks.of(running, expert_groups, None)
+    ranks = Ranks.of(running, expert_groups, None, model)
     modes = {module: module.training for module in model.modules()}
     model.train(training)
     try:
@@ -138,7 +139,7 @@ class Ranks:
         return dist.get_world_size(self.ep_group) if self.ep_group is not None else 1
 
     @classmethod
-    def of(cls, running: RunOptions, expert_groups: tuple | None, graph) -> Ranks:
+    def of(cls, running: RunOptions, expert_groups: tuple | None, graph, model: torch.nn.Module) -> Ranks:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("autotp.parallelize needs torch.distributed: call dist.init_process_group(...) first "
                                "(launch with torchrun), or use autotp.plan(...) to inspect a plan without one")
@@ -146,12 +147,13 @@ class Ranks:
             raise ValueError("verify=True compares a whole model with its sharded program: verify without pipeline "
                              "stages (a mesh without 'pp')")
         group = running.group or dist.group.WORLD
+        device = shard_device(group, model, running.device)  # before any capture: a device the group carries
         ep_group, routed_group = expert_groups or (None, group)
         everyone = Rendezvous(group, running.timeout)
         planners = Rendezvous(routed_group, running.timeout) if ep_group is not None else everyone
         groups = Groups(_group(routed_group), _group(ep_group) if ep_group is not None else None)
         return cls(group, dist.get_rank(group), dist.get_world_size(group), ep_group, routed_group, groups,
-                   everyone, planners, device_of(group))
+                   everyone, planners, device)
 
 
 def agree_on_plan(gm: torch.fx.GraphModule, graph_hash: str, args, kwargs, planning: PlanOptions, given: Plan | None,
@@ -176,7 +178,7 @@ def sharded_program(gm: torch.fx.GraphModule, choice: dict, recomputed: set, sou
     """This rank's program: the graph rewritten with its collectives, the planned attention cores recomputed,
     dropout drawn as ``running.dropout`` says; with its random ops (for the ranks' random-state check)."""
     again = [core for core in attention_cores(gm, needs_grad(gm)) if core[-1] in recomputed]
-    retarget_device(gm, ranks.device)  # a capture on meta names it in factory calls: the program runs on the device
+    retarget_device(gm, ranks.device)  # the capture's device named in factory calls: the program runs on the shards'
     sharded = rewrite(gm, choice, ranks.rank, ranks.world, ranks.group.group_name,
                       frozenset(source.files) if source else frozenset(), ranks.device, planning.gather_outputs,
                       ranks.groups)
@@ -184,7 +186,7 @@ def sharded_program(gm: torch.fx.GraphModule, choice: dict, recomputed: set, sou
     dropouts = set_mode(sharded, running.dropout)
     for member in {ranks.group, ranks.routed_group, ranks.ep_group} - {None}:
         register(member)
-    sharded.autotp_group, sharded.autotp_experts = ranks.group, ranks.groups
+    sharded.autotp_group, sharded.autotp_experts, sharded.autotp_device = ranks.group, ranks.groups, ranks.device
     return sharded, dropouts
 
 

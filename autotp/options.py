@@ -95,6 +95,10 @@ class RunOptions:
     """A Plan to run instead of solving one (``Plan.load``); None: rank 0 solves and shares it."""
     group: object = None
     """The process group to shard over; None: every rank (the default group)."""
+    device: object = None
+    """Where this rank's shards live ("cuda", "cpu", a torch.device); None: the model's own device where the group's
+    backend carries its tensors, else this rank's GPU where it carries CUDA ones (NCCL), else the CPU.  A device
+    the group does not carry is refused in one line (one rank excepted: it runs no collective)."""
     timeout: float = DEFAULT_TIMEOUT
     """Seconds a rank waits for the others (agreement, collectives) before it raises."""
     checkpoint: object = None

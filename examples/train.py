@@ -30,6 +30,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import autotp
+from autotp.runtime.devices import device_of
 from autotp.runtime.materialize import initialize
 
 
@@ -103,7 +104,7 @@ class Trainer:
         if o.batch % o.dp:
             raise SystemExit(f"--batch {o.batch} must divide by --dp {o.dp}")
         self.o = o
-        self.device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        self.device = device_of(dist.group.WORLD).type  # where the group's backend carries tensors: a GPU if any
         self.mesh = make_mesh(o, self.device)
         self.replica = self.mesh["dp"].get_local_rank() if "dp" in self.mesh.mesh_dim_names else 0
         options = {"loss_fn": loss_fn, "schedule": o.schedule, "microbatches": o.microbatches} if o.pp > 1 else {}

@@ -333,7 +333,7 @@ def test_the_pool_is_sized_from_blocks_bytes_or_the_default():
     from autotp.tools.serve import ServeOptions, bytes_of, kv_blocks
     from tests.helpers import configs
     config = configs.llama(num_key_value_heads=2)  # 2 blocks, 2 KV heads of 16
-    sharded = SimpleNamespace(autotp_source=SimpleNamespace(config=config),
+    sharded = SimpleNamespace(autotp_source=SimpleNamespace(config=config), autotp_device=torch.device("cpu"),
                               parameters=lambda: iter([torch.nn.Parameter(torch.zeros(1))]))
     assert bytes_of("4GiB") == 4 * 2 ** 30 and bytes_of("512MB") == 512 * 10 ** 6 and bytes_of("1000") == 1000
     per_block = 2 * 2 * 16 * 1 * 16 * 4  # keys and values, 2 layers, 16 tokens, 1 head of 2 on each of 4 ranks, fp32

@@ -33,8 +33,8 @@ from autotp.parallel.tied import Tied
 from autotp.passes.prepared_graph import prepared_graph
 from autotp.planning.tensor_plan import offered
 from autotp.runtime.conversion import on_meta, weightless
+from autotp.runtime.devices import device_of
 from autotp.runtime.hf_checkpoint import full_checkpoint_tensors, full_state_dict
-from autotp.runtime.materialize import device_of
 from autotp.runtime.rendezvous import InputCheck
 
 

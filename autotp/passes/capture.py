@@ -189,12 +189,16 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> 
 
 
 def retarget_device(gm: torch.fx.GraphModule, device: torch.device) -> None:
-    """A graph captured on the meta device names that device in its factory calls and checks
-    (arange(device=meta), _assert_tensor_metadata(device=meta)): point them at the real one."""
-    meta = torch.device("meta")
+    """A graph names the device it was captured on in its factory calls and checks (arange(device=meta),
+    _assert_tensor_metadata(device=cpu)): point them at the one the program runs on (a model captured on meta or
+    on the CPU whose shards live on a GPU)."""
+    captured = {torch.device("meta")} | {t.device for t in [*gm.parameters(), *gm.buffers()]} | {
+        node.meta["val"].device for node in gm.graph.nodes
+        if node.op == "placeholder" and isinstance(node.meta.get("val"), torch.Tensor)}
+    captured.discard(device)
 
     def swap(value):
-        if isinstance(value, torch.device) and value == meta:
+        if isinstance(value, torch.device) and value in captured:
             return device
         if isinstance(value, (list, tuple)):
             return type(value)(swap(v) for v in value)

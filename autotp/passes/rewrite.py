@@ -40,9 +40,10 @@ def shard_parameters(gm: torch.fx.GraphModule, placements: dict, rank: int, worl
 
     Copies of the captured model's tensors (never views, so that the user's model is untouched).  A tensor that
     the caller fills later (``provided``: a checkpoint holds it under one of its names) or that has no values (the
-    meta device) is this rank's local shape on the meta device, for runtime/materialize.py to fill.  Tied tensors
-    stay tied.  ``dealt``: name -> runtime.dispatch.Dealt for expert tables dealt over a dispatch group: this
-    rank's experts first, then the plan's TP placement of them.
+    meta device) is this rank's local shape on the meta device, for runtime/materialize.py to fill; the rest are on
+    ``device`` (a CPU model's pieces moved to the GPU its group runs on).  Tied tensors stay tied.  ``dealt``:
+    name -> runtime.expert_dispatch.Dealt for expert tables dealt over a dispatch group: this rank's experts first, then
+    the plan's TP placement of them.
     """
     dealt = dealt or {}
     from autotp.runtime.hf_checkpoint import CheckpointError
@@ -77,7 +78,8 @@ def shard_parameters(gm: torch.fx.GraphModule, placements: dict, rank: int, worl
                 local = torch.empty(shape, dtype=tensor.dtype, device="meta")
             else:
                 data = tensor.detach() if deal is None else deal.local(tensor.detach())
-                local = (take_local(data, placement, rank, world) if isinstance(placement, Shard) else data).clone()
+                local = take_local(data, placement, rank, world) if isinstance(placement, Shard) else data
+                local = local.to(device, copy=True) if device is not None else local.clone()  # only this piece moves
             if isinstance(tensor, torch.nn.Parameter):
                 local = torch.nn.Parameter(local, requires_grad=tensor.requires_grad)
             done[id(tensor)] = local

@@ -213,8 +213,7 @@ class _Pieces:
                                                        and self.mesh[d].size() > 1)
         self.dp = self.mesh[replicas[0] if len(replicas) == 1 else replicas] if replicas else None  # FSDP2's mesh
         if self.mesh is None:  # TP alone: its group as a one-dimensional mesh
-            device = "cuda" if dist.get_backend(self.group) == "nccl" else "cpu"
-            self.mesh = DeviceMesh.from_group(self.group, device, mesh_dim_names=("tp",))
+            self.mesh = DeviceMesh.from_group(self.group, module.autotp_device.type, mesh_dim_names=("tp",))
         dealt = getattr(module, "autotp_dealt", {})
         for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
             if name in plan.params:  # the rest (buffers no op reads) are whole on every rank

@@ -26,23 +26,16 @@ from autotp.runtime.conversion import CheckpointError, on_meta
 from autotp.runtime.progress import step
 
 
-def device_of(group) -> torch.device:
-    """Where this rank's shards live: its GPU under NCCL, the CPU otherwise."""
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def materialize(sharded, device=None, *, checkpoint=None, seed: int | None = None):
     """Fill the meta tensors of ``sharded`` (a module from ``autotp.parallelize``, or a pipeline's stages) on
-    ``device`` (default: where the group's collectives run) from ``checkpoint``, the model's config (computed
+    ``device`` (default: where ``parallelize`` placed the shards) from ``checkpoint``, the model's config (computed
     buffers) or its initialisation seeded by ``seed``; tensors none of them provides are left uninitialised.
     ``checkpoint``: a reader of pieces (hf_checkpoint.Checkpoint) or a directory that loads itself into the module
     (runtime/dcp_checkpoint.DcpDirectory)."""
     modules = [sharded] if isinstance(sharded, torch.nn.Module) else list(sharded.modules.values())
     reader = checkpoint if hasattr(checkpoint, "read_box") else None
     for module in modules:
-        _fill(module, device or device_of(module.autotp_group), reader, seed)
+        _fill(module, device or module.autotp_device, reader, seed)
         if checkpoint is not None and reader is None:  # a directory its own engine reads (runtime/dcp_checkpoint.py)
             checkpoint.load(module)
     return sharded

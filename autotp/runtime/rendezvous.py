@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_leaves
 
+from autotp.runtime.devices import served
+
 DEFAULT_TIMEOUT = 120.0
 PROBE_TAG = 0x617470  # the presence messages' point-to-point tag ("atp")
 _calls: dict = {}  # group name -> parallelize calls this process has made on it
@@ -100,7 +102,7 @@ class Rendezvous:
             return
         self.store = dist.distributed_c10d._get_default_store()
         self.call = _calls[group.group_name] = _calls.get(group.group_name, 0) + 1
-        self.probe = dist.get_backend(group) == "gloo"  # NCCL has no cheap point-to-point on the CPU
+        self.probe = "cpu" in served(group)  # the probe's messages are CPU tensors: NCCL alone carries none
         self.root = f"autotp/{group.group_name}"
         self.prefix = f"{self.root}/{self.call}"
         try:

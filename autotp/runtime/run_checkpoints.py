@@ -25,6 +25,7 @@ import torch.distributed.checkpoint as dcp
 
 from autotp.runtime import progress
 from autotp.runtime.dcp_checkpoint import checkpoint_state_dict, load_checkpoint_state_dict
+from autotp.runtime.devices import device_of
 
 _NAME = re.compile(r"step-(\d+)")
 
@@ -90,7 +91,7 @@ class RunCheckpoints:
         """Whether any rank was asked to stop (all ranks then save and stop together)."""
         if not dist.is_initialized():
             return mine
-        flag = torch.tensor([float(mine)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
+        flag = torch.tensor([float(mine)], device=device_of(dist.group.WORLD))
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 

@@ -1,8 +1,10 @@
 """The serving loop: rank 0 decides each step, every rank runs it, rank 0 picks the tokens.
 
 Rank 0 holds the scheduler (serving/scheduler.py) and the requests; each step it broadcasts the step's tensors (the
-rows' tokens, positions, slots and contexts) to the tensor-parallel group, so every rank runs the same program on
-the same inputs and no rank can diverge.  While idle it broadcasts a tick a second, so the other ranks' waits never
+rows' tokens, positions, slots and contexts) to the tensor-parallel ranks, so every rank runs the same program on
+the same inputs and no rank can diverge.  These are the host's messages: they go over a CPU group beside the
+model's (runtime/devices.host_group; an NCCL group carries no CPU tensor) and reach the GPU from pinned memory,
+copied without blocking.  While idle it broadcasts a tick a second, so the other ranks' waits never
 reach the group's timeout; a stop ends every rank's loop.  Sampling runs on rank 0 only (its logits are the whole
 vocabulary on every rank), from each request's own generator when it gives a seed.
 """
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from autotp.runtime.devices import host_group
 from autotp.serving.generation import choose_tokens
 from autotp.serving.paged_cache import step_program
 from autotp.serving.scheduler import Refused, Run, Scheduler, Sequence
@@ -115,7 +118,9 @@ class Engine:
     def __init__(self, sharded, tokenizer, *, blocks: int, block_size: int = 16, max_num_seqs: int = 32,
                  max_batched_tokens: int = 512, max_model_len: int | None = None):
         self.group = sharded.autotp_group
-        self.device = next(sharded.parameters()).device
+        self.control = host_group(self.group)  # the steps' messages: CPU tensors
+        self.device = sharded.autotp_device
+        self.pinned = self.device.type == "cuda"  # step inputs staged in pinned memory, copied without blocking
         self.program = step_program(sharded, blocks + 1, block_size)  # the last block: where padding is written
         self.scratch = blocks * block_size
         self.block_size, self.tokenizer = block_size, tokenizer
@@ -214,17 +219,16 @@ class Engine:
             header[0], header[1] = KINDS.index(message[0]), len(calls)
             for i, (ids, _, _, context) in enumerate(calls):
                 header[2 + 3 * i: 5 + 3 * i] = torch.tensor([*ids.shape, context.shape[1]])
-        dist.broadcast(header, group_src=0, group=self.group)
+        dist.broadcast(header, group_src=0, group=self.control)
         kind, count = KINDS[int(header[0])], int(header[1])
         if kind != "step":
             return (kind,)
         shapes = [header[2 + 3 * i: 5 + 3 * i].tolist() for i in range(count)]
         sizes = [n for rows, tokens, width in shapes for n in (rows * tokens,) * 3 + (rows * width,)]
-        flat = (torch.cat([t.reshape(-1) for call in message[1] for t in call]) if message is not None
-                else torch.empty(sum(sizes), dtype=torch.long))
-        dist.broadcast(flat, group_src=0, group=self.group)
+        flat = torch.empty(sum(sizes), dtype=torch.long, pin_memory=self.pinned)
         if message is not None:
-            return message
+            torch.cat([t.reshape(-1) for call in message[1] for t in call], out=flat)
+        dist.broadcast(flat, group_src=0, group=self.control)
         pieces, calls = iter(flat.split(sizes)), []
         for rows, tokens, width in shapes:
             calls.append(tuple(next(pieces).view(rows, n) for n in (tokens, tokens, tokens, width)))
@@ -248,8 +252,8 @@ class Engine:
 
     def _step(self, runs: list[Run]) -> None:
         calls = self._calls(runs)
-        self._send(("step", [inputs for inputs, _ in calls]))
-        logits = self._forward([inputs for inputs, _ in calls])
+        _, sent = self._send(("step", [inputs for inputs, _ in calls]))
+        logits = self._forward(sent)
         self.scheduler.advance(runs)
         changed = {}
         for (_, rows), out in zip(calls, logits, strict=True):
@@ -290,4 +294,4 @@ class Engine:
 
     @torch.no_grad()
     def _forward(self, calls: list) -> list:
-        return [self.program(*(t.to(self.device) for t in inputs)) for inputs in calls]
+        return [self.program(*(t.to(self.device, non_blocking=self.pinned) for t in inputs)) for inputs in calls]

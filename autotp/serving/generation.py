@@ -97,7 +97,7 @@ def decoder(sharded: torch.nn.Module, batch: int, max_len: int) -> torch.nn.Modu
     from autotp.options import PlanOptions, RunOptions
     source = sharded.autotp_source
     group = sharded.autotp_group
-    device = next(sharded.parameters()).device
+    device = sharded.autotp_device
     training = source.training
     wrapper = _CachedLM(source, batch, max_len, device).eval()  # never drops; the model's mode is put back
     where = torch.device("meta") if _is_meta(source) else device  # example inputs live with the model
@@ -110,7 +110,8 @@ def decoder(sharded: torch.nn.Module, batch: int, max_len: int) -> torch.nn.Modu
     try:
         return tensor_parallel(wrapper, example, None,
                                PlanOptions(topology=sharded.autotp_plan.topology, training=False, fixed=fixed),
-                               RunOptions(group=group, checkpoint=ResidentShards(sharded, "model.")))
+                               RunOptions(group=group, device=sharded.autotp_device,
+                                          checkpoint=ResidentShards(sharded, "model.")))
     finally:
         source.train(training)
         if attention is not None:
@@ -177,7 +178,7 @@ def generate(sharded: torch.nn.Module, input_ids: torch.Tensor, attention_mask: 
     if not isinstance(keep_programs, int) or keep_programs < 1:
         raise ValueError(f"keep_programs must be a positive integer (decode programs kept), got {keep_programs!r}")
     group = sharded.autotp_group
-    device = next(sharded.parameters()).device
+    device = sharded.autotp_device
     batch, prompt = input_ids.shape
     total = prompt + max_new_tokens
     last_logits = (_cached(sharded, batch, prompt, total, attention_mask, keep_programs, device) if _cacheable(sharded)
@@ -186,7 +187,8 @@ def generate(sharded: torch.nn.Module, input_ids: torch.Tensor, attention_mask: 
     tokens, done = input_ids.to(device), torch.zeros(batch, dtype=torch.bool, device=device)
     for start in range(prompt, total):
         chosen = choose_tokens(last_logits(tokens, start), do_sample, temperature, top_k, top_p, generator)
-        dist.broadcast(chosen, group_src=0, group=group)  # every rank continues with rank 0's tokens
+        if dist.get_world_size(group) > 1:  # every rank continues with rank 0's tokens
+            dist.broadcast(chosen, group_src=0, group=group)
         chosen = torch.where(done, torch.full_like(chosen, pad), chosen)
         done |= torch.isin(chosen, torch.tensor(sorted(eos), device=device, dtype=chosen.dtype))
         tokens = torch.cat([tokens, chosen[:, None]], dim=1)

@@ -142,7 +142,7 @@ def step_program(sharded: torch.nn.Module, blocks: int, block_size: int) -> torc
     try:
         return tensor_parallel(wrapper, example, None,
                                PlanOptions(topology=sharded.autotp_plan.topology, training=False, fixed=fixed),
-                               RunOptions(group=sharded.autotp_group,
+                               RunOptions(group=sharded.autotp_group, device=sharded.autotp_device,
                                           checkpoint=ResidentShards(sharded, PREFIX, pools)))
     finally:
         source.train(training)

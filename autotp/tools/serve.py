@@ -38,6 +38,7 @@ class ServeOptions:
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None
     dtype: str | None = None
+    device: str | None = None
 
     @property
     def name(self) -> str:
@@ -78,6 +79,8 @@ def add_serve_parser(sub, positive) -> None:
                        help="tokens a sequence may hold (default: the config's max_position_embeddings)")
     serve.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                        help="weights' dtype (default: the checkpoint's)")
+    serve.add_argument("--device", default=None, help="where each rank's shards and KV cache live, e.g. cpu (default: "
+                                                      "this rank's GPU under NCCL, else the CPU)")
 
 
 def serve_command(args) -> int:
@@ -143,7 +146,7 @@ def serve_rank(options: ServeOptions) -> int:
         raise ValueError(f"--world-size {options.world_size}, but the launcher started {dist.get_world_size()} ranks")
     rank = dist.get_rank()
     dtype = getattr(torch, options.dtype) if options.dtype else None
-    sharded = autotp.from_pretrained(options.model, dtype=dtype)
+    sharded = autotp.from_pretrained(options.model, dtype=dtype, device=options.device)
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(options.model)
     config = sharded.autotp_source.config.get_text_config()
@@ -174,8 +177,8 @@ def kv_blocks(options: ServeOptions, sharded, max_len: int) -> int:
     per_block = (2 * config.num_hidden_layers * options.block_size * -(-heads // options.world_size) * dim
                  * dtype_of(sharded).itemsize)
     budget = options.kv_cache_memory
-    if budget is None and torch.cuda.is_available():
-        free, _ = torch.cuda.mem_get_info()
+    if budget is None and sharded.autotp_device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(sharded.autotp_device)
         budget = int(0.9 * free)
     if budget is None:
         return options.max_num_seqs * -(-max_len // options.block_size)

@@ -34,17 +34,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_local(world: int, fn, *args, timeout: float = 120, setup=None) -> list:
-    """``[fn(rank, world, *args) for each rank]`` from ``world`` new gloo processes (picklable
+def run_local(world: int, fn, *args, timeout: float = 120, setup=None, backend: str = "gloo") -> list:
+    """``[fn(rank, world, *args) for each rank]`` from ``world`` new processes in a ``backend`` group (picklable
     results); an exception on any rank is raised here.  ``setup()``, if given, runs once in a process the
     ranks are then forked from: what it leaves in memory (say, a capture every rank would repeat) they inherit."""
     port = free_port()
     queue = local_context().Queue()
     if setup is None:
-        ranks = mp.start_processes(_worker, args=(world, port, fn, args, queue, timeout), nprocs=world, join=False,
-                                   start_method="forkserver")
+        ranks = mp.start_processes(_worker, args=(world, port, fn, args, queue, timeout, backend), nprocs=world,
+                                   join=False, start_method="forkserver")
     else:
-        ranks = mp.start_processes(_lead, args=(setup, world, port, fn, args, queue, timeout), join=False,
+        ranks = mp.start_processes(_lead, args=(setup, world, port, fn, args, queue, timeout, backend), join=False,
                                    start_method="forkserver")
     results = {}
     while not ranks.join(timeout=0.01):  # read while they run: a rank's put blocks once the pipe's buffer is full
@@ -64,20 +64,20 @@ def _drain(queue, results: dict) -> None:
         pass
 
 
-def _lead(_, setup, world: int, port: int, fn, args, queue, timeout: float) -> None:
+def _lead(_, setup, world: int, port: int, fn, args, queue, timeout: float, backend: str) -> None:
     """Runs ``setup`` and forks the ranks from here; a rank's error is raised again here, and so in the caller."""
     torch.set_num_threads(1)
     setup()
-    ranks = mp.start_processes(_worker, args=(world, port, fn, args, queue, timeout), nprocs=world, join=False,
-                               start_method="fork")
+    ranks = mp.start_processes(_worker, args=(world, port, fn, args, queue, timeout, backend), nprocs=world,
+                               join=False, start_method="fork")
     while not ranks.join():
         pass
 
 
-def _worker(rank: int, world: int, port: int, fn, args, queue, timeout: float) -> None:
+def _worker(rank: int, world: int, port: int, fn, args, queue, timeout: float, backend: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout))
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout))
     try:
         result = fn(rank, world, *args)
         try:  # rank 0 hosts the store: it leaves last, after every rank's final reads of it

@@ -24,6 +24,7 @@ LAYERS = [
     ["autotp.options", "autotp.plan"],
     ["autotp.cost_models"],
     ["autotp.passes"],
+    ["autotp.canonicalize"],  # the rewrites into the op table's forms, run by passes/prepared_graph.prepare
     ["autotp.ops"],
     ["autotp.runtime"],
     ["autotp.placement"],

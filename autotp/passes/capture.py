@@ -299,13 +299,6 @@ def fingerprint_difference(planned: str, found: str) -> str:
     return ", ".join(what for what, x, y in zip(FINGERPRINT_PARTS, a, b, strict=True) if x != y)
 
 
-def module_path(node: torch.fx.Node) -> str:
-    """The innermost module that produced this node: for reports, and for the modules a user fixed whole (never
-    for a decision of autotp's own)."""
-    stack = node.meta.get("nn_module_stack") or {}
-    return list(stack.values())[-1][0] if stack else ""
-
-
 def within(path: str, modules) -> bool:
     """``path`` (a module's or a parameter's) is one of ``modules`` or inside one."""
     return any(path == m or path.startswith(m + ".") for m in modules)

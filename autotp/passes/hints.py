@@ -9,12 +9,12 @@ from dataclasses import replace
 
 import torch
 
+from autotp.canonicalize.group_cuts import group_blocks
 from autotp.ops.flex import FLEX
 from autotp.ops.layout_rules import cut_range, positive_dim
 from autotp.ops.strategies import Context
 from autotp.ops.table import op
 from autotp.ops.views import merged_runs, split_runs, view_groups
-from autotp.passes.group_cuts import group_blocks
 
 aten = torch.ops.aten
 

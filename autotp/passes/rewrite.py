@@ -8,12 +8,12 @@ import torch
 from torch.fx import Node
 from torch.fx.node import map_arg
 
+from autotp.canonicalize.graph_edits import module_path
 from autotp.ops import expert_segments
 from autotp.ops.local_forms import full_size, local_sizes
 from autotp.ops.semantics import writes
 from autotp.ops.strategies import Context, input_slots, needs_grad, token_inputs
 from autotp.ops.table import TABLE, op
-from autotp.passes.capture import module_path
 from autotp.passes.gradients import gradient_sums, partial_grad, partial_params
 from autotp.placement import Partial, R, Replicate, Routed, Shard, take_local
 from autotp.runtime import activations, collectives

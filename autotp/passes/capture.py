@@ -19,7 +19,7 @@ from torch.fx.node import map_arg
 from torch.utils._pytree import SUPPORTED_NODES, tree_leaves, tree_map
 
 from autotp.ops.flex import exportable_on_cpu, mask_tensors, register_block_mask
-from autotp.ops.table import drops
+from autotp.ops.table import drops, op
 from autotp.passes.canonical_order import canonical_order
 from autotp.passes.faithful import check_faithful
 from autotp.runtime import kernels
@@ -203,7 +203,7 @@ def retarget_device(gm: torch.fx.GraphModule, device: torch.device) -> None:
     for node in gm.graph.nodes:
         node.args = swap(node.args)
         node.kwargs = {k: swap(v) for k, v in node.kwargs.items()}
-        if (node.target is torch.ops.aten.histc.default and device.type == "cpu"
+        if ("cpu_no_integers" in op(node.target).tags and device.type == "cpu"
                 and not node.args[0].meta["val"].is_floating_point()):
             node.target = kernels.histc_of_integers  # the meta capture took the GPU branch: integers
     gm.recompile()

@@ -108,7 +108,7 @@ def block_unit_hints(gm: torch.fx.GraphModule, ctx: Context) -> dict:
     """(node, dim) -> {(block sizes, units per block)}: fused projections whose pieces are cut into
     heads of their own (Phi-3's [8 query heads | 2 KV heads | 2 KV heads]).  A piece without heads of
     its own is one unit when single KV heads are repeated (multi-query: every rank holds it).  Blocks
-    repeated per group and read by gathers add (blocks, units, finer units, groups) (passes/group_cuts.py).
+    repeated per group and read by gathers add (blocks, units, finer units, groups) (canonicalize/group_cuts.py).
 
     Needs ``ctx.units`` and ``ctx.covers`` (unit_hints, repeat_hints)."""
     work = []

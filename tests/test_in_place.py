@@ -1,4 +1,4 @@
-"""In-place ops on new tensors are prepared as their out-of-place twins (passes/prepare.py: out_of_place).  DeBERTa
+"""In-place ops on new tensors are prepared as their out-of-place twins (canonicalize/in_place_ops.py).  DeBERTa
 and SEW-D zero masked scores with ``softmax(...).masked_fill_(mask, 0)`` inside a custom autograd Function; the
 captured graph holds the plain ops, and autograd refuses the write into softmax's saved output.  A write that a
 view shares, or into an input, stays.  No ranks: the prepared graph, and its backward."""

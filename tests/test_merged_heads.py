@@ -1,6 +1,6 @@
 """Attention computed on heads merged with the batch ([B*H, T, S], the BART-era eager layout of XGLM, TrOCR and MVP):
 ``q.bmm(k^T)`` or ``scores.view(b * h, t, s)``, a softmax and a dropout on the merged rows, then ``probs.bmm(v)``
-viewed back.  passes/unmerge.py moves the merge past the row-wise ops (merged_rows) so both products are 4-D
+viewed back.  canonicalize/merged_rows.py moves the merge past the row-wise ops so both products are 4-D
 matmuls over heads a rule can split; before, the softmax's rows mixed heads and batch and attention ran whole."""
 from __future__ import annotations
 

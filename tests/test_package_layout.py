@@ -1,5 +1,6 @@
 """The package's shape, as docs/development.md states it: folders by stage with imports one way, one op table
-(no aten-op group elsewhere), one base name per module, short files, and a wheel that holds every subpackage."""
+(no aten-op group elsewhere, aten ops named only in ops/ and canonicalize/), one base name per module, short files,
+and a wheel that holds every subpackage."""
 from __future__ import annotations
 
 import ast
@@ -24,11 +25,16 @@ LAYERS = [
     ["autotp.options", "autotp.plan"],
     ["autotp.cost_models"],
     ["autotp.passes"],
+    ["autotp.canonicalize"],  # the rewrites into the op table's forms, run by passes/prepared_graph.prepare
     ["autotp.ops"],
     ["autotp.runtime"],
     ["autotp.placement"],
 ]
 OP_TABLE = PACKAGE / "ops" / "table.py"
+NAMING_OPS = (PACKAGE / "ops", PACKAGE / "canonicalize")  # the op table and the rewrites into its forms
+# Run-time kernels call aten ops (they compute, they match nothing) and sit below the op table they cannot ask.
+CALLING_OPS = {PACKAGE / "runtime" / "kernels.py": "embedding and _grouped_mm on one rank's rows or experts",
+               PACKAGE / "runtime" / "dropout.py": "attention's math kernel, which takes the dropout mask"}
 MOST_LINES = 400
 
 
@@ -88,6 +94,23 @@ def test_no_op_group_outside_the_op_table():
     found = [group for path in MODULES.values() if path != OP_TABLE for group in _op_groups(path)]
     assert not found, "groups of ops outside ops/table.py (make them a tag or a column):\n" + "\n".join(found)
     assert _op_groups(OP_TABLE), "the scan finds the table's own groups"
+
+
+def _aten_names(path: Path) -> list[str]:
+    """Where ``path`` names an aten op: ``aten.view.default``, ``torch.ops.aten.sym_size.int``, ``torch.ops.aten``."""
+    def names(node) -> bool:
+        return isinstance(node, ast.Attribute) and (
+            ast.unparse(node) == "torch.ops.aten" or (isinstance(node.value, ast.Name) and node.value.id == "aten"))
+    return [f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)[:80]}"
+            for node in ast.walk(ast.parse(path.read_text())) if names(node)]
+
+
+def test_aten_ops_named_only_by_the_op_table_and_canonicalization():
+    """A module elsewhere asks the op table what an op is (its family, its tags) instead of matching op names."""
+    found = [name for path in MODULES.values() if not any(path.is_relative_to(d) for d in NAMING_OPS)
+             and path not in CALLING_OPS for name in _aten_names(path)]
+    assert not found, "aten ops named outside ops/ and canonicalize/ (ask ops/table.py):\n" + "\n".join(found)
+    assert _aten_names(OP_TABLE), "the scan finds the table's own names"
 
 
 def test_module_base_names_are_unique_and_files_short():

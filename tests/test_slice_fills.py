@@ -1,5 +1,5 @@
 """A new tensor filled slice by slice (MLA's keys: ``k = x.new_empty(...); k[..., :n].copy_(a); k[..., n:].copy_(b)``)
-is prepared as the concatenation of its fills (passes/slice_fills.py), so attention built on it splits by heads;
+is prepared as the concatenation of its fills (canonicalize/slice_fills.py), so attention built on it splits by heads;
 any other write into a slice stays as it is.  No ranks: the prepared graph and the plan."""
 from __future__ import annotations
 

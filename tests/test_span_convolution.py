@@ -1,7 +1,7 @@
 """ConvBERT (transformers, random weights): self-attention heads beside span-convolution heads.  The convolution's
 kernels are viewed from [b, s, heads * k] as [b * s * heads, k, 1] and its windows (im2col) from [b, s, heads * d,
-k] as [b * s * heads, d, k], softmaxed over k and multiplied row by row (passes/row_merges.py keeps the rows apart:
-heads stay a dim); the two kinds of heads are joined before the output projection (passes/hints.join_hints).
+k] as [b * s * heads, d, k], softmaxed over k and multiplied row by row (canonicalize/flattened_rows.py keeps the rows
+apart: heads stay a dim); the two kinds of heads are joined before the output projection (passes/hints.join_hints).
 Both softmaxes split by heads, exact in training at 2 ranks."""
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """A view's input keeps the layout the model gave it once the graph is prepared.  Gated attention (Laguna's
 ``(out.view(b, s, h, d) * gate.unsqueeze(-1)).view(b, s, -1)`` after ``out.transpose(1, 2).contiguous().reshape(b,
 s, -1)``): the contiguous is dropped (its reader, a reshape, copies if it must) and the reshape-then-view is undone
-into one view (passes/unmerge.py), so the gate's product inherited the transposed layout and the last view failed
-at run time ("view size is not compatible with input tensor's size and stride").  Attention over one token a row
+into one view (canonicalize/merged_views.py), so the gate's product inherited the transposed layout and the last view
+failed at run time ("view size is not compatible with input tensor's size and stride").  Attention over one token a row
 (MobileViT's last stage at small images: [B*P, 1, E] viewed as [B*P, 1, H, d]): a size-1 dim after a run of equal
 sizes joined the next run, so the heads had no image in the view.  Both found by the coverage sweep."""
 from __future__ import annotations

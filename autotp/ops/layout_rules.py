@@ -201,7 +201,7 @@ def constant_positions(node: Node) -> tuple[int, list[int]] | None:
 
 def gather(node: Node, ctx: Context) -> list[Strategy] | None:
     """x[..., positions, ...] by constant positions that are no run (cuts of [groups, q|k|v] heads read as
-    one gather, passes/group_cuts.py): other dims keep their shard; along the indexed dim each rank's output
+    one gather, canonicalize/group_cuts.py): other dims keep their shard; along the indexed dim each rank's output
     reads only positions its own piece holds -- checked rank by rank, so any layout that passes is exact."""
     found = constant_positions(node)
     if found is None or written(node):

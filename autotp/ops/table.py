@@ -326,7 +326,18 @@ TAGS = {
     "zeros": [aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default],  # all zeros, of a given size
     "per_row": [aten.dropout.default, aten.to.dtype],  # ... or elementwise
     "by_number": [aten.mul.Tensor, aten.div.Tensor, aten.add.Tensor, aten.sub.Tensor],  # elementwise with a number
+    # what hints read blocks from (passes/hints.py)
+    "joins": [aten.cat.default],  # pieces joined along a dim they keep: the join's blocks walk forwards
+    "halves": [aten.glu.default],  # input 0 cut in two halves along a dim, one gating the other
+    "picks": [aten.select.int],  # one index of input 0 along a dim, the dim dropped
+    "repeats_each": [aten.repeat_interleave.self_int],  # each index of a dim n times in place (KV heads to queries)
+    # what a pipeline stage keeps (split.py) and a capture retargets to the CPU (capture.py)
+    "checks_dtype": [aten._assert_tensor_metadata.default],  # export's dtype/device check of a value
+    "cpu_no_integers": [aten.histc.default],  # no CPU kernel for integer inputs (runtime/kernels stands in)
 }
+
+# The op a stage calls to read one dim's size at run time (the rewrite, a pipeline stage's inputs).
+SIZE = aten.sym_size.int
 
 
 def _tagged(rows: dict, tags: dict) -> dict:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Node
 
+from autotp.ops.table import SIZE, op
 from autotp.parallel.stages import StageError
 from autotp.passes.capture import capture
 from autotp.passes.fold import Fold, NotFoldable, blocks, folded
@@ -154,7 +155,7 @@ def _size(g: torch.fx.Graph, value: Node, received: list, made: dict) -> Node:
                              "value passed between stages carries")
         args = at if at is not None else torch.fx.node.map_arg(value.args, lambda a: _size(g, a, received, made))
         with g.inserting_after(max([received[-1], *made.values()], key=_position(g))):
-            made[value] = g.call_function(torch.ops.aten.sym_size.int if at is not None else value.target, args)
+            made[value] = g.call_function(SIZE if at is not None else value.target, args)
         made[value].meta = dict(value.meta)
     return made[value]
 
@@ -174,7 +175,7 @@ def _drop_dead(g: torch.fx.Graph, output: Node, received: list) -> None:
             live.add(node)
             todo.extend(node.all_input_nodes)
     for node in reversed(list(g.nodes)):
-        check = node.target is torch.ops.aten._assert_tensor_metadata.default and node.args[0] in live
+        check = "checks_dtype" in op(node.target).tags and node.args[0] in live
         if node not in live and not check and (node.op != "placeholder" or (received and node not in received)):
             g.erase_node(node)
 

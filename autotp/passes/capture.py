@@ -19,7 +19,7 @@ from torch.fx.node import map_arg
 from torch.utils._pytree import SUPPORTED_NODES, tree_leaves, tree_map
 
 from autotp.ops.flex import exportable_on_cpu, mask_tensors, register_block_mask
-from autotp.ops.table import drops
+from autotp.ops.table import drops, op
 from autotp.passes.canonical_order import canonical_order
 from autotp.passes.faithful import check_faithful
 from autotp.runtime import kernels
@@ -207,7 +207,7 @@ def retarget_device(gm: torch.fx.GraphModule, device: torch.device) -> None:
     for node in gm.graph.nodes:
         node.args = swap(node.args)
         node.kwargs = {k: swap(v) for k, v in node.kwargs.items()}
-        if (node.target is torch.ops.aten.histc.default and device.type == "cpu"
+        if ("cpu_no_integers" in op(node.target).tags and device.type == "cpu"
                 and not node.args[0].meta["val"].is_floating_point()):
             node.target = kernels.histc_of_integers  # the meta capture took the GPU branch: integers
     gm.recompile()
@@ -301,13 +301,6 @@ def fingerprint_difference(planned: str, found: str) -> str:
     if len(a) != len(FINGERPRINT_PARTS) or len(b) != len(FINGERPRINT_PARTS):
         return ""
     return ", ".join(what for what, x, y in zip(FINGERPRINT_PARTS, a, b, strict=True) if x != y)
-
-
-def module_path(node: torch.fx.Node) -> str:
-    """The innermost module that produced this node: for reports, and for the modules a user fixed whole (never
-    for a decision of autotp's own)."""
-    stack = node.meta.get("nn_module_stack") or {}
-    return list(stack.values())[-1][0] if stack else ""
 
 
 def within(path: str, modules) -> bool:

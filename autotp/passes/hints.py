@@ -9,14 +9,12 @@ from dataclasses import replace
 
 import torch
 
+from autotp.canonicalize.group_cuts import group_blocks
 from autotp.ops.flex import FLEX
 from autotp.ops.layout_rules import cut_range, positive_dim
 from autotp.ops.strategies import Context
 from autotp.ops.table import op
 from autotp.ops.views import merged_runs, split_runs, view_groups
-from autotp.passes.group_cuts import group_blocks
-
-aten = torch.ops.aten
 
 
 def with_hints(gm: torch.fx.GraphModule, ctx: Context) -> Context:
@@ -42,12 +40,12 @@ def _fused_cuts(gm: torch.fx.GraphModule, ctx: Context) -> list:
             if len(sizes) > 1 and all(ctx.static(s) for s in sizes):
                 pieces = {user.args[1]: user for user in node.users if user.target is operator.getitem}
                 cuts.append((x, at % n, sizes, [pieces.get(k) for k in range(len(sizes))]))
-        elif node.target == aten.unbind.int and len(node.meta["val"]) > 1:  # [3, heads, d] -> q, k, v
+        elif op(node.target).family == "unbind" and len(node.meta["val"]) > 1:  # [3, heads, d] -> q, k, v
             x = node.args[0]
             at = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % len(ctx.shape(x))
             pieces = {user.args[1]: user for user in node.users if user.target is operator.getitem}
             cuts.append((x, at, (1,) * len(node.meta["val"]), [pieces.get(k) for k in range(len(node.meta["val"]))]))
-        elif node.target == aten.glu.default:  # gated halves: [a | b] -> a * sigmoid(b)
+        elif "halves" in op(node.target).tags:  # gated halves: [a | b] -> a * sigmoid(b)
             x = node.args[0]
             n = len(ctx.shape(x))
             at = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", -1)) % n
@@ -72,7 +70,7 @@ def join_hints(gm: torch.fx.GraphModule, ctx: Context) -> dict:
     split as it was made (a split's hints, walked forwards)."""
     work = []
     for node in gm.graph.nodes:
-        if node.target == aten.cat.default and len(node.args[0]) > 1:
+        if "joins" in op(node.target).tags and len(node.args[0]) > 1:
             n = len(ctx.shape(node))
             at = positive_dim(node.args[1] if len(node.args) > 1 else 0, n)
             sizes = tuple(ctx.shape(p)[at] if len(ctx.shape(p)) == n else None for p in node.args[0])
@@ -97,10 +95,10 @@ def _forward(user, node, dim: int, sizes: tuple, ctx: Context) -> list:
         src, dst = ([ctx.probe(s) for s in ctx.shape(v)] for v in (node, user))
         return [(user, out, tuple(c * rest for c in sizes)) for d, out, rest in merged_runs(src, dst) if d == dim]
     n = len(ctx.shape(node))
-    if user.target == aten.transpose.int:
+    if row.family == "transpose":
         a, b = positive_dim(user.args[1], n), positive_dim(user.args[2], n)
         return [(user, {a: b, b: a}.get(dim, dim), sizes)]
-    if user.target == aten.permute.default:
+    if row.family == "permute":
         return [(user, [positive_dim(d, n) for d in user.args[1]].index(dim), sizes)]
     same = ctx.shape(user) == ctx.shape(node)
     return [(user, dim, sizes)] if same and ("copy" in row.tags or row.family == "elementwise") else []
@@ -110,7 +108,7 @@ def block_unit_hints(gm: torch.fx.GraphModule, ctx: Context) -> dict:
     """(node, dim) -> {(block sizes, units per block)}: fused projections whose pieces are cut into
     heads of their own (Phi-3's [8 query heads | 2 KV heads | 2 KV heads]).  A piece without heads of
     its own is one unit when single KV heads are repeated (multi-query: every rank holds it).  Blocks
-    repeated per group and read by gathers add (blocks, units, finer units, groups) (passes/group_cuts.py).
+    repeated per group and read by gathers add (blocks, units, finer units, groups) (canonicalize/group_cuts.py).
 
     Needs ``ctx.units`` and ``ctx.covers`` (unit_hints, repeat_hints)."""
     work = []
@@ -145,7 +143,7 @@ def repeat_hints(gm: torch.fx.GraphModule) -> dict:
                 covers.setdefault(1, set()).add(heads[0])
             elif node.target is FLEX and all(isinstance(h, int) for h in heads) and 1 < heads[1] < heads[0]:
                 covers.setdefault(heads[1], set()).add(heads[0])  # FlexAttention's own grouped KV heads
-        if node.target == aten.repeat_interleave.self_int:
+        if "repeats_each" in op(node.target).tags:
             x, repeats, at = node.args[:3]
             kv = x.meta["val"].shape[at]
             if isinstance(kv, int) and isinstance(repeats, int) and repeats > 1:
@@ -217,7 +215,7 @@ def _tiling_selects(gm: torch.fx.GraphModule, ctx: Context) -> list:
     for node in gm.graph.nodes:
         picked: dict = {}
         for user in node.users:
-            if user.target == aten.select.int and user.args[0] is node and isinstance(user.args[2], int):
+            if "picks" in op(user.target).tags and user.args[0] is node and isinstance(user.args[2], int):
                 dim = positive_dim(user.args[1], len(ctx.shape(node)))
                 if ctx.static(ctx.shape(node)[dim]):
                     picked.setdefault(dim, {})[user.args[2] % ctx.shape(node)[dim]] = user

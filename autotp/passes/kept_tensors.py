@@ -20,7 +20,6 @@ from autotp.ops.strategies import input_slots, is_placed, on_tokens
 from autotp.ops.table import op
 from autotp.placement import R
 
-aten = torch.ops.aten
 
 @dataclass(frozen=True)
 class Kept:

@@ -3,25 +3,10 @@ from __future__ import annotations
 
 import torch
 
+from autotp.canonicalize import REWRITES
 from autotp.passes.capture import CaptureError, canonical_names, capture
 from autotp.passes.capture import check_inputs as check_example_inputs
 from autotp.passes.fold import NotFoldable, find_fold, fold_graph, folded
-from autotp.passes.group_cuts import cuts_to_gathers
-from autotp.passes.inline_regions import inline_regions
-from autotp.passes.norms import spell_out_norms
-from autotp.passes.prepare import (
-    drop_no_ops,
-    drop_zero_bias,
-    fuse_repeat_kv,
-    merge_aliases,
-    out_of_place,
-    spell_out_sizes,
-    split_bias,
-    unflatten_products,
-)
-from autotp.passes.row_merges import unflatten_rows
-from autotp.passes.slice_fills import fills_to_cat
-from autotp.passes.unmerge import unmerge
 from autotp.runtime.hf_models import default_inputs, no_kv_cache
 from autotp.runtime.progress import step
 
@@ -50,20 +35,10 @@ def prepared_graph(model: torch.nn.Module, args=None, kwargs=None, fold: bool = 
 
 
 def prepare(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """A captured graph (of a model, or of one pipeline stage: parallel/split.py) made ready for the rules."""
-    inline_regions(gm)
-    merge_aliases(gm)
-    spell_out_sizes(gm)
-    split_bias(gm)
-    unflatten_products(gm)
-    fuse_repeat_kv(gm)
-    drop_no_ops(gm)
-    spell_out_norms(gm)
-    unflatten_rows(gm)
-    out_of_place(gm)
-    drop_zero_bias(gm)
-    fills_to_cat(gm)
-    unmerge(gm)
-    cuts_to_gathers(gm)
+    """A captured graph (of a model, or of one pipeline stage: parallel/split.py) made ready for the rules: the
+    canonical-form rewrites in their order (autotp/canonicalize), then its ops named in an order of the graph
+    alone."""
+    for rewrite in REWRITES:
+        rewrite(gm)
     canonical_names(gm)
     return gm

@@ -8,18 +8,16 @@ import torch
 from torch.fx import Node
 from torch.fx.node import map_arg
 
+from autotp.canonicalize.graph_edits import module_path
 from autotp.ops import expert_segments
 from autotp.ops.local_forms import full_size, local_sizes
 from autotp.ops.semantics import writes
 from autotp.ops.strategies import Context, input_slots, needs_grad, token_inputs
-from autotp.ops.table import TABLE, op
-from autotp.passes.capture import module_path
+from autotp.ops.table import SIZE, TABLE, op
 from autotp.passes.gradients import gradient_sums, partial_grad, partial_params
 from autotp.placement import Partial, R, Replicate, Routed, Shard, take_local
 from autotp.runtime import activations, collectives
 from autotp.runtime.expert_dispatch import Dealt, Group, Groups
-
-aten = torch.ops.aten
 
 
 def _attribute(gm: torch.nn.Module, target: str):
@@ -139,7 +137,7 @@ class _TokenSizes:
         if name not in self.made and name in self.sources:
             node, dim = self.sources[name]
             with self.graph.inserting_after(self.last_input[0]):
-                self.made[name] = self.graph.call_function(aten.sym_size.int, (node, dim))
+                self.made[name] = self.graph.call_function(SIZE, (node, dim))
             self.made[name].meta["val"] = size
         return self.made.get(name, size)
 
@@ -236,7 +234,7 @@ def rewrite(gm: torch.fx.GraphModule, choice: dict, rank: int, world: int, group
             if local is not None:
                 local(node, strategy, rank, world)
             placed[node] = strategy.output
-        elif node.target == aten.sym_size.int:
+        elif node.target == SIZE:
             src, dim = node.args
             p = placed.get(src)
             if isinstance(p, Shard) and p.dim == dim % src.meta["val"].dim():

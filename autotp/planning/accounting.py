@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
+from autotp.canonicalize.graph_edits import module_path
 from autotp.cost_models import collective_time
 from autotp.cost_models.communication import backward_collective, reshard_collective
 from autotp.cost_models.pricing import Sizes, conversion_seconds, kept_bytes, op_seconds, regather_time
 from autotp.cost_models.topology import Topology
 from autotp.ops.strategies import Context, input_slots, is_placed, needs_grad, on_tokens
-from autotp.passes.capture import module_path
 from autotp.passes.gradients import gradient_sums, partial_grad, partial_params
 from autotp.passes.kept_tensors import kept, kept_whole, regathered
 from autotp.placement import R, Routed, Shard, dump

@@ -12,8 +12,9 @@ from types import MappingProxyType
 import torch
 from torch.fx import Node
 
+from autotp.canonicalize.graph_edits import module_path
 from autotp.ops.strategies import Context, Strategy, input_slots, is_placed, replicated_like, value, vmapped
-from autotp.passes.capture import module_path, target_name, within
+from autotp.passes.capture import target_name, within
 from autotp.placement import R, Replicate, Routed, Shard
 
 

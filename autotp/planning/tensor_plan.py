@@ -12,6 +12,7 @@ from types import MappingProxyType
 
 import torch
 
+from autotp.canonicalize.graph_edits import module_path
 from autotp.cost_models import load_topology
 from autotp.cost_models.pricing import Experts, Sizes, activation_bytes, input_sizes
 from autotp.cost_models.topology import Topology
@@ -19,7 +20,7 @@ from autotp.ops import expert_segments
 from autotp.ops.strategies import Context, Strategy, input_slots, needs_grad, on_tokens, token_inputs
 from autotp.ops.table import TABLE, drops
 from autotp.options import PlanOptions
-from autotp.passes.capture import fingerprint, module_path, target_name, within
+from autotp.passes.capture import fingerprint, target_name, within
 from autotp.passes.fold import Fold, NotFoldable, fold_graph
 from autotp.passes.hints import with_hints
 from autotp.passes.styles import param_styles

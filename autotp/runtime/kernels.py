@@ -20,7 +20,7 @@ def repeat_heads(x: torch.Tensor, repeats: int, dim: int, in_start: int, out_sta
 
 def gather_positions(x: torch.Tensor, dim: int, positions: tuple[int, ...]):
     """``x.index_select(dim, positions)`` with this rank's positions in its own piece (a gather of heads whose
-    pieces several ranks hold: passes/group_cuts.py)."""
+    pieces several ranks hold: canonicalize/group_cuts.py)."""
     return x.index_select(dim, torch.tensor(positions, device=x.device))
 
 

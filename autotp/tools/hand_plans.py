@@ -16,9 +16,10 @@ from pathlib import Path
 
 import torch
 
+from autotp.canonicalize.graph_edits import module_path
 from autotp.cost_models.communication import backward_collective, reshard_collective
 from autotp.options import PlanOptions
-from autotp.passes.capture import module_path, within
+from autotp.passes.capture import within
 from autotp.placement import Routed
 from autotp.plan import Plan
 from autotp.planning.solve import Imposed, PlanningError

@@ -1,11 +1,14 @@
 """A new tensor filled slice by slice is the concatenation of what fills it.
 
+    before: k = new_empty(kv, [.., nope + rope]); copy_(slice(k, -1, 0, nope), k_nope); copy_(slice(k, -1, nope), k_rot)
+    after:  k = cat([k_nope, k_rot], -1)
+
 MLA attention (DeepSeek-V3 and its descendants in transformers) builds its keys as
 ``k = kv.new_empty(..., nope + rope); k[..., :nope].copy_(k_nope); k[..., nope:].copy_(k_rot)``.  A write into a
 slice has no sharding rule, so the keys, and with them the attention, would run whole on every rank.  Written as
 ``cat([k_nope, k_rot], -1)`` the rules see a concatenation along the head dim of two tensors split by heads.  Only an
 exact fill is rewritten: slices of one dim that tile it, each written once by a value of its own shape and dtype,
-all before anything reads the tensor.
+all before anything reads the tensor.  Test: tests/test_slice_fills.py.
 """
 from __future__ import annotations
 

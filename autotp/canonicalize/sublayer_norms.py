@@ -1,19 +1,24 @@
 """Norms inside a sublayer, spelled out as their statistics.
 
+    before: y = layer_norm(linear(x, w), [E], g, b, eps)
+    after:  p = linear(x, w); c = sub(p, mean(p, [-1], True)); v = mean(mul(c, c), [-1], True)
+            y = add(mul(mul(c, rsqrt(add(v, eps))), g), b)
+
 A layer norm over a projection's output -- ESM-C's and OLMo-2's q and k norms over all heads, Magneto's sub-LN
 before the output projection or inside the MLP -- normalizes a width that tensor parallelism splits by heads or
 columns.  As one fused op it has no split form, so the plan would gather the whole activation around it.  Written as
 its means (``x - mean``, the mean of the squares, ``rsqrt``) the rules split it like an RMSNorm written in Python: each
 rank sums its columns, one all-reduce of a number a row per statistic.  A norm over the residual stream (its input an
 add, an embedding, an input, or a value the residual add reads too) stays one op: one kernel is faster than five.
+Tests: tests/test_sublayers.py (norms over a split width), tests/test_layouts.py (q and k norms).
 """
 from __future__ import annotations
 
 import torch
 from torch.fx import Node
 
+from autotp.canonicalize.graph_edits import call
 from autotp.ops.table import is_product, op
-from autotp.passes.prepare import call
 
 aten = torch.ops.aten
 _LOW = (torch.float16, torch.bfloat16)  # fused kernels keep the statistics in float32: so does the spelled-out form

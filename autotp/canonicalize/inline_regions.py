@@ -1,8 +1,14 @@
-"""Autocast and grad-mode regions inlined: torch.export keeps ``with torch.autocast(...)`` and ``with
-torch.no_grad()`` blocks inside a model's forward as higher-order ops around a subgraph (``wrap_with_autocast``,
-``wrap_with_set_grad_enabled``), which no rule can see into, so a rotary embedding computed with autocast off
-would stop the head split of every attention.  Their ops are put back in the graph between the calls that enter
-and leave the mode (as a traced ``with`` block runs), so the region keeps its meaning and the rules see its ops.
+"""Autocast and grad-mode regions inlined.
+
+    before: r = wrap_with_autocast('cpu', None, False, None, body, x); y = r[0]
+    after:  e = _enter_autocast('cpu', None, False, None); ...body's ops on x...; _exit_autocast(e); y = (its output)
+
+torch.export keeps ``with torch.autocast(...)`` and ``with torch.no_grad()`` blocks inside a model's forward as
+higher-order ops around a subgraph (``wrap_with_autocast``, ``wrap_with_set_grad_enabled``), which no rule can see
+into, so a rotary embedding computed with autocast off (as einops-style libraries write it) would stop the head
+split of every attention.  Their ops are put back in the graph between the calls that enter and leave the mode (as
+a traced ``with`` block runs), so the region keeps its meaning and the rules see its ops.
+Test: tests/test_regions.py.
 """
 from __future__ import annotations
 
@@ -11,7 +17,7 @@ import operator
 import torch
 from torch.fx import Node
 
-from autotp.passes.prepare import getattr_path
+from autotp.canonicalize.graph_edits import getattr_path
 
 _AUTOCAST = getattr(torch.ops.higher_order, "wrap_with_autocast", None)
 _GRAD = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)

@@ -1,5 +1,8 @@
 """Rows flattened for ops over their later dims, kept apart.
 
+    before: f = view(x, [b*s*H, d]); n = mul(rsqrt(mean(mul(f, f), [-1], True)), f); y = view(n, [b, s, H*d])
+    after:  n = mul(rsqrt(mean(mul(x, x), [-1], True)), x); y = view(n, [b, s, H*d])          (x: [b, s, H, d])
+
 The gated norms of linear-attention layers (Qwen3-Next, Qwen3.5, OLMo-hybrid) flatten the attention output and its
 gate from [b, s, heads, d] to [b*s*heads, d], normalize each row and view the result back; ConvBERT's span
 convolution views its kernels [b, s, heads*k] as [b*s*heads, k, 1] and its windows [b, s, heads*d, k] as
@@ -7,7 +10,8 @@ convolution views its kernels [b, s, heads*k] as [b*s*heads, k, 1] and its windo
 no dim a rule can split, so these ops and the attention before them would be gathered.  Ops that treat each row
 alike give the same values on the unflattened tensors, so the flattening views are dropped where every op they lead
 to (up to a view of another shape) is such an op: elementwise ops, reductions and softmaxes over later dims, and
-products of two such rows.
+products of two such rows.  Tests: tests/test_span_convolution.py (ConvBERT), tests/test_sublayers.py (the
+linear-attention mixers' gated norm).
 """
 from __future__ import annotations
 
@@ -75,12 +79,12 @@ def _cut(node: Node, ctx: Context):
         if not all(ctx.static(s) for s in mid) or not held or not ctx.probe(rows) or ctx.probe(rows) % held:
             continue  # (no rows at all: a run of size 0, Swin's padding where an image needs none)
         k = ctx.probe(rows) // held
-        if math.prod(mid) == k * math.prod(tail) and len(lead) + (k > 1) >= 2 and _pieces(mid, k, tail):
+        if math.prod(mid) == k * math.prod(tail) and len(lead) + (k > 1) >= 2 and _one_unflatten(mid, k, tail):
             return lead, k, mid
     return None
 
 
-def _pieces(mid: list, k: int, tail: list) -> bool:
+def _one_unflatten(mid: list, k: int, tail: list) -> bool:
     """mid cut as [k, *tail] by one unflatten: of its first dim (the rest as in tail), or of its only one."""
     return (len(mid) == len(tail) and mid[0] == k * tail[0] and mid[1:] == tail[1:]) or len(mid) == 1
 

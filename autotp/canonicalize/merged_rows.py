@@ -1,84 +1,36 @@
 """Heads merged with the batch, moved on past the ops that treat every [B*H] row alike.
 
+    before: m = reshape(q, [B*H, h, w, c]); r = einsum('bhwc,hkc->bhwk', m, t); y = view(unsqueeze(r, -1), ...)
+    after:  r = einsum('xyhwc,hkc->xyhwk', q, t); y = view(flatten(unsqueeze(r, -1), 0, 1), ...)    (q: [B, H, ...])
+
 A view of [B, H, ...] as [B*H, ...] hides the heads from the rules.  Each op between such a merge and the product
 or view that ends it is rewritten on [B, H, ...] with the merge after it, until the merge meets a view back to
-[B, H, ...] (then it is gone) or a product (passes/unmerge.py's merged_products rewrites that): ops over later dims
+[B, H, ...] (then it is gone) or a product (merged_products.py rewrites that): ops over later dims
 (softmax, dropout, a cast, an unsqueeze, a transpose), elementwise ops of merges alike, an einsum whose merged letter
 only that operand and the output lead with, a view of the later dims.  SAM's and ViTDet's decomposed relative
 positions are all of these: ``q.reshape(B*H, h, w, c)`` in two einsums, unsqueezed, added, viewed as [B, H, N, N].
-A pick of q, k and v from [3, B*H, ...] is made from [3, B, H, ...] and merged after (merged_picks).
+A pick of q, k and v from [3, B*H, ...] is made from [3, B, H, ...] and merged after (merged_picks.py).
+Tests: tests/test_sublayers.py (relative positions, merged keys transposed, einsums of two merges),
+tests/test_merged_heads.py.
 """
 from __future__ import annotations
 
 import math
-import operator
 import string
 
 import torch
 from torch.fx import Node
 
+from autotp.canonicalize.batch_merges import fixed_heads, merges_heads, sizes_of
+from autotp.canonicalize.graph_edits import call
 from autotp.ops.strategies import Context
 from autotp.ops.table import op
-from autotp.passes.prepare import call
 
 aten = torch.ops.aten
 
 
-def sizes_of(ctx: Context, node: Node) -> list[int]:
-    return [ctx.probe(s) for s in ctx.shape(node)]
-
-
-def flattens_heads(node: Node) -> bool:
-    return node.target == aten.flatten.using_ints and tuple(node.args[1:3]) == (0, 1)
-
-
-def merges_heads(node: Node, ctx: Context) -> bool:
-    """``node`` views a [B, H, ...] tensor as [B*H, ...]."""
-    if not (flattens_heads(node) or "sized_view" in op(node.target).tags) or not isinstance(node.args[0], Node):
-        return False
-    inner, outer = sizes_of(ctx, node.args[0]), sizes_of(ctx, node)
-    return len(inner) == len(outer) + 1 > 2 and inner[0] * inner[1] == outer[0] and inner[2:] == outer[1:] \
-        and 1 not in inner[:2]
-
-
-def merged_picks(gm: torch.fx.GraphModule, ctx: Context) -> None:
-    """``x.reshape(k, B*H, ...)`` of x [k, B, H, ...] picked apart on its first dim (``unbind(0)``, ``select``)
-    =>  the picks of x, each merged (SAM: ``qkv.reshape(3, B*H, N, d).unbind(0)``)."""
-    graph = gm.graph
-    for view in list(graph.nodes):
-        if "sized_view" not in op(view.target).tags or not isinstance(view.args[0], Node):
-            continue
-        x = view.args[0]
-        inner, outer = sizes_of(ctx, x), sizes_of(ctx, view)
-        if not (len(inner) == len(outer) + 1 > 3 and inner[0] == outer[0] and inner[1] * inner[2] == outer[1]
-                and inner[3:] == outer[2:] and 1 not in inner[1:3] and view.users and all(
-                    _first_dim_pick(u) for u in view.users)):
-            continue
-        merged = list(view.args[1][1:])
-        with graph.inserting_before(view):
-            for user in list(view.users):
-                if user.target == aten.select.int:
-                    picked = [(user, call(graph, aten.select.int, (x, 0, user.args[2]), user))]
-                else:
-                    parts = call(graph, aten.unbind.int, (x, 0), user)
-                    picked = [(g, call(graph, operator.getitem, (parts, g.args[1]), g)) for g in user.users]
-                for old, new in picked:
-                    old.replace_all_uses_with(call(graph, aten.reshape.default, (new, merged), old))
-                    graph.erase_node(old)
-                if user.graph is graph and not user.users:
-                    graph.erase_node(user)
-        graph.erase_node(view)
-
-
-def _first_dim_pick(node: Node) -> bool:
-    if node.target == aten.select.int:
-        return node.args[1] == 0
-    return node.target == aten.unbind.int and (len(node.args) < 2 or node.args[1] == 0) and all(
-        u.target is operator.getitem for u in node.users)
-
-
 def merged_rows(gm: torch.fx.GraphModule, ctx: Context) -> None:
-    """Each merge's readers rewritten on the unmerged value where they can be (_moved), the merge after them."""
+    """Each merge's readers rewritten on the unmerged value where they can be (_on_unmerged), the merge after them."""
     graph = gm.graph
     todo = [node for node in graph.nodes if merges_heads(node, ctx)]
     while todo:
@@ -89,7 +41,7 @@ def merged_rows(gm: torch.fx.GraphModule, ctx: Context) -> None:
             if user.graph is not graph:
                 continue
             with graph.inserting_before(user):
-                made = _moved(graph, merge, user, ctx)
+                made = _on_unmerged(graph, merge, user, ctx)
             if made is None:
                 continue
             operands = user.all_input_nodes
@@ -104,7 +56,7 @@ def merged_rows(gm: torch.fx.GraphModule, ctx: Context) -> None:
             graph.erase_node(merge)
 
 
-def _moved(graph: torch.fx.Graph, merge: Node, user: Node, ctx: Context) -> Node | None:
+def _on_unmerged(graph: torch.fx.Graph, merge: Node, user: Node, ctx: Context) -> Node | None:
     """``user`` of ``merge`` computed on the unmerged [B, H, ...] value, merged after; None where it cannot be."""
     x = merge.args[0]
     unmerged = sizes_of(ctx, x)
@@ -133,11 +85,6 @@ def _alike(other, merge: Node, ctx: Context) -> bool:
     """``other`` merges the same batch and fixed heads as ``merge`` does."""
     return isinstance(other, Node) and merges_heads(other, ctx) and fixed_heads(other, ctx) and \
         sizes_of(ctx, other.args[0])[:2] == sizes_of(ctx, merge.args[0])[:2]
-
-
-def fixed_heads(merge: Node, ctx: Context) -> bool:
-    """The merged dim after the batch has a fixed size (heads; not tokens merged with the batch into rows)."""
-    return ctx.static(ctx.shape(merge.args[0])[1])
 
 
 def _row_dims(node: Node, rank: int):

@@ -1,5 +1,9 @@
 """Heads packed per group and cut inside each group, read as gathers of heads by constant positions.
 
+    before: g = view(x, [b, s, G, H/G + 2, d]); q = slice(g, 3, 0, -2); k = index(g, [.., [-2]]); ...
+            q = reshape(q, [b, s, H, d]); k = reshape(expand(k, [b, s, G, H/G, d]), [b, s, H, d])
+    after:  f = view(x, [b, s, G*(H/G + 2), d]); q = index(f, [.., positions_0]); k = index(f, [.., positions_1])
+
 Falcon's new decoder architecture packs its fused projection per KV group, ``[b, s, groups, H/groups + 2, d]``,
 cuts query heads and one key and one value out of each group (``x[:, :, :, :-2]``, ``x[:, :, :, [-2]]``),
 broadcasts the key and value over the group's query heads and flattens (groups, heads) back into heads.  With
@@ -8,7 +12,7 @@ which no shard of the 5-D view can say (it would cut two dims).  The same values
 ``x.view(b, s, groups * (H/groups + 2), d)[:, :, positions]`` with one constant list of positions per cut, are
 one dim cut by gathers; rules (layout_rules.gather) check rank by rank that each rank's heads read only
 positions it holds, and ``group_blocks`` names the layout to offer: the blocks of one group, repeated
-(placement.Shard ``groups``).
+(placement.Shard ``groups``).  Tests: tests/test_kv_layouts.py (Falcon's groups).
 """
 from __future__ import annotations
 
@@ -18,10 +22,10 @@ import math
 import torch
 from torch.fx import Node
 
+from autotp.canonicalize.graph_edits import module_path
 from autotp.ops.layout_rules import constant_positions, cut_range
 from autotp.ops.strategies import Context, concrete
 from autotp.ops.table import op
-from autotp.passes.capture import module_path
 
 aten = torch.ops.aten
 

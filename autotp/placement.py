@@ -287,7 +287,7 @@ def assemble(parts: list[torch.Tensor], shard: Shard, size: int) -> torch.Tensor
 
 def piece_ranges(shape, placement, rank: int, world: int, box=None, rows=None) -> list:
     """Per dim, the (start, length) spans of the full tensor (``shape``) that this rank's piece is made of, in
-    order: ``rows`` (the dim-0 spans of an expert table's experts dealt to this rank, runtime.dispatch.Dealt),
+    order: ``rows`` (the dim-0 spans of an expert table's experts dealt to this rank, runtime.expert_dispatch.Dealt),
     ``placement``'s TP split of them, then ``box`` (per dim, the (start, length) an outer split such as FSDP2's
     keeps of the TP piece, in the TP piece's coordinates)."""
     ranges = [[(0, size)] for size in shape]

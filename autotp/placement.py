@@ -33,7 +33,9 @@ from __future__ import annotations
 import itertools
 import math
 import re
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
+from typing import Any, cast
 
 import torch
 
@@ -129,7 +131,7 @@ class Shard:
         if self.units is None:
             return world
         if self.groups is not None:
-            block %= len(self.chunks)
+            block %= len(cast(tuple[int, ...], self.chunks))
         return self.units[block] if isinstance(self.units, tuple) else self.units
 
     def count(self) -> int:
@@ -146,9 +148,10 @@ class Shard:
     def _group_span(self, k: int, rank: int, world: int) -> tuple[int, int]:
         """The units of block ``k`` (in copy k // len(chunks)) that this rank's finer units need: none is
         (0, 0) before the rank's finer units and (units, 0) after them, so pieces stay in rank order."""
-        units, serves = self.parts(world, k), self.of // self.groups
-        low = k // len(self.chunks) * serves
-        first, count = unit_span(self.of, rank, world)
+        of, groups, chunks = cast(int, self.of), cast(int, self.groups), cast(tuple[int, ...], self.chunks)
+        units, serves = self.parts(world, k), of // groups
+        low = k // len(chunks) * serves
+        first, count = unit_span(of, rank, world)
         start, end = max(first, low), min(first + count, low + serves)
         if start >= end:
             return (0, 0) if first + count <= low else (units, 0)
@@ -218,7 +221,7 @@ def dealt(units: int, world: int) -> bool:
 def simplest(shard: Shard, size: int, world: int) -> Shard:
     """The first spelling of ``shard``'s layout among: N equal slices, whole units on their own, itself.
     Rules offer layouts in this order and keep the first spelling (ops/strategies.py)."""
-    def layout(s: Shard):
+    def layout(s: Shard) -> list[list[tuple[int, int]]]:
         return [s.ranges(size, r, world) for r in range(world)]
     units = shard.parts(world) if shard.units is not None and shard.chunks is None else None
     plain = [Shard(shard.dim)] if size % world == 0 else []
@@ -233,7 +236,7 @@ P = Partial()
 _SHARD = re.compile(r"S\((-?\d+)(?:\|([\d,]+))?(?:/([\d,]+))?(?:@(\d+))?(?:x(\d+))?\)$")
 
 
-def parse(text: str | list | None):
+def parse(text: str | list[Any] | None) -> Any:
     """Inverse of ``str`` (lists stand for the outputs of multi-output ops)."""
     if text is None:
         return None
@@ -253,15 +256,15 @@ def parse(text: str | list | None):
         raise ValueError(f"not a placement: {text!r} (expected R, P, S(dim), S(dim|a,b,c), "
                          "S(dim/units), S(dim|a,b,c/units,units,units@finer) or S(dim|a,b,c/u,u,u@finerxgroups))")
     chunks = tuple(int(c) for c in m.group(2).split(",")) if m.group(2) else None
-    units = tuple(int(u) for u in m.group(3).split(",")) if m.group(3) else None
-    units = units[0] if units is not None and len(units) == 1 else units
+    listed = tuple(int(u) for u in m.group(3).split(",")) if m.group(3) else None
+    units = listed[0] if listed is not None and len(listed) == 1 else listed
     of, groups = (int(m.group(k)) if m.group(k) else None for k in (4, 5))
     if groups is not None and (chunks is None or units is None or of is None or of % groups):
         raise ValueError(f"not a placement: {text!r} (groups need blocks, units and finer units they divide)")
     return Shard(int(m.group(1)), chunks, units, of, groups)
 
 
-def dump(placement):
+def dump(placement: Any) -> Any:
     if placement is None:
         return None
     if isinstance(placement, tuple):
@@ -285,9 +288,11 @@ def assemble(parts: list[torch.Tensor], shard: Shard, size: int) -> torch.Tensor
     return torch.cat(pieces, shard.dim)
 
 
-def piece_ranges(shape, placement, rank: int, world: int, box=None, rows=None) -> list:
+def piece_ranges(shape: Sequence[int], placement: Any, rank: int, world: int,
+                 box: Sequence[tuple[int, int]] | None = None,
+                 rows: Iterable[tuple[int, int]] | None = None) -> list[list[tuple[int, int]]]:
     """Per dim, the (start, length) spans of the full tensor (``shape``) that this rank's piece is made of, in
-    order: ``rows`` (the dim-0 spans of an expert table's experts dealt to this rank, runtime.dispatch.Dealt),
+    order: ``rows`` (the dim-0 spans of an expert table's experts dealt to this rank, runtime.expert_dispatch.Dealt),
     ``placement``'s TP split of them, then ``box`` (per dim, the (start, length) an outer split such as FSDP2's
     keeps of the TP piece, in the TP piece's coordinates)."""
     ranges = [[(0, size)] for size in shape]
@@ -302,7 +307,7 @@ def piece_ranges(shape, placement, rank: int, world: int, box=None, rows=None) -
     return ranges
 
 
-def _cut(spans: list, start: int, length: int) -> list:
+def _cut(spans: list[tuple[int, int]], start: int, length: int) -> list[tuple[int, int]]:
     """The part [start, start + length) of the spans laid end to end."""
     found, offset = [], 0
     for first, size in spans:
@@ -313,7 +318,8 @@ def _cut(spans: list, start: int, length: int) -> list:
     return found or [(spans[0][0], 0)]  # an empty piece (FSDP2's last ranks) keeps its place
 
 
-def fill_ranges(out: torch.Tensor, ranges: list, read_box, chunk_bytes: int = 16 * 2 ** 20) -> torch.Tensor:
+def fill_ranges(out: torch.Tensor, ranges: list[list[tuple[int, int]]],
+                read_box: Callable[[list[slice]], torch.Tensor], chunk_bytes: int = 16 * 2 ** 20) -> torch.Tensor:
     """Write the piece ``piece_ranges`` describes into ``out`` from ``read_box([slice per dim])``, box by box and a
     few rows at a time, so that reading a large piece never holds it twice (nor the pages of a mapped file)."""
     starts = [list(itertools.accumulate((n for _, n in spans), initial=0)) for spans in ranges]

@@ -11,6 +11,7 @@ import json
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from autotp.passes.capture import fingerprint_difference
 from autotp.placement import Shard, dump, parse
@@ -20,7 +21,7 @@ SCHEMA = Path(__file__).with_name("plan.schema.json")
 
 
 @functools.cache
-def _validator():
+def _validator() -> Any:
     import jsonschema
     return jsonschema.Draft202012Validator(json.loads(SCHEMA.read_text()))
 
@@ -34,39 +35,40 @@ class Plan:
     world_size: int
     fingerprint: str                     # graph structure, constant arguments, tensor shapes it was made for
     topology: str
-    nodes: dict                          # node name -> {"in": [...], "out": ...} placements as strings
-    params: dict                         # parameter name -> placement string
-    collectives: list = field(default_factory=list)   # what the rewriter will insert, for reports
-    styles: dict = field(default_factory=dict)        # parameter name -> "column", "row", "replicate", ...
-    alternatives: dict = field(default_factory=dict)  # node name -> the solver's options, priced
-    shapes: dict = field(default_factory=dict)        # parameter name -> full shape
-    replicated_ops: list = field(default_factory=list)  # ops without a sharding rule (run replicated)
-    cost: dict = field(default_factory=dict)
-    mesh: dict = field(default_factory=lambda: {"tp": None})
-    fold: dict | None = None  # {"path", "count"}: nodes describe blocks 0, 1, N-2, N-1; block 1 stands for 1..N-3
+    nodes: dict[str, Any]                # node name -> {"in": [...], "out": ...} placements as strings
+    params: dict[str, str]               # parameter name -> placement string
+    collectives: list[dict[str, Any]] = field(default_factory=list)  # what the rewriter will insert, for reports
+    styles: dict[str, str] = field(default_factory=dict)  # parameter name -> "column", "row", "replicate", ...
+    alternatives: dict[str, Any] = field(default_factory=dict)  # node name -> the solver's options, priced
+    shapes: dict[str, list[int]] = field(default_factory=dict)  # parameter name -> full shape
+    replicated_ops: list[str] = field(default_factory=list)  # ops without a sharding rule (run replicated)
+    cost: dict[str, Any] = field(default_factory=dict)
+    mesh: dict[str, Any] = field(default_factory=lambda: {"tp": None})
+    # {"path", "count"}: nodes describe blocks 0, 1, N-2, N-1; block 1 stands for 1..N-3
+    fold: dict[str, Any] | None = None
     version: int = SCHEMA_VERSION
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.mesh.get("tp") is None:
             self.mesh = {**self.mesh, "tp": self.world_size}
 
-    def placement(self, param: str):
+    def placement(self, param: str) -> Any:
         return parse(self.params[param])
 
-    def layout(self, param: str) -> tuple:
+    def layout(self, param: str) -> tuple[Any, int | None]:
         """(placement, full size of its sharded dim or None)."""
         placement = parse(self.params[param])
         return placement, self.shapes[param][placement.dim] if isinstance(placement, Shard) else None
 
-    def collective_counts(self, phase: str) -> Counter:
+    def collective_counts(self, phase: str) -> Counter[str]:
         """How many of each collective one step runs in ``phase`` (folded blocks counted as often as they run)."""
-        found: Counter = Counter()
+        found: Counter[str] = Counter()
         for c in self.collectives:
             if c["phase"] == phase:
                 found[c["op"]] += c.get("count", 1)
         return found
 
-    def strategy(self, node_name: str):
+    def strategy(self, node_name: str) -> tuple[list[Any], Any]:
         entry = self.nodes[node_name]
         return [parse(p) for p in entry["in"]], parse(entry["out"])
 
@@ -112,5 +114,5 @@ class Plan:
         return cls.from_json(Path(path).read_text())
 
     @staticmethod
-    def encode(strategy) -> dict:
+    def encode(strategy: Any) -> dict[str, Any]:
         return {"in": [dump(p) for p in strategy.inputs], "out": dump(strategy.output)}

@@ -1,9 +1,10 @@
 """The package's shape, as docs/development.md states it: folders by stage with imports one way, one op table
 (no aten-op group elsewhere, aten ops named only in ops/ and canonicalize/), one base name per module, short files,
-and a wheel that holds every subpackage."""
+a wheel that holds every subpackage, and a layout table that lists every module."""
 from __future__ import annotations
 
 import ast
+import re
 import shutil
 import subprocess
 import sys
@@ -151,3 +152,26 @@ def test_the_wheel_holds_every_subpackage(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     missing = [f for f in data if not (unpacked / f).exists()]
     assert not missing and len(packages) > 5
+
+
+def _layout_rows() -> dict[str, str]:
+    """docs/development.md's layout table: each row's first cell's paths (``autotp/ops/``, ``autotp/api.py``) ->
+    the row."""
+    text = (ROOT / "docs" / "development.md").read_text().partition("## Layout")[2].partition("\n#")[0]
+    rows = [line for line in text.splitlines() if line.startswith("| `autotp")]
+    return {path: row for row in rows for path in re.findall(r"`(autotp/[^`]*)`", row.split("|")[1])}
+
+
+def test_the_layout_table_lists_every_module():
+    """Every module appears in docs/development.md's layout table, in its folder's row (``name.py`` or
+    ``name``), or as a row of its own at the top level."""
+    rows = _layout_rows()
+    missing = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        relative = path.relative_to(ROOT).as_posix()
+        if path.name == "__init__.py":
+            continue
+        row = rows.get(relative) or rows.get(path.parent.relative_to(ROOT).as_posix() + "/", "")
+        if relative not in rows and not re.search(rf"`{path.stem}(?:\.py)?`", row):
+            missing.append(relative)
+    assert not missing, "modules docs/development.md's layout table leaves out:\n" + "\n".join(missing)

@@ -144,7 +144,7 @@ def members(segments: list[Segment]) -> dict:
 def dispatch(gm: torch.fx.GraphModule, segment: Segment, owners: list, group: Group, copies: Group | None,
              where: str) -> None:
     """Replace ``segment`` in ``gm`` (this rank's program, tables already this rank's experts) by one call of
-    runtime.dispatch.ExpertDispatch on a sub-GraphModule of the segment's own nodes."""
+    runtime.expert_dispatch.ExpertDispatch on a sub-GraphModule of the segment's own nodes."""
     graph = gm.graph  # the rewrite may have put conversions between the segment's nodes: they belong to it
     inside = (_related(segment.nodes, lambda n: n.users) & _related([segment.exit], lambda n: n.all_input_nodes)) | \
         set(segment.nodes)

@@ -99,7 +99,7 @@ def _partial(node: Node, ctx: Context) -> list[Strategy]:
 def linear(node: Node, ctx: Context) -> list[Strategy]:
     """Megatron's column split (weight rows) and row split (weight columns -> partial sums)."""
     x, w = node.args[0], node.args[1]
-    assert len(node.args) < 3 or node.args[2] is None, "bias is split off by passes.decompose"
+    assert len(node.args) < 3 or node.args[2] is None, "bias is split off before the rules (split_bias)"
     out = ctx.shape(node)
     last, xlast = len(out) - 1, len(ctx.shape(x)) - 1
     found = [Strategy(ctx.fill(node, {w: s.at(0)}), s) for s in ctx.shard_options(node, last)]

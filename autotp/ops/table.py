@@ -1,6 +1,6 @@
 """The op table: what each ATen op autotp knows is, in one place.
 
-A row (passes/semantics.Op) says how the op may be sharded (its rule), whether its output is a view of its
+A row (ops/semantics.Op) says how the op may be sharded (its rule), whether its output is a view of its
 input and whether a parameter seen through it is still the parameter, how many FLOPs a product costs, in
 which operands it is linear (partial sums pass through), how it carries expert rows, what its backward keeps
 and how it is rewritten for one rank.  Rules, what the backward keeps (passes/kept_tensors.py), recomputation, graph

@@ -2,32 +2,43 @@
 alternatives the solver had, each priced with its neighbours' choices fixed."""
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
 import torch
+from torch.fx import Node
 
 from autotp.canonicalize.graph_edits import module_path
 from autotp.cost_models import collective_time
 from autotp.cost_models.communication import backward_collective, reshard_collective
 from autotp.cost_models.pricing import Sizes, conversion_seconds, kept_bytes, op_seconds, regather_time
 from autotp.cost_models.topology import Topology
-from autotp.ops.strategies import Context, input_slots, is_placed, needs_grad, on_tokens
+from autotp.ops.strategies import Strategy, input_slots, is_placed, needs_grad, on_tokens
 from autotp.passes.gradients import gradient_sums, partial_grad, partial_params
 from autotp.passes.kept_tensors import kept, kept_whole, regathered
 from autotp.placement import R, Routed, Shard, dump
 
+if TYPE_CHECKING:
+    from autotp.ops.expert_segments import Segment
+    from autotp.planning.candidates import Candidates
 
-def planned_collectives(gm: torch.fx.GraphModule, choice: dict, world: int, topology: Topology,
-                        sizes: Sizes | None = None, weights: dict | None = None, training: bool = True,
-                        per_reader: bool = False) -> list[dict]:
+Choice = dict[Node, Strategy]  # node -> the strategy a plan gives it
+
+
+def planned_collectives(gm: torch.fx.GraphModule, choice: Choice, world: int, topology: Topology,
+                        sizes: Sizes | None = None, weights: Mapping[Node, int] | None = None, training: bool = True,
+                        per_reader: bool = False) -> list[dict[str, Any]]:
     """The collectives the rewriter will insert for ``choice`` (one per tensor and target placement;
     ``count``: how many real tensors a folded graph's node stands for; ``regather``: a backward all-gather of
     tokens kept as this rank's piece, runtime/activations.py; ``tensors``: the replicated parameters whose partial
-    gradients one all-reduce sums, passes/strategies.partial_params); an inference plan (``training=False``) lists
+    gradients one all-reduce sums, passes/gradients.partial_params); an inference plan (``training=False``) lists
     the forward's alone; ``per_reader``: each reader sums its input's partial gradient itself (solve.Imposed)."""
     grad = needs_grad(gm)
     # ranks sharing a unit sum its gradient (a bias with its weight)
-    found: dict = {(members[0], "group"): ("backward", "all_reduce") for members in gradient_sums(gm, choice, world)}
+    found: dict[tuple[Any, ...], tuple[Any, ...]] = {
+        (members[0], "group"): ("backward", "all_reduce") for members in gradient_sums(gm, choice, world)}
     pieces = regathered(choice, grad)
-    routed: list = []      # (tensor, have, want) entering or leaving a routed segment
+    routed: list[tuple[Node, Any, Any]] = []  # (tensor, have, want) entering or leaving a routed segment
     together = partial_params(gm, choice, grad)  # one all-reduce for each list (of a dtype)
     alone = {member for members in together for member in members}
     for node in gm.graph.nodes:
@@ -71,16 +82,17 @@ def planned_collectives(gm: torch.fx.GraphModule, choice: dict, world: int, topo
     return listed if training else [c for c in listed if c["phase"] == "forward"]  # inference runs no backward
 
 
-def _dispatched(gm: torch.fx.GraphModule, choice: dict, routed: list, world: int, topology: Topology, sizes: Sizes,
-                count, grad: set) -> list[dict]:
+def _dispatched(gm: torch.fx.GraphModule, choice: Choice, routed: list[tuple[Node, Any, Any]], world: int,
+                topology: Topology, sizes: Sizes, count: Callable[[Node, int], int],
+                grad: set[Node]) -> list[dict[str, Any]]:
     """The all-to-alls of expert segments (runtime/expert_dispatch.py): a routed segment's row counts, each row
     tensor's dispatch and the exit's combine (with the all-gather among TP ranks holding the same tokens,
     and the gathered gradient of the rows they sent); a segment dispatched over a mesh's "ep" ranks the
     same all-to-alls over them."""
     experts = sizes.experts
-    found = []
+    found: list[dict[str, Any]] = []
 
-    def add(op: str, phase: str, src, nbytes: float, ranks: int, group: str, **extra):
+    def add(op: str, phase: str, src: Node, nbytes: float, ranks: int, group: str, **extra: Any) -> None:
         found.append({"op": op, "phase": phase, "tensor": src.name, "module": _module(src), "bytes": nbytes,
                       "seconds": collective_time(op, nbytes, ranks, topology), "count": count(src, 1),
                       "group": group, **extra})
@@ -116,17 +128,17 @@ def _dispatched(gm: torch.fx.GraphModule, choice: dict, routed: list, world: int
     return found
 
 
-def _feeds(src: torch.fx.Node, segment) -> bool:
+def _feeds(src: torch.fx.Node, segment: Segment) -> bool:
     return any(user in segment.nodes for user in src.users)
 
 
 def _module(node: torch.fx.Node) -> str:
     """The module a tensor belongs to: its producer's, or for a parameter its owner's."""
-    return module_path(node) or (node.target.rpartition(".")[0] if node.op == "get_attr" else "")
+    return module_path(node) or (str(node.target).rpartition(".")[0] if node.op == "get_attr" else "")
 
 
-def alternatives(gm: torch.fx.GraphModule, ctx: Context, choice: dict, topology: Topology, training: bool,
-                 sizes: Sizes | None = None) -> dict:
+def alternatives(gm: torch.fx.GraphModule, ctx: Candidates, choice: Choice, topology: Topology, training: bool,
+                 sizes: Sizes | None = None) -> dict[str, list[dict[str, Any]]]:
     """node name -> [{"in", "out", "seconds", "kept", "chosen"}] for ops that had a choice, cheapest first
     (``kept``: bytes per device its backward keeps under that option).
 
@@ -137,7 +149,7 @@ def alternatives(gm: torch.fx.GraphModule, ctx: Context, choice: dict, topology:
     sizes = sizes or Sizes()
     world = ctx.world
     grad = needs_grad(gm) if training else set()
-    users_of: dict = {}
+    users_of: dict[Node, list[Any]] = {}
     for node in gm.graph.nodes:
         wants = choice[node].inputs if node in choice else [R] * len(input_slots(node))
         if node in choice or node.op == "output":
@@ -151,7 +163,7 @@ def alternatives(gm: torch.fx.GraphModule, ctx: Context, choice: dict, topology:
             continue
         priced = []
         for s in options:
-            total = op_seconds(node, s, sizes, world, topology, training)
+            total: float | None = op_seconds(node, s, sizes, world, topology, training)
             moves = [(choice[src].output, want, src) for src, want in zip(input_slots(node), s.inputs, strict=True)
                      if src in choice and is_placed(src) and want is not None]
             moves += [(s.output, want, node) for want in users_of.get(node, [])]
@@ -167,11 +179,13 @@ def alternatives(gm: torch.fx.GraphModule, ctx: Context, choice: dict, topology:
     return out
 
 
-def _regathered_near(node: torch.fx.Node, strategy, choice: dict, whole: dict, grad: set) -> list:
+def _regathered_near(node: torch.fx.Node, strategy: Strategy, choice: Choice, whole: Mapping[Node, set[Node]],
+                     grad: set[Node]) -> list[Node]:
     """The tensors re-gathered in the backward (saved.regathered) that ``node`` produces or keeps, were it to
     take ``strategy`` with every other op as chosen (``whole``: kept_whole of the chosen plan)."""
     keeps = {item.tensor for item in kept(node, strategy, grad) if item.kind == "value" and item.placement == R}
-    found = {}  # in graph order (fx nodes compare by position): the seconds summed are the same in every process
+    # in graph order (fx nodes compare by position): the seconds summed are the same in every process
+    found: dict[Node, None] = {}
     for tensor in sorted(keeps | {node}):
         producer = strategy if tensor is node else choice.get(tensor)
         keepers = (whole.get(tensor, set()) - {node}) | ({node} & keeps)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import Any
 
 import torch
 from torch.fx import Node
@@ -22,15 +23,16 @@ from autotp.placement import R, Replicate, Routed, Shard
 class Candidates:
     """What the solver chooses among, on ``world`` ranks."""
     world: int
-    strategies: Mapping  # node -> list[Strategy], in graph order; the all-replicated one first
-    unruled: Mapping     # ops on the weights' path without a rule for this use -> why, in a line
-    segments: Mapping    # node -> its expert segment (ops/expert_segments.py)
+    strategies: Mapping[Node, list[Strategy]]  # in graph order; the all-replicated one first
+    unruled: Mapping[str, str]  # ops on the weights' path without a rule for this use -> why, in a line
+    segments: Mapping[Node, Any]  # node -> its expert segment (ops/expert_segments.py)
 
 
 def enumerate_strategies(gm: torch.fx.GraphModule, ctx: Context) -> Candidates:
     """Every node's strategies: all-replicated, and what its row's rule (``ctx.ops``) proposes (none inside a
     vmap)."""
-    weighted, unruled = ctx.grad, {}
+    weighted = ctx.grad
+    unruled: dict[str, str] = {}
     batched = vmapped(gm.graph)
     for node in gm.graph.nodes:
         if node.op in ("output", "call_module") or ctx.op(node.target).observer:
@@ -53,7 +55,7 @@ def enumerate_strategies(gm: torch.fx.GraphModule, ctx: Context) -> Candidates:
                       ctx.segments)
 
 
-def _unruled(node: Node, ctx: Context, batched: set) -> str:
+def _unruled(node: Node, ctx: Context, batched: set[Node]) -> str:
     if node in batched:
         return "computed inside a vmap, where its shapes are one example's"
     if ctx.op(node.target).rule is None:
@@ -74,7 +76,7 @@ def _add_parameter_options(gm: torch.fx.GraphModule, ctx: Context) -> None:
     largest = max((sizes[n] for n in nodes if n.target in trainable), default=0)
     for node in nodes:
         wanted = {R}.union(*(_wanted(node, user, ctx) for user in node.users))
-        options = {p for p in wanted if isinstance(p, (Replicate, Shard, Routed))}
+        options: set[Any] = {p for p in wanted if isinstance(p, (Replicate, Shard, Routed))}
         suits_all = {p for p in options if isinstance(p, (Shard, Routed)) and _carried(node, p, ctx, {})}
         if node.target in trainable and suits_all and sizes[node] >= ctx.min_shard_fraction * largest:
             options = suits_all
@@ -83,13 +85,13 @@ def _add_parameter_options(gm: torch.fx.GraphModule, ctx: Context) -> None:
         ctx.strategies[node] = [Strategy((), p) for p in sorted(options, key=str)]
 
 
-def _wanted(node: Node, user: Node, ctx: Context) -> set:
+def _wanted(node: Node, user: Node, ctx: Context) -> set[Any]:
     """The placements of ``node`` that some strategy of ``user`` reads it in."""
     return {p for strategy in ctx.strategies.get(user, [])
             for slot, p in zip(input_slots(user), strategy.inputs, strict=True) if slot is node}
 
 
-def _carried(node: Node, placement, ctx: Context, seen: dict) -> bool:
+def _carried(node: Node, placement: Any, ctx: Context, seen: dict[tuple[Node, Any], bool]) -> bool:
     """Every user of ``node`` can read it in ``placement`` without a collective: a compute op has a strategy
     for it; a layout op (a transpose, a view, an expert's slice ``w[ids]``) has one whose output is carried
     on in turn.  A parameter offered only such shards is never gathered, however many views it passes."""

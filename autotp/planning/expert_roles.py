@@ -9,8 +9,11 @@ parameter bytes, per sample.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any, cast
 
 import torch
+from torch.fx import Node
 
 from autotp.cost_models.expert_layout import Experts
 from autotp.cost_models.pricing import Sizes, op_memory, op_seconds, product_shape
@@ -23,14 +26,14 @@ from autotp.planning.solve import PlanningError
 from autotp.planning.tensor_plan import solve_plan
 
 
-def expert_part(gm: torch.fx.GraphModule, topology: Topology, sizes: Sizes) -> tuple[set, set] | None:
+def expert_part(gm: torch.fx.GraphModule, topology: Topology, sizes: Sizes) -> tuple[set[Node], set[Node]] | None:
     """(ops computing routed rows, expert parameters), or None for a graph without routed experts."""
     if "autotp_expert_part" not in gm.meta:
         gm.meta["autotp_expert_part"] = _expert_part(gm, topology, sizes)
-    return gm.meta["autotp_expert_part"]
+    return cast("tuple[set[Node], set[Node]] | None", gm.meta["autotp_expert_part"])
 
 
-def _expert_part(gm: torch.fx.GraphModule, topology: Topology, sizes: Sizes) -> tuple[set, set] | None:
+def _expert_part(gm: torch.fx.GraphModule, topology: Topology, sizes: Sizes) -> tuple[set[Node], set[Node]] | None:
     try:
         plan = solve_plan(gm, 2, PlanOptions(topology=topology, training=False, memory_limit=math.inf,
                                          experts="parallel", sequence_parallel=False), sizes=sizes)
@@ -38,28 +41,29 @@ def _expert_part(gm: torch.fx.GraphModule, topology: Topology, sizes: Sizes) -> 
         return None
     nodes = {n.name: n for n in gm.graph.nodes}
 
-    def disjoint(out) -> bool:
+    def disjoint(out: Any) -> bool:
         return isinstance(out, Disjoint) or (isinstance(out, tuple) and any(map(disjoint, out)))
     ops = {nodes[name] for name, entry in plan.nodes.items() if disjoint(parse(entry["out"]))}
     params = {p for node in ops for a in input_slots(node) for p in _stored(a)}
     return (ops, params) if params else None
 
 
-def _stored(node: torch.fx.Node) -> list:
+def _stored(node: torch.fx.Node) -> list[Node]:
     """The parameters a value is (through layout ops: a transpose, ``w[ids]``)."""
     if node.op == "get_attr":
         return [node]
     if node.op == "call_function" and op(node.target).layout and node.args:
-        return _stored(node.args[0])
+        return _stored(cast(Node, node.args[0]))
     return []
 
 
-def block_experts(part: tuple[set, set], choice: dict, where: dict, sizes: Sizes, tp: int, topology: Topology,
-                  training: bool, trainable: dict, unit: int, scale: float) -> dict:
+def block_experts(part: tuple[set[Node], set[Node]], choice: Mapping[Node, Strategy], where: Mapping[Node, Any],
+                  sizes: Sizes, tp: int, topology: Topology, training: bool, trainable: dict[str, Any], unit: int,
+                  scale: float) -> dict[Any, Experts]:
     """Block key -> its Experts under the TP plan ``choice`` (seconds multiplied by ``scale``, as the planner's
     sections are to the solver's total), per sample."""
     ops, params = part
-    found: dict = {}
+    found: dict[Any, Experts] = {}
     for node in (n for n in choice if n in ops or n in params):
         e = found.setdefault(where[node], Experts(0, [], 0.0, 0.0))
         strategy = choice[node]

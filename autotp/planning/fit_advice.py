@@ -2,17 +2,22 @@
 needs; beyond a node, the ``autotp mesh`` command that lays the rest out over nodes."""
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from torch.fx import Node
+
 from autotp.cost_models.memory import smallest_fitting_world
 from autotp.cost_models.pricing import Sizes, kept_bytes, op_memory
 from autotp.placement import Shard
 from autotp.planning.candidates import Candidates
 
 
-def fit_advice(ctx: Candidates, x: dict, sizes: Sizes, limit: float, trainable: dict, training: bool, w,
-               grad: set, per_node: int) -> str:
+def fit_advice(ctx: Candidates, x: Mapping[Node, list[Any]], sizes: Sizes, limit: float, trainable: dict[str, Any],
+               training: bool, w: Callable[[Node, int], float], grad: set[Node], per_node: int) -> str:
     """What would fit: the smallest world size for the current plan's memory, or the memory it needs."""
     replicated = sharded = 0.0
-    activations: dict = {}
+    activations: dict[tuple[Any, ...], float] = {}
     for node, options in ctx.strategies.items():
         for var, s in zip(x[node], options, strict=True):
             if (var.value() or 0) > 0.5:

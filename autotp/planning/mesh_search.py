@@ -16,6 +16,7 @@ import dataclasses
 import json
 import math
 from dataclasses import asdict, dataclass, replace
+from typing import Any, cast
 
 import torch
 
@@ -53,14 +54,14 @@ ACTIVATION_MODEL = ("activations: every op output the backward keeps, counted pe
 @dataclass
 class MeshPlan:
     choice: Candidate
-    candidates: list
+    candidates: list[Candidate]
     devices: int
     topology: str
     data_parallel: str
     global_batch: int
     activation_model: str = ACTIVATION_MODEL
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         c = self.choice
         keys = ("tp", "pp", "dp", "ep", "etp", "microbatches", "microbatch_size", "schedule", "virtual_stages",
                 "bubble",
@@ -74,7 +75,8 @@ class MeshPlan:
         return json.dumps(self.to_dict(), indent=1)
 
 
-def plan_mesh(model: torch.nn.Module, args=None, kwargs=None, **options) -> MeshPlan:
+def plan_mesh(model: torch.nn.Module, args: Any = None, kwargs: dict[str, Any] | None = None,
+              **options: Any) -> MeshPlan:
     """The fastest tp x pp x dp (x ep) layout of ``devices`` (default: all of the topology) that fits, with its
     micro-batches, schedule and stage boundaries.  ``args`` are one micro-batch's example inputs (their batch dim
     may be 1); ``options``: SearchOptions' fields (autotp/options.py).  Raises PlanningError, saying what would
@@ -84,7 +86,7 @@ def plan_mesh(model: torch.nn.Module, args=None, kwargs=None, **options) -> Mesh
     return search_mesh(prepared_graph(model, args, kwargs, fold=True), search)
 
 
-def plan_mesh_for_graph(gm: torch.fx.GraphModule, **options) -> MeshPlan:
+def plan_mesh_for_graph(gm: torch.fx.GraphModule, **options: Any) -> MeshPlan:
     """plan_mesh on an already captured (folded) graph."""
     (search,) = from_keywords(options, (SearchOptions,), "plan_mesh_for_graph")
     return search_mesh(gm, search)
@@ -98,10 +100,11 @@ def search_mesh(gm: torch.fx.GraphModule, search: SearchOptions) -> MeshPlan:
     limit = device_limit(topo, search.memory_limit)
     flops = model_flops(gm, sizes) / unit * global_batch if training else 0.0
     # TP stays inside a node (Narayanan et al. 2021 section 3.3)
-    tp_sizes, profiles = [tp for tp in pipe.divisors(devices) if tp <= topo.gpus_per_node], []
+    tp_sizes = [tp for tp in pipe.divisors(devices) if tp <= topo.gpus_per_node]
+    profiles: list[Profile] = []
     with step("planning each tensor-parallel size", total=len(tp_sizes)) as advance:
         for tp in tp_sizes:
-            profiles.append(tp_profile(gm, tp, topo, training, sizes, unit))
+            profiles.append(cast(Profile, tp_profile(gm, tp, topo, training, sizes, unit)))  # None only with tokens
             advance()
     setting = Setting(topo, global_batch, training, data_parallel, limit, flops, search.expert_imbalance,
                       search.overlap_all_to_all)
@@ -117,7 +120,7 @@ def search_mesh(gm: torch.fx.GraphModule, search: SearchOptions) -> MeshPlan:
     return MeshPlan(found[0], found, devices, topo.name, data_parallel, global_batch)
 
 
-def price_layout(gm: torch.fx.GraphModule, layout: Candidate, **options) -> Candidate:
+def price_layout(gm: torch.fx.GraphModule, layout: Candidate, **options: Any) -> Candidate:
     """``layout`` (tp, pp, dp, micro-batch size, schedule, virtual stages, recomputation) priced as plan_mesh prices
     its candidates, on an already captured (folded) graph: its stages, step time and memory per device (a note
     instead of a step time when that is over the limit).  What a runtime layout is promised, to compare with it.
@@ -138,7 +141,7 @@ def price_layout(gm: torch.fx.GraphModule, layout: Candidate, **options) -> Cand
 
 def _cluster(search: SearchOptions) -> tuple[Topology, int]:
     """The topology and device count of a request, checked."""
-    topo = load_topology(search.topology, search.nodes)
+    topo = load_topology(search.topology, search.nodes)  # type: ignore[arg-type]  # options.py: topology: object
     devices = search.devices or topo.devices
     if not isinstance(devices, int) or devices < 1:
         raise ValueError(f"devices must be a positive integer, got {devices!r}")
@@ -153,16 +156,17 @@ def _cluster(search: SearchOptions) -> tuple[Topology, int]:
 TIE = 0.01
 
 
-def _layouts(profiles: list, devices: int, setting: Setting) -> list[Candidate]:
+def _layouts(profiles: list[Profile], devices: int, setting: Setting) -> list[Candidate]:
     """The best layout per (tp, pp, dp, ep, etp) over the profiles (plain, sequence parallel, ...), fastest fitting
     first."""
     found = [c for p in profiles if devices % p.tp == 0 for c in _best_layout(p, devices, setting)]
-    best: dict = {}
+    best: dict[tuple[int | None, ...], Candidate] = {}
     for c in sorted(found, key=lambda c: (not c.fits, c.step_seconds or 0.0, c.memory_bytes or math.inf)):
         best.setdefault((c.tp, c.pp, c.dp, c.ep, c.etp), c)
     ranked = list(best.values())
     if ranked and ranked[0].fits:  # estimates within TIE of the fastest are a tie: fewer pipeline stages win
-        close = [c for c in ranked if c.fits and c.step_seconds <= ranked[0].step_seconds * (1 + TIE)]
+        fastest = cast(float, ranked[0].step_seconds)  # it fits
+        close = [c for c in ranked if c.fits and cast(float, c.step_seconds) <= fastest * (1 + TIE)]
         chosen = min(close, key=lambda c: (c.pp, -c.tp, c.step_seconds))
         ranked.remove(chosen)
         ranked.insert(0, chosen)
@@ -183,7 +187,7 @@ def tp_profile(gm: torch.fx.GraphModule, tp: int, topo: Topology, training: bool
             if not tokens:
                 raise
             cache[key] = None
-    return cache[key]
+    return cast("Profile | None", cache[key])
 
 
 def _read_profile(gm: torch.fx.GraphModule, tp: int, topo: Topology, training: bool, sizes: Sizes,
@@ -192,13 +196,15 @@ def _read_profile(gm: torch.fx.GraphModule, tp: int, topo: Topology, training: b
     plan = solve_plan(gm, tp, PlanOptions(topology=topo, training=training, memory_limit=math.inf,
                                       sequence_parallel=tokens, recompute="selective" if cores else False,
                                       experts="tensor" if part else None), sizes=sizes)
-    where, count, fold = sections(gm)
+    where, blocks, fold = sections(gm)
+    count = cast(int, blocks)  # a block count where the graph is folded (fold), unread otherwise
     nodes = {n.name: n for n in gm.graph.nodes}
     trainable = dict(gm.named_parameters(remove_duplicate=False))
-    kept: dict = {}
+    kept: dict[Any, Section] = {}
     choice = {nodes[name]: Strategy(tuple(parse(p) for p in entry["in"]), parse(entry["out"]))
               for name, entry in plan.nodes.items()}
-    tied, both = {}, read_at_both_ends(where)
+    tied: dict[str, float] = {}
+    both = read_at_both_ends(where)
     for node, strategy in choice.items():
         section = kept.setdefault(where[node], Section())
         section.seconds += op_seconds(node, strategy, sizes, tp, topo, training)
@@ -252,7 +258,7 @@ def _best_layout(profile: Profile, devices: int, setting: Setting) -> list[Candi
                        for recompute in ((False, True) if setting.training and profile.stackable else (False,))]
             fitting = [c for c in options if c.fits]
             found.append(min(fitting, key=lambda c: (c.step_seconds, c.memory_bytes)) if fitting
-                         else min(options, key=lambda c: c.memory_bytes))
+                         else min(options, key=lambda c: cast(float, c.memory_bytes)))
     return found
 
 
@@ -261,7 +267,7 @@ SCHEDULES = (("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2), ("Interleaved1F1
              ("InterleavedZeroBubble", 4), ("ZBVZeroBubble", 2), ("DualPipeV", 2))
 
 
-def _schedules(pp: int, microbatches: int, blocks: int) -> list:
+def _schedules(pp: int, microbatches: int, blocks: int) -> list[tuple[str | None, int]]:
     """The schedules (and stages per rank) that run ``microbatches`` on ``pp`` ranks of ``blocks`` blocks; several
     stages per rank only with whole rounds of micro-batches (a multiple of pp), which every such schedule runs."""
     if pp == 1:
@@ -279,11 +285,12 @@ def _runs(name: str, pp: int, virtual: int, microbatches: int) -> bool:
     return True
 
 
-def _advice(candidates: list, profiles: list, devices: int, setting: Setting) -> str:
+def _advice(candidates: list[Candidate], profiles: list[Profile], devices: int, setting: Setting) -> str:
     """Why nothing fits (the leanest layout's need) and what would: FSDP instead of DDP, or more devices."""
     topo = setting.topology
-    least = min((c for c in candidates if c.memory_bytes is not None), key=lambda c: c.memory_bytes, default=None)
-    if least is None:
+    least = min((c for c in candidates if c.memory_bytes is not None), key=lambda c: cast(float, c.memory_bytes),
+                default=None)
+    if least is None or least.memory_bytes is None:
         return "no layout of the devices divides the global batch: " + "; ".join(sorted({c.note for c in candidates}))
     found = (f"nothing fits {setting.limit / 1e9:.1f} GB per device on {devices} devices of {topo.name}: the "
              f"leanest layout ({layout_name(least)}, micro-batch {least.microbatch_size}"

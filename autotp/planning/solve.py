@@ -40,11 +40,13 @@ constraint couples the blocks and CBC stays fast; the capacity constraint is add
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import pulp
 import torch
+from torch.fx import Node
 
 from autotp.cost_models import collective_time
 from autotp.cost_models.memory import breakdown
@@ -60,7 +62,7 @@ from autotp.cost_models.pricing import (
 )
 from autotp.cost_models.topology import Topology
 from autotp.ops.semantics import shared_with_writes
-from autotp.ops.strategies import input_slots, is_placed, needs_grad, on_tokens
+from autotp.ops.strategies import Strategy, input_slots, is_placed, needs_grad, on_tokens
 from autotp.ops.table import stored_views
 from autotp.options import PlanOptions
 from autotp.passes.gradients import bias_weights, coalesced, partial_grad
@@ -85,7 +87,7 @@ class Imposed:
     want)`` says where a value may change placement (None: wherever a conversion exists); with
     ``grad_sums_per_reader`` each reader of a replicated value sums its own gradient (a hook per module), not one
     sum per value."""
-    conversions: Callable | None = None
+    conversions: Callable[[Node, Node, Any, Any], bool] | None = None
     grad_sums_per_reader: bool = False
 
 
@@ -95,18 +97,18 @@ class DoesNotFit(PlanningError):
 
 @dataclass
 class Solution:
-    choice: dict          # node -> Strategy
+    choice: dict[Node, Strategy]
     seconds: float        # estimated step time of the chosen plan
     compute: float        # the ops' own part of it (recomputation and grouped weights' gradient sums included)
-    memory: dict          # estimated bytes per device by kind (cost_models.memory.breakdown)
-    recomputed: list = field(default_factory=list)  # attention cores whose backward computes them again
-    regathers: dict = field(default_factory=dict)   # tensor kept as token pieces -> its backward re-gather's
-    #                                                 {"bytes", "count" (folded), "seconds" (all counts)}
+    memory: dict[str, float]  # estimated bytes per device by kind (cost_models.memory.breakdown)
+    recomputed: list[list[Node]] = field(default_factory=list)  # attention cores whose backward computes them again
+    # tensor kept as token pieces -> its backward re-gather's {"bytes", "count" (folded), "seconds" (all counts)}
+    regathers: dict[Node, dict[str, float]] = field(default_factory=dict)
 
 
 def solve(gm: torch.fx.GraphModule, found: Candidates, topology: Topology, options: PlanOptions, *,
-          sizes: Sizes | None = None, weights: dict | None = None, ties: list = (), recompute: str = "off",
-          imposed: Imposed | None = None) -> Solution:
+          sizes: Sizes | None = None, weights: Mapping[Node, int] | None = None,
+          ties: Sequence[tuple[Node, Node]] = (), recompute: str = "off", imposed: Imposed | None = None) -> Solution:
     """The fastest plan whose estimated memory per device fits ``options.memory_limit`` (cost_models.memory).
 
     ``weights``: node -> how many real nodes it stands for (folded blocks); a conversion or gradient sum is
@@ -135,18 +137,23 @@ class Ilp:
     """The problem under construction: the choice variables x and the objective's and memory's terms, by kind."""
 
     def __init__(self, gm: torch.fx.GraphModule, found: Candidates, topology: Topology, options: PlanOptions,
-                 sizes: Sizes, weights: dict, imposed: Imposed):
+                 sizes: Sizes, weights: Mapping[Node, int], imposed: Imposed) -> None:
         self.gm, self.found, self.topology, self.sizes = gm, found, topology, sizes
         self.world, self.training, self.gather_outputs = found.world, options.training, options.gather_outputs
         self.weight = weights.get
         self.problem = pulp.LpProblem("autotp", pulp.LpMinimize)
         self.trainable = dict(gm.named_parameters(remove_duplicate=False))
         self.grad = needs_grad(gm) if self.training else set()
-        self.costs, self.compute, self.memory, self.kinds, self.preference = [], [], [], {}, []
+        self.costs: list[Any] = []  # PuLP expressions
+        self.compute: list[Any] = []
+        self.memory: list[Any] = []
+        self.kinds: dict[str, list[Any]] = {}
+        self.preference: list[Any] = []
         self.pairs = {b: a for b, a in bias_weights(gm).items() if self.training
                       and {a, b} <= found.strategies.keys() and {a.target, b.target} <= self.trainable.keys()}
-        self.x: dict = {}
-        self.saves: dict = {}  # kept tensor key -> (bytes, options that keep it, nodes)
+        self.x: dict[Node, list[Any]] = {}
+        # kept tensor key -> (bytes, options that keep it, nodes)
+        self.saves: dict[tuple[Any, ...], tuple[float, list[Any], set[Node]]] = {}
         self.latency = collective_time("all_reduce", 0.0, self.world, topology)
         self.imposed = imposed
 
@@ -171,7 +178,7 @@ class Ilp:
                     self.saves.setdefault(key, (held, [], set()))[1].append(var)
                     self.saves[key][2].add(node)
 
-    def recompute(self, cores: list, forced: bool, ties) -> list:
+    def recompute(self, cores: list[list[Node]], forced: bool, ties: Sequence[tuple[Node, Node]]) -> list[Any]:
         """r: one 0/1 choice per core (1 when ``forced``; tied cores of folded blocks alike), priced at the forward
         time of the core's ops under the options chosen for them, paid again in the backward."""
         problem, chosen = self.problem, []
@@ -193,13 +200,14 @@ class Ilp:
         self.costs += self.compute
         return chosen
 
-    def activations(self, cores: list, again: list) -> dict:
+    def activations(self, cores: list[list[Node]], again: list[Any]) -> dict[Node, tuple[Any, dict[str, float]]]:
         """a: each kept tensor held once if any chosen strategy keeps it; only this rank's piece of tokens that
         are all-gathered again in the backward; nothing of what a recomputed core frees."""
         problem, w, t, found = self.problem, self.weight, self.world, self.found
         frees = {key: r for core, r in zip(cores, again, strict=True)
                  for key in dropped({key: nodes for key, (_, _, nodes) in self.saves.items()}, core)}
-        gathers: dict = {}  # tensor kept as token pieces -> (1 iff re-gathered in the backward, its seconds)
+        # tensor kept as token pieces -> (1 iff re-gathered in the backward, its seconds)
+        gathers: dict[Node, tuple[Any, dict[str, float]]] = {}
         for k, (key, (held, chosen, _)) in enumerate(self.saves.items()):
             kept_var = problem.add_variable(f"a{k}", lowBound=0, upBound=1)  # 1 iff some chosen option keeps it
             problem += kept_var <= pulp.lpSum(chosen)
@@ -237,7 +245,7 @@ class Ilp:
                 if s.output == R or isinstance(s.output, Partial):
                     self.problem += var == 0
 
-    def tie(self, ties) -> None:
+    def tie(self, ties: Sequence[tuple[Node, Node]]) -> None:
         """Tied nodes (a folded block's stand-ins) choose alike."""
         for a, b in ties:
             for va, vb in zip(self.x.get(a, ()), self.x.get(b, ()), strict=True):
@@ -253,13 +261,14 @@ class Ilp:
                         self.problem += summed >= var
             self.costs.append(summed * self.weight(weight, 1) * self.latency)
 
-    def edges(self) -> dict:
+    def edges(self) -> dict[tuple[Node, Node | None], Any]:
         """z and n: what each reader needs of each value, converted once per (tensor, from, to); g: the values
         whose gradients ranks must sum.  Returns g."""
         problem, strategies, x, t, sizes = self.problem, self.found.strategies, self.x, self.world, self.sizes
-        need: dict = {}        # (tensor, from, to) -> indicator that this reshard happens
-        grad_reduce: dict = {}
-        edges = []             # (producer, reader, the reader's choices [(var or 1, required placement)])
+        need: dict[tuple[Node, Any, Any], Any] = {}  # (tensor, from, to) -> indicator that this reshard happens
+        grad_reduce: dict[tuple[Node, Node | None], Any] = {}
+        # (producer, reader, the reader's choices [(var or 1, required placement)])
+        edges: list[tuple[Node, Node, list[tuple[Any, Any]]]] = []
         for node, options in strategies.items():
             for slot_i, src in enumerate(input_slots(node)):
                 if src in strategies and is_placed(src):
@@ -267,7 +276,7 @@ class Ilp:
                                                                                      strict=True)]))
                     bad = [v for v, s in zip(x[node], options, strict=True) if partial_grad(node, s, s.inputs[slot_i])]
                     if src in self.grad and bad:
-                        key = (src, node) if self.imposed.grad_sums_per_reader else (src, None)
+                        key: tuple[Any, ...] = (src, node) if self.imposed.grad_sums_per_reader else (src, None)
                         g = grad_reduce.setdefault(key, problem.add_variable(f"g{len(grad_reduce)}", lowBound=0))
                         problem += g >= pulp.lpSum(bad)
         output = next(n for n in self.gm.graph.nodes if n.op == "output")
@@ -295,7 +304,7 @@ class Ilp:
                                                                              backward=src in self.grad))
         return grad_reduce
 
-    def gradient_sums(self, grad_reduce: dict) -> None:
+    def gradient_sums(self, grad_reduce: dict[tuple[Node, Node | None], Any]) -> None:
         """g's price: an all-reduce of the gradient (replicated parameters' together, one latency), or a
         reduce-scatter where the value was gathered from shards."""
         problem, w, t, sizes, latency = self.problem, self.weight, self.world, self.sizes, self.latency
@@ -332,7 +341,8 @@ class Ilp:
                 raise DoesNotFit(f"no plan fits {limit / 1e9:.1f} GB per device at world size {self.world}: "
                                  f"{hint}") from None
 
-    def solution(self, cores: list, again: list, gathers: dict) -> Solution:
+    def solution(self, cores: list[list[Node]], again: list[Any],
+                 gathers: dict[Node, tuple[Any, dict[str, float]]]) -> Solution:
         x, w = self.x, self.weight
         seconds = float(pulp.value(pulp.lpSum(self.costs)))
         choice = {node: options[max(range(len(options)), key=lambda k: x[node][k].value() or 0)]
@@ -346,7 +356,7 @@ class Ilp:
                         recomputed, regathers)
 
 
-def _run(problem: pulp.LpProblem, objective) -> None:
+def _run(problem: pulp.LpProblem, objective: Any) -> None:
     """Solve for the objective in microseconds: CBC's tolerances (~1e-7) would blur a step time in seconds."""
     problem.setObjective(objective * 1e6)
     with warnings.catch_warnings():  # PuLP 3 warns that 4.0 will stop bundling CBC; pyproject pins <4
@@ -357,7 +367,8 @@ def _run(problem: pulp.LpProblem, objective) -> None:
         raise PlanningError(f"the sharding ILP ended {status}")
 
 
-def _link(problem, produced, wanted, ok, tag) -> dict:
+def _link(problem: pulp.LpProblem, produced: list[tuple[Any, Any]], wanted: list[tuple[Any, Any]],
+          ok: Callable[..., bool], tag: str) -> dict[tuple[Any, Any], Any]:
     """z[p, q] >= 0 with row sums = producer picks p, column sums = consumer wants q.
 
     For binary choices this forces z = 1 exactly on the chosen pair (transport form),
@@ -374,7 +385,7 @@ def _link(problem, produced, wanted, ok, tag) -> dict:
     return z
 
 
-def _reshard_ok(src, stored: bool, p, q, sizes: Sizes, world: int, topology: Topology) -> bool:
+def _reshard_ok(src: Node, stored: bool, p: Any, q: Any, sizes: Sizes, world: int, topology: Topology) -> bool:
     if p == q:
         return True
     if stored and not (isinstance(p, Replicate) and isinstance(q, Shard)):

@@ -6,11 +6,13 @@ call; ``plan_choice`` reads a plan back onto a graph for the rewrite.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from types import MappingProxyType
+from typing import Any, cast
 
 import torch
+from torch.fx import Node
 
 from autotp.canonicalize.graph_edits import module_path
 from autotp.cost_models import load_topology
@@ -79,13 +81,13 @@ def solve_plan(gm: torch.fx.GraphModule, world_size: int, options: PlanOptions |
                 advance()
             if best is None or found.cost["seconds"] < best.cost["seconds"] * (1 - 1e-9):
                 best = found
-    return best
+    return cast(Plan, best)  # the last try raises where none fits
 
 
 def checked_topology(world_size: int, options: PlanOptions) -> Topology:
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
-    topo = load_topology(options.topology)
+    topo = load_topology(options.topology)  # type: ignore[arg-type]  # options.py: topology: object
     if world_size > topo.devices:
         raise ValueError(f"world size {world_size} is larger than topology {topo.name} ({topo.devices} devices): "
                          "pick a topology with more devices (e.g. 2x-dgx-h100) or a smaller world size")
@@ -117,7 +119,8 @@ def price_plan(gm: torch.fx.GraphModule, plan: Plan, options: PlanOptions | None
 
 
 def _solve_once(gm: torch.fx.GraphModule, world_size: int, options: PlanOptions, sizes: Sizes | None,
-                attempt: Attempt, price_experts: bool, *, imposed: Imposed | None = None, restrict=None) -> Plan:
+                attempt: Attempt, price_experts: bool, *, imposed: Imposed | None = None,
+                restrict: Callable[[Candidates], Candidates] | None = None) -> Plan:
     topo = checked_topology(world_size, options)
     if options.ep > 1 and world_size == 1 and options.experts is None:
         options = replace(options, experts="all-to-all")  # no TP to split experts over: whole, dealt over "ep"
@@ -150,13 +153,13 @@ def _solve_once(gm: torch.fx.GraphModule, world_size: int, options: PlanOptions,
 
 
 def to_plan(gm: torch.fx.GraphModule, found: Candidates, solution: Solution, topo: Topology, options: PlanOptions,
-            sizes: Sizes, experts_cost: dict | None, imposed: Imposed | None = None) -> Plan:
+            sizes: Sizes, experts_cost: dict[str, Any] | None, imposed: Imposed | None = None) -> Plan:
     """The solution as plan data: placements by node and parameter, the collectives, prices, styles and memory."""
     folding = gm.meta.get("autotp_fold")
     weights = folding.weights if folding else None
     world_size, training, choice = found.world, options.training, solution.choice
     recomputed = {node for core in solution.recomputed for node in core}
-    expand = folding.fold.expand if folding else dict
+    expand: Callable[[dict[Any, Any]], dict[str, Any]] = folding.fold.expand if folding else dict
     return Plan(
         world_size=world_size,
         fingerprint=folding.fingerprint(gm) if folding else fingerprint(gm),
@@ -184,7 +187,7 @@ def to_plan(gm: torch.fx.GraphModule, found: Candidates, solution: Solution, top
     )
 
 
-def offered(gm: torch.fx.GraphModule, world_size: int, options: PlanOptions | None = None) -> dict:
+def offered(gm: torch.fx.GraphModule, world_size: int, options: PlanOptions | None = None) -> dict[str, list[Any]]:
     """Parameter name -> the placements the solver may give it on ``world_size`` ranks (each one every reader of
     the parameter takes without moving it)."""
     options = options or PlanOptions()
@@ -193,10 +196,10 @@ def offered(gm: torch.fx.GraphModule, world_size: int, options: PlanOptions | No
             if n.op == "get_attr" and n in found.strategies}
 
 
-def tied_names(gm: torch.fx.GraphModule, fixed: Mapping) -> dict:
+def tied_names(gm: torch.fx.GraphModule, fixed: Mapping[str, Any]) -> dict[str, Any]:
     """``fixed`` under every name of each weight it names: a tied weight is read by one of its names (GPT-2's
     embedding as ``lm_head.weight``), whichever the user placed."""
-    names: dict = {}
+    names: dict[int, list[str]] = {}
     for name, p in gm.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)
     found = dict(fixed)
@@ -207,7 +210,7 @@ def tied_names(gm: torch.fx.GraphModule, fixed: Mapping) -> dict:
     return found
 
 
-def fixed_parameters(gm: torch.fx.GraphModule, fixed: Mapping) -> tuple[dict, frozenset]:
+def fixed_parameters(gm: torch.fx.GraphModule, fixed: Mapping[str, Any]) -> tuple[dict[str, Any], frozenset[str]]:
     """``fixed`` as parameter placements (tied names included) and the modules it computes whole: a name that is
     no parameter is a module's, fixed "R" (a router or an indexer kept whole, as a hand plan replicates it), which
     holds each parameter under it whole too."""
@@ -239,7 +242,7 @@ def candidates(gm: torch.fx.GraphModule, world_size: int, options: PlanOptions, 
     return enumerate_strategies(gm, analyse(gm, world_size, options, tokens, experts))
 
 
-def _check_experts(found: Candidates, choice: dict, options: PlanOptions) -> None:
+def _check_experts(found: Candidates, choice: Mapping[Node, Strategy], options: PlanOptions) -> None:
     """Experts imposed "all-to-all", or a mesh's "ep" ranks to dispatch them over, need segments that can be."""
     exits = {s.exit: s for s in found.segments.values()}
     if options.experts == "all-to-all" and not (exits and all(isinstance(choice[e].output, Routed) for e in exits)):
@@ -251,7 +254,7 @@ def _check_experts(found: Candidates, choice: dict, options: PlanOptions) -> Non
                             'drop the "ep" dimension')
 
 
-def _priced(run, found: Candidates):
+def _priced(run: Callable[[Candidates], Solution], found: Candidates) -> tuple[Candidates, Solution] | None:
     """(candidates, their solution), or None where no plan of them fits or dispatches as imposed."""
     try:
         return found, run(found)
@@ -259,14 +262,16 @@ def _priced(run, found: Candidates):
         return None
 
 
-def _cheapest_experts(found: Candidates, solution: Solution, ep: int, imposed) -> tuple:
+def _cheapest_experts(found: Candidates, solution: Solution, ep: int,
+                      imposed: Callable[[str], tuple[Candidates, Solution] | None],
+                      ) -> tuple[Candidates, Solution, dict[str, Any]]:
     """The cheapest of the plan solved with the expert strategy left free and the plans with each imposed (the
     free solve keeps large parameters sharded wherever a shard suits all their users, which can rule out a mix
     that an imposed strategy reaches); with how the chosen plan holds its experts (3-D parameters): whole experts
     computing their rows in place ("parallel"), whole experts fed by all-to-all ("all-to-all"), each expert split
     ("tensor"), several ("mixed") or none ("replicated"), and each strategy's estimated step time (None where
     none fits), for reports."""
-    seconds = {}
+    seconds: dict[str, float | None] = {}
     for mode in ("tensor", "all-to-all") if ep > 1 else ("tensor", "parallel", "all-to-all"):
         priced = imposed(mode)
         seconds[mode] = None if priced is None else priced[1].seconds
@@ -280,27 +285,28 @@ def _cheapest_experts(found: Candidates, solution: Solution, ep: int, imposed) -
                              "seconds": seconds}
 
 
-def _activations_by_module(gm: torch.fx.GraphModule, choice: dict, sizes: Sizes | None, world: int,
-                           training: bool, recomputed: list) -> dict:
+def _activations_by_module(gm: torch.fx.GraphModule, choice: dict[Node, Strategy], sizes: Sizes | None, world: int,
+                           training: bool, recomputed: list[list[Node]]) -> dict[str, Any]:
     """Bytes kept for backward per device by the module that computes them, the modules that split
     the tokens (sequence parallelism) and those whose attention core is recomputed, for reports."""
     split = sorted({module_path(n) for n, s in choice.items() if on_tokens(n, s)})
     dropping = sorted({module_path(n) for n in choice if drops(n)})
     if not training:  # nothing is kept for a backward, nothing recomputed
         return {"token_split": split, "dropout": dropping}
-    kept: dict = {}
+    kept: dict[str, float] = {}
     for node, held in activation_bytes(choice, sizes or Sizes(), world, needs_grad(gm), recomputed).items():
         kept[module_path(node)] = kept.get(module_path(node), 0.0) + held
     return {"activations": kept, "token_split": split,
             "recompute": sorted({module_path(core[-1]) for core in recomputed}), "dropout": dropping}
 
 
-def plan_choice(gm: torch.fx.GraphModule, plan: Plan, graph_hash: str, world: int) -> dict:
+def plan_choice(gm: torch.fx.GraphModule, plan: Plan, graph_hash: str, world: int) -> dict[Node, Strategy]:
     """node -> Strategy from the plan; a folded plan's block-1 decisions stamped on every middle block."""
     return planned(gm, plan, graph_hash, world)[0]
 
 
-def planned(gm: torch.fx.GraphModule, plan: Plan, graph_hash: str, world: int) -> tuple[dict, set]:
+def planned(gm: torch.fx.GraphModule, plan: Plan, graph_hash: str,
+            world: int) -> tuple[dict[Node, Strategy], set[Node]]:
     """(plan_choice, the nodes the plan recomputes in the backward)."""
     names = {node: node.name for node in gm.graph.nodes}
     if plan.fold:
@@ -314,7 +320,8 @@ def planned(gm: torch.fx.GraphModule, plan: Plan, graph_hash: str, world: int) -
         by_key = {entry.get("key"): name for name, entry in plan.nodes.items()}
         names = {node: by_key.get(folding.blocks.key[node]) for node in gm.graph.nodes}
     plan.check(graph_hash, world)
-    choice, recomputed = {}, set()
+    choice: dict[Node, Strategy] = {}
+    recomputed: set[Node] = set()
     for node, name in names.items():
         if name in plan.nodes:
             inputs, output = plan.strategy(name)

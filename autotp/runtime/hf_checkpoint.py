@@ -167,7 +167,7 @@ def _is_writer(sharded: torch.nn.Module) -> bool:
 def gather_whole(tensor: torch.Tensor, layout: tuple, group) -> torch.Tensor:
     """The full tensor: gathered over data parallelism first (FSDP2 holds a DTensor of this rank's TP
     shard, split again over the DP group), then over the TP group (autotp's own placement), then, for an
-    expert table dealt over a dispatch group (``layout``'s third item, runtime.dispatch.Dealt), over it."""
+    expert table dealt over a dispatch group (``layout``'s third item, runtime.expert_dispatch.Dealt), over it."""
     local = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
     placement, size, *dealt = layout
     full = gather_full(local, None if isinstance(placement, Routed) else placement, size, group)

@@ -6,7 +6,8 @@ line installs rich progress bars when stderr is a terminal, and none when it is 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from typing import Protocol
 
 _reporters: list = []  # the innermost ``showing`` last
 
@@ -24,6 +25,12 @@ class Reporter:
         raise NotImplementedError
 
 
+class Advance(Protocol):
+    """What ``step`` yields: ``advance(amount=1)``."""
+
+    def __call__(self, amount: int = 1) -> None: ...
+
+
 @contextlib.contextmanager
 def showing(reporter: Reporter) -> Iterator[Reporter]:
     """Steps marked inside are shown by ``reporter``."""
@@ -35,7 +42,7 @@ def showing(reporter: Reporter) -> Iterator[Reporter]:
 
 
 @contextlib.contextmanager
-def step(description: str, total: int | None = None) -> Iterator[Callable[[int], None]]:
+def step(description: str, total: int | None = None) -> Iterator[Advance]:
     """A step of long work; yields ``advance(amount=1)`` for steps of ``total`` parts."""
     if not _reporters:
         yield lambda amount=1: None

@@ -33,8 +33,8 @@ test-all: $(VENV)/.installed  # the default suite and the slow tier (scale check
 	$(BIN)/python -m pytest -q $(PARALLEL) -m "not serial"
 	$(BIN)/python -m pytest -q -m serial
 
-lint: $(VENV)/.installed
-	$(BIN)/ruff check autotp examples tests benchmarks scripts
+lint: $(VENV)/.installed  # ruff, then mypy strict on the typed core (scripts/check.sh)
+	PYTHON=$(BIN)/python scripts/check.sh
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -8,11 +8,18 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from autotp.cost_models.pricing import IMBALANCE
 from autotp.placement import parse
 from autotp.runtime.dropout import MODES
 from autotp.runtime.rendezvous import DEFAULT_TIMEOUT
+
+if TYPE_CHECKING:
+    import torch
+
+    from autotp.cost_models.topology import Topology
 
 EXPERTS = (None, "tensor", "parallel", "all-to-all")
 INPUT_CHECKS = ("first", "always", False)
@@ -21,7 +28,7 @@ INPUT_CHECKS = ("first", "always", False)
 @dataclass(frozen=True, kw_only=True)
 class PlanOptions:
     """What to plan: the cluster, the memory, the work, and the placements a caller imposes."""
-    topology: object = None
+    topology: str | Path | Topology | None = None
     """A topology profile's name, a JSON file's path or a loaded Topology; None: the default profile."""
     memory_limit: float | None = None
     """Bytes per device a plan may use; None: ``cost_models.memory.memory_limit`` (90% of the device's)."""
@@ -40,24 +47,24 @@ class PlanOptions:
     """Ranks of a mesh's "ep" dimension over which every expert segment is dispatched as well."""
     expert_imbalance: float = IMBALANCE
     """The busiest rank's routed rows over the uniform top-k share, for pricing dispatch."""
-    fixed: Mapping | None = None
+    fixed: Mapping[str, Any] | None = None
     """Parameter name -> placement to impose (another program's layout, to share its shards): a Placement or its
     text (``"S(0)"``, ``"R"``, as plans write them); a tied weight's placement holds under each of its names.  A
     module's name -> ``"R"``: every op inside it computed whole on every rank, its parameters held whole."""
     min_shard_fraction: float = 0.02
     """Parameters at least this large (against the largest) are only offered sharded."""
-    parameter_sizes: Mapping | None = None
+    parameter_sizes: Mapping[str, int] | None = None
     """Parameter name -> its number of elements in the model the plan stands for (a shrunk config standing for the
     full one): what ``min_shard_fraction`` compares, where a small config's proportions differ from the full one's
     (a position-bias MLP as wide as a projection).  Names it leaves out are compared at their own sizes."""
     gather_outputs: bool = True
     """Return full outputs on every rank; False leaves outputs sharded where the plan computes them sharded."""
-    price_at: Mapping | None = None
+    price_at: Mapping[str, Any] | None = None
     """Input name -> the shape to price the plan at (``{"input_ids": (8, 4096)}``; None in a dim: the example's):
     capture at small example inputs, plan for the batch and sequence a run uses.  Only dims the capture made
     dynamic can differ from the example; None: price at the example inputs' sizes."""
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.sequence_parallel not in (None, True, False):
             raise ValueError(f"sequence_parallel must be None, True or False, got {self.sequence_parallel!r}")
         if self.recompute not in (None, "selective", False):
@@ -95,7 +102,7 @@ class RunOptions:
     """A Plan to run instead of solving one (``Plan.load``); None: rank 0 solves and shares it."""
     group: object = None
     """The process group to shard over; None: every rank (the default group)."""
-    device: object = None
+    device: str | torch.device | None = None
     """Where this rank's shards live ("cuda", "cpu", a torch.device); None: the model's own device where the group's
     backend carries its tensors, else this rank's GPU where it carries CUDA ones (NCCL), else the CPU.  A device
     the group does not carry is refused in one line (one rank excepted: it runs no collective)."""
@@ -119,7 +126,7 @@ class RunOptions:
     capture excluded), each captured and planned again over the group, sharing the parameters; 0 refuses such
     inputs in one line."""
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.check_inputs not in INPUT_CHECKS:
             raise ValueError(f'check_inputs must be "first", "always" or False, got {self.check_inputs!r}')
         if not isinstance(self.recaptures, int) or self.recaptures < 0:
@@ -155,7 +162,7 @@ class SearchOptions:
     """What ``autotp.plan_mesh`` searches: the cluster, the batch per step, the work and the expert traffic."""
     devices: int | None = None
     """Devices to lay out (default: all of the topology's)."""
-    topology: object = None
+    topology: str | Path | Topology | None = None
     """A topology profile's name, a JSON file's path or a loaded Topology; None: the default profile."""
     nodes: int | None = None
     """A cluster of that many of the topology's nodes."""
@@ -172,7 +179,7 @@ class SearchOptions:
     overlap_all_to_all: float = 0.0
     """Routed experts: the share of the all-to-all time hidden behind compute (0: exposed; DualPipe hides most)."""
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.data_parallel not in ("fsdp", "ddp"):
             raise ValueError(f"data_parallel must be 'fsdp' or 'ddp', got {self.data_parallel!r}")
         if self.expert_imbalance < 1 or not 0 <= self.overlap_all_to_all <= 1:
@@ -180,11 +187,12 @@ class SearchOptions:
                              f"overlap_all_to_all between 0 and 1 (got {self.overlap_all_to_all})")
 
 
-def names(kind) -> tuple[str, ...]:
+def names(kind: Any) -> tuple[str, ...]:
     return tuple(f.name for f in fields(kind))
 
 
-def from_keywords(keywords: dict, kinds=(PlanOptions, RunOptions, MeshOptions), call: str = "parallelize") -> tuple:
+def from_keywords(keywords: dict[str, Any], kinds: tuple[type, ...] = (PlanOptions, RunOptions, MeshOptions),
+                  call: str = "parallelize") -> tuple[Any, ...]:
     """One value of each of ``kinds`` from a call's keywords; a keyword none of them has fails in one line."""
     known = {name: kind for kind in kinds for name in names(kind)}
     unknown = sorted(set(keywords) - known.keys())

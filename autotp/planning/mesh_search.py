@@ -141,7 +141,7 @@ def price_layout(gm: torch.fx.GraphModule, layout: Candidate, **options: Any) ->
 
 def _cluster(search: SearchOptions) -> tuple[Topology, int]:
     """The topology and device count of a request, checked."""
-    topo = load_topology(search.topology, search.nodes)  # type: ignore[arg-type]  # options.py: topology: object
+    topo = load_topology(search.topology, search.nodes)
     devices = search.devices or topo.devices
     if not isinstance(devices, int) or devices < 1:
         raise ValueError(f"devices must be a positive integer, got {devices!r}")

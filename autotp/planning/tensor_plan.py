@@ -87,7 +87,7 @@ def solve_plan(gm: torch.fx.GraphModule, world_size: int, options: PlanOptions |
 def checked_topology(world_size: int, options: PlanOptions) -> Topology:
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
-    topo = load_topology(options.topology)  # type: ignore[arg-type]  # options.py: topology: object
+    topo = load_topology(options.topology)
     if world_size > topo.devices:
         raise ValueError(f"world size {world_size} is larger than topology {topo.name} ({topo.devices} devices): "
                          "pick a topology with more devices (e.g. 2x-dgx-h100) or a smaller world size")

@@ -103,9 +103,10 @@ class RunOptions:
     group: object = None
     """The process group to shard over; None: every rank (the default group)."""
     device: str | torch.device | None = None
-    """Where this rank's shards live ("cuda", "cpu", a torch.device); None: the model's own device where the group's
-    backend carries its tensors, else this rank's GPU where it carries CUDA ones (NCCL), else the CPU.  A device
-    the group does not carry is refused in one line (one rank excepted: it runs no collective)."""
+    """Where this rank's shards live ("cuda", "cpu", a torch.device); None: this rank's GPU under a GPU group (NCCL,
+    or "cpu:gloo,cuda:nccl": a CPU model's pieces are moved), else the model's own device where the group carries
+    it, else the CPU.  A device the group does not carry is refused in one line (one rank excepted: it runs no
+    collective)."""
     timeout: float = DEFAULT_TIMEOUT
     """Seconds a rank waits for the others (agreement, collectives) before it raises."""
     checkpoint: object = None

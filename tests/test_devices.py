@@ -26,12 +26,16 @@ CUDA_ONLY = "cuda:gloo"  # the backend map of a group that carries CUDA tensors 
 class _Group:
     """A group as runtime/devices.py reads it: the device types its backends carry, and its size."""
 
-    def __init__(self, *kinds: str, world: int = 2):
+    def __init__(self, *kinds: str, world: int = 2, one_backend: bool = False):
         self._device_types = [torch.device(kind) for kind in kinds]
         self.world = world
+        self.backends = {kind: "gloo" if one_backend else object() for kind in kinds}
 
     def size(self) -> int:
         return self.world
+
+    def _get_backend(self, device: torch.device):
+        return self.backends[device.type]
 
 
 @pytest.fixture
@@ -44,9 +48,12 @@ def a_gpu(monkeypatch):
 def test_a_mixed_group_puts_shards_on_the_gpu(a_gpu):
     assert devices.device_of(_Group("cpu", "cuda")) == torch.device("cuda", 0)  # "cpu:gloo,cuda:nccl"
     assert devices.device_of(_Group("cuda")) == torch.device("cuda", 0)  # "nccl"
-    model = torch.nn.Linear(2, 2)  # on the CPU, which a mixed group carries: kept there
-    assert devices.shard_device(_Group("cpu", "cuda"), model) == torch.device("cpu")
-    assert devices.shard_device(_Group("cuda"), model) == torch.device("cuda", 0)  # moved, piece by piece
+    model = torch.nn.Linear(2, 2)  # on the CPU: its pieces are moved to the GPU of a GPU group
+    assert devices.shard_device(_Group("cpu", "cuda"), model) == torch.device("cuda", 0)
+    assert devices.shard_device(_Group("cuda"), model) == torch.device("cuda", 0)
+    # plain gloo merely accepts CUDA tensors: a model stays where it is, a meta one goes to the GPU
+    assert devices.shard_device(_Group("cpu", "cuda", one_backend=True), model) == torch.device("cpu")
+    assert devices.shard_device(_Group("cpu", "cuda", one_backend=True), model.to("meta")).type == "cuda"
 
 
 def test_a_device_the_group_does_not_carry_is_one_line():

@@ -47,10 +47,20 @@ def device_of(group) -> torch.device:
                       "backend (dist.init_process_group('gloo'), or 'cpu:gloo,cuda:nccl')")
 
 
+def _own_accelerator_backend(group) -> bool:
+    """Whether the group carries this rank's accelerator through a backend of its own (NCCL alone, or beside gloo
+    for the CPU): a GPU group, where plain gloo merely also accepts CUDA tensors."""
+    gpu = accelerator()
+    if gpu is None or gpu.type not in served(group):
+        return False
+    return "cpu" not in served(group) or group._get_backend(gpu) is not group._get_backend(torch.device("cpu"))
+
+
 def shard_device(group, model: torch.nn.Module, device=None) -> torch.device:
-    """The device this rank's shards live on, checked before any capture: ``device`` where given, else the model's
-    own where the group serves it, else ``device_of(group)`` (a model on the meta device, or one on the CPU under
-    NCCL: its shards are moved).  One rank runs no collective, so any device serves it."""
+    """The device this rank's shards live on, checked before any capture: ``device`` where given; else this rank's
+    GPU where the group has a backend of its own for it (NCCL, "cpu:gloo,cuda:nccl": a CPU model's pieces are
+    moved); else the model's own where the group serves it; else ``device_of(group)`` (a model on the meta
+    device).  One rank runs no collective, so any device serves it."""
     world = group.size()
     if device is not None:
         device = torch.device(device)
@@ -61,6 +71,8 @@ def shard_device(group, model: torch.nn.Module, device=None) -> torch.device:
                               f"no {device.type} tensors: pass a device it serves ({', '.join(sorted(served(group)))})"
                               " or init the group with a backend for it")
         return device
+    if _own_accelerator_backend(group):
+        return device_of(group)
     held = next((t.device for t in [*model.parameters(), *model.buffers()] if not t.is_meta), None)
     if held is not None and held.type in served(group):
         return held

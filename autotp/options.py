@@ -11,14 +11,14 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from autotp.cost_models.pricing import IMBALANCE
 from autotp.placement import parse
 from autotp.runtime.dropout import MODES
 from autotp.runtime.rendezvous import DEFAULT_TIMEOUT
 
 if TYPE_CHECKING:
-    import torch
-
     from autotp.cost_models.topology import Topology
 
 EXPERTS = (None, "tensor", "parallel", "all-to-all")
@@ -134,6 +134,8 @@ class RunOptions:
             raise ValueError(f"recaptures must be a whole number >= 0, got {self.recaptures!r}")
         if self.dropout not in MODES:
             raise ValueError(f'dropout must be "default" or "reference" (for tests), got {self.dropout!r}')
+        if self.device is not None:
+            object.__setattr__(self, "device", parse_device(self.device))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -186,6 +188,14 @@ class SearchOptions:
         if self.expert_imbalance < 1 or not 0 <= self.overlap_all_to_all <= 1:
             raise ValueError(f"expert_imbalance must be at least 1 (got {self.expert_imbalance}) and "
                              f"overlap_all_to_all between 0 and 1 (got {self.overlap_all_to_all})")
+
+
+def parse_device(text: str | torch.device) -> torch.device:
+    """A device as torch names it ("cuda", "cuda:1", "cpu"); anything else fails in one line."""
+    try:
+        return torch.device(text)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must name a device as torch does ('cuda', 'cuda:1', 'cpu'), got {text!r}") from None
 
 
 def names(kind: Any) -> tuple[str, ...]:

@@ -122,7 +122,7 @@ def _init_process_group() -> None:
     dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
 
 
-def _tiny_llama():
+def tiny_llama():
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -134,7 +134,7 @@ def _device_name() -> str:
     return "cuda:0" if DEVICE == "cuda" else "cpu"
 
 
-def _max_diff(a, b) -> float:
+def max_diff(a, b) -> float:
     return float((a.float() - b.float()).abs().max())
 
 
@@ -142,7 +142,7 @@ def exactness() -> dict:
     """autotp's program on CUDA against the model: logits (3x11, 1x1), gradients, loading, compile, generation."""
     import autotp
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    model = _tiny_llama()
+    model = tiny_llama()
     ids = torch.randint(0, 128, (3, 11), device=DEVICE)
     sharded = autotp.parallelize(model, (ids,))
     devices = sorted({str(p.device) for p in sharded.parameters()})
@@ -150,11 +150,11 @@ def exactness() -> dict:
     for shape in ((3, 11), (1, 1)):
         x = torch.randint(0, 128, shape, device=DEVICE)
         with torch.no_grad():
-            out[f"logits {shape[0]}x{shape[1]}"] = _max_diff(sharded(x).logits, model(x).logits)
+            out[f"logits {shape[0]}x{shape[1]}"] = max_diff(sharded(x).logits, model(x).logits)
     sharded(ids).logits.pow(2).mean().backward()
     model(ids).logits.pow(2).mean().backward()
     grads = autotp.full_state_dict(sharded, grads=True)
-    out["grads"] = max(_max_diff(grads[name], p.grad) for name, p in model.named_parameters() if name in grads)
+    out["grads"] = max(max_diff(grads[name], p.grad) for name, p in model.named_parameters() if name in grads)
     model.zero_grad()
 
     with tempfile.TemporaryDirectory() as directory:
@@ -162,7 +162,7 @@ def exactness() -> dict:
         loaded = autotp.from_pretrained(directory)
         out["loaded_devices"] = sorted({str(p.device) for p in loaded.parameters()})
         with torch.no_grad():
-            out["loaded logits"] = _max_diff(loaded(ids).logits, model(ids).logits)
+            out["loaded logits"] = max_diff(loaded(ids).logits, model(ids).logits)
         prompt = ids[:1, :5]
         mine = autotp.generate(loaded, prompt, max_new_tokens=8, eos_token_id=[])
         theirs = model.generate(prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
@@ -170,7 +170,7 @@ def exactness() -> dict:
 
     compiled = torch.compile(sharded)
     with torch.no_grad():
-        out["compiled logits"] = _max_diff(compiled(ids).logits, model(ids).logits)
+        out["compiled logits"] = max_diff(compiled(ids).logits, model(ids).logits)
     compiled(ids).logits.pow(2).mean().backward()
     out["compiled_backward"] = "ran"
     ok = max(v for k, v in out.items() if isinstance(v, float)) < 1e-4 and out["generate_equal"]
@@ -196,12 +196,12 @@ def moe() -> dict:
         sharded = autotp.parallelize(model, (ids,), check_inputs=False)
         whole = autotp.parallelize(model, (ids,), check_inputs=False, experts="parallel")  # the rank's own experts
         with torch.no_grad():
-            logits = max(_max_diff(sharded(ids).logits, model(ids).logits),
-                         _max_diff(whole(ids).logits, model(ids).logits))
+            logits = max(max_diff(sharded(ids).logits, model(ids).logits),
+                         max_diff(whole(ids).logits, model(ids).logits))
         sharded(ids).logits.float().pow(2).mean().backward()
         model(ids).logits.float().pow(2).mean().backward()
         grads = autotp.full_state_dict(sharded, grads=True)
-        grad = max(_max_diff(grads[n], p.grad) for n, p in model.named_parameters() if n in grads)
+        grad = max(max_diff(grads[n], p.grad) for n, p in model.named_parameters() if n in grads)
         prompt = ids[:1, :5]
         same = torch.equal(autotp.generate(sharded, prompt, max_new_tokens=6, eos_token_id=[]),
                            model.generate(prompt, max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0))

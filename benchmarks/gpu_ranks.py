@@ -17,14 +17,9 @@ import tempfile
 from pathlib import Path
 
 import torch
+from gpu import DEVICE, max_diff, tiny_llama
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _max_diff(a, b) -> float:
-    return float((a.float() - b.float()).abs().max())
 
 
 def serve(layers: int = 8, hidden: int = 256, tokens: int = 12) -> dict:
@@ -53,14 +48,6 @@ def serve(layers: int = 8, hidden: int = 256, tokens: int = 12) -> dict:
     return out
 
 
-def _tiny_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    return LlamaForCausalLM(config).to(DEVICE).eval()
-
-
 def _on_one_gpu(rank: int, world: int) -> dict:
     """One of two ranks over gloo, CUDA tensors: TP 2 against the model, then FSDP2 over 2 replicas (the example)."""
     import autotp
@@ -68,15 +55,15 @@ def _on_one_gpu(rank: int, world: int) -> dict:
     if DEVICE == "cuda":
         torch.cuda.set_device(0)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    model = _tiny_llama()
+    model = tiny_llama()
     ids = torch.randint(0, 128, (3, 11), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     sharded = autotp.parallelize(model, (ids,))
     with torch.no_grad():
-        out = {"logits": _max_diff(sharded(ids).logits, model(ids).logits)}
+        out = {"logits": max_diff(sharded(ids).logits, model(ids).logits)}
     sharded(ids).logits.pow(2).mean().backward()
     model(ids).logits.pow(2).mean().backward()
     grads = autotp.full_state_dict(sharded, grads=True)
-    out["grads"] = max(_max_diff(grads[name], p.grad) for name, p in model.named_parameters() if name in grads)
+    out["grads"] = max(max_diff(grads[name], p.grad) for name, p in model.named_parameters() if name in grads)
     prompt = ids[:1, :5]
     mine = autotp.generate(sharded, prompt, max_new_tokens=6, eos_token_id=[])
     theirs = model.generate(prompt, max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)

@@ -65,6 +65,13 @@ def test_a_device_the_group_does_not_carry_is_one_line():
         devices.shard_device(_Group("cuda"), torch.nn.Linear(2, 2))  # no GPU here
 
 
+def test_a_device_torch_cannot_name_is_refused_where_options_are_built():
+    from autotp.options import RunOptions
+    assert RunOptions(device="cuda:1").device == torch.device("cuda", 1)
+    with pytest.raises(ValueError, match=r"^device must name a device as torch does .* got 'gpu'$"):
+        RunOptions(device="gpu")
+
+
 def _served_model():
     import transformers
 

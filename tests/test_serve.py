@@ -350,6 +350,7 @@ def test_a_wrong_command_line_is_one_line(tmp_path):
     import sys
     autotp = Path(sys.executable).parent / "autotp"
     for args, says in [([str(tmp_path / "nowhere")], "has no config.json"),
-                       ([str(tmp_path), "--kv-cache-memory", "4XB"], "not a size: '4XB'")]:
+                       ([str(tmp_path), "--kv-cache-memory", "4XB"], "not a size: '4XB'"),
+                       ([str(tmp_path), "--device", "gpu0"], "device must name a device as torch does")]:
         done = subprocess.run([str(autotp), "serve", *args], capture_output=True, text=True, timeout=120)
         assert done.returncode == 2 and says in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr

@@ -83,19 +83,12 @@ def shard_device(group, model: torch.nn.Module, device=None) -> torch.device:
         raise DeviceError(f"{where}{exc}; or pass device= (one rank only)") from None
 
 
-_host_groups: dict = {}  # group name -> its CPU group
-
-
 def host_group(group):
     """A group over ``group``'s ranks that carries CPU tensors (messages of the host: a serving engine's steps):
-    ``group`` itself where it serves the CPU, else a gloo group made once beside it by its ranks alone, with the
-    group's timeout."""
+    ``group`` itself where it serves the CPU, else a new gloo group beside it, made by its ranks alone, with the
+    group's timeout and rank order (a collective: its caller makes it once)."""
     if "cpu" in served(group):
         return group
-    if group.group_name not in _host_groups:
-        kind = next(iter(group._device_types))
-        timeout = group._get_backend(kind).options._timeout
-        _host_groups[group.group_name] = dist.new_group(dist.get_process_group_ranks(group), timeout=timeout,
-                                                        backend="gloo", use_local_synchronization=True,
-                                                        sort_ranks=False)  # group rank 0 stays rank 0
-    return _host_groups[group.group_name]
+    timeout = group._get_backend(next(iter(group._device_types))).options._timeout
+    return dist.new_group(dist.get_process_group_ranks(group), timeout=timeout, backend="gloo",
+                          use_local_synchronization=True, sort_ranks=False)

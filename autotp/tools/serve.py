@@ -54,6 +54,16 @@ def bytes_of(text: str) -> int:
     return int(float(number) * (1024 if binary else 1000) ** " kmgt".index(unit or " "))
 
 
+def device_name(text: str) -> str:
+    """--device as torch names a device ('cuda', 'cuda:1', 'cpu'): a usage error otherwise."""
+    from autotp.options import parse_device
+    try:
+        parse_device(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def add_serve_parser(sub, positive) -> None:
     serve = sub.add_parser("serve", help="serve a Hugging Face causal LM directory over an OpenAI-compatible HTTP "
                                          "API, sharded over --world-size ranks")
@@ -79,8 +89,9 @@ def add_serve_parser(sub, positive) -> None:
                        help="tokens a sequence may hold (default: the config's max_position_embeddings)")
     serve.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                        help="weights' dtype (default: the checkpoint's)")
-    serve.add_argument("--device", default=None, help="where each rank's shards and KV cache live, e.g. cpu (default: "
-                                                      "this rank's GPU under NCCL, else the CPU)")
+    serve.add_argument("--device", type=device_name, default=None,
+                       help="where each rank's shards and KV cache live, e.g. cpu (default: this rank's GPU under "
+                            "NCCL, else the CPU)")
 
 
 def serve_command(args) -> int:

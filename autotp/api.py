@@ -22,7 +22,8 @@ from autotp.passes.recompute import attention_cores, checkpoint_cores
 from autotp.passes.rewrite import rewrite
 from autotp.placement import parse
 from autotp.plan import Plan, PlanMismatch
-from autotp.planning.tensor_plan import planned, solve_plan
+from autotp.planning.plan_choice import Planned, planned
+from autotp.planning.tensor_plan import solve_plan
 from autotp.runtime.conversion import model_conversions
 from autotp.runtime.dcp_checkpoint import DcpDirectory
 from autotp.runtime.devices import shard_device
@@ -65,11 +66,11 @@ def tensor_parallel(model: torch.nn.Module, args, kwargs, planning: PlanOptions,
     gm = prepare(graph) if graph is not None else prepared_graph(model, args, kwargs)  # capture -> prepare
     graph_hash = fingerprint(gm)
     plan = agree_on_plan(gm, graph_hash, args, kwargs, planning, running.plan, ranks)  # analyse .. plan
-    choice, recomputed = planned(gm, plan, graph_hash, ranks.world)
+    on_graph = planned(gm, plan, graph_hash, ranks.world)
     source = checkpoint_source(running.checkpoint, model)
     if source is not None:
         check_tensors(source, gm, names_of(model) if graph is not None else frozenset())
-    sharded, dropouts = sharded_program(gm, choice, recomputed, source, planning, running, ranks)  # rewrite
+    sharded, dropouts = sharded_program(gm, on_graph, source, planning, running, ranks)  # rewrite
     sharded.autotp_plan, sharded.autotp_config = plan, getattr(model, "config", None)
     object.__setattr__(sharded, "autotp_source", model)  # for autotp.generate; not a submodule
     if fill and (source is not None or running.init_seed is not None):  # load
@@ -114,8 +115,7 @@ def another_program(model: torch.nn.Module, first: Plan, planning: PlanOptions, 
         raise InputStructureError(f"the plan for these inputs places {moved[0]} as {plan.params[moved[0]]}, the "
                                   f"first as {first.params[moved[0]]}: the programs cannot share their pieces; "
                                   "parallelize with inputs of this structure instead")
-    choice, recomputed = planned(gm, plan, graph_hash, ranks.world)
-    program, _ = sharded_program(gm, choice, recomputed, None, planning, running, ranks)
+    program, _ = sharded_program(gm, planned(gm, plan, graph_hash, ranks.world), None, planning, running, ranks)
     ranks.planners.agree("loaded", "ok", "the end of loading")
     return program.train(training)
 
@@ -173,15 +173,16 @@ def agree_on_plan(gm: torch.fx.GraphModule, graph_hash: str, args, kwargs, plann
     return plan
 
 
-def sharded_program(gm: torch.fx.GraphModule, choice: dict, recomputed: set, source, planning: PlanOptions,
-                    running: RunOptions, ranks: Ranks) -> tuple[torch.nn.Module, list]:
+def sharded_program(gm: torch.fx.GraphModule, on_graph: Planned, source, planning: PlanOptions, running: RunOptions,
+                    ranks: Ranks) -> tuple[torch.nn.Module, list]:
     """This rank's program: the graph rewritten with its collectives, the planned attention cores recomputed,
     dropout drawn as ``running.dropout`` says; with its random ops (for the ranks' random-state check)."""
-    again = [core for core in attention_cores(gm, needs_grad(gm)) if core[-1] in recomputed]
+    again = [core for core in attention_cores(gm, needs_grad(gm)) if core[-1] in on_graph.recomputed]
     retarget_device(gm, ranks.device)  # the capture's device named in factory calls: the program runs on the shards'
-    sharded = rewrite(gm, choice, ranks.rank, ranks.world, ranks.group.group_name,
-                      frozenset(source.files) if source else frozenset(), ranks.device, planning.gather_outputs,
-                      ranks.groups)
+    tp = Group(ranks.group.group_name, ranks.rank, ranks.world)
+    provided = frozenset(source.files) if source else frozenset()
+    sharded = rewrite(gm, on_graph.choice, tp, dispatch=ranks.groups, device=ranks.device, provided=provided,
+                      gather_outputs=planning.gather_outputs)
     checkpoint_cores(sharded, again)
     dropouts = set_mode(sharded, running.dropout)
     for member in {ranks.group, ranks.routed_group, ranks.ep_group} - {None}:

@@ -380,7 +380,7 @@ def at_count(plan, model, gm, options: dict, modules: list[str], over: int, full
     whole and is over by as many says nothing (a norm kept whole beside a large conv's extra sum)."""
     from autotp.options import PlanOptions
     from autotp.placement import Replicate
-    from autotp.planning.tensor_plan import offered, solve_plan
+    from autotp.planning.analysis import offered, solve_plan
     forced = {n for n, placements in offered(gm, 2, PlanOptions(**options)).items()
               if not any(isinstance(p, Replicate) for p in placements)}
     patterns = [re.compile(r"\.".join(r"\d+" if part.isdigit() else re.escape(part) for part in m.split(".")))

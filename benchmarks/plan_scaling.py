@@ -54,7 +54,9 @@ def measure(layers: int, world: int, whole: bool) -> dict:
     from autotp.passes.capture import fingerprint
     from autotp.passes.prepared_graph import prepared_graph
     from autotp.passes.rewrite import rewrite
-    from autotp.planning.tensor_plan import plan_choice, solve_plan
+    from autotp.planning.plan_choice import plan_choice
+    from autotp.planning.tensor_plan import solve_plan
+    from autotp.runtime.expert_dispatch import Group
     times = {}
     start = time.perf_counter()
     model, ids = _model(layers), _ids()
@@ -78,7 +80,8 @@ def measure(layers: int, world: int, whole: bool) -> dict:
     same = choice == plan_choice(gm, reference, fingerprint(gm), world) and plan.params == reference.params
     times["same"] = "yes" if same else "NO"
     start = time.perf_counter()
-    rewrite(gm, choice, 0, world, "unused", device=torch.device("meta"))  # in place; meta weights stay meta, local
+    # in place; meta weights stay meta, local
+    rewrite(gm, choice, Group("unused", 0, world), device=torch.device("meta"))
     times["rewrite"] += time.perf_counter() - start
     return times
 

@@ -321,11 +321,11 @@ def test_every_documented_error_is_one_line_with_its_status(tmp_path):
 
 def test_an_internal_error_says_so_and_debug_shows_its_trace(monkeypatch):
     """An error inside autotp is named as one (exit status 3, asking for a report); --debug prints its trace."""
-    import autotp.tools.cli as cli
+    import autotp.tools.commands as commands
 
     def broken(args):
         raise KeyError("a bug")
-    monkeypatch.setattr(cli, "_show", broken)
+    monkeypatch.setattr(commands, "show_command", broken)
     quiet = _autotp("show", "plan.json")
     assert quiet.returncode == 3 and quiet.stderr.strip().splitlines() == [
         "autotp: internal error (KeyError: 'a bug'); rerun with --debug for the trace and report it"]

@@ -14,7 +14,7 @@ from autotp.cost_models.communication import OPS
 from autotp.cost_models.compute import op_time, product_time
 from autotp.cost_models.memory import state_factor
 from autotp.cost_models.topology import PROFILES, profile_names
-from autotp.planning.solve import PlanningError
+from autotp.planning.solution import PlanningError
 from tests.helpers.models import build
 
 GiB = 2 ** 30

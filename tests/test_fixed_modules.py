@@ -11,7 +11,7 @@ import torch
 import autotp
 from autotp.options import PlanOptions
 from autotp.passes.prepared_graph import prepared_graph
-from autotp.planning.tensor_plan import offered
+from autotp.planning.analysis import offered
 from tests.helpers.distributed import run_ranks
 from tests.helpers.exact import TOL
 

@@ -9,7 +9,7 @@ import autotp
 from autotp.passes.capture import fingerprint
 from autotp.passes.prepared_graph import prepared_graph
 from autotp.plan import Plan, PlanMismatch
-from autotp.planning.tensor_plan import plan_choice
+from autotp.planning.plan_choice import plan_choice
 from tests.helpers import configs
 from tests.helpers.distributed import run_ranks
 from tests.helpers.exact import TOL

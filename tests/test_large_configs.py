@@ -54,7 +54,7 @@ def test_long_sequences_on_one_node_plan_sequence_parallelism_and_recomputation(
 
     from transformers import LlamaForCausalLM
 
-    from autotp.planning.solve import PlanningError
+    from autotp.planning.solution import PlanningError
     config = configs.llama(vocab_size=VOCAB, hidden_size=H, intermediate_size=FFN, num_hidden_layers=LAYERS,
                            num_attention_heads=HEADS, num_key_value_heads=KV, max_position_embeddings=32768)
     with torch.device("meta"):

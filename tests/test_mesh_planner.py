@@ -11,7 +11,7 @@ from autotp.cost_models import load_topology
 from autotp.cost_models.schedule_tables import balance_stages
 from autotp.passes.prepared_graph import prepared_graph
 from autotp.planning.mesh_search import plan_mesh, plan_mesh_for_graph
-from autotp.planning.solve import PlanningError
+from autotp.planning.solution import PlanningError
 from tests.helpers import configs
 
 LAYERS = 96
@@ -60,7 +60,7 @@ def test_gpt3_175b_as_megatron_ran_it_is_priced_near_its_measured_time(gpt3, sch
     GEMMs at A100's published MAMF, about 80% of peak, where Megatron's whole step reached 45%), at most 25% slower."""
     from autotp.cost_models.mesh_layout import Candidate, Setting, price
     from autotp.cost_models.pricing import model_flops, priced_unit
-    from autotp.planning.mesh_search import tp_profile
+    from autotp.planning.tp_profiles import tp_profile
     unit, sizes = priced_unit(gpt3)
     topo = load_topology("dgx-a100", nodes=128)
     flops = 96 * 1536 * 2048 * LAYERS * 12288 ** 2 * (1 + 2048 / (6 * 12288) + 51200 / (16 * LAYERS * 12288))
@@ -91,7 +91,7 @@ def test_zero_bubble_schedules_are_priced_and_chosen_where_they_win(gpt3):
 
     from autotp.cost_models.mesh_layout import Setting, price
     from autotp.cost_models.pricing import model_flops, priced_unit
-    from autotp.planning.mesh_search import tp_profile
+    from autotp.planning.tp_profiles import tp_profile
     result = plan_mesh_for_graph(gpt3, topology="dgx-a100", nodes=128, global_batch=1536, data_parallel="ddp")
     c = result.choice
     assert c.schedule in ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"), c.schedule
@@ -108,7 +108,7 @@ def test_activations_per_layer_lie_within_korthikantis_bounds(gpt3):
     """The planner counts kept op outputs on the graph; Korthikanti et al. 2022 (TP t, bf16, dropout masks):
     sbh(10 + 24/t) without the attention-score terms (fused SDPA), sbh(10 + 24/t + 5as/(ht)) with them."""
     from autotp.cost_models.pricing import priced_unit
-    from autotp.planning.mesh_search import tp_profile
+    from autotp.planning.tp_profiles import tp_profile
     unit, sizes = priced_unit(gpt3)
     profile = tp_profile(gpt3, 8, load_topology("dgx-a100", nodes=128), True, sizes, unit)
     s, h, a, t = 2048, 12288, 96, 8
@@ -122,7 +122,7 @@ def test_whole_block_recomputation_under_sequence_parallelism_keeps_each_layers_
     only its input, split over the t ranks: 2sbh/t bytes (bf16)."""
     from autotp.cost_models.mesh_layout import KEPT, Candidate, Profile, Section, stage_memory
     from autotp.cost_models.pricing import priced_unit
-    from autotp.planning.mesh_search import tp_profile
+    from autotp.planning.tp_profiles import tp_profile
     unit, sizes = priced_unit(gpt3)
     s, h, t = 2048, 12288, 8
     split = tp_profile(gpt3, t, load_topology("dgx-a100", nodes=128), True, sizes, unit, tokens=True)
@@ -271,7 +271,7 @@ def test_a_tied_embedding_is_priced_on_the_first_and_the_last_stage():
     from autotp.cost_models.mesh_layout import Candidate, stage_memory
     from autotp.cost_models.pricing import priced_unit
     from autotp.parallel.stages import block_profile, find_blocks
-    from autotp.planning.mesh_search import tp_profile
+    from autotp.planning.tp_profiles import tp_profile
     vocab, hidden = 512, 64
     profiles = {}
     for tied in (True, False):

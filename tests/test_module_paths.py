@@ -1,5 +1,5 @@
 """The prose names what exists: every autotp module path in a docstring, a comment, a docs page or the README
-(``autotp.runtime.kernels``, ``ops/table.py``, ``planning/solve.Ilp.recompute``) names a module of the package,
+(``autotp.runtime.kernels``, ``ops/table.py``, ``planning/ilp.Ilp.recompute``) names a module of the package,
 and a name after it (a function, a class, a class's attribute) is defined there."""
 from __future__ import annotations
 
@@ -132,14 +132,14 @@ def prose_files() -> list[tuple[Path, list[tuple[int, str, frozenset[str]]]]]:
 def test_the_scanner_finds_stale_paths_and_only_those():
     old = ("`runtime.dispatch.Dealt`, `passes/semantics.Op` and passes.decompose; see autotp.runtime.dispatch, "
            "passes/semantics.py, autotp/runtime/local_ops.py, `autotp.verify`, `ops.table.NoSuchRow`, "
-           "planning/solve.Ilp.no_such_family")
+           "planning/ilp.Ilp.no_such_family")
     assert [s.partition(":")[0] for s in stale(old)] == [
         "runtime.dispatch.Dealt", "passes/semantics.Op", "passes.decompose", "autotp.runtime.dispatch",
         "passes/semantics.py", "autotp/runtime/local_ops.py", "autotp.verify", "ops.table.NoSuchRow",
-        "planning/solve.Ilp.no_such_family"]
+        "planning/ilp.Ilp.no_such_family"]
     fine = ("torch.ops.aten.mm, torch.distributed.tensor.parallel, https://example.com/tools/ops.py, ops. Then "
             "the runtime.\nautotp.runtime.kernels, runtime/collectives.py, `ops/table.py` (rows), "
-            "cost_models/topologies/*.json, autotp/ops/, autotp.parallelize, planning/solve.Ilp.recompute, "
+            "cost_models/topologies/*.json, autotp/ops/, autotp.parallelize, planning/ilp.Ilp.recompute, "
             "`cost_models.memory.memory_limit(topology)`, `autotp/options.py`, tools/hand_plans.json, "
             "transformers/models/llama/modeling_llama.py, x.runtime.dispatch, [Serving](serving.md), "
             "cost_models/topologies/dgx-h100.json")

@@ -36,7 +36,7 @@ def _train(rank: int, world: int, dims: tuple, names: tuple, schedule: str, stag
 
     import autotp
     import autotp.api
-    from autotp.options import PlanOptions, RunOptions
+    from autotp.options import MeshOptions, PlanOptions, RunOptions
     from autotp.parallel.pipeline import pipeline
     mesh = init_device_mesh("cpu", dims, mesh_dim_names=names)
 
@@ -52,8 +52,8 @@ def _train(rank: int, world: int, dims: tuple, names: tuple, schedule: str, stag
         dp, index = mesh["dp"].size(), mesh["dp"].get_local_rank()
         x, y = x.chunk(dp)[index], y.chunk(dp)[index]
     model = build()
-    pipelined = pipeline(model, (x,), mesh=mesh, loss_fn=token_loss, schedule=schedule, microbatches=4, stages=stages,
-                         shard_stage=shard_stage, virtual_stages=virtual)
+    meshing = MeshOptions(loss_fn=token_loss, schedule=schedule, microbatches=4, stages=stages, virtual_stages=virtual)
+    pipelined = pipeline(model, (x,), mesh=mesh, meshing=meshing, shard_stage=shard_stage)
     assert not any("forward" in vars(m) for m in model.modules())  # pipelining's split markers were removed
     names_here = [n for n, _ in pipelined.named_parameters()]
     assert names_here and all(n in dict(model.named_parameters()) for n in names_here), names_here
@@ -220,12 +220,14 @@ def _stage_dies(rank: int, port: int, queue) -> None:
     """Rank 1 (the last stage) dies in its first forward; rank 0 reports how long it took to raise."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    from autotp.options import MeshOptions
     from autotp.parallel.pipeline import pipeline
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=20))
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
     x, y = batch()
-    pipelined = pipeline(llama(), (x,), mesh=mesh, loss_fn=token_loss, microbatches=2, stages=[0, 2])
+    meshing = MeshOptions(loss_fn=token_loss, microbatches=2, stages=[0, 2])
+    pipelined = pipeline(llama(), (x,), mesh=mesh, meshing=meshing)
     if rank == 1:
         pipelined.modules[1].forward = lambda *args, **kwargs: os._exit(3)
     start = time.monotonic()

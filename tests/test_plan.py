@@ -130,7 +130,7 @@ def test_a_plan_is_refused_for_another_split_of_heads(kind, fold):
 
     from autotp.passes.capture import fingerprint
     from autotp.passes.prepared_graph import prepared_graph
-    from autotp.planning.tensor_plan import plan_choice
+    from autotp.planning.plan_choice import plan_choice
     from tests.helpers.models import llama_with
 
     layers = 5 if fold else 1

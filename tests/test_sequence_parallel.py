@@ -113,7 +113,7 @@ def test_cli_plan_with_sequence_parallelism(capsys):
 
 def test_forcing_it_without_a_token_dim_says_why():
     """A ViT's 17 tokens are fixed by its config (export makes them static): there is nothing to split."""
-    from autotp.planning.solve import PlanningError
+    from autotp.planning.solution import PlanningError
     with pytest.raises(PlanningError, match="no op can split the tokens"):
         autotp.plan(vit(), (torch.randn(1, 3, 16, 16),), world_size=2, sequence_parallel=True)
 
@@ -146,7 +146,7 @@ def _priced_as(plan, monkeypatch, model, args, **patches):
 
     from autotp.plan import Plan
     from autotp.planning import accounting, solve
-    from autotp.planning.tensor_plan import solve as plan_solve
+    from autotp.planning.solve import solve as plan_solve
 
     def held(gm, found, *a, **k):
         chosen = {n: [s for s in opts if Plan.encode(s) == {f: plan.nodes[n.name][f] for f in ("in", "out")}]

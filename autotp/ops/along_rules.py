@@ -1,5 +1,6 @@
-"""Sharding rules of ops that reduce, pick, repeat or window along some dims (max, logsumexp, vector norms, gather,
-scatter, repeat, unfold, im2col): the other dims stay sharded; the dims they act along are not sums of their parts,
+"""Sharding rules of ops that act along some dims and map the others through: reductions, picks, repeats and
+windows (max, logsumexp, vector norms, gather, scatter, repeat, unfold, im2col), glu, flip, pooling and weight norm.
+The other dims stay sharded; the dims they act along are not sums of their parts,
 so they are never split, except where each rank's rows pick from a whole input (gather's index)."""
 from __future__ import annotations
 
@@ -89,3 +90,50 @@ def gather(node: Node, ctx: Context) -> list[Strategy]:
     if node.target == aten.gather.default:
         found += [Strategy(ctx.fill(node, {index: s}), s) for s in ctx.shard_options(index, at)]
     return found
+
+
+# ---- ops that compute along some dims and map the others through ----------------------------------
+
+def _through(node: Node, ctx: Context, acted: set) -> list[Strategy]:
+    """Any dim of input 0 outside ``acted`` may stay sharded; the output keeps it at the same dim."""
+    x = node.args[0]
+    n = len(ctx.shape(x))
+    return [Strategy(ctx.fill(node, {x: s}), s) for d in range(n) if d not in acted
+            for s in ctx.shard_options(x, d) + ctx.token_options(x, d)]
+
+
+def along_dims(node: Node, ctx: Context) -> list[Strategy]:
+    """glu(x, dim) halves ``dim``, flip(x, dims) reverses ``dims``: every other dim passes through.  glu's dim
+    split block by block, each half alike (a conformer's pointwise conv before it), gives each rank its slice
+    of the gated output."""
+    x = node.args[0]
+    n = len(ctx.shape(x))
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", -1)
+    acted = {positive_dim(d, n) for d in (dims if isinstance(dims, (list, tuple)) else [dims])}
+    found = _through(node, ctx, acted)
+    if node.target == aten.glu.default:
+        (at,) = acted
+        found += [Strategy(ctx.fill(node, {x: s}), s.block(0, s.chunks[0], ctx.world))
+                  for s in ctx.shard_options(x, at) if s.chunks is not None and len(s.chunks) == 2
+                  and s.chunks[0] == s.chunks[1] and s.groups is None]
+    return found
+
+
+def last_dims(count: int):
+    """Ops over the last ``count`` dims -- pooling and resampling of an image or a signal, tril / triu of a matrix:
+    the leading dims (batch, channels, heads) pass through."""
+    def rule(node: Node, ctx: Context) -> list[Strategy]:
+        n = len(ctx.shape(node.args[0]))
+        return _through(node, ctx, set(range(n - count, n)))
+    rule.__name__ = f"last_{count}_dims"
+    return rule
+
+
+def weight_norm(node: Node, ctx: Context) -> list[Strategy]:
+    """_weight_norm(v, g, dim) = v * g / ||v|| over every dim but ``dim``: ``dim`` split in v and g alike."""
+    v, g = node.args[0], node.args[1]
+    n = len(ctx.shape(v))
+    dim = positive_dim(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0), n)
+    if len(ctx.shape(g)) != n:
+        return []
+    return [Strategy(ctx.fill(node, {v: s, g: s}), s) for s in ctx.shard_options(v, dim) if s.chunks is None]

@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
+from autotp.ops.channel_rules import conv_groups
 from autotp.ops.expert_rules import integer_indices
 from autotp.ops.layout_rules import pieces_of, positive_dim
-from autotp.ops.rules import conv_groups
 from autotp.ops.strategies import Context, is_placed
 from autotp.ops.views import inverse_view_dim, split_runs
 

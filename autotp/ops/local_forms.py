@@ -12,9 +12,10 @@ from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.fx.operator_schemas import normalize_function
 
+from autotp.ops.channel_rules import conv_groups
 from autotp.ops.expert_rules import GROUPED_MM_FALLBACK, is_grouped_mm, offsets
 from autotp.ops.layout_rules import block_of, constant_positions, cut_range, gathered, pieces_of
-from autotp.ops.rules import conv_groups, held_heads, separate_pieces
+from autotp.ops.rules import held_heads, separate_pieces
 from autotp.ops.strategies import token_inputs
 from autotp.placement import Disjoint, Partial, R, Shard
 from autotp.runtime import kernels

@@ -126,7 +126,7 @@ class Notes:
 class Context:
     """What rules may ask about the graph: the world size, the analysis of the graph (hints, expert segments,
     gradients), the planning options that shape the offer, and the op table.  Built once per solve
-    (planning/tensor_plan.analyse); only ``notes`` is written, by the enumeration the rules take part in."""
+    (planning/analysis.analyse); only ``notes`` is written, by the enumeration the rules take part in."""
     world: int
     hints: Mapping = field(default_factory=dict)        # (node, dim) -> set of chunk tuples
     units: Mapping = field(default_factory=dict)        # (node, dim) -> unit counts (heads) seen downstream

@@ -78,10 +78,7 @@ def parallelize(model: torch.nn.Module, args=None, kwargs=None, *, mesh: DeviceM
                 raise
             raise NotImplementedError("pipeline stages ('pp' in the mesh) are not available in this build of autotp: "
                                       "use a mesh of 'dp' and 'tp' only") from exc
-        return pipeline(model, args, kwargs, mesh=mesh, loss_fn=meshing.loss_fn, schedule=meshing.schedule,
-                        microbatches=meshing.microbatches, stages=meshing.stages, shard_stage=shard_stage,
-                        data_parallel=meshing.data_parallel, planning=planning,
-                        virtual_stages=meshing.virtual_stages)
+        return pipeline(model, args, kwargs, mesh=mesh, meshing=meshing, planning=planning, shard_stage=shard_stage)
     if meshing.pipelined():
         raise ValueError("loss_fn, microbatches, stages and virtual_stages are for pipeline stages: add a 'pp' "
                          "dimension to the mesh, or drop them")

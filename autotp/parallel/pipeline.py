@@ -25,35 +25,36 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 from autotp.cost_models import load_topology
 from autotp.cost_models.memory import memory_limit as device_limit
 from autotp.cost_models.mesh_layout import Candidate, Setting
-from autotp.options import PlanOptions
+from autotp.options import MeshOptions, PlanOptions
 from autotp.parallel.schedules import check_evaluates, resolve, step_failure
 from autotp.parallel.split import stage_graph
 from autotp.parallel.stages import StageError, block_profile, find_blocks, stage_starts
 from autotp.parallel.tied import Tied
 from autotp.passes.prepared_graph import prepared_graph
-from autotp.planning.tensor_plan import offered
+from autotp.planning.analysis import offered
 from autotp.runtime.conversion import on_meta, weightless
 from autotp.runtime.devices import device_of
 from autotp.runtime.hf_checkpoint import full_checkpoint_tensors, full_state_dict
 from autotp.runtime.rendezvous import InputCheck
 
 
-def pipeline(model: torch.nn.Module, args, kwargs=None, *, mesh, loss_fn, schedule="1F1B",
-             microbatches: int | None = None, stages: list | None = None, shard_stage=None,
-             data_parallel: str = "fsdp", planning: PlanOptions | None = None,
-             virtual_stages: int | None = None) -> Pipelined:
-    """This rank's pipeline stages of ``model`` over ``mesh["pp"]``, ready to train with ``step``.
+def pipeline(model: torch.nn.Module, args, kwargs=None, *, mesh, meshing: MeshOptions,
+             planning: PlanOptions | None = None, shard_stage=None) -> Pipelined:
+    """This rank's pipeline stages of ``model`` over ``mesh["pp"]``, ready to train with ``step``, as ``meshing``
+    says (its loss, schedule, micro-batches, stage starts, virtual stages and data parallelism).
 
     ``args`` / ``kwargs``: example inputs of one step on this data-parallel rank (its share of the batch);
-    they are cut into ``microbatches`` along dim 0 (default: one per pipeline rank).  ``stages``: the block
-    indices where stages begin (first 0), overriding the cost model's split (stage time balanced under
-    ``planning.memory_limit`` bytes per device, default 90% of its topology's, with ``data_parallel`` sharding
-    over the mesh's "dp"; ``planning``, the user's plan options, also decide the tied weights' placements).
-    ``schedule``: a torch.distributed.pipelining name or class (parallel/schedules.py);
-    multi-stage schedules hold ``virtual_stages`` stages per rank (default: ``len(stages) / pp`` when ``stages``
-    is given, else 2).  ``shard_stage(model, args, kwargs, graph=, fixed=) -> module`` shards one stage's graph
-    (``fixed``: placements its tied weights must take; default: the graph itself).
+    they are cut into ``meshing.microbatches`` along dim 0 (default: one per pipeline rank).  ``meshing.stages``:
+    the block indices where stages begin (first 0), overriding the cost model's split (stage time balanced under
+    ``planning.memory_limit`` bytes per device, default 90% of its topology's, with ``meshing.data_parallel``
+    sharding over the mesh's "dp"; ``planning``, the user's plan options, also decide the tied weights'
+    placements).  ``meshing.schedule``: a torch.distributed.pipelining name or class (parallel/schedules.py);
+    multi-stage schedules hold ``meshing.virtual_stages`` stages per rank (default: ``len(stages) / pp`` when
+    stages are given, else 2).  ``shard_stage(model, args, kwargs, graph=, fixed=) -> module`` shards one stage's
+    graph (``fixed``: placements its tied weights must take; default: the graph itself).
     """
+    loss_fn, schedule, microbatches = meshing.loss_fn, meshing.schedule, meshing.microbatches
+    stages, virtual_stages, data_parallel = meshing.stages, meshing.virtual_stages, meshing.data_parallel
     if "pp" not in (mesh.mesh_dim_names or ()):
         raise ValueError(f"pipeline needs a mesh with a 'pp' dimension, got dims {mesh.mesh_dim_names}")
     if not callable(loss_fn):

@@ -12,7 +12,7 @@ from autotp.canonicalize.graph_edits import module_path
 from autotp.ops import expert_segments
 from autotp.ops.local_forms import full_size, local_sizes
 from autotp.ops.semantics import writes
-from autotp.ops.strategies import Context, input_slots, needs_grad, token_inputs
+from autotp.ops.strategies import Context, Strategy, input_slots, needs_grad, token_inputs
 from autotp.ops.table import SIZE, TABLE, op
 from autotp.passes.gradients import gradient_sums, partial_grad, partial_params
 from autotp.placement import Partial, R, Replicate, Routed, Shard, take_local
@@ -158,13 +158,14 @@ def _gathered_both_ways(gm: torch.fx.GraphModule, choice: dict, grad: set) -> se
     return {src for src, flags in readers.items() if flags == {True, False}}
 
 
-def rewrite(gm: torch.fx.GraphModule, choice: dict, rank: int, world: int, group: str,
-            provided: frozenset = frozenset(), device: torch.device | None = None, gather_outputs: bool = True,
-            dispatch: Groups | None = None) -> torch.fx.GraphModule:
-    """Mutates ``gm`` (a fresh capture) into this rank's sharded program; expert segments that the plan routes,
-    or that a mesh's "ep" ranks share (``dispatch``), are run by their experts' owners (runtime/expert_dispatch.py).
-    The tensors in ``provided`` (and those on the meta device) are left for runtime/materialize.py to fill."""
-    tp = Group(group, rank, world)
+def rewrite(gm: torch.fx.GraphModule, choice: dict[Node, Strategy], tp: Group, *, dispatch: Groups | None = None,
+            device: torch.device | None = None, provided: frozenset[str] = frozenset(),
+            gather_outputs: bool = True) -> torch.fx.GraphModule:
+    """Mutates ``gm`` (a fresh capture) into rank ``tp.rank``'s sharded program over the TP group ``tp``; expert
+    segments that the plan routes, or that a mesh's "ep" ranks share (``dispatch``), are run by their experts'
+    owners (runtime/expert_dispatch.py).  The pieces go to ``device``; the tensors in ``provided`` (a checkpoint's)
+    and those on the meta device are left for runtime/materialize.py to fill."""
+    rank, world, group = tp.rank, tp.size, tp.name
     dispatched = _dispatched(gm, choice, tp, dispatch or Groups(tp))
     graph = gm.graph
     grad = needs_grad(gm)

@@ -32,7 +32,7 @@ def planned_collectives(gm: torch.fx.GraphModule, choice: Choice, world: int, to
     ``count``: how many real tensors a folded graph's node stands for; ``regather``: a backward all-gather of
     tokens kept as this rank's piece, runtime/activations.py; ``tensors``: the replicated parameters whose partial
     gradients one all-reduce sums, passes/gradients.partial_params); an inference plan (``training=False``) lists
-    the forward's alone; ``per_reader``: each reader sums its input's partial gradient itself (solve.Imposed)."""
+    the forward's alone; ``per_reader``: each reader sums its input's partial gradient itself (solution.Imposed)."""
     grad = needs_grad(gm)
     # ranks sharing a unit sum its gradient (a bias with its weight)
     found: dict[tuple[Any, ...], tuple[Any, ...]] = {

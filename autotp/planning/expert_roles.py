@@ -22,7 +22,7 @@ from autotp.ops.strategies import Strategy, input_slots, replicated_like
 from autotp.ops.table import is_product, op
 from autotp.options import PlanOptions
 from autotp.placement import Disjoint, parse
-from autotp.planning.solve import PlanningError
+from autotp.planning.solution import PlanningError
 from autotp.planning.tensor_plan import solve_plan
 
 

@@ -18,19 +18,18 @@ from autotp.canonicalize.graph_edits import module_path
 from autotp.cost_models import load_topology
 from autotp.cost_models.pricing import Experts, Sizes, activation_bytes, input_sizes
 from autotp.cost_models.topology import Topology
-from autotp.ops import expert_segments
-from autotp.ops.strategies import Context, Strategy, input_slots, needs_grad, on_tokens, token_inputs
-from autotp.ops.table import TABLE, drops
+from autotp.ops.strategies import Strategy, input_slots, needs_grad, on_tokens, token_inputs
+from autotp.ops.table import drops
 from autotp.options import PlanOptions
-from autotp.passes.capture import fingerprint, target_name, within
-from autotp.passes.fold import Fold, NotFoldable, fold_graph
-from autotp.passes.hints import with_hints
+from autotp.passes.capture import fingerprint, target_name
 from autotp.passes.styles import param_styles
-from autotp.placement import Disjoint, R, Routed, Shard
+from autotp.placement import Disjoint, Routed, Shard
 from autotp.plan import Plan, PlanMismatch
 from autotp.planning.accounting import alternatives, planned_collectives
-from autotp.planning.candidates import Candidates, enumerate_strategies
-from autotp.planning.solve import DoesNotFit, Imposed, PlanningError, Solution, solve
+from autotp.planning.analysis import candidates
+from autotp.planning.candidates import Candidates
+from autotp.planning.solution import DoesNotFit, Imposed, PlanningError, Solution
+from autotp.planning.solve import solve
 from autotp.runtime.progress import step
 
 # What only a training step holds (cost_models.memory.breakdown's kinds): an inference plan lists none of them
@@ -187,59 +186,14 @@ def to_plan(gm: torch.fx.GraphModule, found: Candidates, solution: Solution, top
     )
 
 
-def offered(gm: torch.fx.GraphModule, world_size: int, options: PlanOptions | None = None) -> dict[str, list[Any]]:
-    """Parameter name -> the placements the solver may give it on ``world_size`` ranks (each one every reader of
-    the parameter takes without moving it)."""
-    options = options or PlanOptions()
-    found = candidates(gm, world_size, options, False, options.experts)
-    return {n.target: [s.output for s in found.strategies[n]] for n in gm.graph.nodes
-            if n.op == "get_attr" and n in found.strategies}
 
 
-def tied_names(gm: torch.fx.GraphModule, fixed: Mapping[str, Any]) -> dict[str, Any]:
-    """``fixed`` under every name of each weight it names: a tied weight is read by one of its names (GPT-2's
-    embedding as ``lm_head.weight``), whichever the user placed."""
-    names: dict[int, list[str]] = {}
-    for name, p in gm.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    found = dict(fixed)
-    for group in names.values():
-        placed = [fixed[n] for n in group if n in fixed]
-        if placed:
-            found.update({n: found.get(n, placed[0]) for n in group})
-    return found
 
 
-def fixed_parameters(gm: torch.fx.GraphModule, fixed: Mapping[str, Any]) -> tuple[dict[str, Any], frozenset[str]]:
-    """``fixed`` as parameter placements (tied names included) and the modules it computes whole: a name that is
-    no parameter is a module's, fixed "R" (a router or an indexer kept whole, as a hand plan replicates it), which
-    holds each parameter under it whole too."""
-    params = dict(gm.named_parameters(remove_duplicate=False))
-    modules = {name for name in fixed if name not in params}
-    for name in modules:
-        if fixed[name] != R:
-            raise ValueError(f"fixed[{name!r}] = {fixed[name]}: {name!r} is no parameter of the model, and a module "
-                             f"can only be fixed \"R\" (computed whole on every rank)")
-    inside = {p: R for p in params if within(p, modules)}
-    return tied_names(gm, {**inside, **{k: v for k, v in fixed.items() if k not in modules}}), frozenset(modules)
 
 
-def analyse(gm: torch.fx.GraphModule, world_size: int, options: PlanOptions, tokens: bool,
-            experts: str | None) -> Context:
-    """What the rules may ask: expert segments, then the hints, then the gradients' path and the token sizes
-    (each found with the ones before it known, as the rules that find them read them)."""
-    fixed, whole = fixed_parameters(gm, options.fixed or {})
-    ctx = Context(world=world_size, min_shard_fraction=options.min_shard_fraction,
-                  parameter_sizes=dict(options.parameter_sizes or {}), fixed=fixed, whole=whole,
-                  tokens=tokens, experts=experts, ep=options.ep, ops=TABLE)
-    ctx = replace(ctx, segments=expert_segments.members(expert_segments.find(gm, ctx)))
-    ctx = with_hints(gm, ctx)
-    return replace(ctx, grad=frozenset(needs_grad(gm)), token_symbols=frozenset(token_inputs(gm.graph)))
 
 
-def candidates(gm: torch.fx.GraphModule, world_size: int, options: PlanOptions, tokens: bool,
-               experts: str | None) -> Candidates:
-    return enumerate_strategies(gm, analyse(gm, world_size, options, tokens, experts))
 
 
 def _check_experts(found: Candidates, choice: Mapping[Node, Strategy], options: PlanOptions) -> None:
@@ -300,32 +254,5 @@ def _activations_by_module(gm: torch.fx.GraphModule, choice: dict[Node, Strategy
             "recompute": sorted({module_path(core[-1]) for core in recomputed}), "dropout": dropping}
 
 
-def plan_choice(gm: torch.fx.GraphModule, plan: Plan, graph_hash: str, world: int) -> dict[Node, Strategy]:
-    """node -> Strategy from the plan; a folded plan's block-1 decisions stamped on every middle block."""
-    return planned(gm, plan, graph_hash, world)[0]
 
 
-def planned(gm: torch.fx.GraphModule, plan: Plan, graph_hash: str,
-            world: int) -> tuple[dict[Node, Strategy], set[Node]]:
-    """(plan_choice, the nodes the plan recomputes in the backward)."""
-    names = {node: node.name for node in gm.graph.nodes}
-    if plan.fold:
-        repeats = Fold(**plan.fold)
-        try:
-            folding = fold_graph(gm, repeats)
-        except NotFoldable as exc:
-            raise PlanMismatch(f"the plan folds {repeats.count} blocks of {repeats.path}, but in this model's graph "
-                               f"{exc}: re-plan with fold=False") from None
-        graph_hash = folding.fingerprint(gm)
-        by_key = {entry.get("key"): name for name, entry in plan.nodes.items()}
-        names = {node: by_key.get(folding.blocks.key[node]) for node in gm.graph.nodes}
-    plan.check(graph_hash, world)
-    choice: dict[Node, Strategy] = {}
-    recomputed: set[Node] = set()
-    for node, name in names.items():
-        if name in plan.nodes:
-            inputs, output = plan.strategy(name)
-            choice[node] = Strategy(tuple(inputs), output)
-            if plan.nodes[name].get("recompute"):
-                recomputed.add(node)
-    return choice, recomputed

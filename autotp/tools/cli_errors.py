@@ -38,7 +38,7 @@ def positive(text: str) -> int:
 def status_and_line(exc: BaseException) -> tuple[int, str]:
     """The exit status and the one line ``exc`` is reported as."""
     from autotp.passes.capture import CaptureError
-    from autotp.planning.solve import DoesNotFit, PlanningError
+    from autotp.planning.solution import DoesNotFit, PlanningError
     first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
     if isinstance(exc, (UsageError, FileNotFoundError)):
         return USAGE, f"autotp: {first}"

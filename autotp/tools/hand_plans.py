@@ -22,7 +22,7 @@ from autotp.options import PlanOptions
 from autotp.passes.capture import within
 from autotp.placement import Routed
 from autotp.plan import Plan
-from autotp.planning.solve import Imposed, PlanningError
+from autotp.planning.solution import Imposed, PlanningError
 from autotp.planning.tensor_plan import Attempt, price_plan, solve_plan
 from autotp.tools.interop import hf_styles, pattern_regex, style_placements
 

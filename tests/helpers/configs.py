@@ -7,6 +7,9 @@ transformers' defaults for their families, which are those published models' sha
 layouts tests/test_architectures.py runs (``architecture(name)``)."""
 from __future__ import annotations
 
+# Tables of sizes, a few lines a config as transformers spells its fields: left as written.
+# fmt: off
+
 # the sizes tests/test_layouts.py and the architectures' table share
 SMALL = {"vocab_size": 96, "max_position_embeddings": 64}
 

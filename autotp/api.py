@@ -4,6 +4,7 @@
 planning/tensor_plan.py analyses, enumerates the candidates, solves and writes the plan.  ``tensor_parallel`` has
 the ranks agree on the model, rank 0 plan and share, then every rank rewrites its program and loads its pieces.
 """
+
 from __future__ import annotations
 
 import functools
@@ -37,8 +38,7 @@ from autotp.runtime.rendezvous import InputCheck, RandomCheck, Rendezvous, input
 from autotp.runtime.transport import register
 
 
-def plan(model: torch.nn.Module, args=None, kwargs=None, *, world_size: int, fold: bool = True,
-         **options) -> Plan:
+def plan(model: torch.nn.Module, args=None, kwargs=None, *, world_size: int, fold: bool = True, **options) -> Plan:
     """A sharding plan for ``world_size`` ranks without any process group (the model may be on the meta device).
 
     Costs are estimated at the example inputs' sizes: pass realistic ones (on the meta device they cost nothing).
@@ -48,9 +48,17 @@ def plan(model: torch.nn.Module, args=None, kwargs=None, *, world_size: int, fol
     return solve_plan(prepared_graph(model, args, kwargs, fold), world_size, planning, price_experts=True)
 
 
-def tensor_parallel(model: torch.nn.Module, args, kwargs, planning: PlanOptions, running: RunOptions, *,
-                    graph: torch.fx.GraphModule | None = None, expert_groups: tuple | None = None,
-                    fill: bool = True) -> torch.nn.Module:
+def tensor_parallel(
+    model: torch.nn.Module,
+    args,
+    kwargs,
+    planning: PlanOptions,
+    running: RunOptions,
+    *,
+    graph: torch.fx.GraphModule | None = None,
+    expert_groups: tuple | None = None,
+    fill: bool = True,
+) -> torch.nn.Module:
     """This rank's tensor-parallel copy of ``model`` over ``running.group``: same signature, full outputs on every
     rank (``autotp.parallelize`` without a mesh).  ``graph``: a captured part of ``model`` to shard instead (a
     pipeline stage, parallel/split.py).  ``expert_groups``: (a mesh's "ep" group, its "ep" x "tp" group), over which
@@ -58,8 +66,10 @@ def tensor_parallel(model: torch.nn.Module, args, kwargs, planning: PlanOptions,
     for the caller to fill once FSDP2 has split them (parallel/mesh.py)."""
     ranks = Ranks.of(running, expert_groups, graph, model)
     if planning.ep not in (1, ranks.ep):
-        raise ValueError(f"ep={planning.ep}: a program's expert ranks are its mesh's \"ep\" dimension ({ranks.ep} "
-                         "here): give parallelize a mesh with an 'ep' dimension, or drop ep")
+        raise ValueError(
+            f"ep={planning.ep}: a program's expert ranks are its mesh's \"ep\" dimension ({ranks.ep} "
+            "here): give parallelize a mesh with an 'ep' dimension, or drop ep"
+        )
     planning = replace(planning, ep=ranks.ep)
     if args is None and kwargs is None:
         args = default_inputs(model)
@@ -88,8 +98,16 @@ def tensor_parallel(model: torch.nn.Module, args, kwargs, planning: PlanOptions,
     return sharded
 
 
-def another_program(model: torch.nn.Module, first: Plan, planning: PlanOptions, running: RunOptions,
-                    expert_groups: tuple | None, args, kwargs, training: bool) -> torch.nn.Module:
+def another_program(
+    model: torch.nn.Module,
+    first: Plan,
+    planning: PlanOptions,
+    running: RunOptions,
+    expert_groups: tuple | None,
+    args,
+    kwargs,
+    training: bool,
+) -> torch.nn.Module:
     """A program for inputs of a structure the first program's capture excluded, made as the first was (every rank
     of the group at once, rank 0 planning): the first plan where it fits the new graph, else a plan whose
     parameters are placed as the first plan places them, so that both programs hold the same pieces; captured
@@ -112,9 +130,11 @@ def another_program(model: torch.nn.Module, first: Plan, planning: PlanOptions, 
     plan = agree_on_plan(gm, graph_hash, args, kwargs, replace(planning, fixed=fixed), given, ranks)
     moved = [name for name, text in plan.params.items() if first.params.get(name, text) != text]
     if moved:
-        raise InputStructureError(f"the plan for these inputs places {moved[0]} as {plan.params[moved[0]]}, the "
-                                  f"first as {first.params[moved[0]]}: the programs cannot share their pieces; "
-                                  "parallelize with inputs of this structure instead")
+        raise InputStructureError(
+            f"the plan for these inputs places {moved[0]} as {plan.params[moved[0]]}, the "
+            f"first as {first.params[moved[0]]}: the programs cannot share their pieces; "
+            "parallelize with inputs of this structure instead"
+        )
     program, _ = sharded_program(gm, planned(gm, plan, graph_hash, ranks.world), None, planning, running, ranks)
     ranks.planners.agree("loaded", "ok", "the end of loading")
     return program.train(training)
@@ -124,11 +144,12 @@ def another_program(model: torch.nn.Module, first: Plan, planning: PlanOptions, 
 class Ranks:
     """The groups one ``tensor_parallel`` call runs over, and their rendezvous: ``everyone`` over the TP group,
     ``planners`` over the ranks that must hold one plan (the "ep" x "tp" ranks with experts dispatched)."""
-    group: object          # the TP group
+
+    group: object  # the TP group
     rank: int
     world: int
-    ep_group: object       # a mesh's "ep" group, or None
-    routed_group: object   # the "ep" x "tp" ranks experts are dispatched over (the TP group without "ep")
+    ep_group: object  # a mesh's "ep" group, or None
+    routed_group: object  # the "ep" x "tp" ranks experts are dispatched over (the TP group without "ep")
     groups: Groups
     everyone: Rendezvous
     planners: Rendezvous
@@ -141,23 +162,37 @@ class Ranks:
     @classmethod
     def of(cls, running: RunOptions, expert_groups: tuple | None, graph, model: torch.nn.Module) -> Ranks:
         if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("autotp.parallelize needs torch.distributed: call dist.init_process_group(...) first "
-                               "(launch with torchrun), or use autotp.plan(...) to inspect a plan without one")
+            raise RuntimeError(
+                "autotp.parallelize needs torch.distributed: call dist.init_process_group(...) first "
+                "(launch with torchrun), or use autotp.plan(...) to inspect a plan without one"
+            )
         if running.verify and graph is not None:
-            raise ValueError("verify=True compares a whole model with its sharded program: verify without pipeline "
-                             "stages (a mesh without 'pp')")
+            raise ValueError(
+                "verify=True compares a whole model with its sharded program: verify without pipeline "
+                "stages (a mesh without 'pp')"
+            )
         group = running.group or dist.group.WORLD
         device = shard_device(group, model, running.device)  # before any capture: a device the group carries
         ep_group, routed_group = expert_groups or (None, group)
         everyone = Rendezvous(group, running.timeout)
         planners = Rendezvous(routed_group, running.timeout) if ep_group is not None else everyone
         groups = Groups(_group(routed_group), _group(ep_group) if ep_group is not None else None)
-        return cls(group, dist.get_rank(group), dist.get_world_size(group), ep_group, routed_group, groups,
-                   everyone, planners, device)
+        return cls(
+            group,
+            dist.get_rank(group),
+            dist.get_world_size(group),
+            ep_group,
+            routed_group,
+            groups,
+            everyone,
+            planners,
+            device,
+        )
 
 
-def agree_on_plan(gm: torch.fx.GraphModule, graph_hash: str, args, kwargs, planning: PlanOptions, given: Plan | None,
-                  ranks: Ranks) -> Plan:
+def agree_on_plan(
+    gm: torch.fx.GraphModule, graph_hash: str, args, kwargs, planning: PlanOptions, given: Plan | None, ranks: Ranks
+) -> Plan:
     """The one plan every rank runs: they agree on the model and input shapes, rank 0 solves the plan (unless one
     is ``given``) and shares it, they agree on its text, and its expert mesh is this mesh's."""
     ranks.planners.agree("model", f"{graph_hash}/{inputs_digest(args, kwargs)}", "the model and input shapes")
@@ -168,21 +203,31 @@ def agree_on_plan(gm: torch.fx.GraphModule, graph_hash: str, args, kwargs, plann
         plan, text = given, given.to_json()
     ranks.planners.agree("plan", hashlib.sha256(text.encode()).hexdigest()[:16], "the plan")
     if plan.mesh.get("ep", 1) != planning.ep:
-        raise PlanMismatch(f"the plan dispatches experts over {plan.mesh.get('ep', 1)} \"ep\" ranks, the mesh has "
-                           f"{planning.ep}: re-plan for this mesh")
+        raise PlanMismatch(
+            f'the plan dispatches experts over {plan.mesh.get("ep", 1)} "ep" ranks, the mesh has '
+            f"{planning.ep}: re-plan for this mesh"
+        )
     return plan
 
 
-def sharded_program(gm: torch.fx.GraphModule, on_graph: Planned, source, planning: PlanOptions, running: RunOptions,
-                    ranks: Ranks) -> tuple[torch.nn.Module, list]:
+def sharded_program(
+    gm: torch.fx.GraphModule, on_graph: Planned, source, planning: PlanOptions, running: RunOptions, ranks: Ranks
+) -> tuple[torch.nn.Module, list]:
     """This rank's program: the graph rewritten with its collectives, the planned attention cores recomputed,
     dropout drawn as ``running.dropout`` says; with its random ops (for the ranks' random-state check)."""
     again = [core for core in attention_cores(gm, needs_grad(gm)) if core[-1] in on_graph.recomputed]
     retarget_device(gm, ranks.device)  # the capture's device named in factory calls: the program runs on the shards'
     tp = Group(ranks.group.group_name, ranks.rank, ranks.world)
     provided = frozenset(source.files) if source else frozenset()
-    sharded = rewrite(gm, on_graph.choice, tp, dispatch=ranks.groups, device=ranks.device, provided=provided,
-                      gather_outputs=planning.gather_outputs)
+    sharded = rewrite(
+        gm,
+        on_graph.choice,
+        tp,
+        dispatch=ranks.groups,
+        device=ranks.device,
+        provided=provided,
+        gather_outputs=planning.gather_outputs,
+    )
     checkpoint_cores(sharded, again)
     dropouts = set_mode(sharded, running.dropout)
     for member in {ranks.group, ranks.routed_group, ranks.ep_group} - {None}:
@@ -194,9 +239,12 @@ def sharded_program(gm: torch.fx.GraphModule, on_graph: Planned, source, plannin
 def verify_against(model: torch.nn.Module, sharded: torch.nn.Module, args, kwargs) -> None:
     """Run the example inputs through both and name the first op whose values differ (passes/verify.py)."""
     if any(p.is_meta for p in model.parameters()):
-        raise ValueError("verify=True compares with the unsharded model, whose weights are on the meta device: "
-                         "verify with a model that fits in memory, or drop verify")
+        raise ValueError(
+            "verify=True compares with the unsharded model, whose weights are on the meta device: "
+            "verify with a model that fits in memory, or drop verify"
+        )
     from autotp.passes.verify import verify
+
     verify(sharded, prepared_graph(model, args, kwargs), args, kwargs)
 
 
@@ -212,8 +260,10 @@ def checkpoint_source(checkpoint, model: torch.nn.Module):
 
 def names_of(model: torch.nn.Module) -> frozenset:
     """Every name of ``model``'s parameters and buffers, tied ones under each name."""
-    return frozenset(name for name, _ in [*model.named_parameters(remove_duplicate=False),
-                                          *model.named_buffers(remove_duplicate=False)])
+    return frozenset(
+        name
+        for name, _ in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    )
 
 
 def from_pretrained(directory, *, dtype: torch.dtype | None = None, **options) -> torch.nn.Module:
@@ -221,6 +271,7 @@ def from_pretrained(directory, *, dtype: torch.dtype | None = None, **options) -
     of the safetensors files.  ``options``: PlanOptions' and RunOptions' fields (autotp/options.py)."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
+
     if "checkpoint" in options:
         raise TypeError("from_pretrained() reads its checkpoint from the directory: drop checkpoint=")
     planning, running = from_keywords(options, (PlanOptions, RunOptions), "from_pretrained")

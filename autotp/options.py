@@ -4,6 +4,7 @@
 (RunOptions) and how a mesh composes it (MeshOptions) with ``from_keywords``; a misspelt option fails there, in
 one line that lists the valid ones.  Each value checks its own fields when it is built.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -28,6 +29,7 @@ INPUT_CHECKS = ("first", "always", False)
 @dataclass(frozen=True, kw_only=True)
 class PlanOptions:
     """What to plan: the cluster, the memory, the work, and the placements a caller imposes."""
+
     topology: str | Path | Topology | None = None
     """A topology profile's name, a JSON file's path or a loaded Topology; None: the default profile."""
     memory_limit: float | None = None
@@ -74,30 +76,42 @@ class PlanOptions:
         if not isinstance(self.ep, int) or self.ep < 1:
             raise ValueError(f"ep must be a positive number of ranks, got {self.ep!r}")
         if self.ep > 1 and self.experts == "parallel":
-            raise ValueError('experts="parallel" computes whole experts on the TP group alone; with a mesh\'s "ep" '
-                             'dimension choose "all-to-all" or "tensor" (or None)')
+            raise ValueError(
+                'experts="parallel" computes whole experts on the TP group alone; with a mesh\'s "ep" '
+                'dimension choose "all-to-all" or "tensor" (or None)'
+            )
         if self.fixed:
             try:
-                object.__setattr__(self, "fixed", {name: parse(p) if isinstance(p, str) else p
-                                                   for name, p in self.fixed.items()})
+                object.__setattr__(
+                    self, "fixed", {name: parse(p) if isinstance(p, str) else p for name, p in self.fixed.items()}
+                )
             except (ValueError, AttributeError) as exc:
-                raise ValueError(f"fixed maps parameter names to placements (\"S(0)\", \"R\", ...): {exc}") from None
+                raise ValueError(f'fixed maps parameter names to placements ("S(0)", "R", ...): {exc}') from None
         if self.parameter_sizes is not None and not all(
-                isinstance(k, str) and isinstance(v, int) and v >= 0 for k, v in self.parameter_sizes.items()):
+            isinstance(k, str) and isinstance(v, int) and v >= 0 for k, v in self.parameter_sizes.items()
+        ):
             raise ValueError("parameter_sizes maps parameter names to numbers of elements (non-negative ints)")
         for name, shape in (self.price_at or {}).items():
-            if not isinstance(name, str) or not isinstance(shape, (tuple, list)) or not all(
-                    d is None or (isinstance(d, int) and d >= 1) for d in shape):
-                raise ValueError(f"price_at maps input names to shapes of positive sizes (None: the example's), "
-                                 f"got {name!r}: {shape!r}")
+            if (
+                not isinstance(name, str)
+                or not isinstance(shape, (tuple, list))
+                or not all(d is None or (isinstance(d, int) and d >= 1) for d in shape)
+            ):
+                raise ValueError(
+                    f"price_at maps input names to shapes of positive sizes (None: the example's), "
+                    f"got {name!r}: {shape!r}"
+                )
         if not self.expert_imbalance >= 1:
-            raise ValueError(f"expert_imbalance is the busiest rank's load over the uniform share, at least 1: got "
-                             f"{self.expert_imbalance!r}")
+            raise ValueError(
+                f"expert_imbalance is the busiest rank's load over the uniform share, at least 1: got "
+                f"{self.expert_imbalance!r}"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
 class RunOptions:
     """How to run a plan on this rank's group: where the plan and the weights come from, and the checks."""
+
     plan: object = None
     """A Plan to run instead of solving one (``Plan.load``); None: rank 0 solves and shares it."""
     group: object = None
@@ -141,6 +155,7 @@ class RunOptions:
 @dataclass(frozen=True, kw_only=True)
 class MeshOptions:
     """How a DeviceMesh composes the TP program: data parallelism, and pipeline stages on a "pp" dimension."""
+
     data_parallel: str = "fsdp"
     """Over "dp": "fsdp" (FSDP2 ``fully_shard`` per block) or "ddp"."""
     loss_fn: object = None
@@ -156,13 +171,18 @@ class MeshOptions:
 
     def pipelined(self) -> bool:
         """Whether any option is for pipeline stages."""
-        return (self.loss_fn is not None or self.microbatches is not None or self.stages is not None
-                or self.virtual_stages is not None)
+        return (
+            self.loss_fn is not None
+            or self.microbatches is not None
+            or self.stages is not None
+            or self.virtual_stages is not None
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
 class SearchOptions:
     """What ``autotp.plan_mesh`` searches: the cluster, the batch per step, the work and the expert traffic."""
+
     devices: int | None = None
     """Devices to lay out (default: all of the topology's)."""
     topology: str | Path | Topology | None = None
@@ -186,8 +206,10 @@ class SearchOptions:
         if self.data_parallel not in ("fsdp", "ddp"):
             raise ValueError(f"data_parallel must be 'fsdp' or 'ddp', got {self.data_parallel!r}")
         if self.expert_imbalance < 1 or not 0 <= self.overlap_all_to_all <= 1:
-            raise ValueError(f"expert_imbalance must be at least 1 (got {self.expert_imbalance}) and "
-                             f"overlap_all_to_all between 0 and 1 (got {self.overlap_all_to_all})")
+            raise ValueError(
+                f"expert_imbalance must be at least 1 (got {self.expert_imbalance}) and "
+                f"overlap_all_to_all between 0 and 1 (got {self.overlap_all_to_all})"
+            )
 
 
 def parse_device(text: str | torch.device) -> torch.device:
@@ -202,12 +224,16 @@ def names(kind: Any) -> tuple[str, ...]:
     return tuple(f.name for f in fields(kind))
 
 
-def from_keywords(keywords: dict[str, Any], kinds: tuple[type, ...] = (PlanOptions, RunOptions, MeshOptions),
-                  call: str = "parallelize") -> tuple[Any, ...]:
+def from_keywords(
+    keywords: dict[str, Any],
+    kinds: tuple[type, ...] = (PlanOptions, RunOptions, MeshOptions),
+    call: str = "parallelize",
+) -> tuple[Any, ...]:
     """One value of each of ``kinds`` from a call's keywords; a keyword none of them has fails in one line."""
     known = {name: kind for kind in kinds for name in names(kind)}
     unknown = sorted(set(keywords) - known.keys())
     if unknown:
-        raise TypeError(f"{call}() got unknown option(s) {', '.join(unknown)}: its options are "
-                        f"{', '.join(sorted(known))}")
+        raise TypeError(
+            f"{call}() got unknown option(s) {', '.join(unknown)}: its options are {', '.join(sorted(known))}"
+        )
     return tuple(kind(**{k: v for k, v in keywords.items() if known[k] is kind}) for kind in kinds)

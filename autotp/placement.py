@@ -28,6 +28,7 @@ rank 1 holds query heads 2, 3 and group 0's k and v).
 Placements print and parse as short strings for the plan JSON: S(0), S(0|64,64,64), S(1/10),
 S(2|64,16,16/8,2,2@8), S(1/2@8), S(0|32,8,8/4,1,1@8x2).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -59,6 +60,7 @@ class Disjoint(Partial):
     it converts like one (all-reduce), and it is one for free; unlike a partial sum it stays exact through
     ops that map 0 to 0 (silu, products of rows split alike), since only one summand of each element is
     nonzero."""
+
     experts: Shard
 
     def __str__(self) -> str:
@@ -66,7 +68,7 @@ class Disjoint(Partial):
 
     def owned(self, count: int, rank: int, world: int) -> tuple[int, int]:
         """(first expert, number of experts) that ``rank`` holds out of ``count``."""
-        (first, n), = self.experts.ranges(count, rank, world)
+        ((first, n),) = self.experts.ranges(count, rank, world)
         return first, n
 
 
@@ -77,6 +79,7 @@ class Routed:
     routed to them: an owner holds only the rows its experts compute, received by all-to-all, never zeros
     for other experts' rows (runtime/expert_dispatch.py).  Not a layout of the full tensor that collectives along one
     dim could convert: only an expert segment's entry (dispatch) and exit (combine) convert it."""
+
     experts: Shard
     ranks: int
 
@@ -85,7 +88,7 @@ class Routed:
 
     def owned(self, count: int, rank: int) -> tuple[int, int]:
         """(first expert, number of experts) that dispatch rank ``rank`` holds out of ``count``."""
-        (first, n), = self.experts.ranges(count, rank, self.ranks)
+        ((first, n),) = self.experts.ranges(count, rank, self.ranks)
         return first, n
 
 
@@ -107,8 +110,8 @@ class Shard:
     dim: int
     chunks: tuple[int, ...] | None = None  # sizes of the fused blocks along dim
     units: int | tuple[int, ...] | None = None  # indivisible pieces per block (or for each block); None: N slices
-    of: int | None = None                  # units follow the split of this many finer units (see above)
-    groups: int | None = None              # the blocks repeat this many times, each copy serving of/groups
+    of: int | None = None  # units follow the split of this many finer units (see above)
+    groups: int | None = None  # the blocks repeat this many times, each copy serving of/groups
 
     def __str__(self) -> str:
         text = str(self.dim)
@@ -142,8 +145,10 @@ class Shard:
         """(first piece, number of pieces) this rank holds of each block."""
         if self.groups is not None:
             return [self._group_span(k, rank, world) for k in range(blocks)]
-        return [unit_span(self.parts(world, k), rank, world, self.of if self.units is not None else None)
-                for k in range(blocks)]
+        return [
+            unit_span(self.parts(world, k), rank, world, self.of if self.units is not None else None)
+            for k in range(blocks)
+        ]
 
     def _group_span(self, k: int, rank: int, world: int) -> tuple[int, int]:
         """The units of block ``k`` (in copy k // len(chunks)) that this rank's finer units need: none is
@@ -161,8 +166,10 @@ class Shard:
     def shared_blocks(self, world: int) -> list[bool]:
         """Per block: some unit of it is held by several ranks (its gradient is split like a partial sum)."""
         spans = [self.spans(r, world, self.count()) for r in range(world)]
-        return [any(right[k][0] < left[k][0] + left[k][1] for left, right in itertools.pairwise(spans))
-                for k in range(self.count())]
+        return [
+            any(right[k][0] < left[k][0] + left[k][1] for left, right in itertools.pairwise(spans))
+            for k in range(self.count())
+        ]
 
     def grouped(self, world: int) -> bool:
         """Some unit is held by several ranks (its gradient is split among them like a partial sum)."""
@@ -170,8 +177,11 @@ class Shard:
 
     def whole(self, world: int) -> bool:
         """Every rank holds all of it (one unit per block, shared by all): the dim it names does not matter."""
-        return self.units is not None and self.groups is None and all(
-            self.parts(world, k) == 1 for k in range(self.count()))
+        return (
+            self.units is not None
+            and self.groups is None
+            and all(self.parts(world, k) == 1 for k in range(self.count()))
+        )
 
     def block(self, k: int, size: int, world: int) -> Shard:
         """The layout of block ``k`` (``size`` long) cut out on its own, in its simplest spelling, so that
@@ -221,8 +231,10 @@ def dealt(units: int, world: int) -> bool:
 def simplest(shard: Shard, size: int, world: int) -> Shard:
     """The first spelling of ``shard``'s layout among: N equal slices, whole units on their own, itself.
     Rules offer layouts in this order and keep the first spelling (ops/strategies.py)."""
+
     def layout(s: Shard) -> list[list[tuple[int, int]]]:
         return [s.ranges(size, r, world) for r in range(world)]
+
     units = shard.parts(world) if shard.units is not None and shard.chunks is None else None
     plain = [Shard(shard.dim)] if size % world == 0 else []
     plain += [Shard(shard.dim, units=units)] if units is not None and dealt(units, world) else []
@@ -253,8 +265,10 @@ def parse(text: str | list[Any] | None) -> Any:
         return Routed(parse("S" + routed.group(2)), int(routed.group(1)))
     m = _SHARD.match(text)
     if not m:
-        raise ValueError(f"not a placement: {text!r} (expected R, P, S(dim), S(dim|a,b,c), "
-                         "S(dim/units), S(dim|a,b,c/units,units,units@finer) or S(dim|a,b,c/u,u,u@finerxgroups))")
+        raise ValueError(
+            f"not a placement: {text!r} (expected R, P, S(dim), S(dim|a,b,c), "
+            "S(dim/units), S(dim|a,b,c/units,units,units@finer) or S(dim|a,b,c/u,u,u@finerxgroups))"
+        )
     chunks = tuple(int(c) for c in m.group(2).split(",")) if m.group(2) else None
     listed = tuple(int(u) for u in m.group(3).split(",")) if m.group(3) else None
     units = listed[0] if listed is not None and len(listed) == 1 else listed
@@ -283,14 +297,23 @@ def assemble(parts: list[torch.Tensor], shard: Shard, size: int) -> torch.Tensor
     """Inverse of take_local: the full tensor (``size`` along the dim) from every rank's piece, in rank order."""
     world = len(parts)
     claims = [shard.claims(size, r, world) for r in range(world)]
-    pieces = [parts[r].narrow(shard.dim, *claims[r][k])
-              for k in range(len(shard.blocks(size))) for r in range(world) if claims[r][k][1]]
+    pieces = [
+        parts[r].narrow(shard.dim, *claims[r][k])
+        for k in range(len(shard.blocks(size)))
+        for r in range(world)
+        if claims[r][k][1]
+    ]
     return torch.cat(pieces, shard.dim)
 
 
-def piece_ranges(shape: Sequence[int], placement: Any, rank: int, world: int,
-                 box: Sequence[tuple[int, int]] | None = None,
-                 rows: Iterable[tuple[int, int]] | None = None) -> list[list[tuple[int, int]]]:
+def piece_ranges(
+    shape: Sequence[int],
+    placement: Any,
+    rank: int,
+    world: int,
+    box: Sequence[tuple[int, int]] | None = None,
+    rows: Iterable[tuple[int, int]] | None = None,
+) -> list[list[tuple[int, int]]]:
     """Per dim, the (start, length) spans of the full tensor (``shape``) that this rank's piece is made of, in
     order: ``rows`` (the dim-0 spans of an expert table's experts dealt to this rank, runtime.expert_dispatch.Dealt),
     ``placement``'s TP split of them, then ``box`` (per dim, the (start, length) an outer split such as FSDP2's
@@ -300,8 +323,9 @@ def piece_ranges(shape: Sequence[int], placement: Any, rank: int, world: int,
         ranges[0] = list(rows)
     if isinstance(placement, Shard):
         spans = ranges[placement.dim]
-        ranges[placement.dim] = [cut for start, n in placement.ranges(sum(n for _, n in spans), rank, world)
-                                 for cut in _cut(spans, start, n)]
+        ranges[placement.dim] = [
+            cut for start, n in placement.ranges(sum(n for _, n in spans), rank, world) for cut in _cut(spans, start, n)
+        ]
     if box is not None:
         ranges = [_cut(spans, start, length) for spans, (start, length) in zip(ranges, box, strict=True)]
     return ranges
@@ -318,8 +342,12 @@ def _cut(spans: list[tuple[int, int]], start: int, length: int) -> list[tuple[in
     return found or [(spans[0][0], 0)]  # an empty piece (FSDP2's last ranks) keeps its place
 
 
-def fill_ranges(out: torch.Tensor, ranges: list[list[tuple[int, int]]],
-                read_box: Callable[[list[slice]], torch.Tensor], chunk_bytes: int = 16 * 2 ** 20) -> torch.Tensor:
+def fill_ranges(
+    out: torch.Tensor,
+    ranges: list[list[tuple[int, int]]],
+    read_box: Callable[[list[slice]], torch.Tensor],
+    chunk_bytes: int = 16 * 2**20,
+) -> torch.Tensor:
     """Write the piece ``piece_ranges`` describes into ``out`` from ``read_box([slice per dim])``, box by box and a
     few rows at a time, so that reading a large piece never holds it twice (nor the pages of a mapped file)."""
     starts = [list(itertools.accumulate((n for _, n in spans), initial=0)) for spans in ranges]
@@ -336,5 +364,6 @@ def fill_ranges(out: torch.Tensor, ranges: list[list[tuple[int, int]]],
         for row in range(0, rows, step):
             n = min(step, rows - row)
             out[(slice(target[0] + row, target[0] + row + n), *placed)].copy_(
-                read_box([slice(first + row, first + row + n), *inner]))
+                read_box([slice(first + row, first + row + n), *inner])
+            )
     return out

@@ -4,6 +4,7 @@ Placements are stored per mesh dimension (``mesh`` names them); today the mesh i
 tensor-parallel dimension, and a data- or pipeline-parallel dimension can be added later
 without changing the format of the existing entries.
 """
+
 from __future__ import annotations
 
 import functools
@@ -23,6 +24,7 @@ SCHEMA = Path(__file__).with_name("plan.schema.json")
 @functools.cache
 def _validator() -> Any:
     import jsonschema
+
     return jsonschema.Draft202012Validator(json.loads(SCHEMA.read_text()))
 
 
@@ -33,10 +35,10 @@ class PlanMismatch(ValueError):
 @dataclass
 class Plan:
     world_size: int
-    fingerprint: str                     # graph structure, constant arguments, tensor shapes it was made for
+    fingerprint: str  # graph structure, constant arguments, tensor shapes it was made for
     topology: str
-    nodes: dict[str, Any]                # node name -> {"in": [...], "out": ...} placements as strings
-    params: dict[str, str]               # parameter name -> placement string
+    nodes: dict[str, Any]  # node name -> {"in": [...], "out": ...} placements as strings
+    params: dict[str, str]  # parameter name -> placement string
     collectives: list[dict[str, Any]] = field(default_factory=list)  # what the rewriter will insert, for reports
     styles: dict[str, str] = field(default_factory=dict)  # parameter name -> "column", "row", "replicate", ...
     alternatives: dict[str, Any] = field(default_factory=dict)  # node name -> the solver's options, priced
@@ -74,16 +76,22 @@ class Plan:
 
     def check(self, fingerprint: str, world_size: int) -> None:
         if self.version != SCHEMA_VERSION:
-            raise PlanMismatch(f"plan schema version {self.version}, this autotp reads version {SCHEMA_VERSION}: "
-                               "re-plan with this version")
+            raise PlanMismatch(
+                f"plan schema version {self.version}, this autotp reads version {SCHEMA_VERSION}: "
+                "re-plan with this version"
+            )
         if self.world_size != world_size:
-            raise PlanMismatch(f"plan is for world size {self.world_size}, the process group has {world_size} "
-                               f"ranks: launch {self.world_size} ranks or re-plan with world_size={world_size}")
+            raise PlanMismatch(
+                f"plan is for world size {self.world_size}, the process group has {world_size} "
+                f"ranks: launch {self.world_size} ranks or re-plan with world_size={world_size}"
+            )
         if self.fingerprint != fingerprint:
             differs = fingerprint_difference(self.fingerprint, fingerprint)
-            raise PlanMismatch(f"plan was made for another model (graph fingerprint {self.fingerprint}, this model "
-                               f"gives {fingerprint}{'; differing: ' + differs if differs else ''}): "
-                               "re-plan for this model")
+            raise PlanMismatch(
+                f"plan was made for another model (graph fingerprint {self.fingerprint}, this model "
+                f"gives {fingerprint}{'; differing: ' + differs if differs else ''}): "
+                "re-plan for this model"
+            )
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1, sort_keys=True)
@@ -97,8 +105,10 @@ class Plan:
         except json.JSONDecodeError as exc:
             raise PlanMismatch(f"not an autotp plan: corrupt JSON ({exc})") from exc
         if isinstance(raw, dict) and raw.get("version") not in (None, SCHEMA_VERSION):
-            raise PlanMismatch(f"plan schema version {raw.get('version')}, this autotp reads version "
-                               f"{SCHEMA_VERSION}: re-plan with this version")
+            raise PlanMismatch(
+                f"plan schema version {raw.get('version')}, this autotp reads version "
+                f"{SCHEMA_VERSION}: re-plan with this version"
+            )
         errors = _validator().iter_errors(raw) if validate else ()
         error = next(iter(sorted(errors, key=lambda e: list(map(str, e.path)))), None)
         if error is not None:

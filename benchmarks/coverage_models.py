@@ -7,6 +7,7 @@ there were fewer KV heads than heads, 1 where there was 1), head dims 16, 4 expe
 few patches, audio of a few frames.  Nothing is keyed on a model's name: a field's name and value decide.
 ``inputs(model, config)`` makes batch-2 inputs from the model's ``main_input_name`` and its config's fields.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -18,16 +19,22 @@ import torch
 
 HIDDEN, HEADS, HEAD_DIM, EXPERTS, VOCAB, BATCH, SEQ = 64, 4, 16, 4, 1000, 2, 8
 
-_HIDDEN = re.compile(r"(^|_)(hidden_size|d_model|n_embd|n_embed|embed_dim|hidden_dim|d_embed|emb_dim|model_dim|"
-                     r"embedding_size|embedding_dim|dim|projection_dim|proj_dim|word_embed_proj_dim)$")
+_HIDDEN = re.compile(
+    r"(^|_)(hidden_size|d_model|n_embd|n_embed|embed_dim|hidden_dim|d_embed|emb_dim|model_dim|"
+    r"embedding_size|embedding_dim|dim|projection_dim|proj_dim|word_embed_proj_dim)$"
+)
 _INTER = re.compile(r"(intermediate|ffn|inner|d_ff|dff|dim_ff|dim_feedforward|feed_forward|mlp_dim|ff_dim|ffn_hidden)")
 _LAYERS = re.compile(r"(^|_)(layers?|n_layer|depth|blocks)$")
 _KV = re.compile(r"(key_value_heads|kv_heads|multi_query_group_num|num_query_groups)$")
 _HEADS = re.compile(r"(^|_)(heads?|n_head|num_heads|attention_heads)$")
-_EXPERTS = re.compile(r"^(num_experts|num_local_experts|n_routed_experts|moe_num_experts|num_routed_experts|"
-                      r"n_experts)$")
-_TOPK = re.compile(r"^(num_experts_per_tok|num_experts_per_token|top_k|topk|moe_topk|moe_k|router_topk|"
-                   r"experts_per_token|num_selected_experts)$")
+_EXPERTS = re.compile(
+    r"^(num_experts|num_local_experts|n_routed_experts|moe_num_experts|num_routed_experts|"
+    r"n_experts)$"
+)
+_TOPK = re.compile(
+    r"^(num_experts_per_tok|num_experts_per_token|top_k|topk|moe_topk|moe_k|router_topk|"
+    r"experts_per_token|num_selected_experts)$"
+)
 _TOKEN = re.compile(r"_(token_id|token_index|token_ids|id)$")
 _LIST_WIDTH = re.compile(r"(hidden_sizes|embed_dims|dims|channels|conv_dim|widths|out_channels|neck_hidden_sizes)$")
 
@@ -52,10 +59,23 @@ def shrink(d: dict, widths: bool = True) -> dict:
     if not all(isinstance(k, str) for k in d):
         return d  # a table (id2label), not a config
     hidden = next((v for k, v in d.items() if _is_hidden(k, v)), None)
-    heads = next((v for k, v in d.items() if k in ("num_attention_heads", "n_head", "num_heads", "n_heads",
-                                                    "encoder_attention_heads") and isinstance(v, int)), None)
-    layers = {v for k, v in d.items() if isinstance(v, int) and not isinstance(v, bool) and v > 2
-              and (_LAYERS.search(k.lower()) or (k.startswith("num_") and k.endswith("_layers")))}
+    heads = next(
+        (
+            v
+            for k, v in d.items()
+            if k in ("num_attention_heads", "n_head", "num_heads", "n_heads", "encoder_attention_heads")
+            and isinstance(v, int)
+        ),
+        None,
+    )
+    layers = {
+        v
+        for k, v in d.items()
+        if isinstance(v, int)
+        and not isinstance(v, bool)
+        and v > 2
+        and (_LAYERS.search(k.lower()) or (k.startswith("num_") and k.endswith("_layers")))
+    }
     out = {}
     for key, value in d.items():
         k = key.lower()
@@ -91,8 +111,18 @@ def _int(k: str, v: int, hidden: int | None, heads: int | None) -> int:
         return VOCAB - 1 - zlib.crc32(k.encode()) % 48  # special tokens stay distinct, above the ids the inputs draw
     if _KV.search(k):
         return v if v <= 1 else (HEADS if heads is not None and v >= heads else min(v, 2))
-    if "head_dim" in k or k in ("attention_head_size", "d_kv", "kv_channels", "head_size", "dim_head", "d_head",
-                                "rotary_dim", "rotary_emb_dim", "rope_dim", "mamba_d_head"):
+    if "head_dim" in k or k in (
+        "attention_head_size",
+        "d_kv",
+        "kv_channels",
+        "head_size",
+        "dim_head",
+        "d_head",
+        "rotary_dim",
+        "rotary_emb_dim",
+        "rope_dim",
+        "mamba_d_head",
+    ):
         return min(v, HEAD_DIM)  # before the heads: "d_head" ends as a count of heads would
     if _HEADS.search(k) or (k.startswith("num_") and k.endswith("_heads")):
         return min(v, HEADS)
@@ -199,6 +229,7 @@ def _vision(d: dict) -> dict:
 
 def hf_types() -> list[str]:
     from transformers import CONFIG_MAPPING
+
     return sorted(CONFIG_MAPPING.keys())
 
 
@@ -207,11 +238,13 @@ def hf_class(model_type: str, config=None):
     decoder alone), else the base model class (AutoModel's), else None."""
     import transformers
     from transformers.models.auto import modeling_auto as auto
+
     for mapping in (auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, auto.MODEL_MAPPING_NAMES):
         name = mapping.get(model_type)
         name = name[0] if isinstance(name, (list, tuple)) else name
         if mapping is auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and (
-                not str(name).endswith("ForCausalLM") or getattr(config, "is_encoder_decoder", False)):
+            not str(name).endswith("ForCausalLM") or getattr(config, "is_encoder_decoder", False)
+        ):
             continue
         if name and hasattr(transformers, name):
             return getattr(transformers, name)
@@ -223,19 +256,27 @@ def _model_of(model_type: str):
     import importlib
 
     from transformers import CONFIG_MAPPING, PreTrainedModel
+
     config_cls = CONFIG_MAPPING[model_type]
     try:
         module = importlib.import_module(config_cls.__module__.replace(".configuration_", ".modeling_"))
     except ImportError:
         return None
-    found = [c for c in vars(module).values() if isinstance(c, type) and issubclass(c, PreTrainedModel)
-             and c.__name__.endswith("Model") and getattr(c, "config_class", None) is config_cls]
+    found = [
+        c
+        for c in vars(module).values()
+        if isinstance(c, type)
+        and issubclass(c, PreTrainedModel)
+        and c.__name__.endswith("Model")
+        and getattr(c, "config_class", None) is config_cls
+    ]
     return found[0] if found else None
 
 
 def hf_config(model_type: str, widths: bool = True):
     """The shrunk config; ``widths=False``: the full one's widths at the same depth (to size its parameters)."""
     from transformers import CONFIG_MAPPING
+
     cls = CONFIG_MAPPING[model_type]
     small = _vision(shrink(cls().to_dict())) if widths else shrink(cls().to_dict(), widths=False)
     small.pop("transformers_version", None)
@@ -249,6 +290,7 @@ def hf_config(model_type: str, widths: bool = True):
 def family(cls, config) -> str:
     """The sweep's family of a model class and its config, from config fields and the main input only."""
     import json
+
     flat = json.dumps(config.to_dict(), default=str)
     main = getattr(cls, "main_input_name", "input_ids")
     if re.search(r'"(num_experts|num_local_experts|n_routed_experts|moe_num_experts)": [2-9]', flat):
@@ -339,56 +381,102 @@ def missing_input(error: Exception, model) -> str | None:
 
 # models of other libraries: (name, family, factory() -> (model, kwargs)); installed by the "sweep" extra
 
+
 def _x_decoder():
     from x_transformers import Decoder, TransformerWrapper
-    model = TransformerWrapper(num_tokens=VOCAB, max_seq_len=64, attn_layers=Decoder(
-        dim=HIDDEN, depth=2, heads=HEADS, attn_kv_heads=2, rotary_pos_emb=True, attn_dim_head=HEAD_DIM))
+
+    model = TransformerWrapper(
+        num_tokens=VOCAB,
+        max_seq_len=64,
+        attn_layers=Decoder(
+            dim=HIDDEN, depth=2, heads=HEADS, attn_kv_heads=2, rotary_pos_emb=True, attn_dim_head=HEAD_DIM
+        ),
+    )
     return model, {"x": torch.randint(0, VOCAB, (BATCH, SEQ))}
 
 
 def _x_encoder():
     from x_transformers import Encoder, TransformerWrapper
-    model = TransformerWrapper(num_tokens=VOCAB, max_seq_len=64, attn_layers=Encoder(
-        dim=HIDDEN, depth=2, heads=HEADS, attn_dim_head=HEAD_DIM, ff_glu=True))
+
+    model = TransformerWrapper(
+        num_tokens=VOCAB,
+        max_seq_len=64,
+        attn_layers=Encoder(dim=HIDDEN, depth=2, heads=HEADS, attn_dim_head=HEAD_DIM, ff_glu=True),
+    )
     return model, {"x": torch.randint(0, VOCAB, (BATCH, SEQ))}
 
 
 def _x_vit():
     from x_transformers import Encoder, ViTransformerWrapper
-    model = ViTransformerWrapper(image_size=32, patch_size=8, num_classes=10, attn_layers=Encoder(
-        dim=HIDDEN, depth=2, heads=HEADS, attn_dim_head=HEAD_DIM))
+
+    model = ViTransformerWrapper(
+        image_size=32,
+        patch_size=8,
+        num_classes=10,
+        attn_layers=Encoder(dim=HIDDEN, depth=2, heads=HEADS, attn_dim_head=HEAD_DIM),
+    )
     return model, {"img": torch.randn(BATCH, 3, 32, 32)}
 
 
 def _x_encoder_decoder():
     from x_transformers import XTransformer
-    model = XTransformer(dim=HIDDEN, enc_num_tokens=VOCAB, enc_depth=2, enc_heads=HEADS, enc_max_seq_len=64,
-                         dec_num_tokens=VOCAB, dec_depth=2, dec_heads=HEADS, dec_max_seq_len=64)
+
+    model = XTransformer(
+        dim=HIDDEN,
+        enc_num_tokens=VOCAB,
+        enc_depth=2,
+        enc_heads=HEADS,
+        enc_max_seq_len=64,
+        dec_num_tokens=VOCAB,
+        dec_depth=2,
+        dec_heads=HEADS,
+        dec_max_seq_len=64,
+    )
     return model, {"src": torch.randint(0, VOCAB, (BATCH, SEQ)), "tgt": torch.randint(0, VOCAB, (BATCH, SEQ))}
 
 
 def _mixer():
     from mlp_mixer_pytorch import MLPMixer
+
     model = MLPMixer(image_size=32, channels=3, patch_size=8, dim=HIDDEN, depth=2, num_classes=10)
     return model, {"input": torch.randn(BATCH, 3, 32, 32)}
 
 
 def _perceiver():
     from perceiver_pytorch import Perceiver
-    model = Perceiver(num_freq_bands=4, depth=2, max_freq=10.0, input_channels=3, input_axis=2, num_latents=16,
-                      latent_dim=HIDDEN, cross_heads=1, latent_heads=HEADS, cross_dim_head=HEAD_DIM,
-                      latent_dim_head=HEAD_DIM, num_classes=10)
+
+    model = Perceiver(
+        num_freq_bands=4,
+        depth=2,
+        max_freq=10.0,
+        input_channels=3,
+        input_axis=2,
+        num_latents=16,
+        latent_dim=HIDDEN,
+        cross_heads=1,
+        latent_heads=HEADS,
+        cross_dim_head=HEAD_DIM,
+        latent_dim_head=HEAD_DIM,
+        num_classes=10,
+    )
     return model, {"data": torch.randn(BATCH, 16, 16, 3)}
 
 
 def _gateloop():
     from gateloop_transformer import Transformer
-    model = Transformer(dim=HIDDEN, num_tokens=VOCAB, depth=2, dim_head=HEAD_DIM, heads=HEADS,
-                        checkpoint_gate_looped_attn=False)
+
+    model = Transformer(
+        dim=HIDDEN, num_tokens=VOCAB, depth=2, dim_head=HEAD_DIM, heads=HEADS, checkpoint_gate_looped_attn=False
+    )
     return model, {"x": torch.randint(0, VOCAB, (BATCH, SEQ))}
 
 
-OTHERS = {"x-transformers:decoder": _x_decoder, "x-transformers:encoder": _x_encoder,
-          "x-transformers:vit": _x_vit, "x-transformers:encoder-decoder": _x_encoder_decoder,
-          "mlp-mixer-pytorch:mixer": _mixer, "perceiver-pytorch:perceiver": _perceiver,
-          "gateloop-transformer:transformer": _gateloop}
+OTHERS = {
+    "x-transformers:decoder": _x_decoder,
+    "x-transformers:encoder": _x_encoder,
+    "x-transformers:vit": _x_vit,
+    "x-transformers:encoder-decoder": _x_encoder_decoder,
+    "mlp-mixer-pytorch:mixer": _mixer,
+    "perceiver-pytorch:perceiver": _perceiver,
+    "gateloop-transformer:transformer": _gateloop,
+}

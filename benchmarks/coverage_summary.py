@@ -1,4 +1,5 @@
 """The coverage sweep's table and markdown summary (benchmarks/coverage/summary.md) from its JSON-lines records."""
+
 from __future__ import annotations
 
 import re
@@ -94,12 +95,18 @@ def rows(plans: dict, exacts: dict) -> list[dict]:
         elif exact in ("crash", "refused"):
             exact = f"{exact} ({x.get('error', '')[:120]})"
         h = heads_split(e)
-        out.append({"name": name, "family": e.get("family", "?"),
-                    "planned": "yes" if e.get("planned") else "no",
-                    "share": "-" if e.get("share") is None else f"{e['share']:.2f}",
-                    "forward a block": _worst_block(e) if e.get("planned") else "-",
-                    "heads split": "-" if h is None else ("yes" if h else "no"),
-                    "Megatron": "yes" if at_megatron(e) else "no", "exact": exact})
+        out.append(
+            {
+                "name": name,
+                "family": e.get("family", "?"),
+                "planned": "yes" if e.get("planned") else "no",
+                "share": "-" if e.get("share") is None else f"{e['share']:.2f}",
+                "forward a block": _worst_block(e) if e.get("planned") else "-",
+                "heads split": "-" if h is None else ("yes" if h else "no"),
+                "Megatron": "yes" if at_megatron(e) else "no",
+                "exact": exact,
+            }
+        )
     return out
 
 
@@ -145,20 +152,26 @@ def excluded(plans: dict) -> dict:
 def counts(plans: dict, exacts: dict) -> dict:
     captured = [e for e in plans.values() if e.get("captured")]
     ran = [n for n in exacts if plans.get(n, {}).get("captured")]
-    return {"found": len(plans), "built": sum(bool(e.get("built")) for e in plans.values()),
-            "captured": len(captured), "autotp captured": sum(bool(e.get("autotp_capture")) for e in captured),
-            "planned": sum(bool(e.get("planned")) for e in captured),
-            "sharded": sum(sharded(e) for e in captured),
-            "with attention": sum(heads_split(e) is not None for e in captured),
-            "heads split": sum(heads_split(e) is True for e in captured),
-            "at Megatron's count": sum(at_megatron(e) for e in captured),
-            "heads split at Megatron's count": sum(heads_split(e) is True and at_megatron(e) for e in captured),
-            "... of them cheaper than the plan at its count": sum(
-                heads_split(e) is True and at_megatron(e) and cheaper(e) for e in captured),
-            "exact runs": len(ran), "exact": sum(exacts[n].get("result") == "exact" for n in ran),
-            "refused with a reason": sum(exacts[n].get("result") == "refused" for n in ran),
-            "seconds (plan)": round(sum(e.get("seconds", 0) for e in plans.values())),
-            "seconds (exact)": round(sum(x.get("seconds", 0) for x in exacts.values()))}
+    return {
+        "found": len(plans),
+        "built": sum(bool(e.get("built")) for e in plans.values()),
+        "captured": len(captured),
+        "autotp captured": sum(bool(e.get("autotp_capture")) for e in captured),
+        "planned": sum(bool(e.get("planned")) for e in captured),
+        "sharded": sum(sharded(e) for e in captured),
+        "with attention": sum(heads_split(e) is not None for e in captured),
+        "heads split": sum(heads_split(e) is True for e in captured),
+        "at Megatron's count": sum(at_megatron(e) for e in captured),
+        "heads split at Megatron's count": sum(heads_split(e) is True and at_megatron(e) for e in captured),
+        "... of them cheaper than the plan at its count": sum(
+            heads_split(e) is True and at_megatron(e) and cheaper(e) for e in captured
+        ),
+        "exact runs": len(ran),
+        "exact": sum(exacts[n].get("result") == "exact" for n in ran),
+        "refused with a reason": sum(exacts[n].get("result") == "refused" for n in ran),
+        "seconds (plan)": round(sum(e.get("seconds", 0) for e in plans.values())),
+        "seconds (exact)": round(sum(x.get("seconds", 0) for x in exacts.values())),
+    }
 
 
 def families(plans: dict, exacts: dict) -> list[dict]:
@@ -167,9 +180,17 @@ def families(plans: dict, exacts: dict) -> list[dict]:
     for family in sorted({e.get("family", "?") for e in plans.values() if e.get("captured")}):
         of = {n: e for n, e in plans.items() if e.get("captured") and e.get("family", "?") == family}
         c = counts(of, {n: x for n, x in exacts.items() if n in of})
-        out.append({"family": family, "captured": c["captured"], "planned": c["planned"], "sharded": c["sharded"],
-                    "heads split": f"{c['heads split']} of {c['with attention']}",
-                    "at Megatron's count": c["at Megatron's count"], "exact": f"{c['exact']} of {c['exact runs']}"})
+        out.append(
+            {
+                "family": family,
+                "captured": c["captured"],
+                "planned": c["planned"],
+                "sharded": c["sharded"],
+                "heads split": f"{c['heads split']} of {c['with attention']}",
+                "at Megatron's count": c["at Megatron's count"],
+                "exact": f"{c['exact']} of {c['exact runs']}",
+            }
+        )
     return out
 
 
@@ -186,32 +207,56 @@ def _at_four(plans: dict, at_four: dict) -> list:
     """Exactness at 4 ranks, one model a family (``coverage_sweep.py exact4``)."""
     if not at_four:
         return []
-    lines = ["## At 4 ranks", "", f"{sum(e.get('result') == 'exact' for e in at_four.values())} of {len(at_four)} "
-             "exact: the first planned model of each family, in name order.", "",
-             "| model | family | result | output error | gradient error |", "|---|---|---|---|---|"]
+    lines = [
+        "## At 4 ranks",
+        "",
+        f"{sum(e.get('result') == 'exact' for e in at_four.values())} of {len(at_four)} "
+        "exact: the first planned model of each family, in name order.",
+        "",
+        "| model | family | result | output error | gradient error |",
+        "|---|---|---|---|---|",
+    ]
     for name, e in sorted(at_four.items()):
         result = e.get("result", "?") + (f" ({e['error'][:120]})" if e.get("error") else "")
-        lines.append(f"| {name} | {plans.get(name, {}).get('family', '?')} | {result} | "
-                     f"{e.get('out_err', float('nan')):.2g} | {e.get('grad_err', float('nan')):.2g} |")
+        lines.append(
+            f"| {name} | {plans.get(name, {}).get('family', '?')} | {result} | "
+            f"{e.get('out_err', float('nan')):.2g} | {e.get('grad_err', float('nan')):.2g} |"
+        )
     return [*lines, ""]
 
 
 def summarize(plans: dict, exacts: dict, at_four: dict | None = None) -> str:
     from coverage_models import family_of
+
     for name, e in plans.items():  # families by today's rule (records keep the one of their run)
         if e.get("captured"):
             e["family"] = family_of(name) or e.get("family", "?")
     c = counts(plans, exacts)
     m, megatron, both = c["captured"], c["at Megatron's count"], c["heads split at Megatron's count"]
-    head = (f"{c['exact']} of {m} exact ({c['exact runs']} run at 2 ranks), {c['sharded']} of {m} sharded, "
-            f"{megatron} of {m} at Megatron's count; heads split in {c['heads split']} of "
-            f"{c['with attention']} with attention cores, {both} of them at Megatron's count")
-    lines = ["# Coverage sweep", "", head, "",
-             f"M = {m}: the architectures whose model torch.export captures in one process (autotp's capture, or a "
-             f"plain static torch.export where autotp's failed), of {c['found']} found and {c['built']} that build "
-             "from the shrunk config and run a forward on the CPU.", "",
-             "| count | value |", "|---|---|", *[f"| {k} | {v} |" for k, v in c.items()], "",
-             *_table(families(plans, exacts)), "", *_at_four(plans, at_four or {}), "## Shortfalls", ""]
+    head = (
+        f"{c['exact']} of {m} exact ({c['exact runs']} run at 2 ranks), {c['sharded']} of {m} sharded, "
+        f"{megatron} of {m} at Megatron's count; heads split in {c['heads split']} of "
+        f"{c['with attention']} with attention cores, {both} of them at Megatron's count"
+    )
+    lines = [
+        "# Coverage sweep",
+        "",
+        head,
+        "",
+        f"M = {m}: the architectures whose model torch.export captures in one process (autotp's capture, or a "
+        f"plain static torch.export where autotp's failed), of {c['found']} found and {c['built']} that build "
+        "from the shrunk config and run a forward on the CPU.",
+        "",
+        "| count | value |",
+        "|---|---|",
+        *[f"| {k} | {v} |" for k, v in c.items()],
+        "",
+        *_table(families(plans, exacts)),
+        "",
+        *_at_four(plans, at_four or {}),
+        "## Shortfalls",
+        "",
+    ]
     for reason, who in sorted(shortfalls(plans, exacts).items(), key=lambda kv: -len(kv[1])):
         lines.append(f"- {reason.replace('|', '/')} ({len(who)}): {', '.join(who)}")
     lines += ["", "## Results", "", *_table(rows(plans, exacts)), "", "## Not in the denominator", ""]

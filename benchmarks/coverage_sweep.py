@@ -15,6 +15,7 @@ why ops ran replicated. ``exact`` runs the models that planned on 2 gloo ranks (
 and gradients with one process at fp32 rtol 1e-4 / atol 1e-5 (a value off by more is measured against float64: at most
 4 times as far from it as one process is, it is fp32 rounding, recorded as such). The whole run is pinned to one core.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,7 +41,7 @@ RUN_BATCH, RUN_SEQ = 8, 1024  # the shapes plans are priced at (run_shapes)
 # conv stem is rightly cheaper.  Narrower ones (a router's rows of 4 experts, a low-rank down projection, a depthwise
 # kernel, norm and bias vectors) are left to the cost model, as Megatron and vLLM keep them whole.  A fraction of the
 # largest parameter would not do: that is a vocabulary, a position table or a conv stem, sized unlike the blocks.
-SHARD_FROM = cm.HIDDEN ** 2
+SHARD_FROM = cm.HIDDEN**2
 _BLOCK = re.compile(r"^(.*?\.\d+)(\.|$)")
 
 
@@ -51,6 +52,7 @@ class Timeout(Exception):
 def _alarm(seconds: int):
     def fire(*_):
         raise Timeout(f"took over {seconds} s")
+
     signal.signal(signal.SIGALRM, fire)
     signal.alarm(seconds)
 
@@ -113,6 +115,7 @@ def probe(name: str) -> dict:
 
 def _local(placement, shape: list, rank: int, world: int) -> int:
     from autotp.placement import Disjoint, Routed, Shard
+
     full = math.prod(shape)
     shard = placement.experts if isinstance(placement, (Routed, Disjoint)) else placement
     if not isinstance(shard, Shard) or not shape:
@@ -127,16 +130,33 @@ def measure(plan, model, gm, full: dict | None = None) -> dict:
     The share weighs each parameter by its size in the full config where ``full`` has them (a 64-wide model's norms
     and position tables are a large part of it, a full one's are not), else by its own."""
     from autotp.placement import parse
+
     shapes = {n: list(p.shape) for n, p in model.named_parameters()}
     block_params = [n for n in plan.params if _BLOCK.match(n) and n in shapes and math.prod(shapes[n])]
     weight = {n: (full or {}).get(n, math.prod(shapes[n])) for n in block_params}
     total = sum(weight.values())
-    share = max((sum(_local(parse(plan.params[n]), shapes[n], r, plan.world_size) / math.prod(shapes[n]) * weight[n]
-                     for n in block_params) / total for r in range(plan.world_size)), default=1.0) if total else None
+    share = (
+        max(
+            (
+                sum(
+                    _local(parse(plan.params[n]), shapes[n], r, plan.world_size) / math.prod(shapes[n]) * weight[n]
+                    for n in block_params
+                )
+                / total
+                for r in range(plan.world_size)
+            ),
+            default=1.0,
+        )
+        if total
+        else None
+    )
     blocks = {_BLOCK.match(n).group(1) for n in block_params}
     nodes = {n.name: n for n in gm.graph.nodes}
-    found = [(k, v, _rank_of(nodes.get(k))) for k, v in plan.nodes.items() if _ATTENTION.search(v.get("op", ""))
-             and ("softmax" not in v["op"] or _rank_of(nodes.get(k)) >= 3)]  # a router's softmax is 2-D
+    found = [
+        (k, v, _rank_of(nodes.get(k)))
+        for k, v in plan.nodes.items()
+        if _ATTENTION.search(v.get("op", "")) and ("softmax" not in v["op"] or _rank_of(nodes.get(k)) >= 3)
+    ]  # a router's softmax is 2-D
     # per block, by heads: a core outside the numbered blocks (a pooling head's one query) runs once a model, and
     # one without a heads dim (one query per token over a few states, attention across depth) has none to split
     attention = [c for c in found if _numbered(c[1].get("module") or "") and _has_heads(nodes.get(c[0]))]
@@ -148,8 +168,12 @@ def measure(plan, model, gm, full: dict | None = None) -> dict:
         block = _block_of(module, cores)
         if c["phase"] == "forward" and block:
             node = nodes.get(c["tensor"])
-            kind = "statistics" if (c["op"] == "all_reduce" and _statistic(node)) or (
-                c["op"] == "all_gather" and _gathered_for_norm(node)) else c["op"]
+            kind = (
+                "statistics"
+                if (c["op"] == "all_reduce" and _statistic(node))
+                or (c["op"] == "all_gather" and _gathered_for_norm(node))
+                else c["op"]
+            )
             per.setdefault(block, Counter())[kind] += c.get("count", 1)
             if kind != "statistics":  # the module that made the value, and those a gathered value is read in
                 readers = _readers(node, plan) if c["op"] == "all_gather" else set()
@@ -164,32 +188,53 @@ def measure(plan, model, gm, full: dict | None = None) -> dict:
         megatron = max(cores[block] + applied, residuals[block])
         # an all-gather or a reduce-scatter is half an all-reduce (a ring all-reduce is one of each, same bytes):
         # Megatron-SP's pair counts one, and so do the two gathers of a residual stream split by channels
-        effective = n["all_reduce"] + math.ceil((n["reduce_scatter"] + n["all_gather"]) / 2) + math.ceil(
-            n["all_to_all"] / 2) + sum(v for k, v in n.items() if k not in (
-                "all_reduce", "reduce_scatter", "all_gather", "all_to_all", "statistics"))
+        effective = (
+            n["all_reduce"]
+            + math.ceil((n["reduce_scatter"] + n["all_gather"]) / 2)
+            + math.ceil(n["all_to_all"] / 2)
+            + sum(
+                v
+                for k, v in n.items()
+                if k not in ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "statistics")
+            )
+        )
         if effective - megatron > worst:
-            extra = [f"{c['op']} of {c['tensor']} ({plan.nodes.get(c['tensor'], {}).get('op', '?')}) in {c['module']}"
-                     for c in plan.collectives if c["phase"] == "forward" and (c["module"] or "").startswith(block)]
+            extra = [
+                f"{c['op']} of {c['tensor']} ({plan.nodes.get(c['tensor'], {}).get('op', '?')}) in {c['module']}"
+                for c in plan.collectives
+                if c["phase"] == "forward" and (c["module"] or "").startswith(block)
+            ]
         worst = max(worst, effective - megatron)
         if effective > megatron:
             over_modules.update(inner.get(block, ()))
         counts[block] = dict(n, applied=applied) if applied > 1 else dict(n)
-    unsplit = [f"{v['op']} in {v.get('module') or '?'}: out {v['out']}" for _, v, rank in attention
-               if not _by_heads(v["out"], rank)]
+    unsplit = [
+        f"{v['op']} in {v.get('module') or '?'}: out {v['out']}"
+        for _, v, rank in attention
+        if not _by_heads(v["out"], rank)
+    ]
     replicated = plan.cost.get("replicated") or dict.fromkeys(plan.replicated_ops, "no sharding rule")
-    return {"share": share, "blocks": len(blocks), "per_block": counts, "over_megatron": worst, "collectives": extra,
-            "over_modules": sorted(over_modules),
-            "attention_ops": len(attention), "unsplit_attention": unsplit[:3],
-            "attention_not_counted": [f"{v['op']} in {v.get('module') or '?'}" for c in found if c not in attention
-                                      for _, v, _ in [c]][:3],
-            "replicated": [f"{op}: {why}" for op, why in list(replicated.items())[:6]],
-            "replicated_count": len(replicated)}
+    return {
+        "share": share,
+        "blocks": len(blocks),
+        "per_block": counts,
+        "over_megatron": worst,
+        "collectives": extra,
+        "over_modules": sorted(over_modules),
+        "attention_ops": len(attention),
+        "unsplit_attention": unsplit[:3],
+        "attention_not_counted": [
+            f"{v['op']} in {v.get('module') or '?'}" for c in found if c not in attention for _, v, _ in [c]
+        ][:3],
+        "replicated": [f"{op}: {why}" for op, why in list(replicated.items())[:6]],
+        "replicated_count": len(replicated),
+    }
 
 
 def _numbered(module: str) -> list[str]:
     """The module's numbered prefixes, outermost first: ``a.layers.1.mlp.experts.3`` -> ``a.layers.1``, ``...3``."""
     parts = module.split(".")
-    return [".".join(parts[:i + 1]) for i, part in enumerate(parts) if part.isdigit()]
+    return [".".join(parts[: i + 1]) for i, part in enumerate(parts) if part.isdigit()]
 
 
 def _block_of(module: str, cores: Counter) -> str | None:
@@ -215,6 +260,7 @@ def _made_in(node, plan) -> str | None:
 def _back(node, through=None):
     """``node``'s source back through ops that pass their first operand on (``through``; layout ops by default)."""
     from autotp.ops.table import op
+
     through = through or (lambda n: op(n.target).layout)
     while node is not None and node.op == "call_function" and node.all_input_nodes and through(node):
         node = node.args[0] if isinstance(node.args[0], torch.fx.Node) else None
@@ -224,6 +270,7 @@ def _back(node, through=None):
 def _read_by(node) -> list:
     """The ops that read ``node``, forward through layout ops."""
     from autotp.ops.table import op
+
     found, todo, seen = [], [node] if node is not None else [], set()
     while todo:
         for user in todo.pop().users:
@@ -247,10 +294,14 @@ def _residual(node) -> bool:
     """An add of two tensors of its own shape: at a block's own level, a sublayer's output added to the stream."""
     if node is None or node.target != torch.ops.aten.add.Tensor:
         return False
+
     def text(val) -> list[str]:  # as text: a size only data knows (rows picked by a mask: u0, u1) is any such size
         return [re.sub(r"^u\d+$", "u", str(n)) for n in val.shape]
-    shapes = [text(a.meta["val"]) if isinstance(a, torch.fx.Node) and isinstance(
-        a.meta.get("val"), torch.Tensor) else None for a in node.args[:2]]
+
+    shapes = [
+        text(a.meta["val"]) if isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor) else None
+        for a in node.args[:2]
+    ]
     return shapes[0] is not None and shapes[0] == shapes[1] == text(node.meta["val"])
 
 
@@ -258,8 +309,13 @@ def _statistic(node) -> bool:
     """A norm's statistic summed over the ranks (a mean or sum of squares over a split hidden dim, one number a
     row): Megatron's count is of activations, and a hand plan of such a norm gathers the whole activation instead."""
     val = node.meta.get("val") if node is not None else None
-    return (node is not None and node.target in (torch.ops.aten.mean.dim, torch.ops.aten.sum.dim_IntList)
-            and isinstance(val, torch.Tensor) and val.dim() > 0 and val.shape[-1] == 1)
+    return (
+        node is not None
+        and node.target in (torch.ops.aten.mean.dim, torch.ops.aten.sum.dim_IntList)
+        and isinstance(val, torch.Tensor)
+        and val.dim() > 0
+        and val.shape[-1] == 1
+    )
 
 
 def _gathered_for_norm(node) -> bool:
@@ -267,17 +323,26 @@ def _gathered_for_norm(node) -> bool:
     over all heads): what a hand plan does (vLLM's and SGLang's OLMo-2 gather q and k for their norms), the other
     way to such a norm than its statistics.  Not a residual stream's gather (its source is an add or a norm)."""
     from autotp.ops.table import is_product, op
+
     def weight(n) -> bool:  # a parameter, or a view of one (a conv's bias viewed to broadcast)
         n = _back(n)
         return n is not None and n.op == "get_attr"
+
     def passes_on(n) -> bool:  # a layout op, a bias or an activation (elementwise, no other tensor but weights)
         row = op(n.target)
         return row.layout or (row.family == "elementwise" and all(weight(a) for a in n.all_input_nodes[1:]))
+
     def made(n) -> bool:  # a product, attention or a convolution: a sublayer's own value, not the stream
         return n.op == "call_function" and (is_product(n) or op(n.target).family == "convolution")
+
     source = _back(node, lambda n: not made(n) and passes_on(n))
-    return source is not None and made(source) and any(
-        _statistic(u) or (u.op == "call_function" and op(u.target).family == "layer_norm") for u in _read_by(node))
+    return (
+        source is not None
+        and made(source)
+        and any(
+            _statistic(u) or (u.op == "call_function" and op(u.target).family == "layer_norm") for u in _read_by(node)
+        )
+    )
 
 
 _ATTENTION = re.compile(r"scaled_dot_product|_softmax|softmax\.|flex_attention")
@@ -308,8 +373,10 @@ def _fixed(expr) -> bool:
     """An expression of the input sizes that has one value over 1 whatever they are (tried at two sets)."""
     if expr.is_Symbol:
         return False
-    values = {int(expr.subs({s: base + 7 * i for i, s in enumerate(sorted(expr.free_symbols, key=str))}))
-              for base in (10007, 20011)}
+    values = {
+        int(expr.subs({s: base + 7 * i for i, s in enumerate(sorted(expr.free_symbols, key=str))}))
+        for base in (10007, 20011)
+    }
     return len(values) == 1 and values.pop() > 1
 
 
@@ -329,6 +396,7 @@ def _plan(model, kwargs, full: dict | None = None):
     from autotp.options import PlanOptions
     from autotp.passes.prepared_graph import prepared_graph
     from autotp.planning.tensor_plan import solve_plan
+
     gm = prepared_graph(model, (), kwargs, True)
     # the largest the graph reads, as the planner's fraction is of those (a vision tower a text input never runs
     # would lower the bar below hidden x hidden)
@@ -381,10 +449,15 @@ def at_count(plan, model, gm, options: dict, modules: list[str], over: int, full
     from autotp.options import PlanOptions
     from autotp.placement import Replicate
     from autotp.planning.analysis import offered, solve_plan
-    forced = {n for n, placements in offered(gm, 2, PlanOptions(**options)).items()
-              if not any(isinstance(p, Replicate) for p in placements)}
-    patterns = [re.compile(r"\.".join(r"\d+" if part.isdigit() else re.escape(part) for part in m.split(".")))
-                for m in modules]  # the same module in every block
+
+    forced = {
+        n
+        for n, placements in offered(gm, 2, PlanOptions(**options)).items()
+        if not any(isinstance(p, Replicate) for p in placements)
+    }
+    patterns = [
+        re.compile(r"\.".join(r"\d+" if part.isdigit() else re.escape(part) for part in m.split("."))) for m in modules
+    ]  # the same module in every block
     names = [n for n, _ in model.named_modules() if n and any(p.fullmatch(n) for p in patterns)]
     holding = {m for m in names if any(p.startswith(m + ".") for p in forced)}
     whole = {m: "R" for m in names if m not in holding}
@@ -395,10 +468,17 @@ def at_count(plan, model, gm, options: dict, modules: list[str], over: int, full
     found = measure(other, model, gm, full)
     fewer = found["over_megatron"] <= 0 or found["over_megatron"] < over
     better = fewer and not found["unsplit_attention"] and plan.cost["seconds"] <= other.cost["seconds"] * (1 + 1e-9)
-    return {"kept_whole": [m for m in modules if m not in holding], "holding_forced": left, "modules": len(whole),
-            "over_megatron": found["over_megatron"], "unsplit_attention": found["unsplit_attention"],
-            "share": found["share"], "seconds": other.cost["seconds"], "autotp_seconds": plan.cost["seconds"],
-            "better": better}
+    return {
+        "kept_whole": [m for m in modules if m not in holding],
+        "holding_forced": left,
+        "modules": len(whole),
+        "over_megatron": found["over_megatron"],
+        "unsplit_attention": found["unsplit_attention"],
+        "share": found["share"],
+        "seconds": other.cost["seconds"],
+        "autotp_seconds": plan.cost["seconds"],
+        "better": better,
+    }
 
 
 def run_shapes(gm) -> dict:
@@ -423,6 +503,7 @@ def run_shapes(gm) -> dict:
 
 def plan_entry(name: str, timeout: int) -> dict:
     from autotp.passes.capture import CaptureError
+
     entry, start = {"name": name}, time.perf_counter()
     _alarm(timeout)
     try:
@@ -454,8 +535,13 @@ def plan_entry(name: str, timeout: int) -> dict:
                 entry.update(captured=True, autotp_capture=False)  # plain export takes it, autotp's capture did not
                 return entry
         entry["spec"]["options"] = options  # the exact run's parallelize plans alike
-        entry.update(captured=True, autotp_capture=True, planned=True, share_weighed="full config" if full else "own",
-                     **measure(plan, model, gm, full))
+        entry.update(
+            captured=True,
+            autotp_capture=True,
+            planned=True,
+            share_weighed="full config" if full else "own",
+            **measure(plan, model, gm, full),
+        )
         if entry["over_megatron"] > 0 and entry["over_modules"]:
             stage = "plan at Megatron's count"
             entry["at_count"] = at_count(plan, model, gm, options, entry["over_modules"], entry["over_megatron"], full)
@@ -480,13 +566,15 @@ def _exports(name: str, spec: dict) -> bool:
 
 
 def _where(exc: BaseException) -> str:
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "site-packages" in f.filename
-              or "/autotp/" in f.filename]
+    frames = [
+        f for f in traceback.extract_tb(exc.__traceback__) if "site-packages" in f.filename or "/autotp/" in f.filename
+    ]
     return f"{Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
 
 
 def _leaves(out) -> list:
     from autotp.passes.faithful import float_leaves
+
     return float_leaves(out)
 
 
@@ -494,6 +582,7 @@ def _float64(model, kwargs) -> tuple[list | None, dict]:
     """The model's outputs and gradients in float64: the truth both fp32 runs round away from; (None, {}) where an
     op has no float64 kernel (grouped matmuls): a value off by more than TOL is then a mismatch, never rounding."""
     import copy
+
     exact = copy.deepcopy(model).double()
     for p in exact.parameters():
         p.grad = None  # a copy made after the fp32 backward holds its gradients
@@ -527,12 +616,17 @@ def _seeded(model, kwargs):
 
 def _rank(rank: int, world: int, name: str, spec: dict, timeout: int) -> dict:
     import autotp
+
     model, kwargs, _ = build(name, "cpu", spec)
-    sharded = autotp.parallelize(model, (), kwargs, timeout=timeout,  # rank 0 plans alone: the others wait
-                                 **spec.get("options", {}))
+    sharded = autotp.parallelize(
+        model,
+        (),
+        kwargs,
+        timeout=timeout,  # rank 0 plans alone: the others wait
+        **spec.get("options", {}),
+    )
     got, want = (_leaves(_seeded(m, kwargs)) for m in (sharded, model))  # a model that samples (VITS) alike
-    result = {"outputs": len(want), "out_err": 0.0, "grad_err": 0.0, "mismatch": None, "grads_off": [],
-              "rounding": []}
+    result = {"outputs": len(want), "out_err": 0.0, "grad_err": 0.0, "mismatch": None, "grads_off": [], "rounding": []}
     if len(got) != len(want):
         result["mismatch"] = f"{len(got)} float outputs, one process has {len(want)}"
         return result
@@ -566,6 +660,7 @@ def _rank(rank: int, world: int, name: str, spec: dict, timeout: int) -> dict:
 
 def exact_entry(name: str, spec: dict, timeout: int, world: int = 2) -> dict:
     from autotp.tools.spawn import run_local
+
     entry, start = {"name": name, "world": world}, time.perf_counter()
     _alarm(timeout)
     try:
@@ -631,16 +726,23 @@ def run(part: str, todo: list[str], timeout: int, minutes: float, limit: int | N
 
 def main() -> None:
     from coverage_summary import summarize
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("part", choices=["plan", "exact", "exact4", "summary"],
-                        help="exact4: exactness at 4 ranks, the first planned model of each family")
+    parser.add_argument(
+        "part",
+        choices=["plan", "exact", "exact4", "summary"],
+        help="exact4: exactness at 4 ranks, the first planned model of each family",
+    )
     parser.add_argument("--only", nargs="+", help="these model types / library models only")
     parser.add_argument("--limit", type=int, help="the first N of those left to run")
     parser.add_argument("--chunk", help="I/K: the I-th of K equal slices of the list (1-based)")
     parser.add_argument("--timeout", type=int, default=240, help="seconds per model")
     parser.add_argument("--minutes", type=float, default=float("inf"), help="stop starting models after this long")
-    parser.add_argument("--redo", choices=["failed", "all"], help="run recorded ones again: those that failed "
-                        "(plan: did not build; exact: not exact), or all")
+    parser.add_argument(
+        "--redo",
+        choices=["failed", "all"],
+        help="run recorded ones again: those that failed (plan: did not build; exact: not exact), or all",
+    )
     parser.add_argument("--core", type=int, default=0, help="the one CPU core the run (and its ranks) is pinned to")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -657,13 +759,14 @@ def main() -> None:
         todo = [n for n in todo if planned.get(n, {}).get("planned")]
     if args.part == "exact4":  # one a family: its first in name order, whatever it does at 2 ranks
         from coverage_models import family_of
+
         firsts: dict = {}
         for name in sorted(todo):
             firsts.setdefault(family_of(name) or planned[name].get("family"), name)
         todo = sorted(firsts.values())
     if args.chunk:
         i, k = map(int, args.chunk.split("/"))
-        todo = todo[(i - 1) * len(todo) // k:i * len(todo) // k]
+        todo = todo[(i - 1) * len(todo) // k : i * len(todo) // k]
     run(args.part, todo, args.timeout, args.minutes, args.limit, args.redo)
     summarize(records("plan"), records("exact"), records("exact4"))
 

@@ -12,6 +12,7 @@ Each section runs on its own: a failure is printed and the next section runs.  T
 more processes: ``autotp serve`` on NCCL, and two ranks on one GPU over gloo.  On a CPU every section rehearses
 at tiny sizes (gloo).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,16 +64,28 @@ def environment() -> dict:
     import transformers
 
     from autotp.cost_models import load_topology
+
     profile = load_topology(card())
-    floors = {"profile": profile.name, "hbm_tb_s": profile.hbm_bandwidth / 1e12,
-              "bf16_peak_tflops": profile.peak_flops / 1e12}
+    floors = {
+        "profile": profile.name,
+        "hbm_tb_s": profile.hbm_bandwidth / 1e12,
+        "bf16_peak_tflops": profile.peak_flops / 1e12,
+    }
     if DEVICE == "cpu":
         return {"torch": torch.__version__, "transformers": transformers.__version__, "gpu": None, **floors}
     props = torch.cuda.get_device_properties(0)
     nccl = ".".join(map(str, torch.cuda.nccl.version()))
-    return {"torch": torch.__version__, "cuda": torch.version.cuda, "nccl": nccl,
-            "transformers": transformers.__version__, "gpu": props.name, "sms": props.multi_processor_count,
-            "memory_gib": round(props.total_memory / 2 ** 30, 1), "python": sys.version.split()[0], **floors}
+    return {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "nccl": nccl,
+        "transformers": transformers.__version__,
+        "gpu": props.name,
+        "sms": props.multi_processor_count,
+        "memory_gib": round(props.total_memory / 2**30, 1),
+        "python": sys.version.split()[0],
+        **floors,
+    }
 
 
 # (M tokens, K, N): per-rank products of TP-8 layouts at 4096 tokens; Mixtral's experts see 4096 x 2 / 8 tokens each
@@ -94,6 +107,7 @@ def matmuls() -> dict:
     (cost_models/compute.py)."""
     from autotp.cost_models import load_topology
     from autotp.cost_models.compute import product_fraction
+
     topology = load_topology(card())
     out = {"profile_peak_tflops": topology.peak_flops / 1e12}
     for name, (m, k, n) in PRODUCTS.items():
@@ -101,16 +115,23 @@ def matmuls() -> dict:
         b = torch.randn(k, n, device=DEVICE, dtype=torch.bfloat16)
         seconds = _timed(lambda a=a, b=b: a @ b, warmup=3, repeat=20)
         achieved = 2 * m * k * n / seconds
-        out[name] = {"ms": round(seconds * 1e3, 4), "tflops": round(achieved / 1e12, 1),
-                     "of_peak": round(achieved / topology.peak_flops, 3),
-                     "predicted": round(product_fraction(m, n, k, topology), 3)}
-        print(f"  {name:32s} {out[name]['tflops']:7.1f} TFLOP/s  {out[name]['of_peak']:.2f} of peak "
-              f"(table predicts {out[name]['predicted']:.2f})", flush=True)
+        out[name] = {
+            "ms": round(seconds * 1e3, 4),
+            "tflops": round(achieved / 1e12, 1),
+            "of_peak": round(achieved / topology.peak_flops, 3),
+            "predicted": round(product_fraction(m, n, k, topology), 3),
+        }
+        print(
+            f"  {name:32s} {out[name]['tflops']:7.1f} TFLOP/s  {out[name]['of_peak']:.2f} of peak "
+            f"(table predicts {out[name]['predicted']:.2f})",
+            flush=True,
+        )
     return out
 
 
 def _init_process_group() -> None:
     import torch.distributed as dist
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -124,9 +145,17 @@ def _init_process_group() -> None:
 
 def tiny_llama():
     from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     return LlamaForCausalLM(config).to(DEVICE).eval()
 
 
@@ -141,6 +170,7 @@ def max_diff(a, b) -> float:
 def exactness() -> dict:
     """autotp's program on CUDA against the model: logits (3x11, 1x1), gradients, loading, compile, generation."""
     import autotp
+
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     model = tiny_llama()
     ids = torch.randint(0, 128, (3, 11), device=DEVICE)
@@ -185,26 +215,39 @@ def moe() -> dict:
     from transformers import MixtralConfig, MixtralForCausalLM
 
     import autotp
+
     out = {}
     for dtype in (torch.float32, torch.bfloat16):
         torch.manual_seed(0)
-        config = MixtralConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                               num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
-                               num_experts_per_tok=2, max_position_embeddings=64, experts_implementation="grouped_mm")
+        config = MixtralConfig(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            max_position_embeddings=64,
+            experts_implementation="grouped_mm",
+        )
         model = MixtralForCausalLM(config).to(DEVICE, dtype).eval()
         ids = torch.randint(0, 128, (3, 11), device=DEVICE)
         sharded = autotp.parallelize(model, (ids,), check_inputs=False)
         whole = autotp.parallelize(model, (ids,), check_inputs=False, experts="parallel")  # the rank's own experts
         with torch.no_grad():
-            logits = max(max_diff(sharded(ids).logits, model(ids).logits),
-                         max_diff(whole(ids).logits, model(ids).logits))
+            logits = max(
+                max_diff(sharded(ids).logits, model(ids).logits), max_diff(whole(ids).logits, model(ids).logits)
+            )
         sharded(ids).logits.float().pow(2).mean().backward()
         model(ids).logits.float().pow(2).mean().backward()
         grads = autotp.full_state_dict(sharded, grads=True)
         grad = max(max_diff(grads[n], p.grad) for n, p in model.named_parameters() if n in grads)
         prompt = ids[:1, :5]
-        same = torch.equal(autotp.generate(sharded, prompt, max_new_tokens=6, eos_token_id=[]),
-                           model.generate(prompt, max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0))
+        same = torch.equal(
+            autotp.generate(sharded, prompt, max_new_tokens=6, eos_token_id=[]),
+            model.generate(prompt, max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0),
+        )
         ops = sorted({str(n.target) for n in sharded.graph.nodes if "grouped_mm" in str(n.target)})
         out[str(dtype)] = {"logits": logits, "grads": grad, "generate_equal": same, "expert_ops": ops}
     fp32 = out[str(torch.float32)]
@@ -219,9 +262,19 @@ def roofline(seq: int = 4096, layers: int = 4, hidden: int = 4096) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import autotp
-    config = LlamaConfig(vocab_size=16032, hidden_size=hidden, intermediate_size=1792, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=1, head_dim=128, max_position_embeddings=seq,
-                         torch_dtype="bfloat16", attn_implementation="sdpa")
+
+    config = LlamaConfig(
+        vocab_size=16032,
+        hidden_size=hidden,
+        intermediate_size=1792,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=128,
+        max_position_embeddings=seq,
+        torch_dtype="bfloat16",
+        attn_implementation="sdpa",
+    )
     model = LlamaForCausalLM(config).to(DEVICE, torch.bfloat16).train()
     ids = torch.randint(0, config.vocab_size, (1, seq), device=DEVICE)
     sharded = autotp.parallelize(model, (ids,), topology=card(), check_inputs=False)
@@ -232,23 +285,35 @@ def roofline(seq: int = 4096, layers: int = 4, hidden: int = 4096) -> dict:
     def step(module):
         def run():
             module(ids).logits.float().mean().backward()
+
         return run
 
     out = {"tokens": seq, "layers": layers, "estimate_s": estimate, "model_flops": flops}
-    for name, module in (("hf eager", model), ("autotp eager", sharded),
-                         ("hf compiled", torch.compile(model)), ("autotp compiled", torch.compile(sharded))):
+    for name, module in (
+        ("hf eager", model),
+        ("autotp eager", sharded),
+        ("hf compiled", torch.compile(model)),
+        ("autotp compiled", torch.compile(sharded)),
+    ):
         start = time.perf_counter()
         seconds = _timed(step(module), warmup=2, repeat=5)
-        out[name] = {"s": round(seconds, 5), "vs_estimate": round(seconds / estimate, 3),
-                     "tflops": round(flops / seconds / 1e12, 1),
-                     "warmup_and_timing_s": round(time.perf_counter() - start, 1)}
-        print(f"  {name:16s} {seconds * 1e3:8.2f} ms  {out[name]['vs_estimate']:.2f} x estimate "
-              f"({estimate * 1e3:.2f} ms)  {out[name]['tflops']} TFLOP/s", flush=True)
+        out[name] = {
+            "s": round(seconds, 5),
+            "vs_estimate": round(seconds / estimate, 3),
+            "tflops": round(flops / seconds / 1e12, 1),
+            "warmup_and_timing_s": round(time.perf_counter() - start, 1),
+        }
+        print(
+            f"  {name:16s} {seconds * 1e3:8.2f} ms  {out[name]['vs_estimate']:.2f} x estimate "
+            f"({estimate * 1e3:.2f} ms)  {out[name]['tflops']} TFLOP/s",
+            flush=True,
+        )
     return out
 
 
-def experts(tokens: int = 4096, hidden: int = 4096, ffn: int = 14336, count: int = 8, top: int = 2,
-            tp: int = 8) -> dict:
+def experts(
+    tokens: int = 4096, hidden: int = 4096, ffn: int = 14336, count: int = 8, top: int = 2, tp: int = 8
+) -> dict:
     """One rank's MoE layer of a Mixtral-8x7B shape at TP 8 (transformers' grouped_mm experts, bf16, forward +
     backward): expert TP (every expert, 1/tp of its FFN dim, all tokens) against expert parallelism (one whole
     expert, the tokens routed to it: tokens x top / count).  The collective after it is the same all-reduce."""
@@ -256,8 +321,13 @@ def experts(tokens: int = 4096, hidden: int = 4096, ffn: int = 14336, count: int
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
     def layer(experts_here: int, top_k: int, width: int, rows: int) -> float:
-        config = MixtralConfig(hidden_size=hidden, intermediate_size=width, num_local_experts=experts_here,
-                               num_experts_per_tok=top_k, experts_implementation="grouped_mm")
+        config = MixtralConfig(
+            hidden_size=hidden,
+            intermediate_size=width,
+            num_local_experts=experts_here,
+            num_experts_per_tok=top_k,
+            experts_implementation="grouped_mm",
+        )
         block = MixtralSparseMoeBlock(config).to(DEVICE, torch.bfloat16)
         x = torch.randn(1, rows, hidden, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
         return _timed(lambda: block(x).float().mean().backward(), warmup=3, repeat=10)
@@ -265,9 +335,12 @@ def experts(tokens: int = 4096, hidden: int = 4096, ffn: int = 14336, count: int
     tensor = layer(count, top, ffn // tp, tokens)
     whole = layer(1, 1, ffn, tokens * top // count)
     flops = 6 * 3 * tokens * top * hidden * ffn / tp  # gate, up, down: forward + backward, this rank's share
-    out = {"expert_tp_ms": round(tensor * 1e3, 3), "expert_parallel_ms": round(whole * 1e3, 3),
-           "expert_tp_tflops": round(flops / tensor / 1e12, 1),
-           "expert_parallel_tflops": round(flops / whole / 1e12, 1)}
+    out = {
+        "expert_tp_ms": round(tensor * 1e3, 3),
+        "expert_parallel_ms": round(whole * 1e3, 3),
+        "expert_tp_tflops": round(flops / tensor / 1e12, 1),
+        "expert_parallel_tflops": round(flops / whole / 1e12, 1),
+    }
     print("  ", out, flush=True)
     return out
 
@@ -277,8 +350,12 @@ LOCAL = ("environment", "matmuls", "exactness", "moe", "roofline", "experts")
 
 def main() -> None:
     import gpu_ranks
-    sections = {**{name: globals()[name] for name in LOCAL}, "serve": gpu_ranks.serve,
-                "two_ranks_gloo_cuda": gpu_ranks.two_ranks_gloo_cuda}
+
+    sections = {
+        **{name: globals()[name] for name in LOCAL},
+        "serve": gpu_ranks.serve,
+        "two_ranks_gloo_cuda": gpu_ranks.two_ranks_gloo_cuda,
+    }
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None)
     parser.add_argument("--sections", default=",".join(sections), help="comma-separated, from " + ", ".join(sections))
@@ -298,8 +375,11 @@ def main() -> None:
         if args.out:
             Path(args.out).write_text(json.dumps(RESULTS, indent=1, default=str))
     print(json.dumps(RESULTS.get("environment", {})))
-    failed = [name for name, result in RESULTS.items() if "error" in result
-              or False in (result.get("exact"), result.get("equal"))]
+    failed = [
+        name
+        for name, result in RESULTS.items()
+        if "error" in result or False in (result.get("exact"), result.get("equal"))
+    ]
     if failed:
         sys.exit(f"failed: {', '.join(failed)}")
 

@@ -10,6 +10,7 @@ not show.
 
 On a CPU both rehearse at tiny sizes over gloo (tests/test_benchmarks.py runs them).
 """
+
 from __future__ import annotations
 
 import sys
@@ -26,24 +27,46 @@ def serve(layers: int = 8, hidden: int = 256, tokens: int = 12) -> dict:
     import openai
 
     from tests.helpers.serving import Server, save_model, tokenizer
+
     with tempfile.TemporaryDirectory() as directory:
-        model = save_model(Path(directory), num_hidden_layers=layers, hidden_size=hidden, intermediate_size=2 * hidden,
-                           num_attention_heads=8, num_key_value_heads=4, vocab_size=512)
+        model = save_model(
+            Path(directory),
+            num_hidden_layers=layers,
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            vocab_size=512,
+        )
         messages = [{"role": "user", "content": "w10 w11 w12 w13"}]
         words = tokenizer(model.config.vocab_size)
         ids = words.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
         with Server(Path(directory), "--max-model-len", "64", world=1) as server:
             client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
-            answer = client.chat.completions.create(model=Path(directory).name, messages=messages, max_tokens=tokens,
-                                                    temperature=0, extra_body={"ignore_eos": True})
+            answer = client.chat.completions.create(
+                model=Path(directory).name,
+                messages=messages,
+                max_tokens=tokens,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
     model = model.to(DEVICE)
     with torch.no_grad():
-        greedy = model.generate(torch.tensor([ids], device=DEVICE), max_new_tokens=tokens, min_new_tokens=tokens,
-                                do_sample=False, pad_token_id=0)
-    text = words.decode(greedy[0, len(ids):].tolist(), skip_special_tokens=True)
+        greedy = model.generate(
+            torch.tensor([ids], device=DEVICE),
+            max_new_tokens=tokens,
+            min_new_tokens=tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    text = words.decode(greedy[0, len(ids) :].tolist(), skip_special_tokens=True)
     served = answer.choices[0].message.content
-    out = {"group": "nccl" if DEVICE == "cuda" else "gloo", "answer": served, "transformers": text,
-           "equal": served == text}
+    out = {
+        "group": "nccl" if DEVICE == "cuda" else "gloo",
+        "answer": served,
+        "transformers": text,
+        "equal": served == text,
+    }
     print("  ", out, flush=True)
     return out
 
@@ -52,6 +75,7 @@ def _on_one_gpu(rank: int, world: int) -> dict:
     """One of two ranks over gloo, CUDA tensors: TP 2 against the model, then FSDP2 over 2 replicas (the example)."""
     import autotp
     from examples.train import parse, reference, train
+
     if DEVICE == "cuda":
         torch.cuda.set_device(0)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
@@ -70,8 +94,24 @@ def _on_one_gpu(rank: int, world: int) -> dict:
     out["generate_equal"] = bool(torch.equal(mine, theirs))
     caches = [t for program in sharded.__dict__.get("_autotp_decoders", {}).values() for t in program.buffers()]
     out["devices"] = sorted({str(t.device.type) for t in [*sharded.parameters(), *caches]})
-    tiny = ["--tp", "1", "--dp", "2", "--steps", "3", "--batch", "4", "--seq", "8", "--layers", "2", "--hidden",
-            "32", "--vocab", "128"]
+    tiny = [
+        "--tp",
+        "1",
+        "--dp",
+        "2",
+        "--steps",
+        "3",
+        "--batch",
+        "4",
+        "--seq",
+        "8",
+        "--layers",
+        "2",
+        "--hidden",
+        "32",
+        "--vocab",
+        "128",
+    ]
     trainer, losses = train(parse(tiny), display=False)
     _, expected = reference(parse(tiny))
     out["fsdp_losses"] = max(abs(a - b) for a, b in zip(losses, expected, strict=True))
@@ -81,9 +121,18 @@ def _on_one_gpu(rank: int, world: int) -> dict:
 
 def two_ranks_gloo_cuda() -> dict:
     from autotp.tools.spawn import run_local
+
     ranks = run_local(2, _on_one_gpu, timeout=240)
-    out = {"ranks": ranks, "exact": all(r["logits"] < 1e-4 and r["grads"] < 1e-4 and r["fsdp_losses"] < 1e-4
-                                        and r["generate_equal"] and r["devices"] == r["fsdp_devices"] == [DEVICE]
-                                        for r in ranks)}
+    out = {
+        "ranks": ranks,
+        "exact": all(
+            r["logits"] < 1e-4
+            and r["grads"] < 1e-4
+            and r["fsdp_losses"] < 1e-4
+            and r["generate_equal"]
+            and r["devices"] == r["fsdp_devices"] == [DEVICE]
+            for r in ranks
+        ),
+    }
     print("  ", out, flush=True)
     return out

@@ -11,6 +11,7 @@ the range over repeats (the slowest rank's time per step).  Memory: the peak of 
 ``mallinfo2``: bytes in use, small and mapped blocks) above its level before the step, sampled after every op of
 one step, and the bytes saved for backward (distinct storages), the largest over ranks.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,13 +29,30 @@ import autotp
 from autotp.tools.spawn import run_local
 
 STRATEGIES = ("all-to-all", "parallel", "tensor", "all-to-all over ep")
-NAMES = {"all-to-all": "EP by all-to-all (TP group)", "parallel": "EP by local compute (zero rows)",
-         "tensor": "expert TP", "all-to-all over ep": "EP by all-to-all over DP ranks"}
+NAMES = {
+    "all-to-all": "EP by all-to-all (TP group)",
+    "parallel": "EP by local compute (zero rows)",
+    "tensor": "expert TP",
+    "all-to-all over ep": "EP by all-to-all over DP ranks",
+}
 
 
 class _Info(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 def _heap():
@@ -61,10 +79,21 @@ class _Peak(TorchDispatchMode):
 
 def _layer(o):
     from transformers import MixtralConfig, MixtralForCausalLM
+
     torch.manual_seed(0)
-    model = MixtralForCausalLM(MixtralConfig(
-        vocab_size=64, hidden_size=o.hidden, intermediate_size=o.ffn, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=4, num_local_experts=o.experts, num_experts_per_tok=2, use_cache=False))
+    model = MixtralForCausalLM(
+        MixtralConfig(
+            vocab_size=64,
+            hidden_size=o.hidden,
+            intermediate_size=o.ffn,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            num_local_experts=o.experts,
+            num_experts_per_tok=2,
+            use_cache=False,
+        )
+    )
     return model.model.layers[0].mlp.train()
 
 
@@ -79,6 +108,7 @@ def _kept(module, x, weights) -> int:
     def pack(t):
         storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
+
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         y = module(x)
     (y * weights).sum().backward()
@@ -87,6 +117,7 @@ def _kept(module, x, weights) -> int:
 
 def _run(rank: int, world: int, o) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
+
     torch.manual_seed(1)
     x, weights = torch.randn(1, o.tokens, o.hidden), torch.randn(1, o.tokens, o.hidden)
     own = torch.randn(world, 1, o.tokens, o.hidden)[rank]  # over "ep": every rank its own tokens
@@ -130,10 +161,14 @@ def main() -> None:
     o = parser.parse_args()
     ranks = run_local(o.world, _run, o, timeout=600)
     print(f"{datetime.date.today()}  {describe('gloo')}")
-    print(f"one Mixtral MoE layer, hidden {o.hidden}, ffn {o.ffn}, {o.experts} experts, top-2, {o.tokens} tokens per "
-          f"rank, forward + backward, {o.world} ranks, {o.repeats} repeats")
-    print(f"{'strategy':<34} {'tokens/step':>11} {'ms/step median (min-max)':>26} {'tokens/s':>9} "
-          f"{'peak heap MB':>12} {'kept MB':>8}")
+    print(
+        f"one Mixtral MoE layer, hidden {o.hidden}, ffn {o.ffn}, {o.experts} experts, top-2, {o.tokens} tokens per "
+        f"rank, forward + backward, {o.world} ranks, {o.repeats} repeats"
+    )
+    print(
+        f"{'strategy':<34} {'tokens/step':>11} {'ms/step median (min-max)':>26} {'tokens/s':>9} "
+        f"{'peak heap MB':>12} {'kept MB':>8}"
+    )
     for name in STRATEGIES:
         ms = ranks[0][name]["ms"]
         tokens = o.tokens * (o.world if name == "all-to-all over ep" else 1)
@@ -141,8 +176,10 @@ def main() -> None:
         peak_text = "n/a" if None in peak else f"{max(peak) / 1e6:.1f}"
         kept = max(r[name]["kept"] for r in ranks) / 1e6
         median = statistics.median(ms)
-        print(f"{NAMES[name]:<34} {tokens:>11} {median:>10.1f} ({min(ms):.1f}-{max(ms):.1f}){'':>6} "
-              f"{tokens / median * 1e3:>9.0f} {peak_text:>12} {kept:>8.2f}")
+        print(
+            f"{NAMES[name]:<34} {tokens:>11} {median:>10.1f} ({min(ms):.1f}-{max(ms):.1f}){'':>6} "
+            f"{tokens / median * 1e3:>9.0f} {peak_text:>12} {kept:>8.2f}"
+        )
 
 
 if __name__ == "__main__":

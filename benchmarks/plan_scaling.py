@@ -14,6 +14,7 @@ Absolute seconds depend on the machine (printed first), so the run also times a 
 ``torch.export`` (non-strict, dynamic batch and sequence) of the same config with two blocks, on
 meta, the fastest of two; "plan / yardstick" and "full capture / yardstick" are the ratios to it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,8 +29,17 @@ from machine import describe
 def _model(layers: int) -> torch.nn.Module:
     """The LLaMA-3-70B shape with ``layers`` blocks, on meta in bf16."""
     from transformers import LlamaConfig, LlamaForCausalLM
-    config = LlamaConfig(hidden_size=8192, intermediate_size=28672, num_attention_heads=64, num_key_value_heads=8,
-                         num_hidden_layers=layers, vocab_size=128256, max_position_embeddings=8192, use_cache=False)
+
+    config = LlamaConfig(
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        num_hidden_layers=layers,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        use_cache=False,
+    )
     with torch.device("meta"):
         return LlamaForCausalLM(config).to(torch.bfloat16).eval()
 
@@ -41,6 +51,7 @@ def _ids() -> torch.Tensor:
 def yardstick() -> float:
     """Seconds of a plain torch.export of two blocks (the fastest of two: the first also warms up)."""
     from torch.export import Dim
+
     model, seconds = _model(2), []
     for _ in range(2):
         start = time.perf_counter()
@@ -57,6 +68,7 @@ def measure(layers: int, world: int, whole: bool) -> dict:
     from autotp.planning.plan_choice import plan_choice
     from autotp.planning.tensor_plan import solve_plan
     from autotp.runtime.expert_dispatch import Group
+
     times = {}
     start = time.perf_counter()
     model, ids = _model(layers), _ids()
@@ -100,14 +112,33 @@ def mesh_against_plan(layers: int, hidden: int) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import autotp
-    config = LlamaConfig(hidden_size=hidden, intermediate_size=hidden * 13 // 4, num_attention_heads=hidden // 128,
-                         num_key_value_heads=min(8, hidden // 128), num_hidden_layers=layers, vocab_size=128256,
-                         max_position_embeddings=8192, use_cache=False)
+
+    config = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=hidden * 13 // 4,
+        num_attention_heads=hidden // 128,
+        num_key_value_heads=min(8, hidden // 128),
+        num_hidden_layers=layers,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        use_cache=False,
+    )
     ids = torch.zeros(2, 8192, dtype=torch.long, device="meta")
     with torch.device("meta"):  # warm-up: imports and torch.export's first call are paid by neither timing
-        autotp.plan(LlamaForCausalLM(LlamaConfig(hidden_size=256, intermediate_size=512, num_attention_heads=2,
-                                                 num_key_value_heads=2, num_hidden_layers=2, vocab_size=256)),
-                    (ids[:, :16],), world_size=2)
+        autotp.plan(
+            LlamaForCausalLM(
+                LlamaConfig(
+                    hidden_size=256,
+                    intermediate_size=512,
+                    num_attention_heads=2,
+                    num_key_value_heads=2,
+                    num_hidden_layers=2,
+                    vocab_size=256,
+                )
+            ),
+            (ids[:, :16],),
+            world_size=2,
+        )
     times, cpu = {}, {}
     for what in ("plan", "mesh"):
         start, start_cpu = time.perf_counter(), _cpu_seconds()
@@ -122,12 +153,15 @@ def mesh_against_plan(layers: int, hidden: int) -> None:
     c = result.choice
     if c.tp * c.pp * c.dp != 512 or not c.fits:
         sys.exit(f"the mesh choice is not a layout of 512 devices that fits: {c}")
-    print(f"{layers} layers, hidden {hidden}: autotp plan (TP 8) {times['plan']:.1f} s, autotp mesh (512 GPUs, "
-          f"64 DGX H100) {times['mesh']:.1f} s: {times['mesh'] / times['plan']:.2f}x (goal <= 3x; CPU seconds "
-          f"{cpu['plan']:.1f} and {cpu['mesh']:.1f}: {cpu['mesh'] / cpu['plan']:.2f}x); choice TP {c.tp} "
-          f"x PP {c.pp} x DP {c.dp}, {c.microbatches} micro-batches of {c.microbatch_size}, "
-          f"{c.schedule or 'no pipeline'}{', recomputing' if c.recompute else ''}, est. step {c.step_seconds:.2f} s, "
-          f"{c.memory_bytes / 1e9:.1f} GB/device, MFU {c.mfu:.1%}", flush=True)
+    print(
+        f"{layers} layers, hidden {hidden}: autotp plan (TP 8) {times['plan']:.1f} s, autotp mesh (512 GPUs, "
+        f"64 DGX H100) {times['mesh']:.1f} s: {times['mesh'] / times['plan']:.2f}x (goal <= 3x; CPU seconds "
+        f"{cpu['plan']:.1f} and {cpu['mesh']:.1f}: {cpu['mesh'] / cpu['plan']:.2f}x); choice TP {c.tp} "
+        f"x PP {c.pp} x DP {c.dp}, {c.microbatches} micro-batches of {c.microbatch_size}, "
+        f"{c.schedule or 'no pipeline'}{', recomputing' if c.recompute else ''}, est. step {c.step_seconds:.2f} s, "
+        f"{c.memory_bytes / 1e9:.1f} GB/device, MFU {c.mfu:.1%}",
+        flush=True,
+    )
 
 
 def main() -> None:
@@ -142,15 +176,24 @@ def main() -> None:
     mesh_against_plan(args.mesh_layers, args.mesh_hidden)
     base = yardstick()
     print(f"yardstick: torch.export of 2 blocks {base:.2f} s")
-    print(f"{'layers':>6} | {'capture s':>9} {'solve s':>8} {'plan s':>7} {'plan / yardstick':>16} | "
-          f"{'full capture s':>14} {'/ yardstick':>11} {'rewrite s':>9} {'whole-graph solve s':>19} {'same plan':>9}")
+    print(
+        f"{'layers':>6} | {'capture s':>9} {'solve s':>8} {'plan s':>7} {'plan / yardstick':>16} | "
+        f"{'full capture s':>14} {'/ yardstick':>11} {'rewrite s':>9} {'whole-graph solve s':>19} {'same plan':>9}"
+    )
     differs = False
     for layers in args.layers:
         t = measure(layers, args.world_size, not args.plan_only)
-        rest = (f"{t['full capture']:>14.1f} {t['full capture'] / base:>10.1f}x {t['rewrite']:>9.1f} "
-                f"{t['whole solve']:>19.1f} {t['same']:>9}" if "rewrite" in t else "")
-        print(f"{layers:>6} | {t['capture']:>9.2f} {t['solve']:>8.2f} {t['plan']:>7.2f} {t['plan'] / base:>15.2f}x | "
-              f"{rest}", flush=True)
+        rest = (
+            f"{t['full capture']:>14.1f} {t['full capture'] / base:>10.1f}x {t['rewrite']:>9.1f} "
+            f"{t['whole solve']:>19.1f} {t['same']:>9}"
+            if "rewrite" in t
+            else ""
+        )
+        print(
+            f"{layers:>6} | {t['capture']:>9.2f} {t['solve']:>8.2f} {t['plan']:>7.2f} {t['plan'] / base:>15.2f}x | "
+            f"{rest}",
+            flush=True,
+        )
         differs = differs or t.get("same") == "NO"
     if differs:
         sys.exit("the folded plan differs from the whole-graph plan")

@@ -9,6 +9,7 @@ meta-pytorch/autoparallel reports 46.8 s for LLaMA-3 8B on a 64-GPU 2-D mesh (it
 building the model on meta, the capture (torch.export) and every solve; a yardstick (a plain torch.export of a
 2-block model) says how fast this machine is.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,9 +25,18 @@ AUTOPARALLEL_8B_64_GPUS_S = 46.8  # meta-pytorch/autoparallel PR #521, its hardw
 
 def _llama(hidden: int, ffn: int, heads: int, kv: int, layers: int, vocab: int):
     from transformers import LlamaConfig, LlamaForCausalLM
-    config = LlamaConfig(hidden_size=hidden, intermediate_size=ffn, num_attention_heads=heads,
-                         num_key_value_heads=kv, num_hidden_layers=layers, vocab_size=vocab,
-                         max_position_embeddings=8192, dtype="bfloat16", use_cache=False)
+
+    config = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=ffn,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        num_hidden_layers=layers,
+        vocab_size=vocab,
+        max_position_embeddings=8192,
+        dtype="bfloat16",
+        use_cache=False,
+    )
     with torch.device("meta"):
         return LlamaForCausalLM(config).to(torch.bfloat16)
 
@@ -37,6 +47,7 @@ def _ids(batch: int = 2, seq: int = 16) -> tuple:
 
 def main(argv=None) -> None:
     import autotp
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers-8b", type=int, default=32)
     p.add_argument("--layers-70b", type=int, default=80)
@@ -49,18 +60,33 @@ def main(argv=None) -> None:
     torch.export.export(_llama(w(4096), w(14336), 32, 8, 2, w(128256)), _ids(), strict=False)
     print(f"yardstick (torch.export of a 2-block 8B-shaped model): {time.perf_counter() - start:.1f} s")
     start = time.perf_counter()
-    mesh = autotp.plan_mesh(_llama(w(4096), w(14336), 32, 8, o.layers_8b, w(128256)), _ids(1, 8192),
-                            topology="dgx-h100", nodes=8, global_batch=512)  # one micro-batch of one sequence
+    mesh = autotp.plan_mesh(
+        _llama(w(4096), w(14336), 32, 8, o.layers_8b, w(128256)),
+        _ids(1, 8192),
+        topology="dgx-h100",
+        nodes=8,
+        global_batch=512,
+    )  # one micro-batch of one sequence
     mesh_s = time.perf_counter() - start
     best = mesh.choice
-    print(f"LLaMA-3 8B ({o.layers_8b} layers) over 64 GPUs, autotp mesh: {mesh_s:.1f} s "
-          f"(best tp {best.tp} x pp {best.pp} x dp {best.dp}, {len(mesh.candidates)} layouts priced); "
-          f"autoparallel's published 8B on 64 GPUs: {AUTOPARALLEL_8B_64_GPUS_S} s (its hardware, PR #521)")
+    print(
+        f"LLaMA-3 8B ({o.layers_8b} layers) over 64 GPUs, autotp mesh: {mesh_s:.1f} s "
+        f"(best tp {best.tp} x pp {best.pp} x dp {best.dp}, {len(mesh.candidates)} layouts priced); "
+        f"autoparallel's published 8B on 64 GPUs: {AUTOPARALLEL_8B_64_GPUS_S} s (its hardware, PR #521)"
+    )
     start = time.perf_counter()
-    plan = autotp.plan(_llama(w(8192), w(28672), 64, 8, o.layers_70b, w(128256)), _ids(), world_size=8,
-                       topology="dgx-h100", training=False, price_at={"input_ids": (1, 8192)})  # serving it
-    print(f"LLaMA-3 70B ({o.layers_70b} layers) at TP 8, inference, autotp plan: {time.perf_counter() - start:.1f} s "
-          f"(estimated step {plan.cost['seconds'] * 1e3:.1f} ms)")
+    plan = autotp.plan(
+        _llama(w(8192), w(28672), 64, 8, o.layers_70b, w(128256)),
+        _ids(),
+        world_size=8,
+        topology="dgx-h100",
+        training=False,
+        price_at={"input_ids": (1, 8192)},
+    )  # serving it
+    print(
+        f"LLaMA-3 70B ({o.layers_70b} layers) at TP 8, inference, autotp plan: {time.perf_counter() - start:.1f} s "
+        f"(estimated step {plan.cost['seconds'] * 1e3:.1f} ms)"
+    )
     print("time to a plan: measured")
 
 

@@ -14,6 +14,7 @@ runners alternated, medians reported with time ratios.  A sample is one prefill 
 ``--decode-steps`` decode-like forwards back to back as generation runs them (a single forward of
 a few ms, timed right after a barrier, also measures how unevenly the ranks leave the barrier).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,12 +63,20 @@ class Megatron(torch.nn.Module):
         self.head = model.lm_head.weight.detach()
         if vocab_parallel:
             self.embed, self.head = rows(self.embed), rows(self.head)
-        self.layers = [{"ln1": layer.input_layernorm.weight.detach(),
-                        "ln2": layer.post_attention_layernorm.weight.detach(),
-                        "q": rows(layer.self_attn.q_proj.weight), "k": rows(layer.self_attn.k_proj.weight),
-                        "v": rows(layer.self_attn.v_proj.weight), "o": cols(layer.self_attn.o_proj.weight),
-                        "gate": rows(layer.mlp.gate_proj.weight), "up": rows(layer.mlp.up_proj.weight),
-                        "down": cols(layer.mlp.down_proj.weight)} for layer in model.model.layers]
+        self.layers = [
+            {
+                "ln1": layer.input_layernorm.weight.detach(),
+                "ln2": layer.post_attention_layernorm.weight.detach(),
+                "q": rows(layer.self_attn.q_proj.weight),
+                "k": rows(layer.self_attn.k_proj.weight),
+                "v": rows(layer.self_attn.v_proj.weight),
+                "o": cols(layer.self_attn.o_proj.weight),
+                "gate": rows(layer.mlp.gate_proj.weight),
+                "up": rows(layer.mlp.up_proj.weight),
+                "down": cols(layer.mlp.down_proj.weight),
+            }
+            for layer in model.model.layers
+        ]
         self.norm = model.model.norm.weight.detach()
 
     def _all_reduce(self, x):
@@ -80,8 +89,19 @@ class Megatron(torch.nn.Module):
         """Every rank's slice of the vocabulary, concatenated along the last dim."""
         if self.autotp_collectives:
             last = logits.dim() - 1
-            return collectives.gather(logits, last, None, None, None, None, self.vocab, self.rank, self.world,
-                                      self.group.group_name, "reference logits")
+            return collectives.gather(
+                logits,
+                last,
+                None,
+                None,
+                None,
+                None,
+                self.vocab,
+                self.rank,
+                self.world,
+                self.group.group_name,
+                "reference logits",
+            )
         pieces = [torch.empty_like(logits) for _ in range(self.world)]
         dist.all_gather(pieces, logits.contiguous())
         return torch.cat(pieces, -1)
@@ -124,14 +144,18 @@ def _rank(rank: int, world: int, directory: str, repeats: int, decode_steps: int
     import transformers
 
     import autotp
+
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     model = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
-    runners = {"autotp": autotp.parallelize(model),
-               "hf": transformers.AutoModelForCausalLM.from_pretrained(directory, tp_plan="auto").eval(),
-               "reference, c10d collectives": Megatron(model, rank, world),
-               "reference, autotp collectives": Megatron(model, rank, world, autotp_collectives=True),
-               "reference, replicated vocab, autotp collectives": Megatron(model, rank, world, vocab_parallel=False,
-                                                                          autotp_collectives=True)}
+    runners = {
+        "autotp": autotp.parallelize(model),
+        "hf": transformers.AutoModelForCausalLM.from_pretrained(directory, tp_plan="auto").eval(),
+        "reference, c10d collectives": Megatron(model, rank, world),
+        "reference, autotp collectives": Megatron(model, rank, world, autotp_collectives=True),
+        "reference, replicated vocab, autotp collectives": Megatron(
+            model, rank, world, vocab_parallel=False, autotp_collectives=True
+        ),
+    }
     shapes = {"prefill 4x128": (4, 128, 1), "decode 1x1": (1, 1, decode_steps)}  # batch, sequence, steps
     times = {(shape, name): [] for shape in shapes for name in runners}
     with torch.no_grad():
@@ -159,8 +183,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--decode-steps", type=int, default=5)
     args = parser.parse_args()
-    medians = run_on_saved_llama(args.layers, args.hidden, _rank, args.repeats, args.decode_steps,
-                                 vocab_size=2048, use_cache=False)
+    medians = run_on_saved_llama(
+        args.layers, args.hidden, _rank, args.repeats, args.decode_steps, vocab_size=2048, use_cache=False
+    )
     print(f"{describe('gloo')}; 2 ranks, {args.layers} layers, hidden {args.hidden}, medians of {args.repeats}")
     for shape in ("prefill 4x128", "decode 1x1"):
         ours = medians[(shape, "autotp")]

@@ -8,6 +8,7 @@ autotp is measured through its HTTP server and the openai client (streamed, so t
 its engine in process driven as transformers' manager is, with no HTTP between the client and it (like with like).
 Prints one table; the numbers are for the machine it runs on (docs/serving.md gives a dated run).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,6 +34,7 @@ def _prompts(count: int, vocab: int) -> list[str]:
 
 def measure_autotp(directory: Path, world: int, tokens: int, vocab: int) -> dict:
     import openai
+
     results = {}
     with Server(directory, "--max-num-seqs", "32", world=world) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=600)
@@ -41,9 +43,15 @@ def measure_autotp(directory: Path, world: int, tokens: int, vocab: int) -> dict
         def one(prompt: str) -> tuple[float, float, int]:
             start = time.perf_counter()
             first, count = None, 0
-            for chunk in client.completions.create(model=directory.name, prompt=prompt, max_tokens=tokens,
-                                                   temperature=0, stream=True, extra_body={"ignore_eos": True},
-                                                   stream_options={"include_usage": True}):
+            for chunk in client.completions.create(
+                model=directory.name,
+                prompt=prompt,
+                max_tokens=tokens,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+                stream_options={"include_usage": True},
+            ):
                 if chunk.choices and chunk.choices[0].text and first is None:
                     first = time.perf_counter() - start
                 if chunk.usage:
@@ -57,8 +65,10 @@ def measure_autotp(directory: Path, world: int, tokens: int, vocab: int) -> dict
                 done = list(pool.map(one, prompts))
             wall = time.perf_counter() - start
             assert all(d[2] == tokens for d in done), "a request ended short"
-            results[concurrent] = {"tokens_per_s": sum(d[2] for d in done) / wall,
-                                   "ttft_ms": 1e3 * statistics.median(d[0] for d in done)}
+            results[concurrent] = {
+                "tokens_per_s": sum(d[2] for d in done) / wall,
+                "ttft_ms": 1e3 * statistics.median(d[0] for d in done),
+            }
     return results
 
 
@@ -72,26 +82,38 @@ def main() -> None:
     vocab = 1000
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp) / "bench-llama"
-        save_model(directory, hidden_size=args.hidden, intermediate_size=4 * args.hidden, vocab_size=vocab,
-                   num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=4,
-                   max_position_embeddings=512)
+        save_model(
+            directory,
+            hidden_size=args.hidden,
+            intermediate_size=4 * args.hidden,
+            vocab_size=vocab,
+            num_hidden_layers=args.layers,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            max_position_embeddings=512,
+        )
         ours = measure_autotp(directory, args.world_size, args.tokens, vocab)
         engine = measure_engine(directory, args.world_size, args.tokens, vocab)
         theirs = measure_transformers(directory, args.world_size, args.tokens, vocab)
     print(describe("gloo"))
-    print(f"LLaMA hidden {args.hidden}, {args.layers} layers, {args.world_size} ranks, {args.tokens} output tokens a "
-          "request")
+    print(
+        f"LLaMA hidden {args.hidden}, {args.layers} layers, {args.world_size} ranks, {args.tokens} output tokens a "
+        "request"
+    )
     print("tokens/s (median time to first token, ms); ratio: autotp's engine / transformers', both in process")
     print(f"{'concurrent':>10} | {'autotp serve (HTTP)':>20} | {'autotp engine':>16} | {'transformers':>16} | ratio")
     for c in CONCURRENCY:
         cells = [f"{r[c]['tokens_per_s']:.1f} ({r[c]['ttft_ms']:.0f})" for r in (ours, engine, theirs)]
-        print(f"{c:>10} | {cells[0]:>20} | {cells[1]:>16} | {cells[2]:>16} | "
-              f"{engine[c]['tokens_per_s'] / theirs[c]['tokens_per_s']:.2f}")
+        print(
+            f"{c:>10} | {cells[0]:>20} | {cells[1]:>16} | {cells[2]:>16} | "
+            f"{engine[c]['tokens_per_s'] / theirs[c]['tokens_per_s']:.2f}"
+        )
 
 
 def measure_engine(directory: Path, world: int, tokens: int, vocab: int) -> dict:
     """autotp's engine in process, driven as transformers' manager is (no HTTP): like with like."""
     from autotp.tools.spawn import run_local
+
     prompts = {c: _prompts(max(c, 8) * 2, vocab) for c in CONCURRENCY}
     return run_local(world, _engine_rank, str(directory), tokens, prompts, timeout=1200)[0]
 
@@ -104,6 +126,7 @@ def _engine_rank(rank: int, world: int, directory: str, tokens: int, prompts: di
 
     import autotp
     from autotp.serving.engine import Engine, Request, Sampling
+
     sharded = autotp.from_pretrained(directory)
     words = AutoTokenizer.from_pretrained(directory)
     engine = Engine(sharded, words, blocks=1024, block_size=16, max_num_seqs=32, max_batched_tokens=512)
@@ -118,8 +141,11 @@ def _engine_rank(rank: int, world: int, directory: str, tokens: int, prompts: di
         sent, first, done, flying, start = {}, {}, {}, 0, time.perf_counter()
         while len(done) < len(texts):
             while flying < concurrent and len(sent) < len(texts):
-                request = Request(words(texts[len(sent)])["input_ids"], Sampling(max_tokens=tokens, temperature=0,
-                                                                                 ignore_eos=True), events.put)
+                request = Request(
+                    words(texts[len(sent)])["input_ids"],
+                    Sampling(max_tokens=tokens, temperature=0, ignore_eos=True),
+                    events.put,
+                )
                 request.number = len(sent)
                 sent[request.number] = time.perf_counter()
                 engine.submit(request)
@@ -130,8 +156,10 @@ def _engine_rank(rank: int, world: int, directory: str, tokens: int, prompts: di
                 done[request.number], flying = len(request.choices[0].sequence.output), flying - 1
         wall = time.perf_counter() - start
         assert all(n == tokens for n in done.values()), "a request ended short"
-        results[concurrent] = {"tokens_per_s": sum(done.values()) / wall, "ttft_ms": 1e3 * statistics.median(
-            first.values())}
+        results[concurrent] = {
+            "tokens_per_s": sum(done.values()) / wall,
+            "ttft_ms": 1e3 * statistics.median(first.values()),
+        }
     engine.stop()
     loop.join()
     return results
@@ -142,6 +170,7 @@ def measure_transformers(directory: Path, world: int, tokens: int, vocab: int) -
     (``DistributedConfig(tp_size=world)``) on gloo processes, then its manager (``init_continuous_batching``) kept
     ``concurrent`` requests in flight, a new one added as each finishes, streamed (the first token's time seen)."""
     from autotp.tools.spawn import run_local
+
     prompts = {c: _prompts(max(c, 8) * 2, vocab) for c in CONCURRENCY}
     return run_local(world, _transformers_rank, str(directory), tokens, prompts, timeout=1200)[0]
 
@@ -150,17 +179,20 @@ def _transformers_rank(rank: int, world: int, directory: str, tokens: int, promp
     import torch
     from transformers import AutoTokenizer, DistributedConfig, GenerationConfig, LlamaForCausalLM
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
-    model = LlamaForCausalLM.from_pretrained(directory, distributed_config=DistributedConfig(tp_size=world),
-                                             dtype=torch.float32, attn_implementation="sdpa").eval()
+
+    model = LlamaForCausalLM.from_pretrained(
+        directory, distributed_config=DistributedConfig(tp_size=world), dtype=torch.float32, attn_implementation="sdpa"
+    ).eval()
     words = AutoTokenizer.from_pretrained(directory)
     results = {}
     for concurrent, texts in [(1, ["w10 w11"] * 2), *prompts.items()]:  # the first: a warm-up
         ids = [words(t)["input_ids"] for t in texts]
         manager = model.init_continuous_batching(
-            generation_config=GenerationConfig(max_new_tokens=tokens, do_sample=False, eos_token_id=-1,
-                                               pad_token_id=0),
-            continuous_batching_config=ContinuousBatchingConfig(page_size=16, num_blocks=1024, max_batch_tokens=512,
-                                                                allow_block_sharing=False, use_cuda_graph=False))
+            generation_config=GenerationConfig(max_new_tokens=tokens, do_sample=False, eos_token_id=-1, pad_token_id=0),
+            continuous_batching_config=ContinuousBatchingConfig(
+                page_size=16, num_blocks=1024, max_batch_tokens=512, allow_block_sharing=False, use_cuda_graph=False
+            ),
+        )
         manager.start()
         if not manager.is_tp_driver:  # another rank: it follows the driver until the group's stop
             manager._generation_thread.join()
@@ -185,8 +217,10 @@ def _transformers_rank(rank: int, world: int, directory: str, tokens: int, promp
         assert all(n == tokens for n in done.values()), "a request ended short"
         manager.stop(block=True, timeout=10)
         manager.destroy()
-        results[concurrent] = {"tokens_per_s": sum(done.values()) / wall, "ttft_ms": 1e3 * statistics.median(
-            first.values())}
+        results[concurrent] = {
+            "tokens_per_s": sum(done.values()) / wall,
+            "ttft_ms": 1e3 * statistics.median(first.values()),
+        }
     return results
 
 

@@ -17,6 +17,7 @@ its breakdown, and the planner's estimate for the same layout (``autotp.plan_mes
 Time: the runners alternate step by step, medians per run.  Every run (``--runs``, fresh processes) prints its
 numbers, then the range over runs.  Both start from the same weights; their first losses are checked equal.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,17 +44,30 @@ def hand_written(model: torch.nn.Module, mesh) -> torch.nn.Module:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-    parallelize_module(model, mesh["tp"], {
-        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
-        "lm_head": ColwiseParallel(output_layouts=Replicate()),
-    })
+
+    parallelize_module(
+        model,
+        mesh["tp"],
+        {
+            "model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+            "lm_head": ColwiseParallel(output_layouts=Replicate()),
+        },
+    )
     blocks = list(model.model.layers)
     for block in blocks:
-        parallelize_module(block, mesh["tp"], {
-            "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
-            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
-            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel(),
-        })
+        parallelize_module(
+            block,
+            mesh["tp"],
+            {
+                "self_attn.q_proj": ColwiseParallel(),
+                "self_attn.k_proj": ColwiseParallel(),
+                "self_attn.v_proj": ColwiseParallel(),
+                "self_attn.o_proj": RowwiseParallel(),
+                "mlp.gate_proj": ColwiseParallel(),
+                "mlp.up_proj": ColwiseParallel(),
+                "mlp.down_proj": RowwiseParallel(),
+            },
+        )
         fully_shard(block, mesh=mesh["dp"])
     for before, after in itertools.pairwise(blocks):
         before.set_modules_to_forward_prefetch([after])
@@ -75,6 +89,7 @@ def _step(model, optimizer, x, y) -> tuple[float, float]:
 def _peak(model, optimizer, x, y) -> dict:
     """MemTracker's peak of one step: bytes by kind and their total."""
     from torch.distributed._tools.mem_tracker import MemTracker
+
     tracker = MemTracker()
     tracker.track_external(model, optimizer, x)
     with tracker:  # one step per tracker
@@ -88,12 +103,16 @@ def run(rank: int, world: int, o: argparse.Namespace, repeats: int) -> dict:
 
     import autotp
     from autotp.runtime.transport import register
+
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     x, y = (t.chunk(2)[mesh["dp"].get_local_rank()] for t in global_batch(o, 0))
     plain = autotp.parallelize(build(o), (x,), mesh=mesh)
     register(plain.autotp_group, shortcuts=False)  # its TP collectives as DTensor runs them
-    runners = {"autotp": autotp.parallelize(build(o), (x,), mesh=mesh), "autotp, plain c10d": plain,
-               "hand-written": hand_written(build(o), mesh)}
+    runners = {
+        "autotp": autotp.parallelize(build(o), (x,), mesh=mesh),
+        "autotp, plain c10d": plain,
+        "hand-written": hand_written(build(o), mesh),
+    }
     optimizers = {name: torch.optim.AdamW(m.parameters(), lr=o.lr) for name, m in runners.items()}
     first = {name: _step(m, optimizers[name], x, y)[1] for name, m in runners.items()}
     if any(abs(loss - first["hand-written"]) > 1e-4 * abs(first["hand-written"]) + 1e-5 for loss in first.values()):
@@ -111,6 +130,7 @@ def _estimate(o: argparse.Namespace) -> float:
     from autotp.cost_models.mesh_layout import Candidate
     from autotp.passes.prepared_graph import prepared_graph
     from autotp.planning.mesh_search import price_layout
+
     gm = prepared_graph(build(o), (global_batch(o, 0)[0][:1],), None, fold=True)
     layout = Candidate(2, 1, 2, microbatch_size=o.batch // 2)
     return price_layout(gm, layout, topology="dgx-h100", global_batch=o.batch, data_parallel="fsdp").memory_bytes
@@ -125,12 +145,31 @@ def main(argv=None) -> dict:
     p.add_argument("--repeats", type=int, default=10, help="timed steps per runner and run")
     p.add_argument("--runs", type=int, default=1, help="fresh 4-rank runs (the spread over them is printed)")
     a = p.parse_args(argv)
-    o = parse(["--layers", str(a.layers), "--hidden", str(a.hidden), "--seq", str(a.seq), "--batch", str(a.batch),
-               "--heads", "8", "--kv-heads", "4", "--vocab", "1024"])
+    o = parse(
+        [
+            "--layers",
+            str(a.layers),
+            "--hidden",
+            str(a.hidden),
+            "--seq",
+            str(a.seq),
+            "--batch",
+            str(a.batch),
+            "--heads",
+            "8",
+            "--kv-heads",
+            "4",
+            "--vocab",
+            "1024",
+        ]
+    )
     from autotp.tools.spawn import run_local
+
     print(f"{describe('gloo, 4 local ranks')}; {datetime.date.today()}")
-    print(f"TP 2 x DP 2, LLaMA {a.layers} layers hidden {a.hidden} vocab 1024, global batch {a.batch} x {a.seq}, "
-          "one AdamW step")
+    print(
+        f"TP 2 x DP 2, LLaMA {a.layers} layers hidden {a.hidden} vocab 1024, global batch {a.batch} x {a.seq}, "
+        "one AdamW step"
+    )
     ratios: dict = {"memory": [], "time": [], "time (plain c10d)": []}
     for k in range(a.runs):
         results = run_local(4, run, o, a.repeats, timeout=600)
@@ -140,8 +179,10 @@ def main(argv=None) -> dict:
         for n in names:
             top = max(results, key=lambda r, n=n: r["peaks"][n]["Total"])["peaks"][n]
             parts = ", ".join(f"{kind.lower()} {top[kind] / 2**20:.2f}" for kind in KINDS if top[kind])
-            print(f"run {k + 1}: {n:20s} peak {peak[n] / 2**20:7.2f} MiB ({parts}), step {step[n] * 1e3:7.1f} ms "
-                  f"(median of {a.repeats})")
+            print(
+                f"run {k + 1}: {n:20s} peak {peak[n] / 2**20:7.2f} MiB ({parts}), step {step[n] * 1e3:7.1f} ms "
+                f"(median of {a.repeats})"
+            )
         ratios["memory"].append(peak["autotp"] / peak["hand-written"])
         ratios["time"].append(step["autotp"] / step["hand-written"])
         ratios["time (plain c10d)"].append(step["autotp, plain c10d"] / step["hand-written"])

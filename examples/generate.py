@@ -7,6 +7,7 @@ A LLaMA-style model (8 query heads sharing 2 KV heads) is sharded over the ranks
 only its KV heads of the cache.  A padded batch is generated greedily (token-exact with one
 process) and by sampling (the same tokens on every rank, reproducible for a seed).
 """
+
 from __future__ import annotations
 
 import os
@@ -19,9 +20,17 @@ import autotp
 
 def build():
     from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256)
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
     return LlamaForCausalLM(config).eval()
 
 
@@ -33,8 +42,9 @@ def run(rank: int, world: int) -> None:
     prompts = prompts.masked_fill(mask == 0, 0)
     sharded = autotp.parallelize(model, (prompts,))
     greedy = autotp.generate(sharded, prompts, mask, max_new_tokens=12, pad_token_id=0)
-    sampled = autotp.generate(sharded, prompts, mask, max_new_tokens=12, do_sample=True, temperature=0.8,
-                              top_p=0.9, seed=42, pad_token_id=0)
+    sampled = autotp.generate(
+        sharded, prompts, mask, max_new_tokens=12, do_sample=True, temperature=0.8, top_p=0.9, seed=42, pad_token_id=0
+    )
     if rank == 0:
         reference = model.generate(prompts, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
         print(f"greedy, {world} ranks:\n{greedy}\nsame as one process: {torch.equal(greedy, reference)}")
@@ -50,4 +60,5 @@ if __name__ == "__main__":
         dist.destroy_process_group()
     else:
         from autotp.tools.spawn import run_local
+
         run_local(2, run)

@@ -1,4 +1,5 @@
 """Megatron's MLP block: Linear -> GELU -> Linear (column split, then row split: one all-reduce)."""
+
 import torch
 from torch import nn
 

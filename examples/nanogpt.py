@@ -1,5 +1,6 @@
 """A nanoGPT-style GPT written by hand: fused c_attn split into q|k|v, explicit masked
 softmax attention, GELU MLP, tied input/output embeddings."""
+
 import math
 from dataclasses import dataclass
 
@@ -45,8 +46,9 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(config.n_embd)
         self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.n_embd)
-        self.mlp = nn.Sequential(nn.Linear(config.n_embd, 4 * config.n_embd), nn.GELU(),
-                                 nn.Linear(4 * config.n_embd, config.n_embd))
+        self.mlp = nn.Sequential(
+            nn.Linear(config.n_embd, 4 * config.n_embd), nn.GELU(), nn.Linear(4 * config.n_embd, config.n_embd)
+        )
 
     def forward(self, x):
         x = x + self.attn(self.ln_1(x))

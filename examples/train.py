@@ -16,6 +16,7 @@ dimension and shards with FSDP2 over "dp"; with ``--pp N`` it splits the model i
 fills only its own pieces: from ``--checkpoint``, or the model's initialisation seeded by ``--seed``.
 Rank 0 prints loss, tokens/s and peak memory per step.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,8 +60,12 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--meta", action="store_true", help="build on the meta device; each rank fills only its pieces")
     p.add_argument("--checkpoint", help="weights to load: a safetensors directory (transformers' save_pretrained)")
     p.add_argument("--seed", type=int, default=0, help="--meta without --checkpoint: the initialisation's seed")
-    p.add_argument("--dry-run", action="store_true", help="play one rank of the mesh on PyTorch's fake backend "
-                   "(no GPUs, no weights) and print what it holds beside the mesh planner's estimate")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="play one rank of the mesh on PyTorch's fake backend "
+        "(no GPUs, no weights) and print what it holds beside the mesh planner's estimate",
+    )
     p.add_argument("--world-size", type=int, help="the ranks a dry run plays one of (default: tp x dp x pp)")
     p.add_argument("--rank", type=int, default=0, help="the rank a dry run plays")
     return p.parse_args(argv)
@@ -68,10 +73,18 @@ def parse(argv=None) -> argparse.Namespace:
 
 def build(o: argparse.Namespace, meta: bool = False) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=o.vocab, hidden_size=o.hidden, intermediate_size=2 * o.hidden,
-                         num_hidden_layers=o.layers, num_attention_heads=o.heads, num_key_value_heads=o.kv_heads,
-                         max_position_embeddings=max(64, o.seq), use_cache=False)
+    config = LlamaConfig(
+        vocab_size=o.vocab,
+        hidden_size=o.hidden,
+        intermediate_size=2 * o.hidden,
+        num_hidden_layers=o.layers,
+        num_attention_heads=o.heads,
+        num_key_value_heads=o.kv_heads,
+        max_position_embeddings=max(64, o.seq),
+        use_cache=False,
+    )
     with torch.device("meta" if meta else "cpu"):
         return LlamaForCausalLM(config)
 
@@ -92,8 +105,10 @@ def make_mesh(o: argparse.Namespace, device: str):
     sizes = {"pp": o.pp, "dp": o.dp, "tp": o.tp}
     dims = [d for d in ("pp", "dp") if sizes[d] > 1] + ["tp"]
     if o.pp * o.dp * o.tp != dist.get_world_size():
-        raise SystemExit(f"--tp {o.tp} x --dp {o.dp} x --pp {o.pp} = {o.pp * o.dp * o.tp} ranks, but "
-                         f"{dist.get_world_size()} were started")
+        raise SystemExit(
+            f"--tp {o.tp} x --dp {o.dp} x --pp {o.pp} = {o.pp * o.dp * o.tp} ranks, but "
+            f"{dist.get_world_size()} were started"
+        )
     return init_device_mesh(device, tuple(sizes[d] for d in dims), mesh_dim_names=tuple(dims))
 
 
@@ -112,8 +127,9 @@ class Trainer:
             options.update({"checkpoint": o.checkpoint} if o.checkpoint else {"init_seed": o.seed})
         model = build(o, meta=o.meta or o.dry_run)
         model = model if model.device.type == "meta" else model.to(self.device)
-        self.model = autotp.parallelize(model, (self.share(global_batch(o, 0)[0]),), mesh=self.mesh,
-                                        data_parallel=o.data_parallel, **options)
+        self.model = autotp.parallelize(
+            model, (self.share(global_batch(o, 0)[0]),), mesh=self.mesh, data_parallel=o.data_parallel, **options
+        )
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr)
         self.scheduler = schedule(o, self.optimizer)
 
@@ -148,6 +164,7 @@ def train(o: argparse.Namespace, display: bool = True) -> tuple[Trainer, list[fl
     ``--save-dir`` the run resumes from the directory's newest complete checkpoint (model, AdamW, scheduler,
     step, random generators), saves every ``--save-every`` steps, and on SIGTERM saves and stops."""
     from autotp.runtime.run_checkpoints import RunCheckpoints
+
     show_here = display and dist.get_rank() == 0
     with _bars(show_here):  # capturing, solving, loading: before the steps' own display
         trainer, losses = Trainer(o), []
@@ -204,7 +221,7 @@ def train_whole(o: argparse.Namespace, model: torch.nn.Module, optimizer, steps,
 
 def _peak_memory_mb() -> float:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return torch.cuda.max_memory_allocated() / 2 ** 20
+        return torch.cuda.max_memory_allocated() / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # peak RSS (Linux reports KiB)
 
 
@@ -215,6 +232,7 @@ def _bars(enabled: bool):
     from rich.console import Console
 
     from autotp.tools.progress_bars import progress_bars
+
     return progress_bars(Console(stderr=True)) if enabled else contextlib.nullcontext()
 
 
@@ -228,16 +246,20 @@ class _Display:
     def __enter__(self):
         if self.enabled:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-            self.progress = Progress(TextColumn(self.title), BarColumn(), MofNCompleteColumn(),
-                                     TextColumn("{task.fields[status]}"))
+
+            self.progress = Progress(
+                TextColumn(self.title), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}")
+            )
             self.progress.__enter__()
             self.task = self.progress.add_task("train", total=self.steps, completed=self.done, status="")
         return self
 
     def __call__(self, step: int, loss: float, tokens_per_second: float) -> None:
         if self.enabled:
-            line = (f"step {step + 1:4d}  loss {loss:.6f}  {tokens_per_second:9.0f} tokens/s  "
-                    f"peak memory {_peak_memory_mb():.0f} MB")
+            line = (
+                f"step {step + 1:4d}  loss {loss:.6f}  {tokens_per_second:9.0f} tokens/s  "
+                f"peak memory {_peak_memory_mb():.0f} MB"
+            )
             self.progress.console.print(line)
             self.progress.update(self.task, advance=1, status=f"loss {loss:.4f}")
 
@@ -251,6 +273,7 @@ def dry_run(o: argparse.Namespace) -> dict:
     rank of any size): its parameter, AdamW state and activation bytes, beside the mesh planner's estimate of the
     same layout's peak per device."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
+
     world = o.world_size or o.tp * o.dp * o.pp
     dist.init_process_group("fake", store=FakeStore(), rank=o.rank, world_size=world)
     with _bars(True):  # rich redirects stdout while it draws: the report is printed after
@@ -263,24 +286,36 @@ def dry_run(o: argparse.Namespace) -> dict:
 def _measure(o: argparse.Namespace, world: int) -> tuple[dict, str]:
     from autotp.cost_models import load_topology
     from autotp.cost_models.schedule_tables import in_flight
+
     start = time.perf_counter()
     model = Trainer(o).model
     built = time.perf_counter() - start
     stages = model.modules if o.pp > 1 else {0: model}
     params = sum(p.numel() * p.element_size() for m in stages.values() for p in _pieces(m))
     microbatches = o.microbatches or o.pp
-    activations = sum(sum(m.autotp_plan.cost["activations"].values()) * in_flight(
-        o.schedule if o.pp > 1 else None, o.pp, microbatches, index, len(stages)) for index, m in stages.items())
+    activations = sum(
+        sum(m.autotp_plan.cost["activations"].values())
+        * in_flight(o.schedule if o.pp > 1 else None, o.pp, microbatches, index, len(stages))
+        for index, m in stages.items()
+    )
     mine = {"parameters": params, "optimizer": 2 * params, "activations": activations}
     per_device = load_topology(None).gpus_per_node
-    plan = autotp.plan_mesh(build(o, meta=True), (global_batch(o, 0)[0][:2],), devices=world, global_batch=o.batch,
-                            nodes=-(-world // per_device), data_parallel=o.data_parallel)
+    plan = autotp.plan_mesh(
+        build(o, meta=True),
+        (global_batch(o, 0)[0][:2],),
+        devices=world,
+        global_batch=o.batch,
+        nodes=-(-world // per_device),
+        data_parallel=o.data_parallel,
+    )
     same = next((c for c in plan.candidates if (c.tp, c.pp, c.dp) == (o.tp, o.pp, o.dp)), None)
-    return mine, (f"rank {o.rank} of {world} (TP {o.tp} x DP {o.dp} x PP {o.pp}), built on meta in {built:.1f} s: "
-                  + ", ".join(f"{k} {v / 2 ** 20:.1f} MiB" for k, v in mine.items())
-                  + f"; total {sum(mine.values()) / 2 ** 20:.1f} MiB; the mesh planner's peak per device for this "
-                  + "layout: " + (f"{same.memory_bytes / 2 ** 20:.1f} MiB" if same and same.memory_bytes
-                                  else "not priced"))
+    return mine, (
+        f"rank {o.rank} of {world} (TP {o.tp} x DP {o.dp} x PP {o.pp}), built on meta in {built:.1f} s: "
+        + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in mine.items())
+        + f"; total {sum(mine.values()) / 2**20:.1f} MiB; the mesh planner's peak per device for this "
+        + "layout: "
+        + (f"{same.memory_bytes / 2**20:.1f} MiB" if same and same.memory_bytes else "not priced")
+    )
 
 
 def _pieces(module: torch.nn.Module) -> list:
@@ -301,16 +336,22 @@ def main(argv=None) -> None:
         # keys of this attempt only: a group torchrun restarts must not read the failed attempt's addresses
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         hosted = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's agent serves the store
-        store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", dist.TCPStore(
-            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=not hosted and rank == 0))
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", store=store, rank=rank,
-                                world_size=world)
+        store = dist.PrefixStore(
+            f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}",
+            dist.TCPStore(
+                os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=not hosted and rank == 0
+            ),
+        )
+        dist.init_process_group(
+            "nccl" if torch.cuda.is_available() else "gloo", store=store, rank=rank, world_size=world
+        )
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         losses = train(o)[1]
         dist.destroy_process_group()
     else:
         from autotp.tools.spawn import run_local
+
         losses = run_local(o.tp * o.dp * o.pp, _run, o)[0]
     if o.check and int(os.environ.get("RANK", 0)) == 0:
         expected = reference(o)[1]

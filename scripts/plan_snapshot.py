@@ -8,6 +8,7 @@ included (snapshot_hook/sitecustomize.py), that writes each Plan's JSON -- finge
 prices -- as <sha256>.json.  Plans from measured timings (calibration tests) differ from run to run by nature;
 ``compare`` names each file that only one side has, with its topology and fingerprint, to be read case by case.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,12 @@ DEFAULT = ["-q", "-n", "2", "--dist", "worksteal", "-m", "not slow"]
 
 
 def record(directory: str, pytest_args: list[str]) -> int:
-    env = {**os.environ, "AUTOTP_PLAN_SNAPSHOT": str(Path(directory).resolve()), "PYTHONHASHSEED": "0",
-           "PYTHONPATH": os.pathsep.join([str(HOOK), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    env = {
+        **os.environ,
+        "AUTOTP_PLAN_SNAPSHOT": str(Path(directory).resolve()),
+        "PYTHONHASHSEED": "0",
+        "PYTHONPATH": os.pathsep.join([str(HOOK), *filter(None, [os.environ.get("PYTHONPATH")])]),
+    }
     return subprocess.call([sys.executable, "-m", "pytest", *(pytest_args or DEFAULT)], env=env)
 
 

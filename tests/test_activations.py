@@ -3,6 +3,7 @@
 Oracle: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
 Table 2, all four rows (bytes per layer, 16-bit activations, 1-byte dropout masks, attention scores materialized).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -22,8 +23,17 @@ def gpt3_block():
     attention that materializes the scores), bf16, in training mode as the paper's run: its dropouts drop, and
     the activation model counts their one-byte masks."""
     from transformers import GPT2LMHeadModel
-    config = configs.gpt2(n_layer=3, n_embd=H, n_head=HEADS, n_positions=S, vocab_size=1024,
-                          activation_function="gelu", attn_implementation="eager", use_cache=True)
+
+    config = configs.gpt2(
+        n_layer=3,
+        n_embd=H,
+        n_head=HEADS,
+        n_positions=S,
+        vocab_size=1024,
+        activation_function="gelu",
+        attn_implementation="eager",
+        use_cache=True,
+    )
     with torch.device("meta"):
         model = GPT2LMHeadModel(config).to(torch.bfloat16)
     with pytest.warns(UserWarning, match="drops in the sharded model"):
@@ -47,7 +57,8 @@ def test_activations_match_korthikanti_table_2(gpt3_block, t):
         split = solve_plan(gpt3_block, t, PlanOptions(memory_limit=float("inf"), sequence_parallel=True))
         assert _per_layer(split) == pytest.approx(s * b * h * (34 / t + 5 * a * s / (h * t)), rel=0.02)
         # selective recomputation: the attention core (scores, softmax, dropout) keeps nothing of its own
-        again = solve_plan(gpt3_block, t, PlanOptions(memory_limit=float("inf"), sequence_parallel=True,
-                                                   recompute="selective"))
+        again = solve_plan(
+            gpt3_block, t, PlanOptions(memory_limit=float("inf"), sequence_parallel=True, recompute="selective")
+        )
         assert _per_layer(again) == pytest.approx(34 * s * b * h / t, rel=0.02)
         assert "transformer.h.1.attn" in again.cost["recompute"] and not split.cost["recompute"]

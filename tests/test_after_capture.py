@@ -5,6 +5,7 @@ with padded batches (an attention mask) and packed sequences (position ids that 
 
 One launch of 2 ranks runs every check (each rank captures on its own, as users' do: no shared captures) and
 reports each one's error or None: a failure names its check and what differed, and the other checks still run."""
+
 from __future__ import annotations
 
 import traceback
@@ -34,6 +35,7 @@ def _llama():
     """The tiny LLaMA of tests/helpers/configs.py (2 blocks of 64, 4 heads sharing 2 KV heads, SDPA) in eval mode,
     with attention dropout (SDPA's dropout_p, passed only in training mode)."""
     from transformers import LlamaForCausalLM
+
     torch.manual_seed(0)
     return LlamaForCausalLM(configs.llama(attention_dropout=P)).eval()
 
@@ -41,6 +43,7 @@ def _llama():
 def _gpt2():
     """GPT-2 dropping on embeddings, attention (SDPA's dropout_p) and both residual branches, in training mode."""
     from transformers import GPT2LMHeadModel
+
     torch.manual_seed(0)
     config = configs.gpt2(bos_token_id=0, eos_token_id=0, attn_pdrop=P, resid_pdrop=P, embd_pdrop=P)
     return GPT2LMHeadModel(config).train()
@@ -72,6 +75,7 @@ def _zero_grads(*models) -> None:
 
 
 # ---- the checks, each run on every rank --------------------------------------------------------------------------
+
 
 def _train_eval_train() -> None:
     """Captured in training mode (reference dropout: one process's masks), a step, then eval, then train and a step."""
@@ -182,8 +186,9 @@ def _autocast(model, sharded) -> None:
     for name, p in model.named_parameters():
         assert grads[name].dtype == torch.float32, (name, grads[name].dtype)
         scale = float(p.grad.abs().max())
-        torch.testing.assert_close(grads[name], p.grad, rtol=BF16_GRAD, atol=BF16_GRAD * scale,
-                                   msg=lambda e, n=name: f"bf16 grad {n}: {e}")
+        torch.testing.assert_close(
+            grads[name], p.grad, rtol=BF16_GRAD, atol=BF16_GRAD * scale, msg=lambda e, n=name: f"bf16 grad {n}: {e}"
+        )
     _zero_grads(sharded, model)
     with torch.no_grad():  # and the autocast leaves nothing behind: fp32 again after it
         torch.testing.assert_close(logits(sharded(x)), fp32, rtol=0, atol=0, msg=lambda e: f"fp32 after bf16: {e}")

@@ -1,4 +1,5 @@
 """Ranks must agree, and no rank hangs when another one fails or dies."""
+
 from __future__ import annotations
 
 import datetime
@@ -43,8 +44,10 @@ def _input_checks(rank: int, world: int) -> None:
     torch.manual_seed(0)
     model, args = mlp.build()
     mine = (args[0] + rank,)  # same shape, different values on each rank
-    disagree = (r"ranks disagree on the input values of call {} \(ranks \[0\]: \w+; ranks \[1\]: \w+\): "
-                "every rank must pass")
+    disagree = (
+        r"ranks disagree on the input values of call {} \(ranks \[0\]: \w+; ranks \[1\]: \w+\): "
+        "every rank must pass"
+    )
     first = autotp.parallelize(model, args)  # check_inputs="first"
     with pytest.raises(RankDisagreement, match=disagree.format(1)):
         first(*mine)
@@ -103,6 +106,7 @@ def _dies(stage: str, rank: int, queue) -> None:
         if stage == "before":
             os._exit(3)
         import autotp.api as api
+
         setattr(api, "solve_plan" if stage == "planning" else "rewrite", lambda *a, **k: os._exit(3))
     torch.manual_seed(0)
     model, args = mlp.build()
@@ -134,12 +138,16 @@ def _slow_then_uneven(rank: int, world: int) -> None:
         return
     call = f"autotp/{dist.group.WORLD.group_name}/1"
     exchanges = [f"{call}/{name}" for name in ("model", "plan", "loaded", "inputs/1")]
-    written = [f"{x}/{r}" for x in exchanges for r in range(world)] + [f"{x}/read/{r}" for x in exchanges
-                                                                        for r in range(world)]
+    written = [f"{x}/{r}" for x in exchanges for r in range(world)] + [
+        f"{x}/read/{r}" for x in exchanges for r in range(world)
+    ]
     assert not any(store.check([key]) for key in [*written, f"{call}/plan"]), "rank 0 deletes what was read"
     assert store.get(f"autotp/{dist.group.WORLD.group_name}/calls/1") == b"1"  # each rank's count stays
-    with pytest.raises(RankDisagreement, match=r"rank 1 has made 1 parallelize call\(s\) on this group and this "
-                       r"rank 2: every rank must call autotp.parallelize equally often"):
+    with pytest.raises(
+        RankDisagreement,
+        match=r"rank 1 has made 1 parallelize call\(s\) on this group and this "
+        r"rank 2: every rank must call autotp.parallelize equally often",
+    ):
         autotp.parallelize(model, args, timeout=5)
     store.set("test/done", "1")
 
@@ -166,8 +174,11 @@ def test_a_rank_lost_mid_run_makes_the_others_name_the_collective(how):
     """Process-group timeout 8 s: a stuck rank's peer gives up at that timeout, an exited rank's at once
     (gloo sees the connection close); either way the error says which collective it waited in."""
     message, seconds = _spawn_pair(functools.partial(_fails_in_third_step, how), pg_timeout=8)
-    assert re.search(r"(all_reduce|all_gather) of torch.float32 \[[\d, ]+\] for \w+ \(aten\.\w+\.\w+\) in down "
-                     r"\((forward|backward)\) did not complete", message), message
+    assert re.search(
+        r"(all_reduce|all_gather) of torch.float32 \[[\d, ]+\] for \w+ \(aten\.\w+\.\w+\) in down "
+        r"\((forward|backward)\) did not complete",
+        message,
+    ), message
     if how == "stuck":
         assert re.search(r"timeout \(8 s\)|Timed out waiting 8000ms", message), message  # ours or gloo's
         assert 7 < seconds < 60, seconds

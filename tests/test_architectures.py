@@ -1,6 +1,7 @@
 """Any transformer at any TP size: nine Hugging Face architectures at 2, 3 and 4 ranks, running Megatron's
 collectives (counted); KV heads fewer than ranks; heads and vocabularies not divisible; vocab-parallel loss; half
 precision."""
+
 from __future__ import annotations
 
 import functools
@@ -47,10 +48,14 @@ def _megatrons_collectives(name: str, model, sharded) -> None:
         assert plan_ops(comm_counts(comm)) == plan.collective_counts(phase), (name, phase, comm_counts(comm))
     blocks = model.config.num_hidden_layers
     weights = {n.replace(".", "_") for n, _ in model.named_parameters()}
-    activations = {phase: [c for c in plan.collectives if c["phase"] == phase and c["tensor"] not in weights]
-                   for phase in ("forward", "backward")}
-    sums = {phase: Counter(block_of(c["module"]) for c in found if c["op"] in ("all_reduce", "reduce_scatter"))
-            for phase, found in activations.items()}
+    activations = {
+        phase: [c for c in plan.collectives if c["phase"] == phase and c["tensor"] not in weights]
+        for phase in ("forward", "backward")
+    }
+    sums = {
+        phase: Counter(block_of(c["module"]) for c in found if c["op"] in ("all_reduce", "reduce_scatter"))
+        for phase, found in activations.items()
+    }
     per_block = 1 if name in PARALLEL_BLOCKS else 2
     assert all(sums["forward"][b] - per_block in ((0, 1) if b == 0 else (0,)) for b in range(blocks)), (name, sums)
     assert len(activations["forward"]) <= 2 * blocks + 2, (name, activations["forward"])

@@ -1,5 +1,6 @@
 """Calibration: the profile reads a collective between its measured sizes (a known curve, in one process), and
 on real gloo ranks the profile written predicts each size it was measured without."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -35,7 +36,7 @@ def test_a_calibrated_collective_is_read_between_its_measured_sizes():
     for b in [*SIZES, 10_000, 3e6, 5e7]:  # the measured sizes and sizes between them
         assert math.isclose(collective_time("all_reduce", b, 2, topo), _curve(b), rel_tol=1e-9)
     # a bigger group moves more bus bytes: 4 ranks all-reduce 1.5x the bus bytes of 2 (ring factor 2(n-1)/n)
-    assert math.isclose(collective_time("all_reduce", 2 ** 20, 4, topo), _curve(1.5 * 2 ** 20), rel_tol=1e-9)
+    assert math.isclose(collective_time("all_reduce", 2**20, 4, topo), _curve(1.5 * 2**20), rel_tol=1e-9)
     assert collective_time("all_reduce", 4 * SIZES[-1], 2, topo) == 4 * samples[SIZES[-1]]  # above: its bandwidth
     assert collective_time("all_reduce", 16, 2, topo) == samples[SIZES[0]]  # below: the latency floor
     line = {k: v for k, v in measured_entry("all_reduce", samples, 2).items() if k != "points"}

@@ -1,4 +1,5 @@
 """Safetensors checkpoints: per-rank slice loading, clear errors, unsharded saving that round-trips."""
+
 from __future__ import annotations
 
 import functools
@@ -29,6 +30,7 @@ def _hf_dir(kind: str, directory: Path, max_shard_size: str | None = None) -> Pa
 def _empty(kind: str):
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
+
     model, args, _ = build(kind, device="meta")
     with init_empty_weights(include_buffers=False):
         empty = AutoModelForCausalLM.from_config(AutoConfig.for_model(**model.config.to_dict()))
@@ -45,6 +47,7 @@ def _pretrained_models(*directories: str) -> list:
     """The models ``autotp.from_pretrained`` builds from these directories and the inputs it captures them with."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
+
     pairs = []
     for directory in directories:
         with init_empty_weights(include_buffers=False):
@@ -56,6 +59,7 @@ def _pretrained_models(*directories: str) -> list:
 
 def _load_and_compare(rank: int, world: int, kind: str, directory: str) -> None:
     from transformers import AutoModelForCausalLM
+
     reference = AutoModelForCausalLM.from_pretrained(directory).eval()
     model, args = _empty(kind)
     sharded = autotp.parallelize(model, args, checkpoint=directory)
@@ -76,6 +80,7 @@ def test_meta_model_loads_its_slices(tmp_path, kind, shards):
 
 def _from_pretrained(rank: int, world: int, directory: str) -> None:
     from transformers import AutoModelForCausalLM
+
     sharded = autotp.from_pretrained(directory)
     reference = AutoModelForCausalLM.from_pretrained(directory).eval()
     torch.manual_seed(0)  # the same input on every rank
@@ -94,6 +99,7 @@ def _uneven_and_shared(rank: int, world: int, root: str) -> None:
     from transformers import AutoModelForCausalLM
 
     from autotp.placement import parse, take_local
+
     for name, layouts in [("uneven", {"q_proj": "S(0/10)", "o_proj": "S(1/10)"}), ("shared", {"k_proj": "S(0/2)"})]:
         directory = f"{root}/{name}"
         sharded = autotp.from_pretrained(directory)
@@ -120,8 +126,12 @@ def _uneven_and_shared(rank: int, world: int, root: str) -> None:
 def test_uneven_and_shared_heads_load_their_slices_and_save(tmp_path):
     llama_with(heads=10, kv=10, vocab=101).save_pretrained(tmp_path / "uneven")
     llama_with(heads=8, kv=2).save_pretrained(tmp_path / "shared")
-    run_ranks(4, _uneven_and_shared, str(tmp_path),
-              captures=functools.partial(_pretrained_models, str(tmp_path / "uneven"), str(tmp_path / "shared")))
+    run_ranks(
+        4,
+        _uneven_and_shared,
+        str(tmp_path),
+        captures=functools.partial(_pretrained_models, str(tmp_path / "uneven"), str(tmp_path / "shared")),
+    )
 
 
 def _expect_error(rank: int, world: int, directory: str, message: str) -> None:
@@ -134,11 +144,15 @@ def test_bad_checkpoints_name_the_tensors(tmp_path):
     good = _hf_dir("llama", tmp_path / "good")
     tensors = load_file(good / "model.safetensors")
     cases = {
-        "missing": ({k: v for k, v in tensors.items() if k != "model.layers.1.mlp.up_proj.weight"},
-                    "missing: model.layers.1.mlp.up_proj.weight"),
+        "missing": (
+            {k: v for k, v in tensors.items() if k != "model.layers.1.mlp.up_proj.weight"},
+            "missing: model.layers.1.mlp.up_proj.weight",
+        ),
         "unexpected": ({**tensors, "model.extra.weight": torch.zeros(2)}, "unexpected: model.extra.weight"),
-        "shape": ({**tensors, "model.norm.weight": torch.zeros(3)},
-                  r"shape mismatch: model.norm.weight is \(3,\) in the checkpoint, \(64,\) in the model"),
+        "shape": (
+            {**tensors, "model.norm.weight": torch.zeros(3)},
+            r"shape mismatch: model.norm.weight is \(3,\) in the checkpoint, \(64,\) in the model",
+        ),
     }
     model, _ = _empty("llama")
     for case, (content, message) in cases.items():
@@ -147,8 +161,13 @@ def test_bad_checkpoints_name_the_tensors(tmp_path):
         save_file(content, directory / "model.safetensors", metadata={"format": "pt"})
         with pytest.raises(autotp.CheckpointError, match=message):  # the check parallelize runs, in one process
             check_tensors(checkpoint_source(str(directory), model), model)
-    run_ranks(2, _expect_error, str(tmp_path / "missing"), cases["missing"][1],  # and as parallelize raises it
-              captures=functools.partial(_empty_models, "llama"))
+    run_ranks(
+        2,
+        _expect_error,
+        str(tmp_path / "missing"),
+        cases["missing"][1],  # and as parallelize raises it
+        captures=functools.partial(_empty_models, "llama"),
+    )
     with pytest.raises(autotp.CheckpointError, match=r"no model\.safetensors"):
         autotp.runtime.hf_checkpoint.Checkpoint(tmp_path)
 
@@ -204,16 +223,27 @@ def test_meta_model_without_checkpoint_stays_on_meta(tmp_path):
 
 
 META_IDIOM = {  # rotary tables (full, partial) are computed buffers; GPT-2's position table is a weight
-    "llama": {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
-              "num_key_value_heads": 2},
-    "gpt_neox": {"model_type": "gpt_neox", "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
-                 "rotary_pct": 0.5},
+    "llama": {
+        "model_type": "llama",
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    },
+    "gpt_neox": {
+        "model_type": "gpt_neox",
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_attention_heads": 4,
+        "rotary_pct": 0.5,
+    },
     "gpt2": {"model_type": "gpt2", "n_embd": 32, "n_head": 4, "n_positions": 32},
 }
 
 
 def _torch_meta_idiom(rank: int, world: int, root: str) -> None:
     from transformers import AutoModelForCausalLM
+
     for kind in META_IDIOM:
         directory = f"{root}/{kind}"
         model, (x,) = _meta_idiom(directory)
@@ -228,6 +258,7 @@ def _torch_meta_idiom(rank: int, world: int, root: str) -> None:
 def _meta_idiom(directory: str) -> tuple:
     """PyTorch's own idiom (torchtitan): every tensor on meta, buffers too; and the input (the same on every rank)."""
     from transformers import AutoConfig, AutoModelForCausalLM
+
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory)).eval()
     torch.manual_seed(0)
@@ -241,6 +272,7 @@ def _meta_idioms(root: str) -> list:
 def test_torch_meta_device_models_rebuild_computed_buffers(tmp_path):
     from safetensors.torch import save_model
     from transformers import AutoConfig, AutoModelForCausalLM
+
     for kind, settings in META_IDIOM.items():
         torch.manual_seed(0)
         config = AutoConfig.for_model(**settings, vocab_size=96, num_hidden_layers=1, use_cache=False)
@@ -289,6 +321,7 @@ def _reset_peak() -> None:
 def _bounded_load(rank: int, world: int, directory: str, expected: str, full: int, largest: int) -> None:
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
+
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory)).eval()
     ids = torch.arange(12).view(2, 6)
@@ -299,8 +332,10 @@ def _bounded_load(rank: int, world: int, directory: str, expected: str, full: in
     with torch.no_grad():
         out = sharded(ids).logits  # every weight page is touched by now
     growth = _status("VmHWM") - before
-    print(f"rank {rank}: peak RSS grew {growth / 1e6:.0f} MB loading a {full / 1e6:.0f} MB model "
-          f"(bound {(full / world + largest) / 1e6:.0f} MB + 150 MB)")
+    print(
+        f"rank {rank}: peak RSS grew {growth / 1e6:.0f} MB loading a {full / 1e6:.0f} MB model "
+        f"(bound {(full / world + largest) / 1e6:.0f} MB + 150 MB)"
+    )
     assert growth <= full / world + largest + 150e6
     assert growth < 0.6 * full
     torch.testing.assert_close(out, torch.load(expected), **TOL)
@@ -310,11 +345,12 @@ def _bounded_load(rank: int, world: int, directory: str, expected: str, full: in
 def test_a_large_model_loads_within_a_quarter_per_rank(tmp_path):
     """1.35 GB of fp32 weights over 4 ranks: each rank's memory grows by about a quarter."""
     from transformers import LlamaForCausalLM
+
     config = configs.llama_1gb()
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()
     sizes = [p.numel() * p.element_size() for p in model.parameters()]
-    assert sum(sizes) >= 2 ** 30
+    assert sum(sizes) >= 2**30
     model.save_pretrained(tmp_path, max_shard_size="400MB")
     with torch.no_grad():
         torch.save(model(torch.arange(12).view(2, 6)).logits, tmp_path / "expected.pt")
@@ -326,13 +362,15 @@ def test_a_large_model_loads_within_a_quarter_per_rank(tmp_path):
 def _tiny(kind: str):
     """transformers stores these under other names or shapes than the model holds (its conversion mapping)."""
     from transformers import GPTNeoXForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM
+
     torch.manual_seed(0)
     if kind == "qwen3_moe":
         return Qwen3MoeForCausalLM(configs.qwen3_moe(num_experts=12)).eval()  # 12: expert 10 comes after 9, not after 1
     if kind == "mixtral":
         return MixtralForCausalLM(configs.mixtral()).eval()
-    return GPTNeoXForCausalLM(configs.gpt_neox(hidden_size=32, intermediate_size=64,
-                                               max_position_embeddings=2048)).eval()
+    return GPTNeoXForCausalLM(
+        configs.gpt_neox(hidden_size=32, intermediate_size=64, max_position_embeddings=2048)
+    ).eval()
 
 
 def test_stacked_experts_are_read_expert_by_expert_in_slices(tmp_path):
@@ -341,6 +379,7 @@ def test_stacked_experts_are_read_expert_by_expert_in_slices(tmp_path):
     from autotp.placement import Shard, fill_ranges, piece_ranges
     from autotp.runtime.conversion import model_conversions
     from autotp.runtime.hf_checkpoint import Checkpoint
+
     for kind in ("mixtral", "qwen3_moe"):
         model = _tiny(kind)
         model.save_pretrained(tmp_path / kind)
@@ -354,9 +393,13 @@ def test_stacked_experts_are_read_expert_by_expert_in_slices(tmp_path):
             for placement in [Shard(0), Shard(1), Shard(2), *fused]:
                 for world in (2, 3):
                     for rank in range(world):
-                        expected = torch.cat([full.narrow(placement.dim, start, length) for start, length in
-                                              placement.ranges(full.shape[placement.dim], rank, world)],
-                                             placement.dim)
+                        expected = torch.cat(
+                            [
+                                full.narrow(placement.dim, start, length)
+                                for start, length in placement.ranges(full.shape[placement.dim], rank, world)
+                            ],
+                            placement.dim,
+                        )
                         ranges = piece_ranges(full.shape, placement, rank, world)
                         read = functools.partial(checkpoint.read_box, name)
                         piece = fill_ranges(torch.empty_like(expected), ranges, read, chunk_bytes=64)
@@ -368,15 +411,20 @@ def test_stacked_experts_are_read_expert_by_expert_in_slices(tmp_path):
     ranges = piece_ranges(checkpoint.shape(stacked), Shard(1, chunks=(32, 32)), 1, 2)
     fill_ranges(torch.empty(12, 32, 32), ranges, lambda box: checkpoint.read_box(stacked, box))
     assert sorted((key.split(".")[-3:-1], box[0]) for key, box in reads) == sorted(
-        ([str(e), w], slice(16, 32)) for e in range(12) for w in ("gate_proj", "up_proj"))  # half of each, no more
+        ([str(e), w], slice(16, 32)) for e in range(12) for w in ("gate_proj", "up_proj")
+    )  # half of each, no more
 
 
 def test_conversions_autotp_cannot_slice_are_refused(tmp_path):
     from transformers.core_model_loading import Transpose, WeightConverter
 
     from autotp.runtime.hf_checkpoint import Checkpoint
-    save_file({f"layers.0.experts.{e}.w1.weight": torch.zeros(4, 2) for e in range(2)},
-              tmp_path / "model.safetensors", metadata={"format": "pt"})
+
+    save_file(
+        {f"layers.0.experts.{e}.w1.weight": torch.zeros(4, 2) for e in range(2)},
+        tmp_path / "model.safetensors",
+        metadata={"format": "pt"},
+    )
     transposed = WeightConverter(".experts.*.w1.weight", ".experts.gate_proj", operations=[Transpose(0, 1)])
     with pytest.raises(autotp.CheckpointError, match=r"gate_proj.*\['Transpose'\].*cannot read"):
         Checkpoint(tmp_path, [transposed])
@@ -384,6 +432,7 @@ def test_conversions_autotp_cannot_slice_are_refused(tmp_path):
 
 def _stored_layout_round_trip(rank: int, world: int, root: str) -> None:
     from transformers import AutoModelForCausalLM
+
     x = torch.randint(0, 96, (3, 11), generator=torch.Generator().manual_seed(1))
     for kind in ("mixtral", "gpt_neox"):
         directory = f"{root}/{kind}"
@@ -420,6 +469,7 @@ def test_transformers_stored_layouts_load_in_slices_and_save_bit_exactly(tmp_pat
 def _mesh_saves(rank: int, world: int, root: str) -> None:
     """A Mixtral pipeline (2 stages x TP world/2) and the same Mixtral over DP 2 (FSDP2) x TP world/2, each saved."""
     from torch.distributed.device_mesh import init_device_mesh
+
     model = _with_buffer(_tiny("mixtral"))
     x = torch.randint(0, 96, (2, 6), generator=torch.Generator().manual_seed(1))
 
@@ -427,8 +477,9 @@ def _mesh_saves(rank: int, world: int, root: str) -> None:
         return torch.nn.functional.cross_entropy(output.logits.flatten(0, 1), target.flatten())
 
     sizes = (2, world // 2)
-    pipe = autotp.parallelize(model, (x,), mesh=init_device_mesh("cpu", sizes, mesh_dim_names=("pp", "tp")),
-                              loss_fn=loss_fn, stages=[0, 1])
+    pipe = autotp.parallelize(
+        model, (x,), mesh=init_device_mesh("cpu", sizes, mesh_dim_names=("pp", "tp")), loss_fn=loss_fn, stages=[0, 1]
+    )
     assert any(".experts." in name for name, _ in pipe.named_parameters())  # this rank's stage holds experts
     assert all(t.is_meta for t in [*pipe.autotp_source.parameters(), *pipe.autotp_source.buffers()])  # no weights kept
     autotp.save_pretrained(pipe, f"{root}/pp")
@@ -449,6 +500,7 @@ def test_mesh_and_pipeline_saves_are_transformers_own_files(tmp_path):
     Mixtral saved from pipeline stages and from DP x TP (2 ranks: TP 1, the cheapest mesh that runs each path) is
     transformers' own file, bit for bit, and transformers' from_pretrained reads it."""
     from transformers import AutoModelForCausalLM
+
     model = _with_buffer(_tiny("mixtral"))
     model.save_pretrained(tmp_path / "transformers")
     original = load_file(tmp_path / "transformers" / "model.safetensors")

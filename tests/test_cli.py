@@ -1,4 +1,5 @@
 """The command line, run as a user runs it."""
+
 from __future__ import annotations
 
 import contextlib
@@ -23,8 +24,14 @@ ROOT = Path(__file__).resolve().parent.parent
 def _autotp_process(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     """``python -m autotp.tools.cli ARGS``, as a user runs it."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "160"}
-    return subprocess.run([sys.executable, "-m", "autotp.tools.cli", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "autotp.tools.cli", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def _autotp(*args: str) -> subprocess.CompletedProcess:
@@ -74,15 +81,22 @@ def test_plan_bad_model_spec_is_a_clear_error():
 
 
 def _tiny_llama_dir(tmp_path: Path) -> Path:
-    configs.llama(vocab_size=256, intermediate_size=128, num_attention_heads=8, num_key_value_heads=4,
-                  max_position_embeddings=2048, use_cache=True).save_pretrained(tmp_path)
+    configs.llama(
+        vocab_size=256,
+        intermediate_size=128,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+        use_cache=True,
+    ).save_pretrained(tmp_path)
     return tmp_path
 
 
 def test_plan_from_a_config_with_a_topology(tmp_path):
     model_dir = _tiny_llama_dir(tmp_path)
-    result = _autotp("plan", str(model_dir / "config.json"), "--world-size", "4", "--topology", "dgx-a100",
-                     "--seq", "64", "--json")
+    result = _autotp(
+        "plan", str(model_dir / "config.json"), "--world-size", "4", "--topology", "dgx-a100", "--seq", "64", "--json"
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     plan = json.loads(result.stdout)
     assert plan["topology"] == "dgx-a100" and plan["world_size"] == 4
@@ -92,8 +106,9 @@ def test_plan_from_a_config_with_a_topology(tmp_path):
 
 def test_mesh_prices_every_split(tmp_path):
     model_dir = _tiny_llama_dir(tmp_path)
-    result = _autotp("mesh", str(model_dir), "--topology", "2x-dgx-h100", "--devices", "16", "--batch", "16",
-                     "--seq", "32")
+    result = _autotp(
+        "mesh", str(model_dir), "--topology", "2x-dgx-h100", "--devices", "16", "--batch", "16", "--seq", "32"
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [[int(x) for x in line.split("│")[1:4]] for line in result.stdout.splitlines() if line.count("│") >= 5]
     assert sorted(tp for tp, _, _ in rows) == [1, 2, 4, 8]  # TP inside a node; 2 blocks are too few to pipeline
@@ -102,13 +117,43 @@ def test_mesh_prices_every_split(tmp_path):
 
 
 def test_mesh_json_for_a_cluster_of_nodes(tmp_path):
-    configs.llama(vocab_size=256, intermediate_size=128, num_hidden_layers=8, num_attention_heads=8,
-                  num_key_value_heads=4, max_position_embeddings=2048, use_cache=True).save_pretrained(tmp_path)
+    configs.llama(
+        vocab_size=256,
+        intermediate_size=128,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+        use_cache=True,
+    ).save_pretrained(tmp_path)
     node = tmp_path / "two-gpu-node.json"  # a node type of one's own, extending a known one
-    node.write_text(json.dumps({"name": "two-gpu-node", "extends": "dgx-a100", "figures": {
-        "gpus_per_node": {"value": 2, "source": "test"}, "nics_per_node": {"value": 2, "source": "test"}}}))
-    result = _autotp("mesh", str(tmp_path), "--topology", str(node), "--nodes", "8", "--global-batch", "32",
-                     "--seq", "32", "--data-parallel", "ddp", "--json")
+    node.write_text(
+        json.dumps(
+            {
+                "name": "two-gpu-node",
+                "extends": "dgx-a100",
+                "figures": {
+                    "gpus_per_node": {"value": 2, "source": "test"},
+                    "nics_per_node": {"value": 2, "source": "test"},
+                },
+            }
+        )
+    )
+    result = _autotp(
+        "mesh",
+        str(tmp_path),
+        "--topology",
+        str(node),
+        "--nodes",
+        "8",
+        "--global-batch",
+        "32",
+        "--seq",
+        "32",
+        "--data-parallel",
+        "ddp",
+        "--json",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     out = json.loads(result.stdout)
     assert {"choice", "step_seconds", "memory_bytes", "mfu", "candidates"} <= set(out)
@@ -146,13 +191,22 @@ def test_show_diff_and_explain_a_saved_plan(tmp_path):
 def test_compare_with_transformers_plans(tmp_path):
     llama = _tiny_llama_dir(tmp_path / "llama")
     phi3 = tmp_path / "phi3"
-    configs.phi3(vocab_size=256, intermediate_size=128, num_key_value_heads=4, pad_token_id=0,
-                 max_position_embeddings=4096, use_cache=True).save_pretrained(phi3)
+    configs.phi3(
+        vocab_size=256,
+        intermediate_size=128,
+        num_key_value_heads=4,
+        pad_token_id=0,
+        max_position_embeddings=4096,
+        use_cache=True,
+    ).save_pretrained(phi3)
     for model_dir in (llama, phi3):
         result = _autotp("compare", str(model_dir), "--world-size", "2", "--seq", "64", "--against", "hf")
         assert result.returncode == 0, result.stderr[-3000:]
-        rows = {cells[0]: cells[1:] for line in result.stdout.splitlines()
-                if len(cells := [c.strip() for c in line.split("│")[1:-1]]) == 3}
+        rows = {
+            cells[0]: cells[1:]
+            for line in result.stdout.splitlines()
+            if len(cells := [c.strip() for c in line.split("│")[1:-1]]) == 3
+        }
         assert all(float(v) > 0 for v in rows["est. step µs"] + rows["parameter MB/device"])
         forward = [sum(int(v[i]) for k, v in rows.items() if k.startswith("forward")) for i in (0, 1)]
         assert forward[1] <= forward[0], rows  # autotp never needs more forward collectives than HF's plan
@@ -164,14 +218,28 @@ def test_plan_serve_prints_what_a_deployment_is_sized_by(tmp_path):
     """`autotp plan --serve`: prefill per 1,000 tokens, a decode step and tokens/s at the batch, the KV cache a
     sequence holds and how many fit; --max-decode-ms names the smallest TP size that meets it."""
     llama = _tiny_llama_dir(tmp_path / "llama")
-    result = _autotp("plan", str(llama), "--serve", "--context", "128", "--max-batch", "4", "--world-size", "2",
-                     "--max-decode-ms", "1000")
+    result = _autotp(
+        "plan",
+        str(llama),
+        "--serve",
+        "--context",
+        "128",
+        "--max-batch",
+        "4",
+        "--world-size",
+        "2",
+        "--max-decode-ms",
+        "1000",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     first, second = result.stdout.strip().splitlines()[-2:]
-    assert re.fullmatch(r"TP 2, context 128, batch 4: prefill [\d.]+ ms per 1,000 tokens; decode [\d.]+ ms a step "
-                        r"\(reading the weights and cache at memory bandwidth: [\d.]+ ms\), [\d,]+ tokens/s; KV cache "
-                        r"[\d.]+ MiB a sequence per device: \d+ sequences of 128 tokens fit beside the weights in 90% "
-                        r"of a device \(estimates\)", first), first
+    assert re.fullmatch(
+        r"TP 2, context 128, batch 4: prefill [\d.]+ ms per 1,000 tokens; decode [\d.]+ ms a step "
+        r"\(reading the weights and cache at memory bandwidth: [\d.]+ ms\), [\d,]+ tokens/s; KV cache "
+        r"[\d.]+ MiB a sequence per device: \d+ sequences of 128 tokens fit beside the weights in 90% "
+        r"of a device \(estimates\)",
+        first,
+    ), first
     assert second.startswith("TP 1 is the smallest size that decodes a step within 1000.0 ms (TP 1 "), second
     bad = _autotp("plan", str(llama), "--serve", "--world-size", "2", "--memory-fraction", "1.5")
     assert bad.returncode == 2 and bad.stderr.strip().startswith("autotp: --memory-fraction must be in (0, 1]")
@@ -181,13 +249,15 @@ def test_compare_against_megatron_prices_each_plan_no_cheaper_than_autotps(tmp_p
     """`--against`: Megatron's plan with and without sequence parallelism beside autotp's, one column each, all
     priced by the one price; autotp's estimate is the lowest; a plan naming no module is said, not shown."""
     llama = _tiny_llama_dir(tmp_path / "llama")
-    result = _autotp("compare", str(llama), "--world-size", "2", "--seq", "64", "--against", "megatron",
-                     "megatron-sp")
+    result = _autotp("compare", str(llama), "--world-size", "2", "--seq", "64", "--against", "megatron", "megatron-sp")
     assert result.returncode == 0, result.stderr[-3000:]
     header = next(line for line in result.stdout.splitlines() if "┃" in line)
     assert [c.strip() for c in header.split("┃")[1:-1]] == ["", "Megatron", "Megatron + SP", "autotp"], header
-    rows = {cells[0]: cells[1:] for line in result.stdout.splitlines()
-            if len(cells := [c.strip() for c in line.split("│")[1:-1]]) == 4}
+    rows = {
+        cells[0]: cells[1:]
+        for line in result.stdout.splitlines()
+        if len(cells := [c.strip() for c in line.split("│")[1:-1]]) == 4
+    }
     megatron, split, ours = (float(v) for v in rows["est. step µs"])
     assert ours <= min(megatron, split), rows
     gpt2 = tmp_path / "gpt2"
@@ -197,9 +267,17 @@ def test_compare_against_megatron_prices_each_plan_no_cheaper_than_autotps(tmp_p
 
 
 def _llama_config(path: Path, heads: int, kv: int, head_dim: int, vocab: int, layers: int = 1) -> Path:
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": heads * head_dim,
-              "num_attention_heads": heads, "num_key_value_heads": kv, "intermediate_size": 3584,
-              "num_hidden_layers": layers, "vocab_size": vocab, "max_position_embeddings": 4096}
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": heads * head_dim,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "intermediate_size": 3584,
+        "num_hidden_layers": layers,
+        "vocab_size": vocab,
+        "max_position_embeddings": 4096,
+    }
     path.write_text(json.dumps(config))
     return path
 
@@ -221,8 +299,11 @@ def test_plan_calls_out_uneven_and_shared_heads(tmp_path):
 
 def _rows(text: str) -> dict:
     """The parameter table's rows (the first table; the collectives table follows it)."""
-    return {cells[0]: cells[1:] for line in text.split("collectives per")[0].splitlines()
-            if len(cells := [c.strip() for c in line.split("│")[1:-1]]) == 4}
+    return {
+        cells[0]: cells[1:]
+        for line in text.split("collectives per")[0].splitlines()
+        if len(cells := [c.strip() for c in line.split("│")[1:-1]]) == 4
+    }
 
 
 def test_plan_folds_a_deep_model_and_its_table(tmp_path):
@@ -230,6 +311,7 @@ def test_plan_folds_a_deep_model_and_its_table(tmp_path):
     from rich.console import Console
 
     from autotp.tools.report import plan_table
+
     deep = _llama_config(tmp_path / "deep.json", heads=8, kv=8, head_dim=16, vocab=1000, layers=12)
     result = _autotp("plan", str(deep), "--world-size", "2", "--inference", "--out", str(tmp_path / "folded.json"))
     assert result.returncode == 0, result.stderr[-3000:]
@@ -238,8 +320,17 @@ def test_plan_folds_a_deep_model_and_its_table(tmp_path):
     assert "row" in rows["model.layers.0.mlp.down_proj.weight"][0]
     assert rows["model.layers.1 … model.layers.11"][0] == "each as model.layers.0 (11 blocks)"
     assert not any(name.startswith("model.layers.5.") for name in rows)
-    whole = _autotp("plan", str(deep), "--world-size", "2", "--inference", "--no-fold", "--all",
-                    "--out", str(tmp_path / "whole.json"))
+    whole = _autotp(
+        "plan",
+        str(deep),
+        "--world-size",
+        "2",
+        "--inference",
+        "--no-fold",
+        "--all",
+        "--out",
+        str(tmp_path / "whole.json"),
+    )
     assert whole.returncode == 0, whole.stderr[-3000:]
     folded, unfolded = Plan.load(tmp_path / "folded.json"), Plan.load(tmp_path / "whole.json")
     assert folded.fold == {"path": "model.layers", "count": 12} and unfolded.fold is None
@@ -260,8 +351,18 @@ def test_plans_and_meshes_draw_as_pictures(tmp_path):
     import xml.etree.ElementTree as ET
 
     config = _llama_config(tmp_path / "c.json", heads=8, kv=2, head_dim=16, vocab=1000, layers=6)
-    result = _autotp("plan", str(config), "--world-size", "2", "--svg", str(tmp_path / "p.svg"),
-                     "--html", str(tmp_path / "p.html"), "--out", str(tmp_path / "p.json"))
+    result = _autotp(
+        "plan",
+        str(config),
+        "--world-size",
+        "2",
+        "--svg",
+        str(tmp_path / "p.svg"),
+        "--html",
+        str(tmp_path / "p.html"),
+        "--out",
+        str(tmp_path / "p.json"),
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     plan = Plan.load(tmp_path / "p.json")
     texts = [e.text or "" for e in ET.parse(tmp_path / "p.svg").iter() if e.tag.endswith("text")]
@@ -269,8 +370,9 @@ def test_plans_and_meshes_draw_as_pictures(tmp_path):
     assert sum(t.startswith(("all_reduce", "all_gather", "reduce_scatter")) for t in texts) == len(block) > 0
     assert any("q_proj" in t and "linear" in t for t in texts)
     assert (tmp_path / "p.svg").read_text() in (tmp_path / "p.html").read_text()
-    mesh = _autotp("mesh", str(config), "--topology", "dgx-h100", "--global-batch", "8", "--json",
-                   "--svg", str(tmp_path / "m.svg"))
+    mesh = _autotp(
+        "mesh", str(config), "--topology", "dgx-h100", "--global-batch", "8", "--json", "--svg", str(tmp_path / "m.svg")
+    )
     assert mesh.returncode == 0, mesh.stderr[-3000:]
     candidates = json.loads(mesh.stdout)["candidates"]
     root = ET.parse(tmp_path / "m.svg").getroot()
@@ -310,8 +412,17 @@ def test_every_documented_error_is_one_line_with_its_status(tmp_path):
     parallel (each imports torch)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "160"}
     cases = _errors(tmp_path)
-    running = [subprocess.Popen([sys.executable, "-m", "autotp.tools.cli", *args], cwd=ROOT, env=env, text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE) for args, _, _ in cases]
+    running = [
+        subprocess.Popen(
+            [sys.executable, "-m", "autotp.tools.cli", *args],
+            cwd=ROOT,
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for args, _, _ in cases
+    ]
     for (args, status, start), process in zip(cases, running, strict=True):
         _, err = process.communicate(timeout=300)
         lines = [line for line in err.splitlines() if not line.startswith("[transformers]")]
@@ -325,10 +436,12 @@ def test_an_internal_error_says_so_and_debug_shows_its_trace(monkeypatch):
 
     def broken(args):
         raise KeyError("a bug")
+
     monkeypatch.setattr(commands, "show_command", broken)
     quiet = _autotp("show", "plan.json")
     assert quiet.returncode == 3 and quiet.stderr.strip().splitlines() == [
-        "autotp: internal error (KeyError: 'a bug'); rerun with --debug for the trace and report it"]
+        "autotp: internal error (KeyError: 'a bug'); rerun with --debug for the trace and report it"
+    ]
     loud = _autotp("--debug", "show", "plan.json")
     assert loud.returncode == 3 and "Traceback" in loud.stderr and "raise KeyError" in loud.stderr
 
@@ -341,6 +454,7 @@ def test_long_work_shows_progress_on_a_terminal_and_nothing_when_piped():
     import autotp
     from autotp.tools.progress_bars import progress_bars
     from examples.mlp import build
+
     shown, piped = io.StringIO(), io.StringIO()
     for out, terminal in ((shown, True), (piped, False)):
         with progress_bars(Console(file=out, force_terminal=terminal, width=120)):

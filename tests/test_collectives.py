@@ -1,4 +1,5 @@
 """Each placement conversion and its gradient, against the full tensors, on real gloo ranks."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,12 +13,21 @@ from tests.helpers.distributed import comm_counts, run_ranks
 # 3 KV heads for 6 query heads (held 0-1, 1-2 at 2 ranks; 0, 1, 2, 2 at 4), fused [4 query heads | 1 KV | 1 KV],
 # [4 query heads | 1 KV | 1 KV] per group for 3 groups (12 query heads: at 4 ranks, rank 1's heads 3-5 span
 # groups 0 and 1, so it holds both groups' KV)
-SHARDS = [Shard(1), Shard(1, (4, 8, 12)), Shard(0), Shard(1, units=6), Shard(1, units=2), Shard(1, units=3, of=6),
-          Shard(1, (12, 6, 6), (4, 1, 1), of=4), Shard(1, (4, 2, 2), (4, 1, 1), of=12, groups=3)]
+SHARDS = [
+    Shard(1),
+    Shard(1, (4, 8, 12)),
+    Shard(0),
+    Shard(1, units=6),
+    Shard(1, units=2),
+    Shard(1, units=3, of=6),
+    Shard(1, (12, 6, 6), (4, 1, 1), of=4),
+    Shard(1, (4, 2, 2), (4, 1, 1), of=12, groups=3),
+]
 
 
 def _conversions(rank: int, world: int, gloo_paths: bool) -> None:
     import torch.distributed as dist
+
     group = dist.group.WORLD.group_name
     if gloo_paths:  # one-shot small all-reduces and polled eager collectives, as parallelize sets up on gloo
         transport.register(dist.group.WORLD)
@@ -43,8 +53,9 @@ def _conversions(rank: int, world: int, gloo_paths: bool) -> None:
                 got = x.grad
                 if isinstance(src, Shard):
                     got = collectives._gather_grads(got, src, full.shape[src.dim], rank, world, group, "test")
-                torch.testing.assert_close(got, upstream, msg=lambda m, s=src, d=dst, f=partial_grad:
-                                           f"grad {s}->{d} (partial {f}): {m}")
+                torch.testing.assert_close(
+                    got, upstream, msg=lambda m, s=src, d=dst, f=partial_grad: f"grad {s}->{d} (partial {f}): {m}"
+                )
 
 
 def _grad_for(dst, upstream, pieces, partial_grad: bool, rank: int, world: int):
@@ -77,14 +88,25 @@ def test_uneven_and_grouped_pieces():
     """10 heads on 4 ranks: 3,3,2,2; 2 KV heads on 4 ranks: each held by two neighbours."""
     heads = torch.arange(10)
     assert [take_local(heads, Shard(0, units=10), r, 4).tolist() for r in range(4)] == [
-        [0, 1, 2], [3, 4, 5], [6, 7], [8, 9]]
+        [0, 1, 2],
+        [3, 4, 5],
+        [6, 7],
+        [8, 9],
+    ]
     kv = torch.arange(2 * 3)  # 2 heads of 3 rows
     assert [take_local(kv, Shard(0, units=2), r, 4).tolist() for r in range(4)] == [
-        [0, 1, 2], [0, 1, 2], [3, 4, 5], [3, 4, 5]]
+        [0, 1, 2],
+        [0, 1, 2],
+        [3, 4, 5],
+        [3, 4, 5],
+    ]
     assert [Shard(0, units=2).claims(6, r, 4) for r in range(4)] == [[(0, 3)], [(3, 0)], [(0, 3)], [(3, 0)]]
     # 8 query heads on 3 ranks (3,3,2) with 2 KV heads: each rank holds the KV heads its query heads use
     assert [take_local(kv, Shard(0, units=2, of=8), r, 3).tolist() for r in range(3)] == [
-        [0, 1, 2], [0, 1, 2, 3, 4, 5], [3, 4, 5]]
+        [0, 1, 2],
+        [0, 1, 2, 3, 4, 5],
+        [3, 4, 5],
+    ]
     assert str(Shard(2, (64, 16, 16), (8, 2, 2), 8)) == "S(2|64,16,16/8,2,2@8)"
     assert parse("S(2|64,16,16/8,2,2@8)") == Shard(2, (64, 16, 16), (8, 2, 2), 8)
 
@@ -92,6 +114,7 @@ def test_uneven_and_grouped_pieces():
 def _one_shot(rank: int, world: int) -> None:
     import torch.distributed as dist
     from torch.distributed.tensor.debug import CommDebugMode
+
     group = dist.group.WORLD.group_name
     torch.manual_seed(rank)
     small, large = torch.randn(3, 5), torch.randn(transport.ONE_SHOT_BYTES // 4)  # large: over the limit
@@ -122,6 +145,7 @@ def _gloo_shortcuts_without_affinity(rank: int, world: int) -> None:
     import os
 
     import torch.distributed as dist
+
     group = dist.group.WORLD
     small, large = torch.full((3, 5), float(rank)), torch.full((transport.ONE_SHOT_BYTES // 4,), float(rank))
     del os.sched_getaffinity

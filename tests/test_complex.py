@@ -1,6 +1,7 @@
 """Rotary embeddings computed with complex numbers (a ``torch.polar`` buffer, ``view_as_complex`` / ``view_as_real``,
 a complex product): planned like their real views, split by heads with whole (real, imaginary) pairs, exact at 2, 3
 and 4 ranks in training and generation, at Megatron's count."""
+
 from __future__ import annotations
 
 import pytest
@@ -43,8 +44,11 @@ def test_complex_buffers_are_accepted_and_parameters_named():
     kinds = {entry["op"] for entry in plan.nodes.values()}
     assert {"aten.view_as_complex.default", "aten.view_as_real.default"} <= kinds and plan.replicated_ops == []
     model.layers[0].ffn_norm.weight = torch.nn.Parameter(torch.ones(32, dtype=torch.complex64))
-    with pytest.raises(TypeError, match=r"ffn_norm\.weight has dtype torch\.complex64: complex tensors are sharded "
-                                        r"as buffers"):
+    with pytest.raises(
+        TypeError,
+        match=r"ffn_norm\.weight has dtype torch\.complex64: complex tensors are sharded "
+        r"as buffers",
+    ):
         autotp.plan(model, (ids,), world_size=2)
 
 

@@ -1,5 +1,6 @@
 """Cost model: figures with sources, collective times against published measurements, memory,
 Megatron's traffic formula, and clear errors."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,7 +18,7 @@ from autotp.cost_models.topology import PROFILES, profile_names
 from autotp.planning.solution import PlanningError
 from tests.helpers.models import build
 
-GiB = 2 ** 30
+GiB = 2**30
 
 
 def test_profiles_cover_the_common_machines_and_every_figure_has_a_source():
@@ -31,8 +32,11 @@ def test_profiles_cover_the_common_machines_and_every_figure_has_a_source():
 
 def test_user_profile_by_path_and_malformed_files(tmp_path):
     path = tmp_path / "mine.json"
-    path.write_text(json.dumps({"name": "mine", "extends": "dgx-h100",
-                                "figures": {"memory_bytes": {"value": 40e9, "source": "my card"}}}))
+    path.write_text(
+        json.dumps(
+            {"name": "mine", "extends": "dgx-h100", "figures": {"memory_bytes": {"value": 40e9, "source": "my card"}}}
+        )
+    )
     mine = load_topology(path)
     assert mine.memory_bytes == 40e9 and mine.intra_busbw == load_topology("dgx-h100").intra_busbw
     path.write_text(json.dumps({"name": "bad", "figures": {"memory_bytes": {"value": 1}}}))
@@ -66,8 +70,10 @@ def test_all_to_all_across_nodes_pays_for_the_network():
     0.64 ms); inside one node it stays on NVLink; more nodes send more of it off-node."""
     two_nodes = load_topology("2x-dgx-h100")
     nbytes = 58.7e6
-    inside, across = collective_time("all_to_all", nbytes, 8, two_nodes), collective_time("all_to_all", nbytes, 16,
-                                                                                           two_nodes)
+    inside, across = (
+        collective_time("all_to_all", nbytes, 8, two_nodes),
+        collective_time("all_to_all", nbytes, 16, two_nodes),
+    )
     nic = two_nodes.nic_bandwidth * two_nodes.nics_per_node / two_nodes.gpus_per_node
     assert across >= nbytes / 2 / nic and across >= 3 * inside, (inside, across)
     assert inside <= 7 / 8 * nbytes / two_nodes.intra_busbw * 1.1
@@ -80,7 +86,7 @@ def test_small_messages_cost_microseconds_and_time_grows_with_bytes(op):
     topo = load_topology("dgx-h100")
     small = collective_time(op, 4096, 8, topo)
     assert 1e-6 <= small <= 50e-6
-    assert collective_time(op, 64 * 2 ** 20, 8, topo) > small
+    assert collective_time(op, 64 * 2**20, 8, topo) > small
     assert collective_time(op, GiB, 1, topo) == 0.0
 
 
@@ -94,9 +100,13 @@ def test_collective_errors():
 def test_every_cost_function_takes_a_topology_as_parallelize_does():
     """A profile name, a path (str or Path) and a loaded profile price the same; a bad name says which exist."""
     from autotp.placement import Partial, Replicate
+
     path = PROFILES / "dgx-h100.json"
-    calls = [lambda t: collective_time("all_reduce", GiB, 8, t), lambda t: op_time(1e12, 1e9, t),
-             lambda t: reshard_time(Partial(), Replicate(), GiB, 8, t)]
+    calls = [
+        lambda t: collective_time("all_reduce", GiB, 8, t),
+        lambda t: op_time(1e12, 1e9, t),
+        lambda t: reshard_time(Partial(), Replicate(), GiB, 8, t),
+    ]
     for call in calls:
         assert call("dgx-h100") == call(str(path)) == call(path) == call(load_topology("dgx-h100")) == call(None)
         assert call("dgx-a100") != call("dgx-h100")
@@ -109,12 +119,13 @@ def test_roofline_compute():
     topo = load_topology("dgx-h100")
     copy = op_time(1e6, 1e9, topo)
     assert copy == pytest.approx(1e9 / (topo.hbm_bandwidth * topo.memory_efficiency))
-    vector = product_time(1, 8192, 8192, topo, nbytes=2 * 8192 ** 2)  # a matrix-vector product reads the matrix
-    assert vector == pytest.approx(2 * 8192 ** 2 / (topo.hbm_bandwidth * topo.memory_efficiency))
+    vector = product_time(1, 8192, 8192, topo, nbytes=2 * 8192**2)  # a matrix-vector product reads the matrix
+    assert vector == pytest.approx(2 * 8192**2 / (topo.hbm_bandwidth * topo.memory_efficiency))
 
 
 def test_views_cost_nothing():
     """A view's output aliases its input: reshaping and transposing around a product leaves the estimate as is."""
+
     class Plain(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -129,8 +140,10 @@ def test_views_cost_nothing():
             return (y @ self.w).unsqueeze(0).squeeze(0)
 
     x = torch.randn(256, 64)
-    costs = [autotp.plan(model, (x,), world_size=2, training=False, fold=False).cost["seconds"]
-             for model in (Plain(), Viewed())]
+    costs = [
+        autotp.plan(model, (x,), world_size=2, training=False, fold=False).cost["seconds"]
+        for model in (Plain(), Viewed())
+    ]
     assert costs[1] == pytest.approx(costs[0], rel=1e-4), costs  # (the solver breaks ties by 0.1 ns an option)
 
 
@@ -148,8 +161,11 @@ def test_per_layer_traffic_is_megatrons():
     b, s = args[0].shape
     h = model.config.n_embd
     # the block's own collectives and its submodules' (a residual add kept partial reduces at block level)
-    elements = sum(2 * (world - 1) / world * c["bytes"] / 4 for c in plan.collectives
-                   if c["op"] == "all_reduce" and f'{c["module"]}.'.startswith("transformer.h.0."))
+    elements = sum(
+        2 * (world - 1) / world * c["bytes"] / 4
+        for c in plan.collectives
+        if c["op"] == "all_reduce" and f"{c['module']}.".startswith("transformer.h.0.")
+    )
     assert elements == pytest.approx(8 * b * s * h * (world - 1) / world)
 
 
@@ -159,8 +175,11 @@ def test_memory_limit_infeasible_says_what_fits():
     need = free.cost["memory"]["total"]
     with pytest.raises(PlanningError, match="try world size"):
         autotp.plan(model, args, world_size=2, memory_limit=need * 0.6)
-    with pytest.raises(PlanningError, match=r"try world size (16|32) \(more than a node's 8 devices: `autotp mesh "
-                       r"MODEL --nodes (2|4)` lays out TP inside a node"):
+    with pytest.raises(
+        PlanningError,
+        match=r"try world size (16|32) \(more than a node's 8 devices: `autotp mesh "
+        r"MODEL --nodes (2|4)` lays out TP inside a node",
+    ):
         autotp.plan(model, args, world_size=2, memory_limit=need * 2 / 14, topology="dgx-h100")
     inference = autotp.plan(model, args, world_size=2, training=False)
     assert "optimizer" not in inference.cost["memory"] and inference.cost["memory"]["kv_cache"] > 0
@@ -184,6 +203,7 @@ def test_an_inference_plan_lists_nothing_of_a_backward():
 
     from autotp.plan import Plan
     from autotp.tools.report import print_plan
+
     model, args, _ = build("llama", device="meta")
     trained, served = (autotp.plan(model, args, world_size=2, training=t) for t in (True, False))
     assert {c["phase"] for c in trained.collectives} == {"forward", "backward"}

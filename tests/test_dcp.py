@@ -1,5 +1,6 @@
 """torch.distributed.checkpoint: model and optimizer state saved from TP 2 x DP 2 (FSDP2) load into TP 4
 (no mesh: all ranks) and into one process, and training continues with the losses of uninterrupted training."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -62,18 +63,24 @@ def test_a_checkpoint_from_tp2_x_dp2_resumes_on_tp4_and_in_one_process(tmp_path)
 
 class _Mesh:
     """What the layout check reads of a (dp 2, tp 4) DeviceMesh."""
+
     mesh_dim_names, shape = ("dp", "tp"), (2, 4)
 
     def __getitem__(self, dim):
         return SimpleNamespace(size=lambda: dict(zip(self.mesh_dim_names, self.shape, strict=True))[dim])
 
 
-@pytest.mark.parametrize(("shard", "dtensor"), [
-    (None, True), (Shard(0), True), (Shard(1), True),
-    (Shard(0, units=10), False),             # 10 heads on 4 ranks: 3, 3, 2, 2 (DTensor's chunks are 3, 3, 3, 1)
-    (Shard(0, chunks=(40, 20, 20)), False),  # fused [q|k|v]: every rank holds three pieces
-    (Shard(0, units=2), False),              # 2 KV heads on 4 ranks: each held by two ranks
-])
+@pytest.mark.parametrize(
+    ("shard", "dtensor"),
+    [
+        (None, True),
+        (Shard(0), True),
+        (Shard(1), True),
+        (Shard(0, units=10), False),  # 10 heads on 4 ranks: 3, 3, 2, 2 (DTensor's chunks are 3, 3, 3, 1)
+        (Shard(0, chunks=(40, 20, 20)), False),  # fused [q|k|v]: every rank holds three pieces
+        (Shard(0, units=2), False),  # 2 KV heads on 4 ranks: each held by two ranks
+    ],
+)
 def test_only_layouts_dtensor_describes_are_saved_as_dtensors(shard, dtensor):
     """Anything else is gathered and saved whole, never put at a wrong offset."""
     for fsdp in (False, True):

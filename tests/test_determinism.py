@@ -3,6 +3,7 @@ builds, planned in two fresh processes with different hash seeds, gives the same
 JSON (a plan made on one machine is checked against a graph captured on another; ranks agree by fingerprint).
 
 Each process plans every model and prints {name: [fingerprint, sha256 of plan.to_json()]}: two launches."""
+
 from __future__ import annotations
 
 import hashlib
@@ -43,14 +44,13 @@ class ByLayerType(nn.Module):
         return self.head(h)
 
 
-
-
 def _ids(seq: int = 8, vocab: int = 90) -> tuple:
     return (torch.randint(0, vocab, (2, seq)),)
 
 
 def _hf(cls: str, config) -> nn.Module:
     import transformers
+
     torch.manual_seed(0)
     return getattr(transformers, cls)(config).eval()
 
@@ -68,17 +68,21 @@ def models() -> dict:
             ids = torch.randint(0, VOCAB, (2, 16 if mask else 8))
             extra = (create_block_mask(native_models.causal, None, None, 16, 16, device="cpu"),) if mask else ()
             return native_models.flex_lm(mode, dim=16, heads=4, kv_heads=2, layers=1), (ids, *extra)
+
         return make
 
     one = {"num_hidden_layers": 1}
     return {
-        "mlp": lambda: builders.build("mlp")[:2], "unruly": lambda: builders.build("unruly")[:2],
+        "mlp": lambda: builders.build("mlp")[:2],
+        "unruly": lambda: builders.build("unruly")[:2],
         "nanogpt": lambda: builders.build("nanogpt", blocks=1)[:2],
         "llama": lambda: (builders.llama_with(heads=4, kv=2), _ids()),
         "mistral_sliding": lambda: (hf_model("mistral", **one), _ids()),
         # alternating sliding-window and full-attention layers (Gemma2's, Cohere2's layout)
-        "qwen2_alternating": lambda: (hf_model("qwen2", use_sliding_window=True, sliding_window=4,
-                                               max_window_layers=1), _ids()),
+        "qwen2_alternating": lambda: (
+            hf_model("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=1),
+            _ids(),
+        ),
         "bert_encoder": lambda: (hf_model("bert", **one), _ids()),
         "bloom_alibi": lambda: (_hf("BloomForCausalLM", configs.bloom(n_layer=1)), _ids()),
         "mixtral_moe": lambda: (_hf("MixtralForCausalLM", configs.mixtral(**one)), _ids()),
@@ -95,10 +99,10 @@ def models() -> dict:
     }
 
 
-
 def plans(names=None) -> dict:
     """name -> [fingerprint, sha256 of the plan's JSON], for every model (or those named)."""
     import autotp
+
     out = {}
     for name, make in models().items():
         if names and name not in names:
@@ -113,11 +117,17 @@ def plans(names=None) -> dict:
 def _in_processes(seeds=SEEDS) -> list[dict]:
     """plans() in a fresh process for each hash seed (and its own memory addresses), side by side; their output
     goes to files, so neither waits on a full pipe."""
+
     def start(seed):
         env = {**os.environ, "PYTHONHASHSEED": seed, "OMP_NUM_THREADS": "1"}
         out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-        return subprocess.Popen([sys.executable, "-m", "tests.test_determinism"], cwd=ROOT, env=env, text=True,
-                                stdout=out, stderr=err), out, err
+        return (
+            subprocess.Popen(
+                [sys.executable, "-m", "tests.test_determinism"], cwd=ROOT, env=env, text=True, stdout=out, stderr=err
+            ),
+            out,
+            err,
+        )
 
     found = []
     for process, out, err in [start(seed) for seed in seeds]:

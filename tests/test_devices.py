@@ -4,6 +4,7 @@ On a CPU machine a group made as ``"cuda:gloo"`` refuses CPU tensors exactly as 
 associated with device type cpu"): it stands in for NCCL here.  The serving engine's host messages go over a CPU
 group of their own, a CPU model under such a group is refused before any capture, and a mixed group's shards go
 to the GPU."""
+
 from __future__ import annotations
 
 import os
@@ -67,6 +68,7 @@ def test_a_device_the_group_does_not_carry_is_one_line():
 
 def test_a_device_torch_cannot_name_is_refused_where_options_are_built():
     from autotp.options import RunOptions
+
     assert RunOptions(device="cuda:1").device == torch.device("cuda", 1)
     with pytest.raises(ValueError, match=r"^device must name a device as torch does .* got 'gpu'$"):
         RunOptions(device="gpu")
@@ -76,6 +78,7 @@ def _served_model():
     import transformers
 
     from tests.helpers import configs
+
     torch.manual_seed(7)
     return transformers.LlamaForCausalLM(configs.llama(use_cache=True, max_position_embeddings=128)).eval()
 
@@ -96,7 +99,7 @@ def _refused_before_capture(rank: int, world: int) -> str:
 
 
 def test_a_cpu_model_under_a_group_that_carries_only_cuda_is_refused_before_capture():
-    message, = run_local(1, _refused_before_capture, backend=CUDA_ONLY)
+    (message,) = run_local(1, _refused_before_capture, backend=CUDA_ONLY)
     assert message.startswith("the model is on cpu, and the process group's backend (cuda:gloo) carries only cuda")
     assert "\n" not in message
 
@@ -107,10 +110,18 @@ def _engine_steps(rank: int, world: int) -> list:
     import autotp
     from autotp.serving import engine as serving
     from tests.helpers.serving import tokenizer
+
     model = _served_model()
     sharded = autotp.parallelize(model, (torch.zeros(2, 8, dtype=torch.long),), device="cpu")
-    engine = serving.Engine(sharded, tokenizer(model.config.vocab_size), blocks=32, block_size=4, max_num_seqs=4,
-                            max_batched_tokens=16, max_model_len=48)
+    engine = serving.Engine(
+        sharded,
+        tokenizer(model.config.vocab_size),
+        blocks=32,
+        block_size=4,
+        max_num_seqs=4,
+        max_batched_tokens=16,
+        max_model_len=48,
+    )
     seen, steps, ticks = {}, [], []
     pick, step, send = serving.Choice.pick, serving.Engine._step, serving.Engine._send
 
@@ -126,9 +137,14 @@ def _engine_steps(rank: int, world: int) -> list:
     requests = []
     for wave in range(3):
         time.sleep(1.5 * serving.TICK_SECONDS)  # idle: at least one tick
-        batch = [serving.Request([5 + (3 * wave + 7 * i + k) % 90 for k in range(3 + 4 * i)],
-                                 serving.Sampling(max_tokens=18, temperature=0, ignore_eos=True), lambda r: None)
-                 for i in range(3)]
+        batch = [
+            serving.Request(
+                [5 + (3 * wave + 7 * i + k) % 90 for k in range(3 + 4 * i)],
+                serving.Sampling(max_tokens=18, temperature=0, ignore_eos=True),
+                lambda r: None,
+            )
+            for i in range(3)
+        ]
         for request in batch:
             engine.submit(request)
         while not all(r.finished for r in batch):
@@ -137,8 +153,11 @@ def _engine_steps(rank: int, world: int) -> list:
     engine.stop()
     loop.join()
     assert engine.error is None and engine.control is not engine.group  # the host's messages: a CPU group
-    return [len(steps), sum(ticks), [(r.prompt, r.choices[0].sequence.output,
-                                      torch.stack(seen[id(r.choices[0])]).tolist()) for r in requests]]
+    return [
+        len(steps),
+        sum(ticks),
+        [(r.prompt, r.choices[0].sequence.output, torch.stack(seen[id(r.choices[0])]).tolist()) for r in requests],
+    ]
 
 
 def test_the_engine_serves_under_a_group_that_refuses_cpu_tensors():
@@ -148,7 +167,7 @@ def test_the_engine_serves_under_a_group_that_refuses_cpu_tensors():
     model = _served_model()
     for prompt, output, logits in answers:
         with torch.no_grad():
-            ref = model(torch.tensor([prompt + output])).logits[0, len(prompt) - 1:-1]
+            ref = model(torch.tensor([prompt + output])).logits[0, len(prompt) - 1 : -1]
         torch.testing.assert_close(torch.tensor(logits), ref, **TOL)
 
 
@@ -156,8 +175,19 @@ def test_the_gpu_check_rehearses_on_the_cpu():
     """benchmarks/gpu.py's sections for the NCCL path, as a GPU runs them but tiny and on gloo: ``autotp serve``
     answering the openai client as transformers would, and two ranks with parallelize, FSDP2 and generate."""
     script = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu.py"
-    result = subprocess.run([sys.executable, str(script), "--sections", "environment,serve,two_ranks_gloo_cuda",
-                             "--sizes", '{"serve": {"layers": 2, "hidden": 64, "tokens": 6}}'], capture_output=True,
-                            text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            "--sections",
+            "environment,serve,two_ranks_gloo_cuda",
+            "--sizes",
+            '{"serve": {"layers": 2, "hidden": 64, "tokens": 6}}',
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=600,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "'equal': True" in result.stdout and "'exact': True" in result.stdout

@@ -4,6 +4,7 @@ transformers' eager layout, two attentions of the halves in its SDPA one), and o
 h + H/2.  Split evenly, a rank would hold the first or the second half, so every combination would need both:
 instead each half is split alike, block by block (S(1|H/2,H/2)), down from the projections' weights; the repeat
 of a split dim is such blocks.  Megatron's count, exact in training at 2 ranks, for both attention layouts."""
+
 from __future__ import annotations
 
 import pytest
@@ -20,8 +21,14 @@ VOCAB, HEADS, HEAD_DIM = 100, 4, 8
 
 def _model(layout: str) -> DiffLlamaForCausalLM:
     torch.manual_seed(0)
-    return DiffLlamaForCausalLM(diffllama(hidden_size=HEADS * HEAD_DIM, num_attention_heads=HEADS,
-                                          num_key_value_heads=HEADS, attn_implementation=layout)).train()
+    return DiffLlamaForCausalLM(
+        diffllama(
+            hidden_size=HEADS * HEAD_DIM,
+            num_attention_heads=HEADS,
+            num_key_value_heads=HEADS,
+            attn_implementation=layout,
+        )
+    ).train()
 
 
 def _inputs(batch: int, seq: int) -> tuple:
@@ -33,8 +40,9 @@ def _run(rank: int, world: int, layout: str) -> None:
     sharded = autotp.parallelize(model, _inputs(2, 6))
     plan = sharded.autotp_plan
     half = HEADS // 2 * HEAD_DIM
-    assert {plan.params[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"} == {f"S(0|{half},{half})"}, \
+    assert {plan.params[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"} == {f"S(0|{half},{half})"}, (
         plan.params
+    )
     assert set(sums_per_block(plan).values()) == {2}, plan.collectives  # Megatron's: one a sublayer
     same_as_model(model, sharded, _inputs)
 

@@ -1,5 +1,6 @@
 """The documentation builds with every link and anchor resolved (MkDocs, strict), and the README stays short and
 links only to what exists."""
+
 from __future__ import annotations
 
 import ast
@@ -12,8 +13,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_docs_build_strictly(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path)],
-                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert (tmp_path / "how-it-works" / "index.html").exists()
 
@@ -67,8 +73,12 @@ def test_paragraph_counter_reads_blocks_lists_code_and_tables():
 
 def test_no_paragraph_over_150_words():
     """Long paragraphs are split: every prose paragraph of every page stays readable (at most 150 words)."""
-    long = [f"docs/{page.name}:{line}: {len(words)} words" for page in DOCS
-            for line, words in _paragraphs(page.read_text()) if len(words) > MAX_PARAGRAPH_WORDS]
+    long = [
+        f"docs/{page.name}:{line}: {len(words)} words"
+        for page in DOCS
+        for line, words in _paragraphs(page.read_text())
+        if len(words) > MAX_PARAGRAPH_WORDS
+    ]
     assert not long, f"paragraphs over {MAX_PARAGRAPH_WORDS} words:\n" + "\n".join(long)
 
 
@@ -82,7 +92,7 @@ def _opening(text: str) -> tuple[int | None, int]:
     lines = text.splitlines()
     title = next(i for i, line in enumerate(lines) if line.startswith("# "))
     lead = 0
-    for offset, line in enumerate(lines[title + 1:title + 1 + OPENING_LINES], 1):
+    for offset, line in enumerate(lines[title + 1 : title + 1 + OPENING_LINES], 1):
         stripped = line.strip()
         if stripped.startswith(("```", "|")):
             return offset, lead
@@ -106,8 +116,10 @@ def test_every_page_opens_with_a_lead_and_an_example():
         if start is None:
             bad.append(f"docs/{page.name}: no code block or table within {OPENING_LINES} lines of the title")
         elif not 5 <= lead <= LEAD_WORDS:
-            bad.append(f"docs/{page.name}: {lead} words of prose before the first example (a sentence or two: "
-                       f"5 to {LEAD_WORDS})")
+            bad.append(
+                f"docs/{page.name}: {lead} words of prose before the first example (a sentence or two: "
+                f"5 to {LEAD_WORDS})"
+            )
     assert not bad, "\n".join(bad)
 
 
@@ -119,7 +131,7 @@ def test_every_figure_says_the_command_that_draws_it():
         lines = page.read_text().splitlines()
         for number, line in enumerate(lines):
             for figure in re.findall(r"!\[[^\]]*\]\((figures/[^)\s]+)\)", line):
-                near = "\n".join(lines[max(0, number - 12):number + 13])
+                near = "\n".join(lines[max(0, number - 12) : number + 13])
                 if f"--svg docs/{figure}" not in near:
                     missing.append(f"docs/{page.name}:{number + 1}: {figure}")
     assert not missing, "figures without the command that draws them:\n" + "\n".join(missing)
@@ -132,11 +144,16 @@ def _tests_of(path: Path) -> dict[str, bool]:
     """Each test function of a test file -> whether it runs in the slow tier only (marked slow itself or by the file;
     a test with some of its parameters marked slow runs the others in the default tier)."""
     tree = ast.parse(path.read_text())
-    whole = any(isinstance(n, ast.Assign) and "pytestmark" in ast.unparse(n) and "slow" in ast.unparse(n.value)
-                for n in tree.body)
-    return {n.name: whole or any("mark.slow" in ast.unparse(d) and "parametrize" not in ast.unparse(d)
-                                 for d in n.decorator_list)
-            for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")}
+    whole = any(
+        isinstance(n, ast.Assign) and "pytestmark" in ast.unparse(n) and "slow" in ast.unparse(n.value)
+        for n in tree.body
+    )
+    return {
+        n.name: whole
+        or any("mark.slow" in ast.unparse(d) and "parametrize" not in ast.unparse(d) for d in n.decorator_list)
+        for n in tree.body
+        if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")
+    }
 
 
 def _units(text: str) -> list[str]:

@@ -5,6 +5,7 @@ without sequence parallelism and selective recomputation; the default mode (Mega
 at the rate asked, alike on every rank where the input is whole and apart where it is split, and ranks whose
 random generators differ are stopped before they drop differently; eval mode never drops.
 """
+
 from __future__ import annotations
 
 import functools
@@ -31,15 +32,24 @@ def gpt2(attention: str = "eager", p: float = P, layers: int = 2):
     """GPT-2 dropping everywhere: embeddings, attention probabilities (eager: a dropout op; sdpa: its dropout_p)
     and both residual branches."""
     from transformers import GPT2LMHeadModel
+
     torch.manual_seed(0)
-    config = configs.gpt2(n_layer=layers, bos_token_id=0, eos_token_id=0, attn_pdrop=p, resid_pdrop=p, embd_pdrop=p,
-                          attn_implementation=attention)
+    config = configs.gpt2(
+        n_layer=layers,
+        bos_token_id=0,
+        eos_token_id=0,
+        attn_pdrop=p,
+        resid_pdrop=p,
+        embd_pdrop=p,
+        attn_implementation=attention,
+    )
     return GPT2LMHeadModel(config).train()
 
 
 def llama(p: float = P):
     """LLaMA with attention dropout: 6 query heads and 2 KV heads (uneven at 4 ranks), SDPA's dropout_p."""
     from transformers import LlamaForCausalLM
+
     torch.manual_seed(0)
     return LlamaForCausalLM(configs.llama(hidden_size=48, num_attention_heads=6, attention_dropout=p)).train()
 
@@ -74,13 +84,21 @@ def _trains_like_one_process(model, sharded, steps: int = 2) -> None:
 
 # (model, sequence parallelism, selective recomputation): each attention kind with and without each, and LLaMA
 # (SDPA's dropout_p only) at 2 ranks; at 4 ranks (slow tier) both and neither, and LLaMA's uneven heads (6 on 4)
-REFERENCE_RUNS = [("eager", False, False), ("sdpa", True, False), ("eager", True, "selective"),
-                  ("sdpa", False, "selective"), ("llama", False, False)]
+REFERENCE_RUNS = [
+    ("eager", False, False),
+    ("sdpa", True, False),
+    ("eager", True, "selective"),
+    ("sdpa", False, "selective"),
+    ("llama", False, False),
+]
 
 
 def _reference_runs(world: int) -> list:
-    return REFERENCE_RUNS if world == 2 else [("sdpa", True, "selective"), ("eager", False, False),
-                                              ("llama", False, False)]
+    return (
+        REFERENCE_RUNS
+        if world == 2
+        else [("sdpa", True, "selective"), ("eager", False, False), ("llama", False, False)]
+    )
 
 
 def _reference_model(kind: str):
@@ -95,8 +113,9 @@ def _reference(rank: int, world: int) -> None:
     warnings.simplefilter("ignore")
     for kind, tokens, recompute in _reference_runs(world):
         model = _reference_model(kind)
-        sharded = autotp.parallelize(model, (torch.randint(0, 96, (2, 16)),), dropout="reference",
-                                     sequence_parallel=tokens, recompute=recompute)
+        sharded = autotp.parallelize(
+            model, (torch.randint(0, 96, (2, 16)),), dropout="reference", sequence_parallel=tokens, recompute=recompute
+        )
         kinds = {type(m) for m in random_ops(sharded)}
         assert kinds == ({Attention} if kind == "llama" else {Dropout, Attention} if kind == "sdpa" else {Dropout})
         assert bool(sharded.autotp_plan.cost["token_split"]) == tokens, kind
@@ -115,6 +134,7 @@ def _masks(sharded, x) -> list:
 
     def record(module, args, out):
         found.append((module.layout, out == 0, args[0] != 0))
+
     hooks = [m.register_forward_hook(record) for m in random_ops(sharded) if isinstance(m, Dropout)]
     sharded(x)
     for hook in hooks:
@@ -126,6 +146,7 @@ def _default(rank: int, world: int) -> None:
     import torch.distributed as dist
 
     from autotp.runtime.rendezvous import random_digest
+
     warnings.simplefilter("ignore")
     model = gpt2(p=0.25)
     x = torch.randint(1, 96, (4, 32))
@@ -182,6 +203,7 @@ def test_default_mode_recomputes_the_same_masks():
 
 def _seeded_apart(rank: int, world: int) -> None:
     from autotp.runtime.rendezvous import RankDisagreement
+
     warnings.simplefilter("ignore")
     model = gpt2()
     x = torch.randint(0, 96, (2, 8))
@@ -204,6 +226,7 @@ def test_ranks_seeded_apart_are_stopped_before_they_drop():
 
 def _eval_mode(rank: int, world: int) -> None:
     from tests.helpers.models import padded_prompts
+
     warnings.simplefilter("ignore")
     x = torch.randint(0, 96, (3, 11))
     model = gpt2("sdpa")
@@ -212,8 +235,9 @@ def _eval_mode(rank: int, world: int) -> None:
     ids, mask = padded_prompts(96)  # generation never drops, and leaves the model in its mode
     got = autotp.generate(trained, ids, mask, max_new_tokens=4, pad_token_id=0)
     assert model.training
-    assert torch.equal(got, model.eval().generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
-                                                  pad_token_id=0))
+    assert torch.equal(
+        got, model.eval().generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    )
     still = autotp.parallelize(model.eval(), (x,))  # captured in eval mode: nothing that draws
     assert not random_ops(still) and not still.autotp_plan.cost["dropout"]
     trained.eval()
@@ -237,11 +261,13 @@ def test_eval_mode_never_drops():
 
 def test_the_plan_says_the_program_drops():
     model = gpt2()
-    with pytest.warns(UserWarning, match=r"GPT2LMHeadModel drops in the sharded model .* 7 dropout op\(s\) "
-                                         "captured in training mode"):
+    with pytest.warns(
+        UserWarning,
+        match=r"GPT2LMHeadModel drops in the sharded model .* 7 dropout op\(s\) "
+        "captured in training mode",
+    ):
         plan = autotp.plan(model, (torch.randint(0, 96, (2, 8)),), world_size=2)
-    assert {"transformer.drop", "transformer.h.1.attn", "transformer.h.1.mlp.dropout"} <= set(
-        plan.cost["dropout"])
+    assert {"transformer.drop", "transformer.h.1.attn", "transformer.h.1.mlp.dropout"} <= set(plan.cost["dropout"])
     console = Console(width=200, record=True)
     print_plan(plan, console=console)
     assert "dropout: the program drops in 7 modules" in console.export_text()
@@ -252,6 +278,7 @@ def test_the_plan_says_the_program_drops():
 
 
 # ---- the masks rank by rank, in one process -----------------------------------------------------------------
+
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.parametrize("layout", [None, Shard(2), Shard(1), Shard(2, chunks=(24, 12, 12)), Shard(2, units=6)])
@@ -300,6 +327,7 @@ def test_training_dropout_is_not_split_in_pieces_that_partly_overlap():
     """Ranks that share a unit draw its mask from one stream; pieces that only partly overlap (KV heads for
     query heads at 3 ranks: {0}, {0, 1}, {1}) cannot be drawn apart, and the rule does not offer them."""
     from autotp.ops.rules import separate_pieces
+
     assert separate_pieces(Shard(1, units=2), 2, 4)  # each KV head held by 2 ranks: the same piece
     assert not separate_pieces(Shard(1, units=2, of=8), 2, 3)
     assert all(separate_pieces(Shard(1), n, w) for n, w in itertools.product((5, 8), (2, 3, 4)))

@@ -1,5 +1,6 @@
 """Dry runs on PyTorch's fake process group (torchtitan's ``comm.mode="fake_backend"``): one process acting as any
 rank of a large pp x dp x tp mesh builds that rank's stage on the meta device and holds its share of the weights."""
+
 from __future__ import annotations
 
 import os
@@ -19,9 +20,20 @@ from tests.helpers import configs
 
 def _gpt2(layers: int, hidden: int, heads: int, vocab: int, positions: int):
     from transformers import GPT2LMHeadModel
-    config = configs.gpt2(vocab_size=vocab, n_positions=positions, n_embd=hidden, n_layer=layers, n_head=heads,
-                          tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, attn_pdrop=0.0, resid_pdrop=0.0,
-                          embd_pdrop=0.0)
+
+    config = configs.gpt2(
+        vocab_size=vocab,
+        n_positions=positions,
+        n_embd=hidden,
+        n_layer=layers,
+        n_head=heads,
+        tie_word_embeddings=True,
+        bos_token_id=0,
+        eos_token_id=0,
+        attn_pdrop=0.0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+    )
     with torch.device("meta"):
         return GPT2LMHeadModel(config)
 
@@ -47,6 +59,7 @@ def _rank(rank: int, sizes: tuple, shape: dict, seq: int, queue) -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import autotp
+
     torch.set_num_threads(1)
     world = sizes[0] * sizes[1] * sizes[2]
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
@@ -56,8 +69,13 @@ def _rank(rank: int, sizes: tuple, shape: dict, seq: int, queue) -> None:
         mesh = init_device_mesh("cpu", sizes, mesh_dim_names=("pp", "dp", "tp"))
         tokens = torch.zeros(sizes[0], seq, dtype=torch.long)  # one sequence per micro-batch, one per stage
         per = shape["layers"] // sizes[0]
-        pipe = autotp.parallelize(model, (tokens,), mesh=mesh, loss_fn=lambda out, y: out.logits.sum(),
-                                  stages=list(range(0, shape["layers"], per)))
+        pipe = autotp.parallelize(
+            model,
+            (tokens,),
+            mesh=mesh,
+            loss_fn=lambda out, y: out.logits.sum(),
+            stages=list(range(0, shape["layers"], per)),
+        )
         params = list(pipe.parameters())
         held = sum(p.to_local().numel() for p in params)
         queue.put((rank, list(pipe.modules), held, all(p.is_meta for p in params), time.perf_counter() - start))
@@ -84,10 +102,12 @@ def _check(ranks: list, sizes: tuple, shape: dict, seq: int) -> list:
     reports = _dry_run(ranks, sizes, shape, seq)
     for rank, stages, held, on_meta, seconds in reports:
         assert stages is not None, held
-        stage, = stages
+        (stage,) = stages
         want = _share(shape["layers"], shape["hidden"], shape["vocab"], shape["positions"], stage, sizes)
-        print(f"rank {rank}: stage {stage}, {held / 1e6:.2f}M parameters held, {want / 1e6:.2f}M counted by hand, "
-              f"built in {seconds:.1f} s")
+        print(
+            f"rank {rank}: stage {stage}, {held / 1e6:.2f}M parameters held, {want / 1e6:.2f}M counted by hand, "
+            f"built in {seconds:.1f} s"
+        )
         assert on_meta
         assert abs(held / want - 1) < 0.05, (rank, held, want)
     return reports
@@ -111,8 +131,20 @@ def test_gpt3_175b_on_1024_fake_ranks():
 ROOT = Path(__file__).resolve().parents[1]
 # the README's 1,024-rank command at 8 ranks: every flag it passes, at the sizes of docs/scale.md's small command
 # (--layers 4 --batch 8 --seq 16, the example's defaults for the rest)
-SMALL = {"--tp": "2", "--dp": "2", "--pp": "2", "--layers": "4", "--hidden": "64", "--heads": "4", "--kv-heads": "2",
-         "--vocab": "256", "--seq": "16", "--batch": "8", "--world-size": "8", "--rank": "7"}
+SMALL = {
+    "--tp": "2",
+    "--dp": "2",
+    "--pp": "2",
+    "--layers": "4",
+    "--hidden": "64",
+    "--heads": "4",
+    "--kv-heads": "2",
+    "--vocab": "256",
+    "--seq": "16",
+    "--batch": "8",
+    "--world-size": "8",
+    "--rank": "7",
+}
 
 
 def readme_dry_run() -> list[str]:
@@ -132,12 +164,21 @@ def test_the_readmes_dry_run_command_runs_at_eight_ranks():
     flags = [a for a in args if a.startswith("--")]
     assert set(SMALL) <= set(flags), sorted(set(SMALL) - set(flags))  # the README still passes each of them
     small = [SMALL.get(args[i - 1], a) if i and args[i - 1] in SMALL else a for i, a in enumerate(args)]
-    run = subprocess.run([sys.executable, script, *small], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "OMP_NUM_THREADS": "1", "FORCE_COLOR": "1", "COLUMNS": "200"})
+    run = subprocess.run(
+        [sys.executable, script, *small],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "FORCE_COLOR": "1", "COLUMNS": "200"},
+    )
     printed, shown = run.stdout, run.stderr
     assert run.returncode == 0, shown
-    assert re.search(r"rank 7 of 8 \(TP 2 x DP 2 x PP 2\), built on meta in .* s: parameters [\d.]+ MiB, optimizer "
-                     r"[\d.]+ MiB, activations [\d.]+ MiB; total [\d.]+ MiB; the mesh planner's peak per device for "
-                     r"this layout: ([\d.]+ MiB|not priced)", printed), printed  # at this size, not priced
+    assert re.search(
+        r"rank 7 of 8 \(TP 2 x DP 2 x PP 2\), built on meta in .* s: parameters [\d.]+ MiB, optimizer "
+        r"[\d.]+ MiB, activations [\d.]+ MiB; total [\d.]+ MiB; the mesh planner's peak per device for "
+        r"this layout: ([\d.]+ MiB|not priced)",
+        printed,
+    ), printed  # at this size, not priced
     assert "capturing LlamaForCausalLM with torch.export" in shown and "solving the plan for 8 ranks" in shown, shown
     assert not re.search(r"Warning|non_strict_utils|specialized|^[WI]\d{4} ", shown, re.M), shown

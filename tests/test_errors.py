@@ -3,6 +3,7 @@
 (More error cases live beside their features: test_plan.py (world size, plan files, no process
 group, missing inputs), test_cost_models.py (topology files, memory limit), test_checkpoint.py
 (checkpoint tensors), test_agreement.py (ranks that disagree or die).)"""
+
 from __future__ import annotations
 
 import functools
@@ -63,8 +64,11 @@ def test_world_size_larger_than_the_topology():
 
 
 def test_ops_without_rules_warn_once_listing_them():
-    with pytest.warns(UserWarning, match=r"2 op\(s\) .* replicated .*aten\.cumprod\.default: no sharding rule.*; "
-                                         r"aten\.sort\.default: no sharding rule"):
+    with pytest.warns(
+        UserWarning,
+        match=r"2 op\(s\) .* replicated .*aten\.cumprod\.default: no sharding rule.*; "
+        r"aten\.sort\.default: no sharding rule",
+    ):
         plan = autotp.plan(Unruly(), (torch.randn(2, 8, 32),), world_size=2)
     assert plan.replicated_ops == ["aten.cumprod.default", "aten.sort.default"]
     assert plan.cost["replicated"]["aten.sort.default"].startswith("no sharding rule")
@@ -105,11 +109,15 @@ def _verify_passes(rank: int, world: int) -> None:
 def _verify_names_the_first_divergence(rank: int, world: int) -> None:
     from autotp.passes.verify import VerificationError
     from autotp.runtime import collectives
+
     collectives.all_reduce = lambda x, group, where: x  # a broken collective: partial sums are never summed
     model, args, _ = build("llama")
     # the residual add stays a partial sum (rank 0 adds the stream): the first op to read a broken sum is the norm's
-    with pytest.raises(VerificationError, match=r"first at pow\w* \(aten\.pow\.Tensor_Scalar\) in "
-                                                r"model\.layers\.0\.post_attention_layernorm:"):
+    with pytest.raises(
+        VerificationError,
+        match=r"first at pow\w* \(aten\.pow\.Tensor_Scalar\) in "
+        r"model\.layers\.0\.post_attention_layernorm:",
+    ):
         autotp.parallelize(model, args, verify=True)
 
 

@@ -1,6 +1,7 @@
 """Checkpoints under expert parallelism by all-to-all (issue 25 item 5): a rank reads only its own experts from
 transformers' per-expert files, from fused [E, ...] tables and from DCP; DCP state written with whole experts
 per rank loads into expert tensor parallelism (each expert split), into one process, and back."""
+
 from __future__ import annotations
 
 import functools
@@ -23,6 +24,7 @@ def _reads_own_experts(rank: int, world: int, per_expert: str, fused: str) -> No
     def spy(self, key, box):
         read.append((key, box))
         return original(self, key, box)
+
     Checkpoint._read_stored = spy
     model = mixtral(layers=1)
     first, count = 2 * rank, 2  # 4 experts on 2 ranks
@@ -48,8 +50,11 @@ def test_an_expert_parallel_rank_reads_only_its_experts(tmp_path):
     model = mixtral(layers=1)
     model.save_pretrained(tmp_path / "per-expert")  # transformers' layout: experts one by one
     (tmp_path / "fused").mkdir()
-    save_file({n: t.contiguous() for n, t in model.state_dict().items()}, tmp_path / "fused" / "model.safetensors",
-              metadata={"format": "pt"})
+    save_file(
+        {n: t.contiguous() for n, t in model.state_dict().items()},
+        tmp_path / "fused" / "model.safetensors",
+        metadata={"format": "pt"},
+    )
     model.config.save_pretrained(tmp_path / "fused")
     directories = str(tmp_path / "per-expert"), str(tmp_path / "fused")
     run_ranks(2, _reads_own_experts, *directories, captures=functools.partial(_own_experts_models, *directories))
@@ -77,13 +82,17 @@ def _trained(experts: str | None, mesh=None):
 
 def _reshard(rank: int, world: int, directory: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
+
     saved = {}
-    for name, experts, mesh, into in (("tp-a2a", "all-to-all", None, "tensor"), ("tp-tensor", "tensor", None,
-                                                                               "all-to-all"),
-                                      ("ep", None, ("ep",), "tensor")):
+    for name, experts, mesh, into in (
+        ("tp-a2a", "all-to-all", None, "tensor"),
+        ("tp-tensor", "tensor", None, "all-to-all"),
+        ("ep", None, ("ep",), "tensor"),
+    ):
         first = _trained(experts, mesh and init_device_mesh("cpu", (world,), mesh_dim_names=mesh))
         assert {first.autotp_plan.params[p][0] for p in expert_params(first.autotp_source)} == (
-            {"S"} if experts == "tensor" else {"A"}), first.autotp_plan.params
+            {"S"} if experts == "tensor" else {"A"}
+        ), first.autotp_plan.params
         saved[name] = autotp.full_state_dict(first)
         dcp.save(autotp.checkpoint_state_dict(first), checkpoint_id=f"{directory}/{name}")
         second = autotp.parallelize(mixtral(layers=1), experts=into)
@@ -92,8 +101,9 @@ def _reshard(rank: int, world: int, directory: str) -> None:
         autotp.load_checkpoint_state_dict(second, state)
         loaded = autotp.full_state_dict(second)
         for param, value in saved[name].items():
-            torch.testing.assert_close(loaded[param], value, rtol=0, atol=0,
-                                       msg=lambda m, p=param, n=name: f"{n} {p}: {m}")
+            torch.testing.assert_close(
+                loaded[param], value, rtol=0, atol=0, msg=lambda m, p=param, n=name: f"{n} {p}: {m}"
+            )
     if rank == 0:  # tensors through a file: a queue would share their memory with a process about to exit
         torch.save(saved, f"{directory}/saved.pt")
 

@@ -1,6 +1,7 @@
 """The mesh planner's expert-parallel degree: who holds which experts, what the all-to-all costs on the links it
 crosses, what fuller expert groups save, and the published layouts of Mixtral-8x7B and DeepSeek-V3 (estimates,
 meta device)."""
+
 from __future__ import annotations
 
 import pytest
@@ -30,7 +31,7 @@ def test_expert_parallel_degrees_divide_the_experts_and_the_ranks_they_come_from
     assert moe.options(None, 2, 8) == [(1, 2)]
     found = moe.options(experts, 2, 8)
     assert (1, 2) in found and all(8 % ep == 0 for ep, _ in found)
-    assert all(8 % ep == 0 for ep, etp in found if etp == 2)            # EP over data-parallel replicas
+    assert all(8 % ep == 0 for ep, etp in found if etp == 2)  # EP over data-parallel replicas
     assert all(ep % 2 == 0 and 16 % ep == 0 for ep, etp in found if etp == 1)  # over dp x tp, whole experts
     assert (2, 1) in found and (8, 1) in found and (8, 2) in found
 
@@ -53,12 +54,12 @@ def test_each_rank_holds_its_experts():
     """With DDP every replica holds what its layout gives it: the expert state of a rank falls as 1/ep; the
     rest of the block does not change."""
     from autotp.cost_models.mesh_layout import Profile, Section
+
     experts = _mixtral_experts(1)
     state = {"params": 1e9 + experts.state["params"]}
     profile = Profile(1, [Section(), *[Section(1e-3, dict(state), experts) for _ in range(4)], Section()], 0.0, True)
     setting = Setting(load_topology("dgx-h100", nodes=8), 64, True, "ddp", 1e15, 0.0)
-    held = {ep: price(profile, Candidate(1, 1, 64, ep, 1, microbatch_size=1), setting).memory_bytes
-            for ep in (1, 2, 8)}
+    held = {ep: price(profile, Candidate(1, 1, 64, ep, 1, microbatch_size=1), setting).memory_bytes for ep in (1, 2, 8)}
     buffers = {ep: moe.buffer_bytes(experts, 1, 1, ep, 1, 1.0) for ep in held}
     for ep in (2, 8):
         assert held[1] - (held[ep] - buffers[ep]) == pytest.approx(4 * experts.state["params"] * (1 - 1 / ep))
@@ -70,6 +71,7 @@ def test_the_planner_offers_expert_parallelism_where_the_graph_routes_experts():
     from autotp.planning.mesh_search import plan_mesh
     from examples import moe as example
     from tests.helpers.models import build
+
     routed = plan_mesh(*example.build(), devices=8, global_batch=16)
     assert {c.ep for c in routed.candidates} == {1, 2}  # 6 experts: EP 2 divides them and the 8 ranks
     assert {"ep", "etp"} <= set(routed.to_dict()["choice"])
@@ -80,6 +82,7 @@ def test_the_planner_offers_expert_parallelism_where_the_graph_routes_experts():
 @pytest.fixture(scope="module")
 def mixtral_8x7b():
     from transformers import MixtralForCausalLM
+
     config = configs.mixtral_8x7b(max_position_embeddings=32768, use_cache=False)
     with torch.device("meta"):
         model = MixtralForCausalLM(config).to(torch.bfloat16)
@@ -114,6 +117,7 @@ def test_deepseek_v3_on_2048_h800s_pipelines_and_deals_experts_without_tensor_pa
     pipeline stages and experts dealt out; the published layout fits 80 GB.  All-to-alls priced exposed keep the
     EP group inside a node; hidden (DualPipe), the EP group spans nodes, as published."""
     from transformers import DeepseekV3ForCausalLM
+
     with torch.device("meta"):
         model = DeepseekV3ForCausalLM(configs.deepseek_v3_671b(use_cache=False)).to(torch.bfloat16)
     assert 670e9 < sum(p.numel() for p in model.parameters()) < 672e9

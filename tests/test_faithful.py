@@ -1,6 +1,7 @@
 """A captured program that is not the model is refused (passes/faithful.py): a model whose code takes another branch
 while torch.export traces it would be sharded exactly and still compute other values than the user's model.
 No ranks: ``autotp.plan`` captures as ``parallelize`` does."""
+
 from __future__ import annotations
 
 import pytest
@@ -62,6 +63,7 @@ def test_transformers_paligemma_without_images_is_refused():
     from transformers import PaliGemmaModel
 
     from tests.helpers import configs
+
     torch.manual_seed(0)
     model = PaliGemmaModel(configs.paligemma()).eval()
     with pytest.raises(UnfaithfulCapture, match="PaliGemmaModel"):

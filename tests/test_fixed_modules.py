@@ -1,6 +1,7 @@
 """Options that pin what a hand plan pins: a module computed whole on every rank (``fixed={module: "R"}``, as vLLM's
 ReplicatedLinear or a DSA indexer kept whole), and the sizes the large-parameter forcing compares
 (``parameter_sizes``, a small config standing for a full one)."""
+
 from __future__ import annotations
 
 import warnings

@@ -2,6 +2,7 @@
 the head index (ALiBi slopes from ``h``, or a per-head buffer indexed by it), grouped KV heads.  The captured op runs
 forward and backward on the CPU (its dense math), so outputs and gradients are both checked here, at 2, 3 and 4
 ranks, against the model itself (run with flex's CPU check lifted, as capture does: the same op)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -20,9 +21,15 @@ from tests.helpers.exact import TOL, forward_matches, sums_per_block, training_m
 from tests.helpers.native_models import VOCAB, causal, flex_lm
 
 # (mode, query heads, KV heads, world): the head index offset by the rank's first head where h is read
-CASES = [pytest.param("alibi_h", 4, 2, 2, marks=pytest.mark.slow),
-         ("forward_mask", 4, 2, 2), ("alibi_buffer", 6, 3, 3), ("softcap", 6, 2, 3),
-         ("alibi_h", 8, 2, 4), ("input_mask", 4, 4, 4), ("head_mask", 4, 2, 2)]
+CASES = [
+    pytest.param("alibi_h", 4, 2, 2, marks=pytest.mark.slow),
+    ("forward_mask", 4, 2, 2),
+    ("alibi_buffer", 6, 3, 3),
+    ("softcap", 6, 2, 3),
+    ("alibi_h", 8, 2, 4),
+    ("input_mask", 4, 4, 4),
+    ("head_mask", 4, 2, 2),
+]
 
 
 def _by_head(b, h, q, kv):
@@ -58,6 +65,7 @@ def _flex(rank: int, world: int, mode: str, heads: int, kv: int) -> None:
 
     def inputs(batch, length):
         return _inputs(mode, batch, length, heads)
+
     sharded = autotp.parallelize(model, inputs(2, seq))
     plan = sharded.autotp_plan
     assert plan.replicated_ops == [], plan.replicated_ops
@@ -86,6 +94,7 @@ def _flex_models(mode: str, heads: int, kv: int) -> list:
 def test_the_cpu_check_that_capture_lifts_is_where_it_was():
     """capture relies on a private function of torch's flex_attention module: fail loudly if it moves."""
     import torch.nn.attention.flex_attention as flex_api
+
     q = torch.zeros(1, 1, 16, 8, requires_grad=True)
     with pytest.raises(NotImplementedError, match="backward on CPU"):
         flex_api._validate_device(q, q, q)
@@ -153,12 +162,15 @@ def test_heads_that_cannot_meet_their_kv_heads_are_said_in_the_plan():
     from rich.console import Console
 
     from autotp.tools.report import print_plan
+
     plan = autotp.plan(flex_lm("alibi_h", dim=64, heads=8, kv_heads=2), _inputs("alibi_h", 2, 8), world_size=3)
     assert plan.replicated_ops == ["flex_attention"]
     console = Console(file=io.StringIO(), width=200)
     print_plan(plan, console=console)
-    assert "runs replicated: flex_attention: no split of its 8 query heads on 3 ranks meets its 2 KV heads" in \
-        console.file.getvalue()
+    assert (
+        "runs replicated: flex_attention: no split of its 8 query heads on 3 ranks meets its 2 KV heads"
+        in console.file.getvalue()
+    )
 
 
 def _unsplit_example() -> tuple:

@@ -1,5 +1,6 @@
 """Folded planning (passes/fold.py): a stack of identical blocks planned from four of them gives the
 whole-graph plan, runs exactly, and is refused or skipped where the blocks are not alike."""
+
 from __future__ import annotations
 
 import pytest
@@ -55,13 +56,23 @@ def _stamped(model, args, world: int) -> tuple[Plan, Plan, dict, dict]:
     whole = autotp.plan(model, args, world_size=world, fold=False)
     gm = prepared_graph(model, args, None)
     by_name = lambda choice: {n.name: s for n, s in choice.items()}  # noqa: E731
-    return (folded, whole, by_name(plan_choice(gm, Plan.from_json(folded.to_json()), fingerprint(gm), world)),
-            by_name(plan_choice(gm, whole, fingerprint(gm), world)))
+    return (
+        folded,
+        whole,
+        by_name(plan_choice(gm, Plan.from_json(folded.to_json()), fingerprint(gm), world)),
+        by_name(plan_choice(gm, whole, fingerprint(gm), world)),
+    )
 
 
-@pytest.mark.parametrize("kind,blocks,world", [
-    pytest.param("llama", 6, 2, marks=pytest.mark.slow), ("gpt2", 5, 4),
-    pytest.param("phi3", 7, 3, marks=pytest.mark.slow), ("stack", 6, 2)])
+@pytest.mark.parametrize(
+    "kind,blocks,world",
+    [
+        pytest.param("llama", 6, 2, marks=pytest.mark.slow),
+        ("gpt2", 5, 4),
+        pytest.param("phi3", 7, 3, marks=pytest.mark.slow),
+        ("stack", 6, 2),
+    ],
+)
 def test_folded_plan_is_the_whole_graph_plan(kind, blocks, world):
     model, args = (Stack(), (torch.randn(2, 4, 32),)) if kind == "stack" else build(kind, blocks=blocks)[:2]
     folded, whole, stamped, reference = _stamped(model, args, world)
@@ -123,6 +134,7 @@ def test_moe_blocks_reading_a_size_computed_once_are_folded():
     """Mixtral's experts read tokens x top-k, which export computes once in block 0 and every block reads: a size,
     the same in each block (it used to keep the stack from folding, so MoE models could not be pipelined)."""
     from transformers import MixtralForCausalLM
+
     torch.manual_seed(0)
     config = configs.mixtral(num_hidden_layers=6)
     folded, whole, stamped, reference = _stamped(MixtralForCausalLM(config).eval(), (torch.randint(0, 96, (2, 8)),), 2)
@@ -136,6 +148,7 @@ def test_a_run_of_identical_blocks_after_different_ones_is_folded():
     """DeepSeek-V3's first layers have a dense MLP, the rest experts: the dense ones are kept whole and the run of
     MoE blocks after them folded; the plan is the whole graph's, op by op."""
     from transformers import DeepseekV3ForCausalLM
+
     torch.manual_seed(0)
     config = configs.deepseek_v3(num_hidden_layers=6, n_group=2, topk_group=1)
     model = DeepseekV3ForCausalLM(config).eval()

@@ -1,5 +1,6 @@
 """Generation with a sharded KV cache: token-exact with transformers' generate, same tokens on
 every rank, reproducible sampling."""
+
 from __future__ import annotations
 
 import gc
@@ -96,8 +97,12 @@ def _bounded_cache(sharded, ids, mask) -> None:
     assert list(programs) == [(1, 8)]
     gc.collect()
     assert first() is None  # the evicted program and its cache are gone, not only unlisted
-    assert torch.equal(short, sharded.autotp_source.generate(ids[:1], attention_mask=mask[:1], max_new_tokens=2,
-                                                              do_sample=False, pad_token_id=0))
+    assert torch.equal(
+        short,
+        sharded.autotp_source.generate(
+            ids[:1], attention_mask=mask[:1], max_new_tokens=2, do_sample=False, pad_token_id=0
+        ),
+    )
     second = weakref.ref(programs[(1, 8)])
     autotp.free_generation_cache(sharded)
     gc.collect()

@@ -1,5 +1,6 @@
 """Graphs the coverage sweep found planning crashed on (benchmarks/coverage_sweep.py): each plans now, and the
 ones that run are exact at 2 ranks against one process."""
+
 from __future__ import annotations
 
 from types import MappingProxyType
@@ -126,12 +127,14 @@ def test_pieces_of_a_dynamic_size_are_not_sharded_along_it():
 def test_a_tensor_written_in_place_is_read_as_placed():
     """A copy moved to another placement would miss the writes (the gathered copy gets them, the shard not)."""
     from autotp.placement import parse
+
     model = RowUpdates()
     plan = autotp.plan(model, (), {"x": torch.randn(2, 4, 16)}, world_size=2, fixed=RowUpdates.SPLIT)
     written = [n for n, v in plan.nodes.items() if v["op"] == "aten.neg.default"]
     readers = [v for v in plan.nodes.values() if written[0] in v["args"]]
-    assert readers and all(parse(v["in"][v["args"].index(written[0])]) == parse(plan.nodes[written[0]]["out"])
-                           for v in readers)
+    assert readers and all(
+        parse(v["in"][v["args"].index(written[0])]) == parse(plan.nodes[written[0]]["out"]) for v in readers
+    )
 
 
 def test_a_module_list_holding_none_is_not_folded():
@@ -185,6 +188,7 @@ def test_a_fused_dim_of_empty_blocks_holds_all_of_nothing():
     """HunYuan v4 fuses blocks of size 0: a rank holds all of such a tensor (its share of 0 bytes is 0 bytes)."""
     from autotp.cost_models.pricing import held_fraction
     from autotp.placement import Shard
+
     assert held_fraction(Shard(0, chunks=(0, 0)), 2) == 1.0
 
 
@@ -195,6 +199,7 @@ def test_a_size_the_example_fixes_is_said_once_in_autotps_words(caplog):
     import warnings
 
     from autotp.passes.capture import capture
+
     with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.WARNING):
         warnings.simplefilter("always")
         capture(Halves(), (), {"x": torch.randn(1, 8, 16)})

@@ -2,6 +2,7 @@
 with and without sequence parallelism, torchtitan's DTensor plan; module patterns in autotp/tools/hand_plans.json)
 as complete assignments of one capture, each priced by ``price_plan``.  The solver's plan priced so equals its
 objective, and is no dearer than any hand plan at the shapes users run.  Meta device, no ranks."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -15,26 +16,32 @@ from autotp.planning.tensor_plan import price_plan, solve_plan
 from autotp.tools.hand_plans import hand_plans, solve_hand_plan
 
 ROOT = Path(__file__).resolve().parents[1]
-SHAPES = {"prefill 1x2048": ((1, 2048), False), "prefill 8x128": ((8, 128), False),
-          "training 1x4096": ((1, 4096), True)}
+SHAPES = {
+    "prefill 1x2048": ((1, 2048), False),
+    "prefill 8x128": ((8, 128), False),
+    "training 1x4096": ((1, 4096), True),
+}
 
 
 def _llama(config: str, **changes):
     from transformers import AutoConfig, LlamaForCausalLM
+
     config = AutoConfig.from_pretrained(ROOT / config, **changes)
     with torch.device("meta"):
         return LlamaForCausalLM(config).to(torch.bfloat16)
 
 
-def _priced_against_hand_plans(model, world: int, shapes: dict,
-                               names=("hf", "megatron", "megatron-sp")) -> None:  # "dtensor": megatron-sp's styles
+def _priced_against_hand_plans(
+    model, world: int, shapes: dict, names=("hf", "megatron", "megatron-sp")
+) -> None:  # "dtensor": megatron-sp's styles
     gm = prepared_graph(model, (torch.zeros(2, 16, dtype=torch.long, device="meta"),), None, fold=True)
     hands = hand_plans(model, names)
     assert sorted(hands) == sorted(names), sorted(hands)
     for label, (shape, training) in shapes.items():
         # the fastest plans, fitting or not (hand plans are priced as they stand; 70B's training needs more ranks)
-        options = PlanOptions(topology="dgx-h100", training=training, price_at={"input_ids": shape},
-                              memory_limit=float("inf"))
+        options = PlanOptions(
+            topology="dgx-h100", training=training, price_at={"input_ids": shape}, memory_limit=float("inf")
+        )
         ours = solve_plan(gm, world, options, price_experts=True)  # as autotp.plan solves
         again = price_plan(gm, ours, options)
         assert again.cost["seconds"] == pytest.approx(ours.cost["seconds"], rel=1e-3), label
@@ -42,8 +49,13 @@ def _priced_against_hand_plans(model, world: int, shapes: dict,
             theirs = solve_hand_plan(model, gm, hand, world, options)
             assert theirs is not None, (label, name)
             assert ours.cost["seconds"] <= theirs.cost["seconds"] * (1 + 1e-9), (
-                label, name, ours.cost["seconds"], theirs.cost["seconds"], ours.collective_counts("forward"),
-                theirs.collective_counts("forward"))
+                label,
+                name,
+                ours.cost["seconds"],
+                theirs.cost["seconds"],
+                ours.collective_counts("forward"),
+                theirs.collective_counts("forward"),
+            )
 
 
 def test_llama3_8b_at_tp4_is_no_dearer_than_any_hand_plan():
@@ -83,6 +95,7 @@ def test_mixtral_is_no_dearer_than_transformers_expert_plans(world):
     from transformers import MixtralForCausalLM
 
     from tests.helpers import configs
+
     with torch.device("meta"):
         model = MixtralForCausalLM(configs.mixtral_8x7b(num_hidden_layers=2)).to(torch.bfloat16)
     _priced_against_hand_plans(model, world, SHAPES, names=("hf", "hf-ep"))
@@ -94,10 +107,19 @@ def test_qwen_moe_is_no_dearer_than_transformers_expert_plans():
     from transformers import Qwen2MoeForCausalLM
 
     from tests.helpers import configs
-    config = configs.qwen2_moe(hidden_size=2048, intermediate_size=5632, moe_intermediate_size=1408,
-                               shared_expert_intermediate_size=5632, num_experts=60, num_experts_per_tok=4,
-                               num_attention_heads=16, num_key_value_heads=16, vocab_size=151936,
-                               max_position_embeddings=8192)
+
+    config = configs.qwen2_moe(
+        hidden_size=2048,
+        intermediate_size=5632,
+        moe_intermediate_size=1408,
+        shared_expert_intermediate_size=5632,
+        num_experts=60,
+        num_experts_per_tok=4,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        vocab_size=151936,
+        max_position_embeddings=8192,
+    )
     with torch.device("meta"):
         model = Qwen2MoeForCausalLM(config).to(torch.bfloat16)
     names = tuple(hand_plans(model, ("hf", "hf-ep")))

@@ -1,6 +1,7 @@
 """The suite's layout stays as tests/helpers/__init__.py describes it, read from the sources (ast): transformers
 configs are written only in tests/helpers/configs.py, nothing under tests/ adds to the import path, no module
 imports a test module, and the tolerance TOL is defined once (tests/helpers/exact.py) with its values nowhere else."""
+
 from __future__ import annotations
 
 import ast
@@ -11,8 +12,19 @@ FILES = sorted(TESTS.rglob("*.py"))
 CONFIGS = TESTS / "helpers" / "configs.py"
 EXACT = TESTS / "helpers" / "exact.py"
 TEST_MODULES = {path.stem for path in TESTS.glob("test_*.py")}
-_PATH_EDITS = {"insert", "append", "extend", "remove", "pop", "clear", "reverse", "sort", "__setitem__",
-               "__delitem__", "__iadd__"}
+_PATH_EDITS = {
+    "insert",
+    "append",
+    "extend",
+    "remove",
+    "pop",
+    "clear",
+    "reverse",
+    "sort",
+    "__setitem__",
+    "__delitem__",
+    "__iadd__",
+}
 
 
 def _trees(files: list[Path]):
@@ -28,6 +40,7 @@ def _where(path: Path, node: ast.AST) -> str:
 def _config_classes() -> set[str]:
     """The names of transformers' model config classes (LlamaConfig, GPT2Config, ...) and their base."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
     return {*CONFIG_MAPPING_NAMES.values(), "PretrainedConfig", "PreTrainedConfig"}
 
 
@@ -72,11 +85,23 @@ def import_path_edits(files: list[Path] = FILES) -> list[str]:
                     found.append(f"{where}: sys.path.{func.attr}(...)")
                 elif _name(func) in ("syspath_prepend", "addsitedir"):
                     found.append(f"{where}: {_name(func)}(...)")
-                elif _name(func) == "setattr" and len(node.args) == 3 and _name(node.args[0]) == "sys" and \
-                        _constant(node.args[1]) == "path" and not _copy_of_sys_path(node.args[2]):
+                elif (
+                    _name(func) == "setattr"
+                    and len(node.args) == 3
+                    and _name(node.args[0]) == "sys"
+                    and _constant(node.args[1]) == "path"
+                    and not _copy_of_sys_path(node.args[2])
+                ):
                     found.append(f"{where}: setattr(sys, 'path', ...)")
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
-                node, ast.AugAssign | ast.AnnAssign) else [*node.targets] if isinstance(node, ast.Delete) else []
+            targets = (
+                node.targets
+                if isinstance(node, ast.Assign)
+                else [node.target]
+                if isinstance(node, ast.AugAssign | ast.AnnAssign)
+                else [*node.targets]
+                if isinstance(node, ast.Delete)
+                else []
+            )
             for target in targets:
                 if _is_sys_path(target) or (isinstance(target, ast.Subscript) and _is_sys_path(target.value)):
                     found.append(f"{where}: assignment to sys.path")
@@ -87,8 +112,9 @@ def _copy_of_sys_path(node: ast.AST) -> bool:
     """``[*sys.path]`` or ``list(sys.path)``."""
     if isinstance(node, ast.List) and len(node.elts) == 1 and isinstance(node.elts[0], ast.Starred):
         return _is_sys_path(node.elts[0].value)
-    return isinstance(node, ast.Call) and _name(node.func) == "list" and len(node.args) == 1 and \
-        _is_sys_path(node.args[0])
+    return (
+        isinstance(node, ast.Call) and _name(node.func) == "list" and len(node.args) == 1 and _is_sys_path(node.args[0])
+    )
 
 
 def imports_of_test_modules(files: list[Path] = FILES, test_modules: set[str] = TEST_MODULES) -> list[str]:
@@ -117,8 +143,13 @@ def tolerances_outside_the_helper(files: list[Path] = FILES) -> list[str]:
     for path, tree in _trees([f for f in files if f != EXACT]):
         for node in ast.walk(tree):
             where = _where(path, node)
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
-                node, ast.AnnAssign | ast.AugAssign) else []
+            targets = (
+                node.targets
+                if isinstance(node, ast.Assign)
+                else [node.target]
+                if isinstance(node, ast.AnnAssign | ast.AugAssign)
+                else []
+            )
             if any(isinstance(t, ast.Name) and t.id == "TOL" for t in targets):
                 found.append(f"{where}: TOL =")
             if isinstance(node, ast.Call):
@@ -151,13 +182,15 @@ def test_the_tolerance_is_defined_once():
 def test_the_checks_find_what_they_look_for(tmp_path):
     """Each check flags a file that breaks its rule (the suite itself passing them proves little alone)."""
     bad = tmp_path / "test_bad.py"
-    bad.write_text("import sys\nfrom transformers import LlamaConfig\nimport transformers\nfrom tests import test_ops\n"
-                   "from .test_plan import x\nimport tests.test_fold\n\nTOL = {'rtol': 1e-4, 'atol': 1e-5}\n"
-                   "sys.path.insert(0, 'x')\nsys.path[:0] = ['y']\nsys.path += ['z']\n"
-                   "def f(monkeypatch, a, b):\n    monkeypatch.syspath_prepend('w')\n    setattr(sys, 'path', ['v'])\n"
-                   "    setattr(sys, 'path', [*sys.path])\n"  # keeping the path as it was: allowed
-                   "    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)\n    LlamaConfig(vocab_size=8)\n"
-                   "    getattr(transformers, 'MistralConfig')()\n    return transformers.GPT2Config()\n")
+    bad.write_text(
+        "import sys\nfrom transformers import LlamaConfig\nimport transformers\nfrom tests import test_ops\n"
+        "from .test_plan import x\nimport tests.test_fold\n\nTOL = {'rtol': 1e-4, 'atol': 1e-5}\n"
+        "sys.path.insert(0, 'x')\nsys.path[:0] = ['y']\nsys.path += ['z']\n"
+        "def f(monkeypatch, a, b):\n    monkeypatch.syspath_prepend('w')\n    setattr(sys, 'path', ['v'])\n"
+        "    setattr(sys, 'path', [*sys.path])\n"  # keeping the path as it was: allowed
+        "    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)\n    LlamaConfig(vocab_size=8)\n"
+        "    getattr(transformers, 'MistralConfig')()\n    return transformers.GPT2Config()\n"
+    )
     assert len(configs_written_outside_the_helper([bad])) == 3
     assert len(import_path_edits([bad])) == 5
     assert len(imports_of_test_modules([bad], {"test_ops", "test_plan", "test_fold"})) == 3

@@ -2,6 +2,7 @@
 and SEW-D zero masked scores with ``softmax(...).masked_fill_(mask, 0)`` inside a custom autograd Function; the
 captured graph holds the plain ops, and autograd refuses the write into softmax's saved output.  A write that a
 view shares, or into an input, stays.  No ranks: the prepared graph, and its backward."""
+
 from __future__ import annotations
 
 import torch

@@ -3,6 +3,7 @@ new document ids) is the captured program's input as it was, its document ids re
 a length the capture excluded (another mask length, a length that is not a multiple of a layer's chunk) gets a
 program of its own, captured and planned again over the group, holding the same parameters; or, with
 ``recaptures=0``, one line that says what differs."""
+
 from __future__ import annotations
 
 import pytest
@@ -28,6 +29,7 @@ def causal(b, h, q, kv):
 def same_document(documents: torch.Tensor):
     def same(b, h, q, kv):
         return documents[b, q] == documents[b, kv]
+
     return same
 
 
@@ -48,8 +50,9 @@ def test_a_mask_rebuilt_per_batch_is_the_same_input():
     first, again = packed_batch(2, 16, 0), packed_batch(2, 16, 1)
     leaves, spec = tree_flatten(first)
     assert tree_flatten(again)[1] == spec
-    assert any(x is first[1].mask_mod.__closure__[0].cell_contents[1].__closure__[0].cell_contents
-               for x in leaves)  # the document ids are an input, not a constant of the capture
+    assert any(
+        x is first[1].mask_mod.__closure__[0].cell_contents[1].__closure__[0].cell_contents for x in leaves
+    )  # the document ids are an input, not a constant of the capture
     assert "0x" not in str(spec)  # no address: specs are compared and shown across processes
     model = flex_lm("input_mask", dim=32, heads=4, kv_heads=2)
     program = capture(model, first)
@@ -144,6 +147,7 @@ def test_a_chunk_padded_layer_runs_lengths_the_capture_excluded():
 
 def _mamba(rank: int, world: int) -> None:
     from transformers import Mamba2ForCausalLM
+
     torch.manual_seed(0)
     model = Mamba2ForCausalLM(configs.mamba2()).eval()
     sharded = autotp.parallelize(model, (torch.randint(0, 100, (2, 16)),), {"use_cache": False})

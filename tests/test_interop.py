@@ -1,4 +1,5 @@
 """Plans in DTensor's and Hugging Face's words, checked by running them."""
+
 from __future__ import annotations
 
 import pytest
@@ -45,6 +46,7 @@ def test_fused_projections_are_reported_not_expressible():
 
 def test_uneven_heads_are_reported_not_expressible():
     from tests.helpers.models import llama_with
+
     with torch.device("meta"):
         model = llama_with(heads=10, kv=10)
     styles, unsupported = to_dtensor_plan(autotp.plan(model, (torch.zeros(2, 8, dtype=torch.long),), world_size=4))
@@ -65,6 +67,7 @@ def _communicates_no_more_than_hf(rank: int, world: int, kind: str, directory: s
     import os
 
     from torch.distributed.tensor.debug import CommDebugMode
+
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     model_class = type(build(kind, device="meta")[0])
     hf = model_class.from_pretrained(directory, tp_plan="auto").eval()  # transformers' own TP (DTensor)
@@ -85,7 +88,10 @@ def _communicates_no_more_than_hf(rank: int, world: int, kind: str, directory: s
     assert (predicted["forward"], predicted["backward"]) == (theirs, theirs_back), (predicted, theirs, theirs_back)
     plan = sharded.autotp_plan
     assert ours == plan.collective_counts("forward") and ours_back == plan.collective_counts("backward"), (
-        ours, ours_back, plan.collectives)
+        ours,
+        ours_back,
+        plan.collectives,
+    )
     blocks = model.config.num_hidden_layers
     # Megatron's count: two all-reduces per block forward plus one each for the embedding and the head;
     # backward, the conjugate all-reduce before attention and MLP in each block and one before the head
@@ -109,6 +115,7 @@ def test_no_more_communication_than_hf_tp_plan(kind, tmp_path):
     """Collectives of a training step counted with CommDebugMode: autotp vs transformers' tp_plan="auto"
     (the figures the README states), and autotp's against its plan's prediction and Megatron's count."""
     from autotp.tools.compare import compare
+
     model, _, _ = build(kind)
     model.save_pretrained(tmp_path)
     predicted = compare(model, (example_input(kind, 3, 5),), world_size=2)["hf"]  # `autotp compare`'s HF column
@@ -121,6 +128,7 @@ def _transformers_counts(rank: int, world: int, directory: str, expert_parallel:
     from torch.distributed.tensor.debug import CommDebugMode
     from transformers import MixtralForCausalLM
     from transformers.distributed import DistributedConfig
+
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     config = DistributedConfig(tp_plan="auto", enable_expert_parallel=expert_parallel)
     hf = MixtralForCausalLM.from_pretrained(directory, distributed_config=config)
@@ -136,8 +144,9 @@ def _transformers_counts(rank: int, world: int, directory: str, expert_parallel:
     # slice of them), which the priced assignment keeps whole; every other count is the same
     assert measured[0] == predicted["forward"], (measured, predicted)
     back = dict(predicted["backward"])
-    assert {k: v for k, v in measured[1].items() if k != "all_gather"} == \
-        {k: v for k, v in back.items() if k != "all_gather"}, (measured, predicted)
+    assert {k: v for k, v in measured[1].items() if k != "all_gather"} == {
+        k: v for k, v in back.items() if k != "all_gather"
+    }, (measured, predicted)
     assert 0 < back["all_gather"] <= measured[1]["all_gather"], (measured, predicted)
 
 
@@ -148,6 +157,7 @@ def test_compare_counts_what_transformers_runs_for_experts(expert_parallel, tmp_
     from transformers import MixtralForCausalLM
 
     from autotp.tools.compare import compare
+
     torch.manual_seed(0)
     model = MixtralForCausalLM(configs.mixtral(vocab_size=64, max_position_embeddings=131072, use_cache=True))
     model.save_pretrained(tmp_path)

@@ -2,6 +2,7 @@
 projection (ConvBERT's self-attention heads beside its span-convolution heads), a feature map joined with the input
 it is fused with (MobileViT).  The join's blocks walk forwards to the weight (passes/hints.join_hints), which then
 follows them (S(1|a,b)): each piece stays split as it was made, one all-reduce after the projection."""
+
 from __future__ import annotations
 
 import torch

@@ -2,6 +2,7 @@
 one KV head (multi-query), KV heads that do not divide the ranks.  Forward communication must be
 Megatron's (two all-reduces per block, at most two more for the whole model), counted with
 CommDebugMode, and outputs and gradients must equal the single-process model's."""
+
 from __future__ import annotations
 
 import functools
@@ -32,27 +33,47 @@ def build(kind: str):
     torch.manual_seed(0)
     if kind.startswith("llama"):  # llama-H-KV: separate q/k/v projections
         from transformers import LlamaForCausalLM
+
         heads, kv = map(int, kind.split("-")[1:])
-        return LlamaForCausalLM(configs.llama(hidden_size=heads * 8, num_attention_heads=heads, num_key_value_heads=kv,
-                                              head_dim=8, num_hidden_layers=LAYERS)).eval()
+        return LlamaForCausalLM(
+            configs.llama(
+                hidden_size=heads * 8,
+                num_attention_heads=heads,
+                num_key_value_heads=kv,
+                head_dim=8,
+                num_hidden_layers=LAYERS,
+            )
+        ).eval()
     if kind == "phi3":  # fused qkv_proj with GQA sizes [8 heads | 2 KV heads | 2 KV heads], cut by slices
         from transformers import Phi3ForCausalLM
-        return Phi3ForCausalLM(configs.phi3(num_hidden_layers=LAYERS, pad_token_id=0, bos_token_id=0,
-                                            eos_token_id=0)).eval()
+
+        return Phi3ForCausalLM(
+            configs.phi3(num_hidden_layers=LAYERS, pad_token_id=0, bos_token_id=0, eos_token_id=0)
+        ).eval()
     if kind == "bigcode":  # multi-query: fused c_attn [8 heads | 1 KV head | 1 KV head], cut by split
         from transformers import GPTBigCodeForCausalLM
+
         return GPTBigCodeForCausalLM(configs.gpt_bigcode(n_layer=LAYERS)).eval()
     if kind == "gptj":  # rotary on interleaved pairs: x[..., ::2], x[..., 1::2], stack and flatten back
         from transformers import GPTJForCausalLM
+
         return GPTJForCausalLM(configs.gptj(n_layer=LAYERS)).eval()
     if kind.startswith("falcon"):  # falcon-<multi_query><new_decoder_architecture><bias>[-heads-groups]
         from transformers import FalconForCausalLM
+
         multi_query, new, bias = (c == "1" for c in kind.split("-")[1])
         heads, groups = falcon_heads(kind)
-        return FalconForCausalLM(configs.falcon(
-            hidden_size=heads * 8, num_hidden_layers=LAYERS, num_attention_heads=heads,
-            num_kv_heads=groups if new else heads, multi_query=multi_query, new_decoder_architecture=new,
-            bias=bias)).eval()
+        return FalconForCausalLM(
+            configs.falcon(
+                hidden_size=heads * 8,
+                num_hidden_layers=LAYERS,
+                num_attention_heads=heads,
+                num_kv_heads=groups if new else heads,
+                multi_query=multi_query,
+                new_decoder_architecture=new,
+                bias=bias,
+            )
+        ).eval()
     raise ValueError(kind)
 
 
@@ -102,8 +123,9 @@ def _check(rank: int, world: int, kinds: list) -> None:
 
         if kind in ("bigcode", "falcon-101"):  # every rank holds the KV rows and bias: one all-reduce sums both
             qkv = "attn.c_attn" if kind == "bigcode" else "self_attention.query_key_value"
-            sums = Counter(c["module"] for c in plan.collectives
-                           if c["phase"] == "backward" and c["module"].endswith(qkv))
+            sums = Counter(
+                c["module"] for c in plan.collectives if c["phase"] == "backward" and c["module"].endswith(qkv)
+            )
             assert sums == {f"transformer.h.{b}.{qkv}": 1 for b in range(LAYERS)}, (kind, sums)
 
         # Megatron's forward communication: per block 2 all-reduces (1 where attention and MLP run side by side),
@@ -141,15 +163,24 @@ def _check(rank: int, world: int, kinds: list) -> None:
             assert torch.equal(got, model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)), kind
 
 
-@pytest.mark.parametrize(("world", "kinds"), [
-    (2, ["llama-8-1", "falcon-101"]),  # falcon: qkv cut by constant index
-    (3, ["phi3", "bigcode", "llama-8-2", "gptj"]),  # 8 heads 3,3,2; rank 1 needs both KV heads
-    (4, ["llama-6-3", "falcon-100",    # 3 KV heads do not divide 4 ranks
-         "falcon-010"]),  # 2 KV groups at 4 ranks: each rank holds 2 query heads and its group's k and v
-    pytest.param(2, ["phi3", "bigcode", "falcon-010"], marks=pytest.mark.slow),  # the fused layouts at every size
-    pytest.param(3, ["falcon-010"], marks=pytest.mark.slow),
-    pytest.param(4, ["phi3", "bigcode"], marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    ("world", "kinds"),
+    [
+        (2, ["llama-8-1", "falcon-101"]),  # falcon: qkv cut by constant index
+        (3, ["phi3", "bigcode", "llama-8-2", "gptj"]),  # 8 heads 3,3,2; rank 1 needs both KV heads
+        (
+            4,
+            [
+                "llama-6-3",
+                "falcon-100",  # 3 KV heads do not divide 4 ranks
+                "falcon-010",
+            ],
+        ),  # 2 KV groups at 4 ranks: each rank holds 2 query heads and its group's k and v
+        pytest.param(2, ["phi3", "bigcode", "falcon-010"], marks=pytest.mark.slow),  # the fused layouts at every size
+        pytest.param(3, ["falcon-010"], marks=pytest.mark.slow),
+        pytest.param(4, ["phi3", "bigcode"], marks=pytest.mark.slow),
+    ],
+)
 def test_heads_split_whatever_the_kv_layout(world, kinds):
     run_ranks(world, _check, kinds, captures=functools.partial(_examples, kinds))
 
@@ -174,13 +205,16 @@ def test_explain_prices_the_kv_layouts():
     plan = autotp.plan(build("llama-8-2"), (torch.randint(0, 96, EXAMPLE),), world_size=3)
     module = "model.layers.0.self_attn.k_proj"
     held = parse(plan.params[f"{module}.weight"])
-    query_heads = [take_local(torch.arange(8), parse(plan.params["model.layers.0.self_attn.q_proj.weight"]).at(0),
-                              r, 3) for r in range(3)]
+    query_heads = [
+        take_local(torch.arange(8), parse(plan.params["model.layers.0.self_attn.q_proj.weight"]).at(0), r, 3)
+        for r in range(3)
+    ]
     for rank, heads in enumerate(query_heads):
         kv_rows = take_local(torch.arange(16), held, rank, 3)  # 2 KV heads x 8 rows
         assert sorted(set((kv_rows // 8).tolist())) == sorted(set((heads // 4).tolist())), (rank, held)
     assert {"op": "all_reduce", "phase": "backward", "module": module} in [
-        {k: c[k] for k in ("op", "phase", "module")} for c in plan.collectives]
+        {k: c[k] for k in ("op", "phase", "module")} for c in plan.collectives
+    ]
 
     console = Console(width=200, record=True)
     console.print(explain_table(plan, module))
@@ -207,7 +241,8 @@ def test_explain_prices_falcon_groups_split_inside():
     held = parse(plan.params[f"{module}.weight"])
     rows = len(falcon_qkv_rows(kind, 0, 1))
     assert [set(take_local(torch.arange(rows), held, r, 4).tolist()) for r in range(4)] == [
-        falcon_qkv_rows(kind, r, 4) for r in range(4)], held
+        falcon_qkv_rows(kind, r, 4) for r in range(4)
+    ], held
     per_block = Counter(_block_of(c["module"]) for c in plan.collectives if c["phase"] == "forward")
     assert all(per_block[b] <= 1 for b in range(1, LAYERS)) and per_block[0] <= 2, per_block
 
@@ -221,8 +256,11 @@ def test_explain_prices_falcon_groups_split_inside():
 
 
 def _from_pretrained_refused(rank: int, world: int, directory: str) -> None:
-    with pytest.raises(autotp.CheckpointError, match=r"lifted_tensor_0 is a tensor the model's forward creates.*"
-                                                     r"meta device.*build this model on a real device"):
+    with pytest.raises(
+        autotp.CheckpointError,
+        match=r"lifted_tensor_0 is a tensor the model's forward creates.*"
+        r"meta device.*build this model on a real device",
+    ):
         autotp.from_pretrained(directory)
     torch.distributed.barrier()  # a rank that returns early takes the rendezvous store with it
 

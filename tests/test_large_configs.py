@@ -1,4 +1,5 @@
 """A LLaMA-3-70B configuration on the meta device: memory per device and the choice of mesh."""
+
 from __future__ import annotations
 
 import pytest
@@ -17,8 +18,16 @@ H, FFN, LAYERS, HEADS, KV, VOCAB = 8192, 28672, 80, 64, 8, 128256
 @pytest.fixture(scope="module")
 def llama70b():
     from transformers import LlamaForCausalLM
-    config = configs.llama(vocab_size=VOCAB, hidden_size=H, intermediate_size=FFN, num_hidden_layers=LAYERS,
-                           num_attention_heads=HEADS, num_key_value_heads=KV, max_position_embeddings=2048)
+
+    config = configs.llama(
+        vocab_size=VOCAB,
+        hidden_size=H,
+        intermediate_size=FFN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV,
+        max_position_embeddings=2048,
+    )
     with torch.device("meta"):
         model = LlamaForCausalLM(config).to(torch.bfloat16)
     ids = torch.zeros(8, 2048, dtype=torch.long, device="meta")  # the global batch the costs are priced at
@@ -55,8 +64,16 @@ def test_long_sequences_on_one_node_plan_sequence_parallelism_and_recomputation(
     from transformers import LlamaForCausalLM
 
     from autotp.planning.solution import PlanningError
-    config = configs.llama(vocab_size=VOCAB, hidden_size=H, intermediate_size=FFN, num_hidden_layers=LAYERS,
-                           num_attention_heads=HEADS, num_key_value_heads=KV, max_position_embeddings=32768)
+
+    config = configs.llama(
+        vocab_size=VOCAB,
+        hidden_size=H,
+        intermediate_size=FFN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV,
+        max_position_embeddings=32768,
+    )
     with torch.device("meta"):
         model = LlamaForCausalLM(config).to(torch.bfloat16)
     gm = prepared_graph(model, (torch.zeros(1, 32768, dtype=torch.long, device="meta"),), None, fold=True)

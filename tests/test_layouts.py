@@ -3,6 +3,7 @@ per head, attention computed on heads merged with the batch (BLOOM: baddbmm / bm
 and a norm over all heads' q or k (OLMo2's QK-norm), which all-reduces its per-token statistics instead of gathering
 q and k.  Exact at 2, 3 and 4 ranks; the statistics' all-reduces are planned, priced and run as planned (the plan
 made on the meta device, applied to the real model)."""
+
 from __future__ import annotations
 
 import functools
@@ -18,6 +19,7 @@ from tests.helpers.exact import same_as_model, sums_per_block
 
 def _bloom(heads: int):
     from transformers import BloomForCausalLM
+
     config = configs.bloom(hidden_size=8 * heads, n_head=heads)
     config._attn_implementation = "eager"  # alibi.baddbmm(q, k^T) on [B*H, S, d]
     torch.manual_seed(0)
@@ -26,10 +28,12 @@ def _bloom(heads: int):
 
 def _olmo2(heads: int, device: str = "cpu"):
     from transformers import Olmo2ForCausalLM
+
     torch.manual_seed(0)
     with torch.device(device):
-        return Olmo2ForCausalLM(configs.olmo2(hidden_size=16 * heads, num_attention_heads=heads,
-                                              num_key_value_heads=heads)).eval()
+        return Olmo2ForCausalLM(
+            configs.olmo2(hidden_size=16 * heads, num_attention_heads=heads, num_key_value_heads=heads)
+        ).eval()
 
 
 def _ids(batch: int, seq: int) -> tuple:
@@ -93,6 +97,7 @@ def test_qkv_packed_per_head_is_split_by_heads():
     """GPT-NeoX's [heads, 3, head dim] rows, sequential residual: whole heads' rows per rank, two all-reduces a block
     (its exactness at 2, 3 and 4 ranks: test_architectures.py)."""
     from transformers import GPTNeoXForCausalLM
+
     torch.manual_seed(0)
     model = GPTNeoXForCausalLM(configs.gpt_neox(use_parallel_residual=False)).eval()
     for world in (2, 4):

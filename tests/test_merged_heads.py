@@ -2,6 +2,7 @@
 ``q.bmm(k^T)`` or ``scores.view(b * h, t, s)``, a softmax and a dropout on the merged rows, then ``probs.bmm(v)``
 viewed back.  canonicalize/merged_rows.py moves the merge past the row-wise ops so both products are 4-D
 matmuls over heads a rule can split; before, the softmax's rows mixed heads and batch and attention ran whole."""
+
 from __future__ import annotations
 
 import pytest
@@ -35,7 +36,7 @@ class MergedHeads(nn.Module):
             scores = (q @ k.transpose(2, 3)).view(b * HEADS, t, t)
         else:
             scores = q.reshape(b * HEADS, t, HEAD_DIM).bmm(k.reshape(b * HEADS, t, HEAD_DIM).transpose(1, 2))
-        probs = self.dropout(torch.softmax(scores / HEAD_DIM ** 0.5, dim=-1))
+        probs = self.dropout(torch.softmax(scores / HEAD_DIM**0.5, dim=-1))
         out = probs.bmm(v.reshape(b * HEADS, t, HEAD_DIM)).view(b, HEADS, t, HEAD_DIM)
         return h + self.o(out.transpose(1, 2).reshape(b, t, -1))
 

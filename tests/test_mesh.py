@@ -1,5 +1,6 @@
 """TP x DP over a DeviceMesh: training equals one process; full state and save_pretrained from the mesh;
 a dead DP rank makes the others raise.  Runs through examples/train.py, the code users launch."""
+
 from __future__ import annotations
 
 import datetime
@@ -134,6 +135,7 @@ def test_the_training_example_on_8_ranks():
 
 def _from_meta(rank: int, world: int, directory: str, saved: str) -> None:
     import torch.distributed.checkpoint as dcp
+
     # safetensors, piece by piece (with "pp": test_meta_tp2_x_dp2_x_pp2_from_a_checkpoint_trains_like_one_process)
     _check_training(parse(["--tp", "2", "--dp", "2", *TINY, "--meta", "--checkpoint", directory]))
     trainer = _check_training(parse(["--tp", "2", "--dp", "2", *TINY, "--meta"]))  # the seeded initialisation
@@ -159,8 +161,13 @@ def test_meta_models_load_their_pieces_and_train_like_one_process(tmp_path):
     parameters equal one process's; the trained model saved with torch.distributed.checkpoint and read back into a
     meta model (checkpoint=DIR, and materialize + dcp.load)."""
     build(parse(TINY)).save_pretrained(tmp_path / "hf")
-    run_ranks(4, _from_meta, str(tmp_path / "hf"), str(tmp_path / "dcp"),
-              captures=functools.partial(_trainer_models, ["--tp", "2", "--dp", "2", *TINY], meta=True))
+    run_ranks(
+        4,
+        _from_meta,
+        str(tmp_path / "hf"),
+        str(tmp_path / "dcp"),
+        captures=functools.partial(_trainer_models, ["--tp", "2", "--dp", "2", *TINY], meta=True),
+    )
 
 
 def _eight_from_meta(rank: int, world: int, directory: str) -> None:
@@ -304,8 +311,10 @@ def test_a_stopped_rank_makes_the_others_raise_within_parallelizes_timeout(dims,
     parallelize's 8 s, not the process group's 300 s (nor DeviceMesh's 30-minute default) — rank 1, its "dp" peer,
     in FSDP's all-gather or its "pp" peer in a receive from stage 1; rank 2, its "tp" peer, in a TP collective —
     and the others fail through that peer or directly, as late as two timeouts (slack for a loaded machine)."""
-    reports = {r: (message, seconds) for r, message, seconds in
-               run_unsupervised(4, functools.partial(_stops, dims, names), reports=3, end=True)}
+    reports = {
+        r: (message, seconds)
+        for r, message, seconds in run_unsupervised(4, functools.partial(_stops, dims, names), reports=3, end=True)
+    }
     assert sorted(reports) == [0, 1, 2]
     for rank, (message, seconds) in reports.items():
         assert message.startswith("CollectiveError") and "mesh dimension" in message, (rank, message)
@@ -316,8 +325,11 @@ def test_a_stopped_rank_makes_the_others_raise_within_parallelizes_timeout(dims,
     if dim == "dp":
         assert "FSDP all_gather" in message and "parameters" in message, message
         message, seconds = reports[2]
-        assert re.search(r"(all_reduce|reduce_scatter|all_gather) over mesh dimension 'tp' \(ranks \[2, 3\]\) of "
-                         r"torch.float32 .* for \w+ \(aten\.", message), message  # one of the plan's TP collectives
+        assert re.search(
+            r"(all_reduce|reduce_scatter|all_gather) over mesh dimension 'tp' \(ranks \[2, 3\]\) of "
+            r"torch.float32 .* for \w+ \(aten\.",
+            message,
+        ), message  # one of the plan's TP collectives
         assert 7 < seconds, (message, seconds)
     else:
         assert "pipeline stage(s) [0]" in message and "stage 1 on rank 3" in message, message

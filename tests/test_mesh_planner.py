@@ -1,4 +1,5 @@
 """The mesh planner: tp x pp x dp, micro-batches, schedule and stage boundaries (estimates, meta device)."""
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,17 @@ def gpt3():
     """GPT-3 175B's shape (Brown et al. 2020; Narayanan et al. 2021 Table 1): 96 layers, hidden 12288,
     96 heads, sequence 2048, vocabulary padded to 51200; bf16 weights (fp32 Adam state is counted)."""
     from transformers import GPT2LMHeadModel
-    config = configs.gpt2(n_layer=LAYERS, n_embd=12288, n_head=96, n_positions=2048, vocab_size=51200, attn_pdrop=0.0,
-                          resid_pdrop=0.0, embd_pdrop=0.0)
+
+    config = configs.gpt2(
+        n_layer=LAYERS,
+        n_embd=12288,
+        n_head=96,
+        n_positions=2048,
+        vocab_size=51200,
+        attn_pdrop=0.0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+    )
     with torch.device("meta"):
         model = GPT2LMHeadModel(config).to(torch.bfloat16)
     params = sum(p.numel() for p in model.parameters())
@@ -45,7 +55,7 @@ def test_gpt3_175b_on_128_dgx_a100_with_ddp_chooses_megatrons_layout(gpt3):
     assert c.memory_bytes <= A100_LIMIT
     assert _covers(c.stages, LAYERS) and len(c.stages) == c.pp * c.virtual_stages
     sizes = [end - start for start, end in c.stages]
-    assert max(sizes) - min(sizes) <= 2       # balanced: the embedding and the head make their stages lighter
+    assert max(sizes) - min(sizes) <= 2  # balanced: the embedding and the head make their stages lighter
     assert 0.25 <= c.mfu <= load_topology("dgx-a100").products.peak_fraction  # Megatron: 33.7% MFU, 44.9% hw
     assert all(x.tp <= 8 for x in result.candidates)  # every TP group inside one node
 
@@ -61,15 +71,18 @@ def test_gpt3_175b_as_megatron_ran_it_is_priced_near_its_measured_time(gpt3, sch
     from autotp.cost_models.mesh_layout import Candidate, Setting, price
     from autotp.cost_models.pricing import model_flops, priced_unit
     from autotp.planning.tp_profiles import tp_profile
+
     unit, sizes = priced_unit(gpt3)
     topo = load_topology("dgx-a100", nodes=128)
-    flops = 96 * 1536 * 2048 * LAYERS * 12288 ** 2 * (1 + 2048 / (6 * 12288) + 51200 / (16 * LAYERS * 12288))
+    flops = 96 * 1536 * 2048 * LAYERS * 12288**2 * (1 + 2048 / (6 * 12288) + 51200 / (16 * LAYERS * 12288))
     measured = flops / (1024 * 140e12)
     setting = Setting(topo, 1536, True, "ddp", A100_LIMIT, model_flops(gpt3, sizes) / unit * 1536)
-    megatron = price(tp_profile(gpt3, 8, topo, True, sizes, unit),
-                     Candidate(8, 8, 16, microbatch_size=1, schedule=schedule, virtual_stages=virtual, recompute=True),
-                     setting)
-    assert megatron.fits, megatron.note      # it ran in 80 GB
+    megatron = price(
+        tp_profile(gpt3, 8, topo, True, sizes, unit),
+        Candidate(8, 8, 16, microbatch_size=1, schedule=schedule, virtual_stages=virtual, recompute=True),
+        setting,
+    )
+    assert megatron.fits, megatron.note  # it ran in 80 GB
     assert 0.70 * measured <= megatron.step_seconds <= 1.25 * measured, (megatron.step_seconds, measured)
 
 
@@ -92,6 +105,7 @@ def test_zero_bubble_schedules_are_priced_and_chosen_where_they_win(gpt3):
     from autotp.cost_models.mesh_layout import Setting, price
     from autotp.cost_models.pricing import model_flops, priced_unit
     from autotp.planning.tp_profiles import tp_profile
+
     result = plan_mesh_for_graph(gpt3, topology="dgx-a100", nodes=128, global_batch=1536, data_parallel="ddp")
     c = result.choice
     assert c.schedule in ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"), c.schedule
@@ -109,6 +123,7 @@ def test_activations_per_layer_lie_within_korthikantis_bounds(gpt3):
     sbh(10 + 24/t) without the attention-score terms (fused SDPA), sbh(10 + 24/t + 5as/(ht)) with them."""
     from autotp.cost_models.pricing import priced_unit
     from autotp.planning.tp_profiles import tp_profile
+
     unit, sizes = priced_unit(gpt3)
     profile = tp_profile(gpt3, 8, load_topology("dgx-a100", nodes=128), True, sizes, unit)
     s, h, a, t = 2048, 12288, 96, 8
@@ -123,13 +138,19 @@ def test_whole_block_recomputation_under_sequence_parallelism_keeps_each_layers_
     from autotp.cost_models.mesh_layout import KEPT, Candidate, Profile, Section, stage_memory
     from autotp.cost_models.pricing import priced_unit
     from autotp.planning.tp_profiles import tp_profile
+
     unit, sizes = priced_unit(gpt3)
     s, h, t = 2048, 12288, 8
     split = tp_profile(gpt3, t, load_topology("dgx-a100", nodes=128), True, sizes, unit, tokens=True)
     assert split.sequence_parallel
     # the activations alone (no weights or optimizer state), one sample, no pipeline
-    kept = Profile(t, [Section(x.seconds, {k: v for k, v in x.memory.items() if k in KEPT}) for x in split.sections],
-                   split.boundary, True, sequence_parallel=True)
+    kept = Profile(
+        t,
+        [Section(x.seconds, {k: v for k, v in x.memory.items() if k in KEPT}) for x in split.sections],
+        split.boundary,
+        True,
+        sequence_parallel=True,
+    )
     layout = Candidate(t, 1, 1, microbatch_size=1, recompute=True, sequence_parallel=True)
     two, four = (stage_memory(kept, [(1, 1 + n)], 0, layout, 1, "ddp")[0] for n in (2, 4))
     assert (four - two) / 2 == pytest.approx(2 * s * h / t)
@@ -139,6 +160,7 @@ def test_whole_block_recomputation_under_sequence_parallelism_keeps_each_layers_
 def small_llama():
     """(8-layer LLaMA graph, bytes of its fp32 training state), captured once."""
     from transformers import LlamaForCausalLM
+
     config = configs.llama(vocab_size=256, intermediate_size=128, num_hidden_layers=8, max_position_embeddings=2048)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
@@ -150,16 +172,26 @@ def small_llama():
 def one_gpu_nodes(tmp_path_factory):
     """A cluster of one-GPU nodes, written as a file that extends a known node: no TP to split with."""
     path = tmp_path_factory.mktemp("topo") / "single-gpu-nodes.json"
-    path.write_text(json.dumps({"name": "single-gpu-nodes", "extends": "dgx-h100", "figures": {
-        "gpus_per_node": {"value": 1, "source": "test: one H100 per node"},
-        "nics_per_node": {"value": 1, "source": "test: one NIC per node"}}}))
+    path.write_text(
+        json.dumps(
+            {
+                "name": "single-gpu-nodes",
+                "extends": "dgx-h100",
+                "figures": {
+                    "gpus_per_node": {"value": 1, "source": "test: one H100 per node"},
+                    "nics_per_node": {"value": 1, "source": "test: one NIC per node"},
+                },
+            }
+        )
+    )
     return str(path)
 
 
 def test_a_model_that_does_not_fit_one_device_gets_pipeline_stages(small_llama, one_gpu_nodes):
     gm, state = small_llama
-    result = plan_mesh_for_graph(gm, topology=one_gpu_nodes, nodes=2, global_batch=2, data_parallel="ddp",
-                                 memory_limit=0.75 * state)
+    result = plan_mesh_for_graph(
+        gm, topology=one_gpu_nodes, nodes=2, global_batch=2, data_parallel="ddp", memory_limit=0.75 * state
+    )
     c = result.choice
     assert (c.tp, c.pp, c.dp) == (1, 2, 1) and c.schedule is not None
     assert _covers(c.stages, 8)
@@ -170,28 +202,40 @@ def test_a_model_that_does_not_fit_one_device_gets_pipeline_stages(small_llama, 
 def test_a_request_that_cannot_fit_says_what_would(small_llama, one_gpu_nodes):
     gm, state = small_llama
     with pytest.raises(PlanningError, match="nothing fits") as error:
-        plan_mesh_for_graph(gm, topology=one_gpu_nodes, nodes=2, global_batch=2, data_parallel="ddp",
-                            memory_limit=0.2 * state)
+        plan_mesh_for_graph(
+            gm, topology=one_gpu_nodes, nodes=2, global_batch=2, data_parallel="ddp", memory_limit=0.2 * state
+        )
     devices = int(re.search(r"(\d+) devices \(nodes=\d+\) fit", str(error.value)).group(1))
     assert devices > 2
-    again = plan_mesh_for_graph(gm, topology=one_gpu_nodes, nodes=devices, global_batch=2, data_parallel="ddp",
-                                memory_limit=0.2 * state)
+    again = plan_mesh_for_graph(
+        gm, topology=one_gpu_nodes, nodes=devices, global_batch=2, data_parallel="ddp", memory_limit=0.2 * state
+    )
     assert again.choice.fits  # the advice holds
 
 
 def test_clusters_from_a_node_and_a_count(tmp_path):
     assert load_topology("dgx-a100", nodes=128).devices == 1024
     path = tmp_path / "pod.json"
-    path.write_text(json.dumps({"name": "pod", "extends": "dgx-a100",
-                                "figures": {"nodes": {"value": 4, "source": "test: four nodes"}}}))
+    path.write_text(
+        json.dumps(
+            {"name": "pod", "extends": "dgx-a100", "figures": {"nodes": {"value": 4, "source": "test: four nodes"}}}
+        )
+    )
     assert load_topology(str(path)).devices == 32
     with pytest.raises(ValueError, match="nodes must be a positive integer"):
         load_topology("dgx-a100", nodes=0)
     with pytest.raises(ValueError, match=r"give nodes=4 \(--nodes\)"):  # checked before anything is captured
         plan_mesh(torch.nn.Linear(2, 2), (torch.zeros(1, 2),), topology="dgx-a100", devices=32)
     box = tmp_path / "box.json"
-    box.write_text(json.dumps({"name": "box", "extends": "pcie-a100",
-                               "figures": {"nics_per_node": {"value": 0, "source": "test: no network"}}}))
+    box.write_text(
+        json.dumps(
+            {
+                "name": "box",
+                "extends": "pcie-a100",
+                "figures": {"nics_per_node": {"value": 0, "source": "test: no network"}},
+            }
+        )
+    )
     with pytest.raises(ValueError, match="no NICs"):
         load_topology(str(box), nodes=2)
 
@@ -224,14 +268,16 @@ def test_stage_boundaries_are_the_best_that_fit():
     """Against every split of a few blocks: the slowest stage is the fastest any fitting split achieves."""
     import itertools
     import random
+
     rng = random.Random(0)
     for _ in range(300):
         n = rng.randint(1, 7)
         parts = rng.randint(1, n)
         costs = [rng.choice([0.5, 1.0, 2.0, 3.0]) for _ in range(n)]
         fits = _memory_fits([rng.choice([1.0, 2.0, 4.0]) for _ in range(n)], rng.choice([4.0, 8.0, 12.0]), parts)
-        splits = [list(zip((0, *cuts), (*cuts, n), strict=True))
-                  for cuts in itertools.combinations(range(1, n), parts - 1)]
+        splits = [
+            list(zip((0, *cuts), (*cuts, n), strict=True)) for cuts in itertools.combinations(range(1, n), parts - 1)
+        ]
         fitting = [r for r in splits if all(fits(k, a, b) for k, (a, b) in enumerate(r))]
         found = balance_stages(costs, parts, fits)
         if not fitting:
@@ -243,6 +289,7 @@ def test_stage_boundaries_are_the_best_that_fit():
 
 def _section(params: float):
     from autotp.cost_models.mesh_layout import Section
+
     return Section(1.0, {"params": params, "grads": params, "optimizer": 2 * params})
 
 
@@ -251,6 +298,7 @@ def test_fsdp_is_priced_as_the_runtime_builds_it_one_unit_per_block():
     step; the running block's parameters and the next one's (prefetched) gathered, the running one's gradient whole.
     In a pipeline stage (reshard_after_forward=False) all of it stays gathered."""
     from autotp.cost_models.mesh_layout import Candidate, Profile, stage_memory
+
     profile = Profile(1, [_section(10), *(_section(4) for _ in range(4)), _section(6)], boundary=0.0, stackable=True)
     state = 4 * (10 + 4 * 4 + 6)  # parameters, gradients and Adam's two moments
     alone = stage_memory(profile, [(0, 4)], 0, Candidate(1, 1, 2, microbatch_size=1), 1, "fsdp")[0]
@@ -272,6 +320,7 @@ def test_a_tied_embedding_is_priced_on_the_first_and_the_last_stage():
     from autotp.cost_models.pricing import priced_unit
     from autotp.parallel.stages import block_profile, find_blocks
     from autotp.planning.tp_profiles import tp_profile
+
     vocab, hidden = 512, 64
     profiles = {}
     for tied in (True, False):
@@ -286,12 +335,20 @@ def test_a_tied_embedding_is_priced_on_the_first_and_the_last_stage():
     profile = profiles[True]
     without = dataclasses.replace(profile, tied={}, sums={})
     table = vocab * hidden * (4 + 4 + 8)  # fp32 weight, gradient, Adam's two moments
-    layouts = [(Candidate(1, 2, 1, microbatch_size=1, schedule="1F1B"), [(3, 6)], 1, table),  # the head's stage
-               (Candidate(1, 2, 1, microbatch_size=1, schedule="1F1B"), [(0, 3)], 0, 0.0),  # the embedding's
-               (Candidate(1, 2, 1, microbatch_size=1, schedule="ZBVZeroBubble", virtual_stages=2),
-                [(0, 1), (5, 6)], 0, table),  # a V: rank 0 holds both end stages, each its own copy
-               (Candidate(1, 1, 1, microbatch_size=1), [(0, 6)], 0, 0.0)]  # one stage: one copy
+    layouts = [
+        (Candidate(1, 2, 1, microbatch_size=1, schedule="1F1B"), [(3, 6)], 1, table),  # the head's stage
+        (Candidate(1, 2, 1, microbatch_size=1, schedule="1F1B"), [(0, 3)], 0, 0.0),  # the embedding's
+        (
+            Candidate(1, 2, 1, microbatch_size=1, schedule="ZBVZeroBubble", virtual_stages=2),
+            [(0, 1), (5, 6)],
+            0,
+            table,
+        ),  # a V: rank 0 holds both end stages, each its own copy
+        (Candidate(1, 1, 1, microbatch_size=1), [(0, 6)], 0, 0.0),
+    ]  # one stage: one copy
     for layout, ranges, rank, extra in layouts:
-        got = stage_memory(profile, ranges, rank, layout, 4, "ddp")[0] - stage_memory(without, ranges, rank, layout, 4,
-                                                                                        "ddp")[0]
+        got = (
+            stage_memory(profile, ranges, rank, layout, 4, "ddp")[0]
+            - stage_memory(without, ranges, rank, layout, 4, "ddp")[0]
+        )
         assert got == pytest.approx(extra), (layout.schedule, ranges)

@@ -1,6 +1,7 @@
 """Models built on the meta device: the seeded initialisation is the model's own, a rank's memory grows by about its
 share of the weights while it reads its pieces, bad meshes and checkpoints are refused (training from meta:
 test_mesh.py)."""
+
 from __future__ import annotations
 
 import gc
@@ -26,6 +27,7 @@ def test_the_seeded_initialisation_is_the_models_own():
     weights, residual projections at 0.02 / sqrt(2 n_layer) (drawn by the block's attention and MLP, ancestors of
     the weight), zero biases, unit layer norms; and another seed draws other values."""
     from transformers import GPT2LMHeadModel
+
     config = configs.gpt2(vocab_size=512, n_embd=256, n_layer=8, bos_token_id=0, eos_token_id=0, use_cache=True)
     with torch.device("meta"):
         model = GPT2LMHeadModel(config)
@@ -54,6 +56,7 @@ def _bounded(rank: int, world: int, directory: str, full: int, bounded: bool = T
     a quarter of the model, equal to the checkpoint's slices."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
+
     ids = torch.arange(16).view(2, 8)
     found = {}
     for dims, names in meshes:
@@ -89,17 +92,20 @@ def _local(result) -> list:
 def test_a_meta_model_loads_a_quarter_per_rank_on_tp2_x_pp2_and_tp2_x_dp2(tmp_path):
     """1.35 GB of fp32 weights (LLaMA, 4 layers of hidden 2048, vocabulary 32000) over 4 ranks."""
     from transformers import LlamaForCausalLM
+
     config = configs.llama_1gb(tie_word_embeddings=False)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     full = sum(p.numel() * p.element_size() for p in model.parameters())
-    assert full >= 2 ** 30
+    assert full >= 2**30
     model.save_pretrained(tmp_path, max_shard_size="400MB")
     del model
     for rank, found in enumerate(run_local(4, _bounded, str(tmp_path), full, timeout=600)):
         for dim, (growth, held) in found.items():
-            print(f"rank {rank}, TP 2 x {dim.upper()} 2: peak RSS grew {growth / 1e6:.0f} MB, holds {held / 1e6:.0f} "
-                  f"MB ({held / full:.3f} of {full / 1e6:.0f} MB): {growth / held:.2f}x")
+            print(
+                f"rank {rank}, TP 2 x {dim.upper()} 2: peak RSS grew {growth / 1e6:.0f} MB, holds {held / 1e6:.0f} "
+                f"MB ({held / full:.3f} of {full / 1e6:.0f} MB): {growth / held:.2f}x"
+            )
 
 
 def test_a_small_meta_model_loads_a_quarter_per_rank_on_tp2_x_pp2(tmp_path):
@@ -107,9 +113,18 @@ def test_a_small_meta_model_loads_a_quarter_per_rank_on_tp2_x_pp2(tmp_path):
     meta, each rank of TP 2 x PP 2 holds a quarter, read from the checkpoint (its memory is not bounded at this
     size: capture and planning weigh more than the weights; TP 2 x DP 2 from meta and a checkpoint: test_mesh.py)."""
     from transformers import LlamaForCausalLM
+
     torch.manual_seed(0)
-    model = LlamaForCausalLM(configs.llama_1gb(tie_word_embeddings=False, hidden_size=256, intermediate_size=704,
-                                               vocab_size=4000, num_attention_heads=4, num_key_value_heads=4))
+    model = LlamaForCausalLM(
+        configs.llama_1gb(
+            tie_word_embeddings=False,
+            hidden_size=256,
+            intermediate_size=704,
+            vocab_size=4000,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+        )
+    )
     full = sum(p.numel() * p.element_size() for p in model.parameters())
     model.save_pretrained(tmp_path)
     run_local(4, _bounded, str(tmp_path), full, False, MESHES[:1])
@@ -117,6 +132,7 @@ def test_a_small_meta_model_loads_a_quarter_per_rank_on_tp2_x_pp2(tmp_path):
 
 class _TwoRankMesh:
     """A 'tp' mesh of 2 ranks, as parallelize reads one, in a world of another size."""
+
     mesh_dim_names, ndim = ("tp",), 1
 
     def __getitem__(self, name):
@@ -142,6 +158,7 @@ def _refused(rank: int, world: int, directory: str) -> None:
 
 def test_bad_meshes_and_a_stage_missing_a_tensor_are_refused(tmp_path):
     from safetensors.torch import load_file, save_file
+
     build(parse([*TINY, "--layers", "4"])).save_pretrained(tmp_path)
     tensors = load_file(tmp_path / "model.safetensors")
     del tensors["model.layers.3.mlp.up_proj.weight"]

@@ -1,6 +1,7 @@
 """The prose names what exists: every autotp module path in a docstring, a comment, a docs page or the README
 (``autotp.runtime.kernels``, ``ops/table.py``, ``planning/ilp.Ilp.recompute``) names a module of the package,
 and a name after it (a function, a class, a class's attribute) is defined there."""
+
 from __future__ import annotations
 
 import ast
@@ -52,8 +53,14 @@ def _bound(node: ast.AST) -> list[str]:
 def _members(cls: ast.ClassDef) -> set[str]:
     """A class's attributes: its body's names and what its methods assign to ``self.``."""
     names = {name for node in cls.body for name in _bound(node)}
-    names |= {n.attr for n in ast.walk(cls) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)
-              and isinstance(n.value, ast.Name) and n.value.id == "self"}
+    names |= {
+        n.attr
+        for n in ast.walk(cls)
+        if isinstance(n, ast.Attribute)
+        and isinstance(n.ctx, ast.Store)
+        and isinstance(n.value, ast.Name)
+        and n.value.id == "self"
+    }
     return names | {n.id for base in cls.bases for n in ast.walk(base) if isinstance(n, ast.Name)} - {"object"}
 
 
@@ -69,7 +76,7 @@ def problem(reference: str) -> str | None:
         if (where / part / "__init__.py").exists():
             where = where / part
         elif (where / f"{part}.py").exists():
-            return _attribute_problem(where / f"{part}.py", parts[i + 1:])
+            return _attribute_problem(where / f"{part}.py", parts[i + 1 :])
         else:
             return _attribute_problem(where / "__init__.py", parts[i:])
     return None
@@ -92,25 +99,42 @@ def _attribute_problem(module: Path, attributes: list[str]) -> str | None:
 def stale(text: str, shadowed: frozenset[str] = frozenset()) -> list[str]:
     """Each reference in ``text`` that names nothing, with why. ``shadowed``: the parameters of the function
     whose docstring ``text`` is (where ``options.x`` may be a field of the argument ``options``)."""
-    return [f"{m.group()}: {why}" for m in REFERENCE.finditer(text)
-            if m["start"] not in shadowed and not ("/" not in m.group() and FILE_NAME.search(m.group()))
-            and (why := problem(m.group()))]
+    return [
+        f"{m.group()}: {why}"
+        for m in REFERENCE.finditer(text)
+        if m["start"] not in shadowed
+        and not ("/" not in m.group() and FILE_NAME.search(m.group()))
+        and (why := problem(m.group()))
+    ]
 
 
 def python_prose(path: Path) -> list[tuple[int, str, frozenset[str]]]:
     """(line, text, names the text may use as variables) of each docstring, comment and message (of an assert or
     a raise) of a Python file: a function's docstring may name its parameters."""
     source = path.read_text()
-    found = [(t.start[0], t.string, frozenset()) for t in tokenize.generate_tokens(io.StringIO(source).readline)
-             if t.type == tokenize.COMMENT]
+    found = [
+        (t.start[0], t.string, frozenset())
+        for t in tokenize.generate_tokens(io.StringIO(source).readline)
+        if t.type == tokenize.COMMENT
+    ]
     for node in ast.walk(ast.parse(source)):
         message = node.msg if isinstance(node, ast.Assert) else node.exc if isinstance(node, ast.Raise) else None
-        found += [(n.lineno, n.value, frozenset()) for n in ast.walk(message) if isinstance(n, ast.Constant)
-                  and isinstance(n.value, str)] if message else []
+        found += (
+            [
+                (n.lineno, n.value, frozenset())
+                for n in ast.walk(message)
+                if isinstance(n, ast.Constant) and isinstance(n.value, str)
+            ]
+            if message
+            else []
+        )
         if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef) and node.body:
             first = node.body[0]
-            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(
-                    first.value.value, str):
+            if (
+                isinstance(first, ast.Expr)
+                and isinstance(first.value, ast.Constant)
+                and isinstance(first.value.value, str)
+            ):
                 arguments = node.args if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) else None
                 names = [a.arg for a in ast.walk(arguments) if isinstance(a, ast.arg)] if arguments else []
                 found.append((first.lineno, first.value.value, frozenset(names)))
@@ -123,26 +147,40 @@ def markdown_prose(path: Path) -> list[tuple[int, str, frozenset[str]]]:
 
 
 def prose_files() -> list[tuple[Path, list[tuple[int, str, frozenset[str]]]]]:
-    python = [p for folder in ("autotp", "tests", "benchmarks", "scripts", "examples")
-              for p in sorted((ROOT / folder).rglob("*.py"))]
+    python = [
+        p
+        for folder in ("autotp", "tests", "benchmarks", "scripts", "examples")
+        for p in sorted((ROOT / folder).rglob("*.py"))
+    ]
     markdown = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
     return [(p, python_prose(p)) for p in python] + [(p, markdown_prose(p)) for p in markdown]
 
 
 def test_the_scanner_finds_stale_paths_and_only_those():
-    old = ("`runtime.dispatch.Dealt`, `passes/semantics.Op` and passes.decompose; see autotp.runtime.dispatch, "
-           "passes/semantics.py, autotp/runtime/local_ops.py, `autotp.verify`, `ops.table.NoSuchRow`, "
-           "planning/ilp.Ilp.no_such_family")
+    old = (
+        "`runtime.dispatch.Dealt`, `passes/semantics.Op` and passes.decompose; see autotp.runtime.dispatch, "
+        "passes/semantics.py, autotp/runtime/local_ops.py, `autotp.verify`, `ops.table.NoSuchRow`, "
+        "planning/ilp.Ilp.no_such_family"
+    )
     assert [s.partition(":")[0] for s in stale(old)] == [
-        "runtime.dispatch.Dealt", "passes/semantics.Op", "passes.decompose", "autotp.runtime.dispatch",
-        "passes/semantics.py", "autotp/runtime/local_ops.py", "autotp.verify", "ops.table.NoSuchRow",
-        "planning/ilp.Ilp.no_such_family"]
-    fine = ("torch.ops.aten.mm, torch.distributed.tensor.parallel, https://example.com/tools/ops.py, ops. Then "
-            "the runtime.\nautotp.runtime.kernels, runtime/collectives.py, `ops/table.py` (rows), "
-            "cost_models/topologies/*.json, autotp/ops/, autotp.parallelize, planning/ilp.Ilp.recompute, "
-            "`cost_models.memory.memory_limit(topology)`, `autotp/options.py`, tools/hand_plans.json, "
-            "transformers/models/llama/modeling_llama.py, x.runtime.dispatch, [Serving](serving.md), "
-            "cost_models/topologies/dgx-h100.json")
+        "runtime.dispatch.Dealt",
+        "passes/semantics.Op",
+        "passes.decompose",
+        "autotp.runtime.dispatch",
+        "passes/semantics.py",
+        "autotp/runtime/local_ops.py",
+        "autotp.verify",
+        "ops.table.NoSuchRow",
+        "planning/ilp.Ilp.no_such_family",
+    ]
+    fine = (
+        "torch.ops.aten.mm, torch.distributed.tensor.parallel, https://example.com/tools/ops.py, ops. Then "
+        "the runtime.\nautotp.runtime.kernels, runtime/collectives.py, `ops/table.py` (rows), "
+        "cost_models/topologies/*.json, autotp/ops/, autotp.parallelize, planning/ilp.Ilp.recompute, "
+        "`cost_models.memory.memory_limit(topology)`, `autotp/options.py`, tools/hand_plans.json, "
+        "transformers/models/llama/modeling_llama.py, x.runtime.dispatch, [Serving](serving.md), "
+        "cost_models/topologies/dgx-h100.json"
+    )
     assert stale(fine) == []
     assert stale("``planning.memory_limit`` bytes", frozenset({"planning"})) == []  # a parameter's field
     assert stale("``planning.memory_limit`` bytes") != []
@@ -151,6 +189,10 @@ def test_the_scanner_finds_stale_paths_and_only_those():
 def test_every_module_path_in_prose_exists():
     """Docstrings, comments and error messages (autotp, tests, benchmarks, scripts, examples), docs/*.md and the
     README name modules that exist, and names those modules define."""
-    bad = [f"{path.relative_to(ROOT)}:{line}: {why}" for path, texts in prose_files()
-           for line, text, shadowed in texts for why in stale(text, shadowed)]
+    bad = [
+        f"{path.relative_to(ROOT)}:{line}: {why}"
+        for path, texts in prose_files()
+        for line, text, shadowed in texts
+        for why in stale(text, shadowed)
+    ]
     assert not bad, "module paths that name nothing:\n" + "\n".join(bad)

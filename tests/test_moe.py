@@ -3,6 +3,7 @@
 Mixtral and Qwen3-MoE (3-D expert weights, grouped matmuls) and a hand-written MoE (examples/moe.py: index +
 bmm, interleaved gate/up columns with biases) split each expert Megatron-style: gate/up by output rows, down
 by input columns, router replicated, one forward all-reduce per MoE layer; no weight is ever gathered."""
+
 from __future__ import annotations
 
 import functools
@@ -47,8 +48,11 @@ def _hf_exact(rank: int, world: int) -> None:
         assert plan.collective_counts("forward")["all_reduce"] <= 2 * layers + 1, (name, plan.collectives)
         routed = 2 * 2 * 8 * 32 * 4  # what the MoE layer's activations need: top-2 copies of 2 x 8 tokens x 32, fp32
         for layer in range(layers):
-            moved = sum(c["bytes"] for c in plan.collectives
-                        if c["phase"] == "forward" and c["module"].startswith(f"model.layers.{layer}.mlp"))
+            moved = sum(
+                c["bytes"]
+                for c in plan.collectives
+                if c["phase"] == "forward" and c["module"].startswith(f"model.layers.{layer}.mlp")
+            )
             assert 0 < moved <= routed, (name, layer, plan.collectives)
         runs_the_plan(sharded, plan, torch.randint(0, 96, (2, 5)))
         same_as_unsharded(model, sharded, lambda b, s: torch.randint(0, 96, (b, s)))
@@ -90,6 +94,7 @@ def test_hand_written_moe_with_six_experts_on_four_ranks():
 def qwen2_moe(layers: int = 2):
     """Routed experts beside an always-on shared expert (and its sigmoid gate), as Qwen2-MoE and DeepSeek do."""
     from transformers import Qwen2MoeForCausalLM
+
     torch.manual_seed(0)
     return Qwen2MoeForCausalLM(configs.qwen2_moe(num_hidden_layers=layers)).eval()
 
@@ -112,8 +117,10 @@ def _shared_and_listed_experts_exact(rank: int, world: int) -> None:
             model, inputs = qwen2_moe(), (lambda b, s: torch.randint(0, 96, (b, s)))
             x = torch.randint(0, 96, (2, 5))
             sharded = autotp.parallelize(model)
-            blocks, experts = model.config.num_hidden_layers, [*expert_params(model), *(
-                n for n, p in model.named_parameters() if ".shared_expert." in n)]
+            blocks, experts = (
+                model.config.num_hidden_layers,
+                [*expert_params(model), *(n for n, p in model.named_parameters() if ".shared_expert." in n)],
+            )
         else:
             model, args = _listed_experts()
             inputs, x = (lambda b, s: torch.randn(b, s, 32)), torch.randn(2, 5, 32)
@@ -160,9 +167,14 @@ _EXPERT_PARALLEL = ((4, None), (3, "batched_mm"))  # (experts, implementation); 
 
 
 def _expert_parallel_models(directory: str) -> list:
-    return with_default_inputs([mixtral(experts=experts, layers=1, implementation=implementation)
-                                if implementation else pretrained(directory)
-                                for experts, implementation in _EXPERT_PARALLEL])
+    return with_default_inputs(
+        [
+            mixtral(experts=experts, layers=1, implementation=implementation)
+            if implementation
+            else pretrained(directory)
+            for experts, implementation in _EXPERT_PARALLEL
+        ]
+    )
 
 
 def _expert_parallel_exact(rank: int, world: int, directory: str) -> None:
@@ -179,7 +191,7 @@ def _expert_parallel_exact(rank: int, world: int, directory: str) -> None:
         local = dict(sharded.named_parameters())
         first, count = [(0, 2), (2, experts - 2)][rank]
         for param in expert_params(model):  # whole experts: this rank's rows of the full tensor, nothing else
-            torch.testing.assert_close(local[param], model.get_parameter(param)[first:first + count], rtol=0, atol=0)
+            torch.testing.assert_close(local[param], model.get_parameter(param)[first : first + count], rtol=0, atol=0)
             span = "0-1|2-3" if experts == 4 else "0-1|2"
             assert plan.styles[param].startswith(f"experts {span} of {experts}"), plan.styles[param]
         assert plan.collective_counts("forward")["all_reduce"] <= 2 + 1, plan.collectives  # Megatron's, 1 block
@@ -196,9 +208,11 @@ def _expert_parallel_exact(rank: int, world: int, directory: str) -> None:
 
 def test_expert_parallelism_is_exact(tmp_path):
     from safetensors.torch import load_file
+
     mixtral(layers=1).save_pretrained(tmp_path)  # experts stored one by one (experts.E.w1.weight, ...)
-    run_ranks(2, _expert_parallel_exact, str(tmp_path),
-              captures=functools.partial(_expert_parallel_models, str(tmp_path)))
+    run_ranks(
+        2, _expert_parallel_exact, str(tmp_path), captures=functools.partial(_expert_parallel_models, str(tmp_path))
+    )
     stored, saved = load_file(tmp_path / "model.safetensors"), load_file(tmp_path / "saved" / "model.safetensors")
     assert stored.keys() == saved.keys() and all(torch.equal(stored[k], saved[k]) for k in stored)
 
@@ -226,6 +240,7 @@ def test_compare_prices_transformers_expert_plans():
     experts) read as autotp placements and priced beside autotp's own plan, which is never slower."""
     from autotp.tools.compare import compare
     from autotp.tools.interop import hf_parameter_placements
+
     model = mixtral(layers=1)
     tp, ep = hf_parameter_placements(model), hf_parameter_placements(model, expert_parallel=True)
     experts = "model.layers.0.mlp.experts"
@@ -251,36 +266,46 @@ def test_why_whole_experts_cost_more_for_mixtral_8x7b():
     from autotp.passes.prepared_graph import prepared_graph
     from autotp.placement import parse
     from autotp.planning.tensor_plan import solve_plan
+
     config = configs.mixtral_8x7b(num_hidden_layers=1, max_position_embeddings=32768, use_cache=False)
     with torch.device("meta"):
         model = MixtralForCausalLM(config).to(torch.bfloat16)
     gm = prepared_graph(model, (torch.zeros(1, 4096, dtype=torch.long, device="meta"),), None, fold=False)
     topo, (_, sizes) = load_topology("dgx-h100"), priced_unit(gm)
-    plans = {mode: solve_plan(gm, 8, PlanOptions(topology=topo, memory_limit=1e13, experts=mode), sizes=sizes)
-             for mode in ("tensor", "parallel", None)}
+    plans = {
+        mode: solve_plan(gm, 8, PlanOptions(topology=topo, memory_limit=1e13, experts=mode), sizes=sizes)
+        for mode in ("tensor", "parallel", None)
+    }
     assert plans["parallel"].params["model.layers.0.mlp.experts.down_proj"] == "S(0)"  # one expert per rank
     assert plans["tensor"].cost["memory"]["params"] == plans["parallel"].cost["memory"]["params"]
 
     def moe_collectives(plan):
         return sorted((c["phase"], c["op"], c["bytes"]) for c in plan.collectives if ".mlp" in c["module"])
+
     assert moe_collectives(plans["tensor"]) == moe_collectives(plans["parallel"])
     experts = "model.layers.0.mlp.experts"
     kept = {mode: plans[mode].cost["activations"][experts] for mode in ("tensor", "parallel")}
     assert kept["parallel"] > 2 * kept["tensor"], kept
 
     nodes = {n.name: n for n in gm.graph.nodes}
+
     def seconds(mode: str, products: bool) -> float:
-        return sum(op_seconds(nodes[name], Strategy(tuple(map(parse, e["in"])), parse(e["out"])), sizes, 8, topo, True)
-                   for name, e in plans[mode].nodes.items() if e["module"].startswith("model.layers.0.mlp")
-                   and (e["op"] == "aten._grouped_mm.default") == products)
+        return sum(
+            op_seconds(nodes[name], Strategy(tuple(map(parse, e["in"])), parse(e["out"])), sizes, 8, topo, True)
+            for name, e in plans[mode].nodes.items()
+            if e["module"].startswith("model.layers.0.mlp") and (e["op"] == "aten._grouped_mm.default") == products
+        )
+
     # measured on one H200, bf16, fraction of peak (README Benchmarks, midpoints): a rank's products at 1024 rows
     # an expert; expert TP: 8 experts' gate|up 1024x4096x3584 at 0.49 and down 1024x1792x4096 at 0.415; whole
     # experts: one expert's 1024x4096x28672 and 1024x14336x4096, both at 0.715 -- the same FLOPs
     measured = 8 * (1 / 0.49 + 0.5 / 0.415) / (8 / 0.715 + 4 / 0.715)
     ratio = seconds("tensor", True) / seconds("parallel", True)
     assert measured / 1.15 <= ratio <= measured * 1.15, (ratio, measured)
-    saved, zeros = seconds("tensor", True) - seconds("parallel", True), seconds("parallel", False) - seconds(
-        "tensor", False)
+    saved, zeros = (
+        seconds("tensor", True) - seconds("parallel", True),
+        seconds("parallel", False) - seconds("tensor", False),
+    )
     assert 0 < saved < zeros, (saved, zeros)  # the zero rows' elementwise work outweighs the thin products
     cheaper = min(("tensor", "parallel"), key=lambda mode: plans[mode].cost["seconds"])
     assert plans[None].cost["seconds"] == pytest.approx(plans[cheaper].cost["seconds"], rel=1e-6)
@@ -309,8 +334,10 @@ def test_disjoint_rows_multiply_only_when_routed_alike():
     plan = autotp.plan(_Lookups(), (torch.randn(5, 8), ids, other), world_size=2, experts="parallel")
     lookups = {name: n["args"][:2] for name, n in plan.nodes.items() if n["op"] == "aten.index.Tensor"}
     products = {name: n["args"] for name, n in plan.nodes.items() if n["op"] == "aten.mul.Tensor"}
-    alike = {name: lookups[x][1] == lookups[y][1] and {lookups[x][0], lookups[y][0]} <= {"a", "c"}
-             for name, (x, y) in products.items()}
+    alike = {
+        name: lookups[x][1] == lookups[y][1] and {lookups[x][0], lookups[y][0]} <= {"a", "c"}
+        for name, (x, y) in products.items()
+    }
     assert sorted(alike.values()) == [False, False, True], (lookups, products)
     for name, both in alike.items():
         offered = [option["in"] for option in plan.alternatives[name]]

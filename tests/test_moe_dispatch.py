@@ -4,6 +4,7 @@ expert and back (runtime/expert_dispatch.py), over the TP group or a mesh's "ep"
 Exact against one process for Mixtral, Qwen3-MoE and a DeepSeek-V3 layer (MLA, a shared expert, group-limited and
 bias-corrected routing), with 6 experts on 4 ranks and ranks whose experts get no rows; CommDebugMode counts what
 the plan lists; each owner's segment runs on exactly the rows routed to its experts (no zero rows of others)."""
+
 from __future__ import annotations
 
 import copy
@@ -36,9 +37,13 @@ def deepseek_v3(experts: int = 8, layers: int = 2):
     expert, sigmoid scores, 4 groups of which each token may use 2, a bias that corrects the choice (not the
     weights) and scaled weights."""
     from transformers import DeepseekV3ForCausalLM
+
     torch.manual_seed(0)
-    model = DeepseekV3ForCausalLM(configs.deepseek_v3(num_hidden_layers=layers, n_routed_experts=experts,
-                                                      routed_scaling_factor=2.5, norm_topk_prob=True)).eval()
+    model = DeepseekV3ForCausalLM(
+        configs.deepseek_v3(
+            num_hidden_layers=layers, n_routed_experts=experts, routed_scaling_factor=2.5, norm_topk_prob=True
+        )
+    ).eval()
     with torch.no_grad():  # the router starts at zeros (every score ties): give it, and the bias, values
         for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
             if name.endswith(("gate.weight", "e_score_correction_bias")):
@@ -62,8 +67,11 @@ def _routed_to_owners(model, sharded, x) -> list[int]:
     """Each dispatch ran its segment on exactly the rows routed to this rank's experts (counted from the
     unsharded model's own routing); returns them per MoE layer."""
     chosen = []
-    hooks = [m.register_forward_pre_hook(lambda _, args: chosen.append(args[1].flatten()))
-             for name, m in model.named_modules() if name.endswith("mlp.experts")]
+    hooks = [
+        m.register_forward_pre_hook(lambda _, args: chosen.append(args[1].flatten()))
+        for name, m in model.named_modules()
+        if name.endswith("mlp.experts")
+    ]
     model(x)
     for hook in hooks:
         hook.remove()
@@ -77,10 +85,18 @@ def _routed_to_owners(model, sharded, x) -> list[int]:
 
 
 def _all_to_all_cases(world: int) -> list:
-    return {2: [("mixtral", lambda: mixtral()), ("qwen3-moe batched", lambda: _batched(qwen3_moe())),
-                ("deepseek-v3", lambda: deepseek_v3())],
-            4: [("mixtral 6 experts", lambda: mixtral(experts=6)), ("qwen3-moe", lambda: qwen3_moe()),
-                ("deepseek-v3 starved", lambda: _starved(deepseek_v3()))]}[world]
+    return {
+        2: [
+            ("mixtral", lambda: mixtral()),
+            ("qwen3-moe batched", lambda: _batched(qwen3_moe())),
+            ("deepseek-v3", lambda: deepseek_v3()),
+        ],
+        4: [
+            ("mixtral 6 experts", lambda: mixtral(experts=6)),
+            ("qwen3-moe", lambda: qwen3_moe()),
+            ("deepseek-v3 starved", lambda: _starved(deepseek_v3())),
+        ],
+    }[world]
 
 
 def _all_to_all_models(world: int) -> list:
@@ -157,8 +173,13 @@ def _mesh_training(rank: int, world: int) -> None:
     "ep" (HSDP), experts dealt over "ep" (and "tp" with experts="all-to-all", or split over "tp": EP x expert TP),
     their gradients summed over "dp"; three SGD steps equal one process on every replica's tokens."""
     from torch.distributed.device_mesh import init_device_mesh
-    for dims, experts in ((("dp", "ep"), None), (("ep", "tp"), "all-to-all"), (("ep", "tp"), "tensor"),
-                          (("dp", "tp"), "all-to-all")):
+
+    for dims, experts in (
+        (("dp", "ep"), None),
+        (("ep", "tp"), "all-to-all"),
+        (("ep", "tp"), "tensor"),
+        (("dp", "tp"), "all-to-all"),
+    ):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=dims)
         model = _mesh_model()
         reference = copy.deepcopy(model)
@@ -179,8 +200,11 @@ def _mesh_training(rank: int, world: int) -> None:
                 loss.backward()
             if step == 0:  # the experts' all-to-alls are the plan's (FSDP's own collectives beside them)
                 for phase, comm in (("forward", forward), ("backward", backward)):
-                    assert plan_ops(comm_counts(comm)).get("all_to_all", 0) == \
-                        plan.collective_counts(phase)["all_to_all"] > 0, (dims, phase, comm_counts(comm))
+                    assert (
+                        plan_ops(comm_counts(comm)).get("all_to_all", 0)
+                        == plan.collective_counts(phase)["all_to_all"]
+                        > 0
+                    ), (dims, phase, comm_counts(comm))
             optimizer.step()
             optimizer.zero_grad()
             (sum(reference(x).logits.square().mean() for x in everyone) / len(everyone)).backward()
@@ -201,6 +225,7 @@ def test_the_solver_prices_every_expert_strategy_and_keeps_the_cheapest(tmp_path
     explain PLAN experts` lists each with its time.  Gate/up pairs interleaved in 2 x 6 columns cannot be split
     in whole pairs on 4 ranks; in 2 x 48 they can."""
     from autotp.tools.report import explain_table
+
     winners = set()
     for ffn, world, ep in ((6, 4, 1), (48, 4, 1), (6, 2, 2), (48, 2, 2)):
         model, args = moe.build(blocks=1, ffn=ffn, interleaved=True, bias=True)
@@ -222,6 +247,7 @@ def test_the_solver_prices_every_expert_strategy_and_keeps_the_cheapest(tmp_path
 
 def _render(table) -> str:
     from rich.console import Console
+
     console = Console(width=200, record=True, file=None)
     with console.capture() as captured:
         console.print(table)
@@ -237,8 +263,9 @@ def test_all_to_all_is_priced_on_the_links_it_crosses():
     args = (torch.empty(2, 2048, 4096, device="meta"),)
     per_byte = {}
     for ep in (1, 2):
-        plan = autotp.plan(model, args, world_size=8, ep=ep, topology="2x-dgx-h100", experts="all-to-all",
-                           training=False)
+        plan = autotp.plan(
+            model, args, world_size=8, ep=ep, topology="2x-dgx-h100", experts="all-to-all", training=False
+        )
         moved = [c for c in plan.collectives if c["op"] == "all_to_all" and not c.get("counts")]
         assert moved and {c["group"] for c in moved} == {"tp" if ep == 1 else "ep x tp"}, moved
         per_byte[ep] = max(c["seconds"] / c["bytes"] for c in moved)

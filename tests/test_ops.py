@@ -6,6 +6,7 @@ laid out as the strategy reads them (a slice, the whole, or random summands of a
 its row's local form for that rank, and the pieces must be the full op's output laid out as the strategy
 says.  No process group is needed: a rule that proposes anything inexact fails here.
 """
+
 from __future__ import annotations
 
 import operator
@@ -48,15 +49,18 @@ def pointwise(m, x, y):
     h = aten.sub.Scalar(aten.neg.default(aten.clone.default(h)), 0.5)
     h = aten.detach.default(aten.alias.default(aten.contiguous.default(h))) + h
     h = aten.to.dtype(aten._to_copy.default(h, dtype=torch.float32), torch.float64)
-    h = aten.to.device(aten.to.dtype_layout(h, dtype=torch.float64, layout=torch.strided), torch.device("cpu"),
-                       torch.float64)
+    h = aten.to.device(
+        aten.to.dtype_layout(h, dtype=torch.float64, layout=torch.strided), torch.device("cpu"), torch.float64
+    )
     h = torch.nn.functional.silu(h) + torch.nn.functional.gelu(h) + torch.erf(h) * torch.cos(h) - torch.sin(h)
     h = h + h.pow(2)
     h = torch.tanh(h) + torch.relu(h) + torch.sigmoid(h) * torch.exp(-h.abs()) + torch.rsqrt(h.abs() + 1)
     h = aten.dropout.default(h + torch.sqrt(h.abs()), 0.1, False)
     masks = [op(h, y) for op in (torch.eq, torch.ne, torch.lt, torch.gt, torch.le, torch.ge)]
-    masks = [m & op(h, 0.5) for m, op in zip(masks, (torch.eq, torch.ne, torch.lt, torch.gt, torch.le, torch.ge),
-                                                 strict=True)]
+    masks = [
+        m & op(h, 0.5)
+        for m, op in zip(masks, (torch.eq, torch.ne, torch.lt, torch.gt, torch.le, torch.ge), strict=True)
+    ]
     h = torch.where(masks[3], h, y).masked_fill(masks[2], 0.0).masked_fill(masks[1], torch.tensor(0.25))
     h = h.clamp(-2.0, 2.0) + h.clamp_min(-1.0) + h.clamp_max(1.0) + torch.clamp(h, min=y - 3)
     h = h.square() + torch.nn.functional.softplus(h) + torch.expm1(h / 4) + (1 - h) + torch.zeros_like(h)
@@ -165,6 +169,7 @@ def flex(m, x):
 
     def score(value, batch, head, query, key):
         return value - (head + 1) * 0.1 * (query - key).abs()
+
     mask = create_block_mask(lambda batch, head, query, key: query >= key, None, None, s, s, device=x.device)
     return flex_attention(q, k, v, score_mod=score, block_mask=mask, enable_gqa=True)
 
@@ -231,8 +236,9 @@ def channels(m, image, x):
     channels pass through each."""
     h = torch.nn.functional.conv2d(image, torch._weight_norm(m.v, m.g, 0))  # [2, H, 3, 3]
     h = torch.nn.functional.glu(torch.cat([h, h.flip([2, 3])], 3), dim=3) + torch.acos(torch.tanh(h) / 2)
-    pooled = (torch.nn.functional.avg_pool2d(h, 2, stride=1).sum((2, 3)) +
-              torch.nn.functional.adaptive_avg_pool2d(h, 1).flatten(1))
+    pooled = torch.nn.functional.avg_pool2d(h, 2, stride=1).sum((2, 3)) + torch.nn.functional.adaptive_avg_pool2d(
+        h, 1
+    ).flatten(1)
     pooled = pooled + torch.nn.functional.unfold(h, (2, 1), padding=(1, 0)).sum(-1).unflatten(1, (H, 2)).sum(-1)
     for mode in ("nearest", "bilinear", "bicubic"):
         pooled = pooled + torch.nn.functional.interpolate(h, size=(4, 5), mode=mode).sum((2, 3))
@@ -249,9 +255,18 @@ def selections(m, x, ids):
     h = x * m.w  # [2, 5, H]
     values, where = h.max(-1, keepdim=True)
     low, _ = h.min(1)
-    h = (h - values + torch.amax(h, 1, keepdim=True) + torch.amin(h, (0, 1)) + torch.logsumexp(h, 1, keepdim=True)
-         + torch.linalg.vector_norm(h, dim=-1, keepdim=True) + where + low.unsqueeze(1)
-         + h.argmax(1, keepdim=True) + h.argmin(-1, keepdim=True))
+    h = (
+        h
+        - values
+        + torch.amax(h, 1, keepdim=True)
+        + torch.amin(h, (0, 1))
+        + torch.logsumexp(h, 1, keepdim=True)
+        + torch.linalg.vector_norm(h, dim=-1, keepdim=True)
+        + where
+        + low.unsqueeze(1)
+        + h.argmax(1, keepdim=True)
+        + h.argmin(-1, keepdim=True)
+    )
     picked = torch.gather(h, 2, ids) + h.scatter(2, ids, 0.5)[..., :3] + h.scatter(2, ids, h[..., 3:6])[..., :3]
     h = h + torch.nn.functional.rms_norm(h, (H,), m.w, 1e-6)
     heads = h.view(2, 5, HEADS, D).transpose(1, 2)
@@ -299,35 +314,74 @@ def linear_mixer(m, x):
 
 SAMPLES = {
     "pointwise": (lambda: Program(pointwise, w=(H,)), lambda: (_floats(2, 5, H), _floats(2, 5, H))),
-    "products": (lambda: Program(products, up=(FFN, H), up_bias=(FFN,), down=(H, FFN), proj=(H, H),
-                                 left=(4, 3, 6), right=(4, 6, H)), lambda: (_floats(2, 5, H), _floats(7, H))),
-    "attention": (lambda: Program(attention, q=(HEADS * D, H), k=(KV * D, H), v=(KV * D, H), o=(H, HEADS * D)),
-                  lambda: (_floats(2, 5, H), _floats(2, HEADS, 5, 5))),
-    "fused_qkv": (lambda: Program(fused_qkv, qkv=((HEADS + 2 * KV) * D, H), gate_up=(2 * FFN, HEADS * D),
-                                  down=(H, FFN)), lambda: (_floats(2, 5, H),)),
-    "language_model": (lambda: Program(language_model, table=(VOCAB, H), scale=(H,), shift=(H,)),
-                       lambda: (torch.randint(0, VOCAB, (2, 5)),)),
+    "products": (
+        lambda: Program(
+            products, up=(FFN, H), up_bias=(FFN,), down=(H, FFN), proj=(H, H), left=(4, 3, 6), right=(4, 6, H)
+        ),
+        lambda: (_floats(2, 5, H), _floats(7, H)),
+    ),
+    "attention": (
+        lambda: Program(attention, q=(HEADS * D, H), k=(KV * D, H), v=(KV * D, H), o=(H, HEADS * D)),
+        lambda: (_floats(2, 5, H), _floats(2, HEADS, 5, 5)),
+    ),
+    "fused_qkv": (
+        lambda: Program(fused_qkv, qkv=((HEADS + 2 * KV) * D, H), gate_up=(2 * FFN, HEADS * D), down=(H, FFN)),
+        lambda: (_floats(2, 5, H),),
+    ),
+    "language_model": (
+        lambda: Program(language_model, table=(VOCAB, H), scale=(H,), shift=(H,)),
+        lambda: (torch.randint(0, VOCAB, (2, 5)),),
+    ),
     "layouts": (lambda: Program(layouts, w=(H,), square=(H, H)), lambda: (_floats(2, 5, H),)),
     "constant_cuts": (lambda: Program(constant_cuts, qkv=(4 * D, H)), lambda: (_floats(2, 5, H),)),
     "flex": (lambda: Program(flex, q=(HEADS * D, H), k=(KV * D, H), v=(KV * D, H)), lambda: (_floats(2, 5, H),)),
-    "packed_attention": (lambda: Program(packed_attention, packed=(3 * HEADS * D, H), cross=(3 * HEADS * D, H)),
-                         lambda: (_floats(2, 5, H),)),
-    "einsums": (lambda: Program(einsums, q=(HEADS * D, H), k=(HEADS * D, H), o=(H, HEADS * D)),
-                lambda: (_floats(2, 5, H),)),
-    "convolutions": (lambda: Program(convolutions, mix=(FFN, H, 3), depthwise=(FFN, 1, 5), depthwise_bias=(FFN,),
-                                     patch=(H, 3, 2, 2), patch_bias=(H,), bn_mean=(H,),
-                                     bn_var=(H,), bn_w=(H,), bn_b=(H,)),
-                     lambda: (_floats(2, 5, H), _floats(2, 3, 4, 4))),
+    "packed_attention": (
+        lambda: Program(packed_attention, packed=(3 * HEADS * D, H), cross=(3 * HEADS * D, H)),
+        lambda: (_floats(2, 5, H),),
+    ),
+    "einsums": (
+        lambda: Program(einsums, q=(HEADS * D, H), k=(HEADS * D, H), o=(H, HEADS * D)),
+        lambda: (_floats(2, 5, H),),
+    ),
+    "convolutions": (
+        lambda: Program(
+            convolutions,
+            mix=(FFN, H, 3),
+            depthwise=(FFN, 1, 5),
+            depthwise_bias=(FFN,),
+            patch=(H, 3, 2, 2),
+            patch_bias=(H,),
+            bn_mean=(H,),
+            bn_var=(H,),
+            bn_w=(H,),
+            bn_b=(H,),
+        ),
+        lambda: (_floats(2, 5, H), _floats(2, 3, 4, 4)),
+    ),
     "scans": (lambda: Program(scans, w=(H,)), lambda: (_floats(2, 5, H),)),
-    "channels": (lambda: Program(channels, v=(H, 3, 2, 2), g=(H, 1, 1, 1)),
-                 lambda: (_floats(2, 3, 4, 4), _floats(2, 5, H))),
-    "selections": (lambda: Program(selections, w=(H,)),
-                   lambda: (_floats(2, 5, H), torch.randint(0, H, (2, 5, 3)))),
+    "channels": (
+        lambda: Program(channels, v=(H, 3, 2, 2), g=(H, 1, 1, 1)),
+        lambda: (_floats(2, 3, 4, 4), _floats(2, 5, H)),
+    ),
+    "selections": (lambda: Program(selections, w=(H,)), lambda: (_floats(2, 5, H), torch.randint(0, H, (2, 5, 3)))),
     "written": (lambda: Program(written, w=(H,)), lambda: (_floats(2, 5, H),)),
     "linear_mixer": (lambda: Program(linear_mixer, qkv=(3 * H, H), dw=(3 * H, 1, 3)), lambda: (_floats(2, 5, H),)),
-    "conformer": (lambda: Program(conformer, pw1=(2 * FFN, H, 1), pw1_bias=(2 * FFN,), dw=(FFN, 1, 3), dw_bias=(FFN,),
-                                  bn_mean=(FFN,), bn_var=(FFN,), bn_w=(FFN,), bn_b=(FFN,), pw2=(H, FFN, 1),
-                                  pw2_bias=(H,)), lambda: (_floats(2, 5, H),)),
+    "conformer": (
+        lambda: Program(
+            conformer,
+            pw1=(2 * FFN, H, 1),
+            pw1_bias=(2 * FFN,),
+            dw=(FFN, 1, 3),
+            dw_bias=(FFN,),
+            bn_mean=(FFN,),
+            bn_var=(FFN,),
+            bn_w=(FFN,),
+            bn_b=(FFN,),
+            pw2=(H, FFN, 1),
+            pw2_bias=(H,),
+        ),
+        lambda: (_floats(2, 5, H),),
+    ),
     "experts": (lambda: Program(experts, w=(3, H, 8)), lambda: (_floats(8, H), torch.tensor([0, 0, 0, 1, 1, 2, 2, 2]))),
 }
 
@@ -367,6 +421,7 @@ def _values(gm: torch.fx.GraphModule, inputs: tuple) -> dict:
             live[node] = super().run_node(node)
             values[node] = torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, live[node])
             return live[node]
+
     Recorder(gm).run(*inputs)
     return values
 
@@ -379,16 +434,20 @@ def _piece(value, placement, rank: int, world: int, rng: torch.Generator):
         return take_local(value, placement, rank, world)
     if isinstance(placement, Partial):  # random summands, the same on every simulated rank (seeded per value)
         state = rng.get_state()
-        others = [torch.randn(value.shape, dtype=value.dtype, generator=rng) if value.is_floating_point() or
-                  value.is_complex() else torch.randint(-9, 9, value.shape, dtype=value.dtype, generator=rng)
-                  for _ in range(world - 1)]
+        others = [
+            torch.randn(value.shape, dtype=value.dtype, generator=rng)
+            if value.is_floating_point() or value.is_complex()
+            else torch.randint(-9, 9, value.shape, dtype=value.dtype, generator=rng)
+            for _ in range(world - 1)
+        ]
         rng.set_state(state)
         return value - sum(others) if rank == 0 else others[rank - 1]
     return value
 
 
-def _local_output(gm: torch.fx.GraphModule, node: torch.fx.Node, strategy, values: dict, rank: int, world: int,
-                  rng: torch.Generator):
+def _local_output(
+    gm: torch.fx.GraphModule, node: torch.fx.Node, strategy, values: dict, rank: int, world: int, rng: torch.Generator
+):
     """``node`` run as ``rank`` under ``strategy``: a one-node program in the op's local form for that rank."""
     graph, env, feed = torch.fx.Graph(), {}, []
     wants = dict(zip(input_slots(node), strategy.inputs, strict=True))
@@ -450,8 +509,9 @@ def _candidates(gm: torch.fx.GraphModule, world: int) -> dict:
 @pytest.fixture(scope="module")
 def captured():
     torch.manual_seed(0)
-    return {name: (prepared_graph(make(), args), args) for name, (make, inputs) in SAMPLES.items()
-            for args in [inputs()]}
+    return {
+        name: (prepared_graph(make(), args), args) for name, (make, inputs) in SAMPLES.items() for args in [inputs()]
+    }
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -479,8 +539,9 @@ def test_every_row_with_a_rule_is_exercised(captured):
     proposed = set()
     for gm, _ in captured.values():
         for world in (2, 3, 4):
-            proposed |= {str(n.target) for n, options in _candidates(gm, world).items() if any(not s.replicated
-                                                                                                for s in options)}
+            proposed |= {
+                str(n.target) for n, options in _candidates(gm, world).items() if any(not s.replicated for s in options)
+            }
     ruled = {str(target) for target, row in TABLE.items() if row.rule is not None}
     assert ruled - proposed == set()
 
@@ -489,6 +550,7 @@ def test_rows_agree_with_the_schemas():
     """What a row says of aliasing matches PyTorch's schema, except where the table says why (a copy unless
     already contiguous, a cast that copies), and every layout op is a view or a lookup (``w[ids]``) or cast."""
     from autotp.ops.semantics import may_alias
+
     for target, row in TABLE.items():
         if isinstance(target, torch._ops.OpOverload) and row.view:
             assert may_alias(target), target

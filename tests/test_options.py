@@ -1,5 +1,6 @@
 """Options are typed values built once at the public boundary: a misspelt or misplaced one fails in one line
 before anything runs, every field says what it is for, and the memory default is written once."""
+
 from __future__ import annotations
 
 import ast
@@ -61,8 +62,9 @@ def test_every_field_has_a_docstring():
         for i, stmt in enumerate(body):
             if isinstance(stmt, ast.AnnAssign):
                 following = body[i + 1] if i + 1 < len(body) else None
-                assert isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant), \
+                assert isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant), (
                     f"{cls.name}.{stmt.target.id} has no docstring"
+                )
 
 
 def test_the_memory_limit_is_one_fraction_of_the_device():

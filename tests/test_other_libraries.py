@@ -1,6 +1,7 @@
 """Model code from another library, installed from PyPI (the dev extra), never copied: x-transformers' decoder
 (einops rearranges, attention as einsums, rotary computed with autocast off, grouped KV heads) is split by heads
 and exact at 2 ranks."""
+
 from __future__ import annotations
 
 import pytest
@@ -17,8 +18,9 @@ VOCAB, DEPTH = 256, 2
 
 def decoder(kv_heads: int):
     torch.manual_seed(0)
-    layers = x_transformers.Decoder(dim=64, depth=DEPTH, heads=4, attn_kv_heads=kv_heads, rotary_pos_emb=True,
-                                    attn_dim_head=16)
+    layers = x_transformers.Decoder(
+        dim=64, depth=DEPTH, heads=4, attn_kv_heads=kv_heads, rotary_pos_emb=True, attn_dim_head=16
+    )
     return x_transformers.TransformerWrapper(num_tokens=VOCAB, max_seq_len=64, attn_layers=layers).eval()
 
 

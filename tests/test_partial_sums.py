@@ -2,6 +2,7 @@
 the operand.  Parallel attention + MLP blocks with biases then run one forward all-reduce per block,
 as bias-free ones do, and sequential ones two (Megatron).  Also: an encoder whose sequence length is
 fixed by its config and does not divide the ranks (ViT, 17 tokens) runs exactly."""
+
 from __future__ import annotations
 
 import functools

@@ -1,4 +1,5 @@
 """Pipeline stages (torch.distributed.pipelining) composed with autotp's TP and FSDP2: training equals one process."""
+
 from __future__ import annotations
 
 import datetime
@@ -27,8 +28,17 @@ from tests.helpers.exact import TOL
 from tests.helpers.training import SEQ, STEPS, VOCAB, adamw, batch, llama, token_loss, trained_in_one_process
 
 
-def _train(rank: int, world: int, dims: tuple, names: tuple, schedule: str, stages, want: tuple,
-           build=llama, virtual: int | None = None) -> dict:
+def _train(
+    rank: int,
+    world: int,
+    dims: tuple,
+    names: tuple,
+    schedule: str,
+    stages,
+    want: tuple,
+    build=llama,
+    virtual: int | None = None,
+) -> dict:
     """Train on this rank's mesh slice and compare with one process: each step's loss on the last stage
     (mean over micro-batches, then over data-parallel replicas), every full parameter after the last step."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -38,13 +48,15 @@ def _train(rank: int, world: int, dims: tuple, names: tuple, schedule: str, stag
     import autotp.api
     from autotp.options import MeshOptions, PlanOptions, RunOptions
     from autotp.parallel.pipeline import pipeline
+
     mesh = init_device_mesh("cpu", dims, mesh_dim_names=names)
 
     def shard_stage(model, args, kwargs, graph, fixed):
         module = graph
         if "tp" in names:
-            module = autotp.api.tensor_parallel(model, args, kwargs, PlanOptions(fixed=fixed),
-                                                RunOptions(group=mesh["tp"].get_group()), graph=graph)
+            module = autotp.api.tensor_parallel(
+                model, args, kwargs, PlanOptions(fixed=fixed), RunOptions(group=mesh["tp"].get_group()), graph=graph
+            )
         return fully_shard(module, mesh=mesh["dp"]) if "dp" in names else module
 
     x, y = batch()
@@ -137,8 +149,12 @@ def test_zero_bubble_schedules_train_like_one_process():
     places stages in a V (rank 0 holds the first and the last), InterleavedZeroBubble in a loop, DualPipeV (a
     schedule name the README lists) in a V as ZBV does.  ZBV is given as a class with its stages (names resolve as
     test_schedules.py checks)."""
-    run_local(2, _pp2, trained_in_one_process(),
-              [("InterleavedZeroBubble", None), (ScheduleZBVZeroBubble, [0, 1, 2, 3]), ("DualPipeV", None)])
+    run_local(
+        2,
+        _pp2,
+        trained_in_one_process(),
+        [("InterleavedZeroBubble", None), (ScheduleZBVZeroBubble, [0, 1, 2, 3]), ("DualPipeV", None)],
+    )
 
 
 def _four_per_rank(rank: int, world: int, want: tuple) -> None:
@@ -161,16 +177,21 @@ def test_tp2_pp2_zero_bubble_v_trains_like_one_process():
 
 def _starts(profile, stages: int = 2, limit: float = math.inf) -> list:
     """1F1B over ``stages`` ranks, 4 micro-batches of 1 sample."""
-    return stage_starts(profile, Candidate(1, stages, 1, microbatch_size=1, schedule="1f1b"),
-                        Setting(load_topology(None), 4, True, "fsdp", limit, 0.0))
+    return stage_starts(
+        profile,
+        Candidate(1, stages, 1, microbatch_size=1, schedule="1f1b"),
+        Setting(load_topology(None), 4, True, "fsdp", limit, 0.0),
+    )
 
 
 def test_block_profiles_price_blocks_alike_and_the_head_on_the_last_stage(tmp_path):
     """Priced on a device whose products cost their FLOPs alone (at these toy sizes an H100's products all cost
     about one kernel's overhead, whatever their size), so that a larger vocabulary makes a heavier head."""
     flat = tmp_path / "flat.json"
-    flat.write_text('{"name": "flat", "extends": "dgx-h100", "figures": {}, "products": {"peak_fraction": {"value": '
-                    '0.7, "source": "test: FLOPs alone"}, "points": []}}')
+    flat.write_text(
+        '{"name": "flat", "extends": "dgx-h100", "figures": {}, "products": {"peak_fraction": {"value": '
+        '0.7, "source": "test: FLOPs alone"}, "points": []}}'
+    )
     x = torch.randint(0, VOCAB, (2, SEQ))
     model = llama(layers=5)
     fold = find_blocks(model)
@@ -222,6 +243,7 @@ def _stage_dies(rank: int, port: int, queue) -> None:
 
     from autotp.options import MeshOptions
     from autotp.parallel.pipeline import pipeline
+
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=20))
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
@@ -245,9 +267,11 @@ def test_a_dead_stage_makes_the_others_raise_in_time():
     """The last stage dies in its first forward: the first stage's send raises the CollectiveError
     reliability.md documents, naming its stages, the "pp" dimension and the peer stage's rank, within a minute."""
     [(message, seconds)] = run_unsupervised(2, _stage_dies, reports=1)
-    assert message.startswith("CollectiveError: autotp: a send or receive of pipeline stage(s) [0] over mesh "
-                              "dimension 'pp' (ranks [0, 1]) with stage 1 on rank 1 did not complete: "
-                              "a peer died"), message
+    assert message.startswith(
+        "CollectiveError: autotp: a send or receive of pipeline stage(s) [0] over mesh "
+        "dimension 'pp' (ranks [0, 1]) with stage 1 on rank 1 did not complete: "
+        "a peer died"
+    ), message
     assert seconds < 60, (message, seconds)
 
 
@@ -257,8 +281,9 @@ class _SkipOver(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.embed = torch.nn.Linear(8, 16)
-        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh())
-                                          for _ in range(3))
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh()) for _ in range(3)
+        )
         self.head = torch.nn.Linear(16, 4)
 
     def forward(self, x):
@@ -296,15 +321,21 @@ def test_stages_built_alone_chain_into_the_model():
     each captured without the others' blocks, chain into exactly the model's logits, at another batch and sequence
     length than they were captured at."""
     from transformers import GPT2LMHeadModel, MixtralForCausalLM
-    gpt2 = GPT2LMHeadModel(configs.gpt2(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=4, bos_token_id=0,
-                                        eos_token_id=0)).eval()
-    mixtral = MixtralForCausalLM(configs.mixtral(vocab_size=VOCAB, num_hidden_layers=4,
-                                                 max_position_embeddings=131072)).eval()
+
+    gpt2 = GPT2LMHeadModel(
+        configs.gpt2(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=4, bos_token_id=0, eos_token_id=0)
+    ).eval()
+    mixtral = MixtralForCausalLM(
+        configs.mixtral(vocab_size=VOCAB, num_hidden_layers=4, max_position_embeddings=131072)
+    ).eval()
     x = torch.randint(0, VOCAB, (2, SEQ))
     other = torch.randint(0, VOCAB, (3, 5))
     cuts = {"llama": ([0, 2], [0, 1, 3]), "mixtral": ([0, 1, 3],), "gpt2": ([0, 1, 3],)}
-    for name, model, path in [("llama", llama().eval(), "model.layers"), ("mixtral", mixtral, "model.layers"),
-                              ("gpt2", gpt2, "transformer.h")]:
+    for name, model, path in [
+        ("llama", llama().eval(), "model.layers"),
+        ("mixtral", mixtral, "model.layers"),
+        ("gpt2", gpt2, "transformer.h"),
+    ]:
         for starts in cuts[name]:
             bounds = [*starts, 4]
             stages = [stage_graph(model, (x,), {}, path, 4, a, b) for a, b in itertools.pairwise(bounds)]
@@ -320,6 +351,7 @@ def test_stages_built_alone_chain_into_the_model():
 def test_a_graph_captured_from_a_view_runs_on_any_tensor():
     """torch.export guards a view input on its base; pipelining's stages receive detached tensors (no base)."""
     from autotp.passes.capture import capture
+
     model = llama(layers=1)
     tokens = torch.randint(0, VOCAB, (4, SEQ + 1))
     gm = capture(model, (tokens[:, :-1].chunk(2)[0],))  # a training loop's inputs: a slice of a micro-batch
@@ -329,6 +361,7 @@ def test_a_graph_captured_from_a_view_runs_on_any_tensor():
 
 class _OneRankOfTwo:
     """The "pp" dimension of a 2-stage mesh as pipeline() reads it before any communication."""
+
     mesh_dim_names, ndim = ("pp",), 1
 
     def __getitem__(self, name):
@@ -346,6 +379,7 @@ class _OneRankOfTwo:
 
 def test_parallelize_chooses_stages_under_its_memory_limit():
     import autotp
+
     x = torch.randint(0, VOCAB, (2, SEQ))
     with pytest.raises(StageError, match="no split of the 4 blocks into 2 stages fits 1e-06 GB"):
         autotp.parallelize(llama(), (x,), mesh=_OneRankOfTwo(), loss_fn=token_loss, memory_limit=1e3)
@@ -353,14 +387,30 @@ def test_parallelize_chooses_stages_under_its_memory_limit():
 
 def _gpt2():
     from transformers import GPT2LMHeadModel
+
     torch.manual_seed(0)
-    config = configs.gpt2(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=4, tie_word_embeddings=True,
-                          attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    config = configs.gpt2(
+        vocab_size=VOCAB,
+        n_positions=32,
+        n_embd=32,
+        n_layer=4,
+        tie_word_embeddings=True,
+        attn_pdrop=0.0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return GPT2LMHeadModel(config)
 
 
-@pytest.mark.parametrize("dims,names", [pytest.param((2,), ("pp",), marks=pytest.mark.slow),  # TP 2 x PP 2 has it
-                                        ((2, 2), ("pp", "tp"))])
+@pytest.mark.parametrize(
+    "dims,names",
+    [
+        pytest.param((2,), ("pp",), marks=pytest.mark.slow),  # TP 2 x PP 2 has it
+        ((2, 2), ("pp", "tp")),
+    ],
+)
 def test_tied_embeddings_on_two_stages_train_like_one_process(dims, names):
     """GPT-2's tied input and output embeddings on PP 2 and TP 2 x PP 2: both end stages hold the weight and sum its
     gradient (Megatron's embedding group); 3 AdamW steps equal one process, and the weight is saved once (the
@@ -374,13 +424,19 @@ def _tied_fixed(rank: int, world: int, want: tuple) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     import autotp
+
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
     x, y = batch()
     model = _gpt2()
-    pipelined = autotp.parallelize(model, (x,), mesh=mesh, loss_fn=token_loss, microbatches=4,
-                                   fixed={"transformer.wte.weight": "S(1)"})
-    placed = {name: module.autotp_plan.params[name] for module in pipelined.modules.values()
-              for name in ("transformer.wte.weight", "lm_head.weight") if name in module.autotp_plan.params}
+    pipelined = autotp.parallelize(
+        model, (x,), mesh=mesh, loss_fn=token_loss, microbatches=4, fixed={"transformer.wte.weight": "S(1)"}
+    )
+    placed = {
+        name: module.autotp_plan.params[name]
+        for module in pipelined.modules.values()
+        for name in ("transformer.wte.weight", "lm_head.weight")
+        if name in module.autotp_plan.params
+    }
     losses = []
     pipelined.step(x, target=y, losses=losses)
     if losses:

@@ -1,4 +1,5 @@
 """Planning without a process group: decisions, the plan file, and clear errors."""
+
 from __future__ import annotations
 
 import json
@@ -14,14 +15,34 @@ from tests.helpers import configs
 from tests.helpers.models import build
 
 MEGATRON = {  # parameter-name suffix -> expected placement, per architecture (checked, never used to plan)
-    "llama": {"q_proj.weight": "S(0)", "k_proj.weight": "S(0)", "v_proj.weight": "S(0)", "o_proj.weight": "S(1)",
-              "gate_proj.weight": "S(0)", "up_proj.weight": "S(0)", "down_proj.weight": "S(1)"},
-    "gpt2": {"c_attn.weight": "S(1|64,64,64)", "c_attn.bias": "S(0|64,64,64)", "attn.c_proj.weight": "S(0)",
-             "c_fc.weight": "S(1)", "mlp.c_proj.weight": "S(0)"},
-    "phi3": {"qkv_proj.weight": "S(0|64,32,32)", "o_proj.weight": "S(1)", "gate_up_proj.weight": "S(0|128,128)",
-             "down_proj.weight": "S(1)"},
-    "nanogpt": {"c_attn.weight": "S(0|32,32,32)", "c_proj.weight": "S(1)", "mlp.0.weight": "S(0)",
-                "mlp.2.weight": "S(1)"},
+    "llama": {
+        "q_proj.weight": "S(0)",
+        "k_proj.weight": "S(0)",
+        "v_proj.weight": "S(0)",
+        "o_proj.weight": "S(1)",
+        "gate_proj.weight": "S(0)",
+        "up_proj.weight": "S(0)",
+        "down_proj.weight": "S(1)",
+    },
+    "gpt2": {
+        "c_attn.weight": "S(1|64,64,64)",
+        "c_attn.bias": "S(0|64,64,64)",
+        "attn.c_proj.weight": "S(0)",
+        "c_fc.weight": "S(1)",
+        "mlp.c_proj.weight": "S(0)",
+    },
+    "phi3": {
+        "qkv_proj.weight": "S(0|64,32,32)",
+        "o_proj.weight": "S(1)",
+        "gate_up_proj.weight": "S(0|128,128)",
+        "down_proj.weight": "S(1)",
+    },
+    "nanogpt": {
+        "c_attn.weight": "S(0|32,32,32)",
+        "c_proj.weight": "S(1)",
+        "mlp.0.weight": "S(0)",
+        "mlp.2.weight": "S(1)",
+    },
 }
 
 
@@ -39,6 +60,7 @@ def test_plan_on_meta_device_is_megatron(kind):
 def test_fused_qkv_slices_are_matching_heads():
     """Each rank's slice of a fused [q|k|v] weight holds the same heads of q, k and v."""
     from autotp.placement import assemble, take_local
+
     full = torch.arange(3 * 8).view(3 * 8, 1)  # rows: q0..q7 | k0..k7 | v0..v7
     shard = Shard(0, (8, 8, 8))
     parts = [take_local(full, shard, r, 4) for r in range(4)]
@@ -63,10 +85,12 @@ def test_plan_json_round_trip_and_mismatches(tmp_path):
     with pytest.raises(PlanMismatch, match="corrupt JSON"):
         autotp.Plan.load(path)
     raw = json.loads(plan.to_json())
-    for broken, message in [({**raw, "version": 7}, "schema version 7"),
-                            ({k: v for k, v in raw.items() if k != "params"}, "'params' is a required property"),
-                            ({**raw, "params": {"w": "S(x)"}}, "at params/w"),
-                            ({**raw, "world_size": 0}, "at world_size")]:
+    for broken, message in [
+        ({**raw, "version": 7}, "schema version 7"),
+        ({k: v for k, v in raw.items() if k != "params"}, "'params' is a required property"),
+        ({**raw, "params": {"w": "S(x)"}}, "at params/w"),
+        ({**raw, "world_size": 0}, "at world_size"),
+    ]:
         path.write_text(json.dumps(broken))
         with pytest.raises(PlanMismatch, match=re.escape(message)):
             autotp.Plan.load(path)
@@ -115,6 +139,7 @@ def test_world_size_one_is_replicated():
 def test_parallel_branches_share_one_all_reduce():
     """Better than Megatron's two: partial sums of parallel branches are added before one all-reduce."""
     from tests.helpers.models import ParallelBranches
+
     model = torch.nn.Sequential(ParallelBranches(), ParallelBranches())
     plan = autotp.plan(model, (torch.randn(4, 64, 64),), world_size=2)
     forward = [c for c in plan.collectives if c["phase"] == "forward"]

@@ -1,5 +1,6 @@
 """PlanOptions.price_at: a plan captured at small example inputs, priced at the shapes a run uses, is the plan of
 examples of those shapes; dims the capture fixed, and names that are not inputs, are refused in one line."""
+
 from __future__ import annotations
 
 import pytest
@@ -22,19 +23,23 @@ def _ids(batch: int, seq: int) -> torch.Tensor:
 def test_a_small_capture_priced_at_a_run_shape_plans_as_that_shape():
     model = _model()
     small = autotp.plan(model, (), {"input_ids": _ids(2, 8)}, world_size=2, training=False)
-    priced = autotp.plan(model, (), {"input_ids": _ids(2, 8)}, world_size=2, training=False,
-                         price_at={"input_ids": (16, 2048)})
+    priced = autotp.plan(
+        model, (), {"input_ids": _ids(2, 8)}, world_size=2, training=False, price_at={"input_ids": (16, 2048)}
+    )
     direct = autotp.plan(model, (), {"input_ids": _ids(16, 2048)}, world_size=2, training=False)
     assert priced.nodes == direct.nodes and priced.params == direct.params
     assert priced.cost["seconds"] == pytest.approx(direct.cost["seconds"], rel=1e-9)
     assert priced.cost["seconds"] > 2 * small.cost["seconds"]  # the run's tokens are priced, not the example's
 
 
-@pytest.mark.parametrize(("price_at", "message"), [
-    ({"ids": (16, 2048)}, "price_at names 'ids', not a tensor input"),
-    ({"input_ids": (16,)}, "has 1 dims, the example input 2"),
-    ({"input_ids": (0, 2048)}, "price_at maps input names to shapes of positive sizes"),
-])
+@pytest.mark.parametrize(
+    ("price_at", "message"),
+    [
+        ({"ids": (16, 2048)}, "price_at names 'ids', not a tensor input"),
+        ({"input_ids": (16,)}, "has 1 dims, the example input 2"),
+        ({"input_ids": (0, 2048)}, "price_at maps input names to shapes of positive sizes"),
+    ],
+)
 def test_a_price_at_that_is_not_the_inputs_is_refused_in_one_line(price_at, message):
     with pytest.raises(ValueError, match=message):
         autotp.plan(_model(), (), {"input_ids": _ids(2, 8)}, world_size=2, price_at=price_at)
@@ -48,6 +53,7 @@ def test_a_dim_the_capture_fixed_is_refused():
 
         def forward(self, x):
             return self.down(self.up(x).relu())
+
     with torch.device("meta"):
         model, x = Mlp(), torch.zeros(2, 8)
     with pytest.raises(ValueError, match="sets dim 1 to 16, but the capture fixed it at 8: pass an example input"):

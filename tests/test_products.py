@@ -1,6 +1,7 @@
 """Matrix products priced by their shape: each profile's table of measured products and the figures fitted to it,
 the fit judged on sizes it did not see, the op table's product shapes, calibration on this CPU, and the estimates
 beside the H200 measurements of one rank's Mixtral-8x7B MoE layer (README Benchmarks)."""
+
 from __future__ import annotations
 
 import json
@@ -46,8 +47,10 @@ def test_the_h200_fit_predicts_sizes_it_was_not_fitted_to_better_than_a_flat_fra
     points = topo.products.points
     errors = held_out(points, topo.peak_flops, every=len(points))
     flat = [abs(0.7 / f - 1) for *_, f in points]
-    print(f"H200 leave-one-out median {errors['median']:.1%}, max {errors['max']:.1%}; "
-          f"flat 70%: median {sorted(flat)[len(flat) // 2]:.1%}, max {max(flat):.1%}")
+    print(
+        f"H200 leave-one-out median {errors['median']:.1%}, max {errors['max']:.1%}; "
+        f"flat 70%: median {sorted(flat)[len(flat) // 2]:.1%}, max {max(flat):.1%}"
+    )
     assert errors["median"] < sorted(flat)[len(flat) // 2] and errors["max"] < max(flat) / 3
     thin, whole = product_fraction(1024, 4096, 1792, topo), product_fraction(1024, 4096, 14336, topo)
     assert thin < 0.5 < 0.65 < whole  # measured 0.40-0.43 and 0.71-0.72
@@ -64,6 +67,7 @@ def _synthetic(fraction: float, overhead: float, peak: float, slow_every: int = 
         noise = 1 + 0.03 * math.sin(7.0 * i)
         slow = 2.0 if slow_every and groups == 1 and i % slow_every == 0 else 1.0
         return (2.0 * groups * m * n * k / (fraction * peak) + overhead * (1 + 0.5 * (groups - 1))) * noise * slow
+
     return seconds
 
 
@@ -93,11 +97,21 @@ def test_calibrating_products_on_this_cpu_writes_a_table_plans_are_priced_with(t
     assert len(measured["plain"]) == len(CPU_GRID) and measured["dtype"] == "float32"
     table, peak = product_table(measured, "this CPU")
     errors = [r[-1] for r in table["held_out"]["every_fourth"]]
-    print(f"CPU products: peak {peak / 1e9:.1f} GFLOP/s, fraction {table['peak_fraction']['value']:.2f}, overhead "
-          f"{table['overhead_s']['value'] * 1e6:.1f} us; held out: {', '.join(f'{e:.0%}' for e in errors)}")
+    print(
+        f"CPU products: peak {peak / 1e9:.1f} GFLOP/s, fraction {table['peak_fraction']['value']:.2f}, overhead "
+        f"{table['overhead_s']['value'] * 1e6:.1f} us; held out: {', '.join(f'{e:.0%}' for e in errors)}"
+    )
     path = tmp_path / "cpu.json"
-    path.write_text(json.dumps({"name": "cpu", "extends": "dgx-h100", "products": table,
-                                "figures": {"peak_flops": {"value": peak, "source": "this CPU"}}}))
+    path.write_text(
+        json.dumps(
+            {
+                "name": "cpu",
+                "extends": "dgx-h100",
+                "products": table,
+                "figures": {"peak_flops": {"value": peak, "source": "this CPU"}},
+            }
+        )
+    )
     topo = load_topology(path)
     assert topo.products.peak_fraction == table["peak_fraction"]["value"] and len(topo.products.points) == len(CPU_GRID)
     model, args, _ = build("mlp")
@@ -106,6 +120,7 @@ def test_calibrating_products_on_this_cpu_writes_a_table_plans_are_priced_with(t
 
 def _graphs():
     from transformers import MixtralForCausalLM
+
     config = configs.mixtral(num_hidden_layers=1)
     torch.manual_seed(0)
     yield prepared_graph(MixtralForCausalLM(config).eval(), (torch.randint(0, 96, (2, 8)),), None, fold=False)
@@ -120,6 +135,7 @@ def test_each_products_shape_holds_its_flops():
 
     def dims(a):
         return [sizes(s) for s in a.meta["val"].shape]
+
     for gm in _graphs():
         for node in gm.graph.nodes:
             row = op(node.target) if node.op == "call_function" else None
@@ -134,8 +150,10 @@ def test_each_products_shape_holds_its_flops():
 def _one_rank_layer(experts: int, top: int, width: int, rows: int) -> float:
     """Estimated seconds of README's one-rank MoE layer (benchmarks/gpu.py `experts`): forward + backward, bf16."""
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
-    config = configs.mixtral_8x7b(intermediate_size=width, num_local_experts=experts, num_experts_per_tok=top,
-                                  experts_implementation="grouped_mm")
+
+    config = configs.mixtral_8x7b(
+        intermediate_size=width, num_local_experts=experts, num_experts_per_tok=top, experts_implementation="grouped_mm"
+    )
     with torch.device("meta"):
         block = MixtralSparseMoeBlock(config).to(torch.bfloat16)
     x = torch.zeros(1, rows, 4096, dtype=torch.bfloat16, device="meta")
@@ -149,9 +167,13 @@ def test_one_ranks_mixtral_layer_beside_the_h200_measurements():
     account for a difference within the measured one (0.27-1.41 ms across runs)."""
     tensor, whole = _one_rank_layer(8, 2, 1792, 4096), _one_rank_layer(1, 1, 14336, 1024)
     topo = load_topology("dgx-h200")
-    products = {name: 3 * sum(product_time(m, n, k, topo, groups, True) for n, k in ((2 * width, 4096), (4096, width)))
-                for name, (m, width, groups) in {"tensor": (1024, 1792, 8), "whole": (1024, 14336, 1)}.items()}
-    print(f"estimates: expert TP {tensor * 1e3:.2f} ms, whole expert {whole * 1e3:.2f} ms ({tensor / whole:.2f}x); "
-          f"grouped products {products['tensor'] * 1e3:.2f} vs {products['whole'] * 1e3:.2f} ms")
+    products = {
+        name: 3 * sum(product_time(m, n, k, topo, groups, True) for n, k in ((2 * width, 4096), (4096, width)))
+        for name, (m, width, groups) in {"tensor": (1024, 1792, 8), "whole": (1024, 14336, 1)}.items()
+    }
+    print(
+        f"estimates: expert TP {tensor * 1e3:.2f} ms, whole expert {whole * 1e3:.2f} ms ({tensor / whole:.2f}x); "
+        f"grouped products {products['tensor'] * 1e3:.2f} vs {products['whole'] * 1e3:.2f} ms"
+    )
     assert whole < tensor
     assert 0.27e-3 <= products["tensor"] - products["whole"] <= 1.41e-3

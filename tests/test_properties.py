@@ -1,5 +1,6 @@
 """Property-based: random MLP and transformer shapes at world sizes 1-4 (divisible or not) give the
 unsharded model's outputs and gradients.  Few examples each: every one spawns real gloo ranks."""
+
 from __future__ import annotations
 
 import functools
@@ -13,8 +14,12 @@ from tests.helpers import configs
 from tests.helpers.distributed import run_ranks
 from tests.helpers.exact import TOL
 
-SETTINGS = settings(max_examples=5, deadline=None, derandomize=True,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+SETTINGS = settings(
+    max_examples=5,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 
 def _model(build) -> torch.nn.Module:
@@ -45,13 +50,20 @@ class _MLP:
 
     def __call__(self):
         hidden, ffn, bias = self.args
-        return torch.nn.Sequential(torch.nn.Linear(hidden, ffn, bias=bias), torch.nn.GELU(),
-                                   torch.nn.Linear(ffn, hidden, bias=bias))
+        return torch.nn.Sequential(
+            torch.nn.Linear(hidden, ffn, bias=bias), torch.nn.GELU(), torch.nn.Linear(ffn, hidden, bias=bias)
+        )
 
 
 @SETTINGS
-@given(world=st.integers(1, 4), hidden=st.sampled_from([4, 6, 8, 12]), ffn=st.sampled_from([6, 8, 12, 16]),
-       bias=st.booleans(), batch=st.integers(1, 3), seq=st.integers(1, 4))
+@given(
+    world=st.integers(1, 4),
+    hidden=st.sampled_from([4, 6, 8, 12]),
+    ffn=st.sampled_from([6, 8, 12, 16]),
+    bias=st.booleans(),
+    batch=st.integers(1, 3),
+    seq=st.integers(1, 4),
+)
 def test_random_mlps(world, hidden, ffn, bias, batch, seq):
     torch.manual_seed(1)
     build, x = _MLP(hidden, ffn, bias), torch.randn(batch, seq, hidden)
@@ -64,6 +76,7 @@ class _Llama:
 
     def __call__(self):
         from transformers import LlamaForCausalLM
+
         return LlamaForCausalLM(configs.llama(**self.config, max_position_embeddings=32))
 
 
@@ -73,10 +86,14 @@ def test_random_transformers(world, data):
     head_dim = data.draw(st.sampled_from([4, 8]), "head_dim")
     kv = data.draw(st.sampled_from([1, 2, 3, 4]), "kv_heads")
     heads = kv * data.draw(st.integers(1, 3), "group")
-    config = {"hidden_size": heads * head_dim, "num_attention_heads": heads, "num_key_value_heads": kv,
-              "intermediate_size": data.draw(st.sampled_from([8, 12, 24]), "ffn"),
-              "vocab_size": data.draw(st.sampled_from([30, 32, 40]), "vocab"),
-              "num_hidden_layers": data.draw(st.integers(1, 2), "layers")}
+    config = {
+        "hidden_size": heads * head_dim,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "intermediate_size": data.draw(st.sampled_from([8, 12, 24]), "ffn"),
+        "vocab_size": data.draw(st.sampled_from([30, 32, 40]), "vocab"),
+        "num_hidden_layers": data.draw(st.integers(1, 2), "layers"),
+    }
     torch.manual_seed(2)
     x = torch.randint(0, 30, (data.draw(st.integers(1, 2), "batch"), data.draw(st.integers(1, 5), "seq")))
     build = _Llama(**config)

@@ -2,6 +2,7 @@
 computes the scores again in the backward instead of keeping them.  Exact against one process, with
 and without sequence parallelism; what autograd keeps is what the plan estimates; taken only when
 tensor and sequence parallelism alone do not fit."""
+
 from __future__ import annotations
 
 import re
@@ -39,8 +40,7 @@ def _with_attention(kind: str, attention: str) -> tuple:
 
 
 def _two_ranks_models() -> list:
-    return [(_with_attention(kind, attention)[0], (torch.randint(0, 96, EXAMPLE),))
-            for kind, attention, _ in TWO_RANKS]
+    return [(_with_attention(kind, attention)[0], (torch.randint(0, 96, EXAMPLE),)) for kind, attention, _ in TWO_RANKS]
 
 
 def _two_ranks(rank: int, world: int) -> None:
@@ -70,14 +70,26 @@ def test_taken_only_when_sequence_parallelism_does_not_fit():
     from transformers import GPT2LMHeadModel
 
     from autotp.tools.report import activations_table
-    config = configs.gpt2(n_layer=1, n_embd=256, n_head=8, n_positions=2048, vocab_size=512,
-                          activation_function="gelu", attn_implementation="eager", use_cache=True)
+
+    config = configs.gpt2(
+        n_layer=1,
+        n_embd=256,
+        n_head=8,
+        n_positions=2048,
+        vocab_size=512,
+        activation_function="gelu",
+        attn_implementation="eager",
+        use_cache=True,
+    )
     with torch.device("meta"):
         model = GPT2LMHeadModel(config).eval()
     gm = prepared_graph(model, (torch.zeros(4, 2048, dtype=torch.long, device="meta"),), None)
-    core, = attention_cores(gm, needs_grad(gm))  # one block: QK^T, scale, mask, softmax, ·V
+    (core,) = attention_cores(gm, needs_grad(gm))  # one block: QK^T, scale, mask, softmax, ·V
     assert [n.target for n in core if n.target in (aten.matmul.default, aten.softmax.int)] == [
-        aten.matmul.default, aten.softmax.int, aten.matmul.default]
+        aten.matmul.default,
+        aten.softmax.int,
+        aten.matmul.default,
+    ]
     mlp, mlp_args, _ = build("mlp")
     plain = prepared_graph(mlp, mlp_args, None)
     assert attention_cores(plain, needs_grad(plain)) == []  # no softmax between products: nothing to recompute
@@ -104,6 +116,7 @@ def test_cli_plan_with_recomputation(capsys):
     import json
 
     from autotp.tools.cli import main
+
     assert main(["plan", "examples.nanogpt:build", "--world-size", "2", "--recompute", "selective", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["cost"]["recompute"] and not plan["cost"]["token_split"]
@@ -127,6 +140,7 @@ def _pipelined(rank: int, world: int, want: tuple) -> int:
             def counted(*args, forward=forward):
                 again.append(torch._C._current_autograd_node() is not None)  # run by the backward
                 return forward(*args)
+
             core.region.forward = counted
     optimizer, losses = adamw(pipelined.parameters()), []
     for step in range(STEPS):

@@ -1,6 +1,7 @@
 """Autocast and no-grad blocks inside a forward (a rotary embedding computed with autocast off, as einops-style
 libraries write it) are inlined between the calls that enter and leave their mode: the rules see their ops, so
 attention is split by heads, and the region keeps its meaning under the user's autocast."""
+
 from __future__ import annotations
 
 import torch

@@ -2,6 +2,7 @@
 with ``--save-dir``; the test kills one rank from outside (SIGKILL, by pid) while it is held at a known point
 (tests/helpers/held_train.py), torchrun restarts the group, and the run resumes from the newest complete checkpoint.
 The printed loss curve and the last checkpoint's parameters equal one process's uninterrupted training."""
+
 from __future__ import annotations
 
 import os
@@ -21,22 +22,64 @@ from examples.train import build, parse, reference
 from tests.helpers.exact import TOL
 
 ROOT = Path(__file__).resolve().parents[1]
-ARGS = ["--tp", "2", "--steps", "6", "--batch", "4", "--seq", "8", "--layers", "2", "--hidden", "32", "--vocab",
-        "128", "--warmup", "3", "--save-every", "2"]
+ARGS = [
+    "--tp",
+    "2",
+    "--steps",
+    "6",
+    "--batch",
+    "4",
+    "--seq",
+    "8",
+    "--layers",
+    "2",
+    "--hidden",
+    "32",
+    "--vocab",
+    "128",
+    "--warmup",
+    "3",
+    "--save-every",
+    "2",
+]
 
 
 def _run(tmp_path: Path, hold: str, extra: list = ()) -> tuple[str, int]:
     """torchrun of tests.helpers.held_train (a module, from the root) with rank 1 held at ``hold``, killed there:
     (what it printed, its exit code)."""
     held = tmp_path / "held"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "AUTOTP_HOLD": hold, "AUTOTP_HOLD_FILE": str(held),
-           "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "--max-restarts", "1", "--monitor-interval", "0.2", "-m", "tests.helpers.held_train",
-               *ARGS, "--save-dir", str(tmp_path / "run"), *extra]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "AUTOTP_HOLD": hold,
+        "AUTOTP_HOLD_FILE": str(held),
+        "PYTHONPATH": str(ROOT),
+    }
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        "--monitor-interval",
+        "0.2",
+        "-m",
+        "tests.helpers.held_train",
+        *ARGS,
+        "--save-dir",
+        str(tmp_path / "run"),
+        *extra,
+    ]
     log = tmp_path / "printed"
-    with log.open("w") as out, subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                                stdin=subprocess.DEVNULL, cwd=ROOT) as run:
+    with (
+        log.open("w") as out,
+        subprocess.Popen(
+            command, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT
+        ) as run,
+    ):
         deadline = time.monotonic() + 300
         while not held.exists() or not held.read_text():
             assert run.poll() is None and time.monotonic() < deadline, log.read_text()
@@ -56,8 +99,9 @@ def _same_as_one_process(printed: str, tmp_path: Path) -> None:
     model, want = reference(o)
     got = _losses(printed)
     assert sorted(got) == list(range(1, 7)), printed
-    torch.testing.assert_close(torch.tensor([got[s] for s in range(1, 7)]), torch.tensor(want), rtol=1e-4,
-                               atol=2e-6)  # printed to 6 decimals
+    torch.testing.assert_close(
+        torch.tensor([got[s] for s in range(1, 7)]), torch.tensor(want), rtol=1e-4, atol=2e-6
+    )  # printed to 6 decimals
     read = build(o)
     state = autotp.checkpoint_state_dict(read)
     dcp.load(state, checkpoint_id=str(tmp_path / "run" / "step-6"))

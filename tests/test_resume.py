@@ -2,6 +2,7 @@
 ``torch.distributed.checkpoint`` save, a resume on mesh B in the same processes, 2 more steps; the 4 steps' losses,
 parameters and AdamW state equal 4 uninterrupted steps in one process.  The checkpoint also holds the step count,
 the learning-rate scheduler (a warm-up, so its position matters), a data loader's position and the generators."""
+
 from __future__ import annotations
 
 import pytest
@@ -15,10 +16,13 @@ from tests.helpers.exact import TOL
 
 TINY = ["--batch", "4", "--seq", "8", "--layers", "4", "--hidden", "32", "--vocab", "128", "--warmup", "3"]
 SAVED, MORE = 2, 2
-MESHES = {"PP 2 x TP 2": ["--pp", "2", "--tp", "2"], "TP 2 x DP 2": ["--tp", "2", "--dp", "2"],
-          "PP 4": ["--pp", "4", "--tp", "1"], "interleaved PP 2 x 2": ["--pp", "2", "--tp", "2", "--schedule",
-                                                                      "interleaved1f1b", "--microbatches", "4"],
-          "TP 2 x DP 2 from meta": ["--tp", "2", "--dp", "2", "--meta"]}
+MESHES = {
+    "PP 2 x TP 2": ["--pp", "2", "--tp", "2"],
+    "TP 2 x DP 2": ["--tp", "2", "--dp", "2"],
+    "PP 4": ["--pp", "4", "--tp", "1"],
+    "interleaved PP 2 x 2": ["--pp", "2", "--tp", "2", "--schedule", "interleaved1f1b", "--microbatches", "4"],
+    "TP 2 x DP 2 from meta": ["--tp", "2", "--dp", "2", "--meta"],
+}
 
 
 class Position:
@@ -45,18 +49,22 @@ def _steps(trainer: Trainer, data: Position, count: int) -> list[float]:
 def _save_then_resume(rank: int, world: int, first: list, second: list | None, saved: str, final: str) -> list:
     trainer, data = Trainer(parse([*first, *TINY])), Position()
     losses = _steps(trainer, data, SAVED)
-    dcp.save(autotp.checkpoint_state_dict(trainer.model, trainer.optimizer, scheduler=trainer.scheduler,
-                                          data=data, step=SAVED), checkpoint_id=saved)
+    dcp.save(
+        autotp.checkpoint_state_dict(
+            trainer.model, trainer.optimizer, scheduler=trainer.scheduler, data=data, step=SAVED
+        ),
+        checkpoint_id=saved,
+    )
     generator = torch.get_rng_state()  # what dropout would draw its next masks from
     if second is None:  # resumed in one process, by the test
         return losses
     trainer, data = Trainer(parse([*second, *TINY])), Position()
     torch.manual_seed(1234)  # the resumed run must take the generators from the checkpoint
-    state = autotp.checkpoint_state_dict(trainer.model, trainer.optimizer, scheduler=trainer.scheduler, data=data,
-                                         step=0)
+    state = autotp.checkpoint_state_dict(
+        trainer.model, trainer.optimizer, scheduler=trainer.scheduler, data=data, step=0
+    )
     dcp.load(state, checkpoint_id=saved)
-    autotp.load_checkpoint_state_dict(trainer.model, state, trainer.optimizer, scheduler=trainer.scheduler,
-                                      data=data)
+    autotp.load_checkpoint_state_dict(trainer.model, state, trainer.optimizer, scheduler=trainer.scheduler, data=data)
     assert (state["step"], data.next, trainer.scheduler.last_epoch) == (SAVED, SAVED, SAVED)
     assert torch.equal(torch.get_rng_state(), generator)
     losses += _steps(trainer, data, MORE)
@@ -106,7 +114,8 @@ def test_training_state_moves_between_pipeline_and_data_parallel_meshes(first, s
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("first, second", [("PP 2 x TP 2", "PP 4"), ("interleaved PP 2 x 2", None),
-                                           ("PP 2 x TP 2", "TP 2 x DP 2 from meta")])
+@pytest.mark.parametrize(
+    "first, second", [("PP 2 x TP 2", "PP 4"), ("interleaved PP 2 x 2", None), ("PP 2 x TP 2", "TP 2 x DP 2 from meta")]
+)
 def test_training_state_moves_to_other_stage_cuts_one_process_and_a_meta_model(first, second, tmp_path):
     _resumes(first, second, tmp_path)

@@ -1,6 +1,7 @@
 """A run's checkpoint directory (autotp/runtime/run_checkpoints.py), in one process: a save every N steps under a
 temporary name renamed when written, the newest K kept, a cut-short checkpoint never loaded, resume from the newest
 complete one with the model, AdamW, the scheduler and the step, and a SIGTERM that saves and stops the run."""
+
 from __future__ import annotations
 
 import os
@@ -40,8 +41,9 @@ def test_resumes_from_the_newest_complete_checkpoint(tmp_path):
     (tmp_path / "run" / "step-6.partial").mkdir()  # a save cut short: never loaded
     model, after, first = _run(tmp_path / "run", 6, keep=2)
     assert first == 4 and sorted(p.name for p in (tmp_path / "run").iterdir()) == ["step-4", "step-6"]
-    torch.testing.assert_close(torch.tensor([*before.values(), *after.values()]), torch.tensor(list(want.values())),
-                               **TOL)
+    torch.testing.assert_close(
+        torch.tensor([*before.values(), *after.values()]), torch.tensor(list(want.values())), **TOL
+    )
     for name, value in whole.state_dict().items():
         torch.testing.assert_close(model.state_dict()[name], value, **TOL, msg=name)
 
@@ -60,6 +62,7 @@ def test_a_resume_shows_its_load_on_a_terminal(tmp_path):
     from rich.console import Console
 
     from autotp.tools.progress_bars import progress_bars
+
     _run(tmp_path, 2)
     shown = io.StringIO()
     with progress_bars(Console(file=shown, force_terminal=True, width=120)):

@@ -1,6 +1,7 @@
 """The scheduler alone decides which KV blocks hold which tokens, so a slip there corrupts or stalls requests silently:
 these drive it as serving/engine.py does, with a fake model that reads each run's context back through the block table.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -22,7 +23,7 @@ def reference(prompt: list, max_tokens: int) -> list:
     tokens = list(prompt)
     for _ in range(max_tokens):
         tokens.append(next_token(tokens))
-    return tokens[len(prompt):]
+    return tokens[len(prompt) :]
 
 
 class Engine:
@@ -34,9 +35,9 @@ class Engine:
         self.cache: list = [None] * (scheduler.total * scheduler.block_size)
         self.sequences: list = []
         self.steps = 0
-        self.preempted: list = []      # (sequence, its tokens when preempted)
-        self.recomputed: list = []     # (sequence, tokens recomputed before it sampled again)
-        self.recompute: dict = {}      # id(sequence) -> [tokens to recompute, tokens recomputed so far]
+        self.preempted: list = []  # (sequence, its tokens when preempted)
+        self.recomputed: list = []  # (sequence, tokens recomputed before it sampled again)
+        self.recompute: dict = {}  # id(sequence) -> [tokens to recompute, tokens recomputed so far]
 
     def add(self, prompt: list, max_tokens: int, sequence: Sequence | None = None) -> Sequence:
         sequence = sequence or Sequence(list(prompt), max_tokens)
@@ -88,8 +89,8 @@ class Engine:
         preempted = [q for q in before if q in s.waiting or (id(q) in ran and ran[id(q)].start == 0)]
         assert len(preempted) == s.preemptions - preemptions
         rest = [q for q in s.waiting if all(q is not x for x in preempted)]
-        assert list(s.waiting)[len(s.waiting) - len(rest):] == rest, "a preempted sequence is not at the queue's head"
-        assert rest == waiting[len(waiting) - len(rest):], "the queue was not admitted in order"
+        assert list(s.waiting)[len(s.waiting) - len(rest) :] == rest, "a preempted sequence is not at the queue's head"
+        assert rest == waiting[len(waiting) - len(rest) :], "the queue was not admitted in order"
         for q in preempted:
             self.preempted.append((q, len(q.tokens)))
             self.recompute[id(q)] = [len(q.tokens), 0]
@@ -139,8 +140,11 @@ def assert_all_done(engine: Engine) -> None:
 def workloads(draw):
     block_size = draw(st.integers(1, 4))
     blocks = draw(st.integers(2, 12))
-    config = {"max_num_seqs": draw(st.integers(1, 5)), "max_batched_tokens": draw(st.integers(1, 16)),
-              "max_model_len": draw(st.integers(2, 64))}
+    config = {
+        "max_num_seqs": draw(st.integers(1, 5)),
+        "max_batched_tokens": draw(st.integers(1, 16)),
+        "max_model_len": draw(st.integers(2, 64)),
+    }
     longest = min(config["max_model_len"], blocks * block_size)
     arrivals = []
     for _ in range(draw(st.integers(1, 8))):

@@ -1,5 +1,6 @@
 """Pipeline schedules: PyTorch's names and classes, stage placement, micro-batch rules, and their pricing by
 running each schedule's own action table (no process group)."""
+
 from __future__ import annotations
 
 import pytest
@@ -27,11 +28,18 @@ from autotp.parallel.schedules import ScheduleError, resolve
 
 
 def test_names_as_pytorch_spells_them_any_case_and_classes():
-    for name, cls in [("GPipe", ScheduleGPipe), ("gpipe", ScheduleGPipe), ("1F1B", Schedule1F1B),
-                      ("1f1b", Schedule1F1B), ("Interleaved1F1B", ScheduleInterleaved1F1B),
-                      ("interleaved-1f1b", ScheduleInterleaved1F1B), ("LoopedBFS", ScheduleLoopedBFS),
-                      ("interleavedzerobubble", ScheduleInterleavedZeroBubble),
-                      ("ZBVZeroBubble", ScheduleZBVZeroBubble), ("DUALPIPEV", ScheduleDualPipeV)]:
+    for name, cls in [
+        ("GPipe", ScheduleGPipe),
+        ("gpipe", ScheduleGPipe),
+        ("1F1B", Schedule1F1B),
+        ("1f1b", Schedule1F1B),
+        ("Interleaved1F1B", ScheduleInterleaved1F1B),
+        ("interleaved-1f1b", ScheduleInterleaved1F1B),
+        ("LoopedBFS", ScheduleLoopedBFS),
+        ("interleavedzerobubble", ScheduleInterleavedZeroBubble),
+        ("ZBVZeroBubble", ScheduleZBVZeroBubble),
+        ("DUALPIPEV", ScheduleDualPipeV),
+    ]:
         assert resolve(name).cls is cls, name
     assert resolve(ScheduleInterleaved1F1B, 4).per_rank == 4
     assert resolve("1F1B").per_rank == 1 and resolve("Interleaved1F1B").per_rank == 2
@@ -40,6 +48,7 @@ def test_names_as_pytorch_spells_them_any_case_and_classes():
 
     class Mine(ScheduleInterleaved1F1B):
         pass
+
     assert resolve(Mine, 3).cls is Mine
     with pytest.raises(ScheduleError, match="unknown schedule 'pipedream': choose one of GPipe, 1F1B"):
         resolve("pipedream")
@@ -64,8 +73,11 @@ def test_stages_are_placed_as_the_schedule_places_them():
 
 
 def test_microbatch_counts_a_schedule_cannot_run_are_refused_before_anything_is_built():
-    with pytest.raises(ScheduleError, match=r"1F1B schedule cannot run 1 micro-batches over 2 pipeline ranks.*"
-                                            r"greater than or equal to the number of stages"):
+    with pytest.raises(
+        ScheduleError,
+        match=r"1F1B schedule cannot run 1 micro-batches over 2 pipeline ranks.*"
+        r"greater than or equal to the number of stages",
+    ):
         resolve("1F1B").check(2, 1)
     with pytest.raises(ScheduleError, match=r"DualPipeV schedule cannot run 3 .* at least as many microbatches"):
         resolve("DualPipeV").check(2, 3)
@@ -79,8 +91,13 @@ def test_microbatch_counts_a_schedule_cannot_run_are_refused_before_anything_is_
 
 def test_a_table_runs_on_a_clock():
     """GPipe over 2 ranks, 2 micro-batches, stages of unequal speed, half a second per send (by hand)."""
-    table = Table({0: ((0, "F", 0), (0, "F", 1), (0, "B", 0), (0, "B", 1)),
-                   1: ((1, "F", 0), (1, "F", 1), (1, "B", 0), (1, "B", 1))}, (0, 1))
+    table = Table(
+        {
+            0: ((0, "F", 0), (0, "F", 1), (0, "B", 0), (0, "B", 1)),
+            1: ((1, "F", 0), (1, "F", 1), (1, "B", 0), (1, "B", 1)),
+        },
+        (0, 1),
+    )
     run = simulate(table, forward=[1, 2], backward_input=[1, 1], backward_weight=[1, 3], send=0.5)
     # rank 1: F0 1.5-3.5, F1 3.5-5.5, B0 5.5-9.5, B1 9.5-13.5; rank 0: B0 10-12, B1 14-16
     assert run.seconds == 16 and run.busy == [6, 12] and run.held == [2, 2]

@@ -2,6 +2,7 @@
 between the tensor-parallel regions, all-gathered before the column-parallel matmuls and
 reduce-scattered after the row-parallel ones.  Exact against one process, uneven lengths included;
 Megatron-SP's forward communication per block; activation memory measured with saved-tensor hooks."""
+
 from __future__ import annotations
 
 import re
@@ -76,8 +77,10 @@ def test_taken_where_cheaper_or_where_memory_demands_it():
     from transformers import GPT2LMHeadModel
 
     from autotp.tools.report import activations_table
-    config = configs.gpt2(n_layer=1, n_embd=256, n_head=8, n_positions=4096, vocab_size=512, activation_function="gelu",
-                          use_cache=True)
+
+    config = configs.gpt2(
+        n_layer=1, n_embd=256, n_head=8, n_positions=4096, vocab_size=512, activation_function="gelu", use_cache=True
+    )
     with torch.device("meta"):
         model = GPT2LMHeadModel(config)
     args = (torch.zeros(4, 4096, dtype=torch.long, device="meta"),)
@@ -87,6 +90,7 @@ def test_taken_where_cheaper_or_where_memory_demands_it():
 
     def ops(plan):
         return {c["op"] for c in plan.collectives if c["phase"] == "forward"}
+
     assert split.cost["seconds"] > plain.cost["seconds"]
     assert "reduce_scatter" not in ops(autotp.plan(model, args, world_size=2))  # plenty of memory: the cheaper
     limit = (plain.cost["memory"]["total"] + split.cost["memory"]["total"]) / 2
@@ -106,6 +110,7 @@ def test_cli_plan_with_sequence_parallelism(capsys):
     import json
 
     from autotp.tools.cli import main
+
     assert main(["plan", "examples.nanogpt:build", "--world-size", "2", "--sequence-parallel", "on", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["cost"]["token_split"] and {"reduce_scatter", "all_gather"} <= {c["op"] for c in plan["collectives"]}
@@ -114,6 +119,7 @@ def test_cli_plan_with_sequence_parallelism(capsys):
 def test_forcing_it_without_a_token_dim_says_why():
     """A ViT's 17 tokens are fixed by its config (export makes them static): there is nothing to split."""
     from autotp.planning.solution import PlanningError
+
     with pytest.raises(PlanningError, match="no op can split the tokens"):
         autotp.plan(vit(), (torch.randn(1, 3, 16, 16),), world_size=2, sequence_parallel=True)
 
@@ -126,15 +132,21 @@ def test_gradients_of_gathered_tokens_are_reduce_scattered():
         model, _, _ = build(kind, blocks=BLOCKS)
         plan = autotp.plan(model, (torch.randint(0, 96, EXAMPLE),), world_size=2, sequence_parallel=True)
         params = {name.replace(".", "_") for name in plan.shapes}
-        summed = [c["tensor"] for c in plan.collectives
-                  if c["phase"] == "backward" and c["op"] == "all_reduce" and c["tensor"] not in params]
+        summed = [
+            c["tensor"]
+            for c in plan.collectives
+            if c["phase"] == "backward" and c["op"] == "all_reduce" and c["tensor"] not in params
+        ]
         assert summed == [], f"{kind}: activation gradients all-reduced: {summed}"
         counts = plan.collective_counts("backward")
         assert counts["reduce_scatter"] >= 2 * BLOCKS, f"{kind}: {counts}"
         # every norm's weight (and bias) in the blocks has its partial gradients summed by one all-reduce
-        norms = {name.replace(".", "_") for name, _ in model.named_parameters()
-                 if (".h." in name or ".layers." in name) and ("norm" in name or ".ln_" in name)}
-        together, = [c for c in plan.collectives if c["phase"] == "backward" and c["op"] == "all_reduce"]
+        norms = {
+            name.replace(".", "_")
+            for name, _ in model.named_parameters()
+            if (".h." in name or ".layers." in name) and ("norm" in name or ".ln_" in name)
+        }
+        (together,) = [c for c in plan.collectives if c["phase"] == "backward" and c["op"] == "all_reduce"]
         assert norms <= set(together["tensors"]), (kind, together)
 
 
@@ -149,9 +161,12 @@ def _priced_as(plan, monkeypatch, model, args, **patches):
     from autotp.planning.solve import solve as plan_solve
 
     def held(gm, found, *a, **k):
-        chosen = {n: [s for s in opts if Plan.encode(s) == {f: plan.nodes[n.name][f] for f in ("in", "out")}]
-                  for n, opts in found.strategies.items()}
+        chosen = {
+            n: [s for s in opts if Plan.encode(s) == {f: plan.nodes[n.name][f] for f in ("in", "out")}]
+            for n, opts in found.strategies.items()
+        }
         return plan_solve(gm, replace(found, strategies=chosen), *a, **k)
+
     with monkeypatch.context() as patch:
         patch.setattr("autotp.planning.tensor_plan.solve", held)
         for name, replacement in patches.items():
@@ -167,6 +182,7 @@ def test_backward_collectives_of_sequence_parallelism_are_priced(monkeypatch):
     (`autotp plan`) and each op's alternatives (`autotp explain`) include exactly that much.  The partial
     gradients of replicated parameters (norms) are summed in one all-reduce: priced with one latency."""
     from autotp.cost_models import collective_time, load_topology
+
     topology = load_topology(None)
     latency = collective_time("all_reduce", 0.0, 2, topology)
     for kind in ("llama", "gpt2"):
@@ -187,10 +203,11 @@ def test_backward_collectives_of_sequence_parallelism_are_priced(monkeypatch):
 
         def chosen(p, name):
             return next(a["seconds"] for a in p.alternatives[name] if a["chosen"])
+
         for r in priced:  # the op that splits the tokens pays its tensor's re-gather among its alternatives
             assert chosen(plan, r["tensor"]) - chosen(free, r["tensor"]) == pytest.approx(r["seconds"], rel=1e-6)
 
-        together, = [c for c in plan.collectives if c.get("tensors")]
+        (together,) = [c for c in plan.collectives if c.get("tensors")]
         apart = _priced_as(plan, monkeypatch, model, args, coalesced=lambda src: False)  # one all-reduce each
         saved = (len(together["tensors"]) - 1) * latency
         assert apart.cost["seconds"] - plan.cost["seconds"] == pytest.approx(saved, rel=1e-6), kind

@@ -1,6 +1,7 @@
 """``autotp serve`` as a user runs it: a saved model directory, the server started by the command, requests sent by the
 ``openai`` client package.  Each request's tokens and log-probabilities are checked against transformers run on that
 prompt alone, whatever ran beside it (continuous batching over a paged KV cache small enough to force preemption)."""
+
 from __future__ import annotations
 
 import json
@@ -28,12 +29,17 @@ LOAD_SECONDS = 120  # the load test's bound on a 2-core VM (measured: docs/servi
 
 def _client(server: Server, key: str = KEY):
     import openai
+
     return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=120)
 
 
 def _post(server: Server, path: str, body: bytes, key: str = KEY) -> tuple[int, dict]:
-    request = urllib.request.Request(server.url + path, data=body, method="POST",
-                                     headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+    request = urllib.request.Request(
+        server.url + path,
+        data=body,
+        method="POST",
+        headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+    )
     try:
         with urllib.request.urlopen(request, timeout=60) as answer:
             return answer.status, json.loads(answer.read())
@@ -51,7 +57,7 @@ def _check_against_transformers(model, prompt: list, tokens: list, logprobs: lis
     """Teacher-forced: transformers' log-probabilities over prompt + tokens equal the server's at every step, and
     each greedy token is transformers' argmax wherever its top-2 margin exceeds MARGIN."""
     with torch.no_grad():
-        ref = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].log_softmax(-1)
+        ref = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].log_softmax(-1)
     assert len(tokens) == len(logprobs) == len(top) == ref.shape[0]
     for step, (token, logprob, best) in enumerate(zip(tokens, logprobs, top, strict=True)):
         torch.testing.assert_close(torch.tensor(logprob), ref[step, token], **TOL)
@@ -60,8 +66,12 @@ def _check_against_transformers(model, prompt: list, tokens: list, logprobs: lis
         first, second = ref[step].topk(2).values
         if first - second > MARGIN:
             assert token == int(ref[step].argmax()), f"step {step}: greedy token {token}, transformers' argmax differs"
-    generated = model.generate(torch.tensor([prompt]), max_new_tokens=len(tokens), do_sample=False,
-                               attention_mask=torch.ones(1, len(prompt), dtype=torch.long))[0, len(prompt):].tolist()
+    generated = model.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=len(tokens),
+        do_sample=False,
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+    )[0, len(prompt) :].tolist()
     for step, (mine, theirs) in enumerate(zip(tokens, generated, strict=False)):
         first, second = ref[step].topk(2).values
         if first - second <= MARGIN:
@@ -71,8 +81,12 @@ def _check_against_transformers(model, prompt: list, tokens: list, logprobs: lis
 
 # (ranks, family): LLaMA's 2 KV heads on 4 ranks are fewer than the ranks; Mixtral's experts are planned as autotp
 # plans them (split, dealt or sent by all-to-all)
-SERVED = [(2, "llama"), pytest.param(4, "llama", marks=pytest.mark.slow),
-          pytest.param(2, "mixtral", marks=pytest.mark.slow), pytest.param(4, "mixtral", marks=pytest.mark.slow)]
+SERVED = [
+    (2, "llama"),
+    pytest.param(4, "llama", marks=pytest.mark.slow),
+    pytest.param(2, "mixtral", marks=pytest.mark.slow),
+    pytest.param(4, "mixtral", marks=pytest.mark.slow),
+]
 
 
 @pytest.mark.parametrize(("world", "family"), SERVED)
@@ -81,8 +95,22 @@ def test_requests_arriving_at_different_times_get_transformers_answers(tmp_path,
     holds 8 blocks of 4 tokens and a step 8 tokens, so prompts are chunked and sequences preempted."""
     model = save_model(tmp_path, family, seed=3)
     words = tokenizer(model.config.vocab_size)
-    server = Server(tmp_path, "--kv-blocks", "8", "--block-size", "4", "--max-num-batched-tokens", "8",
-                    "--max-num-seqs", "8", "--api-key", KEY, "--served-model-name", "tiny", world=world)
+    server = Server(
+        tmp_path,
+        "--kv-blocks",
+        "8",
+        "--block-size",
+        "4",
+        "--max-num-batched-tokens",
+        "8",
+        "--max-num-seqs",
+        "8",
+        "--api-key",
+        KEY,
+        "--served-model-name",
+        "tiny",
+        world=world,
+    )
     with server:
         client = _client(server)
         assert [m.id for m in client.models.list().data] == ["tiny"]
@@ -93,30 +121,47 @@ def test_requests_arriving_at_different_times_get_transformers_answers(tmp_path,
             text = " ".join(f"w{10 + (7 * i + 3 * k) % 80}" for k in range(3 + (i * 5) % 12))
             if i % 3 == 2:  # chat: the tokenizer's template around the message
                 messages = [{"role": "user", "content": text}]
-                prompt = words.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                   return_dict=False)
-                reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0,
-                                                       logprobs=True, top_logprobs=3)
+                prompt = words.apply_chat_template(
+                    messages, add_generation_prompt=True, tokenize=True, return_dict=False
+                )
+                reply = client.chat.completions.create(
+                    model="tiny", messages=messages, max_tokens=12, temperature=0, logprobs=True, top_logprobs=3
+                )
                 content = reply.choices[0].logprobs.content
-                results[i] = (list(prompt), [words.convert_tokens_to_ids(c.token) for c in content],
-                              [c.logprob for c in content],
-                              [[(words.convert_tokens_to_ids(t.token), t.logprob) for t in c.top_logprobs]
-                               for c in content], reply.usage)
+                results[i] = (
+                    list(prompt),
+                    [words.convert_tokens_to_ids(c.token) for c in content],
+                    [c.logprob for c in content],
+                    [[(words.convert_tokens_to_ids(t.token), t.logprob) for t in c.top_logprobs] for c in content],
+                    reply.usage,
+                )
                 return
             prompt = words(text)["input_ids"]
             if i % 3 == 1:  # streamed
-                chunks = list(client.completions.create(model="tiny", prompt=text, max_tokens=12, temperature=0,
-                                                        logprobs=3, stream=True,
-                                                        stream_options={"include_usage": True}))
+                chunks = list(
+                    client.completions.create(
+                        model="tiny",
+                        prompt=text,
+                        max_tokens=12,
+                        temperature=0,
+                        logprobs=3,
+                        stream=True,
+                        stream_options={"include_usage": True},
+                    )
+                )
                 parts = [c.choices[0].logprobs for c in chunks if c.choices]
                 usage = chunks[-1].usage
             else:
                 reply = client.completions.create(model="tiny", prompt=text, max_tokens=12, temperature=0, logprobs=3)
                 parts, usage = [reply.choices[0].logprobs], reply.usage
             tokens = [words.convert_tokens_to_ids(t) for p in parts for t in p.tokens]
-            results[i] = (prompt, tokens, [v for p in parts for v in p.token_logprobs],
-                          [[(words.convert_tokens_to_ids(t), v) for t, v in d.items()] for p in parts
-                           for d in p.top_logprobs], usage)
+            results[i] = (
+                prompt,
+                tokens,
+                [v for p in parts for v in p.token_logprobs],
+                [[(words.convert_tokens_to_ids(t), v) for t, v in d.items()] for p in parts for d in p.top_logprobs],
+                usage,
+            )
 
         threads = [threading.Thread(target=ask, args=(i,)) for i in range(8)]
         for thread in threads:
@@ -142,14 +187,21 @@ def test_requests_arriving_at_different_times_get_transformers_answers(tmp_path,
         assert status == 401
 
         # sampling: a seed reproduces, n choices, a stop string ends the text before it
-        seeded = {"model": "tiny", "prompt": "w9 w10", "max_tokens": 6, "temperature": 0.8, "top_p": 0.9, "seed": 7,
-                  "n": 2}
+        seeded = {
+            "model": "tiny",
+            "prompt": "w9 w10",
+            "max_tokens": 6,
+            "temperature": 0.8,
+            "top_p": 0.9,
+            "seed": 7,
+            "n": 2,
+        }
         a, b = client.completions.create(**seeded), client.completions.create(**seeded)
         assert [c.text for c in a.choices] == [c.text for c in b.choices] and len(a.choices) == 2
         greedy = client.completions.create(model="tiny", prompt="w9 w10", max_tokens=6, temperature=0).choices[0]
         stop = greedy.text.split()[2]
         cut = client.completions.create(model="tiny", prompt="w9 w10", max_tokens=6, temperature=0, stop=[stop])
-        assert cut.choices[0].text == greedy.text[:greedy.text.index(stop)] and cut.choices[0].finish_reason == "stop"
+        assert cut.choices[0].text == greedy.text[: greedy.text.index(stop)] and cut.choices[0].finish_reason == "stop"
 
         # a client that leaves frees its blocks; SIGTERM drains the request in flight, then the server exits 0
         stream = client.completions.create(model="tiny", prompt="w9 w10", max_tokens=12, temperature=0, stream=True)
@@ -161,8 +213,9 @@ def test_requests_arriving_at_different_times_get_transformers_answers(tmp_path,
         started = threading.Event()
 
         def in_flight() -> None:
-            for chunk in client.completions.create(model="tiny", prompt="w9 w10", max_tokens=12, temperature=0,
-                                                   stream=True):
+            for chunk in client.completions.create(
+                model="tiny", prompt="w9 w10", max_tokens=12, temperature=0, stream=True
+            ):
                 chunks.append(chunk)
                 started.set()
 
@@ -181,9 +234,12 @@ def test_under_torchrun_each_process_is_a_rank_and_sigterm_drains(tmp_path):
     does)."""
     save_model(tmp_path)
     with Server(tmp_path, torchrun=True) as server:
-        reply = _client(server).chat.completions.create(model=tmp_path.name, temperature=0,
-                                                        messages=[{"role": "user", "content": "w9 w10"}],
-                                                        extra_body={"ignore_eos": True})
+        reply = _client(server).chat.completions.create(
+            model=tmp_path.name,
+            temperature=0,
+            messages=[{"role": "user", "content": "w9 w10"}],
+            extra_body={"ignore_eos": True},
+        )
         # no max_tokens: a chat reply runs to the end of the sequence's room (128 positions)
         assert reply.choices[0].finish_reason == "length" and reply.usage.prompt_tokens == 7
         assert reply.usage.completion_tokens == 128 - 7
@@ -199,6 +255,7 @@ def _served_model(family: str):
     import transformers
 
     from tests.helpers import configs
+
     torch.manual_seed(5)
     if family == "gemma3":
         return transformers.Gemma3ForCausalLM(configs.by_layer_type("Gemma3TextConfig")).eval()
@@ -214,10 +271,18 @@ def _engine_logits(rank: int, world: int, family: str) -> list:
     logits recorded (rank 0's: they pick the tokens)."""
     import autotp
     from autotp.serving import engine as serving
+
     model = _served_model(family)
     sharded = autotp.parallelize(model, (torch.zeros(2, 8, dtype=torch.long),))
-    engine = serving.Engine(sharded, tokenizer(model.config.vocab_size), blocks=8, block_size=4, max_num_seqs=8,
-                            max_batched_tokens=8, max_model_len=32)
+    engine = serving.Engine(
+        sharded,
+        tokenizer(model.config.vocab_size),
+        blocks=8,
+        block_size=4,
+        max_num_seqs=8,
+        max_batched_tokens=8,
+        max_model_len=32,
+    )
     if rank != 0:
         engine.follow()
         return []
@@ -236,8 +301,9 @@ def _engine_logits(rank: int, world: int, family: str) -> list:
         while engine.generated < 2 * i and i:
             time.sleep(0.001)
         prompt = [10 + (7 * i + 3 * k) % 80 for k in range(3 + (i * 5) % 12)]
-        requests.append(serving.Request(prompt, serving.Sampling(max_tokens=12, temperature=0, ignore_eos=True),
-                                        lambda r: None))
+        requests.append(
+            serving.Request(prompt, serving.Sampling(max_tokens=12, temperature=0, ignore_eos=True), lambda r: None)
+        )
         engine.submit(requests[-1])
     while not all(r.finished for r in requests):
         time.sleep(0.01)
@@ -246,20 +312,26 @@ def _engine_logits(rank: int, world: int, family: str) -> list:
     assert engine.scheduler.preemptions > 0, "the small pool was meant to force preemption"
     assert engine.program.autotp_programs.made == 0, "the step program was captured again for some step's sizes"
     plan = engine.program.autotp_plan
-    layout = {"pools": {n: p for n, p in plan.params.items() if n.startswith(("keys_", "values_"))},
-              "local": tuple(engine.program.get_buffer("keys_0").shape), "sums": dict(sums_per_block(plan)),
-              "in_blocks": sorted({c["op"] for c in plan.collectives if ".layers." in c["module"]})}
-    return [(r.prompt, r.choices[0].sequence.output, torch.stack(seen[id(r.choices[0])]).tolist(), layout)
-            for r in requests]
+    layout = {
+        "pools": {n: p for n, p in plan.params.items() if n.startswith(("keys_", "values_"))},
+        "local": tuple(engine.program.get_buffer("keys_0").shape),
+        "sums": dict(sums_per_block(plan)),
+        "in_blocks": sorted({c["op"] for c in plan.collectives if ".layers." in c["module"]}),
+    }
+    return [
+        (r.prompt, r.choices[0].sequence.output, torch.stack(seen[id(r.choices[0])]).tolist(), layout) for r in requests
+    ]
 
 
-@pytest.mark.parametrize("family", ["llama", pytest.param("gemma3", marks=pytest.mark.slow),
-                                    pytest.param("mistral", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "family", ["llama", pytest.param("gemma3", marks=pytest.mark.slow), pytest.param("mistral", marks=pytest.mark.slow)]
+)
 def test_every_steps_logits_equal_transformers_whatever_runs_beside(family):
     """The engine itself on 2 ranks: 8 requests joining a running batch two steps apart, prompts chunked, sequences
     preempted; each step's whole row of logits equals transformers' for that prompt alone (teacher-forced), with
     full attention and with sliding windows shorter than the prompts."""
     from tests.helpers.distributed import run_ranks
+
     results = run_ranks(2, _engine_logits, family)[0]
     model = _served_model(family)
     if family == "llama":  # the pool split by KV heads (2 on 2 ranks), Megatron's two sums a block, nothing else
@@ -269,7 +341,7 @@ def test_every_steps_logits_equal_transformers_whatever_runs_beside(family):
         assert layout["sums"] == {0: 2, 1: 2} and layout["in_blocks"] == ["all_reduce"]
     for prompt, output, logits, _ in results:
         with torch.no_grad():
-            ref = model(torch.tensor([prompt + output])).logits[0, len(prompt) - 1:-1]
+            ref = model(torch.tensor([prompt + output])).logits[0, len(prompt) - 1 : -1]
         assert ref.shape == (12, model.config.vocab_size)
         torch.testing.assert_close(torch.tensor(logits), ref, **TOL)
 
@@ -307,6 +379,7 @@ def test_two_hundred_requests_from_32_clients_are_all_answered(tmp_path):
     """A load test on localhost: 200 completions of max_tokens 16 from 32 concurrent clients, 2 ranks, within
     LOAD_SECONDS (docs/serving.md gives the measured time)."""
     from concurrent.futures import ThreadPoolExecutor
+
     save_model(tmp_path)
     with Server(tmp_path, "--max-num-seqs", "32") as server:
         client = _client(server)
@@ -314,8 +387,9 @@ def test_two_hundred_requests_from_32_clients_are_all_answered(tmp_path):
 
         def one(i: int):
             prompt = " ".join(f"w{10 + (i * 7 + k) % 80}" for k in range(4 + i % 20))
-            return client.completions.create(model=tmp_path.name, prompt=prompt, max_tokens=16, temperature=0,
-                                             extra_body={"ignore_eos": True})
+            return client.completions.create(
+                model=tmp_path.name, prompt=prompt, max_tokens=16, temperature=0, extra_body={"ignore_eos": True}
+            )
 
         with ThreadPoolExecutor(32) as pool:
             replies = list(pool.map(one, range(200)))
@@ -332,10 +406,14 @@ def test_the_pool_is_sized_from_blocks_bytes_or_the_default():
 
     from autotp.tools.serve import ServeOptions, bytes_of, kv_blocks
     from tests.helpers import configs
+
     config = configs.llama(num_key_value_heads=2)  # 2 blocks, 2 KV heads of 16
-    sharded = SimpleNamespace(autotp_source=SimpleNamespace(config=config), autotp_device=torch.device("cpu"),
-                              parameters=lambda: iter([torch.nn.Parameter(torch.zeros(1))]))
-    assert bytes_of("4GiB") == 4 * 2 ** 30 and bytes_of("512MB") == 512 * 10 ** 6 and bytes_of("1000") == 1000
+    sharded = SimpleNamespace(
+        autotp_source=SimpleNamespace(config=config),
+        autotp_device=torch.device("cpu"),
+        parameters=lambda: iter([torch.nn.Parameter(torch.zeros(1))]),
+    )
+    assert bytes_of("4GiB") == 4 * 2**30 and bytes_of("512MB") == 512 * 10**6 and bytes_of("1000") == 1000
     per_block = 2 * 2 * 16 * 1 * 16 * 4  # keys and values, 2 layers, 16 tokens, 1 head of 2 on each of 4 ranks, fp32
     options = ServeOptions(model="m", world_size=4)
     assert kv_blocks(ServeOptions(model="m", world_size=4, kv_blocks=7), sharded, 64) == 7
@@ -348,9 +426,12 @@ def test_the_pool_is_sized_from_blocks_bytes_or_the_default():
 def test_a_wrong_command_line_is_one_line(tmp_path):
     import subprocess
     import sys
+
     autotp = Path(sys.executable).parent / "autotp"
-    for args, says in [([str(tmp_path / "nowhere")], "has no config.json"),
-                       ([str(tmp_path), "--kv-cache-memory", "4XB"], "not a size: '4XB'"),
-                       ([str(tmp_path), "--device", "gpu0"], "device must name a device as torch does")]:
+    for args, says in [
+        ([str(tmp_path / "nowhere")], "has no config.json"),
+        ([str(tmp_path), "--kv-cache-memory", "4XB"], "not a size: '4XB'"),
+        ([str(tmp_path), "--device", "gpu0"], "device must name a device as torch does"),
+    ]:
         done = subprocess.run([str(autotp), "serve", *args], capture_output=True, text=True, timeout=120)
         assert done.returncode == 2 and says in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr

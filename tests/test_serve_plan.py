@@ -1,6 +1,7 @@
 """Serving-aware plans (issue 35): a decode step priced with its KV cache at a context length, the prefill with
 the same weights.  LLaMA-3 70B's widths (2 of its 80 blocks: every figure below is per block or per sequence) at
 TP 4 on dgx-h100, the meta device, no ranks."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,13 +15,19 @@ from autotp.serving.serve_plan import decode_program, fastest_tp_within, plan_se
 from autotp.tools.hand_plans import hand_plans, solve_hand_plan
 
 ROOT = Path(__file__).resolve().parents[1]
-WIDTHS = {"hidden_size": 8192, "intermediate_size": 28672, "num_attention_heads": 64, "num_key_value_heads": 8,
-          "num_hidden_layers": 2}
+WIDTHS = {
+    "hidden_size": 8192,
+    "intermediate_size": 28672,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "num_hidden_layers": 2,
+}
 CONTEXT = 4096
 
 
 def _llama70b(widths: dict = WIDTHS):
     from transformers import AutoConfig, LlamaForCausalLM
+
     config = AutoConfig.from_pretrained(ROOT / "docs/figures/llama-3-8b.json", **widths)
     with torch.device("meta"):
         return LlamaForCausalLM(config).to(torch.bfloat16)
@@ -29,10 +36,18 @@ def _llama70b(widths: dict = WIDTHS):
 EIGHT_B = {"num_hidden_layers": 2}  # LLaMA-3 8B's widths, 2 blocks
 
 
-@pytest.mark.parametrize("widths, world, batch", [
-    (WIDTHS, 4, 8), pytest.param(WIDTHS, 4, 64, marks=pytest.mark.slow),
-    *(pytest.param(w, world, b, marks=pytest.mark.slow) for w, world in ((WIDTHS, 8), (EIGHT_B, 4), (EIGHT_B, 8))
-      for b in (8, 64))])
+@pytest.mark.parametrize(
+    "widths, world, batch",
+    [
+        (WIDTHS, 4, 8),
+        pytest.param(WIDTHS, 4, 64, marks=pytest.mark.slow),
+        *(
+            pytest.param(w, world, b, marks=pytest.mark.slow)
+            for w, world in ((WIDTHS, 8), (EIGHT_B, 4), (EIGHT_B, 8))
+            for b in (8, 64)
+        ),
+    ],
+)
 def test_a_decode_step_splits_the_heads_and_its_cache_and_beats_the_hand_plans(widths, world, batch):
     """70B's widths at TP 4 (default tier; at TP 8 and 8B's widths at TP 4 and 8 in the slow tier)."""
     model = _llama70b(widths)
@@ -56,15 +71,17 @@ def test_a_decode_step_splits_the_heads_and_its_cache_and_beats_the_hand_plans(w
     options = PlanOptions(topology="dgx-h100", training=False, price_at=step)
     for name, hand in hand_plans(wrapper.model, ("hf", "megatron"), prefix="model.").items():
         theirs = solve_hand_plan(wrapper, gm, hand, world, options)
-        assert serve.decode_seconds <= theirs.cost["seconds"] * (1 + 1e-9), (name, serve.decode_seconds,
-                                                                             theirs.cost["seconds"])
+        assert serve.decode_seconds <= theirs.cost["seconds"] * (1 + 1e-9), (
+            name,
+            serve.decode_seconds,
+            theirs.cost["seconds"],
+        )
 
 
 @pytest.mark.slow
 def test_the_prefill_with_the_decode_weights_beats_the_hand_plans():
     model = _llama70b()
-    serve = plan_serving(model, world_size=4, context=CONTEXT, max_batch=8, topology="dgx-h100",
-                         prefill_tokens=2048)
+    serve = plan_serving(model, world_size=4, context=CONTEXT, max_batch=8, topology="dgx-h100", prefill_tokens=2048)
     forward = prepared_graph(model, (torch.zeros(2, 16, dtype=torch.long, device="meta"),), None, fold=True)
     options = PlanOptions(topology="dgx-h100", training=False, price_at={"input_ids": (1, 2048)})
     for name, hand in hand_plans(model, ("hf", "megatron", "megatron-sp")).items():
@@ -76,15 +93,20 @@ def test_the_prefill_with_the_decode_weights_beats_the_hand_plans():
 @pytest.mark.slow
 def test_the_smallest_tp_size_that_meets_a_decode_target():
     """The TP sizes are tried smallest first; the first whose decode step meets the target is named."""
-    plans = {size: plan_serving(_llama70b(), world_size=size, context=CONTEXT, max_batch=8, topology="dgx-h100")
-             for size in (1, 2)}
+    plans = {
+        size: plan_serving(_llama70b(), world_size=size, context=CONTEXT, max_batch=8, topology="dgx-h100")
+        for size in (1, 2)
+    }
     target = (plans[1].decode_seconds + plans[2].decode_seconds) / 2 * 1e3
     assert plans[2].decode_seconds < plans[1].decode_seconds
-    size, tried = fastest_tp_within(_llama70b, decode_ms=target, sizes=(1, 2, 4), context=CONTEXT, max_batch=8,
-                                    topology="dgx-h100")
+    size, tried = fastest_tp_within(
+        _llama70b, decode_ms=target, sizes=(1, 2, 4), context=CONTEXT, max_batch=8, topology="dgx-h100"
+    )
     assert size == 2 and sorted(tried) == [1, 2]
-    assert fastest_tp_within(_llama70b, decode_ms=1e-6, sizes=(1,), context=CONTEXT, max_batch=8,
-                             topology="dgx-h100")[0] is None
+    assert (
+        fastest_tp_within(_llama70b, decode_ms=1e-6, sizes=(1,), context=CONTEXT, max_batch=8, topology="dgx-h100")[0]
+        is None
+    )
 
 
 @pytest.mark.slow
@@ -99,6 +121,7 @@ def test_a_mixtral_decode_step_beats_transformers_expert_plans(batch):
     def mixtral():
         with torch.device("meta"):
             return MixtralForCausalLM(configs.mixtral_8x7b(num_hidden_layers=2)).to(torch.bfloat16)
+
     serve = plan_serving(mixtral(), world_size=4, context=CONTEXT, max_batch=batch, topology="dgx-h100")
     config = configs.mixtral_8x7b()
     whole = 2 * 2 * config.num_key_value_heads * CONTEXT * (config.hidden_size // config.num_attention_heads) * 2

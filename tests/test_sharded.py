@@ -1,5 +1,6 @@
 """End to end on real gloo ranks: sharded outputs and gradients equal the single-process model's,
 the plan is Megatron's, and the collectives run are the ones planned."""
+
 from __future__ import annotations
 
 import functools
@@ -61,9 +62,12 @@ def _check(rank: int, world: int, kind: str) -> None:
     # collectives for the embedding and the head.  A vocab-parallel embedding's all-reduce may be
     # deferred into block 0 (it is summed where the first norm needs it), so a block may show one more.
     # Backward: Megatron's f before attention and before the MLP (two all-reduces a block), one before the head.
-    per_block = {phase: Counter(block_of(c["module"]) for c in plan.collectives
-                                if c["phase"] == phase and c["op"] == "all_reduce")
-                 for phase in ("forward", "backward")}
+    per_block = {
+        phase: Counter(
+            block_of(c["module"]) for c in plan.collectives if c["phase"] == phase and c["op"] == "all_reduce"
+        )
+        for phase in ("forward", "backward")
+    }
     if kind == "mlp":
         assert forward_ops["all_reduce"] == 1
     for block in range(blocks):
@@ -89,8 +93,11 @@ def _check(rank: int, world: int, kind: str) -> None:
 
 
 # every kind at 4 ranks; at 2 the MLP, the others in the slow tier
-CASES = [(kind, 4) for kind in KINDS] + [("mlp", 2)] + [pytest.param(kind, 2, marks=pytest.mark.slow)
-                                                         for kind in KINDS if kind != "mlp"]
+CASES = (
+    [(kind, 4) for kind in KINDS]
+    + [("mlp", 2)]
+    + [pytest.param(kind, 2, marks=pytest.mark.slow) for kind in KINDS if kind != "mlp"]
+)
 
 
 @pytest.mark.parametrize(("kind", "world"), CASES)
@@ -112,8 +119,10 @@ def _train_step(rank: int, world: int) -> None:
 
     def groups(m):
         named = list(m.named_parameters())
-        return [{"params": [p for n, p in named if "norm" not in n], "weight_decay": 0.1},
-                {"params": [p for n, p in named if "norm" in n], "weight_decay": 0.0}]
+        return [
+            {"params": [p for n, p in named if "norm" not in n], "weight_decay": 0.1},
+            {"params": [p for n, p in named if "norm" in n], "weight_decay": 0.0},
+        ]
 
     opt_ref = torch.optim.SGD(groups(model), lr=0.1, momentum=0.9)
     opt = torch.optim.SGD(groups(sharded), lr=0.1, momentum=0.9)
@@ -214,7 +223,8 @@ def test_hidden_sharded_residual_runs_the_planned_reduce_scatters():
     planned = {(c["phase"], c["op"]) for *_, plan in plans for c in plan.collectives}
     assert {("forward", "reduce_scatter"), ("backward", "reduce_scatter")} <= planned, (
         f"no reduce-scatter planned at these sizes any more ({planned}): pick sizes in RESIDUAL_SHARDED where the "
-        "solver shards the residual stream by hidden")
+        "solver shards the residual stream by hidden"
+    )
     run_ranks(2, _runs_planned_collectives, plans, captures=_residual_sharded_models)
 
 
@@ -235,6 +245,7 @@ def _poisoned_rows(rank: int, world: int) -> None:
     """An Inf and a NaN in rows no input reads: the vocab-parallel lookup must not leak them into the
     ranks that hold those rows but look up nothing there (0 x Inf is NaN; masking is exact)."""
     from autotp.placement import Shard
+
     model, (x,) = _poisoned()
     sharded = autotp.parallelize(model, (x,), fixed={"0.weight": Shard(0)})
     assert sharded.autotp_plan.params["0.weight"] == "S(0)"
@@ -275,6 +286,7 @@ def _read_twice_models() -> list:
 
 def _gathered_once(rank: int, world: int) -> None:
     from autotp.placement import Shard
+
     model, (ids,) = _read_twice()
     sharded = autotp.parallelize(model, (ids,), fixed={"emb.weight": Shard(1), "up.weight": Shard(0)})
     gathers = [n for n in sharded.graph.nodes if getattr(n.target, "__name__", "").startswith("gather")]

@@ -1,5 +1,6 @@
 """The suite's shared captures (tests/helpers/shared_capture.py) must serve a capture only for what would capture
 alike."""
+
 from __future__ import annotations
 
 import ast
@@ -32,11 +33,13 @@ def test_only_identical_models_and_inputs_share_a_capture():
     x = (torch.randn(2, 3, 16),)
     same = digest(_model(), x, None)
     assert same is not None and digest(_model(), (torch.randn(2, 3, 16),), {}) == same  # input values do not count
-    others = [digest(_model(), (torch.randn(2, 3, 16, dtype=torch.float64),), None),
-              digest(_model(), (torch.randn(2, 3, 16), torch.randn(1)), None),
-              digest(_model(), (), {"x": x[0]}),
-              digest(_model(scale=2.0), x, None),  # a plain attribute the forward could read
-              digest(_model().train(False), x, None)]
+    others = [
+        digest(_model(), (torch.randn(2, 3, 16, dtype=torch.float64),), None),
+        digest(_model(), (torch.randn(2, 3, 16), torch.randn(1)), None),
+        digest(_model(), (), {"x": x[0]}),
+        digest(_model(scale=2.0), x, None),  # a plain attribute the forward could read
+        digest(_model().train(False), x, None),
+    ]
     changed = _model()
     with torch.no_grad():
         changed.ln.weight[3] += 1
@@ -177,9 +180,11 @@ def _listed(kind: str, called: list) -> list:
 TESTS = Path(__file__).resolve().parent
 _RUNS = {"run_ranks", "run_local", "run_unsupervised"}
 # files whose default tier already runs ranks that capture on their own (no captures=): the test that does
-OWN_ELSEWHERE = {"test_checkpoint.py": "test_mesh_and_pipeline_saves_are_transformers_own_files",
-                 "test_errors.py": "test_parallelize_twice_on_the_same_model",  # the model stays untouched
-                 "test_mesh.py": "test_default_microbatches_train_like_one_process"}
+OWN_ELSEWHERE = {
+    "test_checkpoint.py": "test_mesh_and_pipeline_saves_are_transformers_own_files",
+    "test_errors.py": "test_parallelize_twice_on_the_same_model",  # the model stays untouched
+    "test_mesh.py": "test_default_microbatches_train_like_one_process",
+}
 
 
 def _default_tier(test: ast.FunctionDef) -> bool:
@@ -211,8 +216,10 @@ def _shared(test: ast.FunctionDef, module: str, imported: dict) -> list[tuple[st
 
 
 def _runs_own(test: ast.FunctionDef) -> bool:
-    return any(isinstance(n, ast.Call) and _called(n) in _RUNS and all(k.arg != "captures" for k in n.keywords)
-               for n in ast.walk(test))
+    return any(
+        isinstance(n, ast.Call) and _called(n) in _RUNS and all(k.arg != "captures" for k in n.keywords)
+        for n in ast.walk(test)
+    )
 
 
 def _listed_case(name: str, shared: list) -> bool:

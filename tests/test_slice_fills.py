@@ -1,6 +1,7 @@
 """A new tensor filled slice by slice (MLA's keys: ``k = x.new_empty(...); k[..., :n].copy_(a); k[..., n:].copy_(b)``)
 is prepared as the concatenation of its fills (canonicalize/slice_fills.py), so attention built on it splits by heads;
 any other write into a slice stays as it is.  No ranks: the prepared graph and the plan."""
+
 from __future__ import annotations
 
 import torch
@@ -55,8 +56,9 @@ def test_a_tensor_filled_slice_by_slice_is_a_cat_of_its_fills():
     other = torch.randn(3, 5, DIM)
     torch.testing.assert_close(gm(other), model(other), **TOL)
     plan = autotp.plan(model, (h,), world_size=2)
-    assert plan.replicated_ops == [] and plan.params["k.weight"] == "S(0)" and plan.params["o.weight"] == "S(1)", \
+    assert plan.replicated_ops == [] and plan.params["k.weight"] == "S(0)" and plan.params["o.weight"] == "S(1)", (
         plan.params
+    )
     core = next(e for e in plan.nodes.values() if "scaled_dot_product" in str(e.get("op")))
     assert core["out"] == "S(1)", core  # attention split by heads: each rank its heads of the filled keys
     assert plan.collective_counts("forward")["all_reduce"] == 1, plan.collectives

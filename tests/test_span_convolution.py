@@ -3,6 +3,7 @@ kernels are viewed from [b, s, heads * k] as [b * s * heads, k, 1] and its windo
 k] as [b * s * heads, d, k], softmaxed over k and multiplied row by row (canonicalize/flattened_rows.py keeps the rows
 apart: heads stay a dim); the two kinds of heads are joined before the output projection (passes/hints.join_hints).
 Both softmaxes split by heads, exact in training at 2 ranks."""
+
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,5 @@
 """The local launcher (autotp.tools.spawn) that the demo, the examples and these tests start ranks with."""
+
 from __future__ import annotations
 
 import os

@@ -6,6 +6,7 @@ q, k, v packed as [3, heads, head dim] and picked apart by index or ``unbind``, 
 SAM's decomposed relative positions, a linear-attention mixer (a
 short conv over q, k and v concatenated, a state begun with ``new_zeros``, a gated norm on flattened rows), and
 layer norms over a width split by heads or columns (each by its statistics: a number a row summed over the ranks)."""
+
 from __future__ import annotations
 
 import pytest
@@ -54,7 +55,7 @@ class RelativeAttention(nn.Module):
     def forward(self, x, positions):
         b, s, _ = x.shape
         q, k, v = (f(x).view(b, s, HEADS, D).transpose(1, 2) for f in (self.q, self.k, self.v))
-        scores = q @ k.transpose(-1, -2) / D ** 0.5  # [b, h, s, s]
+        scores = q @ k.transpose(-1, -2) / D**0.5  # [b, h, s, s]
         bias = self.table[None, :, None, :].expand(b, HEADS, s, 15)
         scores = scores + torch.gather(bias, -1, positions[:, None].expand(b, HEADS, s, s))
         scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).tril().logical_not(), -1e4)
@@ -108,7 +109,7 @@ class MergedRelativePositions(nn.Module):
         if self.sdpa:
             out = nn.functional.scaled_dot_product_attention(*(t.view(b, HEADS, n, D) for t in (q, k, v)), bias)
         else:
-            scores = (q * D ** -0.5) @ k.transpose(-2, -1) + bias.reshape(b * HEADS, n, n)
+            scores = (q * D**-0.5) @ k.transpose(-2, -1) + bias.reshape(b * HEADS, n, n)
             out = (scores.softmax(-1) @ v).reshape(b, HEADS, n, D)
         return x + self.o(out.transpose(1, 2).reshape(b, n, -1))
 
@@ -124,8 +125,9 @@ class MergedScaledKeys(nn.Module):
 
     def forward(self, x):
         b, s, _ = x.shape
-        q, k, v = (p(x).view(b, s, HEADS, D).permute(0, 2, 1, 3).contiguous().view(-1, s, D)
-                   for p in (self.q, self.k, self.v))
+        q, k, v = (
+            p(x).view(b, s, HEADS, D).permute(0, 2, 1, 3).contiguous().view(-1, s, D) for p in (self.q, self.k, self.v)
+        )
         scale = torch.sqrt(torch.tensor(D, dtype=torch.float))
         scores = torch.bmm(q, k.transpose(-1, -2) / scale.to(q.dtype)).view(b, HEADS, s, s)
         out = torch.matmul(scores.softmax(-1), v.view(b, HEADS, s, D))
@@ -145,7 +147,7 @@ class TableBiases(nn.Module):
     def forward(self, x):
         b, s, _ = x.shape
         q, k, v = self.qkv(x).view(b, s, 3, HEADS, D).permute(2, 0, 3, 1, 4)
-        scores = q @ k.transpose(-2, -1) * D ** -0.5 + self.table[:, self.idxs]
+        scores = q @ k.transpose(-2, -1) * D**-0.5 + self.table[:, self.idxs]
         return x + self.o((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, s, -1))
 
 
@@ -161,7 +163,7 @@ class MergedEinsums(nn.Module):
         b, s, _ = x.shape
         k, v = self.kv(x).chunk(2, dim=-1)
         q, k, v = (t.reshape(b, s, HEADS, D).permute(0, 2, 1, 3).reshape(b * HEADS, s, D) for t in (self.q(x), k, v))
-        weights = torch.einsum("bid,bjd->bij", q, k).mul(D ** -0.5).softmax(-1)
+        weights = torch.einsum("bid,bjd->bij", q, k).mul(D**-0.5).softmax(-1)
         out = torch.einsum("bij,bjd->bid", weights, v).reshape(b, HEADS, s, D).permute(0, 2, 1, 3)
         return x + self.o(out.reshape(b, s, HEADS * D))
 
@@ -225,8 +227,11 @@ def all_reduces_worth(plan) -> float:
     a row of the width, under a 16th of an activation's bytes here) are not counted."""
     worth = {"all_reduce": 1.0, "all_gather": 0.5, "reduce_scatter": 0.5}
     largest = max((c["bytes"] for c in plan.collectives), default=0)
-    return sum(worth[c["op"]] * c.get("count", 1) for c in plan.collectives
-               if c["phase"] == "forward" and c["bytes"] * 16 > largest)
+    return sum(
+        worth[c["op"]] * c.get("count", 1)
+        for c in plan.collectives
+        if c["phase"] == "forward" and c["bytes"] * 16 > largest
+    )
 
 
 def statistics(plan) -> int:
@@ -261,18 +266,31 @@ def _run(rank: int, world: int) -> None:
     _exact(LinearAttention(), {"x": torch.randn(2, 8, C)}, [{"x": torch.randn(1, 1, C)}, {"x": torch.randn(3, 5, C)}])
     for sdpa in (True, False):
         torch.manual_seed(0)
-        _exact(MergedRelativePositions(sdpa), {"x": torch.randn(2, GRID * GRID, C)},
-               [{"x": torch.randn(1, GRID * GRID, C)}, {"x": torch.randn(3, GRID * GRID, C)}], **TABLES_WHOLE)
+        _exact(
+            MergedRelativePositions(sdpa),
+            {"x": torch.randn(2, GRID * GRID, C)},
+            [{"x": torch.randn(1, GRID * GRID, C)}, {"x": torch.randn(3, GRID * GRID, C)}],
+            **TABLES_WHOLE,
+        )
     torch.manual_seed(0)
     _exact(MergedScaledKeys(), {"x": torch.randn(2, 8, C)}, [{"x": torch.randn(1, 1, C)}, {"x": torch.randn(3, 5, C)}])
     torch.manual_seed(0)
-    _exact(TableBiases(), {"x": torch.randn(2, 8, C)}, [{"x": torch.randn(1, 8, C)}, {"x": torch.randn(3, 8, C)}],
-           min_shard_fraction=0.001)
+    _exact(
+        TableBiases(),
+        {"x": torch.randn(2, 8, C)},
+        [{"x": torch.randn(1, 8, C)}, {"x": torch.randn(3, 8, C)}],
+        min_shard_fraction=0.001,
+    )
     torch.manual_seed(0)
     _exact(MergedEinsums(), {"x": torch.randn(2, 8, C)}, [{"x": torch.randn(1, 1, C)}, {"x": torch.randn(3, 5, C)}])
     torch.manual_seed(0)
-    _exact(SubNorms(), {"x": torch.randn(2, 8, C)}, [{"x": torch.randn(1, 1, C)}, {"x": torch.randn(3, 5, C)}], 2,
-           price_at=RUN)
+    _exact(
+        SubNorms(),
+        {"x": torch.randn(2, 8, C)},
+        [{"x": torch.randn(1, 1, C)}, {"x": torch.randn(3, 5, C)}],
+        2,
+        price_at=RUN,
+    )
 
 
 @pytest.mark.parametrize("unbind", [False, True])
@@ -321,8 +339,9 @@ def test_norms_over_a_split_width_split_by_their_statistics():
 def test_heads_merged_with_the_batch_around_relative_positions_split_by_heads(sdpa):
     """q, k and v's projection split block by block, the relative-position einsums and the scores by heads, one
     all-reduce (before: the heads merged with the batch were gathered, attention computed whole)."""
-    plan = autotp.plan(MergedRelativePositions(sdpa), (), {"x": torch.randn(2, GRID * GRID, C)}, world_size=2,
-                       **TABLES_WHOLE)
+    plan = autotp.plan(
+        MergedRelativePositions(sdpa), (), {"x": torch.randn(2, GRID * GRID, C)}, world_size=2, **TABLES_WHOLE
+    )
     assert plan.params["qkv.weight"] == f"S(0|{HEADS * D},{HEADS * D},{HEADS * D})", plan.params
     assert plan.params["o.weight"] == "S(1)" and not plan.replicated_ops, plan.params
     assert all_reduces_worth(plan) <= 1, plan.collectives
@@ -371,8 +390,15 @@ def test_norms_are_spelled_out_inside_a_sublayer_only():
     """A norm only its projection's output reaches is written as its statistics; one on a value the residual add
     reads stays one fused op (nothing to split there that an all-reduce of the stream would not do first)."""
     from autotp.passes.prepared_graph import prepared_graph
-    fused = [n for n in prepared_graph(SubNorms(), (), {"x": torch.randn(2, 8, C)}).graph.nodes
-             if n.target == torch.ops.aten.layer_norm.default]
-    kept = [n for n in prepared_graph(NormOnTheStream(), (), {"x": torch.randn(2, 8, C)}).graph.nodes
-            if n.target == torch.ops.aten.layer_norm.default]
+
+    fused = [
+        n
+        for n in prepared_graph(SubNorms(), (), {"x": torch.randn(2, 8, C)}).graph.nodes
+        if n.target == torch.ops.aten.layer_norm.default
+    ]
+    kept = [
+        n
+        for n in prepared_graph(NormOnTheStream(), (), {"x": torch.randn(2, 8, C)}).graph.nodes
+        if n.target == torch.ops.aten.layer_norm.default
+    ]
     assert not fused and len(kept) == 1, (fused, kept)

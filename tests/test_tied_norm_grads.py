@@ -3,6 +3,7 @@ norm's replicated ``rsqrt`` feeds a sharded product, so its gradient must be sum
 The graph reads the tied table by its second name (``lm_head.weight``), which ``named_parameters()`` leaves out:
 the ops before the first block were taken for gradient-free, the sum was dropped, and the embedding's gradient
 came out wrong (2.3e-4 apart for Gemma here; 8.3e-3 for MiniCPM3 in benchmarks/coverage_sweep.py, issue 33)."""
+
 from __future__ import annotations
 
 import pytest

@@ -2,6 +2,7 @@
 nn.MultiheadAttention and F.multi_head_attention_forward): the packed in_proj_weight split by heads block by block
 (q|k|v; cross-attention's q and k|v pieces), heads merged with the batch unmerged, Megatron's count, exact in
 training at 2, 3 and 4 ranks with the original parameter names."""
+
 from __future__ import annotations
 
 import functools
@@ -24,7 +25,7 @@ def _inputs(batch: int, seq: int, padding: bool) -> tuple:
     if not padding:
         return (ids,)
     pad = torch.zeros(batch, seq, dtype=torch.bool)
-    pad[-1, seq // 2 + 1:] = True  # the last sequence is shorter
+    pad[-1, seq // 2 + 1 :] = True  # the last sequence is shorter
     return ids, pad
 
 
@@ -78,7 +79,8 @@ def _weights_path(rank: int, world: int) -> None:
     assert {n: p for n, p in plan.params.items() if n.startswith("attention.")} == {
         **{f"attention.{i}.{w}": "S(0|32,32,32)" for i in (0, 1) for w in ("in_proj_weight", "in_proj_bias")},
         **{f"attention.{i}.out_proj.weight": "S(1)" for i in (0, 1)},
-        **{f"attention.{i}.out_proj.bias": "R" for i in (0, 1)}}, plan.params
+        **{f"attention.{i}.out_proj.bias": "R" for i in (0, 1)},
+    }, plan.params
     # the first block's weights are read by nothing: its attention moves no values, its sum is the residual add's
     assert [c for c in plan.collectives if c["module"].startswith("attention.0")] == [], plan.collectives
     same_as_model(model, sharded, lambda batch, seq: (torch.randint(0, VOCAB, (batch, seq)),))

@@ -5,6 +5,7 @@ into one view (canonicalize/merged_views.py), so the gate's product inherited th
 failed at run time ("view size is not compatible with input tensor's size and stride").  Attention over one token a row
 (MobileViT's last stage at small images: [B*P, 1, E] viewed as [B*P, 1, H, d]): a size-1 dim after a run of equal
 sizes joined the next run, so the heads had no image in the view.  Both found by the coverage sweep."""
+
 from __future__ import annotations
 
 import torch
@@ -29,7 +30,7 @@ class GatedAttention(nn.Module):
     def forward(self, h):
         b, s, _ = h.shape
         q, k, v = (proj(h).view(b, s, HEADS, HEAD_DIM).transpose(1, 2) for proj in self.qkv)
-        out = torch.softmax(q @ k.transpose(2, 3) / HEAD_DIM ** 0.5, dim=-1) @ v
+        out = torch.softmax(q @ k.transpose(2, 3) / HEAD_DIM**0.5, dim=-1) @ v
         out = out.transpose(1, 2).contiguous().reshape(b, s, -1).contiguous()
         gate = nn.functional.softplus(self.gate(h))
         return h + self.o((out.view(b, s, -1, HEAD_DIM) * gate.unsqueeze(-1)).view(b, s, -1))
@@ -47,7 +48,7 @@ class OneTokenBlock(nn.Module):
     def forward(self, h):
         rows, one, _ = h.shape
         q, k, v = (proj(h).view(rows, one, HEADS, -1).transpose(1, 2) for proj in self.qkv)
-        out = torch.softmax(q @ k.transpose(-1, -2) / HEAD_DIM ** 0.5, dim=-1) @ v
+        out = torch.softmax(q @ k.transpose(-1, -2) / HEAD_DIM**0.5, dim=-1) @ v
         h = h + self.o(out.permute(0, 2, 1, 3).reshape(rows, one, DIM))
         return h + self.down(torch.relu(self.up(h)))
 

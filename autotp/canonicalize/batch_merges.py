@@ -2,6 +2,7 @@
 0 and 1), the sizes it is read at, and whether its heads have a fixed size.  The rewrites that undo such merges
 (unmerge.py and the modules it runs) read these; they rewrite nothing themselves.
 """
+
 from __future__ import annotations
 
 import torch
@@ -26,8 +27,12 @@ def merges_heads(node: Node, ctx: Context) -> bool:
     if not (flattens_heads(node) or "sized_view" in op(node.target).tags) or not isinstance(node.args[0], Node):
         return False
     inner, outer = sizes_of(ctx, node.args[0]), sizes_of(ctx, node)
-    return len(inner) == len(outer) + 1 > 2 and inner[0] * inner[1] == outer[0] and inner[2:] == outer[1:] \
+    return (
+        len(inner) == len(outer) + 1 > 2
+        and inner[0] * inner[1] == outer[0]
+        and inner[2:] == outer[1:]
         and 1 not in inner[:2]
+    )
 
 
 def fixed_heads(merge: Node, ctx: Context) -> bool:

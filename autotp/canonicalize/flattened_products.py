@@ -6,6 +6,7 @@
 GPT-2's Conv1D: flattening tokens into rows hides the sequence dim, so a sequence-split input would be gathered
 before the view, where Megatron-SP reduce-scatters.  Test: tests/test_sequence_parallel.py (GPT-2).
 """
+
 from __future__ import annotations
 
 import torch
@@ -56,8 +57,13 @@ def unflatten_products(gm: torch.fx.GraphModule) -> None:
 
 def _flattens_rows(x: Node, flat: Node) -> bool:
     src, dst = x.meta.get("val"), flat.meta.get("val")
-    return (isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor) and src.dim() >= 3 and dst.dim() == 2
-            and src.shape[-1] == dst.shape[-1])
+    return (
+        isinstance(src, torch.Tensor)
+        and isinstance(dst, torch.Tensor)
+        and src.dim() >= 3
+        and dst.dim() == 2
+        and src.shape[-1] == dst.shape[-1]
+    )
 
 
 def _is_vector(node) -> bool:

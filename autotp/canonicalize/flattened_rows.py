@@ -13,6 +13,7 @@ to (up to a view of another shape) is such an op: elementwise ops, reductions an
 products of two such rows.  Tests: tests/test_span_convolution.py (ConvBERT), tests/test_sublayers.py (the
 linear-attention mixers' gated norm).
 """
+
 from __future__ import annotations
 
 import math
@@ -33,9 +34,12 @@ def unflatten_rows(gm: torch.fx.GraphModule) -> None:
         leading = _flattened_rows(node, ctx)
         if leading is not None:
             groups.setdefault(leading, []).append(node)
-    kept_apart = [_keep_apart(gm.graph, starts, region, ctx) for starts in groups.values()
-                  for region in [_region(starts)] if region is not None
-                  and all(_rowwise(n, region, starts) for n in region)]
+    kept_apart = [
+        _keep_apart(gm.graph, starts, region, ctx)
+        for starts in groups.values()
+        for region in [_region(starts)]
+        if region is not None and all(_rowwise(n, region, starts) for n in region)
+    ]
     if kept_apart:
         gm.graph.lint()
         gm.recompile()

@@ -1,5 +1,6 @@
 """What the canonical-form rewrites share: a new node with its value, what nothing reads erased, a slice that
 keeps everything, and where a node or an attribute comes from."""
+
 from __future__ import annotations
 
 import torch
@@ -14,8 +15,14 @@ aten = torch.ops.aten
 def call(graph: torch.fx.Graph, target, args: tuple, like: Node, kwargs: dict | None = None) -> Node:
     """A new node computing ``target``, its value from its operands' (``like``'s other metadata)."""
     made = graph.call_function(target, args, kwargs or {})
-    values = [[v.meta["val"] if isinstance(v, Node) else v for v in a] if isinstance(a, (list, tuple)) else
-              a.meta["val"] if isinstance(a, Node) else a for a in args]
+    values = [
+        [v.meta["val"] if isinstance(v, Node) else v for v in a]
+        if isinstance(a, (list, tuple))
+        else a.meta["val"]
+        if isinstance(a, Node)
+        else a
+        for a in args
+    ]
     made.meta = {**like.meta, "val": target(*values, **(kwargs or {}))}
     return made
 
@@ -34,7 +41,8 @@ def erase_unused(graph: torch.fx.Graph, nodes) -> None:
     while todo:
         node = todo.pop()
         pure = node.op == "call_function" and (
-            may_alias(node.target) or "pure" in op(node.target).tags or node.target == aten.sym_size.int)
+            may_alias(node.target) or "pure" in op(node.target).tags or node.target == aten.sym_size.int
+        )
         if pure and not node.users and node not in erased:
             todo += node.all_input_nodes
             graph.erase_node(node)
@@ -47,7 +55,7 @@ def whole_slice(node) -> bool:
         return False
     start = node.args[2] if len(node.args) > 2 else 0
     end = node.args[3] if len(node.args) > 3 else None
-    return start in (0, None) and (end is None or (isinstance(end, int) and end >= 2 ** 62))
+    return start in (0, None) and (end is None or (isinstance(end, int) and end >= 2**62))
 
 
 def module_path(node: Node) -> str:

@@ -14,6 +14,7 @@ one dim cut by gathers; rules (layout_rules.gather) check rank by rank that each
 positions it holds, and ``group_blocks`` names the layout to offer: the blocks of one group, repeated
 (placement.Shard ``groups``).  Tests: tests/test_kv_layouts.py (Falcon's groups).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -43,18 +44,22 @@ def cuts_to_gathers(gm: torch.fx.GraphModule) -> None:
         shape = [concrete(n) for n in node.meta["val"].shape]
         at, groups, width = chains[0][0], shape[chains[0][0] - 1], shape[chains[0][0]]
         sizes = list(node.args[1])
-        merged = -1 if -1 in sizes[at - 1:at + 1] or not all(isinstance(n, int) for n in sizes[at - 1:at + 1]) \
+        merged = (
+            -1
+            if -1 in sizes[at - 1 : at + 1] or not all(isinstance(n, int) for n in sizes[at - 1 : at + 1])
             else sizes[at - 1] * sizes[at]
-        if merged == -1 and sizes.count(-1) > (-1 in sizes[at - 1:at + 1]):
+        )
+        if merged == -1 and sizes.count(-1) > (-1 in sizes[at - 1 : at + 1]):
             continue
         with graph.inserting_before(node):
-            flat = graph.call_function(node.target, (node.args[0], [*sizes[:at - 1], merged, *sizes[at + 1:]]))
+            flat = graph.call_function(node.target, (node.args[0], [*sizes[: at - 1], merged, *sizes[at + 1 :]]))
         flat.meta = {**node.meta, "val": node.meta["val"].flatten(at - 1, at)}
         for size in [user for user in node.users if user not in _cuts(node)]:
             size.args = (flat, *size.args[1:])  # a leading dim, the same in both views (_group_chains)
         for _, start, length, copies, cut, chain in chains:
-            positions = [g * width + start + (j if length == copies else 0) for g in range(groups)
-                         for j in range(copies)]
+            positions = [
+                g * width + start + (j if length == copies else 0) for g in range(groups) for j in range(copies)
+            ]
             merge = chain[-1]
             with graph.inserting_before(merge):
                 target, value = _constant(gm, cut, positions, node.meta["val"].device)
@@ -88,17 +93,17 @@ def _group_chains(view: Node) -> list | None:
         if bounds is None or bounds[0] < 1 or len(cut.users) != 1:
             return None
         at, start, end = bounds
-        if not all(isinstance(n, int) for n in shape[at - 1:at + 1]) or shape[at - 1] < 2:
+        if not all(isinstance(n, int) for n in shape[at - 1 : at + 1]) or shape[at - 1] < 2:
             return None
         chain, piece = [cut], _sizes(cut)
         user = next(iter(cut.users))
         if op(user.target).family == "expand" and end - start == 1 and len(user.users) == 1:
             out = _sizes(user)
-            if out[:at] + out[at + 1:] != piece[:at] + piece[at + 1:]:
+            if out[:at] + out[at + 1 :] != piece[:at] + piece[at + 1 :]:
                 return None
             chain, piece, user = [cut, user], out, next(iter(user.users))
         merged = _sizes(user) if op(user.target).family == "view" else None
-        if merged != [*piece[:at - 1], piece[at - 1] * piece[at], *piece[at + 1:]]:
+        if merged != [*piece[: at - 1], piece[at - 1] * piece[at], *piece[at + 1 :]]:
             return None
         chains.append((at, start, end - start, piece[at], cut, [*chain, user]))
     at = {c[0] for c in chains}
@@ -175,14 +180,22 @@ def _grouping(lists: list, size: int):
             pattern = [v - h // serves * length for h, v in enumerate(p)]
             first = pattern[:serves]
             start, units = first[0], len(set(first))
-            if pattern != first * groups or serves % units or start < 0 or start + units > length or \
-                    first != [start + h * units // serves for h in range(serves)] or \
-                    blocks.setdefault(start, units) != units:
+            if (
+                pattern != first * groups
+                or serves % units
+                or start < 0
+                or start + units > length
+                or first != [start + h * units // serves for h in range(serves)]
+                or blocks.setdefault(start, units) != units
+            ):
                 break
         else:
             starts = sorted(blocks)
-            if starts[0] == 0 and sum(blocks.values()) == length and all(
-                    a + blocks[a] == b for a, b in itertools.pairwise(starts)):
+            if (
+                starts[0] == 0
+                and sum(blocks.values()) == length
+                and all(a + blocks[a] == b for a, b in itertools.pairwise(starts))
+            ):
                 chunks = tuple(blocks[s] for s in starts)
                 return chunks, chunks, of, groups
     return None

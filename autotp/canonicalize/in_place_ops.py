@@ -7,6 +7,7 @@ Falcon's ``mlp_output += attention_output``, DeBERTa's softmax output zeroed by 
 refuses: softmax's backward reads the output it overwrote), Funnel's ``scores[..., :n] *= mask``: the same values,
 one less write for the rules.  Test: tests/test_in_place.py.
 """
+
 from __future__ import annotations
 
 import torch
@@ -28,8 +29,13 @@ def out_of_place(gm: torch.fx.GraphModule) -> None:
             continue
         x = node.args[0]
         twin = getattr(getattr(aten, schema.name.split("::")[-1][:-1], None), schema.overload_name or "default", None)
-        if twin is None or not isinstance(x, Node) or not _unseen(x) or not writes(node, x) \
-                or any(user.op != "call_function" or may_alias(user.target) for user in x.users):
+        if (
+            twin is None
+            or not isinstance(x, Node)
+            or not _unseen(x)
+            or not writes(node, x)
+            or any(user.op != "call_function" or may_alias(user.target) for user in x.users)
+        ):
             continue
         with gm.graph.inserting_before(node):
             new = gm.graph.call_function(twin, node.args, node.kwargs)

@@ -10,6 +10,7 @@ split of every attention.  Their ops are put back in the graph between the calls
 a traced ``with`` block runs), so the region keeps its meaning and the rules see its ops.
 Test: tests/test_regions.py.
 """
+
 from __future__ import annotations
 
 import operator
@@ -48,6 +49,7 @@ def _autocast_calls(mode: tuple):
 
     def leave(graph: torch.fx.Graph, entered: Node) -> None:
         graph.call_function(torch.amp._exit_autocast, (entered,))
+
     return enter, leave
 
 
@@ -59,6 +61,7 @@ def _grad_calls(enabled: bool):
 
     def leave(graph: torch.fx.Graph, before: Node) -> None:
         graph.call_function(torch._C._set_grad_enabled, (before,))
+
     return enter, leave
 
 
@@ -106,4 +109,3 @@ def _adopt(gm: torch.fx.GraphModule, sub: torch.nn.Module, target: str) -> str:
     else:
         setattr(gm, name, value)
     return name
-

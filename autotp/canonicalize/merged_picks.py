@@ -5,6 +5,7 @@
 
 SAM, SAM-HQ, ViTDet.  Test: tests/test_sublayers.py (heads merged with the batch around relative positions).
 """
+
 from __future__ import annotations
 
 import operator
@@ -29,9 +30,15 @@ def merged_picks(gm: torch.fx.GraphModule, ctx: Context) -> None:
             continue
         x = view.args[0]
         inner, outer = sizes_of(ctx, x), sizes_of(ctx, view)
-        if not (len(inner) == len(outer) + 1 > 3 and inner[0] == outer[0] and inner[1] * inner[2] == outer[1]
-                and inner[3:] == outer[2:] and 1 not in inner[1:3] and view.users and all(
-                    _first_dim_pick(u) for u in view.users)):
+        if not (
+            len(inner) == len(outer) + 1 > 3
+            and inner[0] == outer[0]
+            and inner[1] * inner[2] == outer[1]
+            and inner[3:] == outer[2:]
+            and 1 not in inner[1:3]
+            and view.users
+            and all(_first_dim_pick(u) for u in view.users)
+        ):
             continue
         merged = list(view.args[1][1:])
         with graph.inserting_before(view):
@@ -52,5 +59,8 @@ def merged_picks(gm: torch.fx.GraphModule, ctx: Context) -> None:
 def _first_dim_pick(node: Node) -> bool:
     if node.target == aten.select.int:
         return node.args[1] == 0
-    return node.target == aten.unbind.int and (len(node.args) < 2 or node.args[1] == 0) and all(
-        u.target is operator.getitem for u in node.users)
+    return (
+        node.target == aten.unbind.int
+        and (len(node.args) < 2 or node.args[1] == 0)
+        and all(u.target is operator.getitem for u in node.users)
+    )

@@ -6,6 +6,7 @@
 BLOOM's ``alibi.baddbmm(q, k^T)`` and ``probs.bmm(v)``, MVP's ``q.bmm(k^T).softmax(-1)`` (its merge moved on by
 merged_rows.py).  Tests: tests/test_merged_heads.py, tests/test_layouts.py (ALiBi heads merged with the batch).
 """
+
 from __future__ import annotations
 
 import torch
@@ -72,8 +73,10 @@ def _heads(node: Node, ctx: Context):
 
 def _batched(node: Node, ctx: Context) -> bool:
     """bmm / baddbmm, or a matmul of two 3-D operands (the same product)."""
-    return "batched_product" in op(node.target).tags or (node.target == aten.matmul.default and all(
-        isinstance(a, Node) and len(ctx.shape(a)) == 3 for a in node.args[:2]))
+    return "batched_product" in op(node.target).tags or (
+        node.target == aten.matmul.default
+        and all(isinstance(a, Node) and len(ctx.shape(a)) == 3 for a in node.args[:2])
+    )
 
 
 def merged_products(gm: torch.fx.GraphModule, ctx: Context) -> None:
@@ -89,14 +92,17 @@ def merged_products(gm: torch.fx.GraphModule, ctx: Context) -> None:
         shapes = {tuple(sizes_of(ctx, u)) for u in users}
         back = bool(users) and all("sized_view" in op(u.target).tags for u in users) and len(shapes) == 1
         if back:
-            (b, h, *rest), = shapes
-            back = rest == sizes_of(ctx, node)[1:] and b * h == sizes_of(ctx, node)[0] and \
-                ctx.static(ctx.shape(users[0])[1])
+            ((b, h, *rest),) = shapes
+            back = (
+                rest == sizes_of(ctx, node)[1:]
+                and b * h == sizes_of(ctx, node)[0]
+                and ctx.static(ctx.shape(users[0])[1])
+            )
         if not back:
             found = {_heads(a, ctx) for a in node.args[:3] if isinstance(a, Node)} - {None}
             if len(found) != 1:
                 continue
-            (b, h), = found
+            ((b, h),) = found
         operands = node.args[:3] if node.target == aten.baddbmm.default else (None, *node.args[:2])
         recipes = [_unmerged(a, b, h, ctx) if a is not None else None for a in operands]
         if operands[0] is not None and recipes[0] is None and _broadcast(operands[0], ctx):

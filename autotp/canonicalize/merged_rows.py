@@ -13,6 +13,7 @@ A pick of q, k and v from [3, B*H, ...] is made from [3, B, H, ...] and merged a
 Tests: tests/test_sublayers.py (relative positions, merged keys transposed, einsums of two merges),
 tests/test_merged_heads.py.
 """
+
 from __future__ import annotations
 
 import math
@@ -73,8 +74,13 @@ def _on_unmerged(graph: torch.fx.Graph, merge: Node, user: Node, ctx: Context) -
     for i, a in enumerate(args[1:], 1):
         if isinstance(a, Node):  # another operand: a merge alike, or one broadcast over the rows
             same = _alike(a, merge, ctx)
-            if not (same or (isinstance(a.meta.get("val"), torch.Tensor) and (
-                    a.meta["val"].dim() < len(unmerged) - 1 or sizes_of(ctx, a)[0] == 1))):
+            if not (
+                same
+                or (
+                    isinstance(a.meta.get("val"), torch.Tensor)
+                    and (a.meta["val"].dim() < len(unmerged) - 1 or sizes_of(ctx, a)[0] == 1)
+                )
+            ):
                 return None
             args[i] = a.args[0] if same else a
     rows = call(graph, user.target, (x, *args[1:]), user, user.kwargs)
@@ -83,8 +89,12 @@ def _on_unmerged(graph: torch.fx.Graph, merge: Node, user: Node, ctx: Context) -
 
 def _alike(other, merge: Node, ctx: Context) -> bool:
     """``other`` merges the same batch and fixed heads as ``merge`` does."""
-    return isinstance(other, Node) and merges_heads(other, ctx) and fixed_heads(other, ctx) and \
-        sizes_of(ctx, other.args[0])[:2] == sizes_of(ctx, merge.args[0])[:2]
+    return (
+        isinstance(other, Node)
+        and merges_heads(other, ctx)
+        and fixed_heads(other, ctx)
+        and sizes_of(ctx, other.args[0])[:2] == sizes_of(ctx, merge.args[0])[:2]
+    )
 
 
 def _row_dims(node: Node, rank: int):
@@ -131,8 +141,9 @@ def _einsum(graph: torch.fx.Graph, merge: Node, user: Node, ctx: Context) -> Nod
     ins = ins.split(",")
     letter = ins[operands.index(merge)][0]
     having = [i for i, s in enumerate(ins) if letter in s]
-    if not out.startswith(letter) or any(ins[i][0] != letter or ins[i].count(letter) != 1
-                                         or not _alike(operands[i], merge, ctx) for i in having):
+    if not out.startswith(letter) or any(
+        ins[i][0] != letter or ins[i].count(letter) != 1 or not _alike(operands[i], merge, ctx) for i in having
+    ):
         return None
     fresh = "".join(c for c in string.ascii_letters if c not in equation)[:2]
     for i in having:

@@ -7,6 +7,7 @@
 merges the heads with the batch before viewing them back: a head merged with a symbolic batch is no dim a rule can
 split.  Tests: tests/test_torch_layers.py, tests/test_view_layouts.py.
 """
+
 from __future__ import annotations
 
 from copy import deepcopy
@@ -40,8 +41,9 @@ class _Atoms:
         """An atom cut into (outer, inner) runs, everywhere it appears."""
         pair = (self._new(outer), self._new(self.size[atom] // outer))
         self.order = [x for y in self.order for x in (pair if y == atom else (y,))]
-        self.dims, self.dims_in = ([[x for y in d for x in (pair if y == atom else (y,))] for d in dims]
-                                   for dims in (self.dims, self.dims_in))
+        self.dims, self.dims_in = (
+            [[x for y in d for x in (pair if y == atom else (y,))] for d in dims] for dims in (self.dims, self.dims_in)
+        )
         return pair
 
     def regroup(self, sizes: list[int]) -> bool:
@@ -79,8 +81,12 @@ def merged_views(gm: torch.fx.GraphModule, ctx: Context) -> None:
     into other merges ([B*H, S, hd] -> [S, B*H, hd] -> [S*B, E]), the input is permuted and reshaped."""
     graph = gm.graph
     for first in list(graph.nodes):
-        if first.graph is not graph or not first.args or not isinstance(first.args[0], Node) or not (
-                "sized_view" in op(first.target).tags or flattens_heads(first)):
+        if (
+            first.graph is not graph
+            or not first.args
+            or not isinstance(first.args[0], Node)
+            or not ("sized_view" in op(first.target).tags or flattens_heads(first))
+        ):
             continue
         x = first.args[0]
         sizes = [sizes_of(ctx, n) for n in (x, first)]
@@ -111,8 +117,9 @@ def merged_views(gm: torch.fx.GraphModule, ctx: Context) -> None:
                         result = _split_back(graph, x, first, last, split_back)
                 elif merges_heads(first, ctx) and not _cut_input_dims(split_back):
                     with graph.inserting_before(last):
-                        result = call(graph, aten.reshape.default, (_permuted(graph, x, split_back), last.args[1]),
-                                      last)
+                        result = call(
+                            graph, aten.reshape.default, (_permuted(graph, x, split_back), last.args[1]), last
+                        )
                 else:
                     continue
                 last.replace_all_uses_with(result)
@@ -138,8 +145,10 @@ def _split_back(graph: torch.fx.Graph, x: Node, first: Node, last: Node, atoms: 
     final = [d[0] for d in atoms.dims]
     given, order = list(last.args[1]), [atoms.order.index(a) for a in final]
     viewed = graph.call_function(aten.view.default, (x, [given[final.index(a)] for a in atoms.order]))
-    viewed.meta = {**first.meta, "val": x.meta["val"].view(
-        [last.meta["val"].shape[final.index(a)] for a in atoms.order])}
+    viewed.meta = {
+        **first.meta,
+        "val": x.meta["val"].view([last.meta["val"].shape[final.index(a)] for a in atoms.order]),
+    }
     result = viewed
     if order != sorted(order):
         result = graph.call_function(aten.permute.default, (viewed, order))

@@ -9,6 +9,7 @@ no reader needs and slices of everything only cost dispatch time and hide the gr
 (Llama's rotary ``type_as``; a ``contiguous`` after attention that the meta device captures and the CPU does not).
 Tests: tests/test_view_layouts.py (a dropped contiguous), tests/test_regions.py (``type_as``).
 """
+
 from __future__ import annotations
 
 import torch
@@ -50,5 +51,8 @@ def _any_layout(node: Node) -> bool:
     """Every reader of ``node`` takes it in any memory layout (no ``view``, nothing writes into it or a view of it): a
     ``contiguous`` before them changes no value, and whether it is captured at all depends on the device (the meta
     device's attention output is laid out otherwise than the CPU's), so a plan made on meta would not apply."""
-    return bool(node.users) and not written(node) and all(
-        user.op == "call_function" and "strided" not in op(user.target).tags for user in node.users)
+    return (
+        bool(node.users)
+        and not written(node)
+        and all(user.op == "call_function" and "strided" not in op(user.target).tags for user in node.users)
+    )

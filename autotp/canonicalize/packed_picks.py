@@ -8,6 +8,7 @@
 in_proj output so; as a split of the packed dim its weight splits block by block, S(0|E,E,E).
 Test: tests/test_torch_layers.py (packed picks and merged heads unmerged).
 """
+
 from __future__ import annotations
 
 import operator
@@ -33,7 +34,7 @@ def _labels_after(node: Node, prev: Node, labels: list):
         return [*labels[:at], "one", *labels[at:]]
     if node.target == aten.squeeze.dim:
         at = node.args[1] % n
-        return [*labels[:at], *labels[at + 1:]] if labels[at] == "one" else None
+        return [*labels[:at], *labels[at + 1 :]] if labels[at] == "one" else None
     if node.target == aten.transpose.int:
         a, b = node.args[1] % n, node.args[2] % n
         labels = list(labels)

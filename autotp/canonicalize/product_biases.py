@@ -7,6 +7,7 @@ Every model with biased projections (GPT-2, BERT, ViT's patch conv): a row-split
 its bias must be added once.  Tests: tests/test_properties.py (random MLPs with and without biases),
 tests/test_architectures.py.
 """
+
 from __future__ import annotations
 
 import torch

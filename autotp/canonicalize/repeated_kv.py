@@ -6,6 +6,7 @@
 Llama, Mistral, Qwen (``repeat_kv``): as one op it can be sharded by heads even when ranks outnumber KV heads
 (ops/rules.py: repeat_interleave).  Test: tests/test_architectures.py (KV heads fewer than ranks).
 """
+
 from __future__ import annotations
 
 import torch
@@ -34,10 +35,10 @@ def fuse_repeat_kv(gm: torch.fx.GraphModule) -> None:
         x = unsqueezed.args[0]
         big, out, src = (list(map(str, n.meta["val"].shape)) for n in (expanded, node, x))
         at = unsqueezed.args[1] % len(big) - 1
-        if at < 0 or big[:at + 1] + big[at + 2:] != src or not big[at + 1].isdigit() or not src[at].isdigit():
+        if at < 0 or big[: at + 1] + big[at + 2 :] != src or not big[at + 1].isdigit() or not src[at].isdigit():
             continue
         repeats = int(big[at + 1])
-        if out != [*big[:at], str(int(src[at]) * repeats), *big[at + 2:]]:
+        if out != [*big[:at], str(int(src[at]) * repeats), *big[at + 2 :]]:
             continue
         with gm.graph.inserting_before(node):
             fused = gm.graph.call_function(aten.repeat_interleave.self_int, (x, repeats, at))

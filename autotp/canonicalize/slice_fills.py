@@ -10,6 +10,7 @@ slice has no sharding rule, so the keys, and with them the attention, would run 
 exact fill is rewritten: slices of one dim that tile it, each written once by a value of its own shape and dtype,
 all before anything reads the tensor.  Test: tests/test_slice_fills.py.
 """
+
 from __future__ import annotations
 
 import torch
@@ -61,13 +62,21 @@ def _fill(node: Node, order: dict):
         if span is None or len(copies) != 1:
             return None
         copy = copies[0]
-        if copy.target != aten.copy_.default or copy.args[0] is not piece or copy.users or len(copy.args) > 2 \
-                or copy.kwargs.get("non_blocking"):
+        if (
+            copy.target != aten.copy_.default
+            or copy.args[0] is not piece
+            or copy.users
+            or len(copy.args) > 2
+            or copy.kwargs.get("non_blocking")
+        ):
             return None
         src = copy.args[1]
         want, got = piece.meta.get("val"), src.meta.get("val") if isinstance(src, Node) else None
-        if not isinstance(got, torch.Tensor) or got.dtype != value.dtype or \
-                list(map(str, got.shape)) != list(map(str, want.shape)):
+        if (
+            not isinstance(got, torch.Tensor)
+            or got.dtype != value.dtype
+            or list(map(str, got.shape)) != list(map(str, want.shape))
+        ):
             return None
         dims.add(span[0])
         spans.append((span[1], span[2], src, copy))

@@ -12,6 +12,7 @@ rank sums its columns, one all-reduce of a number a row per statistic.  A norm o
 add, an embedding, an input, or a value the residual add reads too) stays one op: one kernel is faster than five.
 Tests: tests/test_sublayers.py (norms over a split width), tests/test_layouts.py (q and k norms).
 """
+
 from __future__ import annotations
 
 import torch
@@ -25,8 +26,11 @@ _LOW = (torch.float16, torch.bfloat16)  # fused kernels keep the statistics in f
 
 
 def spell_out_norms(gm: torch.fx.GraphModule) -> None:
-    norms = [n for n in gm.graph.nodes if n.op == "call_function" and op(n.target).family == "layer_norm"
-             and _after_product(n.args[0])]
+    norms = [
+        n
+        for n in gm.graph.nodes
+        if n.op == "call_function" and op(n.target).family == "layer_norm" and _after_product(n.args[0])
+    ]
     for node in norms:
         _spell_out(gm.graph, node)
     if norms:
@@ -42,8 +46,9 @@ def _after_product(x) -> bool:
         if is_product(x):
             return True
         row = op(x.target)
-        others = [a for a in x.all_input_nodes[1:]
-                  if a.op != "get_attr" and isinstance(a.meta.get("val"), torch.Tensor)]
+        others = [
+            a for a in x.all_input_nodes[1:] if a.op != "get_attr" and isinstance(a.meta.get("val"), torch.Tensor)
+        ]
         if not (row.layout or row.family == "elementwise" or "per_row" in row.tags) or others:
             return False
         x = x.args[0]

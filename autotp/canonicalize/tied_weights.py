@@ -7,6 +7,7 @@
 GPT-2 ties its output projection to its token embedding: one tensor must get one placement, so the rules see one
 node.  Tests: tests/test_tied_norm_grads.py, tests/test_pipeline.py (tied embeddings on two stages).
 """
+
 from __future__ import annotations
 
 import torch

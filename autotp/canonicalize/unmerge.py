@@ -10,6 +10,7 @@ one module each (merged_picks, packed_picks, merged_views, merged_products, merg
 that lets each meet the forms the one before it leaves.  Tests: tests/test_torch_layers.py,
 tests/test_merged_heads.py, tests/test_layouts.py, tests/test_sublayers.py.
 """
+
 from __future__ import annotations
 
 import torch

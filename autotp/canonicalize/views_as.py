@@ -6,6 +6,7 @@
 RoFormer merges its rotary heads back with ``reshape_as``: the view rules read sizes, not a tensor that only lends
 its shape.  Test: tests/test_sublayers.py (RoFormer's ``reshape_as``).
 """
+
 from __future__ import annotations
 
 import torch

@@ -7,6 +7,7 @@ GPT-NeoX-Japanese starts its scores from a zeros tensor of [batch * heads, s, s]
 batch is what merged_products rewrites on [batch, heads, ...].  Test: tests/test_ops.py (a score matrix begun
 from zeros by ``baddbmm``).
 """
+
 from __future__ import annotations
 
 import torch

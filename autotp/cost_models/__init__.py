@@ -1,4 +1,5 @@
 """Pure cost functions: seconds for collectives, resharding and compute (installed as autotp.cost_models)."""
+
 from autotp.cost_models.communication import collective_time, reshard_time
 from autotp.cost_models.topology import Topology, load_topology
 

@@ -6,6 +6,7 @@ hardware offers (ring; tree across nodes; in-switch reduction inside a node), hi
 all-gather, the input for reduce-scatter, the broadcast tensor; for all-to-all, each rank's buffer (what it
 sends, its own share included: nccl-tests' size: nbytes / n to each rank), since every rank's differs.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -71,15 +72,20 @@ def collective_time(op: str, nbytes: float, group_size: int, topology: Topology 
     per_node = min(group_size, topology.gpus_per_node)
     nodes = math.ceil(group_size / per_node)
     if nodes > topology.nodes:
-        raise ValueError(f"a group of {group_size} ranks does not fit topology {topology.name} "
-                         f"({topology.nodes} x {topology.gpus_per_node} devices)")
+        raise ValueError(
+            f"a group of {group_size} ranks does not fit topology {topology.name} "
+            f"({topology.nodes} x {topology.gpus_per_node} devices)"
+        )
     if op == "all_to_all":
         return _all_to_all(nbytes, group_size, per_node, nodes, topology)
     if nodes == 1:
         return _intra(op, nbytes, group_size, topology)
     if op == "all_reduce":  # reduce-scatter inside, all-reduce of 1/g across, all-gather inside
-        return (_intra("reduce_scatter", nbytes, per_node, topology) + _inter("all_reduce", nbytes, nodes, topology)
-                + _intra("all_gather", nbytes, per_node, topology))
+        return (
+            _intra("reduce_scatter", nbytes, per_node, topology)
+            + _inter("all_reduce", nbytes, nodes, topology)
+            + _intra("all_gather", nbytes, per_node, topology)
+        )
     return _intra(op, nbytes, per_node, topology) + _inter(op, nbytes, nodes, topology)
 
 
@@ -108,8 +114,9 @@ def _all_to_all(nbytes: float, group: int, per_node: int, nodes: int, topo: Topo
     if nodes == 1:
         return inside
     nic = _nics(topo) / topo.gpus_per_node  # this rank's share of its node's NICs
-    across = (topo.inter_base_latency_s + (nodes - 1) * topo.inter_step_latency_s
-              + nbytes * (group - per_node) / group / nic)
+    across = (
+        topo.inter_base_latency_s + (nodes - 1) * topo.inter_step_latency_s + nbytes * (group - per_node) / group / nic
+    )
     return max(inside, across)
 
 
@@ -131,8 +138,9 @@ def backward_collective(src, dst) -> str:
     return "all_gather" if src != dst and isinstance(dst, Shard) else ""
 
 
-def reshard_time(src, dst, nbytes: float, group_size: int, topology: Topology | str | Path | None,
-                 backward: bool = False) -> float | None:
+def reshard_time(
+    src, dst, nbytes: float, group_size: int, topology: Topology | str | Path | None, backward: bool = False
+) -> float | None:
     """Seconds to convert a tensor of ``nbytes`` (full size) from ``src`` to ``dst`` (and its gradient
     back, with ``backward``); None if impossible.  ``topology``: a name, a path or a loaded profile."""
     topology = load_topology(topology)

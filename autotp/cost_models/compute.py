@@ -9,6 +9,7 @@ one).  A ragged grouped product (tokens sorted by expert, one kernel over the ex
 overhead again for each further group, as separate products would, but never more than that group's own time
 (the waste is its last partial wave of tiles): tiny groups cost one launch.  Other ops: the memory roofline.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -28,8 +29,15 @@ def op_time(flops: float, nbytes: float, topology: Topology | str | Path | None)
     return max(flops / topology.peak_flops, memory_time(nbytes, topology))
 
 
-def product_time(m: float, n: float, k: float, topology: Topology | str | Path | None, groups: float = 1,
-                 ragged: bool = False, nbytes: float = 0.0) -> float:
+def product_time(
+    m: float,
+    n: float,
+    k: float,
+    topology: Topology | str | Path | None,
+    groups: float = 1,
+    ragged: bool = False,
+    nbytes: float = 0.0,
+) -> float:
     """Seconds of ``groups`` products [m, k] @ [k, n] in one kernel on one device (``ragged``: a grouped
     product whose groups run like separate products), or of moving their ``nbytes``, whichever is slower."""
     topology = load_topology(topology)
@@ -42,8 +50,9 @@ def product_time(m: float, n: float, k: float, topology: Topology | str | Path |
     return max(groups * group + figures.overhead_s + (max(groups, 1) - 1) * further, memory_time(nbytes, topology))
 
 
-def product_fraction(m: float, n: float, k: float, topology: Topology | str | Path | None, groups: float = 1,
-                     ragged: bool = False) -> float:
+def product_fraction(
+    m: float, n: float, k: float, topology: Topology | str | Path | None, groups: float = 1, ragged: bool = False
+) -> float:
     """The fraction of peak FLOP/s a product reaches at this shape (arithmetic only)."""
     topology = load_topology(topology)
     return 2.0 * groups * m * n * k / (topology.peak_flops * product_time(m, n, k, topology, groups, ragged))
@@ -110,5 +119,6 @@ def fit_group_overhead(grouped, fitted: dict, peak_flops: float) -> float:
 
     def error(t: float) -> float:
         return sum(((base + further * min(t, group)) / measured - 1) ** 2 for base, group, further, measured in rows)
+
     top = 2 * max(measured for *_, measured in rows)
     return min((top * i / 4000 for i in range(4001)), key=error)

@@ -9,6 +9,7 @@ expert TP (routing taken as uniform, the busiest rank ``imbalance`` times the av
 rows; tokens go and come back by all-to-all (dispatch and combine, forward and backward) on the links the group
 spans; a rank holds E/ep experts, 1/etp of each, their data-parallel copies on dp x tp / (ep x etp) ranks.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -22,10 +23,11 @@ from autotp.cost_models.topology import Topology
 @dataclass
 class Experts:
     """A block's routed experts under the TP plan (expert TP over its tp ranks), per sample."""
-    count: int                # experts
-    products: list            # ragged grouped products: (rows an expert, n, k on a TP rank, n, k whole)
-    seconds: float            # what the TP plan's seconds count for those products (forward + backward)
-    routed_bytes: float       # one dispatch of the routed rows (the combine brings as many back)
+
+    count: int  # experts
+    products: list  # ragged grouped products: (rows an expert, n, k on a TP rank, n, k whole)
+    seconds: float  # what the TP plan's seconds count for those products (forward + backward)
+    routed_bytes: float  # one dispatch of the routed rows (the combine brings as many back)
     state: dict = field(default_factory=dict)  # expert parameters' bytes by kind on a TP rank
     whole: dict = field(default_factory=dict)  # and unsplit (params, grads, optimizer)
 
@@ -62,8 +64,9 @@ def product_seconds(experts: Experts, tp: int, ep: int, etp: int, imbalance: flo
     return 3 * total
 
 
-def all_to_all_seconds(experts: Experts, samples: int, tp: int, ep: int, etp: int, imbalance: float,
-                       topology: Topology) -> float:
+def all_to_all_seconds(
+    experts: Experts, samples: int, tp: int, ep: int, etp: int, imbalance: float, topology: Topology
+) -> float:
     """Dispatch and combine, forward and backward, of one micro-batch of ``samples`` per replica."""
     if ep == 1:
         return 0.0

@@ -1,4 +1,5 @@
 """Bytes per device: parameters with their training state, activations kept for backward, KV cache."""
+
 from __future__ import annotations
 
 # The share of a device's memory a plan may fill: the CUDA context, NCCL's buffers and the caching allocator's

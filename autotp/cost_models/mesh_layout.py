@@ -5,6 +5,7 @@ from the solved graph); ``price`` turns it into a step time and a peak memory pe
 number of stages, replicas, micro-batches, a schedule, recomputation and an expert-parallel degree
 (expert_layout.py).
 """
+
 from __future__ import annotations
 
 import functools
@@ -22,9 +23,10 @@ KEPT = ("activations", "kv_cache")  # held per micro-batch in flight
 @dataclass
 class Section:
     """One block (or the embedding / head around the blocks) under a TP plan, for one sample."""
-    seconds: float = 0.0                          # forward + backward: compute and TP collectives
-    memory: dict = field(default_factory=dict)    # bytes by kind (cost_models.memory.KINDS)
-    experts: moe.Experts | None = None            # its routed experts (counted in seconds and memory too)
+
+    seconds: float = 0.0  # forward + backward: compute and TP collectives
+    memory: dict = field(default_factory=dict)  # bytes by kind (cost_models.memory.KINDS)
+    experts: moe.Experts | None = None  # its routed experts (counted in seconds and memory too)
 
     def held(self, kinds=STATE) -> float:
         return sum(self.memory.get(k, 0.0) for k in kinds)
@@ -34,14 +36,15 @@ class Section:
 class Profile:
     """A TP plan read per section: ``sections[0]`` the embedding side, ``[-1]`` the head side,
     between them every real block; ``boundary``: bytes one sample passes from block to block."""
+
     tp: int
     sections: list
     boundary: float
     stackable: bool  # blocks found (a folded stack): pipeline stages can fall between them
     ranges: dict = field(default_factory=dict)  # (stages, ep, etp, micro-batch) -> time-balanced block ranges
-    sums: dict = field(default_factory=dict)    # running totals over the blocks (stage_memory)
+    sums: dict = field(default_factory=dict)  # running totals over the blocks (stage_memory)
     sequence_parallel: bool = False  # the TP plan splits norms, dropouts and residual adds by tokens
-    selective: bool = False          # the TP plan recomputes the attention cores
+    selective: bool = False  # the TP plan recomputes the attention cores
     tied: dict = field(default_factory=dict)  # bytes by kind of weights read before and after the blocks (tied
     # embeddings), counted in sections[0]: a stage holding the head without the embedding holds its own copy
 
@@ -55,22 +58,22 @@ class Candidate:
     tp: int
     pp: int
     dp: int
-    ep: int = 1                                 # expert parallelism: experts dealt over ep ranks
-    etp: int | None = None                      # each expert split over etp ranks (tp or 1; None: tp)
+    ep: int = 1  # expert parallelism: experts dealt over ep ranks
+    etp: int | None = None  # each expert split over etp ranks (tp or 1; None: tp)
     microbatches: int = 1
     microbatch_size: int = 0
     schedule: str | None = None
     virtual_stages: int = 1
-    recompute: bool = False                     # whole blocks recomputed (only their inputs kept)
+    recompute: bool = False  # whole blocks recomputed (only their inputs kept)
     sequence_parallel: bool = False
-    selective: bool = False                     # attention cores recomputed (Korthikanti et al. 2022)
+    selective: bool = False  # attention cores recomputed (Korthikanti et al. 2022)
     stages: list = field(default_factory=list)  # [start, end) blocks per stage (per virtual stage, in order)
-    step_seconds: float | None = None           # None: does not fit
+    step_seconds: float | None = None  # None: does not fit
     memory_bytes: float | None = None
     mfu: float | None = None
-    bubble: float = 0.0                         # idle share of the step: 1 - m / the schedule's stage-times
-    parts: dict = field(default_factory=dict)   # step seconds by part: compute (with TP collectives), p2p,
-    note: str = ""                              # bubble, dp (all of it) and dp_exposed (what overlap leaves)
+    bubble: float = 0.0  # idle share of the step: 1 - m / the schedule's stage-times
+    parts: dict = field(default_factory=dict)  # step seconds by part: compute (with TP collectives), p2p,
+    note: str = ""  # bubble, dp (all of it) and dp_exposed (what overlap leaves)
 
     @property
     def fits(self) -> bool:
@@ -80,14 +83,15 @@ class Candidate:
 @dataclass(frozen=True)
 class Setting:
     """What every layout of one request shares."""
+
     topology: Topology
     global_batch: int
     training: bool
-    data_parallel: str   # "fsdp" or "ddp"
-    limit: float         # bytes per device
-    flops: float         # model FLOPs of one step (0 for inference: no MFU)
-    imbalance: float = 1.0   # the busiest rank's routed rows over the uniform top-k share
-    overlap: float = 0.0     # the share of all-to-all time hidden behind compute (DualPipe-like schedules)
+    data_parallel: str  # "fsdp" or "ddp"
+    limit: float  # bytes per device
+    flops: float  # model FLOPs of one step (0 for inference: no MFU)
+    imbalance: float = 1.0  # the busiest rank's routed rows over the uniform top-k share
+    overlap: float = 0.0  # the share of all-to-all time hidden behind compute (DualPipe-like schedules)
 
 
 def section_seconds(profile: Profile, layout: Candidate, setting: Setting) -> list[float]:
@@ -99,10 +103,14 @@ def section_seconds(profile: Profile, layout: Candidate, setting: Setting) -> li
     for s in profile.sections:
         seconds = s.seconds
         if s.experts is not None and ep > 1:
-            seconds += moe.product_seconds(s.experts, tp, ep, etp, setting.imbalance, setting.topology) - \
-                s.experts.seconds
-            seconds += (1 - setting.overlap) * moe.all_to_all_seconds(
-                s.experts, b, tp, ep, etp, setting.imbalance, setting.topology) / b
+            seconds += (
+                moe.product_seconds(s.experts, tp, ep, etp, setting.imbalance, setting.topology) - s.experts.seconds
+            )
+            seconds += (
+                (1 - setting.overlap)
+                * moe.all_to_all_seconds(s.experts, b, tp, ep, etp, setting.imbalance, setting.topology)
+                / b
+            )
         found.append(seconds)
     return found
 
@@ -117,7 +125,7 @@ def price(profile: Profile, layout: Candidate, setting: Setting) -> Candidate:
     n = len(profile.blocks)
     chunk = []
     for start, end in ranges:  # a recomputed block runs its forward twice: 4/3 of forward + backward
-        blocks = sum(costs[1 + start:1 + end]) * (4 / 3 if layout.recompute else 1.0)
+        blocks = sum(costs[1 + start : 1 + end]) * (4 / 3 if layout.recompute else 1.0)
         ends = (costs[0] if start == 0 else 0.0) + (costs[-1] if end == n else 0.0)
         chunk.append(b * (blocks + ends))
     sends = 0.0
@@ -128,29 +136,45 @@ def price(profile: Profile, layout: Candidate, setting: Setting) -> Candidate:
     slowest = compute + sends
     units = pipe.step_units(layout.schedule, pp, m, v)
     parts = {"compute": m * compute, "p2p": m * sends, "bubble": (units - m) * slowest, "dp": 0.0, "dp_exposed": 0.0}
-    held = [stage_memory(profile, [ranges[s] for s in held_by(layout, i)], i, layout, m, setting.data_parallel)
-            for i in range(pp)]
+    held = [
+        stage_memory(profile, [ranges[s] for s in held_by(layout, i)], i, layout, m, setting.data_parallel)
+        for i in range(pp)
+    ]
     if setting.training:
         params, grads, expert_params, expert_grads = max((h[1:] for h in held), key=lambda h: h[1] + h[3])
         gathers = 2 * m if pp == 1 else 1
         reduce, gather = pipe.dp_sync_time(params, grads, dp, profile.tp, setting.data_parallel, gathers, topo)
         ep, etp = layout.ep, layout.etp or profile.tp
         if expert_params:  # experts sum their gradients over the ranks holding the same experts
-            more = pipe.dp_sync_time(expert_params, expert_grads, moe.expert_dp(dp, profile.tp, ep, etp), ep * etp,
-                                     setting.data_parallel, gathers, topo)
+            more = pipe.dp_sync_time(
+                expert_params,
+                expert_grads,
+                moe.expert_dp(dp, profile.tp, ep, etp),
+                ep * etp,
+                setting.data_parallel,
+                gathers,
+                topo,
+            )
             reduce, gather = reduce + more[0], gather + more[1]
         parts["dp"] = reduce + gather
         parts["dp_exposed"] = pipe.exposed_dp_time(reduce, gather, slowest * 2 / 3, m * slowest)
     seconds = units * slowest + parts["dp_exposed"]
     peak = max(h[0] for h in held)
-    priced = replace(layout, microbatches=m, stages=[list(r) for r in ranges], memory_bytes=peak,
-                     bubble=1 - m / units, parts=parts)
+    priced = replace(
+        layout, microbatches=m, stages=[list(r) for r in ranges], memory_bytes=peak, bubble=1 - m / units, parts=parts
+    )
     if peak > setting.limit:
-        return replace(priced, note=f"needs {peak / 1e9:.1f} GB per device, over the {setting.limit / 1e9:.1f} GB "
-                                    "limit" + (" with any split of the blocks" if pp > 1 and v == 1 else ""))
+        return replace(
+            priced,
+            note=f"needs {peak / 1e9:.1f} GB per device, over the {setting.limit / 1e9:.1f} GB "
+            "limit" + (" with any split of the blocks" if pp > 1 and v == 1 else ""),
+        )
     devices = profile.tp * pp * dp
-    return replace(priced, step_seconds=seconds,
-                   mfu=setting.flops / (devices * topo.peak_flops * seconds) if setting.flops else None)
+    return replace(
+        priced,
+        step_seconds=seconds,
+        mfu=setting.flops / (devices * topo.peak_flops * seconds) if setting.flops else None,
+    )
 
 
 def held_by(layout: Candidate, rank: int) -> list:
@@ -190,8 +214,9 @@ def stage_ranges(profile: Profile, layout: Candidate, setting: Setting, costs: l
     return pipe.balance_stages(costs, parts, fits)
 
 
-def stage_memory(profile: Profile, ranges: list, stage: int, layout: Candidate, microbatches: int,
-                 data_parallel: str) -> tuple[float, float, float, float, float]:
+def stage_memory(
+    profile: Profile, ranges: list, stage: int, layout: Candidate, microbatches: int, data_parallel: str
+) -> tuple[float, float, float, float, float]:
     """(peak bytes, parameter bytes, gradient bytes, and those of its experts) on a device of pipeline stage
     ``stage``, which runs the blocks of ``ranges``; the embedding comes with block 0 and the head with the last
     block.  Experts are held as the layout deals them (expert_layout.py), sharded over their own data-parallel
@@ -199,16 +224,18 @@ def stage_memory(profile: Profile, ranges: list, stage: int, layout: Candidate, 
     pp, dp, sections, sums = layout.pp, layout.dp, profile.sections, _running_sums(profile)
     tp, ep, etp = profile.tp, layout.ep, layout.etp or profile.tp
     edp = moe.expert_dp(dp, tp, ep, etp)
-    ends = ([sections[0]] if ranges[0][0] == 0 else []) + ([sections[-1]] if ranges[-1][1] == len(profile.blocks)
-                                                           else [])
+    ends = ([sections[0]] if ranges[0][0] == 0 else []) + (
+        [sections[-1]] if ranges[-1][1] == len(profile.blocks) else []
+    )
 
     def total(kind: str) -> float:
         return sum(sums[kind][end] - sums[kind][start] for start, end in ranges) + sum(_amount(s, kind) for s in ends)
 
     copies = sum(1 for start, end in ranges if end == len(profile.blocks) and start > 0)  # a head stage's own copy
     params, grads, optimizer, buffers = (total(k) + copies * profile.tied.get(k, 0.0) for k in STATE)
-    params, grads, optimizer = (x - total("experts:" + k) for x, k in zip((params, grads, optimizer), STATE[:3],
-                                                                           strict=True))
+    params, grads, optimizer = (
+        x - total("experts:" + k) for x, k in zip((params, grads, optimizer), STATE[:3], strict=True)
+    )
     experts = [total("experts:" + k) if ep == 1 else total("whole experts:" + k) / (ep * etp) for k in STATE[:3]]
     mine = [sections[1 + k] for start, end in ranges for k in range(start, end)]
     if data_parallel == "ddp" or dp == 1:
@@ -233,8 +260,14 @@ def stage_memory(profile: Profile, ranges: list, stage: int, layout: Candidate, 
         activations = (kept_input * blocks + around) * flight + largest
     else:
         activations = (total("kept") + around) * flight
-    dispatch = max((moe.buffer_bytes(s.experts, layout.microbatch_size, tp, ep, etp, 1.0)
-                    for s in mine + ends if s.experts is not None), default=0.0)  # one layer's all-to-all at a time
+    dispatch = max(
+        (
+            moe.buffer_bytes(s.experts, layout.microbatch_size, tp, ep, etp, 1.0)
+            for s in mine + ends
+            if s.experts is not None
+        ),
+        default=0.0,
+    )  # one layer's all-to-all at a time
     return state + buffers + layout.microbatch_size * activations + dispatch, params, grads, experts[0], experts[1]
 
 
@@ -243,8 +276,7 @@ def _gathered(section: Section, ep: int, etp: int, kinds: tuple = ("params", "gr
     held = section.held(kinds)
     if section.experts is None or ep == 1:
         return held
-    return held - sum(section.experts.state.get(k, 0.0) - section.experts.whole.get(k, 0.0) / (ep * etp)
-                      for k in kinds)
+    return held - sum(section.experts.state.get(k, 0.0) - section.experts.whole.get(k, 0.0) / (ep * etp) for k in kinds)
 
 
 def _running_sums(profile: Profile) -> dict:

@@ -1,6 +1,7 @@
 """What an op costs under a strategy, one place for the TP solver, the pipeline stage splitter and the mesh
 planner: seconds (roofline of its FLOPs and the bytes it reads and writes, forward and backward), bytes it
 holds (parameters with their training state, KV cache) and bytes its backward keeps, at concrete sizes."""
+
 from __future__ import annotations
 
 import math
@@ -33,6 +34,7 @@ class Experts:
     """How expert segments (ops/expert_segments.py) are priced: ``imbalance`` (the busiest rank's routed rows over
     the uniform share), ``ep`` (a mesh's "ep" ranks every segment is dispatched over, beyond what the TP plan
     does with it) and ``segments`` (node -> its segment, for its nodes, tables and the tables' layout ops)."""
+
     imbalance: float = IMBALANCE
     ep: int = 1
     segments: Mapping = field(default_factory=dict)
@@ -51,11 +53,13 @@ class Experts:
         dispatch group, or over the "ep" ranks and then split as the TP plan says); of routed rows, the busiest
         owner's."""
         if node.op != "get_attr":
-            return self.share(node, placement) * (1.0 if isinstance(placement, Routed) else
-                                                  held_fraction(placement, world))
+            return self.share(node, placement) * (
+                1.0 if isinstance(placement, Routed) else held_fraction(placement, world)
+            )
         dealt = self.ep > 1 and not isinstance(placement, Routed) and node in self.segments
-        return held_fraction(placement, world) * (_held(Shard(0, units=self.segments[node].experts), self.ep)
-                                                  if dealt else 1.0)
+        return held_fraction(placement, world) * (
+            _held(Shard(0, units=self.segments[node].experts), self.ep) if dealt else 1.0
+        )
 
 
 class Sizes:
@@ -79,8 +83,9 @@ class Sizes:
     def nbytes(self, node: Node) -> float:
         v = node.meta.get("val")
         vals = v if isinstance(v, (list, tuple)) else [v]
-        return float(sum(math.prod(self(s) for s in t.shape) * t.element_size()
-                         for t in vals if isinstance(t, torch.Tensor)))
+        return float(
+            sum(math.prod(self(s) for s in t.shape) * t.element_size() for t in vals if isinstance(t, torch.Tensor))
+        )
 
     def flops(self, node: Node) -> float:
         """One forward of ``node`` at these sizes (the op table's FLOPs)."""
@@ -94,19 +99,25 @@ def input_sizes(gm: torch.fx.GraphModule, price_at: Mapping) -> dict:
     found: dict = {}
     for name, shape in price_at.items():
         if name not in inputs:
-            raise ValueError(f"price_at names {name!r}, not a tensor input of the captured model; its tensor inputs: "
-                             f"{', '.join(inputs) or 'none'}")
+            raise ValueError(
+                f"price_at names {name!r}, not a tensor input of the captured model; its tensor inputs: "
+                f"{', '.join(inputs) or 'none'}"
+            )
         example = inputs[name].shape
         if len(shape) != len(example):
-            raise ValueError(f"price_at[{name!r}] has {len(shape)} dims, the example input {len(example)}: "
-                             f"give one size (or None) per dim of {tuple(example)}")
+            raise ValueError(
+                f"price_at[{name!r}] has {len(shape)} dims, the example input {len(example)}: "
+                f"give one size (or None) per dim of {tuple(example)}"
+            )
         for d, (want, have) in enumerate(zip(shape, example, strict=True)):
             fixed = have if isinstance(have, int) else int(have.node.expr) if have.node.expr.is_number else None
             if want is None or fixed == want:
                 continue
             if isinstance(have, int) or not have.node.expr.is_Symbol:
-                raise ValueError(f"price_at[{name!r}] sets dim {d} to {want}, but the capture fixed it at {have}: "
-                                 "pass an example input of that size, or None for this dim")
+                raise ValueError(
+                    f"price_at[{name!r}] sets dim {d} to {want}, but the capture fixed it at {have}: "
+                    "pass an example input of that size, or None for this dim"
+                )
             symbol = str(have.node.expr)
             if found.setdefault(symbol, want) != want:
                 raise ValueError(f"price_at gives {symbol}, one size of the capture, both {found[symbol]} and {want}")
@@ -137,8 +148,13 @@ def _held(placement, world: int) -> float:
     if not isinstance(placement, Shard):
         return 1.0
     sizes = placement.blocks(1)
-    held = [sum(size * count / placement.parts(world, k) for k, (size, (_, count))
-                in enumerate(zip(sizes, placement.spans(r, world, len(sizes)), strict=True))) for r in range(world)]
+    held = [
+        sum(
+            size * count / placement.parts(world, k)
+            for k, (size, (_, count)) in enumerate(zip(sizes, placement.spans(r, world, len(sizes)), strict=True))
+        )
+        for r in range(world)
+    ]
     return max(held) / sum(sizes) if sum(sizes) else 1.0
 
 
@@ -194,14 +210,22 @@ def product_seconds(node: Node, strategy, sizes: Sizes, world: int, topology: To
     return product_time(*shape[:3], topology, *shape[3:], moved * work_share(node, strategy, world, sizes.experts))
 
 
-def op_seconds(node: Node, strategy, sizes: Sizes, world: int, topology: Topology, training: bool,
-                  paired: bool = False) -> float:
+def op_seconds(
+    node: Node, strategy, sizes: Sizes, world: int, topology: Topology, training: bool, paired: bool = False
+) -> float:
     """Seconds of the op (forward and backward when training); for a parameter held grouped, also the
     all-reduce of its gradient (``paired``: shared with its weight or bias, so without the latency)."""
     row = op(node.target)
-    moved = 0.0 if row.view or row.observer else (  # a view's output is its input; sizes are metadata
-        row.moves(node, sizes.nbytes) if row.moves else
-        sizes.nbytes(node) + sum(sizes.nbytes(a) for a in node.all_input_nodes if is_placed(a)))
+    moved = (
+        0.0
+        if row.view or row.observer
+        # a view's output is its input; sizes are metadata
+        else (
+            row.moves(node, sizes.nbytes)
+            if row.moves
+            else sizes.nbytes(node) + sum(sizes.nbytes(a) for a in node.all_input_nodes if is_placed(a))
+        )
+    )
     if node.op != "call_function":
         seconds = 0.0
     elif row.shape is not None:
@@ -237,13 +261,13 @@ def kept_bytes(node: Node, strategy, sizes: Sizes, world: int, grad: set) -> lis
     found = []
     for item in kept(node, strategy, grad):
         share = sizes.experts.held(item.tensor, item.placement, world)
-        found.append(((item.tensor, item.kind, round(share, 9)),
-                      element_bytes(item, sizes.numel(item.tensor)) * share))
+        found.append(((item.tensor, item.kind, round(share, 9)), element_bytes(item, sizes.numel(item.tensor)) * share))
     return found
 
 
-def conversion_seconds(have, want, tensor: Node, sizes: Sizes, world: int, topology: Topology,
-                       backward: bool = False) -> float | None:
+def conversion_seconds(
+    have, want, tensor: Node, sizes: Sizes, world: int, topology: Topology, backward: bool = False
+) -> float | None:
     """Seconds to convert ``tensor`` from ``have`` to ``want`` (and its gradient back, with ``backward``); None
     where impossible.  Routed rows enter an expert segment at its entry (dispatch: this rank's share of the rows
     to their owners, the row counts first) and leave at its exit (combine: back to their senders, then
@@ -253,16 +277,21 @@ def conversion_seconds(have, want, tensor: Node, sizes: Sizes, world: int, topol
     segment = sizes.experts.segments.get(tensor)
     if isinstance(want, Routed) and isinstance(have, Replicate) and segment is None:  # a row entering
         counts = collective_time("all_to_all", 0.0, want.ranks, topology)  # a few integers: its latency
-        return counts + _exchange(want, tensor, sizes, world, topology) + (
-            _exchange(want, tensor, sizes, world, topology, gather=True) if backward else 0.0)
+        return (
+            counts
+            + _exchange(want, tensor, sizes, world, topology)
+            + (_exchange(want, tensor, sizes, world, topology, gather=True) if backward else 0.0)
+        )
     if isinstance(have, Routed) and isinstance(want, Replicate) and segment is not None and tensor is segment.exit:
         return _exchange(have, tensor, sizes, world, topology, gather=True) + (
-            _exchange(have, tensor, sizes, world, topology) if backward else 0.0)
+            _exchange(have, tensor, sizes, world, topology) if backward else 0.0
+        )
     return None
 
 
-def _exchange(routed: Routed, tensor: Node, sizes: Sizes, world: int, topology: Topology,
-              gather: bool = False) -> float:
+def _exchange(
+    routed: Routed, tensor: Node, sizes: Sizes, world: int, topology: Topology, gather: bool = False
+) -> float:
     """One all-to-all of this rank's share of a routed tensor's rows (the busiest receiver's load), then with
     ``gather`` the all-gather of the whole tensor among the ``world`` TP ranks that hold the same tokens."""
     nbytes = sizes.nbytes(tensor)
@@ -279,8 +308,12 @@ def dispatch_seconds(node: Node, strategy, sizes: Sizes, topology: Topology, tra
     if experts.ep < 2 or segment is None or node is not segment.exit or isinstance(strategy.output, Routed):
         return 0.0
     inside = set(segment.nodes)
-    rows = {a for n in segment.nodes for a in n.all_input_nodes if a not in inside and a is not segment.key
-            and a not in experts.segments}
+    rows = {
+        a
+        for n in segment.nodes
+        for a in n.all_input_nodes
+        if a not in inside and a is not segment.key and a not in experts.segments
+    }
     moved = sum(sizes.nbytes(a) for a in rows) + sizes.nbytes(node)
     seconds = collective_time("all_to_all", moved * experts.imbalance, experts.ep, topology)
     seconds += collective_time("all_to_all", 8.0 * segment.experts, experts.ep, topology)

@@ -9,6 +9,7 @@ from its forward until its backward ("B", or "W" after "I") is done.  GPipe and 
 ``m + p - 1`` stage-times with ``min(p - i, m)`` micro-batches in flight on stage ``i``, interleaved 1F1B at
 about ``m + (p - 1) / v`` (Narayanan et al. 2021 section 2.2), zero-bubble schedules with less (Qi et al. 2024).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -29,6 +30,7 @@ def schedule_class(name) -> type:
     """PyTorch's schedule class for ``name``, case-insensitive as ``get_schedule_class`` (also "interleaved-1f1b");
     a class is its own."""
     from torch.distributed.pipelining.schedules import get_schedule_class
+
     return name if isinstance(name, type) else get_schedule_class(LEGACY.get(name.lower(), name))
 
 
@@ -36,6 +38,7 @@ def schedule_class(name) -> type:
 class Table:
     """A schedule's compute actions: ``order[rank]`` the (stage, pass, micro-batch) a pipeline rank runs, in
     order; ``rank_of[stage]`` the rank that holds each stage."""
+
     order: dict
     rank_of: tuple
 
@@ -54,13 +57,16 @@ def action_table(schedule: type, pp: int, per_rank: int, microbatches: int) -> T
     """``schedule``'s own table for ``pp`` ranks holding ``per_rank`` stages each and ``microbatches``: its
     constructor computes it (and raises its ValueError for a count it cannot run)."""
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle, ScheduleGPipe
+
     stages = pp * per_rank
     single = issubclass(schedule, PipelineScheduleSingle)
     held = [_Stage(s, stages, pp) for s in range(0, stages, pp)]
     built = _table_only(schedule)(held[0] if single else held, microbatches, loss_fn=lambda output, target: output)
     if single:  # these run code, not a table (1F1B's pipeline_order, a drawing, numbers its forwards off by one)
-        return Table({rank: tuple(_single(rank, pp, microbatches, issubclass(schedule, ScheduleGPipe)))
-                      for rank in range(pp)}, tuple(range(stages)))
+        return Table(
+            {rank: tuple(_single(rank, pp, microbatches, issubclass(schedule, ScheduleGPipe))) for rank in range(pp)},
+            tuple(range(stages)),
+        )
     rank_of = tuple(built.stage_index_to_group_rank[s] for s in range(stages))
     return Table({rank: tuple(_compute(built.pipeline_order[rank])) for rank in range(pp)}, rank_of)
 
@@ -103,17 +109,27 @@ def _compute(actions) -> list:
 
 @dataclass
 class Timeline:
-    seconds: float   # when the last action ends
-    busy: list       # per rank: seconds spent computing
-    held: list       # per rank: the peak sum of ``held[stage]`` over the micro-batches whose activations it keeps
+    seconds: float  # when the last action ends
+    busy: list  # per rank: seconds spent computing
+    held: list  # per rank: the peak sum of ``held[stage]`` over the micro-batches whose activations it keeps
 
 
-def simulate(table: Table, forward: list, backward_input: list, backward_weight: list, send: float = 0.0,
-             held: list | None = None) -> Timeline:
+def simulate(
+    table: Table,
+    forward: list,
+    backward_input: list,
+    backward_weight: list,
+    send: float = 0.0,
+    held: list | None = None,
+) -> Timeline:
     """Run ``table`` with each stage's pass times (a whole backward "B" lasts input + weight); a value that
     crosses ranks arrives ``send`` seconds after it is computed.  Raises ValueError if the table deadlocks."""
-    seconds = {"F": forward, "I": backward_input, "W": backward_weight,
-               "B": [a + b for a, b in zip(backward_input, backward_weight, strict=True)]}
+    seconds = {
+        "F": forward,
+        "I": backward_input,
+        "W": backward_weight,
+        "B": [a + b for a, b in zip(backward_input, backward_weight, strict=True)],
+    }
     stages, ranks = len(table.rank_of), len(table.order)
     held = held or [1.0] * stages
     done: dict = {}
@@ -223,8 +239,9 @@ def balance_stages(costs: list[float], parts: int, fits=None) -> list[tuple[int,
         return None
     prefix = list(itertools.accumulate(costs, initial=0.0))
     fastest = max(prefix[b] - prefix[a] for a, b in balanced)  # no split is faster than the time-balanced one
-    bounds = sorted({prefix[b] - prefix[a] for a in range(n) for b in range(a + 1, n + 1)
-                     if prefix[b] - prefix[a] >= fastest})  # the slowest stage's time is one of these
+    bounds = sorted(
+        {prefix[b] - prefix[a] for a in range(n) for b in range(a + 1, n + 1) if prefix[b] - prefix[a] >= fastest}
+    )  # the slowest stage's time is one of these
     lo, hi = 0, len(bounds)  # _cut(bounds[hi]) succeeds (math.inf when hi == len(bounds))
     while lo < hi:
         mid = (lo + hi) // 2
@@ -294,20 +311,21 @@ def p2p_time(nbytes: float, tp: int, crosses_nodes: bool, topology: Topology) ->
     if not topology.nics_per_node:
         raise ValueError(f"topology {topology.name} has no NICs (nics_per_node) to send between nodes")
     per_gpu = topology.nic_bandwidth * topology.nics_per_node / topology.gpus_per_node
-    return (topology.inter_base_latency_s + nbytes / tp / per_gpu
-            + collective_time("all_gather", nbytes, tp, topology))
+    return topology.inter_base_latency_s + nbytes / tp / per_gpu + collective_time("all_gather", nbytes, tp, topology)
 
 
 def dp_topology(topo: Topology, tp: int) -> Topology:
     """The fabric a data-parallel group sees: its members sit ``tp`` ranks apart."""
     per_node = max(1, topo.gpus_per_node // tp)
     nics = max(1, topo.nics_per_node * per_node // topo.gpus_per_node) if topo.nics_per_node else 0
-    return dataclasses.replace(topo, gpus_per_node=per_node, nodes=max(1, topo.devices // tp // per_node),
-                               nics_per_node=nics)
+    return dataclasses.replace(
+        topo, gpus_per_node=per_node, nodes=max(1, topo.devices // tp // per_node), nics_per_node=nics
+    )
 
 
-def dp_sync_time(params: float, grads: float, dp: int, tp: int, data_parallel: str, gathers: int,
-                 topology: Topology) -> tuple[float, float]:
+def dp_sync_time(
+    params: float, grads: float, dp: int, tp: int, data_parallel: str, gathers: int, topology: Topology
+) -> tuple[float, float]:
     """(gradient reduction, parameter all-gathers) seconds per step for one device's stage.
 
     DDP all-reduces the gradients; FSDP reduce-scatters them and all-gathers the parameters
@@ -317,8 +335,10 @@ def dp_sync_time(params: float, grads: float, dp: int, tp: int, data_parallel: s
     fabric = dp_topology(topology, tp)
     if data_parallel == "ddp":
         return collective_time("all_reduce", grads, dp, fabric), 0.0
-    return (collective_time("reduce_scatter", grads, dp, fabric),
-            gathers * collective_time("all_gather", params, dp, fabric))
+    return (
+        collective_time("reduce_scatter", grads, dp, fabric),
+        gathers * collective_time("all_gather", params, dp, fabric),
+    )
 
 
 def exposed_dp_time(reduce: float, gather: float, last_backward: float, compute: float) -> float:

@@ -6,6 +6,7 @@ which is how ``2x-dgx-h100`` is two DGX H100s.  Calibrated profiles (``autotp ca
 measured per-collective figures under ``measured``.  ``products`` is the device's table of measured
 matrix products (each point with its source) and the figures fitted to it (cost_models/compute.py).
 """
+
 from __future__ import annotations
 
 import json
@@ -21,6 +22,7 @@ class Products:
     """How fast this device runs matrix products: ``peak_fraction`` of peak_flops plus ``overhead_s`` per kernel
     (and ``group_overhead_s`` per further group of a ragged grouped product), fitted to ``points``: measured
     (m, n, k, fraction of peak) products, [m, k] @ [k, n]."""
+
     peak_fraction: float
     overhead_s: float = 0.0
     group_overhead_s: float = 0.0
@@ -32,18 +34,18 @@ class Topology:
     name: str
     nodes: int
     gpus_per_node: int
-    memory_bytes: float          # per device
-    hbm_bandwidth: float         # bytes/s per device
-    peak_flops: float            # dense bf16/fp16 FLOP/s per device
-    memory_efficiency: float     # achievable fraction of hbm_bandwidth
+    memory_bytes: float  # per device
+    hbm_bandwidth: float  # bytes/s per device
+    peak_flops: float  # dense bf16/fp16 FLOP/s per device
+    memory_efficiency: float  # achievable fraction of hbm_bandwidth
     intra_base_latency_s: float  # launch latency of one collective inside a node
     intra_step_latency_s: float  # per ring step over NVLink / PCIe
-    intra_busbw: float           # ring bus bandwidth inside a node, bytes/s
-    products: Products           # matrix products by shape: the profile's "products" table
-    intra_busbw_nvls: float = 0.0    # in-switch reduction (NVLS) all-reduce bus bandwidth; 0 if none
+    intra_busbw: float  # ring bus bandwidth inside a node, bytes/s
+    products: Products  # matrix products by shape: the profile's "products" table
+    intra_busbw_nvls: float = 0.0  # in-switch reduction (NVLS) all-reduce bus bandwidth; 0 if none
     inter_base_latency_s: float = 0.0
     inter_step_latency_s: float = 0.0
-    nic_bandwidth: float = 0.0       # bytes/s achieved per NIC
+    nic_bandwidth: float = 0.0  # bytes/s achieved per NIC
     nics_per_node: int = 0
     measured: dict = field(default_factory=dict)  # op -> {"latency_s", "busbw", "points"} from calibration
 
@@ -77,8 +79,12 @@ def _read(path: Path, seen: tuple = ()) -> dict:
         base = _read(parent, (*seen, path))
     figures = {**base.get("figures", {}), **_figures(raw.get("figures", {}), path)}
     products = _products(raw["products"], path) if "products" in raw else base.get("products")
-    return {"name": raw.get("name", path.stem), "figures": figures, "measured": raw.get("measured", {}),
-            "products": products}
+    return {
+        "name": raw.get("name", path.stem),
+        "figures": figures,
+        "measured": raw.get("measured", {}),
+        "products": products,
+    }
 
 
 POINT = ("m", "n", "k", "fraction")
@@ -87,8 +93,10 @@ POINT = ("m", "n", "k", "fraction")
 def _products(raw: dict, path: Path) -> Products:
     """The "products" table: fitted figures with sources, and the measured points, each with its source."""
     points = raw.get("points", [])
-    if not isinstance(points, list) or not all(isinstance(p, dict) and p.get("source") and all(
-            isinstance(p.get(key), (int, float)) for key in POINT) for p in points):
+    if not isinstance(points, list) or not all(
+        isinstance(p, dict) and p.get("source") and all(isinstance(p.get(key), (int, float)) for key in POINT)
+        for p in points
+    ):
         raise ValueError(f"malformed topology file {path}: each product point needs m, n, k, fraction and a source")
     figures = _figures({k: v for k, v in raw.items() if k not in ("points", "held_out")}, path)
     try:
@@ -107,8 +115,9 @@ def _resolve(spec: str | Path) -> Path:
     path = Path(spec)
     if path.suffix == ".json":
         if not path.exists():
-            raise FileNotFoundError(f"topology file {path} does not exist; give a profile's name or the path of a "
-                                    ".json profile")
+            raise FileNotFoundError(
+                f"topology file {path} does not exist; give a profile's name or the path of a .json profile"
+            )
         return path
     path = PROFILES / f"{spec}.json"
     if not path.exists():
@@ -129,8 +138,10 @@ def load_topology(spec: str | Path | Topology | None = None, nodes: int | None =
         products = _legacy_products(figures) if raw["products"] is None else raw["products"]
         figures.pop("matmul_efficiency", None)
         if products is None:
-            raise ValueError(f"topology file {path} has no 'products' table: add one (docs/cost-model.md) or run "
-                             "autotp calibrate on the device")
+            raise ValueError(
+                f"topology file {path} has no 'products' table: add one (docs/cost-model.md) or run "
+                "autotp calibrate on the device"
+            )
         try:
             topo = Topology(name=raw["name"], measured=raw["measured"], products=products, **figures)
         except TypeError as exc:
@@ -140,8 +151,10 @@ def load_topology(spec: str | Path | Topology | None = None, nodes: int | None =
     if not isinstance(nodes, int) or nodes < 1:
         raise ValueError(f"nodes must be a positive integer, got {nodes!r}")
     if nodes > 1 and not topo.nics_per_node:
-        raise ValueError(f"topology {topo.name} has no NICs (nics_per_node) to join {nodes} nodes: "
-                         "give a profile with network figures")
+        raise ValueError(
+            f"topology {topo.name} has no NICs (nics_per_node) to join {nodes} nodes: "
+            "give a profile with network figures"
+        )
     return replace(topo, name=f"{topo.name} x{nodes}", nodes=nodes)
 
 

@@ -2,6 +2,7 @@
 windows (max, logsumexp, vector norms, gather, scatter, repeat, unfold, im2col), glu, flip, pooling and weight norm.
 The other dims stay sharded; the dims they act along are not sums of their parts,
 so they are never split, except where each rank's rows pick from a whole input (gather's index)."""
+
 from __future__ import annotations
 
 import torch
@@ -15,9 +16,16 @@ aten = torch.ops.aten
 
 
 # (dims, keepdim) argument positions of reductions that are no sum of parts, and their defaults
-_REDUCED_ARGS = {aten.max.dim: (1, 2), aten.min.dim: (1, 2), aten.amax.default: (1, 2), aten.amin.default: (1, 2),
-                 aten.logsumexp.default: (1, 2), aten.argmax.default: (1, 2), aten.argmin.default: (1, 2),
-                 aten.linalg_vector_norm.default: (2, 3)}
+_REDUCED_ARGS = {
+    aten.max.dim: (1, 2),
+    aten.min.dim: (1, 2),
+    aten.amax.default: (1, 2),
+    aten.amin.default: (1, 2),
+    aten.logsumexp.default: (1, 2),
+    aten.argmax.default: (1, 2),
+    aten.argmin.default: (1, 2),
+    aten.linalg_vector_norm.default: (2, 3),
+}
 
 
 def reduced(node: Node, ctx: Context) -> list[Strategy]:
@@ -45,11 +53,17 @@ def repeat(node: Node, ctx: Context) -> list[Strategy]:
     x, sizes = node.args[0], node.args[1]
     shape = ctx.shape(x)
     lead = len(sizes) - len(shape)
-    found = [Strategy(ctx.fill(node, {x: s}), s.at(d + lead)) for d in range(len(shape)) if sizes[d + lead] == 1
-             for s in ctx.shard_options(x, d) + ctx.token_options(x, d)]
-    return found + [Strategy(ctx.fill(node, {x: Shard(d)}), Shard(d + lead, (shape[d],) * sizes[d + lead]))
-                    for d in range(len(shape)) if isinstance(sizes[d + lead], int) and sizes[d + lead] > 1
-                    and Shard(d) in ctx.shard_options(x, d)]
+    found = [
+        Strategy(ctx.fill(node, {x: s}), s.at(d + lead))
+        for d in range(len(shape))
+        if sizes[d + lead] == 1
+        for s in ctx.shard_options(x, d) + ctx.token_options(x, d)
+    ]
+    return found + [
+        Strategy(ctx.fill(node, {x: Shard(d)}), Shard(d + lead, (shape[d],) * sizes[d + lead]))
+        for d in range(len(shape))
+        if isinstance(sizes[d + lead], int) and sizes[d + lead] > 1 and Shard(d) in ctx.shard_options(x, d)
+    ]
 
 
 def unfold(node: Node, ctx: Context) -> list[Strategy]:
@@ -57,8 +71,12 @@ def unfold(node: Node, ctx: Context) -> list[Strategy]:
     x = node.args[0]
     n = len(ctx.shape(x))
     at = positive_dim(node.args[1], n)
-    return [Strategy(ctx.fill(node, {x: s}), s) for d in range(n) if d != at
-            for s in ctx.shard_options(x, d) + ctx.token_options(x, d)]
+    return [
+        Strategy(ctx.fill(node, {x: s}), s)
+        for d in range(n)
+        if d != at
+        for s in ctx.shard_options(x, d) + ctx.token_options(x, d)
+    ]
 
 
 def im2col(node: Node, ctx: Context) -> list[Strategy]:
@@ -68,8 +86,11 @@ def im2col(node: Node, ctx: Context) -> list[Strategy]:
     x = node.args[0]
     channels = len(ctx.shape(x)) - 3  # 1 with a batch dim, 0 without
     found = [Strategy(ctx.fill(node, {x: P}), P)] if summable(x) else []
-    found += [Strategy(ctx.fill(node, {x: s}), s) for s in ctx.shard_options(x, channels)
-              if s.chunks is None and s.of is None and s.groups is None]
+    found += [
+        Strategy(ctx.fill(node, {x: s}), s)
+        for s in ctx.shard_options(x, channels)
+        if s.chunks is None and s.of is None and s.groups is None
+    ]
     return found + [Strategy(ctx.fill(node, {x: s}), s) for s in ctx.token_options(x, 0)] if channels else found
 
 
@@ -85,8 +106,10 @@ def gather(node: Node, ctx: Context) -> list[Strategy]:
     for d in range(n):  # (shard options are of static sizes alone)
         alike = [ctx.shape(t)[d] for t in (index, src) if t is not None]
         if d != at and ctx.static(shape[d]) and all(ctx.static(v) and v == shape[d] for v in alike):
-            found += [Strategy(ctx.fill(node, {x: s, index: s, **({src: s} if src is not None else {})}), s)
-                      for s in ctx.shard_options(x, d)]
+            found += [
+                Strategy(ctx.fill(node, {x: s, index: s, **({src: s} if src is not None else {})}), s)
+                for s in ctx.shard_options(x, d)
+            ]
     if node.target == aten.gather.default:
         found += [Strategy(ctx.fill(node, {index: s}), s) for s in ctx.shard_options(index, at)]
     return found
@@ -94,12 +117,17 @@ def gather(node: Node, ctx: Context) -> list[Strategy]:
 
 # ---- ops that compute along some dims and map the others through ----------------------------------
 
+
 def _through(node: Node, ctx: Context, acted: set) -> list[Strategy]:
     """Any dim of input 0 outside ``acted`` may stay sharded; the output keeps it at the same dim."""
     x = node.args[0]
     n = len(ctx.shape(x))
-    return [Strategy(ctx.fill(node, {x: s}), s) for d in range(n) if d not in acted
-            for s in ctx.shard_options(x, d) + ctx.token_options(x, d)]
+    return [
+        Strategy(ctx.fill(node, {x: s}), s)
+        for d in range(n)
+        if d not in acted
+        for s in ctx.shard_options(x, d) + ctx.token_options(x, d)
+    ]
 
 
 def along_dims(node: Node, ctx: Context) -> list[Strategy]:
@@ -113,18 +141,22 @@ def along_dims(node: Node, ctx: Context) -> list[Strategy]:
     found = _through(node, ctx, acted)
     if node.target == aten.glu.default:
         (at,) = acted
-        found += [Strategy(ctx.fill(node, {x: s}), s.block(0, s.chunks[0], ctx.world))
-                  for s in ctx.shard_options(x, at) if s.chunks is not None and len(s.chunks) == 2
-                  and s.chunks[0] == s.chunks[1] and s.groups is None]
+        found += [
+            Strategy(ctx.fill(node, {x: s}), s.block(0, s.chunks[0], ctx.world))
+            for s in ctx.shard_options(x, at)
+            if s.chunks is not None and len(s.chunks) == 2 and s.chunks[0] == s.chunks[1] and s.groups is None
+        ]
     return found
 
 
 def last_dims(count: int):
     """Ops over the last ``count`` dims -- pooling and resampling of an image or a signal, tril / triu of a matrix:
     the leading dims (batch, channels, heads) pass through."""
+
     def rule(node: Node, ctx: Context) -> list[Strategy]:
         n = len(ctx.shape(node.args[0]))
         return _through(node, ctx, set(range(n - count, n)))
+
     rule.__name__ = f"last_{count}_dims"
     return rule
 

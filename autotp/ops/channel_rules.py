@@ -28,15 +28,23 @@ def convolution(node: Node, ctx: Context) -> list[Strategy]:
     with_bias = isinstance(bias, Node)
     found = [Strategy(ctx.fill(node, {x: s}), s) for s in ctx.shard_options(node, 0) if s.chunks is None]
     if groups == 1:  # output channels, block by block too (a gate's halves: glu after it)
-        found += [Strategy(ctx.fill(node, {w: s.at(0), **({bias: s.at(0)} if with_bias else {})}), s)
-                  for s in ctx.shard_options(node, 1) if s.chunks is None or s.groups is None]
+        found += [
+            Strategy(ctx.fill(node, {w: s.at(0), **({bias: s.at(0)} if with_bias else {})}), s)
+            for s in ctx.shard_options(node, 1)
+            if s.chunks is None or s.groups is None
+        ]
         if not with_bias:
-            found += [Strategy(ctx.fill(node, {x: s, w: s.at(1)}), P)
-                      for s in contractible(ctx.shard_options(x, 1), 1, ctx.world, blocks=True)]
+            found += [
+                Strategy(ctx.fill(node, {x: s, w: s.at(1)}), P)
+                for s in contractible(ctx.shard_options(x, 1), 1, ctx.world, blocks=True)
+            ]
             found.append(Strategy(ctx.fill(node, {x: P}), P))
     elif groups == sx[1] == sw[0] and sw[1] == 1:
-        found += [Strategy(ctx.fill(node, {x: s, w: s.at(0), **({bias: s.at(0)} if with_bias else {})}), s)
-                  for s in ctx.shard_options(node, 1) if not s.grouped(ctx.world)]  # fused blocks too: per channel
+        found += [
+            Strategy(ctx.fill(node, {x: s, w: s.at(0), **({bias: s.at(0)} if with_bias else {})}), s)
+            for s in ctx.shard_options(node, 1)
+            if not s.grouped(ctx.world)
+        ]  # fused blocks too: per channel
     return found
 
 
@@ -49,8 +57,11 @@ def batch_norm(node: Node, ctx: Context) -> list[Strategy]:
     if training is not False:
         return []
     per_channel = [a for a in per_channel if isinstance(a, Node)]
-    found = [Strategy(ctx.fill(node, {x: s, **{a: s.at(0) for a in per_channel}}), s)
-             for s in ctx.shard_options(x, 1) if s.chunks is None]
+    found = [
+        Strategy(ctx.fill(node, {x: s, **{a: s.at(0) for a in per_channel}}), s)
+        for s in ctx.shard_options(x, 1)
+        if s.chunks is None
+    ]
     for d in range(len(ctx.shape(x))):
         if d != 1:
             found += [Strategy(ctx.fill(node, {x: s}), s) for s in ctx.shard_options(x, d) + ctx.token_options(x, d)]

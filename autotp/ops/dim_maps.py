@@ -5,6 +5,7 @@ produced the value (passes/hints.py) so that the parameter it started from is of
 map takes ``(node, dim, blocks, ctx)`` and returns ``[(input, its dim, its blocks)]``; an op without one stops
 the walk.  DTensor's ``dim_maps`` play the same part for its view ops.
 """
+
 from __future__ import annotations
 
 import torch
@@ -27,8 +28,9 @@ def view(node: Node, dim: int, blocks, ctx: Context) -> list:
     d = inverse_view_dim(src, dst, dim)
     if d is not None:
         found.append((node.args[0], d, blocks))
-    return found + [(node.args[0], d, in_flat_units(blocks, rest)) for d, out, rest in split_runs(src, dst)
-                    if out == dim]
+    return found + [
+        (node.args[0], d, in_flat_units(blocks, rest)) for d, out, rest in split_runs(src, dst) if out == dim
+    ]
 
 
 def t(node: Node, dim: int, blocks, ctx: Context) -> list:
@@ -43,9 +45,13 @@ def matmul(node: Node, dim: int, blocks, ctx: Context) -> list:
         return [(node.args[1], len(ctx.shape(node.args[1])) - 1, blocks)]
     if dim >= len(out) - 2:
         return []
-    return [(a, ad, blocks) for a in node.args[:2] if isinstance(a, Node)
-            for ad in [dim - len(out) + len(ctx.shape(a))] if 0 <= ad < len(ctx.shape(a)) - 2
-            and ctx.shape(a)[ad] == out[dim]]
+    return [
+        (a, ad, blocks)
+        for a in node.args[:2]
+        if isinstance(a, Node)
+        for ad in [dim - len(out) + len(ctx.shape(a))]
+        if 0 <= ad < len(ctx.shape(a)) - 2 and ctx.shape(a)[ad] == out[dim]
+    ]
 
 
 def bmm(node: Node, dim: int, blocks, ctx: Context) -> list:
@@ -83,8 +89,11 @@ def permute(node: Node, dim: int, blocks, ctx: Context) -> list:
 
 def squeeze(node: Node, dim: int, blocks, ctx: Context) -> list:
     at = positive_dim(node.args[1], len(ctx.shape(node.args[0])))
-    return [(node.args[0], dim + (dim >= at), blocks)] if ctx.shape(node.args[0])[at] == 1 else \
-        [(node.args[0], dim, blocks)]
+    return (
+        [(node.args[0], dim + (dim >= at), blocks)]
+        if ctx.shape(node.args[0])[at] == 1
+        else [(node.args[0], dim, blocks)]
+    )
 
 
 def index(node: Node, dim: int, blocks, ctx: Context) -> list:
@@ -116,10 +125,14 @@ def getitem(node: Node, dim: int, blocks, ctx: Context) -> list:
     x = parts.args[0]
     at = positive_dim(parts.args[2] if len(parts.args) > 2 else parts.kwargs.get("dim", 0), len(ctx.shape(x)))
     sizes = [o.shape[at] for o in parts.meta["val"]]
-    if dim != at or isinstance(blocks, int) or not all(isinstance(c, int) for c in blocks) or \
-            sum(blocks) != sizes[index]:
+    if (
+        dim != at
+        or isinstance(blocks, int)
+        or not all(isinstance(c, int) for c in blocks)
+        or sum(blocks) != sizes[index]
+    ):
         return []
-    return [(x, at, (*sizes[:index], *blocks, *sizes[index + 1:]))]
+    return [(x, at, (*sizes[:index], *blocks, *sizes[index + 1 :]))]
 
 
 def slice_(node: Node, dim: int, blocks, ctx: Context) -> list:
@@ -147,8 +160,12 @@ def cat(node: Node, dim: int, blocks, ctx: Context) -> list:
         return [(p, dim - (dim > at), blocks) for p in parts] if dim != at else []
     if dim != at:
         return [(p, dim, blocks) for p in parts]
-    if isinstance(blocks, int) or not all(isinstance(b, int) for b in blocks) or len(parts) != len(node.args[0]) or \
-            any(len(ctx.shape(p)) != len(ctx.shape(node)) for p in parts):
+    if (
+        isinstance(blocks, int)
+        or not all(isinstance(b, int) for b in blocks)
+        or len(parts) != len(node.args[0])
+        or any(len(ctx.shape(p)) != len(ctx.shape(node)) for p in parts)
+    ):
         return []
     pieces = pieces_of(tuple(blocks), [ctx.shape(p)[at] for p in parts])
     return [(p, at, tuple(blocks[k] for k in ks)) for p, ks in zip(parts, pieces or (), strict=False) if len(ks) > 1]
@@ -168,11 +185,28 @@ def attention(node: Node, dim: int, blocks, ctx: Context) -> list:
     """Attention's heads are its query's, and its keys' and values' where they have as many (DiffLlama's two
     halves of heads, each value head repeated over both)."""
     out = ctx.shape(node)
-    return [(a, 1, blocks) for a in node.args[:3] if dim == 1 and isinstance(a, Node) and len(ctx.shape(a)) == len(out)
-            and ctx.shape(a)[1] == out[1]]
+    return [
+        (a, 1, blocks)
+        for a in node.args[:3]
+        if dim == 1 and isinstance(a, Node) and len(ctx.shape(a)) == len(out) and ctx.shape(a)[1] == out[1]
+    ]
 
 
-BY_FAMILY = {"view": view, "t": t, "matmul": matmul, "unsqueeze": unsqueeze, "linear": linear,
-             "getitem": getitem, "elementwise": elementwise, "transpose": transpose, "grouped_mm": grouped,
-             "permute": permute, "slice": slice_, "convolution": convolution, "cat": cat, "attention": attention,
-             "softmax": elementwise, "log_softmax": elementwise}
+BY_FAMILY = {
+    "view": view,
+    "t": t,
+    "matmul": matmul,
+    "unsqueeze": unsqueeze,
+    "linear": linear,
+    "getitem": getitem,
+    "elementwise": elementwise,
+    "transpose": transpose,
+    "grouped_mm": grouped,
+    "permute": permute,
+    "slice": slice_,
+    "convolution": convolution,
+    "cat": cat,
+    "attention": attention,
+    "softmax": elementwise,
+    "log_softmax": elementwise,
+}

@@ -16,6 +16,7 @@ expert outputs are partial sums and the layer needs one all-reduce.  The ops tha
   strided slices   interleaved gate/up columns ``h[..., ::2]`` / ``h[..., 1::2]``: only a shard whose every
                    rank holds whole pairs (checked rank by rank) passes, else the slice is replicated.
 """
+
 from __future__ import annotations
 
 import operator
@@ -71,15 +72,20 @@ def _whole_experts(w: Node, ctx: Context) -> list[tuple[Shard, Disjoint]]:
     if ctx.experts in ("tensor", "all-to-all") or ctx.ep > 1:
         return []
     count = ctx.shape(w)[0]
-    return [(s, Disjoint(simplest(s.at(0), count, ctx.world))) for s in ctx.shard_options(w, 0)
-            if s.chunks is None and not s.grouped(ctx.world) and not s.whole(ctx.world)]
+    return [
+        (s, Disjoint(simplest(s.at(0), count, ctx.world)))
+        for s in ctx.shard_options(w, 0)
+        if s.chunks is None and not s.grouped(ctx.world) and not s.whole(ctx.world)
+    ]
 
 
 def integer_indices(indices) -> bool:
     """Integer index tensors on the leading dims, one dim each.  Not None entries (``x[:, ids]`` moves
     dims around) nor boolean masks (one mask consumes as many dims as it has)."""
-    return bool(indices) and all(isinstance(i, Node) and isinstance(value(i), torch.Tensor) and
-                                 value(i).dtype in (torch.int64, torch.int32) for i in indices)
+    return bool(indices) and all(
+        isinstance(i, Node) and isinstance(value(i), torch.Tensor) and value(i).dtype in (torch.int64, torch.int32)
+        for i in indices
+    )
 
 
 def index(node: Node, ctx: Context) -> list[Strategy] | None:
@@ -104,8 +110,11 @@ def index(node: Node, ctx: Context) -> list[Strategy] | None:
     found += [Strategy(ctx.fill(node, {x: s}), d) for s, d in experts]  # one expert's rows per routed token
     imposed = routing(node, ctx) is not None and ctx.experts in ("parallel", "all-to-all")
     for d in range(n if imposed else k, n):
-        found += [Strategy(ctx.fill(node, {x: s}), s.at(d + shift)) for s in ctx.shard_options(x, d)
-                  if ctx.shape(node)[d + shift] == ctx.shape(x)[d]]
+        found += [
+            Strategy(ctx.fill(node, {x: s}), s.at(d + shift))
+            for s in ctx.shard_options(x, d)
+            if ctx.shape(node)[d + shift] == ctx.shape(x)[d]
+        ]
     return found
 
 
@@ -118,8 +127,11 @@ def _past_whole_dims(node: Node, ctx: Context, lead: int) -> list[Strategy]:
     found = [Strategy(ctx.fill(node, {x: P}), P)]
     for d in [*range(lead), *range(lead + k, n)]:
         at = d if d < lead else d + shift
-        found += [Strategy(ctx.fill(node, {x: s}), s.at(at)) for s in ctx.shard_options(x, d)
-                  if ctx.shape(node)[at] == ctx.shape(x)[d]]
+        found += [
+            Strategy(ctx.fill(node, {x: s}), s.at(at))
+            for s in ctx.shard_options(x, d)
+            if ctx.shape(node)[at] == ctx.shape(x)[d]
+        ]
     return found
 
 
@@ -151,8 +163,9 @@ def strided_slice(node: Node, ctx: Context) -> list[Strategy]:
         out = simplest(Shard(at, units=s.units, of=s.of), size // step, ctx.world)
         pieces = [s.ranges(size, r, ctx.world) for r in range(ctx.world)]
         if all(a % step == 0 and n % step == 0 for ranks in pieces for a, n in ranks) and all(
-                out.ranges(size // step, r, ctx.world) == [(a // step, n // step) for a, n in pieces[r]]
-                for r in range(ctx.world)):
+            out.ranges(size // step, r, ctx.world) == [(a // step, n // step) for a, n in pieces[r]]
+            for r in range(ctx.world)
+        ):
             found.append(Strategy(ctx.fill(node, {x: s}), out))
     return found
 
@@ -198,9 +211,14 @@ def _keeps_rows(node: Node, ctx: Context) -> bool:
 def disjoint(node: Node, ctx: Context) -> list[Strategy]:
     """A disjoint partial through ops that keep it one: zero-keeping ops and row-keeping layout ops of it;
     its product with a whole tensor; the sum or product of two routed alike (same routing, same experts)."""
-    if ctx.experts in ("tensor", "all-to-all") or ctx.ep > 1 or not _keeps_rows(node, ctx) or \
-            routing(node, ctx) is None:
+    if (
+        ctx.experts in ("tensor", "all-to-all")
+        or ctx.ep > 1
+        or not _keeps_rows(node, ctx)
+        or routing(node, ctx) is None
+    ):
         return []
+
     def held(a: Node) -> list:
         return [p for p in ctx.output_options(a) if isinstance(p, Disjoint)] if isinstance(a, Node) else []
 
@@ -209,8 +227,14 @@ def disjoint(node: Node, ctx: Context) -> list[Strategy]:
         count = len(value(node)) if isinstance(value(node), (list, tuple)) else None
         return [Strategy(ctx.fill(node, {x: d}), d if count is None else (d,) * count) for d in held(x)]
     shape = ctx.shape(node)
-    options = {a: held(a) for a in node.args[:2] if isinstance(a, Node) and is_placed(a) and  # rows not broadcast
-               len(ctx.shape(a)) == len(shape) and ctx.probe(ctx.shape(a)[0]) == ctx.probe(shape[0])}
+    options = {
+        a: held(a)
+        for a in node.args[:2]
+        if isinstance(a, Node)
+        and is_placed(a)  # rows not broadcast
+        and len(ctx.shape(a)) == len(shape)
+        and ctx.probe(ctx.shape(a)[0]) == ctx.probe(shape[0])
+    }
     a, b = node.args[:2]
     found = []
     alike = a is not b and routing(a, ctx) == routing(b, ctx)
@@ -230,13 +254,19 @@ def routed(node: Node, ctx: Context) -> list[Strategy]:
     leave the experts' dim alone."""
     segment = ctx.segments.get(node)
     ranks = ctx.world * ctx.ep
-    if segment is None or ctx.experts in ("tensor", "parallel") or ranks < 2 or segment.experts < ranks or \
-            node.op != "call_function":
+    if (
+        segment is None
+        or ctx.experts in ("tensor", "parallel")
+        or ranks < 2
+        or segment.experts < ranks
+        or node.op != "call_function"
+    ):
         return []
     held = Routed(simplest(Shard(0, units=segment.experts), segment.experts, ranks), ranks)
     if node in segment.views:
-        dims = [positive_dim(d, len(ctx.shape(node))) for d in node.args[1:3]] if node.target == aten.transpose.int \
-            else []
+        dims = (
+            [positive_dim(d, len(ctx.shape(node))) for d in node.args[1:3]] if node.target == aten.transpose.int else []
+        )
         kept = ctx.op(node.target).family == "elementwise" or (dims and 0 not in dims)
         return [Strategy(ctx.fill(node, {node.args[0]: held}), held)] if kept else []
     if node not in segment.nodes or not _row_wise(node, segment, ctx):

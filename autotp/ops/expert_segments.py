@@ -8,6 +8,7 @@ layout ops; its one output is the last product.  The router, the sort and the co
 weights stay outside and run where the tokens are.  An owner of experts can run the segment's own ops on the
 rows routed to its experts alone, with its local key (runtime/expert_dispatch.py): no op needs a rule of its own.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -25,13 +26,13 @@ aten = torch.ops.aten
 
 @dataclass(frozen=True, eq=False)
 class Segment:
-    key: Node           # grouped: the offsets; else the ids of the lookups
+    key: Node  # grouped: the offsets; else the ids of the lookups
     grouped: bool
     experts: int
-    nodes: tuple        # in graph order, the exit last
-    tables: tuple       # get_attr nodes of the expert tables (dim 0: the experts)
-    views: tuple        # layout ops between a table and the segment (transposes, casts)
-    slots: object       # the routed rows' count (dim 0 of the rows), as the capture sizes it
+    nodes: tuple  # in graph order, the exit last
+    tables: tuple  # get_attr nodes of the expert tables (dim 0: the experts)
+    views: tuple  # layout ops between a table and the segment (transposes, casts)
+    slots: object  # the routed rows' count (dim 0 of the rows), as the capture sizes it
 
     @property
     def exit(self) -> Node:
@@ -53,8 +54,13 @@ def _table(node: Node) -> tuple[Node | None, list]:
 
 def _lookup(node: Node, key: Node) -> bool:
     """``table[key]``: one expert's rows per routed slot."""
-    return (node.op == "call_function" and node.target == aten.index.Tensor and len(node.args[1]) == 1 and
-            node.args[1][0] is key and _table(node.args[0])[0] is not None)
+    return (
+        node.op == "call_function"
+        and node.target == aten.index.Tensor
+        and len(node.args[1]) == 1
+        and node.args[1][0] is key
+        and _table(node.args[0])[0] is not None
+    )
 
 
 def _products(gm: torch.fx.GraphModule, ctx: Context) -> dict:
@@ -114,18 +120,25 @@ def _segment(key: Node, grouped: bool, nodes: list, ctx: Context) -> Segment | N
             if a in inside or a is key:
                 continue
             table, chain = _table(a)
-            if table is not None and len(ctx.shape(table)) and ctx.probe(ctx.shape(table)[0]) == ctx.probe(
-                    _experts(nodes, ctx)):
+            if (
+                table is not None
+                and len(ctx.shape(table))
+                and ctx.probe(ctx.shape(table)[0]) == ctx.probe(_experts(nodes, ctx))
+            ):
                 tables.append(table)
                 views += chain
-            elif not (isinstance(value(a), torch.Tensor) and len(ctx.shape(a)) and
-                      ctx.probe(ctx.shape(a)[0]) == ctx.probe(slots)):
+            elif not (
+                isinstance(value(a), torch.Tensor)
+                and len(ctx.shape(a))
+                and ctx.probe(ctx.shape(a)[0]) == ctx.probe(slots)
+            ):
                 return None  # neither a routed row, nor the key, nor an expert table
         if any(isinstance(a, Node) and not isinstance(value(a), (torch.Tensor, list, tuple)) for a in n.args):
             return None  # a size argument: it may count the rows, which an owner does not hold
     experts = _experts(nodes, ctx)
-    return Segment(key, grouped, experts, tuple(nodes), tuple(dict.fromkeys(tables)), tuple(dict.fromkeys(views)),
-                   slots)
+    return Segment(
+        key, grouped, experts, tuple(nodes), tuple(dict.fromkeys(tables)), tuple(dict.fromkeys(views)), slots
+    )
 
 
 def _experts(nodes: list, ctx: Context) -> int:
@@ -141,13 +154,15 @@ def members(segments: list[Segment]) -> dict:
     return {n: s for s in segments for n in (*s.nodes, *s.views, *s.tables)}
 
 
-def dispatch(gm: torch.fx.GraphModule, segment: Segment, owners: list, group: Group, copies: Group | None,
-             where: str) -> None:
+def dispatch(
+    gm: torch.fx.GraphModule, segment: Segment, owners: list, group: Group, copies: Group | None, where: str
+) -> None:
     """Replace ``segment`` in ``gm`` (this rank's program, tables already this rank's experts) by one call of
     runtime.expert_dispatch.ExpertDispatch on a sub-GraphModule of the segment's own nodes."""
     graph = gm.graph  # the rewrite may have put conversions between the segment's nodes: they belong to it
-    inside = (_related(segment.nodes, lambda n: n.users) & _related([segment.exit], lambda n: n.all_input_nodes)) | \
-        set(segment.nodes)
+    inside = (_related(segment.nodes, lambda n: n.users) & _related([segment.exit], lambda n: n.all_input_nodes)) | set(
+        segment.nodes
+    )
     order = {n: i for i, n in enumerate(graph.nodes)}
     nodes = sorted(inside, key=order.get)
     rows, rest = [], []
@@ -165,8 +180,17 @@ def dispatch(gm: torch.fx.GraphModule, segment: Segment, owners: list, group: Gr
         env[n] = sub.node_copy(n, lambda a: env[a])
     sub.output(env[segment.exit])
     name = f"autotp_experts_{segment.exit.name}"
-    module = ExpertDispatch(torch.fx.GraphModule(gm, sub), experts=segment.experts, grouped=segment.grouped,
-                            rows=len(rows), outputs=1, owners=owners, group=group, copies=copies, where=where)
+    module = ExpertDispatch(
+        torch.fx.GraphModule(gm, sub),
+        experts=segment.experts,
+        grouped=segment.grouped,
+        rows=len(rows),
+        outputs=1,
+        owners=owners,
+        group=group,
+        copies=copies,
+        where=where,
+    )
     gm.add_submodule(name, module)
     with graph.inserting_before(segment.exit):
         call = graph.call_module(name, (segment.key, *rows, *rest))
@@ -174,4 +198,3 @@ def dispatch(gm: torch.fx.GraphModule, segment: Segment, owners: list, group: Gr
     segment.exit.replace_all_uses_with(call)
     for n in reversed(nodes):
         graph.erase_node(n)
-

@@ -1,6 +1,7 @@
 """Sharding rule of new tensors of a given size (``x.new_zeros(size)``, ``new_full``, ``new_empty``): every element
 has the same value (or none yet), so any dim of fixed size may be split, each rank making its own piece; ``x`` is read
 for its dtype and device only, in whatever placement it has."""
+
 from __future__ import annotations
 
 from torch.fx import Node

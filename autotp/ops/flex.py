@@ -6,6 +6,7 @@ kernel_options, score_mod_other_buffers, mask_mod_other_buffers)`` -> (out, log-
 ``score_mod`` and the block mask's ``mask_mod`` are subgraphs called with the head index ``h``, which on a rank that
 holds query heads ``first..`` must be the global one (ALiBi slopes computed from ``h``).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -36,6 +37,7 @@ def exportable_on_cpu():
     def validate(query, key, value):
         if query.device.type != "cpu":
             check(query, key, value)
+
     flex_api._validate_device = validate
     try:
         with _products_of_many():
@@ -51,6 +53,7 @@ def _products_of_many():
     ("mul expected 2 arguments, got 3"): rebuild products of any length while torch.export traces."""
     import sympy
     from torch.fx.experimental.proxy_tensor import _sympy_handlers
+
     handlers = _sympy_handlers()
     binary = handlers.get(sympy.Mul)
     if binary is None:
@@ -79,8 +82,8 @@ def _flatten(mask: BlockMask):
 def _unflatten(leaves, context) -> BlockMask:
     seq_lengths, block, shape, spt, present = context
     tensors = dict.fromkeys(BlockMask._TENSOR_ATTRS)
-    tensors.update(zip(present, leaves[:len(present)], strict=True))
-    mask_mod = rebuild(shape, iter(leaves[len(present):]))
+    tensors.update(zip(present, leaves[: len(present)], strict=True))
+    mask_mod = rebuild(shape, iter(leaves[len(present) :]))
     return BlockMask(seq_lengths=seq_lengths, BLOCK_SIZE=block, mask_mod=mask_mod, dq_kv_order_spt=spt, **tensors)
 
 
@@ -97,26 +100,35 @@ def register_block_mask() -> None:
     (ops/mask_functions.py), so a mask rebuilt per batch is the same input, one of other lengths or another
     function another input structure, never computed with the traced one."""
     if BlockMask not in pytree.SUPPORTED_NODES:
-        pytree.register_pytree_node(BlockMask, _flatten, _unflatten, flatten_with_keys_fn=_flatten_with_keys,
-                                    serialized_type_name="autotp.BlockMask")
+        pytree.register_pytree_node(
+            BlockMask,
+            _flatten,
+            _unflatten,
+            flatten_with_keys_fn=_flatten_with_keys,
+            serialized_type_name="autotp.BlockMask",
+        )
 
 
 def mask_tensors(args, kwargs) -> set:
     """ids of the tensors that BlockMask inputs hold (their sizes stay as given: a table's dim 1 is the heads or
     1, which the rule must know)."""
-    masks = [x for x in pytree.tree_leaves((args, kwargs), is_leaf=lambda x: isinstance(x, BlockMask))
-             if isinstance(x, BlockMask)]
+    masks = [
+        x
+        for x in pytree.tree_leaves((args, kwargs), is_leaf=lambda x: isinstance(x, BlockMask))
+        if isinstance(x, BlockMask)
+    ]
     return {id(t) for mask in masks for t in _flatten(mask)[0]}  # closure tensors too: sized by the tables
 
 
 # ---- the rule ----------------------------------------------------------------------------------------
+
 
 def _serves(q: Shard, held, heads: int, kv: int, world: int) -> bool:
     """Every rank's query heads meet their KV heads where the kernel looks for them: local query head i reads
     local KV head i // (its query heads / its KV heads), which must be global KV head (first + i) // (Hq / Hkv)."""
     group = heads // kv
     for rank in range(world):
-        (first, count), = q.ranges(heads, rank, world)
+        ((first, count),) = q.ranges(heads, rank, world)
         start, length = held.ranges(kv, rank, world)[0] if isinstance(held, Shard) else (0, kv)
         if count == 0 or length == 0 or count % length:
             return False
@@ -147,8 +159,10 @@ def flex_heads(node: Node, ctx: Context) -> list[Strategy]:
             placements.update({t: s if len(ctx.shape(t)) > 1 and ctx.shape(t)[1] == heads else R for t in tables})
             found.append(Strategy(ctx.fill(node, placements), tuple(s for _ in node.meta["val"])))
     if not found and ctx.world > 1:
-        ctx.why[node] = (f"no split of its {heads} query heads on {ctx.world} ranks meets its {kv} KV heads where the "
-                         "kernel reads them: computed whole, q, k and v gathered")
+        ctx.why[node] = (
+            f"no split of its {heads} query heads on {ctx.world} ranks meets its {kv} KV heads where the "
+            "kernel reads them: computed whole, q, k and v gathered"
+        )
         return None
     return found
 
@@ -160,12 +174,13 @@ def keeps_flex(node: Node, grad) -> list:
 
 # ---- this rank's form ------------------------------------------------------------------------------------
 
+
 def global_heads(node: Node, strategy, rank: int, world: int) -> None:
     """The score and mask functions see this rank's first query head as head ``first``, not 0."""
     placement = strategy.inputs[0]
     if not isinstance(placement, Shard):
         return
-    (first, _), = placement.ranges(node.args[0].meta["val"].shape[1], rank, world)
+    ((first, _),) = placement.ranges(node.args[0].meta["val"].shape[1], rank, world)
     if not first:
         return
     args = list(node.args)

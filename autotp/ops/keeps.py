@@ -1,5 +1,6 @@
 """What each op's backward keeps, for the op table's ``keeps`` column (ops/table.py): a list of (input slot, or None
 for the output; kind, or None for the value).  passes/kept_tensors.py prices them as activation memory."""
+
 from __future__ import annotations
 
 from torch.fx import Node

@@ -2,6 +2,7 @@
 ops/view_rules.py).  Each maps a shard of the input to the output dim that carries the same data; ops/table.py says
 which op uses which.
 """
+
 from __future__ import annotations
 
 import operator
@@ -31,16 +32,6 @@ def mapped(node: Node, ctx: Context, dim_map) -> list[Strategy]:
         if od is not None and ctx.shape(node)[od] == size:
             found += [Strategy(ctx.fill(node, {x: s}), s.at(od)) for s in ctx.shard_options(x, d)]
     return found
-
-
-
-
-
-
-
-
-
-
 
 
 def as_complex(node: Node, ctx: Context) -> list[Strategy]:
@@ -126,8 +117,13 @@ def constant_positions(node: Node) -> tuple[int, list[int]] | None:
     if source.op != "get_attr" or source.graph.owning_module is None:
         return None
     values = operator.attrgetter(source.target)(source.graph.owning_module)
-    if not isinstance(values, torch.Tensor) or values.is_meta or values.dim() != 1 or not len(values) or \
-            values.dtype not in (torch.int64, torch.int32):
+    if (
+        not isinstance(values, torch.Tensor)
+        or values.is_meta
+        or values.dim() != 1
+        or not len(values)
+        or values.dtype not in (torch.int64, torch.int32)
+    ):
         return None
     positions = [v + shape[at] if v < 0 else v for v in values.tolist()]
     return (at, positions) if all(0 <= v < shape[at] for v in positions) else None
@@ -147,9 +143,12 @@ def gather(node: Node, ctx: Context) -> list[Strategy] | None:
         outs = ctx.shard_options(node, at)
         if s.of == size and dealt(size, ctx.world):  # the finer units the input's pieces follow, dealt whole
             outs = [*outs, Shard(at, units=size)]
-        strategies += [Strategy(ctx.fill(node, {x: s}), o) for o in dict.fromkeys(outs)
-                       if o.chunks is None and all(gathered(s, o, positions, ctx.shape(x)[at], r, ctx.world)
-                                                   is not None for r in range(ctx.world))]
+        strategies += [
+            Strategy(ctx.fill(node, {x: s}), o)
+            for o in dict.fromkeys(outs)
+            if o.chunks is None
+            and all(gathered(s, o, positions, ctx.shape(x)[at], r, ctx.world) is not None for r in range(ctx.world))
+        ]
     return strategies
 
 
@@ -213,15 +212,17 @@ def split(node: Node, ctx: Context) -> list[Strategy]:
     # chunk(n) recomputes piece sizes from the local size: only equal pieces stay aligned; pieces of a
     # dynamic size (a sequence chunked) are not known to line up with any shard
     split_dim_ok = all(isinstance(v, int) for v in sizes) and (
-        node.target != aten.chunk.default or len(set(sizes)) == 1)
+        node.target != aten.chunk.default or len(set(sizes)) == 1
+    )
     found = [Strategy(ctx.fill(node, {x: P}), (P,) * k)] if summable(x) else []
     for d in range(n):
         for s in ctx.shard_options(x, d):
             if d != at and s.chunks is None:
                 found.append(Strategy(ctx.fill(node, {x: s}), (s,) * k))
             elif d == at and split_dim_ok and s.chunks == sizes and s.groups is None:
-                found.append(Strategy(ctx.fill(node, {x: s}), tuple(s.block(i, n, ctx.world)
-                                                                     for i, n in enumerate(sizes))))
+                found.append(
+                    Strategy(ctx.fill(node, {x: s}), tuple(s.block(i, n, ctx.world) for i, n in enumerate(sizes)))
+                )
             elif d == at and split_dim_ok and k == 1 and s.chunks is None:
                 found.append(Strategy(ctx.fill(node, {x: s}), (s,)))
             elif d == at and split_dim_ok and s.chunks and s.groups is None:
@@ -252,9 +253,16 @@ def refined(shard: Shard, sizes: tuple, world: int) -> tuple | None:
     if pieces is None:
         return None
     units = shard.units if isinstance(shard.units, tuple) else (shard.units,) * len(shard.chunks)
-    return tuple(shard.block(ks[0], shard.chunks[ks[0]], world) if len(ks) == 1 else
-                 replace(shard, chunks=tuple(shard.chunks[k] for k in ks),
-                         units=None if shard.units is None else tuple(units[k] for k in ks)) for ks in pieces)
+    return tuple(
+        shard.block(ks[0], shard.chunks[ks[0]], world)
+        if len(ks) == 1
+        else replace(
+            shard,
+            chunks=tuple(shard.chunks[k] for k in ks),
+            units=None if shard.units is None else tuple(units[k] for k in ks),
+        )
+        for ks in pieces
+    )
 
 
 def indexed(node: Node, ctx: Context) -> list[Strategy]:
@@ -267,16 +275,21 @@ def indexed(node: Node, ctx: Context) -> list[Strategy]:
     found = []
     for d in range(len(ctx.shape(x))):
         if d != at and (source is None or ctx.shape(source)[d] == ctx.shape(x)[d]):
-            found += [Strategy(ctx.fill(node, {x: s, **({source: s} if source is not None else {})}), s)
-                      for s in ctx.shard_options(x, d)]
+            found += [
+                Strategy(ctx.fill(node, {x: s, **({source: s} if source is not None else {})}), s)
+                for s in ctx.shard_options(x, d)
+            ]
     return found
 
 
 def getitem(node: Node, ctx: Context) -> list[Strategy]:
     """Pick one output of a multi-output op; it follows whatever its producer chose."""
     source, index = node.args
-    return [Strategy(ctx.fill(node, {source: option}), option[index])
-            for option in ctx.output_options(source) if isinstance(option, tuple)]
+    return [
+        Strategy(ctx.fill(node, {source: option}), option[index])
+        for option in ctx.output_options(source)
+        if isinstance(option, tuple)
+    ]
 
 
 def cat(node: Node, ctx: Context) -> list[Strategy]:
@@ -293,14 +306,23 @@ def cat(node: Node, ctx: Context) -> list[Strategy]:
     if parts and all(isinstance(p, Node) for p in parts) and len(set(parts)) == len(parts):
         found += [Strategy(ctx.fill(node, dict.fromkeys(parts, P)), P)] if all(map(summable, parts)) else []
         for d in range(n):  # whole on the joined dim: every rank holds all of it
-            found += [Strategy(ctx.fill(node, dict.fromkeys(parts, s.at(d - (stacked and d > at)))), s)
-                      for s in ctx.shard_options(node, d)
-                      if d != at or (s.chunks is None and s.whole(ctx.world) and not stacked)]
+            found += [
+                Strategy(ctx.fill(node, dict.fromkeys(parts, s.at(d - (stacked and d > at)))), s)
+                for s in ctx.shard_options(node, d)
+                if d != at or (s.chunks is None and s.whole(ctx.world) and not stacked)
+            ]
         sizes = tuple(ctx.shape(p)[at] if len(ctx.shape(p)) == n else None for p in parts)
         if not stacked and all(isinstance(v, int) for v in sizes):  # split's inverse: each part a block
-            found += [Strategy(ctx.fill(node, {p: s.block(k, v, ctx.world) for k, (p, v) in
-                                               enumerate(zip(parts, sizes, strict=True))}), s)
-                      for s in ctx.shard_options(node, at) if s.chunks == sizes and s.groups is None]
+            found += [
+                Strategy(
+                    ctx.fill(
+                        node, {p: s.block(k, v, ctx.world) for k, (p, v) in enumerate(zip(parts, sizes, strict=True))}
+                    ),
+                    s,
+                )
+                for s in ctx.shard_options(node, at)
+                if s.chunks == sizes and s.groups is None
+            ]
     return found
 
 

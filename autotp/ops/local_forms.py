@@ -3,6 +3,7 @@ to the local piece, offsets of the rank's heads, rows, experts or blocks baked i
 
 Each function is an op row's ``local`` (ops/table.py): ``(node, strategy, rank, world)``, mutating ``node``.
 """
+
 from __future__ import annotations
 
 import math
@@ -67,8 +68,10 @@ def cut_block(node: Node, strategy, rank: int, world: int) -> None:
         return
     bounds = cut_range(node)
     if bounds is None and node.target == torch.ops.aten.index.Tensor:
-        raise RuntimeError(f"{node.name} indexes a fused dim the plan splits block by block, but its positions "
-                           "are not known in this capture (a constant on the meta device?): plan with this model")
+        raise RuntimeError(
+            f"{node.name} indexes a fused dim the plan splits block by block, but its positions "
+            "are not known in this capture (a constant on the meta device?): plan with this model"
+        )
     k = block_of(src, *bounds[1:]) if bounds and bounds[0] == src.dim else None
     if k is not None:
         lengths = [n for _, n in src.ranges(sum(src.chunks), rank, world)]
@@ -113,7 +116,7 @@ def repeat_interleave(node: Node, strategy, rank: int, world: int) -> None:
     x, repeats, at = node.args[:3]
     kv, heads = x.meta["val"].shape[at], node.meta["val"].shape[at]
     in_start = held_heads(_source(strategy), at, kv, rank, world)[0]
-    (out_start, out_len), = strategy.output.ranges(heads, rank, world)
+    ((out_start, out_len),) = strategy.output.ranges(heads, rank, world)
     node.target, node.args, node.kwargs = kernels.repeat_heads, (x, repeats, at, in_start, out_start, out_len), {}
 
 
@@ -148,8 +151,11 @@ def own_experts(node: Node, strategy, rank: int, world: int) -> None:
     first, _ = strategy.output.owned(full_size(weight, 0), rank, world)
     if is_grouped_mm(node):
         fallback = str(node.target) == GROUPED_MM_FALLBACK
-        node.target, node.args, node.kwargs = kernels.expert_grouped_mm, (node.args[0], weight, offsets(node),
-                                                                            first, fallback), {}
+        node.target, node.args, node.kwargs = (
+            kernels.expert_grouped_mm,
+            (node.args[0], weight, offsets(node), first, fallback),
+            {},
+        )
     else:
         (ids,) = node.args[1]
         node.target, node.args, node.kwargs = kernels.expert_rows, (weight, ids, first), {}
@@ -161,7 +167,7 @@ def vocab_rows(node: Node, strategy, rank: int, world: int) -> None:
     if not (isinstance(src, Shard) and src.dim == 0):
         return
     weight, ids = node.args[:2]
-    (start, _), = src.ranges(weight.meta["val"].shape[0], rank, world)
+    ((start, _),) = src.ranges(weight.meta["val"].shape[0], rank, world)
     padding = node.args[2] if len(node.args) > 2 else -1
     node.target, node.args, node.kwargs = kernels.vocab_embedding, (weight, ids, start, padding), {}
 
@@ -220,8 +226,17 @@ def attention(node: Node, strategy, rank: int, world: int) -> None:
     heads = full_size(bound["query"], 1)
     layout = strategy.output if isinstance(strategy.output, Shard) else None
     assert layout is None or separate_pieces(layout, heads, world), "attention heads split in overlapping pieces"
-    module = Attention(bound["dropout_p"], bool(bound["is_causal"]), bound["scale"], bool(bound["enable_gqa"]),
-                       heads, layout, _stream_key(layout, heads, rank, world), rank, world)
+    module = Attention(
+        bound["dropout_p"],
+        bool(bound["is_causal"]),
+        bound["scale"],
+        bool(bound["enable_gqa"]),
+        heads,
+        layout,
+        _stream_key(layout, heads, rank, world),
+        rank,
+        world,
+    )
     _to_module(node, module, (bound["query"], bound["key"], bound["value"], bound["attn_mask"]))
 
 

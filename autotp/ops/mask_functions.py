@@ -5,6 +5,7 @@ Two mask functions are the same when their code objects are (recursively, throug
 hold) and their closures' other values are equal; the tensors their closures hold (the document ids) are leaves,
 inputs the program reads on every call, never constants baked into the capture.
 """
+
 from __future__ import annotations
 
 import types
@@ -26,6 +27,7 @@ class FunctionShape:
     """A Python function by what it computes: its code, its closure's and defaults' skeletons (tensors replaced
     by ``_TENSOR``, functions by their own shapes).  ``template`` is a function to rebuild from (its globals and
     name); it does not take part in equality."""
+
     code: types.CodeType
     cells: tuple
     defaults: tuple
@@ -81,11 +83,13 @@ def rebuild(shape, leaves):
     """The function ``shape`` describes, reading its tensors from the iterator ``leaves`` in flattening order."""
     if not isinstance(shape, FunctionShape):
         return shape
-    cells = tuple(types.CellType() if v is _EMPTY else types.CellType(v)
-                  for v in (_build(c, leaves) for c in shape.cells))
+    cells = tuple(
+        types.CellType() if v is _EMPTY else types.CellType(v) for v in (_build(c, leaves) for c in shape.cells)
+    )
     template = shape.template
-    function = types.FunctionType(shape.code, template.__globals__, template.__name__,
-                                  _build(shape.defaults, leaves) or None, cells or None)
+    function = types.FunctionType(
+        shape.code, template.__globals__, template.__name__, _build(shape.defaults, leaves) or None, cells or None
+    )
     function.__kwdefaults__ = template.__kwdefaults__
     function.__qualname__ = template.__qualname__
     return function

@@ -7,6 +7,7 @@ import math
 
 # ---- FLOPs of products, at concrete sizes (``size``: a SymInt or int -> int) ----------------------------
 
+
 def product_flops(node, size) -> float:
     """2 x output elements x contracted length (linear, mm, bmm, matmul; grouped matmuls: each routed row by
     its expert's matrix)."""
@@ -21,6 +22,7 @@ def attention_flops(node, size) -> float:
 
 
 # ---- shapes of products: (m, n, k, groups, ragged) from the operands' sizes one rank holds -------------------
+
 
 def linear_shape(node, held, whole) -> tuple:
     """x[..., k] @ w[n, k]^T: every leading dim of x is a row."""

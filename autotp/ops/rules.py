@@ -5,6 +5,7 @@ A rule returns the sharded strategies it is sure of; the all-replicated one is a
 An op without a rule is computed replicated, which is always correct.  Nothing here looks at module or model
 names.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -25,6 +26,7 @@ def _tensor_inputs(node: Node) -> list[Node]:
 
 # ---- elementwise ---------------------------------------------------------------------------
 
+
 def _aligned(shard: Shard, shape: tuple, ad: int, size: int, ctx: Context):
     """An input's placement when the output dim it aligns with (``ad``, right-aligned; of ``size``) is
     sharded: the same shard where the sizes are equal, R where it broadcasts (absent or of size 1);
@@ -42,8 +44,10 @@ def pointwise(node: Node, ctx: Context) -> list[Strategy]:
     found = []
     for d in range(len(out)):
         for shard in ctx.shard_options(node, d) + ctx.token_options(node, d):
-            placements = {a: _aligned(shard, ctx.shape(a), d - (len(out) - len(ctx.shape(a))), out[d], ctx)
-                          for a in _tensor_inputs(node)}
+            placements = {
+                a: _aligned(shard, ctx.shape(a), d - (len(out) - len(ctx.shape(a))), out[d], ctx)
+                for a in _tensor_inputs(node)
+            }
             if None not in placements.values():
                 found.append(Strategy(ctx.fill(node, placements), shard))
     return found + _partial(node, ctx)
@@ -56,16 +60,20 @@ def dropout(node: Node, ctx: Context) -> list[Strategy]:
     found = pointwise(node, ctx)
     if not node.args[2]:
         return found
-    return [s for s in found
-            if not isinstance(s.output, Shard) or separate_pieces(s.output, ctx.shape(node)[s.output.dim], ctx.world)]
+    return [
+        s
+        for s in found
+        if not isinstance(s.output, Shard) or separate_pieces(s.output, ctx.shape(node)[s.output.dim], ctx.world)
+    ]
 
 
 def separate_pieces(shard: Shard, size, world: int) -> bool:
     """Every two ranks hold the same piece of ``shard`` (``size`` long) or pieces that do not overlap."""
     if not isinstance(size, int):
         return shard.units is None and shard.chunks is None  # a token dim: N slices
-    cells = [frozenset(i for start, n in shard.ranges(size, r, world) for i in range(start, start + n))
-             for r in range(world)]
+    cells = [
+        frozenset(i for start, n in shard.ranges(size, r, world) for i in range(start, start + n)) for r in range(world)
+    ]
     return all(a == b or not a & b for a, b in itertools.combinations(cells, 2))
 
 
@@ -82,8 +90,10 @@ def _partial(node: Node, ctx: Context) -> list[Strategy]:
         return []  # a mask or an index is no sum of parts
     row = ctx.op(node.target)
     if row.additive and len(tensors) == len(node.args[:2]) and len(set(tensors)) == len(tensors):
-        return [Strategy(ctx.fill(node, dict.fromkeys(tensors, P)), P),
-                *(Strategy(ctx.fill(node, {a: P}), P) for a in tensors)]
+        return [
+            Strategy(ctx.fill(node, dict.fromkeys(tensors, P)), P),
+            *(Strategy(ctx.fill(node, {a: P}), P) for a in tensors),
+        ]
     if row.linear_if is not None and not row.linear_if(node):
         return []
     found = []
@@ -95,6 +105,7 @@ def _partial(node: Node, ctx: Context) -> list[Strategy]:
 
 
 # ---- matrix products -----------------------------------------------------------------------
+
 
 def linear(node: Node, ctx: Context) -> list[Strategy]:
     """Megatron's column split (weight rows) and row split (weight columns -> partial sums)."""
@@ -126,8 +137,9 @@ def matmul(node: Node, ctx: Context) -> list[Strategy]:
     found += [Strategy(ctx.fill(node, {a: P}), P), Strategy(ctx.fill(node, {b: P}), P)]
     for d in range(n - 2):  # batch dims, right-aligned against each operand, in any layout both share
         for s in ctx.shard_options(node, d):
-            placements = {t: _aligned(s, shape[:-2], d - (n - len(shape)), out[d], ctx)
-                          for t, shape in ((a, sa), (b, sb))}
+            placements = {
+                t: _aligned(s, shape[:-2], d - (n - len(shape)), out[d], ctx) for t, shape in ((a, sa), (b, sb))
+            }
             if None not in placements.values():
                 found.append(Strategy(ctx.fill(node, placements), s))
     return found
@@ -187,9 +199,14 @@ def repeat_interleave(node: Node, ctx: Context) -> list[Strategy]:
     found = [Strategy(ctx.fill(node, {x: P}), P)]
     for out in ctx.shard_options(node, at):
         for src in [R, *ctx.shard_options(x, at), *whole]:
-            if out.chunks is None and getattr(src, "chunks", None) is None and all(
+            if (
+                out.chunks is None
+                and getattr(src, "chunks", None) is None
+                and all(
                     _covers(held_heads(src, at, kv, r, ctx.world), out, heads, repeats, r, ctx.world)
-                    for r in range(ctx.world)):
+                    for r in range(ctx.world)
+                )
+            ):
                 found.append(Strategy(ctx.fill(node, {x: src}), out))
     return found
 
@@ -202,7 +219,7 @@ def held_heads(src, at: int, kv: int, rank: int, world: int) -> tuple[int, int]:
 
 
 def _covers(held: tuple[int, int], out: Shard, heads: int, repeats: int, rank: int, world: int) -> bool:
-    (first, count), = out.ranges(heads, rank, world)
+    ((first, count),) = out.ranges(heads, rank, world)
     start, length = held
     return start <= first // repeats and (first + count - 1) // repeats < start + length
 
@@ -221,8 +238,9 @@ def reduction(node: Node, ctx: Context) -> list[Strategy]:
             if d not in dims:
                 od = d if keep else d - sum(1 for r in dims if r < d)
                 found.append(Strategy(ctx.fill(node, {x: s}), s.at(od)))
-            elif not s.grouped(ctx.world) and (node.target == aten.sum.dim_IntList or all(
-                    ctx.static(ctx.shape(x)[r]) for r in dims)):  # a mean: local sum / full count
+            elif not s.grouped(ctx.world) and (
+                node.target == aten.sum.dim_IntList or all(ctx.static(ctx.shape(x)[r]) for r in dims)
+            ):  # a mean: local sum / full count
                 found.append(Strategy(ctx.fill(node, {x: s}), P))
     return found
 
@@ -248,8 +266,12 @@ def pad(node: Node, ctx: Context) -> list[Strategy]:
     x, widths = node.args[0], node.args[1]
     n = len(ctx.shape(x))
     padded = {n - 1 - i // 2 for i, width in enumerate(widths) if not (isinstance(width, int) and width == 0)}
-    return [Strategy(ctx.fill(node, {x: s}), s) for d in range(n) if d not in padded
-            for s in ctx.shard_options(x, d) + ctx.token_options(x, d)]
+    return [
+        Strategy(ctx.fill(node, {x: s}), s)
+        for d in range(n)
+        if d not in padded
+        for s in ctx.shard_options(x, d) + ctx.token_options(x, d)
+    ]
 
 
 def einsum(node: Node, ctx: Context) -> list[Strategy]:
@@ -262,8 +284,12 @@ def einsum(node: Node, ctx: Context) -> list[Strategy]:
         return []
     inputs, kept = equation.replace(" ", "").split("->")
     terms = inputs.split(",")
-    if (len(terms) != len(operands) or not all(isinstance(x, Node) for x in operands)
-            or len(set(operands)) != len(operands) or any(len(set(t)) != len(t) for t in [*terms, kept])):
+    if (
+        len(terms) != len(operands)
+        or not all(isinstance(x, Node) for x in operands)
+        or len(set(operands)) != len(operands)
+        or any(len(set(t)) != len(t) for t in [*terms, kept])
+    ):
         return []
     out = ctx.shape(node)
     found = []
@@ -271,8 +297,10 @@ def einsum(node: Node, ctx: Context) -> list[Strategy]:
         for s in ctx.shard_options(node, d) + ctx.token_options(node, d):
             if s.chunks is not None:
                 continue
-            placements = {x: _aligned(s, ctx.shape(x), term.index(letter), out[d], ctx) if letter in term else R
-                          for term, x in zip(terms, operands, strict=True)}
+            placements = {
+                x: _aligned(s, ctx.shape(x), term.index(letter), out[d], ctx) if letter in term else R
+                for term, x in zip(terms, operands, strict=True)
+            }
             if None not in placements.values():
                 found.append(Strategy(ctx.fill(node, placements), s))
     for letter in dict.fromkeys(c for c in inputs if c.isalpha() and c not in kept):
@@ -290,5 +318,9 @@ def top_k(node: Node, ctx: Context) -> list[Strategy]:
     x = node.args[0]
     n = len(ctx.shape(x))
     at = positive_dim(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", -1), n)  # topk(x, k, dim)
-    return [Strategy(ctx.fill(node, {x: s}), (s, s)) for d in range(n) if d != at
-            for s in ctx.shard_options(x, d) + ctx.token_options(x, d)]
+    return [
+        Strategy(ctx.fill(node, {x: s}), (s, s))
+        for d in range(n)
+        if d != at
+        for s in ctx.shard_options(x, d) + ctx.token_options(x, d)
+    ]

@@ -5,6 +5,7 @@ The table's rows are read by every pass -- rules, what the backward keeps, recom
 the rewrite and pricing -- so that one place says what an op is.  This module holds no rows: the rule
 modules sit between it and the table, and read other ops' rows through ``Context.op``.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
@@ -24,23 +25,24 @@ class Op:
     ``flops(node, size)`` prices a product (others cost one FLOP per output element) and ``shape(node, held, whole)``
     gives its shape as (m, n, k, groups, ragged) from its operands' sizes as one rank holds them (``held(arg)``)
     and whole (``whole(arg)``): the product's efficiency depends on it (cost_models/compute.py)."""
+
     family: str = "unknown"
     rule: Callable | None = None
-    view: bool = False        # the output shares input 0's storage (what it keeps is its input's)
-    layout: bool = False      # the same data seen another way (or a cast): a parameter through it is still the
+    view: bool = False  # the output shares input 0's storage (what it keeps is its input's)
+    layout: bool = False  # the same data seen another way (or a cast): a parameter through it is still the
     #                           parameter, stored as used and never gathered at run time
     flops: Callable | None = None
     shape: Callable | None = None
     moves: Callable | None = None  # (node, nbytes) -> bytes read and written (None: every input and the output)
-    linear: tuple = ()        # operands a partial sum may be, one at a time: the op is linear in each
+    linear: tuple = ()  # operands a partial sum may be, one at a time: the op is linear in each
     linear_if: Callable | None = None  # node -> bool: the op is linear only then (a cast to the same dtype)
-    additive: bool = False    # a + b: a partial sum plus a replicated operand stays one when one rank adds it
+    additive: bool = False  # a + b: a partial sum plus a replicated operand stays one when one rank adds it
     experts: str | None = None  # how a disjoint partial (expert rows) passes: "zeros" (maps 0 to 0), "rows"
     #                             (keeps dim 0 where it is), "combine" (two of one routing, or one with a whole)
     keeps: Callable | None = None
     local: Callable | None = None
     styles: Mapping = field(default_factory=dict)  # operand index -> {sharded dim: style} (reports)
-    observer: bool = False    # reads only metadata of unsharded dims: adopts any placement, needs no choice
+    observer: bool = False  # reads only metadata of unsharded dims: adopts any placement, needs no choice
     drops: Callable | None = None  # node -> the probability it zeroes an element (0: it draws nothing)
     tags: frozenset = frozenset()  # named groups other passes ask about (ops/table.py's TAGS)
     dim_map: Callable | None = None  # (node, dim, blocks, ctx) -> the input dims an output dim comes from
@@ -67,7 +69,8 @@ def may_alias(target) -> bool:
     if schema is None:
         return True
     return target is torch.ops.aten._unsafe_view.default or any(
-        r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+        r.alias_info is not None and not r.alias_info.is_write for r in schema.returns
+    )
 
 
 def writes(user: Node, node: Node) -> bool:
@@ -76,15 +79,18 @@ def writes(user: Node, node: Node) -> bool:
     if schema is None or not schema.is_mutable:
         return False
     given = {**dict(zip([a.name for a in schema.arguments], user.args, strict=False)), **user.kwargs}
-    return any(given.get(a.name) is node and a.alias_info is not None and a.alias_info.is_write
-               for a in schema.arguments)
+    return any(
+        given.get(a.name) is node and a.alias_info is not None and a.alias_info.is_write for a in schema.arguments
+    )
 
 
 def written(node: Node) -> bool:
     """Some op writes in place into ``node``'s value or into a view of it (not merely reads it: a KV cache's
     ``index_copy_`` writes the cache, not the new keys it is given)."""
-    return any(writes(user, node) or (user.op == "call_function" and may_alias(user.target) and written(user))
-               for user in node.users)
+    return any(
+        writes(user, node) or (user.op == "call_function" and may_alias(user.target) and written(user))
+        for user in node.users
+    )
 
 
 def shared_with_writes(gm) -> set:

@@ -5,6 +5,7 @@ Rules (the op table, ops/table.py) propose the sharded ones; every node also get
 strategy, which is always correct.  The solver picks one each.  Rules read other ops' rows through
 ``Context.op`` (the table sits above the rule modules, which it names).
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -25,13 +26,14 @@ _PRIMES = (1000003, 1000033, 1000037, 1000039, 1000081, 1000099, 1000117, 100012
 
 @dataclass(frozen=True)
 class Strategy:
-    inputs: tuple          # one placement per input slot (None for non-tensor slots)
-    output: object         # Placement, tuple of Placements (multi-output op), or None
+    inputs: tuple  # one placement per input slot (None for non-tensor slots)
+    output: object  # Placement, tuple of Placements (multi-output op), or None
 
     @property
     def replicated(self) -> bool:
         def rep(p):
             return p is None or isinstance(p, Replicate) or (isinstance(p, tuple) and all(map(rep, p)))
+
         return rep(self.output) and all(map(rep, self.inputs))
 
 
@@ -46,8 +48,14 @@ def contractible(options, dim: int, world: int, blocks: bool = False) -> list[Sh
     """Shards of a contracted dim whose partial products sum to the full one: each element is held
     by exactly one rank (not grouped), and not block-wise unless ``blocks`` (a weight follows any layout of its
     input's features: ConvBERT's two kinds of heads joined before the output projection; an activation may not)."""
-    found = [p for p in options if isinstance(p, Shard) and p.dim == dim and not p.grouped(world) and (
-        p.chunks is None or (blocks and p.of is None and p.groups is None))]
+    found = [
+        p
+        for p in options
+        if isinstance(p, Shard)
+        and p.dim == dim
+        and not p.grouped(world)
+        and (p.chunks is None or (blocks and p.of is None and p.groups is None))
+    ]
     return list(dict.fromkeys(found))
 
 
@@ -116,10 +124,10 @@ class Notes:
 
     def __init__(self):
         self.strategies: dict = {}  # node -> list[Strategy], filled in graph order
-        self.why: dict = {}         # node -> why its rule offers no split (a rule that says)
-        self.routes: dict = {}      # node -> what routed its rows to experts, once
-        self.probes: dict = {}      # symbol -> the prime it is evaluated at
-        self.options: dict = {}     # (node, dim) -> shard_options, once: hints are fixed by then
+        self.why: dict = {}  # node -> why its rule offers no split (a rule that says)
+        self.routes: dict = {}  # node -> what routed its rows to experts, once
+        self.probes: dict = {}  # symbol -> the prime it is evaluated at
+        self.options: dict = {}  # (node, dim) -> shard_options, once: hints are fixed by then
 
 
 @dataclass(frozen=True)
@@ -127,22 +135,23 @@ class Context:
     """What rules may ask about the graph: the world size, the analysis of the graph (hints, expert segments,
     gradients), the planning options that shape the offer, and the op table.  Built once per solve
     (planning/analysis.analyse); only ``notes`` is written, by the enumeration the rules take part in."""
+
     world: int
-    hints: Mapping = field(default_factory=dict)        # (node, dim) -> set of chunk tuples
-    units: Mapping = field(default_factory=dict)        # (node, dim) -> unit counts (heads) seen downstream
+    hints: Mapping = field(default_factory=dict)  # (node, dim) -> set of chunk tuples
+    units: Mapping = field(default_factory=dict)  # (node, dim) -> unit counts (heads) seen downstream
     block_units: Mapping = field(default_factory=dict)  # (node, dim) -> {(chunks, units per block)} of fused dims
-    covers: Mapping = field(default_factory=dict)       # KV heads -> {query heads} they are repeated to
-    segments: Mapping = field(default_factory=dict)     # node -> its expert segment (ops/expert_segments.py)
-    grad: frozenset = frozenset()                       # values on the weights' path (gradients flow)
-    token_symbols: frozenset = frozenset()              # sizes of token dims: inputs' symbolic non-leading dims
-    min_shard_fraction: float = 0.02                    # parameters this large (vs the largest) must shard
+    covers: Mapping = field(default_factory=dict)  # KV heads -> {query heads} they are repeated to
+    segments: Mapping = field(default_factory=dict)  # node -> its expert segment (ops/expert_segments.py)
+    grad: frozenset = frozenset()  # values on the weights' path (gradients flow)
+    token_symbols: frozenset = frozenset()  # sizes of token dims: inputs' symbolic non-leading dims
+    min_shard_fraction: float = 0.02  # parameters this large (vs the largest) must shard
     parameter_sizes: Mapping = field(default_factory=dict)  # name -> elements the fraction compares (else its own)
-    fixed: Mapping = field(default_factory=dict)        # parameter name -> placement imposed (to price other plans)
-    whole: frozenset = frozenset()                      # modules every op of which computes whole (options.fixed)
-    tokens: bool = False                                # offer sequence parallelism (token_options)
-    experts: str | None = None                          # impose "tensor", "parallel" or "all-to-all" (expert_rules)
-    ep: int = 1                                         # a mesh's "ep" ranks the expert segments are dispatched over
-    ops: Mapping = field(default_factory=dict)          # the op table (ops/table.py): target -> Op
+    fixed: Mapping = field(default_factory=dict)  # parameter name -> placement imposed (to price other plans)
+    whole: frozenset = frozenset()  # modules every op of which computes whole (options.fixed)
+    tokens: bool = False  # offer sequence parallelism (token_options)
+    experts: str | None = None  # impose "tensor", "parallel" or "all-to-all" (expert_rules)
+    ep: int = 1  # a mesh's "ep" ranks the expert segments are dispatched over
+    ops: Mapping = field(default_factory=dict)  # the op table (ops/table.py): target -> Op
     notes: Notes = field(default_factory=Notes, compare=False)
 
     @property
@@ -201,8 +210,11 @@ class Context:
             if units == 1:
                 options.append(Shard(dim, units=1))  # whole: every rank holds it (its gradient: partial sums)
                 continue
-            options += [Shard(dim, units=units, of=finer) for finer in sorted(self.covers.get(units, ()))
-                        if finer >= self.world or self.world % finer == 0]
+            options += [
+                Shard(dim, units=units, of=finer)
+                for finer in sorted(self.covers.get(units, ()))
+                if finer >= self.world or self.world % finer == 0
+            ]
         for chunks in sorted(self.hints.get((node, dim), ())):
             if all(c % self.world == 0 for c in chunks):
                 options.append(Shard(dim, chunks))
@@ -231,10 +243,12 @@ class Context:
 
     def _finer(self, units: tuple) -> list:
         """The query-head counts the blocks' units may follow (None: each block dealt out on its own)."""
+
         def valid(of):
             if of is None:
                 return all(u == 1 or u % self.world == 0 or dealt(u, self.world) for u in units)
             return (of >= self.world or self.world % of == 0) and all(of % u == 0 for u in units)
+
         return [of for of in [None, *sorted(set().union(*(self.covers.get(u, ()) for u in units)))] if valid(of)]
 
     def fill(self, node: Node, placements: dict) -> tuple:

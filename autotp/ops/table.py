@@ -8,6 +8,7 @@ preparation, the rewrite, reports and pricing all read it.  An op without a row 
 (always correct), keeps all its inputs for its backward and costs one FLOP per output element; adding an op
 is one row, and tests/test_ops.py checks every row's strategies rank by rank.
 """
+
 from __future__ import annotations
 
 import math
@@ -85,10 +86,12 @@ aten = torch.ops.aten
 def _with_expert_rows(rule, carries: bool):
     """A rule plus the routed rows the op may compute inside an expert segment (expert_rules.routed) and, where
     it carries them (``carries``), the disjoint partials of whole experts (expert_rules.disjoint)."""
+
     def both(node, ctx):
         proposed = rule(node, ctx) if rule is not None else None
         added = [*(disjoint(node, ctx) if carries else ()), *routed(node, ctx)]
         return [*(proposed or ()), *added] if added else proposed
+
     both.__name__ = getattr(rule, "__name__", "disjoint")
     return both
 
@@ -98,8 +101,10 @@ def _rows(targets, **facts) -> dict:
     rules too.  ``view`` defaults to the op's schema (an output that may alias its input), where it has one."""
     if facts.get("experts") or facts.get("rule"):
         facts["rule"] = _with_expert_rows(facts.get("rule"), bool(facts.get("experts")))
-    return {target: Op(**{"view": may_alias(target) if isinstance(target, torch._ops.OpOverload) else False,
-                          **facts}) for target in targets}
+    return {
+        target: Op(**{"view": may_alias(target) if isinstance(target, torch._ops.OpOverload) else False, **facts})
+        for target in targets
+    }
 
 
 # fmt: off
@@ -299,8 +304,10 @@ DIM_MAPS = {aten.bmm.default: dim_maps.bmm, aten.squeeze.dim: dim_maps.squeeze, 
 
 
 def _mapped(rows: dict) -> dict:
-    return {target: replace(row, dim_map=DIM_MAPS.get(target, dim_maps.BY_FAMILY.get(row.family)))
-            for target, row in rows.items()}
+    return {
+        target: replace(row, dim_map=DIM_MAPS.get(target, dim_maps.BY_FAMILY.get(row.family)))
+        for target, row in rows.items()
+    }
 
 
 TABLE: dict = _mapped(_tagged(_ROWS, TAGS))

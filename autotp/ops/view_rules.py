@@ -25,8 +25,11 @@ def view(node: Node, ctx: Context) -> list[Strategy]:
             if s.whole(ctx.world) and s.chunks is None and static:  # every rank holds all: any static dim
                 mapped = (mapped[0] if mapped and mapped[0] in static else static[-1], True)
             if s.chunks is not None and not (mapped and mapped[1]):
-                rows = _in_rows(s, src, dst, d, ctx.world) or _per_block(s, src, dst, d, ctx.world) or \
-                    _merged_blocks(s, src, dst, d, ctx.world)
+                rows = (
+                    _in_rows(s, src, dst, d, ctx.world)
+                    or _per_block(s, src, dst, d, ctx.world)
+                    or _merged_blocks(s, src, dst, d, ctx.world)
+                )
                 found += [Strategy(ctx.fill(node, {x: s}), rows)] if rows else []
                 continue
             if mapped is None:
@@ -64,8 +67,10 @@ def _merged_blocks(shard: Shard, src: list, dst: list, d: int, world: int) -> Sh
 def _scaled_alike(coarse: Shard, fine: Shard, size: int, rest: int, world: int) -> bool:
     """Every rank's pieces of ``coarse`` (a dim of ``size``), each ``rest`` times longer, are its pieces of
     ``fine`` (the dim of size * rest the view makes of it, or made it from)."""
-    return all([(a * rest, n * rest) for a, n in coarse.ranges(size, r, world)] ==
-               fine.ranges(size * rest, r, world) for r in range(world))
+    return all(
+        [(a * rest, n * rest) for a, n in coarse.ranges(size, r, world)] == fine.ranges(size * rest, r, world)
+        for r in range(world)
+    )
 
 
 def _per_block(shard: Shard, src: list, dst: list, d: int, world: int) -> Shard | None:
@@ -81,7 +86,10 @@ def _per_block(shard: Shard, src: list, dst: list, d: int, world: int) -> Shard 
         if one.chunks is not None or (one.units is not None and heads % one.units and one.units % heads):
             continue
         found = replace(one, dim=out + 1, units=None if one.units is None else min(one.units, heads))
-        if all(shard.ranges(size, r, world) == [(k * rest + a * inner, n * inner) for k in range(dst[out])
-                                                for a, n in found.ranges(heads, r, world)] for r in range(world)):
+        if all(
+            shard.ranges(size, r, world)
+            == [(k * rest + a * inner, n * inner) for k in range(dst[out]) for a, n in found.ranges(heads, r, world)]
+            for r in range(world)
+        ):
             return found
     return None

@@ -1,4 +1,5 @@
 """Which output dim of a view/reshape carries a sharded input dim, and the reverse."""
+
 from __future__ import annotations
 
 import math

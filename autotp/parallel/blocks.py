@@ -9,6 +9,7 @@ the one that produces their input.  A block whose values are read by the root be
 ops interleaved with the root's) cannot be called as one unit: it stays in the root (``blocks`` says which are
 units).
 """
+
 from __future__ import annotations
 
 import operator
@@ -22,8 +23,9 @@ from autotp.passes.fold import Fold, scope_block
 def block_units(gm: torch.fx.GraphModule, path: str) -> list[str]:
     """In place: every block of the list at ``path`` that ``gm`` runs becomes a submodule called from the root
     graph.  Returns the blocks' paths, in the order they run."""
-    indices = sorted({i for n in gm.graph.nodes if n.op == "get_attr"
-                      and (i := Fold(path, 0).block_of_name(n.target)) is not None})
+    indices = sorted(
+        {i for n in gm.graph.nodes if n.op == "get_attr" and (i := Fold(path, 0).block_of_name(n.target)) is not None}
+    )
     if not indices:
         return []
     fold = Fold(path, indices[-1] + 1)
@@ -41,8 +43,14 @@ def _scopes(gm: torch.fx.GraphModule, fold: Fold) -> dict:
     scope = {n: None if n.op in ("output", "placeholder") else scope_block(n, fold) for n in nodes}
     for n in nodes:
         if n.op == "call_module":
-            scope[n] = next((i for p, _ in (n.meta.get("nn_module_stack") or {}).values()
-                             if (i := fold.block_of_name(p)) is not None), None)
+            scope[n] = next(
+                (
+                    i
+                    for p, _ in (n.meta.get("nn_module_stack") or {}).values()
+                    if (i := fold.block_of_name(p)) is not None
+                ),
+                None,
+            )
     for n in reversed(nodes):  # users before producers
         if n.op != "call_function" or scope[n] is not None or n.meta.get("nn_module_stack"):
             continue

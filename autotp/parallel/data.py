@@ -16,6 +16,7 @@ pipeline stage, which runs several micro-batches' forwards before their backward
 through ``set_custom_all_gather`` / ``set_custom_reduce_scatter`` so that one that fails or times out says which
 unit and which mesh dimension it waited on.
 """
+
 from __future__ import annotations
 
 import functools
@@ -48,9 +49,15 @@ def same_start(tensors: list, dp_mesh: DeviceMesh) -> None:
                     dist.broadcast(tensor, src=dist.get_global_rank(group, 0), group=group)
 
 
-def data_parallel(module: torch.nn.Module, dp_mesh: DeviceMesh, kind: str = "fsdp", blocks: str | None = None,
-                  pipelined: bool = False, experts: set = frozenset(),
-                  expert_mesh: DeviceMesh | None = None) -> torch.nn.Module:
+def data_parallel(
+    module: torch.nn.Module,
+    dp_mesh: DeviceMesh,
+    kind: str = "fsdp",
+    blocks: str | None = None,
+    pipelined: bool = False,
+    experts: set = frozenset(),
+    expert_mesh: DeviceMesh | None = None,
+) -> torch.nn.Module:
     """``module`` made data-parallel over ``dp_mesh`` in place (its class changes, names stay).  ``blocks``: the
     path of the model's repeated block list, whose blocks become FSDP units; ``pipelined``: the module is a
     pipeline stage (its blocks keep their parameters gathered between forward and backward).  ``experts``:
@@ -62,22 +69,30 @@ def data_parallel(module: torch.nn.Module, dp_mesh: DeviceMesh, kind: str = "fsd
     tables = {p for name, p in module.named_parameters() if name in experts}
     if kind == "ddp":
         if tables:
-            raise NotImplementedError('data_parallel="ddp" with an "ep" mesh dimension: use "fsdp" (experts are '
-                                      'kept out of its sharding)')
+            raise NotImplementedError(
+                'data_parallel="ddp" with an "ep" mesh dimension: use "fsdp" (experts are kept out of its sharding)'
+            )
         from torch.distributed._composable.replicate import replicate
+
         return replicate(module, process_group=dp_mesh.get_group())
     from torch.distributed.fsdp import fully_shard
+
     own = {id(t) for t in tables}
     same_start([t for t in [*module.parameters(), *module.buffers()] if id(t) not in own], dp_mesh)
     if expert_mesh is not None:
         same_start(list(tables), expert_mesh)
     for table in tables:
-        table.register_post_accumulate_grad_hook(functools.partial(_sum_expert_grad, group=expert_mesh and
-                                                                   expert_mesh.get_group(), replicas=dp_mesh.size()))
+        table.register_post_accumulate_grad_hook(
+            functools.partial(_sum_expert_grad, group=expert_mesh and expert_mesh.get_group(), replicas=dp_mesh.size())
+        )
     ignored = tables or None
     paths = block_units(module, blocks) if blocks else []
-    units = [fully_shard(module.get_submodule(path), mesh=dp_mesh, reshard_after_forward=not pipelined,
-                         ignored_params=ignored) for path in paths]
+    units = [
+        fully_shard(
+            module.get_submodule(path), mesh=dp_mesh, reshard_after_forward=not pipelined, ignored_params=ignored
+        )
+        for path in paths
+    ]
     sharded = fully_shard(module, mesh=dp_mesh, ignored_params=ignored)
     for unit, name in [*zip(units, paths, strict=True), (sharded, "the root unit (all but the blocks)")]:
         unit.set_custom_all_gather(_Named("FSDP all_gather", f"of the parameters of {name}"))
@@ -99,8 +114,7 @@ class _Named:
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(size, dtype=dtype, device=device)
 
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op=None,
-                 async_op: bool = False):
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op=None, async_op: bool = False):
         try:
             if self.op.endswith("all_gather"):
                 return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)

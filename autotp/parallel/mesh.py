@@ -8,6 +8,7 @@ experts are dealt out over it and their rows sent to their owners by all-to-all:
 MoE parallel folding.  With experts="all-to-all" the experts are dealt over "ep" x "tp" (expert TP 1); otherwise
 the TP plan may split each expert over "tp" (expert TP = TP).
 """
+
 from __future__ import annotations
 
 import datetime
@@ -34,8 +35,10 @@ def mesh_dims(mesh: DeviceMesh) -> tuple[str, ...]:
     names = tuple(mesh.mesh_dim_names or ())
     ordered = tuple(d for d in DIMS if d in names)
     if len(names) != mesh.ndim or names != ordered or len(set(names)) != len(names):
-        raise ValueError(f"mesh dimensions {names or '(unnamed)'}: name them from {DIMS}, outer to inner, each at most "
-                         "once, e.g. init_device_mesh('cuda', (2, 8), mesh_dim_names=('dp', 'tp'))")
+        raise ValueError(
+            f"mesh dimensions {names or '(unnamed)'}: name them from {DIMS}, outer to inner, each at most "
+            "once, e.g. init_device_mesh('cuda', (2, 8), mesh_dim_names=('dp', 'tp'))"
+        )
     return names
 
 
@@ -55,8 +58,10 @@ def parallelize(model: torch.nn.Module, args=None, kwargs=None, *, mesh: DeviceM
     planning, running, meshing = from_keywords(options)
     if mesh is None:
         if meshing != MeshOptions():
-            raise ValueError("data_parallel, loss_fn, schedule, microbatches, stages and virtual_stages compose a "
-                             "DeviceMesh: pass mesh=, or drop them")
+            raise ValueError(
+                "data_parallel, loss_fn, schedule, microbatches, stages and virtual_stages compose a "
+                "DeviceMesh: pass mesh=, or drop them"
+            )
         return api.tensor_parallel(model, args, kwargs, planning, running)
     dims = mesh_dims(mesh)
     _check_size(mesh, dims)
@@ -66,8 +71,15 @@ def parallelize(model: torch.nn.Module, args=None, kwargs=None, *, mesh: DeviceM
     if isinstance(mesh, DeviceMesh):  # (a stand-in mesh has no groups to remake)
         mesh = timed_mesh(mesh, running.timeout)
     blocks = find_fold(model, min_blocks=2)  # FSDP units: one per block of the repeated list, found on the model
-    shard_stage = functools.partial(_shard, mesh=mesh, kind=meshing.data_parallel, planning=planning,
-                                    running=running, blocks=blocks.path if blocks else None, pipelined="pp" in dims)
+    shard_stage = functools.partial(
+        _shard,
+        mesh=mesh,
+        kind=meshing.data_parallel,
+        planning=planning,
+        running=running,
+        blocks=blocks.path if blocks else None,
+        pipelined="pp" in dims,
+    )
     if "pp" in dims:
         if meshing.loss_fn is None:
             raise ValueError("a mesh with a 'pp' dimension needs loss_fn(output, target): the last stage computes it")
@@ -76,12 +88,16 @@ def parallelize(model: torch.nn.Module, args=None, kwargs=None, *, mesh: DeviceM
         except ModuleNotFoundError as exc:
             if exc.name != "autotp.parallel.pipeline":
                 raise
-            raise NotImplementedError("pipeline stages ('pp' in the mesh) are not available in this build of autotp: "
-                                      "use a mesh of 'dp' and 'tp' only") from exc
+            raise NotImplementedError(
+                "pipeline stages ('pp' in the mesh) are not available in this build of autotp: "
+                "use a mesh of 'dp' and 'tp' only"
+            ) from exc
         return pipeline(model, args, kwargs, mesh=mesh, meshing=meshing, planning=planning, shard_stage=shard_stage)
     if meshing.pipelined():
-        raise ValueError("loss_fn, microbatches, stages and virtual_stages are for pipeline stages: add a 'pp' "
-                         "dimension to the mesh, or drop them")
+        raise ValueError(
+            "loss_fn, microbatches, stages and virtual_stages are for pipeline stages: add a 'pp' "
+            "dimension to the mesh, or drop them"
+        )
     return shard_stage(model, args, kwargs)
 
 
@@ -92,13 +108,26 @@ def _check_size(mesh: DeviceMesh, dims: tuple) -> None:
     sizes = [mesh[d].size() for d in dims]
     if math.prod(sizes) != dist.get_world_size():
         shown = " x ".join(f"{d} {n}" for d, n in zip(dims, sizes, strict=True))
-        raise ValueError(f"the mesh's dimensions ({shown}) multiply to {math.prod(sizes)} ranks, but the world has "
-                         f"{dist.get_world_size()}: make their sizes multiply to the number of processes started")
+        raise ValueError(
+            f"the mesh's dimensions ({shown}) multiply to {math.prod(sizes)} ranks, but the world has "
+            f"{dist.get_world_size()}: make their sizes multiply to the number of processes started"
+        )
 
 
-def _shard(model: torch.nn.Module, args, kwargs, *, mesh: DeviceMesh, kind: str, planning: PlanOptions,
-           running: RunOptions, blocks: str | None = None, pipelined: bool = False, graph=None,
-           fixed: dict | None = None) -> torch.nn.Module:
+def _shard(
+    model: torch.nn.Module,
+    args,
+    kwargs,
+    *,
+    mesh: DeviceMesh,
+    kind: str,
+    planning: PlanOptions,
+    running: RunOptions,
+    blocks: str | None = None,
+    pipelined: bool = False,
+    graph=None,
+    fixed: dict | None = None,
+) -> torch.nn.Module:
     """TP on this rank's "tp" group (a group of this rank alone when the mesh has none), experts dispatched
     over its "ep" group, then DP on its "dp" x "ep" group (experts on "dp" alone; FSDP units per block of the
     list at ``blocks``); the tensors a checkpoint or ``init_seed`` provides are filled once FSDP2 has split them,
@@ -117,16 +146,31 @@ def _shard(model: torch.nn.Module, args, kwargs, *, mesh: DeviceMesh, kind: str,
     if ep:
         routed = mesh[tuple(d for d in ("ep", "tp") if d in dims)].mesh.flatten().tolist()
         expert_groups = (mesh["ep"].get_group(), dist.new_group(routed, use_local_synchronization=True))
-    sharded = api.tensor_parallel(model, args, kwargs, planning, replace(running, group=tp, checkpoint=source),
-                                  graph=graph, expert_groups=expert_groups, fill=not later)
+    sharded = api.tensor_parallel(
+        model,
+        args,
+        kwargs,
+        planning,
+        replace(running, group=tp, checkpoint=source),
+        graph=graph,
+        expert_groups=expert_groups,
+        fill=not later,
+    )
     sharded.autotp_mesh = mesh
     if replicas and kind == "fsdp" and hasattr(sharded, "autotp_programs"):  # another program could not share them
         sharded.autotp_programs.most = 0
         sharded.autotp_programs.why_not = "FSDP2 shards this program's parameters over 'dp': pad or bucket inputs"
     if replicas:
         experts = set(getattr(sharded, "autotp_dealt", {})) if ep else set()
-        sharded = data_parallel(sharded, mesh[replicas[0] if len(replicas) == 1 else replicas], kind, blocks,
-                                pipelined, experts=experts, expert_mesh=mesh["dp"] if "dp" in replicas else None)
+        sharded = data_parallel(
+            sharded,
+            mesh[replicas[0] if len(replicas) == 1 else replicas],
+            kind,
+            blocks,
+            pipelined,
+            experts=experts,
+            expert_mesh=mesh["dp"] if "dp" in replicas else None,
+        )
     if later and (source is not None or running.init_seed is not None):
         materialize(sharded, checkpoint=source, seed=running.init_seed)
     return sharded

@@ -11,6 +11,7 @@ after each step's backward the copies' gradients are summed over
 the pipeline ranks holding them at the same (dp, tp) place (Megatron's embedding group), so the copies stay equal;
 a checkpoint or ``init_seed`` fills both from the one stored or seeded tensor, and saving writes it once.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -38,8 +39,16 @@ from autotp.runtime.hf_checkpoint import full_checkpoint_tensors, full_state_dic
 from autotp.runtime.rendezvous import InputCheck
 
 
-def pipeline(model: torch.nn.Module, args, kwargs=None, *, mesh, meshing: MeshOptions,
-             planning: PlanOptions | None = None, shard_stage=None) -> Pipelined:
+def pipeline(
+    model: torch.nn.Module,
+    args,
+    kwargs=None,
+    *,
+    mesh,
+    meshing: MeshOptions,
+    planning: PlanOptions | None = None,
+    shard_stage=None,
+) -> Pipelined:
     """This rank's pipeline stages of ``model`` over ``mesh["pp"]``, ready to train with ``step``, as ``meshing``
     says (its loss, schedule, micro-batches, stage starts, virtual stages and data parallelism).
 
@@ -78,10 +87,11 @@ def pipeline(model: torch.nn.Module, args, kwargs=None, *, mesh, meshing: MeshOp
     if stages is None:
         topo, size = load_topology(planning.topology), _batch_size(mb_args, mb_kwargs)
         limit = device_limit(topo, planning.memory_limit)
-        stages = stage_starts(block_profile(whole.graph(), fold, tp, topo),
-                              Candidate(tp, pp, dp, microbatch_size=size, schedule=plan.cls,
-                                        virtual_stages=plan.per_rank),
-                              Setting(topo, size * microbatches * dp, True, data_parallel, limit, 0.0))
+        stages = stage_starts(
+            block_profile(whole.graph(), fold, tp, topo),
+            Candidate(tp, pp, dp, microbatch_size=size, schedule=plan.cls, virtual_stages=plan.per_rank),
+            Setting(topo, size * microbatches * dp, True, data_parallel, limit, 0.0),
+        )
     stages = _checked_starts(list(stages), count, fold.count, plan.name)
     bounds = [*stages, fold.count]
     skeleton = on_meta(model)  # what the stages keep of the model: its classes and config, no weights
@@ -102,8 +112,18 @@ def pipeline(model: torch.nn.Module, args, kwargs=None, *, mesh, meshing: MeshOp
         return loss_fn(_unflatten(output, out_spec), target)
 
     runner = plan.build(built, microbatches, flat_loss)
-    return Pipelined(runner, modules, group, out_spec, stages, getattr(model, "config", None), weightless(model),
-                     frozenset(model.state_dict()), plan.placement(pp), tied)
+    return Pipelined(
+        runner,
+        modules,
+        group,
+        out_spec,
+        stages,
+        getattr(model, "config", None),
+        weightless(model),
+        frozenset(model.state_dict()),
+        plan.placement(pp),
+        tied,
+    )
 
 
 class _Whole:
@@ -122,18 +142,29 @@ class _Whole:
 class Pipelined:
     """This rank's stages and the schedule that runs them; the parameters keep their original names."""
 
-    def __init__(self, schedule, modules: dict, group, out_spec, starts: list, config=None, source=None,
-                 stored: frozenset = frozenset(), placement: tuple = (), tied: Tied | None = None):
+    def __init__(
+        self,
+        schedule,
+        modules: dict,
+        group,
+        out_spec,
+        starts: list,
+        config=None,
+        source=None,
+        stored: frozenset = frozenset(),
+        placement: tuple = (),
+        tied: Tied | None = None,
+    ):
         self.schedule = schedule
         self.placement = placement  # stage index -> the pipeline rank that holds it
-        self.tied = tied        # weights held by two stages: their gradients are summed after each backward
+        self.tied = tied  # weights held by two stages: their gradients are summed after each backward
         self.stored = stored  # the model's parameter and persistent buffer names: what a checkpoint holds
         self.autotp_config = config  # written beside the weights by autotp.save_pretrained
         self.autotp_source = source  # the model without its weights: save_pretrained writes transformers' layout of it
         self.modules = modules  # stage index -> this rank's (sharded) stage module
         self.group = group
         self.out_spec = out_spec
-        self.starts = starts    # block index where each stage begins
+        self.starts = starts  # block index where each stage begins
 
     def step(self, *inputs, target=None, losses: list | None = None, **kwargs):
         """One training step's forward and backward over the micro-batches (the optimizer step is the caller's):
@@ -169,8 +200,9 @@ class Pipelined:
         mine = {}
         for index in sorted(self.modules):  # the cut loses which buffers were persistent: the model says
             full = _full_tensors(self.modules[index], buffers)
-            mine.update((self.autotp_canonical(name), t) for name, t in full.items()
-                        if not buffers or name in self.stored)
+            mine.update(
+                (self.autotp_canonical(name), t) for name, t in full.items() if not buffers or name in self.stored
+            )
         everyone = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(everyone, mine, group=self.group)
         return {name: tensor for stage in everyone for name, tensor in stage.items()}
@@ -218,17 +250,25 @@ def _first_microbatch(args: tuple, kwargs: dict, microbatches: int) -> tuple:
     """One micro-batch of the example inputs: the shapes every stage is exported and sharded at."""
     batch = _batch_size(args, kwargs)
     if not isinstance(microbatches, int) or microbatches < 1 or batch is None or batch % microbatches:
-        raise ValueError(f"the batch ({batch}) must divide into {microbatches} equal micro-batches: "
-                         "pass a batch that is a multiple of microbatches")
+        raise ValueError(
+            f"the batch ({batch}) must divide into {microbatches} equal micro-batches: "
+            "pass a batch that is a multiple of microbatches"
+        )
     chunks_args, chunks_kwargs = split_args_kwargs_into_chunks(args, kwargs, microbatches)
     return chunks_args[0], chunks_kwargs[0]
 
 
 def _checked_starts(starts: list, count: int, blocks: int, schedule: str) -> list:
-    if (len(starts) != count or starts[0] != 0 or any(b <= a for a, b in itertools.pairwise(starts))
-            or starts[-1] >= blocks):
-        raise StageError(f"stages={starts}: the {schedule} schedule on this mesh runs {count} stages; give the block "
-                         f"index where each begins, increasing from 0 and below {blocks}")
+    if (
+        len(starts) != count
+        or starts[0] != 0
+        or any(b <= a for a, b in itertools.pairwise(starts))
+        or starts[-1] >= blocks
+    ):
+        raise StageError(
+            f"stages={starts}: the {schedule} schedule on this mesh runs {count} stages; give the block "
+            f"index where each begins, increasing from 0 and below {blocks}"
+        )
     return starts
 
 

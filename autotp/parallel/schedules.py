@@ -7,6 +7,7 @@
 V for ZBVZeroBubble and DualPipeV (exactly 2 per rank: rank r holds stages r and 2 pp - 1 - r).  The micro-batch
 count is checked by the schedule's own constructor before any stage is built.
 """
+
 from __future__ import annotations
 
 import re
@@ -36,8 +37,8 @@ class ScheduleError(ValueError):
 
 @dataclass(frozen=True)
 class Schedule:
-    cls: type        # the torch.distributed.pipelining class that runs it
-    per_rank: int    # stages each pipeline rank holds
+    cls: type  # the torch.distributed.pipelining class that runs it
+    per_rank: int  # stages each pipeline rank holds
 
     @property
     def name(self) -> str:
@@ -59,9 +60,11 @@ class Schedule:
         try:
             action_table(self.cls, pp, self.per_rank, microbatches)
         except ValueError as exc:
-            raise ScheduleError(f"the {self.name} schedule cannot run {microbatches} micro-batches over {pp} "
-                                f"pipeline ranks x {self.per_rank} stages: {exc} Change microbatches (and the "
-                                "batch with it), virtual_stages or the schedule") from None
+            raise ScheduleError(
+                f"the {self.name} schedule cannot run {microbatches} micro-batches over {pp} "
+                f"pipeline ranks x {self.per_rank} stages: {exc} Change microbatches (and the "
+                "batch with it), virtual_stages or the schedule"
+            ) from None
 
     def placement(self, pp: int) -> tuple:
         """The pipeline rank of each stage, as the schedule places them."""
@@ -82,16 +85,20 @@ def resolve(schedule, virtual_stages: int | None = None) -> Schedule:
         try:
             cls = schedule_class(schedule)
         except ValueError:
-            raise ScheduleError(f"unknown schedule {schedule!r}: choose one of {', '.join(NAMES)} "
-                                "(case-insensitive), or pass a schedule class") from None
+            raise ScheduleError(
+                f"unknown schedule {schedule!r}: choose one of {', '.join(NAMES)} "
+                "(case-insensitive), or pass a schedule class"
+            ) from None
     elif isinstance(schedule, type) and issubclass(schedule, (PipelineScheduleSingle, PipelineScheduleMulti)):
         cls = schedule
     else:
-        raise ScheduleError(f"schedule={schedule!r}: give a name ({', '.join(NAMES)}) or a class from "
-                            "torch.distributed.pipelining")
+        raise ScheduleError(
+            f"schedule={schedule!r}: give a name ({', '.join(NAMES)}) or a class from torch.distributed.pipelining"
+        )
     if cls in (PipelineScheduleSingle, PipelineScheduleMulti):
-        raise ScheduleError(f"{cls.__name__} is a base class without an order of its own: choose one of "
-                            f"{', '.join(NAMES)}")
+        raise ScheduleError(
+            f"{cls.__name__} is a base class without an order of its own: choose one of {', '.join(NAMES)}"
+        )
     if issubclass(cls, PipelineScheduleSingle):
         fixed = 1
     elif issubclass(cls, V_SHAPED):
@@ -101,9 +108,11 @@ def resolve(schedule, virtual_stages: int | None = None) -> Schedule:
     if virtual_stages is not None and (not isinstance(virtual_stages, int) or virtual_stages < 1):
         raise ScheduleError(f"virtual_stages={virtual_stages!r}: give the number of stages each pipeline rank holds")
     if fixed is not None and virtual_stages not in (None, fixed):
-        raise ScheduleError(f"the {cls.__name__.removeprefix('Schedule')} schedule holds exactly {fixed} stage(s) "
-                            f"per pipeline rank, not virtual_stages={virtual_stages}: drop virtual_stages or choose "
-                            "Interleaved1F1B, LoopedBFS or InterleavedZeroBubble")
+        raise ScheduleError(
+            f"the {cls.__name__.removeprefix('Schedule')} schedule holds exactly {fixed} stage(s) "
+            f"per pipeline rank, not virtual_stages={virtual_stages}: drop virtual_stages or choose "
+            "Interleaved1F1B, LoopedBFS or InterleavedZeroBubble"
+        )
     return Schedule(cls, fixed or virtual_stages or DEFAULT_VIRTUAL)
 
 
@@ -111,9 +120,11 @@ def check_evaluates(runner) -> None:
     """Forward-only runs of a V-shaped schedule fail in torch 2.13 (``eval`` still hands an input gradient between
     the two stages a rank holds: "can't steal_bwd_input if this stage doesn't have backward"): say so first."""
     if isinstance(runner, V_SHAPED):
-        raise NotImplementedError(f"evaluate() with {type(runner).__name__}: PyTorch's forward-only run of V-shaped "
-                                  "schedules fails (its eval still runs their backward hand-over); evaluate with a "
-                                  "pipeline on another schedule, or on autotp.full_state_dict(pipeline) in one process")
+        raise NotImplementedError(
+            f"evaluate() with {type(runner).__name__}: PyTorch's forward-only run of V-shaped "
+            "schedules fails (its eval still runs their backward hand-over); evaluate with a "
+            "pipeline on another schedule, or on autotp.full_state_dict(pipeline) in one process"
+        )
 
 
 def step_failure(exc: Exception, mine: list, placement: tuple, group) -> Exception:
@@ -132,6 +143,8 @@ def step_failure(exc: Exception, mine: list, placement: tuple, group) -> Excepti
     ranks = dist.get_process_group_ranks(group)
     peers = sorted({s for k in mine for s in (k - 1, k + 1) if 0 <= s < len(placement) and s not in mine})
     with_whom = ", ".join(f"stage {s} on rank {ranks[placement[s]]}" for s in peers)
-    return CollectiveError(f"autotp: a send or receive of {where} over mesh dimension 'pp' (ranks {ranks}) with "
-                           f"{with_whom} did not complete: a peer died, is stuck, or runs other code (look at its "
-                           f"output); parallelize's timeout= bounds the wait. Cause: {chain[-1]}")
+    return CollectiveError(
+        f"autotp: a send or receive of {where} over mesh dimension 'pp' (ranks {ranks}) with "
+        f"{with_whom} did not complete: a peer died, is stuck, or runs other code (look at its "
+        f"output); parallelize's timeout= bounds the wait. Cause: {chain[-1]}"
+    )

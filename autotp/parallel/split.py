@@ -13,6 +13,7 @@ Every capture has the same pre and post parts (the blocks are identical), so the
 ranks.  A stage captures its neighbour blocks too: an op of the model's own loop between two blocks (a residual
 add) then belongs to the block before it, and the side values (read by every block) are told from the stream.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -32,14 +33,15 @@ EARLY = ("pre", "input")
 @dataclass
 class Stage:
     graph: torch.fx.GraphModule  # the stage's program, parameters and buffers under the model's names
-    args: tuple                  # its example inputs: the model's (first stage) or meta tensors of what it receives
+    args: tuple  # its example inputs: the model's (first stage) or meta tensors of what it receives
     kwargs: dict
-    out_spec: object             # the model output's structure (the last stage returns its leaves)
-    outside: dict                # parameter name -> the parts outside the blocks that read it ("pre", "post")
+    out_spec: object  # the model output's structure (the last stage returns its leaves)
+    outside: dict  # parameter name -> the parts outside the blocks that read it ("pre", "post")
 
 
-def stage_graph(model: torch.nn.Module, args: tuple, kwargs: dict, path: str, count: int, start: int,
-                stop: int) -> Stage:
+def stage_graph(
+    model: torch.nn.Module, args: tuple, kwargs: dict, path: str, count: int, start: int, stop: int
+) -> Stage:
     """Blocks ``start``..``stop - 1`` of the ``count`` blocks at ``path``, with the embedding on the first stage
     and the head on the last, from ``args`` / ``kwargs`` (one micro-batch of the model's inputs)."""
     first, last = start == 0, stop == count
@@ -83,8 +85,10 @@ class _Roles:
         self.side = list(dict.fromkeys(every_block + [a for a in after if self.early(a) and _tensor(a)]))
         stream = [a for a in self.reads(lambda n: where.get(n) == start) if _tensor(a) and a not in every_block]
         if len(stream) != 1:
-            raise StageError(f"block {start} reads {[a.name for a in stream]} from before it, besides what every "
-                             "block reads: pipeline stages pass exactly one stream between blocks")
+            raise StageError(
+                f"block {start} reads {[a.name for a in stream]} from before it, besides what every "
+                "block reads: pipeline stages pass exactly one stream between blocks"
+            )
         self.hidden_in = stream[0]
 
     def own(self, node: Node) -> bool:
@@ -103,16 +107,20 @@ class _Roles:
         found: dict = {}
         for node in self.g.nodes:
             if selected(node):
-                found.update((a, None) for a in node.all_input_nodes
-                             if not selected(a) and self.where.get(a) != "attr")
+                found.update((a, None) for a in node.all_input_nodes if not selected(a) and self.where.get(a) != "attr")
         return list(found)
 
     def hidden_out(self) -> Node:
-        outs = list(dict.fromkeys(a for n in self.g.nodes if self.later(n) for a in n.all_input_nodes
-                                  if self.own(a) and _tensor(a)))  # sizes are made again after the cut
+        outs = list(
+            dict.fromkeys(
+                a for n in self.g.nodes if self.later(n) for a in n.all_input_nodes if self.own(a) and _tensor(a)
+            )
+        )  # sizes are made again after the cut
         if len(outs) != 1:
-            raise StageError(f"what follows block {self.stop - 1} reads {[a.name for a in outs]} from this stage's "
-                             "blocks: pipeline stages pass exactly one stream between blocks")
+            raise StageError(
+                f"what follows block {self.stop - 1} reads {[a.name for a in outs]} from this stage's "
+                "blocks: pipeline stages pass exactly one stream between blocks"
+            )
         return outs[0]
 
 
@@ -131,11 +139,17 @@ def _receive(g: torch.fx.Graph, roles: _Roles) -> list:
 
     for value, placeholder in zip(roles.side, received[1:], strict=True):
         stream = value is roles.hidden_in  # read as the stream by block ``start``, as a side value by the rest
-        value.replace_all_uses_with(placeholder, delete_user_cb=lambda u, s=stream: reader(u) and not (
-            s and roles.where.get(u) == roles.start))
+        value.replace_all_uses_with(
+            placeholder, delete_user_cb=lambda u, s=stream: reader(u) and not (s and roles.where.get(u) == roles.start)
+        )
     roles.hidden_in.replace_all_uses_with(received[0], delete_user_cb=reader)
-    sizes = dict.fromkeys(a for n in g.nodes if reader(n) for a in n.all_input_nodes
-                          if not reader(a) and not _tensor(a) and roles.where.get(a) != "attr")
+    sizes = dict.fromkeys(
+        a
+        for n in g.nodes
+        if reader(n)
+        for a in n.all_input_nodes
+        if not reader(a) and not _tensor(a) and roles.where.get(a) != "attr"
+    )
     made: dict = {}
     for value in sizes:
         value.replace_all_uses_with(_size(g, value, received, made), delete_user_cb=reader)
@@ -148,11 +162,20 @@ def _size(g: torch.fx.Graph, value: Node, received: list, made: dict) -> Node:
     the same arithmetic on sizes made so."""
     if value not in made:
         expr = getattr(value.meta.get("val"), "node", None)
-        at = next(((p, d) for p in received for d, n in enumerate(p.meta["val"].shape)
-                   if expr is not None and isinstance(n, torch.SymInt) and n.node.expr == expr.expr), None)
+        at = next(
+            (
+                (p, d)
+                for p in received
+                for d, n in enumerate(p.meta["val"].shape)
+                if expr is not None and isinstance(n, torch.SymInt) and n.node.expr == expr.expr
+            ),
+            None,
+        )
         if at is None and (value.op != "call_function" or any(_tensor(a) for a in value.all_input_nodes)):
-            raise StageError(f"the blocks read {value.name} ({value.meta.get('val')}) from before them, which no "
-                             "value passed between stages carries")
+            raise StageError(
+                f"the blocks read {value.name} ({value.meta.get('val')}) from before them, which no "
+                "value passed between stages carries"
+            )
         args = at if at is not None else torch.fx.node.map_arg(value.args, lambda a: _size(g, a, received, made))
         with g.inserting_after(max([received[-1], *made.values()], key=_position(g))):
             made[value] = g.call_function(SIZE if at is not None else value.target, args)

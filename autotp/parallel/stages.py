@@ -8,6 +8,7 @@ backward), taken as split evenly over the TP group; what runs before the first b
 the first stage, what runs after the last (norm, head, loss) on the last.  The split itself is the mesh
 planner's: ``cost_models.mesh_layout.stage_ranges`` with each stage's memory as ``autotp.plan_mesh`` prices it.
 """
+
 from __future__ import annotations
 
 import math
@@ -30,8 +31,10 @@ def find_blocks(model: torch.nn.Module) -> Fold:
     """The model's repeated block list (at least two identical blocks), or a StageError saying what is needed."""
     found = find_fold(model, min_blocks=2)
     if found is None:
-        raise StageError(f"{type(model).__name__} has no list of identical blocks (an nn.ModuleList of modules with "
-                         "equal classes and shapes): pipeline stages are cut between such blocks")
+        raise StageError(
+            f"{type(model).__name__} has no list of identical blocks (an nn.ModuleList of modules with "
+            "equal classes and shapes): pipeline stages are cut between such blocks"
+        )
     return found
 
 
@@ -43,8 +46,11 @@ def block_profile(gm: torch.fx.GraphModule, fold: Fold, tp: int = 1, topology=No
     rep = fold.rep if gm.meta.get("autotp_fold") else (lambda i: i)
     unit, sizes = priced_unit(gm)
     trainable = dict(gm.named_parameters(remove_duplicate=False))
-    replicated = {node: Strategy(tuple(map(replicated_like, input_slots(node))), replicated_like(node))
-                  for node in gm.graph.nodes if node.op in ("call_function", "get_attr")}
+    replicated = {
+        node: Strategy(tuple(map(replicated_like, input_slots(node))), replicated_like(node))
+        for node in gm.graph.nodes
+        if node.op in ("call_function", "get_attr")
+    }
     kept, tied, both = {}, {}, read_at_both_ends(where)
     for node, strategy in replicated.items():  # priced on one rank, then taken as split evenly over tp
         section = kept.setdefault(where.get(node, "pre"), Section())
@@ -54,8 +60,9 @@ def block_profile(gm: torch.fx.GraphModule, fold: Fold, tp: int = 1, topology=No
             section.memory[kind] = section.memory.get(kind, 0.0) + held / tp / (unit if per_sample else 1)
             if node in both:
                 tied[kind] = tied.get(kind, 0.0) + held / tp
-    for node, held in activation_bytes({n: s for n, s in replicated.items() if n.op == "call_function"}, sizes, 1,
-                                       needs_grad(gm)).items():  # what backward keeps
+    for node, held in activation_bytes(
+        {n: s for n, s in replicated.items() if n.op == "call_function"}, sizes, 1, needs_grad(gm)
+    ).items():  # what backward keeps
         section = kept.setdefault(where.get(node, "pre"), Section())
         section.memory["activations"] = section.memory.get("activations", 0.0) + held / tp / unit
     order = ["pre", *(rep(i) for i in range(fold.count)), "post"]
@@ -72,11 +79,14 @@ def stage_starts(profile: Profile, layout: Candidate, setting: Setting) -> list:
     if ranges is None:
         balanced = stage_ranges(profile, layout, replace(setting, limit=math.inf))
         m = setting.global_batch // layout.dp // layout.microbatch_size
-        need = max(stage_memory(profile, [balanced[s] for s in held_by(layout, i)], i, layout, m,
-                                setting.data_parallel)[0]
-                   for i in range(layout.pp))
-        raise StageError(f"no split of the {blocks} blocks into {stages} stages fits {setting.limit / 1e9:.3g} GB per "
-                         f"device (the time-balanced one needs {need / 1e9:.3g} GB): use more pipeline stages or TP "
-                         "ranks, FSDP (data_parallel='fsdp') over more replicas, smaller micro-batches (more of "
-                         "them), or a larger memory_limit")
+        need = max(
+            stage_memory(profile, [balanced[s] for s in held_by(layout, i)], i, layout, m, setting.data_parallel)[0]
+            for i in range(layout.pp)
+        )
+        raise StageError(
+            f"no split of the {blocks} blocks into {stages} stages fits {setting.limit / 1e9:.3g} GB per "
+            f"device (the time-balanced one needs {need / 1e9:.3g} GB): use more pipeline stages or TP "
+            "ranks, FSDP (data_parallel='fsdp') over more replicas, smaller micro-batches (more of "
+            "them), or a larger memory_limit"
+        )
     return [start for start, _ in ranges]

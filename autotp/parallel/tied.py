@@ -8,6 +8,7 @@ gradients are summed over the pipeline ranks that hold them at the same (dp, tp)
 so the copies stay equal as one weight would.  Which stages hold a copy is read from a stage's own capture: every
 capture has the model's parts before and after the blocks (split.py).
 """
+
 from __future__ import annotations
 
 import torch
@@ -27,7 +28,7 @@ class Tied:
         self.sets = [names for names in by_id.values() if len(names) > 1]  # the model's first name leads
         self.count = count
         self.holders: dict = {}  # tied set index -> stage indices holding a copy
-        self.groups: dict = {}   # tied set index -> this rank's group over the pipeline ranks holding it (or None)
+        self.groups: dict = {}  # tied set index -> this rank's group over the pipeline ranks holding it (or None)
 
     def read(self, stage) -> None:
         """Note which stages hold each tied weight, from ``stage``'s capture (split.Stage.outside)."""
@@ -38,8 +39,13 @@ class Tied:
     def names(self, graph: torch.nn.Module) -> list:
         """The names in ``graph`` of weights held by more than one stage."""
         held = {name for name, _ in graph.named_parameters(remove_duplicate=False)}
-        return [name for k, names in enumerate(self.sets) if len(self.holders.get(k, ())) > 1
-                for name in names if name in held]
+        return [
+            name
+            for k, names in enumerate(self.sets)
+            if len(self.holders.get(k, ())) > 1
+            for name in names
+            if name in held
+        ]
 
     def placements(self, graph: torch.nn.Module, offered) -> dict:
         """The TP placement each copy in ``graph`` takes, the same on every holder: of those ``offered()`` gives
@@ -52,8 +58,10 @@ class Tied:
         fixed = {}
         for names in self.sets:
             each = [set(options[name]) for name in names if name in options]  # every name its readers read it by
-            shards = sorted((p for p in set.intersection(*each) if isinstance(p, Shard)) if each else (),
-                            key=lambda p: (p.dim != 0, str(p)))
+            shards = sorted(
+                (p for p in set.intersection(*each) if isinstance(p, Shard)) if each else (),
+                key=lambda p: (p.dim != 0, str(p)),
+            )
             fixed.update(dict.fromkeys((n for n in names if n in here), shards[0] if shards else R))
         return fixed
 

@@ -8,6 +8,7 @@ grad-mode regions, vmap levels keep their meaning); only the enumeration is cano
 the output through each op's arguments in their order, then the ops the output does not read (asserts, region
 entries and exits), each after the lowest-ranked op it is tied to.
 """
+
 from __future__ import annotations
 
 import torch
@@ -34,12 +35,15 @@ def canonical_order(graph: torch.fx.Graph) -> list[Node]:
 
     walk(output, 1)
     rank.pop(output)
-    exits = {n.args[0]: n for n in nodes if n.op == "call_function" and n.target in _LEAVES
-             and n.args and isinstance(n.args[0], Node)}
+    exits = {
+        n.args[0]: n
+        for n in nodes
+        if n.op == "call_function" and n.target in _LEAVES and n.args and isinstance(n.args[0], Node)
+    }
     position = {n: i for i, n in enumerate(nodes)}
     regions = {}  # a region's entry and exit -> its ops between them
     for entry, leave in exits.items():
-        regions[entry] = regions[leave] = nodes[position[entry] + 1:position[leave]]
+        regions[entry] = regions[leave] = nodes[position[entry] + 1 : position[leave]]
     left = [n for n in nodes if n not in rank and n is not output]
     anchors = {n: (_anchor(n, rank, regions), _describe(n)) for n in left}
     for n in sorted(left, key=anchors.__getitem__):
@@ -57,4 +61,5 @@ def _anchor(node: Node, rank: dict, regions: dict) -> tuple:
 
 def _describe(node: Node) -> str:
     from autotp.passes.capture import target_name
+
     return f"{target_name(node.target)}{[a for a in node.args if not isinstance(a, Node)]}"

@@ -1,4 +1,5 @@
 """Capture: torch.export (non-strict) to an ATen-level fx graph with dynamic sizes."""
+
 from __future__ import annotations
 
 import contextlib
@@ -89,8 +90,10 @@ def check_inputs(model: torch.nn.Module, args, kwargs) -> None:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"autotp needs a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(args, (tuple, list)):
-        raise TypeError(f"example args must be a tuple of the forward's positional inputs, got "
-                        f"{type(args).__name__}: write (x,) for a single input")
+        raise TypeError(
+            f"example args must be a tuple of the forward's positional inputs, got "
+            f"{type(args).__name__}: write (x,) for a single input"
+        )
     if kwargs is not None and not isinstance(kwargs, dict):
         raise TypeError(f"example kwargs must be a dict of keyword inputs, got {type(kwargs).__name__}")
     buffers = dict(model.named_buffers())
@@ -99,12 +102,17 @@ def check_inputs(model: torch.nn.Module, args, kwargs) -> None:
         if tensor.dtype in _COMPLEX and name in buffers:
             continue
         if tensor.is_complex():
-            why = ("complex tensors are sharded as buffers (rotation tables), not as parameters"
-                   if tensor.dtype in _COMPLEX else "keep complex buffers in complex64 or complex128")
+            why = (
+                "complex tensors are sharded as buffers (rotation tables), not as parameters"
+                if tensor.dtype in _COMPLEX
+                else "keep complex buffers in complex64 or complex128"
+            )
             raise TypeError(f"{name} has dtype {tensor.dtype}: {why}; keep this part outside the model autotp shards")
         if (tensor.is_floating_point() and tensor.dtype not in _SUPPORTED) or tensor.is_quantized:
-            raise TypeError(f"{name} has dtype {tensor.dtype}: autotp shards float32, bfloat16, float16 and float64 "
-                            f"models (and complex64/128 buffers); {_advice(complex_buffers)}")
+            raise TypeError(
+                f"{name} has dtype {tensor.dtype}: autotp shards float32, bfloat16, float16 and float64 "
+                f"models (and complex64/128 buffers); {_advice(complex_buffers)}"
+            )
 
 
 def _advice(complex_buffers: list) -> str:
@@ -112,9 +120,11 @@ def _advice(complex_buffers: list) -> str:
     the real part only, with a warning, and the model runs on, wrong)."""
     if not complex_buffers:
         return "convert the model (model.to(torch.bfloat16)) or keep this part outside"
-    return (f"convert its parameters only (model.to(dtype) would cast the complex buffer {complex_buffers[0]} to a "
-            "real dtype and drop its imaginary part): e.g. build the model in bfloat16 and compute the complex table "
-            "in float32 afterwards, or keep this part outside")
+    return (
+        f"convert its parameters only (model.to(dtype) would cast the complex buffer {complex_buffers[0]} to a "
+        "real dtype and drop its imaginary part): e.g. build the model in bfloat16 and compute the complex table "
+        "in float32 afterwards, or keep this part outside"
+    )
 
 
 class _Specialized(logging.Filter):
@@ -153,18 +163,26 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> 
     try:  # in the model's own mode: a model in training mode drops in the sharded program too
         with exportable_on_cpu(), _specialized_dims() as fixed:
             program = torch.export.export(
-                model, args, kwargs, dynamic_shapes=None if through else _dynamic_shapes(model, args, kwargs),
-                strict=False
+                model,
+                args,
+                kwargs,
+                dynamic_shapes=None if through else _dynamic_shapes(model, args, kwargs),
+                strict=False,
             )
         if through:
-            warnings.warn(f"autotp: {', '.join(through)} reach "
-                          f"{type(model).__name__}.forward through **kwargs, where torch.export takes no dynamic "
-                          "sizes: captured at the example's sizes, other sizes get a program of their own",
-                          stacklevel=3)
+            warnings.warn(
+                f"autotp: {', '.join(through)} reach "
+                f"{type(model).__name__}.forward through **kwargs, where torch.export takes no dynamic "
+                "sizes: captured at the example's sizes, other sizes get a program of their own",
+                stacklevel=3,
+            )
         elif fixed:
-            warnings.warn(f"autotp: the example inputs fix {', '.join(fixed)} (torch.export makes no size of 0 or 1 "
-                          "dynamic): calls at other sizes get a program of their own, captured again; pass examples "
-                          "of at least 2 for one program of any size", stacklevel=3)
+            warnings.warn(
+                f"autotp: the example inputs fix {', '.join(fixed)} (torch.export makes no size of 0 or 1 "
+                "dynamic): calls at other sizes get a program of their own, captured again; pass examples "
+                "of at least 2 for one program of any size",
+                stacklevel=3,
+            )
     except Exception as exc:  # torch.export raises many kinds
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CaptureError(
@@ -181,10 +199,12 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> 
     dropping = [n for n in gm.graph.nodes if drops(n)]
     if dropping:
         mode = "training" if model.training else "eval"
-        warnings.warn(f"{type(model).__name__} drops in the sharded model as in one process: {len(dropping)} dropout "
-                      f"op(s) captured in {mode} mode draw masks, each rank its part (every rank of a group must seed "
-                      "alike: torch.manual_seed(seed)); call model.eval() first for a model that never drops",
-                      stacklevel=3)
+        warnings.warn(
+            f"{type(model).__name__} drops in the sharded model as in one process: {len(dropping)} dropout "
+            f"op(s) captured in {mode} mode draw masks, each rank its part (every rank of a group must seed "
+            "alike: torch.manual_seed(seed)); call model.eval() first for a model that never drops",
+            stacklevel=3,
+        )
     return gm
 
 
@@ -192,9 +212,15 @@ def retarget_device(gm: torch.fx.GraphModule, device: torch.device) -> None:
     """A graph names the device it was captured on in its factory calls and checks (arange(device=meta),
     _assert_tensor_metadata(device=cpu)): point them at the one the program runs on (a model captured on meta or
     on the CPU whose shards live on a GPU)."""
-    captured = {torch.device("meta")} | {t.device for t in [*gm.parameters(), *gm.buffers()]} | {
-        node.meta["val"].device for node in gm.graph.nodes
-        if node.op == "placeholder" and isinstance(node.meta.get("val"), torch.Tensor)}
+    captured = (
+        {torch.device("meta")}
+        | {t.device for t in [*gm.parameters(), *gm.buffers()]}
+        | {
+            node.meta["val"].device
+            for node in gm.graph.nodes
+            if node.op == "placeholder" and isinstance(node.meta.get("val"), torch.Tensor)
+        }
+    )
     captured.discard(device)
 
     def swap(value):
@@ -207,17 +233,24 @@ def retarget_device(gm: torch.fx.GraphModule, device: torch.device) -> None:
     for node in gm.graph.nodes:
         node.args = swap(node.args)
         node.kwargs = {k: swap(v) for k, v in node.kwargs.items()}
-        if ("cpu_no_integers" in op(node.target).tags and device.type == "cpu"
-                and not node.args[0].meta["val"].is_floating_point()):
+        if (
+            "cpu_no_integers" in op(node.target).tags
+            and device.type == "cpu"
+            and not node.args[0].meta["val"].is_floating_point()
+        ):
             node.target = kernels.histc_of_integers  # the meta capture took the GPU branch: integers
     gm.recompile()
 
 
 def _user_frame(exc: BaseException) -> str:
     """Where in the user's code the capture failed: the innermost frame outside torch."""
-    frames = [f for f in traceback.extract_tb(exc.__traceback__)
-              if f"{os.sep}torch{os.sep}" not in f.filename and f"{os.sep}autotp{os.sep}" not in f.filename
-              and "passes" + os.sep + "capture.py" not in f.filename]
+    frames = [
+        f
+        for f in traceback.extract_tb(exc.__traceback__)
+        if f"{os.sep}torch{os.sep}" not in f.filename
+        and f"{os.sep}autotp{os.sep}" not in f.filename
+        and "passes" + os.sep + "capture.py" not in f.filename
+    ]
     if not frames:
         return ""
     f = frames[-1]
@@ -241,14 +274,23 @@ def canonical_names(gm: torch.fx.GraphModule) -> None:
         node.meta["autotp_rank"] = rank
     env = {}
     for node in gm.graph.nodes:  # run in the captured order
-        env[node] = graph.create_node(node.op, node.target, map_arg(node.args, env.__getitem__),
-                                      map_arg(node.kwargs, env.__getitem__), name=names[node], type_expr=node.type)
+        env[node] = graph.create_node(
+            node.op,
+            node.target,
+            map_arg(node.args, env.__getitem__),
+            map_arg(node.kwargs, env.__getitem__),
+            name=names[node],
+            type_expr=node.type,
+        )
         env[node].meta = node.meta
     gm.graph = graph
 
 
-FINGERPRINT_PARTS = ("the ops and how they connect", "the ops' constant arguments (view sizes, dims, scalars)",
-                     "parameter and buffer shapes or dtypes")
+FINGERPRINT_PARTS = (
+    "the ops and how they connect",
+    "the ops' constant arguments (view sizes, dims, scalars)",
+    "parameter and buffer shapes or dtypes",
+)
 
 
 _PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.layout, torch.memory_format)

@@ -2,6 +2,7 @@
 branch while traced (transformers builds attention masks differently under torch.export, for one).  autotp shards
 the traced program, so a program that computes other values than the model run eagerly would be sharded exactly --
 and wrong.  One eager and one traced forward on the example inputs find it before any plan is made."""
+
 from __future__ import annotations
 
 import torch
@@ -24,8 +25,11 @@ def float_leaves(out) -> list[torch.Tensor]:
 def _checkable(model: torch.nn.Module, program: torch.export.ExportedProgram, args, kwargs) -> bool:
     """Only where the two forwards can be compared: real tensors, no random op (dropout in training mode draws
     other masks in each)."""
-    tensors = [*model.parameters(), *model.buffers(), *(x for x in tree_leaves((args, kwargs))
-                                                          if isinstance(x, torch.Tensor))]
+    tensors = [
+        *model.parameters(),
+        *model.buffers(),
+        *(x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)),
+    ]
     if any(t.is_meta or type(t) not in (torch.Tensor, torch.nn.Parameter) for t in tensors):
         return False
     return not any(_random(node) for node in program.graph.nodes)
@@ -61,8 +65,9 @@ def _tolerance(value: torch.Tensor) -> float:
     return max(1e-3, 16 * torch.finfo(value.dtype).eps)
 
 
-def check_faithful(model: torch.nn.Module, program: torch.export.ExportedProgram, gm: torch.fx.GraphModule,
-                   args: tuple, kwargs: dict) -> None:
+def check_faithful(
+    model: torch.nn.Module, program: torch.export.ExportedProgram, gm: torch.fx.GraphModule, args: tuple, kwargs: dict
+) -> None:
     if not _checkable(model, program, args, kwargs):
         return
     want, got = _untouched(model, args, kwargs, model), _untouched(model, args, kwargs, gm)
@@ -78,7 +83,9 @@ def check_faithful(model: torch.nn.Module, program: torch.export.ExportedProgram
 
 
 def _message(model: torch.nn.Module, output: int, detail: str) -> str:
-    return (f"torch.export's program of {type(model).__name__} is not the model: on the example inputs its output "
-            f"{output} differs from the model run eagerly ({detail}), so the model's code takes another branch while "
-            "traced; autotp would shard the traced program, so it stops: pass inputs that make both take the same "
-            "branch (e.g. an explicit attention_mask), or report it to the model's library")
+    return (
+        f"torch.export's program of {type(model).__name__} is not the model: on the example inputs its output "
+        f"{output} differs from the model run eagerly ({detail}), so the model's code takes another branch while "
+        "traced; autotp would shard the traced program, so it stops: pass inputs that make both take the same "
+        "branch (e.g. an explicit attention_mask), or report it to the model's library"
+    )

@@ -10,6 +10,7 @@ parameter paths of the one repeated list), never from model or module names; a f
 blocks turn out not to match is refused when the plan is applied.  Blocks before the run of identical ones
 (DeepSeek-V3's three dense layers before its MoE layers) are kept whole, and the run is folded after them.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -30,8 +31,8 @@ class NotFoldable(ValueError):
 
 @dataclass(frozen=True)
 class Fold:
-    path: str       # the repeated nn.ModuleList, e.g. "model.layers"
-    count: int      # its length N in the real model
+    path: str  # the repeated nn.ModuleList, e.g. "model.layers"
+    count: int  # its length N in the real model
     start: int = 0  # the blocks before this one differ from the rest and are kept whole (DeepSeek-V3's dense
     #                 layers before its MoE ones): blocks start, start + 1, N-2, N-1 stand for the run
 
@@ -57,7 +58,7 @@ class Fold:
         head = self.path + "."
         if not name.startswith(head):
             return None
-        index, _, inside = name[len(head):].partition(".")
+        index, _, inside = name[len(head) :].partition(".")
         return (int(index), inside) if index.isdigit() else None
 
     def name(self, i: int, inside: str) -> str:
@@ -87,8 +88,11 @@ def _settings(module: torch.nn.Module) -> dict:
     found = {}
     for name, sub in module.named_modules():
         found[name, "class"] = type(sub).__qualname__
-        found.update(((name, k), v) for k, v in vars(sub).items() if not k.startswith("_")
-                     and isinstance(v, (bool, int, float, str, type(None), tuple)))
+        found.update(
+            ((name, k), v)
+            for k, v in vars(sub).items()
+            if not k.startswith("_") and isinstance(v, (bool, int, float, str, type(None), tuple))
+        )
     for name, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
         found[name, "tensor"] = (tuple(t.shape), t.dtype, t.requires_grad)
     return found
@@ -98,8 +102,9 @@ def _identical(blocks: list, first: int = 0) -> bool:
     """Same settings, apart from an attribute that is each block's own index (a cache slot; the blocks are the
     list's from ``first`` on)."""
     settings = [_settings(b) for b in blocks]
-    position = {k for k in settings[0]
-                if all(type(s.get(k)) is int and s[k] == first + i for i, s in enumerate(settings))}
+    position = {
+        k for k in settings[0] if all(type(s.get(k)) is int and s[k] == first + i for i, s in enumerate(settings))
+    }
     return len({repr(sorted((k, v) for k, v in s.items() if k not in position)) for s in settings}) == 1
 
 
@@ -117,8 +122,11 @@ def find_fold(model: torch.nn.Module, min_blocks: int = MIN_BLOCKS) -> Fold | No
         if any(b is None for b in blocks):
             continue  # a ModuleList may hold None (x-transformers' missing norms): no blocks to fold
         start = next((s for s in range(len(blocks) - min_blocks + 1) if _identical(blocks[s:], s)), None)
-        if start is None or len({id(b) for b in blocks}) < len(blocks) or (
-                best and len(blocks) - start <= best.count - best.start):
+        if (
+            start is None
+            or len({id(b) for b in blocks}) < len(blocks)
+            or (best and len(blocks) - start <= best.count - best.start)
+        ):
             continue
         tensors = [t for b in blocks for t in [*b.parameters(), *b.buffers()]]
         if any(len(owners[id(t)]) > 1 for t in tensors):
@@ -161,9 +169,10 @@ def scope_block(node: Node, fold: Fold) -> int | None:
 class Blocks:
     """Each node's place: a block index, "pre" or "post"; and its canonical key, the same for a node
     and its copy in every graph of this model (full or folded)."""
-    where: dict     # node -> block index | "pre" | "post" | "attr" | "input"
-    key: dict       # node -> str
-    order: list     # block indices in graph order
+
+    where: dict  # node -> block index | "pre" | "post" | "attr" | "input"
+    key: dict  # node -> str
+    order: list  # block indices in graph order
     position: dict  # op node -> its index among the ops of its block (or of pre / post)
 
 
@@ -255,6 +264,7 @@ def check_repeats(gm: torch.fx.GraphModule, fold: Fold, b: Blocks) -> None:
 def fold_fingerprint(gm: torch.fx.GraphModule, fold: Fold, b: Blocks) -> str:
     """capture.fingerprint over the kept blocks' copies with canonical keys: equal for the folded
     graph and the full graph of one model."""
+
     def kept(node: Node) -> bool:
         w = b.where[node]
         if w == "attr":
@@ -283,6 +293,7 @@ def weights_and_ties(fold: Fold, b: Blocks) -> tuple[dict, list]:
 @dataclass
 class Folded:
     """A folded graph's bookkeeping, kept in ``gm.meta["autotp_fold"]`` for the solver and reports."""
+
     fold: Fold
     blocks: Blocks
     weights: dict

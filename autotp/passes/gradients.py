@@ -1,6 +1,7 @@
 """Which gradients ranks sum: a parameter's where ranks hold parts of it (units shared by several ranks, a
 bias with its weight), a replicated input's where sharded ops read it (Megatron's f), and none for an operand
 that one rank adds to a partial sum."""
+
 from __future__ import annotations
 
 import torch
@@ -14,8 +15,11 @@ from autotp.placement import Partial, Replicate, Shard
 def adds_once(node: Node, strategy: Strategy) -> bool:
     """A partial sum plus (or minus) a replicated operand -- a bias, the residual stream -- stays a
     partial sum when one rank adds that operand (passes/rewrite.py); the others add zeros."""
-    return (op(node.target).additive and isinstance(strategy.output, Partial)
-            and any(isinstance(p, Replicate) for p in strategy.inputs))
+    return (
+        op(node.target).additive
+        and isinstance(strategy.output, Partial)
+        and any(isinstance(p, Replicate) for p in strategy.inputs)
+    )
 
 
 def partial_grad(node: Node, strategy: Strategy, want) -> bool:
@@ -53,8 +57,15 @@ def gradient_sums(gm: torch.fx.GraphModule, choice: dict, world: int) -> list:
     """The trainable parameters whose gradients ranks sum (held grouped), one list per all-reduce: a bias
     goes with the weight of its product when both are grouped (bias_weights)."""
     trainable = {name for name, p in gm.named_parameters(remove_duplicate=False) if p.requires_grad}
-    grouped = {n: None for n in gm.graph.nodes if n.op == "get_attr" and n in choice and n.target in trainable
-               and isinstance(choice[n].output, Shard) and choice[n].output.grouped(world)}
+    grouped = {
+        n: None
+        for n in gm.graph.nodes
+        if n.op == "get_attr"
+        and n in choice
+        and n.target in trainable
+        and isinstance(choice[n].output, Shard)
+        and choice[n].output.grouped(world)
+    }
     partner = {weight: bias for bias, weight in bias_weights(gm).items() if bias in grouped and weight in grouped}
     paired = set(partner.values())
     return [[n, partner[n]] if n in partner else [n] for n in grouped if n not in paired]
@@ -69,9 +80,12 @@ def coalesced(src: Node) -> bool:
 def partial_params(gm: torch.fx.GraphModule, choice: dict, grad: set) -> list:
     """Lists of replicated parameters (graph order, one list per dtype) that some sharded op reads: each rank
     holds part of their gradients (a norm's weight under sequence parallelism), summed by one all-reduce."""
-    read = {src for node, strategy in choice.items() for src, want in zip(input_slots(node), strategy.inputs,
-                                                                          strict=True)
-            if src in grad and coalesced(src) and partial_grad(node, strategy, want)}
+    read = {
+        src
+        for node, strategy in choice.items()
+        for src, want in zip(input_slots(node), strategy.inputs, strict=True)
+        if src in grad and coalesced(src) and partial_grad(node, strategy, want)
+    }
     found: dict = {}
     for node in gm.graph.nodes:
         if node in read:

@@ -1,6 +1,7 @@
 """Hints for the rules, read from downstream of each node: the blocks of fused projections, head counts, and
 the query heads each KV head is repeated to; and from upstream, the blocks of values joined from pieces.  The
 rules offer shards by these units (ops/strategies.py)."""
+
 from __future__ import annotations
 
 import itertools
@@ -116,8 +117,9 @@ def block_unit_hints(gm: torch.fx.GraphModule, ctx: Context) -> dict:
         if _heads_dim(x, dim, ctx):  # each position is a head: a piece of n positions is n units
             units = list(sizes)
         else:
-            units = [max(ctx.units.get((p, dim), {1 if 1 in ctx.covers else 0})) if p is not None else 0
-                     for p in pieces]
+            units = [
+                max(ctx.units.get((p, dim), {1 if 1 in ctx.covers else 0})) if p is not None else 0 for p in pieces
+            ]
         if all(units) and any(u > 1 for u in units) and all(s % u == 0 for s, u in zip(sizes, units, strict=True)):
             work.append((x, dim, (sizes, tuple(units))))
     return _walk_back(work + group_blocks(gm, ctx), ctx)
@@ -170,9 +172,13 @@ def unit_hints(gm: torch.fx.GraphModule, ctx: Context) -> dict:
                 if len(lead_in) == 1 and len(lead_out) > 1:
                     work.append((node.args[0], lead_in[0], dst[lead_out[0]]))
                 if len(lead_in) > 1 and len(lead_out) == 1 and lead_out[0] == len(dst) - 1:  # heads merged back
-                    work += [(b, len(ctx.shape(b)) - 2, src[lead_in[0]]) for user in node.users
-                             if op(user.target).family == "matmul" and user.args[0] is node
-                             for b in [user.args[1]] if len(ctx.shape(b)) >= 2]
+                    work += [
+                        (b, len(ctx.shape(b)) - 2, src[lead_in[0]])
+                        for user in node.users
+                        if op(user.target).family == "matmul" and user.args[0] is node
+                        for b in [user.args[1]]
+                        if len(ctx.shape(b)) >= 2
+                    ]
     return _walk_back(work, ctx)
 
 
@@ -202,8 +208,12 @@ def _tiling_slices(gm: torch.fx.GraphModule, ctx: Context) -> list:
         for dim, cut in ranges.items():
             spans = sorted(cut)
             size = ctx.shape(node)[dim]
-            tiles = len(spans) > 1 and spans[0][0] == 0 and spans[-1][1] == size and all(
-                a[1] == b[0] for a, b in itertools.pairwise(spans))
+            tiles = (
+                len(spans) > 1
+                and spans[0][0] == 0
+                and spans[-1][1] == size
+                and all(a[1] == b[0] for a, b in itertools.pairwise(spans))
+            )
             if tiles:
                 found.append((node, dim, tuple(end - start for start, end in spans), [cut[s] for s in spans]))
     return found

@@ -8,6 +8,7 @@ once, at the storage it views (a matmul's transposed K and the Q beside it are b
 output), in the placement its reader holds it in.  Inputs, parameters and buffers are not activations.  An op
 the table does not know is assumed to keep all its tensor inputs (never less than it does).
 """
+
 from __future__ import annotations
 
 import math
@@ -26,6 +27,7 @@ class Kept:
     """One tensor kept for backward: ``tensor``'s storage in ``placement``, or an op's own tensor
     (``kind`` "mask": one byte per element of ``tensor``; "stats": two fp32 numbers per normalized row;
     "additive": an attention mask, which SDPA's kernels keep as a bias of the query's dtype)."""
+
     tensor: Node
     placement: object
     kind: str = "value"
@@ -50,7 +52,7 @@ def kept(node: Node, strategy, grad: set) -> list[Kept]:
     slots = input_slots(node)
     keeps = op(node.target).keeps
     found = []
-    for slot, kind in (keeps(node, grad) if keeps else [(i, None) for i, s in enumerate(slots) if is_placed(s)]):
+    for slot, kind in keeps(node, grad) if keeps else [(i, None) for i, s in enumerate(slots) if is_placed(s)]:
         if slot is None:
             found.append(Kept(node, strategy.output, kind or "value"))
             continue

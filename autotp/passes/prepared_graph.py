@@ -1,4 +1,5 @@
 """Capture and prepare: the model's ATen graph, rewritten into the forms the op table's rules read."""
+
 from __future__ import annotations
 
 import torch

@@ -10,6 +10,7 @@ again under ``torch.utils.checkpoint`` reproduces every value (dropout masks inc
 generators are restored, and every mask is drawn from them; autotp/runtime/dropout.py).  What a recomputed
 region drops: the tensors its ops keep whose storage it computes itself and no op outside keeps.
 """
+
 from __future__ import annotations
 
 import torch

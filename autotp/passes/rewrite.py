@@ -1,5 +1,6 @@
 """Rewrite the captured graph into this rank's program: local shards, explicit collectives,
 and size arguments of view/reshape/expand/split adjusted to local shapes."""
+
 from __future__ import annotations
 
 import operator
@@ -27,13 +28,22 @@ def _attribute(gm: torch.nn.Module, target: str):
 
 def _written(gm: torch.fx.GraphModule) -> set:
     """Tensors of the module that the program writes in place (a KV cache): their start is zeros."""
-    return {node.target for node in gm.graph.nodes
-            if node.op == "get_attr" and any(writes(user, node) for user in node.users)}
+    return {
+        node.target
+        for node in gm.graph.nodes
+        if node.op == "get_attr" and any(writes(user, node) for user in node.users)
+    }
 
 
-def shard_parameters(gm: torch.fx.GraphModule, placements: dict, rank: int, world: int,
-                     provided: frozenset = frozenset(), device: torch.device | None = None,
-                     dealt: dict | None = None) -> None:
+def shard_parameters(
+    gm: torch.fx.GraphModule,
+    placements: dict,
+    rank: int,
+    world: int,
+    provided: frozenset = frozenset(),
+    device: torch.device | None = None,
+    dealt: dict | None = None,
+) -> None:
     """Give the module its own copy of every parameter and buffer, sharded as planned.
 
     Copies of the captured model's tensors (never views, so that the user's model is untouched).  A tensor that
@@ -48,9 +58,11 @@ def shard_parameters(gm: torch.fx.GraphModule, placements: dict, rank: int, worl
 
     tensors = [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]
     known = {name for name, _ in tensors}
-    constants = {node.target for node in gm.graph.nodes  # lifted tensor constants (a KV cache)
-                 if node.op == "get_attr" and node.target not in known and isinstance(_attribute(gm, node.target),
-                                                                                     torch.Tensor)}
+    constants = {
+        node.target
+        for node in gm.graph.nodes  # lifted tensor constants (a KV cache)
+        if node.op == "get_attr" and node.target not in known and isinstance(_attribute(gm, node.target), torch.Tensor)
+    }
     tensors += [(name, _attribute(gm, name)) for name in sorted(constants)]
     written = _written(gm)
     aliases: dict = {}
@@ -69,9 +81,11 @@ def shard_parameters(gm: torch.fx.GraphModule, placements: dict, rank: int, worl
             if tensor.is_meta and name in written:  # state the program fills itself (a KV cache)
                 local = torch.zeros(shape, dtype=tensor.dtype, device=device)
             elif tensor.is_meta and name in constants:  # e.g. x[..., [-2], :]'s positions: made up = wrong
-                raise CheckpointError(f"{name} is a tensor the model's forward creates (such as index positions) "
-                                      "and it was created on the meta device, so its values are unknown: build "
-                                      "this model on a real device (its weights may still come from checkpoint=DIR)")
+                raise CheckpointError(
+                    f"{name} is a tensor the model's forward creates (such as index positions) "
+                    "and it was created on the meta device, so its values are unknown: build "
+                    "this model on a real device (its weights may still come from checkpoint=DIR)"
+                )
             elif tensor.is_meta or any(n in provided for n in aliases[id(tensor)]):
                 local = torch.empty(shape, dtype=tensor.dtype, device="meta")
             else:
@@ -158,9 +172,16 @@ def _gathered_both_ways(gm: torch.fx.GraphModule, choice: dict, grad: set) -> se
     return {src for src, flags in readers.items() if flags == {True, False}}
 
 
-def rewrite(gm: torch.fx.GraphModule, choice: dict[Node, Strategy], tp: Group, *, dispatch: Groups | None = None,
-            device: torch.device | None = None, provided: frozenset[str] = frozenset(),
-            gather_outputs: bool = True) -> torch.fx.GraphModule:
+def rewrite(
+    gm: torch.fx.GraphModule,
+    choice: dict[Node, Strategy],
+    tp: Group,
+    *,
+    dispatch: Groups | None = None,
+    device: torch.device | None = None,
+    provided: frozenset[str] = frozenset(),
+    gather_outputs: bool = True,
+) -> torch.fx.GraphModule:
     """Mutates ``gm`` (a fresh capture) into rank ``tp.rank``'s sharded program over the TP group ``tp``; expert
     segments that the plan routes, or that a mesh's "ep" ranks share (``dispatch``), are run by their experts'
     owners (runtime/expert_dispatch.py).  The pieces go to ``device``; the tensors in ``provided`` (a checkpoint's)
@@ -169,8 +190,8 @@ def rewrite(gm: torch.fx.GraphModule, choice: dict[Node, Strategy], tp: Group, *
     dispatched = _dispatched(gm, choice, tp, dispatch or Groups(tp))
     graph = gm.graph
     grad = needs_grad(gm)
-    placed: dict = {}      # node -> placement of its local value
-    converted: dict = {}   # (node, placement, with f) -> node holding that version
+    placed: dict = {}  # node -> placement of its local value
+    converted: dict = {}  # (node, placement, with f) -> node holding that version
 
     token_sizes = _TokenSizes(graph)
 
@@ -191,8 +212,7 @@ def rewrite(gm: torch.fx.GraphModule, choice: dict[Node, Strategy], tp: Group, *
             if shape is not None:  # a sharded token dim's length is read at run time
                 split = {p.dim for p in (placed[src], want) if isinstance(p, Shard)}
                 shape = [token_sizes.get(n) if d in split else n for d, n in enumerate(shape)]
-            steps = collectives.conversion_steps(placed[src], want, shape, rank, world, group, reduce_grad,
-                                                 _where(src))
+            steps = collectives.conversion_steps(placed[src], want, shape, rank, world, group, reduce_grad, _where(src))
             with graph.inserting_before(before):
                 for fn, extra in steps:
                     value = graph.call_function(fn, (value, *extra))
@@ -216,9 +236,16 @@ def rewrite(gm: torch.fx.GraphModule, choice: dict[Node, Strategy], tp: Group, *
         elif node.op == "placeholder" and node in choice:
             placed[node] = R
         elif node.op == "output":
-            node.args = map_arg(node.args, lambda n, out=node: convert(n, R, out, False) if n in placed and
-                                isinstance(placed[n], (Replicate, Partial, Shard)) and
-                                (gather_outputs or not isinstance(placed[n], Shard)) else n)
+            node.args = map_arg(
+                node.args,
+                lambda n, out=node: (
+                    convert(n, R, out, False)
+                    if n in placed
+                    and isinstance(placed[n], (Replicate, Partial, Shard))
+                    and (gather_outputs or not isinstance(placed[n], Shard))
+                    else n
+                ),
+            )
         elif node in choice:
             strategy = choice[node]
             wants = iter(strategy.inputs)

@@ -1,4 +1,5 @@
 """How each parameter is used, in words (column, row, vocab split, ...), read from the graph and the plan."""
+
 from __future__ import annotations
 
 import torch
@@ -41,11 +42,17 @@ def _expert_style(node: torch.fx.Node, choice: dict, world: int) -> str | None:
         out = choice[user].output if user in choice else None
         if isinstance(out, (Disjoint, Routed)):
             count = int(node.meta["val"].shape[0])
-            held = [out.owned(count, r, world) for r in range(world)] if isinstance(out, Disjoint) else [
-                out.owned(count, r) for r in range(out.ranks)]
-            return "experts " + "|".join(f"{a}" if n == 1 else f"{a}-{a + n - 1}" for a, n in held) + \
-                f" of {count} (whole experts by rank" + (", rows sent by all-to-all)" if isinstance(
-                    out, Routed) else ")")
+            held = (
+                [out.owned(count, r, world) for r in range(world)]
+                if isinstance(out, Disjoint)
+                else [out.owned(count, r) for r in range(out.ranks)]
+            )
+            return (
+                "experts "
+                + "|".join(f"{a}" if n == 1 else f"{a}-{a + n - 1}" for a, n in held)
+                + f" of {count} (whole experts by rank"
+                + (", rows sent by all-to-all)" if isinstance(out, Routed) else ")")
+            )
         if op(user.target).layout:
             work += user.users
         elif out is not None and not isinstance(out, Replicate) and len(node.meta["val"].shape) == 3:
@@ -60,8 +67,13 @@ def param_styles(gm: torch.fx.GraphModule, choice: dict, world: int) -> dict:
         if node.op != "get_attr":
             continue
         placement = strategy.output
-        style = "replicate" if isinstance(placement, Replicate) else _expert_style(node, choice, world) if \
-            isinstance(placement, Routed) else f"shard dim {placement.dim}"
+        style = (
+            "replicate"
+            if isinstance(placement, Replicate)
+            else _expert_style(node, choice, world)
+            if isinstance(placement, Routed)
+            else f"shard dim {placement.dim}"
+        )
         if isinstance(placement, Shard):
             for user in node.users:
                 if user.args and node in user.args:

@@ -1,5 +1,6 @@
 """``parallelize(..., verify=True)``: run the example inputs through the sharded and the unsharded
 model and, if they differ, name the first op whose (reassembled) value diverges."""
+
 from __future__ import annotations
 
 import torch
@@ -54,8 +55,14 @@ def _without_dropout(gm: torch.fx.GraphModule) -> None:
     gm.eval()
 
 
-def verify(sharded: torch.fx.GraphModule, reference: torch.fx.GraphModule, args, kwargs=None,
-           rtol: float = 1e-4, atol: float = 1e-5) -> None:
+def verify(
+    sharded: torch.fx.GraphModule,
+    reference: torch.fx.GraphModule,
+    args,
+    kwargs=None,
+    rtol: float = 1e-4,
+    atol: float = 1e-5,
+) -> None:
     """A collective.  ``reference``: the unsharded capture of the same model (same node names).  Masks are
     random: a program that drops is compared with its dropouts off."""
     plan, group = sharded.autotp_plan, sharded.autotp_group
@@ -75,9 +82,13 @@ def verify(sharded: torch.fx.GraphModule, reference: torch.fx.GraphModule, args,
         full = _full(have[node.name], parse(entry["out"]), expected.shape, group)
         if full.shape != expected.shape or not torch.allclose(full.float(), expected.float(), rtol=rtol, atol=atol):
             diff = (full.float() - expected.float()).abs().max().item() if full.shape == expected.shape else None
-            detail = f"max abs diff {diff:.3g}" if diff is not None else f"shape {tuple(full.shape)} vs " \
-                f"{tuple(expected.shape)}"
+            detail = (
+                f"max abs diff {diff:.3g}"
+                if diff is not None
+                else f"shape {tuple(full.shape)} vs {tuple(expected.shape)}"
+            )
             raise VerificationError(
                 f"sharded model diverges from the unsharded one first at {node.name} ({entry.get('op')}) in "
                 f"{entry.get('module') or 'the top level'}: {detail}, output placement {entry['out']}, "
-                f"inputs {entry['in']}; please report it with this plan")
+                f"inputs {entry['in']}; please report it with this plan"
+            )

@@ -1,5 +1,6 @@
 """What a chosen plan costs, for reports: the collectives it inserts, and for every op the
 alternatives the solver had, each priced with its neighbours' choices fixed."""
+
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
@@ -25,9 +26,16 @@ if TYPE_CHECKING:
 Choice = dict[Node, Strategy]  # node -> the strategy a plan gives it
 
 
-def planned_collectives(gm: torch.fx.GraphModule, choice: Choice, world: int, topology: Topology,
-                        sizes: Sizes | None = None, weights: Mapping[Node, int] | None = None, training: bool = True,
-                        per_reader: bool = False) -> list[dict[str, Any]]:
+def planned_collectives(
+    gm: torch.fx.GraphModule,
+    choice: Choice,
+    world: int,
+    topology: Topology,
+    sizes: Sizes | None = None,
+    weights: Mapping[Node, int] | None = None,
+    training: bool = True,
+    per_reader: bool = False,
+) -> list[dict[str, Any]]:
     """The collectives the rewriter will insert for ``choice`` (one per tensor and target placement;
     ``count``: how many real tensors a folded graph's node stands for; ``regather``: a backward all-gather of
     tokens kept as this rank's piece, runtime/activations.py; ``tensors``: the replicated parameters whose partial
@@ -36,7 +44,8 @@ def planned_collectives(gm: torch.fx.GraphModule, choice: Choice, world: int, to
     grad = needs_grad(gm)
     # ranks sharing a unit sum its gradient (a bias with its weight)
     found: dict[tuple[Any, ...], tuple[Any, ...]] = {
-        (members[0], "group"): ("backward", "all_reduce") for members in gradient_sums(gm, choice, world)}
+        (members[0], "group"): ("backward", "all_reduce") for members in gradient_sums(gm, choice, world)
+    }
     pieces = regathered(choice, grad)
     routed: list[tuple[Node, Any, Any]] = []  # (tensor, have, want) entering or leaving a routed segment
     together = partial_params(gm, choice, grad)  # one all-reduce for each list (of a dtype)
@@ -64,27 +73,53 @@ def planned_collectives(gm: torch.fx.GraphModule, choice: Choice, world: int, to
                 found.setdefault((src, have, want, "back"), ("backward", back))
             if strategy is not None and partial_grad(node, strategy, want) and src in grad and src not in alone:
                 # partial gradients summed: a reduce-scatter where the input was gathered from shards
-                found.setdefault((src, want, "grad", node if per_reader else None), (
-                    "backward", "reduce_scatter" if isinstance(have, Shard) else "all_reduce"))
+                found.setdefault(
+                    (src, want, "grad", node if per_reader else None),
+                    ("backward", "reduce_scatter" if isinstance(have, Shard) else "all_reduce"),
+                )
     sizes = sizes or Sizes()
     count = (weights or {}).get
-    listed = [{"op": op, "phase": phase, "tensor": src.name, "module": _module(src), "bytes": sizes.nbytes(src),
-               "seconds": collective_time(op, sizes.nbytes(src), world, topology), "count": count(src, 1),
-               **(mark[0] if mark else {})}
-              for (src, *_), (phase, op, *mark) in found.items()]
+    listed = [
+        {
+            "op": op,
+            "phase": phase,
+            "tensor": src.name,
+            "module": _module(src),
+            "bytes": sizes.nbytes(src),
+            "seconds": collective_time(op, sizes.nbytes(src), world, topology),
+            "count": count(src, 1),
+            **(mark[0] if mark else {}),
+        }
+        for (src, *_), (phase, op, *mark) in found.items()
+    ]
     listed += _dispatched(gm, choice, routed, world, topology, sizes, count, grad)
     for members in together:
         nbytes = sum(count(m, 1) * sizes.nbytes(m) for m in members)
-        listed.append({"op": "all_reduce", "phase": "backward", "tensor": members[0].name,
-                       "module": _module(members[0]), "bytes": nbytes, "count": 1,
-                       "seconds": collective_time("all_reduce", nbytes, world, topology),
-                       "tensors": [m.name for m in members]})
+        listed.append(
+            {
+                "op": "all_reduce",
+                "phase": "backward",
+                "tensor": members[0].name,
+                "module": _module(members[0]),
+                "bytes": nbytes,
+                "count": 1,
+                "seconds": collective_time("all_reduce", nbytes, world, topology),
+                "tensors": [m.name for m in members],
+            }
+        )
     return listed if training else [c for c in listed if c["phase"] == "forward"]  # inference runs no backward
 
 
-def _dispatched(gm: torch.fx.GraphModule, choice: Choice, routed: list[tuple[Node, Any, Any]], world: int,
-                topology: Topology, sizes: Sizes, count: Callable[[Node, int], int],
-                grad: set[Node]) -> list[dict[str, Any]]:
+def _dispatched(
+    gm: torch.fx.GraphModule,
+    choice: Choice,
+    routed: list[tuple[Node, Any, Any]],
+    world: int,
+    topology: Topology,
+    sizes: Sizes,
+    count: Callable[[Node, int], int],
+    grad: set[Node],
+) -> list[dict[str, Any]]:
     """The all-to-alls of expert segments (runtime/expert_dispatch.py): a routed segment's row counts, each row
     tensor's dispatch and the exit's combine (with the all-gather among TP ranks holding the same tokens,
     and the gathered gradient of the rows they sent); a segment dispatched over a mesh's "ep" ranks the
@@ -93,22 +128,38 @@ def _dispatched(gm: torch.fx.GraphModule, choice: Choice, routed: list[tuple[Nod
     found: list[dict[str, Any]] = []
 
     def add(op: str, phase: str, src: Node, nbytes: float, ranks: int, group: str, **extra: Any) -> None:
-        found.append({"op": op, "phase": phase, "tensor": src.name, "module": _module(src), "bytes": nbytes,
-                      "seconds": collective_time(op, nbytes, ranks, topology), "count": count(src, 1),
-                      "group": group, **extra})
+        found.append(
+            {
+                "op": op,
+                "phase": phase,
+                "tensor": src.name,
+                "module": _module(src),
+                "bytes": nbytes,
+                "seconds": collective_time(op, nbytes, ranks, topology),
+                "count": count(src, 1),
+                "group": group,
+                **extra,
+            }
+        )
 
     segments = set(experts.segments.values())
     for segment in sorted(segments, key=lambda s: s.exit.name):
         exit_placement = choice[segment.exit].output
         if isinstance(exit_placement, Routed):
             ranks, copies, group = exit_placement.ranks, world, "ep x tp" if experts.ep > 1 else "tp"
-            entries = [(src, have) for src, have, want in routed if isinstance(want, Routed)
-                       and src not in experts.segments and _feeds(src, segment)]
+            entries = [
+                (src, have)
+                for src, have, want in routed
+                if isinstance(want, Routed) and src not in experts.segments and _feeds(src, segment)
+            ]
         elif experts.ep > 1:
             ranks, copies, group = experts.ep, 1, "ep"
             inside = set(segment.nodes)
-            entries = [(a, None) for a in dict.fromkeys(a for n in segment.nodes for a in n.all_input_nodes)
-                       if a not in inside and a is not segment.key and a not in experts.segments]
+            entries = [
+                (a, None)
+                for a in dict.fromkeys(a for n in segment.nodes for a in n.all_input_nodes)
+                if a not in inside and a is not segment.key and a not in experts.segments
+            ]
         else:
             continue
         add("all_to_all", "forward", segment.key, 8.0 * segment.experts, ranks, group, counts=True)
@@ -137,8 +188,14 @@ def _module(node: torch.fx.Node) -> str:
     return module_path(node) or (str(node.target).rpartition(".")[0] if node.op == "get_attr" else "")
 
 
-def alternatives(gm: torch.fx.GraphModule, ctx: Candidates, choice: Choice, topology: Topology, training: bool,
-                 sizes: Sizes | None = None) -> dict[str, list[dict[str, Any]]]:
+def alternatives(
+    gm: torch.fx.GraphModule,
+    ctx: Candidates,
+    choice: Choice,
+    topology: Topology,
+    training: bool,
+    sizes: Sizes | None = None,
+) -> dict[str, list[dict[str, Any]]]:
     """node name -> [{"in", "out", "seconds", "kept", "chosen"}] for ops that had a choice, cheapest first
     (``kept``: bytes per device its backward keeps under that option).
 
@@ -164,8 +221,11 @@ def alternatives(gm: torch.fx.GraphModule, ctx: Candidates, choice: Choice, topo
         priced = []
         for s in options:
             total: float | None = op_seconds(node, s, sizes, world, topology, training)
-            moves = [(choice[src].output, want, src) for src, want in zip(input_slots(node), s.inputs, strict=True)
-                     if src in choice and is_placed(src) and want is not None]
+            moves = [
+                (choice[src].output, want, src)
+                for src, want in zip(input_slots(node), s.inputs, strict=True)
+                if src in choice and is_placed(src) and want is not None
+            ]
             moves += [(s.output, want, node) for want in users_of.get(node, [])]
             for have, want, tensor in moves:
                 t = conversion_seconds(have, want, tensor, sizes, world, topology)
@@ -173,14 +233,22 @@ def alternatives(gm: torch.fx.GraphModule, ctx: Candidates, choice: Choice, topo
             for tensor in _regathered_near(node, s, choice, whole, grad):
                 total = None if total is None else total + regather_time(sizes.nbytes(tensor), world, topology)
             held = sum(held for _, held in kept_bytes(node, s, sizes, world, grad))
-            priced.append({"in": [dump(p) for p in s.inputs], "out": dump(s.output), "seconds": total,
-                           "kept": held, "chosen": s == choice[node]})
+            priced.append(
+                {
+                    "in": [dump(p) for p in s.inputs],
+                    "out": dump(s.output),
+                    "seconds": total,
+                    "kept": held,
+                    "chosen": s == choice[node],
+                }
+            )
         out[node.name] = sorted(priced, key=lambda a: (a["seconds"] is None, a["seconds"] or 0.0))
     return out
 
 
-def _regathered_near(node: torch.fx.Node, strategy: Strategy, choice: Choice, whole: Mapping[Node, set[Node]],
-                     grad: set[Node]) -> list[Node]:
+def _regathered_near(
+    node: torch.fx.Node, strategy: Strategy, choice: Choice, whole: Mapping[Node, set[Node]], grad: set[Node]
+) -> list[Node]:
     """The tensors re-gathered in the backward (saved.regathered) that ``node`` produces or keeps, were it to
     take ``strategy`` with every other op as chosen (``whole``: kept_whole of the chosen plan)."""
     keeps = {item.tensor for item in kept(node, strategy, grad) if item.kind == "value" and item.placement == R}

@@ -24,8 +24,11 @@ def offered(gm: torch.fx.GraphModule, world_size: int, options: PlanOptions | No
     the parameter takes without moving it)."""
     options = options or PlanOptions()
     found = candidates(gm, world_size, options, False, options.experts)
-    return {n.target: [s.output for s in found.strategies[n]] for n in gm.graph.nodes
-            if n.op == "get_attr" and n in found.strategies}
+    return {
+        n.target: [s.output for s in found.strategies[n]]
+        for n in gm.graph.nodes
+        if n.op == "get_attr" and n in found.strategies
+    }
 
 
 def tied_names(gm: torch.fx.GraphModule, fixed: Mapping[str, Any]) -> dict[str, Any]:
@@ -50,25 +53,37 @@ def fixed_parameters(gm: torch.fx.GraphModule, fixed: Mapping[str, Any]) -> tupl
     modules = {name for name in fixed if name not in params}
     for name in modules:
         if fixed[name] != R:
-            raise ValueError(f"fixed[{name!r}] = {fixed[name]}: {name!r} is no parameter of the model, and a module "
-                             f"can only be fixed \"R\" (computed whole on every rank)")
+            raise ValueError(
+                f"fixed[{name!r}] = {fixed[name]}: {name!r} is no parameter of the model, and a module "
+                f'can only be fixed "R" (computed whole on every rank)'
+            )
     inside = {p: R for p in params if within(p, modules)}
     return tied_names(gm, {**inside, **{k: v for k, v in fixed.items() if k not in modules}}), frozenset(modules)
 
 
-def analyse(gm: torch.fx.GraphModule, world_size: int, options: PlanOptions, tokens: bool,
-            experts: str | None) -> Context:
+def analyse(
+    gm: torch.fx.GraphModule, world_size: int, options: PlanOptions, tokens: bool, experts: str | None
+) -> Context:
     """What the rules may ask: expert segments, then the hints, then the gradients' path and the token sizes
     (each found with the ones before it known, as the rules that find them read them)."""
     fixed, whole = fixed_parameters(gm, options.fixed or {})
-    ctx = Context(world=world_size, min_shard_fraction=options.min_shard_fraction,
-                  parameter_sizes=dict(options.parameter_sizes or {}), fixed=fixed, whole=whole,
-                  tokens=tokens, experts=experts, ep=options.ep, ops=TABLE)
+    ctx = Context(
+        world=world_size,
+        min_shard_fraction=options.min_shard_fraction,
+        parameter_sizes=dict(options.parameter_sizes or {}),
+        fixed=fixed,
+        whole=whole,
+        tokens=tokens,
+        experts=experts,
+        ep=options.ep,
+        ops=TABLE,
+    )
     ctx = replace(ctx, segments=expert_segments.members(expert_segments.find(gm, ctx)))
     ctx = with_hints(gm, ctx)
     return replace(ctx, grad=frozenset(needs_grad(gm)), token_symbols=frozenset(token_inputs(gm.graph)))
 
 
-def candidates(gm: torch.fx.GraphModule, world_size: int, options: PlanOptions, tokens: bool,
-               experts: str | None) -> Candidates:
+def candidates(
+    gm: torch.fx.GraphModule, world_size: int, options: PlanOptions, tokens: bool, experts: str | None
+) -> Candidates:
     return enumerate_strategies(gm, analyse(gm, world_size, options, tokens, experts))

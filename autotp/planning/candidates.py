@@ -3,6 +3,7 @@
 Each node gets the all-replicated strategy, which is always correct, and what the rule of its op table row
 proposes (ops/table.py); a parameter is offered only placements every reader takes without moving it.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -22,6 +23,7 @@ from autotp.placement import R, Replicate, Routed, Shard
 @dataclass(frozen=True)
 class Candidates:
     """What the solver chooses among, on ``world`` ranks."""
+
     world: int
     strategies: Mapping[Node, list[Strategy]]  # in graph order; the all-replicated one first
     unruled: Mapping[str, str]  # ops on the weights' path without a rule for this use -> why, in a line
@@ -51,8 +53,7 @@ def enumerate_strategies(gm: torch.fx.GraphModule, ctx: Context) -> Candidates:
             unruled.setdefault(target_name(node.target), ctx.why.get(node) or _unruled(node, ctx, batched))
         ctx.strategies[node] = found
     _add_parameter_options(gm, ctx)
-    return Candidates(ctx.world, MappingProxyType(dict(ctx.strategies)), MappingProxyType(unruled),
-                      ctx.segments)
+    return Candidates(ctx.world, MappingProxyType(dict(ctx.strategies)), MappingProxyType(unruled), ctx.segments)
 
 
 def _unruled(node: Node, ctx: Context, batched: set[Node]) -> str:
@@ -87,8 +88,12 @@ def _add_parameter_options(gm: torch.fx.GraphModule, ctx: Context) -> None:
 
 def _wanted(node: Node, user: Node, ctx: Context) -> set[Any]:
     """The placements of ``node`` that some strategy of ``user`` reads it in."""
-    return {p for strategy in ctx.strategies.get(user, [])
-            for slot, p in zip(input_slots(user), strategy.inputs, strict=True) if slot is node}
+    return {
+        p
+        for strategy in ctx.strategies.get(user, [])
+        for slot, p in zip(input_slots(user), strategy.inputs, strict=True)
+        if slot is node
+    }
 
 
 def _carried(node: Node, placement: Any, ctx: Context, seen: dict[tuple[Node, Any], bool]) -> bool:
@@ -97,7 +102,16 @@ def _carried(node: Node, placement: Any, ctx: Context, seen: dict[tuple[Node, An
     on in turn.  A parameter offered only such shards is never gathered, however many views it passes."""
     key = (node, placement)
     if key not in seen:
-        seen[key] = all(placement in _wanted(node, user, ctx) and (not ctx.op(user.target).layout or any(
-            _carried(user, s.output, ctx, seen) for s in ctx.strategies.get(user, [])
-            if s.inputs[input_slots(user).index(node)] == placement)) for user in node.users)
+        seen[key] = all(
+            placement in _wanted(node, user, ctx)
+            and (
+                not ctx.op(user.target).layout
+                or any(
+                    _carried(user, s.output, ctx, seen)
+                    for s in ctx.strategies.get(user, [])
+                    if s.inputs[input_slots(user).index(node)] == placement
+                )
+            )
+            for user in node.users
+        )
     return seen[key]

@@ -6,6 +6,7 @@ their experts' rank computes).  No module or model names are read.  Per block, f
 over its tp ranks): the ragged grouped products' shapes and seconds, the bytes a dispatch moves and the experts'
 parameter bytes, per sample.
 """
+
 from __future__ import annotations
 
 import math
@@ -35,14 +36,21 @@ def expert_part(gm: torch.fx.GraphModule, topology: Topology, sizes: Sizes) -> t
 
 def _expert_part(gm: torch.fx.GraphModule, topology: Topology, sizes: Sizes) -> tuple[set[Node], set[Node]] | None:
     try:
-        plan = solve_plan(gm, 2, PlanOptions(topology=topology, training=False, memory_limit=math.inf,
-                                         experts="parallel", sequence_parallel=False), sizes=sizes)
+        plan = solve_plan(
+            gm,
+            2,
+            PlanOptions(
+                topology=topology, training=False, memory_limit=math.inf, experts="parallel", sequence_parallel=False
+            ),
+            sizes=sizes,
+        )
     except PlanningError:
         return None
     nodes = {n.name: n for n in gm.graph.nodes}
 
     def disjoint(out: Any) -> bool:
         return isinstance(out, Disjoint) or (isinstance(out, tuple) and any(map(disjoint, out)))
+
     ops = {nodes[name] for name, entry in plan.nodes.items() if disjoint(parse(entry["out"]))}
     params = {p for node in ops for a in input_slots(node) for p in _stored(a)}
     return (ops, params) if params else None
@@ -57,9 +65,18 @@ def _stored(node: torch.fx.Node) -> list[Node]:
     return []
 
 
-def block_experts(part: tuple[set[Node], set[Node]], choice: Mapping[Node, Strategy], where: Mapping[Node, Any],
-                  sizes: Sizes, tp: int, topology: Topology, training: bool, trainable: dict[str, Any], unit: int,
-                  scale: float) -> dict[Any, Experts]:
+def block_experts(
+    part: tuple[set[Node], set[Node]],
+    choice: Mapping[Node, Strategy],
+    where: Mapping[Node, Any],
+    sizes: Sizes,
+    tp: int,
+    topology: Topology,
+    training: bool,
+    trainable: dict[str, Any],
+    unit: int,
+    scale: float,
+) -> dict[Any, Experts]:
     """Block key -> its Experts under the TP plan ``choice`` (seconds multiplied by ``scale``, as the planner's
     sections are to the solver's total), per sample."""
     ops, params = part
@@ -70,8 +87,10 @@ def block_experts(part: tuple[set[Node], set[Node]], choice: Mapping[Node, Strat
         if node in params:
             e.count = node.meta["val"].shape[0]
             whole = Strategy((), replicated_like(node))
-            for part_, held in ((e.state, op_memory(node, strategy, sizes, tp, trainable, training)),
-                                (e.whole, op_memory(node, whole, sizes, 1, trainable, training))):
+            for part_, held in (
+                (e.state, op_memory(node, strategy, sizes, tp, trainable, training)),
+                (e.whole, op_memory(node, whole, sizes, 1, trainable, training)),
+            ):
                 for kind, nbytes in held.items():
                     part_[kind] = part_.get(kind, 0.0) + nbytes
             continue
@@ -80,8 +99,9 @@ def block_experts(part: tuple[set[Node], set[Node]], choice: Mapping[Node, Strat
         e.routed_bytes = sizes.nbytes(node) / unit  # the last product's rows go back to their tokens
         _, n_tp, k_tp, _, ragged = product_shape(node, strategy, sizes, tp)
         if ragged:
-            rows, n, k, _, _ = product_shape(node, Strategy(tuple(map(replicated_like, input_slots(node))),
-                                                            replicated_like(node)), sizes, 1)
+            rows, n, k, _, _ = product_shape(
+                node, Strategy(tuple(map(replicated_like, input_slots(node))), replicated_like(node)), sizes, 1
+            )
             e.products.append((rows / unit, n_tp, k_tp, n, k))
             e.seconds += op_seconds(node, strategy, sizes, tp, topology, training) * scale / unit
     return {key: e for key, e in found.items() if e.count and e.routed_bytes}

@@ -1,5 +1,6 @@
 """What would fit when no plan does: the smallest world size for the plan the solver found, or the memory it
 needs; beyond a node, the ``autotp mesh`` command that lays the rest out over nodes."""
+
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
@@ -13,8 +14,17 @@ from autotp.placement import Shard
 from autotp.planning.candidates import Candidates
 
 
-def fit_advice(ctx: Candidates, x: Mapping[Node, list[Any]], sizes: Sizes, limit: float, trainable: dict[str, Any],
-               training: bool, w: Callable[[Node, int], float], grad: set[Node], per_node: int) -> str:
+def fit_advice(
+    ctx: Candidates,
+    x: Mapping[Node, list[Any]],
+    sizes: Sizes,
+    limit: float,
+    trainable: dict[str, Any],
+    training: bool,
+    w: Callable[[Node, int], float],
+    grad: set[Node],
+    per_node: int,
+) -> str:
     """What would fit: the smallest world size for the current plan's memory, or the memory it needs."""
     replicated = sharded = 0.0
     activations: dict[tuple[Any, ...], float] = {}
@@ -30,9 +40,11 @@ def fit_advice(ctx: Candidates, x: Mapping[Node, list[Any]], sizes: Sizes, limit
         replicated += w(tensor, 1) * nbytes if share == 1 else 0
         sharded += w(tensor, 1) * nbytes * ctx.world if share < 1 else 0
     need = replicated + sharded / ctx.world
-    fits = smallest_fitting_world(replicated, sharded, limit, [2 ** k for k in range(1, 11)])
+    fits = smallest_fitting_world(replicated, sharded, limit, [2**k for k in range(1, 11)])
     advice = f"try world size {fits}" if fits else "no world size helps: its replicated part alone is too large"
     if fits and fits > per_node:  # TP stays inside a node: the rest is pipeline or data parallelism
-        advice += (f" (more than a node's {per_node} devices: `autotp mesh MODEL --nodes {-(-fits // per_node)}` "
-                   "lays out TP inside a node, pipeline and data parallelism across)")
+        advice += (
+            f" (more than a node's {per_node} devices: `autotp mesh MODEL --nodes {-(-fits // per_node)}` "
+            "lays out TP inside a node, pipeline and data parallelism across)"
+        )
     return f"the best plan needs about {need / 1e9:.1f} GB per device; {advice}, or use devices with more memory"

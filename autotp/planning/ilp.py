@@ -1,5 +1,6 @@
 """The sharding ILP under construction: one method per constraint family of planning/solve.py's math, each
 adding its variables, constraints and objective terms to the one PuLP problem."""
+
 from __future__ import annotations
 
 import warnings
@@ -42,8 +43,16 @@ TIE_BREAK = 1e-10
 class Ilp:
     """The problem under construction: the choice variables x and the objective's and memory's terms, by kind."""
 
-    def __init__(self, gm: torch.fx.GraphModule, found: Candidates, topology: Topology, options: PlanOptions,
-                 sizes: Sizes, weights: Mapping[Node, int], imposed: Imposed) -> None:
+    def __init__(
+        self,
+        gm: torch.fx.GraphModule,
+        found: Candidates,
+        topology: Topology,
+        options: PlanOptions,
+        sizes: Sizes,
+        weights: Mapping[Node, int],
+        imposed: Imposed,
+    ) -> None:
         self.gm, self.found, self.topology, self.sizes = gm, found, topology, sizes
         self.world, self.training, self.gather_outputs = found.world, options.training, options.gather_outputs
         self.weight = weights.get
@@ -55,8 +64,11 @@ class Ilp:
         self.memory: list[Any] = []
         self.kinds: dict[str, list[Any]] = {}
         self.preference: list[Any] = []
-        self.pairs = {b: a for b, a in bias_weights(gm).items() if self.training
-                      and {a, b} <= found.strategies.keys() and {a.target, b.target} <= self.trainable.keys()}
+        self.pairs = {
+            b: a
+            for b, a in bias_weights(gm).items()
+            if self.training and {a, b} <= found.strategies.keys() and {a.target, b.target} <= self.trainable.keys()
+        }
         self.x: dict[Node, list[Any]] = {}
         # kept tensor key -> (bytes, options that keep it, nodes)
         self.saves: dict[tuple[Any, ...], tuple[float, list[Any], set[Node]]] = {}
@@ -72,8 +84,9 @@ class Ilp:
             problem += pulp.lpSum(self.x[node]) == 1
             weight = w(node, 1)
             for k, (var, s) in enumerate(zip(self.x[node], options, strict=True)):
-                self.compute.append(var * weight * op_seconds(node, s, sizes, t, self.topology, self.training,
-                                                              node in paired))
+                self.compute.append(
+                    var * weight * op_seconds(node, s, sizes, t, self.topology, self.training, node in paired)
+                )
                 self.preference.append(var * weight * k * TIE_BREAK)
                 for kind, held in op_memory(node, s, sizes, t, self.trainable, self.training).items():
                     if held:
@@ -92,12 +105,16 @@ class Ilp:
             r = problem.add_variable(f"r{k}", lowBound=int(forced), upBound=1, cat="Integer")
             chosen.append(r)
             for i, node in enumerate(core):
-                for j, (var, s) in enumerate(zip(self.x.get(node, ()), self.found.strategies.get(node, ()),
-                                                 strict=True)):
+                for j, (var, s) in enumerate(
+                    zip(self.x.get(node, ()), self.found.strategies.get(node, ()), strict=True)
+                ):
                     both = problem.add_variable(f"r{k}_{i}_{j}", lowBound=0)  # var and r
                     problem += both >= var + r - 1
-                    forward = self.weight(node, 1) * op_seconds(node, s, self.sizes, self.world, self.topology,
-                                                                self.training) / 3
+                    forward = (
+                        self.weight(node, 1)
+                        * op_seconds(node, s, self.sizes, self.world, self.topology, self.training)
+                        / 3
+                    )
                     self.compute.append(both * forward)
         by_last = {core[-1]: r for core, r in zip(cores, chosen, strict=True)}
         for a, b in ties:
@@ -110,8 +127,11 @@ class Ilp:
         """a: each kept tensor held once if any chosen strategy keeps it; only this rank's piece of tokens that
         are all-gathered again in the backward; nothing of what a recomputed core frees."""
         problem, w, t, found = self.problem, self.weight, self.world, self.found
-        frees = {key: r for core, r in zip(cores, again, strict=True)
-                 for key in dropped({key: nodes for key, (_, _, nodes) in self.saves.items()}, core)}
+        frees = {
+            key: r
+            for core, r in zip(cores, again, strict=True)
+            for key in dropped({key: nodes for key, (_, _, nodes) in self.saves.items()}, core)
+        }
         # tensor kept as token pieces -> (1 iff re-gathered in the backward, its seconds)
         gathers: dict[Node, tuple[Any, dict[str, float]]] = {}
         for k, (key, (held, chosen, _)) in enumerate(self.saves.items()):
@@ -120,15 +140,24 @@ class Ilp:
             for var in chosen:
                 problem += kept_var >= var
             term = kept_var * w(key[0], 1) * held
-            split = [v for v, s in zip(self.x.get(key[0], ()), found.strategies.get(key[0], ()), strict=True)
-                     if on_tokens(key[0], s)]
+            split = [
+                v
+                for v, s in zip(self.x.get(key[0], ()), found.strategies.get(key[0], ()), strict=True)
+                if on_tokens(key[0], s)
+            ]
             if split and key[1:] == ("value", 1.0):  # gathered from tokens: only this rank's piece is kept
                 whole, piece = (problem.add_variable(f"a{k}{part}", lowBound=0) for part in "wp")
                 problem += whole >= kept_var - pulp.lpSum(split)
                 problem += piece >= kept_var + pulp.lpSum(split) - 1
                 term = w(key[0], 1) * held * (whole + piece / t)
-                gathers[key[0]] = (piece, {"bytes": held, "count": w(key[0], 1),
-                                           "seconds": w(key[0], 1) * regather_time(held, t, self.topology)})
+                gathers[key[0]] = (
+                    piece,
+                    {
+                        "bytes": held,
+                        "count": w(key[0], 1),
+                        "seconds": w(key[0], 1) * regather_time(held, t, self.topology),
+                    },
+                )
                 self.costs.append(piece * gathers[key[0]][1]["seconds"])
             elif key in frees:  # kept unless its attention core is recomputed
                 still = problem.add_variable(f"a{k}r", lowBound=0)
@@ -143,9 +172,11 @@ class Ilp:
         strategies = self.found.strategies
         split = [node for node, options in strategies.items() if any(on_tokens(node, s) for s in options)]
         if not split:
-            raise PlanningError("sequence_parallel=True, but no op can split the tokens: the inputs have no symbolic "
-                                "dim after the first (export them with a dynamic sequence), or pass "
-                                "sequence_parallel=None")
+            raise PlanningError(
+                "sequence_parallel=True, but no op can split the tokens: the inputs have no symbolic "
+                "dim after the first (export them with a dynamic sequence), or pass "
+                "sequence_parallel=None"
+            )
         for node in split:
             for var, s in zip(self.x[node], strategies[node], strict=True):
                 if s.output == R or isinstance(s.output, Partial):
@@ -178,36 +209,54 @@ class Ilp:
         for node, options in strategies.items():
             for slot_i, src in enumerate(input_slots(node)):
                 if src in strategies and is_placed(src):
-                    edges.append((src, node, [(v, s.inputs[slot_i]) for v, s in zip(x[node], options,
-                                                                                     strict=True)]))
+                    edges.append((src, node, [(v, s.inputs[slot_i]) for v, s in zip(x[node], options, strict=True)]))
                     bad = [v for v, s in zip(x[node], options, strict=True) if partial_grad(node, s, s.inputs[slot_i])]
                     if src in self.grad and bad:
                         key: tuple[Any, ...] = (src, node) if self.imposed.grad_sums_per_reader else (src, None)
                         g = grad_reduce.setdefault(key, problem.add_variable(f"g{len(grad_reduce)}", lowBound=0))
                         problem += g >= pulp.lpSum(bad)
         output = next(n for n in self.gm.graph.nodes if n.op == "output")
-        returned = [src for src in input_slots(output) if src in strategies and is_placed(src)
-                    and not isinstance(src.meta.get("val"), (list, tuple))]
+        returned = [
+            src
+            for src in input_slots(output)
+            if src in strategies and is_placed(src) and not isinstance(src.meta.get("val"), (list, tuple))
+        ]
         if self.gather_outputs:
             edges += [(src, output, [(1, R)]) for src in returned]  # returned full on every rank
         else:  # shards stay where they are; partial sums are still reduced
-            self.costs += [v * collective_time("all_reduce", sizes.nbytes(src), t, self.topology) for src in returned
-                           for v, s in zip(x[src], strategies[src], strict=True) if isinstance(s.output, Partial)]
+            self.costs += [
+                v * collective_time("all_reduce", sizes.nbytes(src), t, self.topology)
+                for src in returned
+                for v, s in zip(x[src], strategies[src], strict=True)
+                if isinstance(s.output, Partial)
+            ]
         stored, written, allowed = stored_views(self.gm), shared_with_writes(self.gm), self.imposed.conversions
         for e, (src, reader, wanted) in enumerate(edges):
             produced = [(v, s.output) for v, s in zip(x[src], strategies[src], strict=True)]
-            for (p, q), z in _link(problem, produced, wanted,
-                                   lambda p, q, s=src, r=reader: p == q or (s not in written and _reshard_ok(
-                                       s, s in stored, p, q, sizes, t, self.topology) and (
-                                       allowed is None or allowed(s, r, p, q))),
-                                   f"z{e}_").items():
+            for (p, q), z in _link(
+                problem,
+                produced,
+                wanted,
+                lambda p, q, s=src, r=reader: (
+                    p == q
+                    or (
+                        s not in written
+                        and _reshard_ok(s, s in stored, p, q, sizes, t, self.topology)
+                        and (allowed is None or allowed(s, r, p, q))
+                    )
+                ),
+                f"z{e}_",
+            ).items():
                 if p != q:
                     key = (src, p, q)
                     need.setdefault(key, problem.add_variable(f"n{len(need)}", lowBound=0))
                     problem += need[key] >= z
         for (src, p, q), var in need.items():
-            self.costs.append(var * self.weight(src, 1) * conversion_seconds(p, q, src, sizes, t, self.topology,
-                                                                             backward=src in self.grad))
+            self.costs.append(
+                var
+                * self.weight(src, 1)
+                * conversion_seconds(p, q, src, sizes, t, self.topology, backward=src in self.grad)
+            )
         return grad_reduce
 
     def gradient_sums(self, grad_reduce: dict[tuple[Node, Node | None], Any]) -> None:
@@ -223,14 +272,16 @@ class Ilp:
                 self.costs.append(g * w(src, 1) * (summed - latency))
                 continue
             self.costs.append(g * w(src, 1) * summed)
-            sharded = [v for v, s in zip(self.x[src], self.found.strategies[src], strict=True)
-                       if isinstance(s.output, Shard)]
+            sharded = [
+                v for v, s in zip(self.x[src], self.found.strategies[src], strict=True) if isinstance(s.output, Shard)
+            ]
             if sharded:  # gathered from shards: the summed gradient is reduce-scattered back instead
                 h = problem.add_variable(f"h{k}", lowBound=0)
                 problem += h <= g
                 problem += h <= pulp.lpSum(sharded)
-                self.costs.append(-h * w(src, 1) * (summed - collective_time("reduce_scatter", sizes.nbytes(src), t,
-                                                                              self.topology)))
+                self.costs.append(
+                    -h * w(src, 1) * (summed - collective_time("reduce_scatter", sizes.nbytes(src), t, self.topology))
+                )
 
     def minimise(self, limit: float) -> None:
         """The fastest plan; if it does not fit ``limit``, the fastest that does (or DoesNotFit with advice)."""
@@ -238,28 +289,51 @@ class Ilp:
         objective = pulp.lpSum(self.costs + self.preference)
         _run(self.problem, objective)
         if pulp.value(total_memory) > limit:
-            hint = fit_advice(self.found, self.x, self.sizes, limit, self.trainable, self.training, self.weight,
-                             self.grad, self.topology.gpus_per_node)
+            hint = fit_advice(
+                self.found,
+                self.x,
+                self.sizes,
+                limit,
+                self.trainable,
+                self.training,
+                self.weight,
+                self.grad,
+                self.topology.gpus_per_node,
+            )
             self.problem += total_memory <= limit, "memory_limit"
             try:
                 _run(self.problem, objective)
             except PlanningError:
-                raise DoesNotFit(f"no plan fits {limit / 1e9:.1f} GB per device at world size {self.world}: "
-                                 f"{hint}") from None
+                raise DoesNotFit(
+                    f"no plan fits {limit / 1e9:.1f} GB per device at world size {self.world}: {hint}"
+                ) from None
 
-    def solution(self, cores: list[list[Node]], again: list[Any],
-                 gathers: dict[Node, tuple[Any, dict[str, float]]]) -> Solution:
+    def solution(
+        self, cores: list[list[Node]], again: list[Any], gathers: dict[Node, tuple[Any, dict[str, float]]]
+    ) -> Solution:
         x, w = self.x, self.weight
         seconds = float(pulp.value(pulp.lpSum(self.costs)))
-        choice = {node: options[max(range(len(options)), key=lambda k: x[node][k].value() or 0)]
-                  for node, options in self.found.strategies.items()}
+        choice = {
+            node: options[max(range(len(options)), key=lambda k: x[node][k].value() or 0)]
+            for node, options in self.found.strategies.items()
+        }
         by_kind = {kind: float(pulp.value(pulp.lpSum(terms)) or 0.0) for kind, terms in self.kinds.items()}
         recomputed = [core for core, r in zip(cores, again, strict=True) if pulp.value(r) > 0.5]
-        by_kind["activations"] = sum(w(node, 1) * held for node, held in  # exact, whatever slack the ILP left
-                                     activation_bytes(choice, self.sizes, self.world, self.grad, recomputed).items())
+        by_kind["activations"] = sum(
+            w(node, 1) * held
+            for node, held in activation_bytes(  # exact, whatever slack the ILP left
+                choice, self.sizes, self.world, self.grad, recomputed
+            ).items()
+        )
         regathers = {node: priced for node, (piece, priced) in gathers.items() if pulp.value(piece) > 0.5}
-        return Solution(choice, seconds, float(pulp.value(pulp.lpSum(self.compute)) or 0.0), breakdown(by_kind),
-                        recomputed, regathers)
+        return Solution(
+            choice,
+            seconds,
+            float(pulp.value(pulp.lpSum(self.compute)) or 0.0),
+            breakdown(by_kind),
+            recomputed,
+            regathers,
+        )
 
 
 def _run(problem: pulp.LpProblem, objective: Any) -> None:
@@ -273,8 +347,13 @@ def _run(problem: pulp.LpProblem, objective: Any) -> None:
         raise PlanningError(f"the sharding ILP ended {status}")
 
 
-def _link(problem: pulp.LpProblem, produced: list[tuple[Any, Any]], wanted: list[tuple[Any, Any]],
-          ok: Callable[..., bool], tag: str) -> dict[tuple[Any, Any], Any]:
+def _link(
+    problem: pulp.LpProblem,
+    produced: list[tuple[Any, Any]],
+    wanted: list[tuple[Any, Any]],
+    ok: Callable[..., bool],
+    tag: str,
+) -> dict[tuple[Any, Any], Any]:
     """z[p, q] >= 0 with row sums = producer picks p, column sums = consumer wants q.
 
     For binary choices this forces z = 1 exactly on the chosen pair (transport form),
@@ -282,8 +361,10 @@ def _link(problem: pulp.LpProblem, produced: list[tuple[Any, Any]], wanted: list
     """
     outs = list(dict.fromkeys(p for _, p in produced))
     ins = list(dict.fromkeys(q for _, q in wanted))
-    z = {(p, q): problem.add_variable(f"{tag}{k}", lowBound=0)
-         for k, (p, q) in enumerate((p, q) for p in outs for q in ins if ok(p, q))}
+    z = {
+        (p, q): problem.add_variable(f"{tag}{k}", lowBound=0)
+        for k, (p, q) in enumerate((p, q) for p in outs for q in ins if ok(p, q))
+    }
     for side, choices, key in ((0, produced, outs), (1, wanted, ins)):
         for placement in key:
             chosen = pulp.lpSum(v for v, pl in choices if pl == placement)

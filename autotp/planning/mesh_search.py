@@ -10,6 +10,7 @@ parallelism and with its attention cores recomputed (Korthikanti et al. 2022), e
 A graph with routed experts is planned with its experts split over the TP ranks, and every expert-parallel degree
 that divides the experts is priced on top of it (planning/expert_roles.py, cost_models/expert_layout.py).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,9 +37,11 @@ from autotp.planning.solution import PlanningError
 from autotp.planning.tp_profiles import tp_profile
 from autotp.runtime.progress import step
 
-ACTIVATION_MODEL = ("activations: every op output the backward keeps, counted per block on the TP plan's graph "
-                    "(with sequence parallelism split by tokens, with selective recomputation without the attention "
-                    "cores' own tensors; with full recomputation only each block's input, plus one block recomputed)")
+ACTIVATION_MODEL = (
+    "activations: every op output the backward keeps, counted per block on the TP plan's graph "
+    "(with sequence parallelism split by tokens, with selective recomputation without the attention "
+    "cores' own tensors; with full recomputation only each block's input, plus one block recomputed)"
+)
 
 
 @dataclass
@@ -53,20 +56,42 @@ class MeshPlan:
 
     def to_dict(self) -> dict[str, Any]:
         c = self.choice
-        keys = ("tp", "pp", "dp", "ep", "etp", "microbatches", "microbatch_size", "schedule", "virtual_stages",
-                "bubble",
-                "recompute", "sequence_parallel", "selective", "stages")
-        return {"choice": {k: getattr(c, k) for k in keys}, "step_seconds": c.step_seconds,
-                "memory_bytes": c.memory_bytes, "mfu": c.mfu, "devices": self.devices, "topology": self.topology,
-                "data_parallel": self.data_parallel, "global_batch": self.global_batch,
-                "activation_model": self.activation_model, "candidates": [asdict(x) for x in self.candidates]}
+        keys = (
+            "tp",
+            "pp",
+            "dp",
+            "ep",
+            "etp",
+            "microbatches",
+            "microbatch_size",
+            "schedule",
+            "virtual_stages",
+            "bubble",
+            "recompute",
+            "sequence_parallel",
+            "selective",
+            "stages",
+        )
+        return {
+            "choice": {k: getattr(c, k) for k in keys},
+            "step_seconds": c.step_seconds,
+            "memory_bytes": c.memory_bytes,
+            "mfu": c.mfu,
+            "devices": self.devices,
+            "topology": self.topology,
+            "data_parallel": self.data_parallel,
+            "global_batch": self.global_batch,
+            "activation_model": self.activation_model,
+            "candidates": [asdict(x) for x in self.candidates],
+        }
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1)
 
 
-def plan_mesh(model: torch.nn.Module, args: Any = None, kwargs: dict[str, Any] | None = None,
-              **options: Any) -> MeshPlan:
+def plan_mesh(
+    model: torch.nn.Module, args: Any = None, kwargs: dict[str, Any] | None = None, **options: Any
+) -> MeshPlan:
     """The fastest tp x pp x dp (x ep) layout of ``devices`` (default: all of the topology) that fits, with its
     micro-batches, schedule and stage boundaries.  ``args`` are one micro-batch's example inputs (their batch dim
     may be 1); ``options``: SearchOptions' fields (autotp/options.py).  Raises PlanningError, saying what would
@@ -96,14 +121,19 @@ def search_mesh(gm: torch.fx.GraphModule, search: SearchOptions) -> MeshPlan:
         for tp in tp_sizes:
             profiles.append(cast(Profile, tp_profile(gm, tp, topo, training, sizes, unit)))  # None only with tokens
             advance()
-    setting = Setting(topo, global_batch, training, data_parallel, limit, flops, search.expert_imbalance,
-                      search.overlap_all_to_all)
+    setting = Setting(
+        topo, global_batch, training, data_parallel, limit, flops, search.expert_imbalance, search.overlap_all_to_all
+    )
     found = _layouts(profiles, devices, setting)
     short = sorted({c.tp for c in found if not c.fits or c.recompute}) if training else []
     if short:  # activations decide: sequence parallelism, then selective recomputation too
         variants = {tp: ((True, False), (True, True)) if tp > 1 else ((False, True),) for tp in short}
-        profiles += [p for tp in short for tokens, cores in variants[tp]
-                     if (p := tp_profile(gm, tp, topo, training, sizes, unit, tokens, cores)) is not None]
+        profiles += [
+            p
+            for tp in short
+            for tokens, cores in variants[tp]
+            if (p := tp_profile(gm, tp, topo, training, sizes, unit, tokens, cores)) is not None
+        ]
         found = _layouts(profiles, devices, setting)
     if not found[0].fits:
         raise PlanningError(_advice(found, profiles, devices, setting))
@@ -136,8 +166,10 @@ def _cluster(search: SearchOptions) -> tuple[Topology, int]:
     if not isinstance(devices, int) or devices < 1:
         raise ValueError(f"devices must be a positive integer, got {devices!r}")
     if devices > topo.devices:
-        raise ValueError(f"{devices} devices do not fit topology {topo.name} ({topo.devices} devices): "
-                         f"give nodes={math.ceil(devices / topo.gpus_per_node)} (--nodes) or a larger topology")
+        raise ValueError(
+            f"{devices} devices do not fit topology {topo.name} ({topo.devices} devices): "
+            f"give nodes={math.ceil(devices / topo.gpus_per_node)} (--nodes) or a larger topology"
+        )
     return topo, devices
 
 
@@ -163,10 +195,6 @@ def _layouts(profiles: list[Profile], devices: int, setting: Setting) -> list[Ca
     return ranked
 
 
-
-
-
-
 def _best_layout(profile: Profile, devices: int, setting: Setting) -> list[Candidate]:
     """For each pp (and so dp) and expert-parallel degree at this TP size: the fastest micro-batching, schedule
     and recomputation that fits, or the one needing the least memory, whose note says why it does not fit."""
@@ -178,26 +206,55 @@ def _best_layout(profile: Profile, devices: int, setting: Setting) -> list[Candi
         dp = rest // pp
         per_replica = setting.global_batch // dp
         if setting.global_batch % dp:
-            found.append(Candidate(profile.tp, pp, dp, note=f"global batch {setting.global_batch} does not divide "
-                                                            f"by {dp} replicas"))
+            found.append(
+                Candidate(
+                    profile.tp, pp, dp, note=f"global batch {setting.global_batch} does not divide by {dp} replicas"
+                )
+            )
             continue
         for ep, etp in moe.options(experts, profile.tp, dp):
-            options = [price(profile, Candidate(profile.tp, pp, dp, ep, etp, microbatch_size=b, schedule=schedule,
-                                                virtual_stages=v, recompute=recompute,
-                                                sequence_parallel=profile.sequence_parallel,
-                                                selective=profile.selective), setting)
-                       for b in pipe.powers_of_two_dividing(per_replica, 16)
-                       for schedule, v in _schedules(pp, per_replica // b, len(profile.blocks))
-                       for recompute in ((False, True) if setting.training and profile.stackable else (False,))]
+            options = [
+                price(
+                    profile,
+                    Candidate(
+                        profile.tp,
+                        pp,
+                        dp,
+                        ep,
+                        etp,
+                        microbatch_size=b,
+                        schedule=schedule,
+                        virtual_stages=v,
+                        recompute=recompute,
+                        sequence_parallel=profile.sequence_parallel,
+                        selective=profile.selective,
+                    ),
+                    setting,
+                )
+                for b in pipe.powers_of_two_dividing(per_replica, 16)
+                for schedule, v in _schedules(pp, per_replica // b, len(profile.blocks))
+                for recompute in ((False, True) if setting.training and profile.stackable else (False,))
+            ]
             fitting = [c for c in options if c.fits]
-            found.append(min(fitting, key=lambda c: (c.step_seconds, c.memory_bytes)) if fitting
-                         else min(options, key=lambda c: cast(float, c.memory_bytes)))
+            found.append(
+                min(fitting, key=lambda c: (c.step_seconds, c.memory_bytes))
+                if fitting
+                else min(options, key=lambda c: cast(float, c.memory_bytes))
+            )
     return found
 
 
 # what the runtime runs (parallel/schedules.py): PyTorch's schedules by name, with their stages per rank
-SCHEDULES = (("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2), ("Interleaved1F1B", 4), ("InterleavedZeroBubble", 2),
-             ("InterleavedZeroBubble", 4), ("ZBVZeroBubble", 2), ("DualPipeV", 2))
+SCHEDULES = (
+    ("GPipe", 1),
+    ("1F1B", 1),
+    ("Interleaved1F1B", 2),
+    ("Interleaved1F1B", 4),
+    ("InterleavedZeroBubble", 2),
+    ("InterleavedZeroBubble", 4),
+    ("ZBVZeroBubble", 2),
+    ("DualPipeV", 2),
+)
 
 
 def _schedules(pp: int, microbatches: int, blocks: int) -> list[tuple[str | None, int]]:
@@ -205,14 +262,18 @@ def _schedules(pp: int, microbatches: int, blocks: int) -> list[tuple[str | None
     stages per rank only with whole rounds of micro-batches (a multiple of pp), which every such schedule runs."""
     if pp == 1:
         return [(None, 1)]
-    return [(name, v) for name, v in SCHEDULES if blocks >= pp * v and (v == 1 or microbatches % pp == 0)
-            and _runs(name, pp, v, microbatches)]
+    return [
+        (name, v)
+        for name, v in SCHEDULES
+        if blocks >= pp * v and (v == 1 or microbatches % pp == 0) and _runs(name, pp, v, microbatches)
+    ]
 
 
 def _runs(name: str, pp: int, virtual: int, microbatches: int) -> bool:
     try:
-        pipe.action_table(pipe.schedule_class(name), pp, virtual,
-                          pipe.simulated_microbatches(pp, microbatches, virtual))
+        pipe.action_table(
+            pipe.schedule_class(name), pp, virtual, pipe.simulated_microbatches(pp, microbatches, virtual)
+        )
     except ValueError:  # the schedule's own rule (1F1B, DualPipeV: at least as many micro-batches as stages, ...)
         return False
     return True
@@ -221,13 +282,16 @@ def _runs(name: str, pp: int, virtual: int, microbatches: int) -> bool:
 def _advice(candidates: list[Candidate], profiles: list[Profile], devices: int, setting: Setting) -> str:
     """Why nothing fits (the leanest layout's need) and what would: FSDP instead of DDP, or more devices."""
     topo = setting.topology
-    least = min((c for c in candidates if c.memory_bytes is not None), key=lambda c: cast(float, c.memory_bytes),
-                default=None)
+    least = min(
+        (c for c in candidates if c.memory_bytes is not None), key=lambda c: cast(float, c.memory_bytes), default=None
+    )
     if least is None or least.memory_bytes is None:
         return "no layout of the devices divides the global batch: " + "; ".join(sorted({c.note for c in candidates}))
-    found = (f"nothing fits {setting.limit / 1e9:.1f} GB per device on {devices} devices of {topo.name}: the "
-             f"leanest layout ({layout_name(least)}, micro-batch {least.microbatch_size}"
-             f"{activation_options(least)}) needs {least.memory_bytes / 1e9:.1f} GB")
+    found = (
+        f"nothing fits {setting.limit / 1e9:.1f} GB per device on {devices} devices of {topo.name}: the "
+        f"leanest layout ({layout_name(least)}, micro-batch {least.microbatch_size}"
+        f"{activation_options(least)}) needs {least.memory_bytes / 1e9:.1f} GB"
+    )
     hints = []
     if setting.data_parallel == "ddp":
         fsdp = _layouts(profiles, devices, dataclasses.replace(setting, data_parallel="fsdp"))[0]
@@ -238,8 +302,7 @@ def _advice(candidates: list[Candidate], profiles: list[Profile], devices: int, 
         bigger = load_topology(topo, max(topo.nodes, math.ceil(more / topo.gpus_per_node)))
         best = _layouts(profiles, more, dataclasses.replace(setting, topology=bigger))[0]
         if best.fits:
-            hints.append(f"{more} devices (nodes={bigger.nodes}) fit as {layout_name(best)}"
-                         f"{activation_options(best)}")
+            hints.append(f"{more} devices (nodes={bigger.nodes}) fit as {layout_name(best)}{activation_options(best)}")
             break
     hints.append("a smaller global batch or shorter sequences need less")
     return found + "; " + "; ".join(hints)
@@ -253,5 +316,10 @@ def layout_name(c: Candidate) -> str:
 
 def activation_options(c: Candidate) -> str:
     """How a layout saves activation memory, for messages."""
-    return "".join([", sequence parallel" * c.sequence_parallel, ", recomputing attention" * c.selective,
-                    ", recomputing activations" * c.recompute])
+    return "".join(
+        [
+            ", sequence parallel" * c.sequence_parallel,
+            ", recomputing attention" * c.selective,
+            ", recomputing activations" * c.recompute,
+        ]
+    )

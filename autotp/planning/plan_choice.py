@@ -16,6 +16,7 @@ from autotp.plan import Plan, PlanMismatch
 @dataclass(frozen=True)
 class Planned:
     """What the rewrite reads of a plan on one graph."""
+
     choice: dict[Node, Strategy]  # each planned node's strategy
     recomputed: frozenset[Node]  # the nodes the backward computes again
 
@@ -33,8 +34,10 @@ def planned(gm: torch.fx.GraphModule, plan: Plan, graph_hash: str, world: int) -
         try:
             folding = fold_graph(gm, repeats)
         except NotFoldable as exc:
-            raise PlanMismatch(f"the plan folds {repeats.count} blocks of {repeats.path}, but in this model's graph "
-                               f"{exc}: re-plan with fold=False") from None
+            raise PlanMismatch(
+                f"the plan folds {repeats.count} blocks of {repeats.path}, but in this model's graph "
+                f"{exc}: re-plan with fold=False"
+            ) from None
         graph_hash = folding.fingerprint(gm)
         by_key = {entry.get("key"): name for name, entry in plan.nodes.items()}
         names = {node: by_key.get(folding.blocks.key[node]) for node in gm.graph.nodes}

@@ -1,5 +1,6 @@
 """What the solver is given beyond the candidates and what it hands back: how a hand-written plan runs
 (``Imposed``), the chosen strategies with their price (``Solution``), and the errors a solve ends with."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -21,6 +22,7 @@ class Imposed:
     want)`` says where a value may change placement (None: wherever a conversion exists); with
     ``grad_sums_per_reader`` each reader of a replicated value sums its own gradient (a hook per module), not one
     sum per value."""
+
     conversions: Callable[[Node, Node, Any, Any], bool] | None = None
     grad_sums_per_reader: bool = False
 
@@ -32,8 +34,8 @@ class DoesNotFit(PlanningError):
 @dataclass
 class Solution:
     choice: dict[Node, Strategy]
-    seconds: float        # estimated step time of the chosen plan
-    compute: float        # the ops' own part of it (recomputation and grouped weights' gradient sums included)
+    seconds: float  # estimated step time of the chosen plan
+    compute: float  # the ops' own part of it (recomputation and grouped weights' gradient sums included)
     memory: dict[str, float]  # estimated bytes per device by kind (cost_models.memory.breakdown)
     recomputed: list[list[Node]] = field(default_factory=list)  # attention cores whose backward computes them again
     # tensor kept as token pieces -> its backward re-gather's {"bytes", "count" (folded), "seconds" (all counts)}

@@ -37,6 +37,7 @@ Constraints (the families, in the order they are added):
 Memory enters mostly through the candidates: large parameters are only offered sharded, so no global
 constraint couples the blocks and CBC stays fast; the capacity constraint is added only when needed.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
@@ -54,9 +55,18 @@ from autotp.planning.ilp import Ilp
 from autotp.planning.solution import Imposed, Solution
 
 
-def solve(gm: torch.fx.GraphModule, found: Candidates, topology: Topology, options: PlanOptions, *,
-          sizes: Sizes | None = None, weights: Mapping[Node, int] | None = None,
-          ties: Sequence[tuple[Node, Node]] = (), recompute: str = "off", imposed: Imposed | None = None) -> Solution:
+def solve(
+    gm: torch.fx.GraphModule,
+    found: Candidates,
+    topology: Topology,
+    options: PlanOptions,
+    *,
+    sizes: Sizes | None = None,
+    weights: Mapping[Node, int] | None = None,
+    ties: Sequence[tuple[Node, Node]] = (),
+    recompute: str = "off",
+    imposed: Imposed | None = None,
+) -> Solution:
     """The fastest plan whose estimated memory per device fits ``options.memory_limit`` (cost_models.memory).
 
     ``weights``: node -> how many real nodes it stands for (folded blocks); a conversion or gradient sum is

@@ -3,6 +3,7 @@
 ``solve_plan`` is what ``autotp.plan``, ``parallelize`` (on rank 0), the mesh planner and the stage splitter
 call; ``plan_choice`` reads a plan back onto a graph for the rewrite.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -40,6 +41,7 @@ BACKWARD_MEMORY = ("grads", "optimizer", "activations")
 class Attempt:
     """One solve of a plan's search: sequence parallelism on or off, and how attention cores are recomputed
     ("off", "forced" for every core, "priced" per core where memory demands it)."""
+
     tokens: bool
     recompute: str
 
@@ -55,9 +57,16 @@ def attempts(options: PlanOptions) -> list[Attempt]:
     return found
 
 
-def solve_plan(gm: torch.fx.GraphModule, world_size: int, options: PlanOptions | None = None, *,
-               sizes: Sizes | None = None, price_experts: bool = False, imposed: Imposed | None = None,
-               attempt: Attempt | None = None) -> Plan:
+def solve_plan(
+    gm: torch.fx.GraphModule,
+    world_size: int,
+    options: PlanOptions | None = None,
+    *,
+    sizes: Sizes | None = None,
+    price_experts: bool = False,
+    imposed: Imposed | None = None,
+    attempt: Attempt | None = None,
+) -> Plan:
     """The plan for ``world_size`` ranks: the cheaper of the plans with and without sequence parallelism that fit
     (the earlier on a tie), else the first recomputing plan that fits.  ``price_experts``: also solve with each
     expert strategy imposed, keep the cheapest plan and list them (``plan.cost["experts"]``).  ``imposed`` (solve's)
@@ -88,19 +97,31 @@ def checked_topology(world_size: int, options: PlanOptions) -> Topology:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
     topo = load_topology(options.topology)
     if world_size > topo.devices:
-        raise ValueError(f"world size {world_size} is larger than topology {topo.name} ({topo.devices} devices): "
-                         "pick a topology with more devices (e.g. 2x-dgx-h100) or a smaller world size")
+        raise ValueError(
+            f"world size {world_size} is larger than topology {topo.name} ({topo.devices} devices): "
+            "pick a topology with more devices (e.g. 2x-dgx-h100) or a smaller world size"
+        )
     return topo
 
 
-def price_plan(gm: torch.fx.GraphModule, plan: Plan, options: PlanOptions | None = None, *,
-               sizes: Sizes | None = None, imposed: Imposed | None = None) -> Plan:
+def price_plan(
+    gm: torch.fx.GraphModule,
+    plan: Plan,
+    options: PlanOptions | None = None,
+    *,
+    sizes: Sizes | None = None,
+    imposed: Imposed | None = None,
+) -> Plan:
     """A complete assignment priced by the solver's own objective: ``plan``'s strategy for every node of ``gm``
     (the graph it was solved on), nothing left to choose but what the strategies imply (the conversions between
     them, the gradient sums, recomputation where the plan recomputes).  The one price every plan gets, the
     solver's and a hand-written one's alike (tools/compare.py)."""
-    options = replace(options or PlanOptions(), training=plan.cost.get("training", True), sequence_parallel=False,
-                      memory_limit=float("inf"))  # priced as it stands, fitting or not (its memory is reported)
+    options = replace(
+        options or PlanOptions(),
+        training=plan.cost.get("training", True),
+        sequence_parallel=False,
+        memory_limit=float("inf"),
+    )  # priced as it stands, fitting or not (its memory is reported)
     placed = {node: plan.strategy(node.name) for node in gm.graph.nodes if node.name in plan.nodes}
     choice = {node: Strategy(tuple(inputs), output) for node, (inputs, output) in placed.items()}
     # a plan recomputes attention cores where memory demanded it: priced as recomputing each (the solver's
@@ -110,49 +131,87 @@ def price_plan(gm: torch.fx.GraphModule, plan: Plan, options: PlanOptions | None
     def one_each(found: Candidates) -> Candidates:
         missing = [n.name for n in found.strategies if n not in choice]
         if missing:
-            raise PlanMismatch(f"the plan places no strategy for {len(missing)} node(s) of this graph ({missing[0]}, "
-                               "...): price it on the graph it was solved on")
+            raise PlanMismatch(
+                f"the plan places no strategy for {len(missing)} node(s) of this graph ({missing[0]}, "
+                "...): price it on the graph it was solved on"
+            )
         return replace(found, strategies=MappingProxyType({n: [choice[n]] for n in found.strategies}))
-    return _solve_once(gm, plan.world_size, options, sizes, Attempt(False, recompute), False, restrict=one_each,
-                       imposed=imposed)
+
+    return _solve_once(
+        gm, plan.world_size, options, sizes, Attempt(False, recompute), False, restrict=one_each, imposed=imposed
+    )
 
 
-def _solve_once(gm: torch.fx.GraphModule, world_size: int, options: PlanOptions, sizes: Sizes | None,
-                attempt: Attempt, price_experts: bool, *, imposed: Imposed | None = None,
-                restrict: Callable[[Candidates], Candidates] | None = None) -> Plan:
+def _solve_once(
+    gm: torch.fx.GraphModule,
+    world_size: int,
+    options: PlanOptions,
+    sizes: Sizes | None,
+    attempt: Attempt,
+    price_experts: bool,
+    *,
+    imposed: Imposed | None = None,
+    restrict: Callable[[Candidates], Candidates] | None = None,
+) -> Plan:
     topo = checked_topology(world_size, options)
     if options.ep > 1 and world_size == 1 and options.experts is None:
         options = replace(options, experts="all-to-all")  # no TP to split experts over: whole, dealt over "ep"
     found = candidates(gm, world_size, options, attempt.tokens, options.experts)
     found = restrict(found) if restrict else found
     priced = input_sizes(gm, options.price_at) if options.price_at else {}
-    sizes = Sizes({**priced, **(sizes.overrides if sizes else {})},
-                  Experts(options.expert_imbalance, options.ep, found.segments))
+    sizes = Sizes(
+        {**priced, **(sizes.overrides if sizes else {})}, Experts(options.expert_imbalance, options.ep, found.segments)
+    )
     folding = gm.meta.get("autotp_fold")
     if folding and any(found.strategies.get(a) != found.strategies.get(b) for a, b in folding.ties):
-        raise PlanningError(f"the blocks of {folding.fold.path} look identical but offer different shardings: "
-                            "plan with fold=False")
+        raise PlanningError(
+            f"the blocks of {folding.fold.path} look identical but offer different shardings: plan with fold=False"
+        )
     if found.unruled:
-        warnings.warn(f"autotp: {len(found.unruled)} op(s) on the weights' path run replicated (correct, possibly "
-                      f"slower): {'; '.join(f'{op}: {why}' for op, why in sorted(found.unruled.items()))}",
-                      stacklevel=4)
+        warnings.warn(
+            f"autotp: {len(found.unruled)} op(s) on the weights' path run replicated (correct, possibly "
+            f"slower): {'; '.join(f'{op}: {why}' for op, why in sorted(found.unruled.items()))}",
+            stacklevel=4,
+        )
 
     def run(offer: Candidates) -> Solution:
-        return solve(gm, offer, topo, options, sizes=sizes, weights=folding.weights if folding else None,
-                     ties=folding.ties if folding else (), recompute=attempt.recompute, imposed=imposed)
+        return solve(
+            gm,
+            offer,
+            topo,
+            options,
+            sizes=sizes,
+            weights=folding.weights if folding else None,
+            ties=folding.ties if folding else (),
+            recompute=attempt.recompute,
+            imposed=imposed,
+        )
+
     solution, experts_cost = run(found), None
-    offered_experts = found.segments or any(isinstance(s.output, Disjoint) for found_here in found.strategies.values()
-                                            for s in found_here)
+    offered_experts = found.segments or any(
+        isinstance(s.output, Disjoint) for found_here in found.strategies.values() for s in found_here
+    )
     if offered_experts and price_experts and not options.fixed and not options.experts:
         found, solution, experts_cost = _cheapest_experts(
-            found, solution, options.ep,
-            lambda mode: _priced(run, candidates(gm, world_size, options, attempt.tokens, mode)))
+            found,
+            solution,
+            options.ep,
+            lambda mode: _priced(run, candidates(gm, world_size, options, attempt.tokens, mode)),
+        )
     _check_experts(found, solution.choice, options)
     return to_plan(gm, found, solution, topo, options, sizes, experts_cost, imposed)
 
 
-def to_plan(gm: torch.fx.GraphModule, found: Candidates, solution: Solution, topo: Topology, options: PlanOptions,
-            sizes: Sizes, experts_cost: dict[str, Any] | None, imposed: Imposed | None = None) -> Plan:
+def to_plan(
+    gm: torch.fx.GraphModule,
+    found: Candidates,
+    solution: Solution,
+    topo: Topology,
+    options: PlanOptions,
+    sizes: Sizes,
+    experts_cost: dict[str, Any] | None,
+    imposed: Imposed | None = None,
+) -> Plan:
     """The solution as plan data: placements by node and parameter, the collectives, prices, styles and memory."""
     folding = gm.meta.get("autotp_fold")
     weights = folding.weights if folding else None
@@ -163,49 +222,73 @@ def to_plan(gm: torch.fx.GraphModule, found: Candidates, solution: Solution, top
         world_size=world_size,
         fingerprint=folding.fingerprint(gm) if folding else fingerprint(gm),
         topology=topo.name,
-        nodes={n.name: {**Plan.encode(s), "module": module_path(n), "op": target_name(n.target),
-                        "args": [a.name for a in input_slots(n)], **({"recompute": True} if n in recomputed else {}),
-                        **({"key": folding.blocks.key[n]} if folding else {})} for n, s in choice.items()},
+        nodes={
+            n.name: {
+                **Plan.encode(s),
+                "module": module_path(n),
+                "op": target_name(n.target),
+                "args": [a.name for a in input_slots(n)],
+                **({"recompute": True} if n in recomputed else {}),
+                **({"key": folding.blocks.key[n]} if folding else {}),
+            }
+            for n, s in choice.items()
+        },
         params=expand({n.target: str(s.output) for n, s in choice.items() if n.op == "get_attr"}),
-        collectives=planned_collectives(gm, choice, world_size, topo, sizes, weights, training,
-                                        per_reader=bool(imposed and imposed.grad_sums_per_reader)),
+        collectives=planned_collectives(
+            gm,
+            choice,
+            world_size,
+            topo,
+            sizes,
+            weights,
+            training,
+            per_reader=bool(imposed and imposed.grad_sums_per_reader),
+        ),
         styles=expand(param_styles(gm, choice, world_size)),
         shapes=expand({n.target: list(n.meta["val"].shape) for n in choice if n.op == "get_attr"}),
         alternatives=alternatives(gm, found, choice, topo, training, sizes),
-        cost={"seconds": solution.seconds, "compute_seconds": solution.compute, "training": training,
-              "memory": {k: v for k, v in solution.memory.items() if training or k not in BACKWARD_MEMORY},
-              **({"regathers": [{"tensor": n.name, **priced} for n, priced in solution.regathers.items()]}
-                 if training else {}),
-              **_activations_by_module(gm, choice, sizes, world_size, training, solution.recomputed),
-              **({"experts": experts_cost} if experts_cost else {}),
-              **({"replicated": dict(sorted(found.unruled.items()))} if found.unruled else {})},
+        cost={
+            "seconds": solution.seconds,
+            "compute_seconds": solution.compute,
+            "training": training,
+            "memory": {k: v for k, v in solution.memory.items() if training or k not in BACKWARD_MEMORY},
+            **(
+                {"regathers": [{"tensor": n.name, **priced} for n, priced in solution.regathers.items()]}
+                if training
+                else {}
+            ),
+            **_activations_by_module(gm, choice, sizes, world_size, training, solution.recomputed),
+            **({"experts": experts_cost} if experts_cost else {}),
+            **({"replicated": dict(sorted(found.unruled.items()))} if found.unruled else {}),
+        },
         replicated_ops=sorted(found.unruled),
         mesh={"tp": world_size, **({"ep": options.ep} if options.ep > 1 else {})},
-        fold=({"path": folding.fold.path, "count": folding.fold.count,
-               **({"start": folding.fold.start} if folding.fold.start else {})} if folding else None),
+        fold=(
+            {
+                "path": folding.fold.path,
+                "count": folding.fold.count,
+                **({"start": folding.fold.start} if folding.fold.start else {}),
+            }
+            if folding
+            else None
+        ),
     )
-
-
-
-
-
-
-
-
-
-
 
 
 def _check_experts(found: Candidates, choice: Mapping[Node, Strategy], options: PlanOptions) -> None:
     """Experts imposed "all-to-all", or a mesh's "ep" ranks to dispatch them over, need segments that can be."""
     exits = {s.exit: s for s in found.segments.values()}
     if options.experts == "all-to-all" and not (exits and all(isinstance(choice[e].output, Routed) for e in exits)):
-        raise PlanningError('experts="all-to-all": no plan dispatches every expert segment (each needs at least as '
-                            'many experts as dispatch ranks, and ops that keep rows): choose another expert strategy')
+        raise PlanningError(
+            'experts="all-to-all": no plan dispatches every expert segment (each needs at least as '
+            "many experts as dispatch ranks, and ops that keep rows): choose another expert strategy"
+        )
     if options.ep > 1 and not exits:
-        raise PlanningError(f'the mesh has an "ep" dimension of {options.ep} ranks, but this model has no expert layer '
-                            'autotp can dispatch (grouped matmuls or w[ids] + bmm, routed rows in, one result out): '
-                            'drop the "ep" dimension')
+        raise PlanningError(
+            f'the mesh has an "ep" dimension of {options.ep} ranks, but this model has no expert layer '
+            "autotp can dispatch (grouped matmuls or w[ids] + bmm, routed rows in, one result out): "
+            'drop the "ep" dimension'
+        )
 
 
 def _priced(run: Callable[[Candidates], Solution], found: Candidates) -> tuple[Candidates, Solution] | None:
@@ -216,9 +299,12 @@ def _priced(run: Callable[[Candidates], Solution], found: Candidates) -> tuple[C
         return None
 
 
-def _cheapest_experts(found: Candidates, solution: Solution, ep: int,
-                      imposed: Callable[[str], tuple[Candidates, Solution] | None],
-                      ) -> tuple[Candidates, Solution, dict[str, Any]]:
+def _cheapest_experts(
+    found: Candidates,
+    solution: Solution,
+    ep: int,
+    imposed: Callable[[str], tuple[Candidates, Solution] | None],
+) -> tuple[Candidates, Solution, dict[str, Any]]:
     """The cheapest of the plan solved with the expert strategy left free and the plans with each imposed (the
     free solve keeps large parameters sharded wherever a shard suits all their users, which can rule out a mix
     that an imposed strategy reaches); with how the chosen plan holds its experts (3-D parameters): whole experts
@@ -231,16 +317,27 @@ def _cheapest_experts(found: Candidates, solution: Solution, ep: int,
         seconds[mode] = None if priced is None else priced[1].seconds
         if priced is not None and priced[1].seconds < solution.seconds * (1 - 1e-9):
             found, solution = priced
-    kinds = {"all-to-all" if isinstance(s.output, Routed) else "parallel" if s.output.dim == 0 else "tensor"
-             for n, s in solution.choice.items() if n.op == "get_attr" and n.meta["val"].dim() == 3 and
-             isinstance(s.output, (Shard, Routed))}
+    kinds = {
+        "all-to-all" if isinstance(s.output, Routed) else "parallel" if s.output.dim == 0 else "tensor"
+        for n, s in solution.choice.items()
+        if n.op == "get_attr" and n.meta["val"].dim() == 3 and isinstance(s.output, (Shard, Routed))
+    }
     none = "all-to-all" if ep > 1 else "replicated"  # over "ep" alone: whole experts, dispatched there
-    return found, solution, {"chosen": kinds.pop() if len(kinds) == 1 else "mixed" if kinds else none,
-                             "seconds": seconds}
+    return (
+        found,
+        solution,
+        {"chosen": kinds.pop() if len(kinds) == 1 else "mixed" if kinds else none, "seconds": seconds},
+    )
 
 
-def _activations_by_module(gm: torch.fx.GraphModule, choice: dict[Node, Strategy], sizes: Sizes | None, world: int,
-                           training: bool, recomputed: list[list[Node]]) -> dict[str, Any]:
+def _activations_by_module(
+    gm: torch.fx.GraphModule,
+    choice: dict[Node, Strategy],
+    sizes: Sizes | None,
+    world: int,
+    training: bool,
+    recomputed: list[list[Node]],
+) -> dict[str, Any]:
     """Bytes kept for backward per device by the module that computes them, the modules that split
     the tokens (sequence parallelism) and those whose attention core is recomputed, for reports."""
     split = sorted({module_path(n) for n, s in choice.items() if on_tokens(n, s)})
@@ -250,9 +347,9 @@ def _activations_by_module(gm: torch.fx.GraphModule, choice: dict[Node, Strategy
     kept: dict[str, float] = {}
     for node, held in activation_bytes(choice, sizes or Sizes(), world, needs_grad(gm), recomputed).items():
         kept[module_path(node)] = kept.get(module_path(node), 0.0) + held
-    return {"activations": kept, "token_split": split,
-            "recompute": sorted({module_path(core[-1]) for core in recomputed}), "dropout": dropping}
-
-
-
-
+    return {
+        "activations": kept,
+        "token_split": split,
+        "recompute": sorted({module_path(core[-1]) for core in recomputed}),
+        "dropout": dropping,
+    }

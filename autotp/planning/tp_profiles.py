@@ -28,8 +28,16 @@ from autotp.planning.solution import PlanningError
 from autotp.planning.tensor_plan import solve_plan
 
 
-def tp_profile(gm: torch.fx.GraphModule, tp: int, topo: Topology, training: bool, sizes: Sizes,
-             unit: int, tokens: bool = False, cores: bool = False) -> Profile | None:
+def tp_profile(
+    gm: torch.fx.GraphModule,
+    tp: int,
+    topo: Topology,
+    training: bool,
+    sizes: Sizes,
+    unit: int,
+    tokens: bool = False,
+    cores: bool = False,
+) -> Profile | None:
     """Solve the TP plan once and read its time and memory per section, per sample (kept on the graph:
     pricing another cluster of the same nodes reuses it).  ``tokens``: with sequence parallelism;
     ``cores``: recomputing the attention cores; None when the graph has no tokens to split."""
@@ -45,19 +53,39 @@ def tp_profile(gm: torch.fx.GraphModule, tp: int, topo: Topology, training: bool
     return cast("Profile | None", cache[key])
 
 
-def _read_profile(gm: torch.fx.GraphModule, tp: int, topo: Topology, training: bool, sizes: Sizes,
-                  unit: int, tokens: bool, cores: bool) -> Profile:
+def _read_profile(
+    gm: torch.fx.GraphModule,
+    tp: int,
+    topo: Topology,
+    training: bool,
+    sizes: Sizes,
+    unit: int,
+    tokens: bool,
+    cores: bool,
+) -> Profile:
     part = expert_part(gm, topo, sizes) if training else None
-    plan = solve_plan(gm, tp, PlanOptions(topology=topo, training=training, memory_limit=math.inf,
-                                      sequence_parallel=tokens, recompute="selective" if cores else False,
-                                      experts="tensor" if part else None), sizes=sizes)
+    plan = solve_plan(
+        gm,
+        tp,
+        PlanOptions(
+            topology=topo,
+            training=training,
+            memory_limit=math.inf,
+            sequence_parallel=tokens,
+            recompute="selective" if cores else False,
+            experts="tensor" if part else None,
+        ),
+        sizes=sizes,
+    )
     where, blocks, fold = sections(gm)
     count = cast(int, blocks)  # a block count where the graph is folded (fold), unread otherwise
     nodes = {n.name: n for n in gm.graph.nodes}
     trainable = dict(gm.named_parameters(remove_duplicate=False))
     kept: dict[Any, Section] = {}
-    choice = {nodes[name]: Strategy(tuple(parse(p) for p in entry["in"]), parse(entry["out"]))
-              for name, entry in plan.nodes.items()}
+    choice = {
+        nodes[name]: Strategy(tuple(parse(p) for p in entry["in"]), parse(entry["out"]))
+        for name, entry in plan.nodes.items()
+    }
     tied: dict[str, float] = {}
     both = read_at_both_ends(where)
     for node, strategy in choice.items():
@@ -79,11 +107,22 @@ def _read_profile(gm: torch.fx.GraphModule, tp: int, topo: Topology, training: b
     total = sum(s.seconds for s in parts)
     scale = plan.cost["seconds"] / total if total else 1.0  # the solver's total; the split follows each section's
     experts = block_experts(part, choice, where, sizes, tp, topo, training, trainable, unit, scale) if part else {}
-    per_sample = [Section(s.seconds * scale / unit, {k: (v / unit if k in ("activations", "kv_cache") else v)
-                                                      for k, v in s.memory.items()}, experts.get(key))
-                  for key, s in zip(order, parts, strict=True)]
+    per_sample = [
+        Section(
+            s.seconds * scale / unit,
+            {k: (v / unit if k in ("activations", "kv_cache") else v) for k, v in s.memory.items()},
+            experts.get(key),
+        )
+        for key, s in zip(order, parts, strict=True)
+    ]
     boundary = 0.0
     if fold:  # tensors the middle block hands to the next kept block (N-2): what a stage sends to the next
-        boundary = sum(sizes.nbytes(n) for n in gm.graph.nodes
-                       if where[n] == fold.first and any(where.get(u) == count - 2 for u in n.users)) / unit
+        boundary = (
+            sum(
+                sizes.nbytes(n)
+                for n in gm.graph.nodes
+                if where[n] == fold.first and any(where.get(u) == count - 2 for u in n.users)
+            )
+            / unit
+        )
     return Profile(tp, per_sample, boundary, fold is not None, sequence_parallel=tokens, selective=cores, tied=tied)

@@ -9,6 +9,7 @@ matmul's input), autograd stores this rank's piece instead and gathers it again 
 unpacks it.  The saving is made through saved-tensor hooks that the sharded program enters for its
 forward; a tensor that was not gathered along the tokens is saved as usual.
 """
+
 from __future__ import annotations
 
 import weakref

@@ -11,6 +11,7 @@ CommDebugMode sees every collective; under torch.compile they are functional c10
 Every collective carries ``where`` (the rewrite's description of the value it moves): a collective that
 fails or outlives the process group's timeout raises a ``CollectiveError`` naming it.
 """
+
 from __future__ import annotations
 
 import torch
@@ -39,7 +40,7 @@ def gather_values(x: torch.Tensor, shard: Shard, size: int, world: int, group: s
 
 def _embed(x: torch.Tensor, shard: Shard, size: int, rank: int, world: int) -> torch.Tensor:
     """Zeros of the full size with this rank's piece in place."""
-    full = x.new_zeros(*x.shape[:shard.dim], size, *x.shape[shard.dim + 1:])
+    full = x.new_zeros(*x.shape[: shard.dim], size, *x.shape[shard.dim + 1 :])
     offset = 0
     for start, length in shard.ranges(size, rank, world):
         full.narrow(shard.dim, start, length).copy_(x.narrow(shard.dim, offset, length))
@@ -47,16 +48,18 @@ def _embed(x: torch.Tensor, shard: Shard, size: int, rank: int, world: int) -> t
     return full
 
 
-def _gather_grads(x: torch.Tensor, shard: Shard, size: int, rank: int, world: int, group: str,
-                  where: str) -> torch.Tensor:
+def _gather_grads(
+    x: torch.Tensor, shard: Shard, size: int, rank: int, world: int, group: str, where: str
+) -> torch.Tensor:
     """The full gradient from every rank's piece: pieces of a grouped shard are summed."""
     if shard.grouped(world):
         return all_reduce_sum(_embed(x, shard, size, rank, world), group, where)
     return gather_values(x, shard, size, world, group, where)
 
 
-def _reduce_scatter(x: torch.Tensor, shard: Shard, size: int, rank: int, world: int, group: str,
-                    where: str) -> torch.Tensor:
+def _reduce_scatter(
+    x: torch.Tensor, shard: Shard, size: int, rank: int, world: int, group: str, where: str
+) -> torch.Tensor:
     lengths = _lengths(shard, size, world)
     moved = x.movedim(shard.dim, 0)
     pieces = [pad(take_local(moved, shard.at(0), r, world), max(lengths)) for r in range(world)]
@@ -64,7 +67,7 @@ def _reduce_scatter(x: torch.Tensor, shard: Shard, size: int, rank: int, world: 
         out = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(torch.cat(pieces).contiguous(), "sum", world, group))
     except Exception as exc:
         raise failed("reduce_scatter", x, where, exc, group) from exc
-    return out[:lengths[rank]].movedim(0, shard.dim).contiguous()
+    return out[: lengths[rank]].movedim(0, shard.dim).contiguous()
 
 
 def _owners_share(local: torch.Tensor, shard: Shard, size: int, rank: int, world: int) -> torch.Tensor:
@@ -163,7 +166,7 @@ def _sum_shared(grads: list, layouts: list, rank: int, world: int, group: str, w
         shared = [k for k, both in enumerate(shard.shared_blocks(world)) if both]
         full = []
         for k in shared:  # zeros of the whole block with this rank's units in place
-            block = pieces[k].new_zeros(*grad.shape[:shard.dim], blocks[k], *grad.shape[shard.dim + 1:])
+            block = pieces[k].new_zeros(*grad.shape[: shard.dim], blocks[k], *grad.shape[shard.dim + 1 :])
             block.narrow(shard.dim, ranges[k][0] - offsets[k], ranges[k][1]).copy_(pieces[k])
             full.append(block)
         jobs.append((pieces, [ranges[k][0] - offsets[k] for k in shared], shared, full))
@@ -230,21 +233,28 @@ def reduce_scatter(x, dim, chunks, units, of, groups, size, rank, world, group, 
 
 def gather(x, dim, chunks, units, of, groups, size, rank, world, group, where):
     shard = Shard(dim, chunks, units, of, groups)
-    return gather_values(x, shard, size, world, group, where) if _no_grad() else _Gather.apply(
-        x, shard, size, rank, world, group, where)
+    return (
+        gather_values(x, shard, size, world, group, where)
+        if _no_grad()
+        else _Gather.apply(x, shard, size, rank, world, group, where)
+    )
 
 
 def gather_reduce_backward(x, dim, chunks, units, of, groups, size, rank, world, group, where):
     shard = Shard(dim, chunks, units, of, groups)
-    return gather_values(x, shard, size, world, group, where) if _no_grad() else _GatherReduceBackward.apply(
-        x, shard, size, rank, world, group, where)
+    return (
+        gather_values(x, shard, size, world, group, where)
+        if _no_grad()
+        else _GatherReduceBackward.apply(x, shard, size, rank, world, group, where)
+    )
 
 
 def gather_tokens(x, dim, chunks, units, of, groups, size, rank, world, group, where, reduce_backward):
     """A gather along a token dim (sequence parallelism): an op that saves the result for its backward
     keeps this rank's tokens instead (autotp.runtime.activations)."""
-    full = (gather_reduce_backward if reduce_backward else gather)(x, dim, chunks, units, of, groups, size, rank,
-                                                                    world, group, where)
+    full = (gather_reduce_backward if reduce_backward else gather)(
+        x, dim, chunks, units, of, groups, size, rank, world, group, where
+    )
     if _no_grad() or torch.compiler.is_compiling():  # compiled: the compiler decides what its backward keeps
         return full
     shard = Shard(dim, chunks, units, of, groups)
@@ -262,19 +272,20 @@ def sum_group_grads(xs, layouts, rank, world, group, where):
     """``layouts``: (dim, chunks, units, of, groups, full size) per tensor of ``xs``; one all-reduce for all."""
     if _no_grad():
         return tuple(xs)
-    return _SumGroupGrads.apply([(Shard(*layout[:5]), layout[5]) for layout in layouts], rank, world, group, where,
-                                *xs)
+    return _SumGroupGrads.apply([(Shard(*layout[:5]), layout[5]) for layout in layouts], rank, world, group, where, *xs)
 
 
 def shard_args(shard: Shard, size: int, rank: int, world: int, group: str, where: str) -> tuple:
     return (shard.dim, shard.chunks, shard.units, shard.of, shard.groups, size, rank, world, group, where)
 
 
-def conversion_steps(src, dst, shape, rank: int, world: int, group: str, partial_grad: bool = False,
-                     where: str = "") -> list[tuple]:
+def conversion_steps(
+    src, dst, shape, rank: int, world: int, group: str, partial_grad: bool = False, where: str = ""
+) -> list[tuple]:
     """The runtime calls (function, arguments after the tensor) that turn ``src`` into ``dst`` for a
     tensor of full ``shape``.  ``partial_grad``: the result feeds a sharded op as a replicated input,
     so its gradient comes back as partial sums that must be added up.  ``where``: the value, for errors."""
+
     def args(shard: Shard) -> tuple:  # a size known only at run time (a token dim) is a graph node
         size = shape[shard.dim]
         return shard_args(shard, size if isinstance(size, Node) else int(size), rank, world, group, where)

@@ -8,6 +8,7 @@ for the model's class and type, never by a name here); autotp understands rename
 concatenate conversions, so that a rank reads only the rows of each expert's file tensor its slice
 needs.  Any other conversion that matches a stored tensor is refused rather than guessed.
 """
+
 from __future__ import annotations
 
 import copy
@@ -25,6 +26,7 @@ class Assembled:
     """One model tensor made of stored tensors: ``keys[p][e]`` is pattern ``p``'s tensor of expert ``e``;
     experts are stacked along ``stack`` (None: one stored tensor per pattern), patterns concatenated
     along ``concat`` (None: one pattern)."""
+
     keys: tuple
     stack: int | None = None
     concat: int | None = None
@@ -66,7 +68,7 @@ class Assembled:
     def _read_part(self, keys, box: list, read_stored) -> torch.Tensor:
         if self.stack is None:
             return read_stored(keys[0], box)
-        inner = box[:self.stack] + box[self.stack + 1:]
+        inner = box[: self.stack] + box[self.stack + 1 :]
         experts = keys[box[self.stack]]
         if not experts:  # an empty range still has the right shape
             return read_stored(keys[0], inner).unsqueeze(self.stack).narrow(self.stack, 0, 0)
@@ -87,6 +89,7 @@ def assemble(stored_keys, conversions: list) -> dict:
     """Model tensor name -> Assembled, by transformers' rules: every renaming in order, then at most
     one converter, stored tensors taken in transformers' order (natural: expert 2 before expert 10)."""
     from transformers.core_model_loading import WeightConverter, apply_renamings, dot_natural_key
+
     renamings = [c for c in conversions if not isinstance(c, WeightConverter)]
     converters = [c for c in conversions if isinstance(c, WeightConverter)]
     plain, grouped = {}, {}
@@ -114,19 +117,24 @@ def assemble(stored_keys, conversions: list) -> dict:
 def _converted(target: str, converter, by_pattern: dict) -> Assembled:
     """The stack-then-concatenate converters (MergeModulelist, Concatenate); any other is refused."""
     from transformers.core_model_loading import Concatenate, MergeModulelist
+
     ops = converter.operations
     kinds = tuple(type(op) for op in ops)
     stack = ops[0].dim if kinds in ((MergeModulelist,), (MergeModulelist, Concatenate)) else None
     concat = ops[-1].dim if kinds in ((Concatenate,), (MergeModulelist, Concatenate)) else None
     keys = tuple(tuple(by_pattern[p]) for p in converter.source_patterns if p in by_pattern)
-    understood = ((stack is not None or concat is not None) and (len(keys) == 1 or concat is not None)
-                  and (stack is not None or all(len(k) == 1 for k in keys)))
+    understood = (
+        (stack is not None or concat is not None)
+        and (len(keys) == 1 or concat is not None)
+        and (stack is not None or all(len(k) == 1 for k in keys))
+    )
     if not understood:
         raise CheckpointError(
             f"{target}: transformers converts the stored tensors {sorted(k for ks in keys for k in ks)[:4]} with "
             f"{[type(op).__name__ for op in ops]}, which autotp cannot read in slices (it reads renames, "
             "MergeModulelist and Concatenate): load the model with transformers' from_pretrained and pass it to "
-            "autotp.parallelize instead")
+            "autotp.parallelize instead"
+        )
     return Assembled(keys, stack, concat)
 
 
@@ -143,8 +151,12 @@ def on_meta(model):
     tensors = [*model.parameters(), *model.buffers()]
     if all(t.is_meta for t in tensors):
         return model
-    memo = {id(t): torch.nn.Parameter(t.detach().to("meta"), t.requires_grad) if isinstance(t, torch.nn.Parameter)
-            else t.to("meta") for t in tensors}
+    memo = {
+        id(t): torch.nn.Parameter(t.detach().to("meta"), t.requires_grad)
+        if isinstance(t, torch.nn.Parameter)
+        else t.to("meta")
+        for t in tensors
+    }
     return copy.deepcopy(model, memo)
 
 
@@ -156,12 +168,16 @@ def stored_layout(model, named_tensors):
         yield from named_tensors
         return
     from transformers.core_model_loading import WeightConverter, revert_weight_conversion
-    joint = [c.reverse_transform() for c in conversions
-             if isinstance(c, WeightConverter) and len(c.target_patterns) > 1]
+
+    joint = [
+        c.reverse_transform() for c in conversions if isinstance(c, WeightConverter) and len(c.target_patterns) > 1
+    ]
     for name, tensor in named_tensors:
         for reverse in joint:
             if reverse.rename_source_key(name)[1] is not None:
-                raise CheckpointError(f"saving {name} needs {reverse.source_patterns} together to reverse "
-                                      "transformers' conversion; autotp writes one tensor at a time: save with "
-                                      "transformers instead")
+                raise CheckpointError(
+                    f"saving {name} needs {reverse.source_patterns} together to reverse "
+                    "transformers' conversion; autotp writes one tensor at a time: save with "
+                    "transformers instead"
+                )
         yield from revert_weight_conversion(model, {name: tensor}).items()

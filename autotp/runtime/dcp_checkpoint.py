@@ -10,6 +10,7 @@ several ranks have no DTensor placement, so those tensors are gathered and store
 rank holds them in full in the state dict while saving or loading).  Every DTensor layout is checked
 against the pieces the ranks really hold before it is used.
 """
+
 from __future__ import annotations
 
 import io
@@ -37,14 +38,14 @@ from autotp.runtime.hf_checkpoint import gather_whole
 @dataclass(frozen=True)
 class _Layout:
     """How one parameter (and its optimizer state) lies on this rank."""
+
     shard: Shard | None  # autotp's TP placement; None: replicated over TP
-    shape: tuple         # the full tensor's shape
-    fsdp: bool           # split again over DP by FSDP2 (dim 0 of the TP shard, torch.chunk pieces)
+    shape: tuple  # the full tensor's shape
+    fsdp: bool  # split again over DP by FSDP2 (dim 0 of the TP shard, torch.chunk pieces)
     dealt: Dealt | None = None  # an expert table's experts dealt over a dispatch group beyond the TP group first
 
 
-def checkpoint_state_dict(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                          **run_state) -> dict:
+def checkpoint_state_dict(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, **run_state) -> dict:
     """``{"model": ..., "optim": ..., "rng": ...}`` for ``dcp.save`` / ``dcp.load`` (a collective).
 
     Tensors have their full shapes (DTensors on the module's mesh, or whole tensors where no DTensor
@@ -57,8 +58,9 @@ def checkpoint_state_dict(module: torch.nn.Module, optimizer: torch.optim.Optimi
     """
     state = {"model": {}, "rng": _generators()}
     for stage, pieces, key, saved in _stages(module):
-        state["model"].update((key(n), pieces.to_global(n, t)) for n, t in get_model_state_dict(stage).items()
-                              if saved(n))
+        state["model"].update(
+            (key(n), pieces.to_global(n, t)) for n, t in get_model_state_dict(stage).items() if saved(n)
+        )
     if optimizer is not None:
         state["optim"] = _Optimizer(module).state(optimizer)
     for name, value in run_state.items():
@@ -66,13 +68,19 @@ def checkpoint_state_dict(module: torch.nn.Module, optimizer: torch.optim.Optimi
     return state
 
 
-def load_checkpoint_state_dict(module: torch.nn.Module, state: dict,
-                               optimizer: torch.optim.Optimizer | None = None, **run_state) -> None:
+def load_checkpoint_state_dict(
+    module: torch.nn.Module, state: dict, optimizer: torch.optim.Optimizer | None = None, **run_state
+) -> None:
     """Put ``state`` (from ``checkpoint_state_dict``, filled by ``dcp.load``) into the module, the optimizer,
     the default generators and each object of ``run_state`` that has ``load_state_dict``."""
     for stage, pieces, key, _ in _stages(module):
-        set_model_state_dict(stage, {n: t if key(n) is None else pieces.to_local(n, state["model"][key(n)])
-                                     for n, t in get_model_state_dict(stage).items()})
+        set_model_state_dict(
+            stage,
+            {
+                n: t if key(n) is None else pieces.to_local(n, state["model"][key(n)])
+                for n, t in get_model_state_dict(stage).items()
+            },
+        )
     if optimizer is not None:
         _Optimizer(module).load(optimizer, state["optim"])
     if "rng" in state:
@@ -113,8 +121,7 @@ class _Optimizer:
     def __init__(self, module: torch.nn.Module):
         self.parts = _stages(module)
         self.one = getattr(module, "autotp_stages", None) is None
-        self.whole = module if self.one else torch.nn.ModuleDict({str(i): part[0] for i, part in
-                                                                  enumerate(self.parts)})
+        self.whole = module if self.one else torch.nn.ModuleDict({str(i): part[0] for i, part in enumerate(self.parts)})
 
     def _split(self, name: str) -> tuple:
         """(pieces, the part's own name, the checkpoint's key) of a name in ``self.whole``."""
@@ -128,8 +135,9 @@ class _Optimizer:
         for name, values in found["state"].items():
             pieces, own, key = self._split(name)
             out[key] = {k: pieces.to_global(own, v) if _param_shaped(v) else v for k, v in values.items()}
-        groups = [{**g, "params": list(dict.fromkeys(self._split(n)[2] for n in g["params"]))}
-                  for g in found["param_groups"]]
+        groups = [
+            {**g, "params": list(dict.fromkeys(self._split(n)[2] for n in g["params"]))} for g in found["param_groups"]
+        ]
         return {"state": out, "param_groups": groups}
 
     def load(self, optimizer, saved: dict) -> None:
@@ -137,10 +145,13 @@ class _Optimizer:
         state = {}
         for name in mine["state"]:
             pieces, own, key = self._split(name)
-            state[name] = {k: pieces.to_local(own, v) if _param_shaped(v) else v
-                           for k, v in saved["state"][key].items()}
-        groups = [{**theirs, "params": ours["params"]}
-                  for ours, theirs in zip(mine["param_groups"], saved["param_groups"], strict=True)]
+            state[name] = {
+                k: pieces.to_local(own, v) if _param_shaped(v) else v for k, v in saved["state"][key].items()
+            }
+        groups = [
+            {**theirs, "params": ours["params"]}
+            for ours, theirs in zip(mine["param_groups"], saved["param_groups"], strict=True)
+        ]
         set_optimizer_state_dict(self.whole, optimizer, {"state": state, "param_groups": groups})
 
 
@@ -177,9 +188,13 @@ class DcpDirectory:
 
     def __init__(self, directory, names: frozenset):
         from torch.distributed.checkpoint import FileSystemReader
+
         self.directory = directory
-        stored = {key: tuple(meta.size) for key, meta in
-                  FileSystemReader(str(directory)).read_metadata().state_dict_metadata.items() if hasattr(meta, "size")}
+        stored = {
+            key: tuple(meta.size)
+            for key, meta in FileSystemReader(str(directory)).read_metadata().state_dict_metadata.items()
+            if hasattr(meta, "size")
+        }
         model = {key.removeprefix("model."): size for key, size in stored.items() if key.startswith("model.")}
         self.nested = len(model.keys() & names) > len(stored.keys() & names)  # ``names``: the model's
         self.shapes = model if self.nested else stored
@@ -190,6 +205,7 @@ class DcpDirectory:
 
     def load(self, module: torch.nn.Module) -> None:
         import torch.distributed.checkpoint as dcp
+
         state = checkpoint_state_dict(module)
         dcp.load(state if self.nested else state["model"], checkpoint_id=str(self.directory))
         load_checkpoint_state_dict(module, state)
@@ -209,8 +225,11 @@ class _Pieces:
         if self.mesh is not None and "pp" in self.mesh.mesh_dim_names:  # a pipeline stage: its place in dp x tp
             inner = tuple(d for d in self.mesh.mesh_dim_names if d != "pp")
             self.mesh = self.mesh[inner] if inner else None
-        replicas = () if self.mesh is None else tuple(d for d in ("dp", "ep") if d in self.mesh.mesh_dim_names
-                                                       and self.mesh[d].size() > 1)
+        replicas = (
+            ()
+            if self.mesh is None
+            else tuple(d for d in ("dp", "ep") if d in self.mesh.mesh_dim_names and self.mesh[d].size() > 1)
+        )
         self.dp = self.mesh[replicas[0] if len(replicas) == 1 else replicas] if replicas else None  # FSDP2's mesh
         if self.mesh is None:  # TP alone: its group as a one-dimensional mesh
             self.mesh = DeviceMesh.from_group(self.group, module.autotp_device.type, mesh_dim_names=("tp",))
@@ -220,10 +239,16 @@ class _Pieces:
                 shard, deal = plan.layout(name)[0], dealt.get(name)
                 if isinstance(shard, Routed):  # whole experts: over the TP group alone, a split of it like any other
                     shard, deal = (shard.experts, None) if shard.ranks == self.world else (None, deal)
-                self.layouts[name] = _Layout(shard if isinstance(shard, Shard) else None, tuple(plan.shapes[name]),
-                                             isinstance(tensor, DTensor), deal)
-        self.placements = {name: None if layout.dealt else _dtensor_placements(self.mesh, layout)
-                           for name, layout in self.layouts.items()}
+                self.layouts[name] = _Layout(
+                    shard if isinstance(shard, Shard) else None,
+                    tuple(plan.shapes[name]),
+                    isinstance(tensor, DTensor),
+                    deal,
+                )
+        self.placements = {
+            name: None if layout.dealt else _dtensor_placements(self.mesh, layout)
+            for name, layout in self.layouts.items()
+        }
 
     def to_global(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's piece as a DTensor of the full shape, or the full tensor (a collective then)."""
@@ -232,8 +257,14 @@ class _Pieces:
             return tensor
         if self.placements[name] is not None:
             local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-            return DTensor.from_local(local, self.mesh, self.placements[name], run_check=False,
-                                      shape=torch.Size(layout.shape), stride=_strides(layout.shape))
+            return DTensor.from_local(
+                local,
+                self.mesh,
+                self.placements[name],
+                run_check=False,
+                shape=torch.Size(layout.shape),
+                stride=_strides(layout.shape),
+            )
         size = None if layout.shard is None else layout.shape[layout.shard.dim]
         return gather_whole(tensor.detach(), (layout.shard, size, layout.dealt), self.group)
 
@@ -250,17 +281,21 @@ class _Pieces:
             piece = take_local(piece, layout.shard, self.rank, self.world) if layout.shard is not None else piece
             if layout.fsdp:
                 last = self.dp.ndim - 1  # FSDP2 shards over its mesh's last dim (HSDP replicates over the first)
-                piece = piece.narrow(0, *_chunk_range(piece.shape[0], self.dp.get_local_rank(last),
-                                                      self.dp.size(last)))
+                piece = piece.narrow(0, *_chunk_range(piece.shape[0], self.dp.get_local_rank(last), self.dp.size(last)))
         if not layout.fsdp:
             return piece
         tp_shape = list(layout.shape)
         if layout.shard is not None:
             dim = layout.shard.dim
             tp_shape[dim] = layout.shard.local_size(tp_shape[dim], self.rank, self.world)
-        return DTensor.from_local(piece.contiguous(), self.dp, [Replicate()] * (self.dp.ndim - 1) + [DShard(0)],
-                                  run_check=False,
-                                  shape=torch.Size(tp_shape), stride=_strides(tp_shape))
+        return DTensor.from_local(
+            piece.contiguous(),
+            self.dp,
+            [Replicate()] * (self.dp.ndim - 1) + [DShard(0)],
+            run_check=False,
+            shape=torch.Size(tp_shape),
+            stride=_strides(tp_shape),
+        )
 
 
 def _param_shaped(value) -> bool:
@@ -296,8 +331,9 @@ def _dtensor_placements(mesh, layout: _Layout) -> tuple | None:
     for dp_rank in range(dp):
         for tp_rank in range(tp):
             coordinate = [{"dp": dp_rank, "tp": tp_rank}[d] for d in mesh.mesh_dim_names]
-            if _compute_local_shape_and_global_offset(layout.shape, mesh.shape, coordinate, chosen) != \
-                    _true_box(layout, dp_rank, dp, tp_rank, tp):
+            if _compute_local_shape_and_global_offset(layout.shape, mesh.shape, coordinate, chosen) != _true_box(
+                layout, dp_rank, dp, tp_rank, tp
+            ):
                 return None
     return chosen
 

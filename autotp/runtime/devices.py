@@ -7,6 +7,7 @@ device here, from ``group._device_types``: the shards' (``shard_device``), and t
 (``host_group``: the group itself where it serves the CPU, else a gloo group over the same ranks, as vLLM keeps
 a CPU group beside each device group).
 """
+
 from __future__ import annotations
 
 import torch
@@ -42,9 +43,11 @@ def device_of(group) -> torch.device:
         return gpu
     if "cpu" in kinds:
         return torch.device("cpu")
-    raise DeviceError(f"the process group's backend ({_backend(group)}) carries only {'/'.join(sorted(kinds))} "
-                      f"tensors and this process has no such device: run on GPUs, or init the group with a CPU "
-                      "backend (dist.init_process_group('gloo'), or 'cpu:gloo,cuda:nccl')")
+    raise DeviceError(
+        f"the process group's backend ({_backend(group)}) carries only {'/'.join(sorted(kinds))} "
+        f"tensors and this process has no such device: run on GPUs, or init the group with a CPU "
+        "backend (dist.init_process_group('gloo'), or 'cpu:gloo,cuda:nccl')"
+    )
 
 
 def _own_accelerator_backend(group) -> bool:
@@ -67,9 +70,11 @@ def shard_device(group, model: torch.nn.Module, device=None) -> torch.device:
         if device.type == "cuda" and device.index is None and torch.cuda.is_available():
             device = torch.device("cuda", torch.cuda.current_device())
         if device.type not in served(group) and world > 1:
-            raise DeviceError(f"device={str(device)!r}, but the process group's backend ({_backend(group)}) carries "
-                              f"no {device.type} tensors: pass a device it serves ({', '.join(sorted(served(group)))})"
-                              " or init the group with a backend for it")
+            raise DeviceError(
+                f"device={str(device)!r}, but the process group's backend ({_backend(group)}) carries "
+                f"no {device.type} tensors: pass a device it serves ({', '.join(sorted(served(group)))})"
+                " or init the group with a backend for it"
+            )
         return device
     if _own_accelerator_backend(group):
         return device_of(group)
@@ -90,5 +95,10 @@ def host_group(group):
     if "cpu" in served(group):
         return group
     timeout = group._get_backend(next(iter(group._device_types))).options._timeout
-    return dist.new_group(dist.get_process_group_ranks(group), timeout=timeout, backend="gloo",
-                          use_local_synchronization=True, sort_ranks=False)
+    return dist.new_group(
+        dist.get_process_group_ranks(group),
+        timeout=timeout,
+        backend="gloo",
+        use_local_synchronization=True,
+        sort_ranks=False,
+    )

@@ -12,6 +12,7 @@ makes a recomputed op draw the same mask again, and ``torch.manual_seed`` decide
 Reference mode (for tests): every rank draws the whole mask one process draws for the same seed, in the same
 memory order, and keeps its own piece, so the program equals one process exactly, at N times the mask memory.
 """
+
 from __future__ import annotations
 
 import torch
@@ -54,8 +55,7 @@ class Dropout(torch.nn.Module):
     split dim (None: passed at run time, a token dim); ``order``: one process's memory order of the input's dims;
     ``key``: this rank's stream."""
 
-    def __init__(self, p: float, layout: Shard | None, size: int | None, order: tuple, key: int, rank: int,
-                 world: int):
+    def __init__(self, p: float, layout: Shard | None, size: int | None, order: tuple, key: int, rank: int, world: int):
         super().__init__()
         self.p, self.layout, self.size, self.order, self.key = p, layout, size, order, key
         self.rank, self.world = rank, world
@@ -83,8 +83,18 @@ class Attention(torch.nn.Module):
     of them): forked onto this rank's stream where split; in reference mode the math kernel with this rank's heads
     of the keep-mask one process draws.  Without dropout in eval mode."""
 
-    def __init__(self, p: float, causal: bool, scale, gqa: bool, heads: int, layout: Shard | None, key: int,
-                 rank: int, world: int):
+    def __init__(
+        self,
+        p: float,
+        causal: bool,
+        scale,
+        gqa: bool,
+        heads: int,
+        layout: Shard | None,
+        key: int,
+        rank: int,
+        world: int,
+    ):
         super().__init__()
         self.p, self.causal, self.scale, self.gqa, self.heads = p, causal, scale, gqa, heads
         self.layout, self.key, self.rank, self.world = layout, key, rank, world
@@ -99,11 +109,23 @@ class Attention(torch.nn.Module):
                 keep = take_local(keep, self.layout, self.rank, self.world)
             if mask is not None and mask.dtype == torch.bool:  # as SDPA hands a boolean mask to its math kernel
                 mask = torch.where(mask, 0.0, float("-inf")).to(q.dtype)
-            return aten._scaled_dot_product_attention_math(q, k, v, mask, p, self.causal, keep, scale=self.scale,
-                                                           enable_gqa=self.gqa)[0]
+            return aten._scaled_dot_product_attention_math(
+                q, k, v, mask, p, self.causal, keep, scale=self.scale, enable_gqa=self.gqa
+            )[0]
         if p and self.layout is not None:
-            return on_own_stream(self.key, q.device, F.scaled_dot_product_attention, q, k, v, mask, p, self.causal,
-                                 scale=self.scale, enable_gqa=self.gqa)
+            return on_own_stream(
+                self.key,
+                q.device,
+                F.scaled_dot_product_attention,
+                q,
+                k,
+                v,
+                mask,
+                p,
+                self.causal,
+                scale=self.scale,
+                enable_gqa=self.gqa,
+            )
         return F.scaled_dot_product_attention(q, k, v, mask, p, self.causal, scale=self.scale, enable_gqa=self.gqa)
 
     def extra_repr(self) -> str:

@@ -11,6 +11,7 @@ group, the "copies") each send a contiguous share of them and all-gather the res
 The backward is the same exchange with the splits swapped: every token's contribution reaches the owner of its
 expert, so expert gradients are complete on their owner and need no sum inside the group.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -50,7 +51,7 @@ class _Share(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, lengths, copies, where):
         ctx.args = (lengths, copies.name, where)
-        return x.narrow(0, sum(lengths[:copies.rank]), lengths[copies.rank])
+        return x.narrow(0, sum(lengths[: copies.rank]), lengths[copies.rank])
 
     @staticmethod
     def backward(ctx, grad):
@@ -62,7 +63,7 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, lengths, copies, where):
-        ctx.start, ctx.length = sum(lengths[:copies.rank]), lengths[copies.rank]
+        ctx.start, ctx.length = sum(lengths[: copies.rank]), lengths[copies.rank]
         return transport.gather_rows(x, lengths, copies.name, where)
 
     @staticmethod
@@ -73,6 +74,7 @@ class _Gather(torch.autograd.Function):
 @dataclass(frozen=True)
 class Group:
     """A process group by name, with this rank's place in it."""
+
     name: str
     rank: int
     size: int
@@ -83,6 +85,7 @@ class Groups:
     """Where expert segments are dispatched: ``routed``, the ranks a segment the plan routes (``A`` placements)
     deals its experts over: the TP group, or a mesh's "ep" x "tp" ranks; ``ep``, a mesh's "ep" ranks (None
     without one), over which every other segment is dispatched, split over TP as the plan says."""
+
     routed: Group
     ep: Group | None = None
 
@@ -91,6 +94,7 @@ class Groups:
 class Dealt:
     """An expert table's experts dealt over a dispatch group (``experts``: a Shard of its dim 0, ``count``
     experts): each rank holds its own whole experts, split further only as the TP plan says."""
+
     experts: Shard
     count: int
     group: Group
@@ -109,15 +113,16 @@ class Dealt:
 
     def gather(self, local: torch.Tensor) -> torch.Tensor:
         """The full table from every rank's experts (a collective over the group, no autograd)."""
-        return collectives.gather_values(local.detach(), self.experts, self.count, self.group.size, self.group.name,
-                                         "an expert table (checkpoint)")
+        return collectives.gather_values(
+            local.detach(), self.experts, self.count, self.group.size, self.group.name, "an expert table (checkpoint)"
+        )
 
 
 @dataclass
 class _Routes:
-    send: list            # rows this rank sends to each rank of the group
-    recv: list            # rows it receives from each
-    order: torch.Tensor   # received rows (by source rank, then local expert) -> by local expert, then source
+    send: list  # rows this rank sends to each rank of the group
+    recv: list  # rows it receives from each
+    order: torch.Tensor  # received rows (by source rank, then local expert) -> by local expert, then source
     counts: torch.Tensor  # rows received per local expert
 
 
@@ -125,10 +130,11 @@ def _routes(counts: torch.Tensor, owners: list, group: Group, where: str) -> _Ro
     """``counts``: this rank's rows per expert (int64, E).  One all-to-all of the counts gives the
     [group size, local experts] matrix of rows this rank will receive; two host reads give the splits."""
     mine = owners[group.rank][1]
-    matrix = transport.exchange(counts, [mine] * group.size, [n for _, n in owners], group.name,
-                                  f"the row counts of {where}").view(group.size, mine)
+    matrix = transport.exchange(
+        counts, [mine] * group.size, [n for _, n in owners], group.name, f"the row counts of {where}"
+    ).view(group.size, mine)
     per_expert = counts.tolist()
-    send = [sum(per_expert[first:first + n]) for first, n in owners]
+    send = [sum(per_expert[first : first + n]) for first, n in owners]
     recv = matrix.sum(1).tolist()
     local = torch.arange(mine, device=counts.device).repeat(group.size).repeat_interleave(matrix.flatten())
     return _Routes(send, recv, torch.argsort(local, stable=True), matrix.sum(0))
@@ -152,8 +158,19 @@ class ExpertDispatch(torch.nn.Module):
     each row's expert id (rows in any order; sorted here and put back after).  The key handed to the segment
     is the owner's: offsets of its local experts over the rows it received, or each received row's local id."""
 
-    def __init__(self, segment: torch.fx.GraphModule, *, experts: int, grouped: bool, rows: int, outputs: int,
-                 owners: list, group: Group, copies: Group | None, where: str):
+    def __init__(
+        self,
+        segment: torch.fx.GraphModule,
+        *,
+        experts: int,
+        grouped: bool,
+        rows: int,
+        outputs: int,
+        owners: list,
+        group: Group,
+        copies: Group | None,
+        where: str,
+    ):
         super().__init__()
         self.segment = segment
         self.experts, self.grouped, self.rows, self.outputs = experts, grouped, rows, outputs
@@ -161,7 +178,7 @@ class ExpertDispatch(torch.nn.Module):
         self.received = 0  # rows the segment last ran on: only those of this rank's experts
 
     def forward(self, key, *args):
-        rows, rest = list(args[:self.rows]), args[self.rows:]
+        rows, rest = list(args[: self.rows]), args[self.rows :]
         slots = rows[0].shape[0]
         if self.grouped:
             ends = key.to(torch.int64)
@@ -175,15 +192,22 @@ class ExpertDispatch(torch.nn.Module):
         start, stop, shares = 0, valid, None
         if self.copies is not None:  # each copy sends its share of the rows
             shares = _lengths(valid, self.copies.size)
-            start = sum(shares[:self.copies.rank])
+            start = sum(shares[: self.copies.rank])
             stop = start + shares[self.copies.rank]
-            rows = [_Share.apply(r, shares, self.copies, self.where) if torch.is_grad_enabled() else
-                    r.narrow(0, start, stop - start) for r in rows]
+            rows = [
+                _Share.apply(r, shares, self.copies, self.where)
+                if torch.is_grad_enabled()
+                else r.narrow(0, start, stop - start)
+                for r in rows
+            ]
         routes = _routes(_share(ends, start, stop), self.owners, self.group, self.where)
         sent = [all_to_all(r, routes.recv, routes.send, self.group.name, self.where)[routes.order] for r in rows]
         offsets = torch.cumsum(routes.counts, 0)
-        local = offsets.to(key.dtype) if self.grouped else torch.arange(
-            routes.counts.numel(), device=key.device).repeat_interleave(routes.counts)
+        local = (
+            offsets.to(key.dtype)
+            if self.grouped
+            else torch.arange(routes.counts.numel(), device=key.device).repeat_interleave(routes.counts)
+        )
         self.received = sent[0].shape[0]
         out = self.segment(*sent, local, *rest)
         outs = out if self.outputs > 1 else (out,)
@@ -192,8 +216,11 @@ class ExpertDispatch(torch.nn.Module):
         for y in outs:
             y = all_to_all(y[back], routes.send, routes.recv, self.group.name, self.where)
             if shares is not None:
-                y = _Gather.apply(y, shares, self.copies, self.where) if torch.is_grad_enabled() else \
-                    transport.gather_rows(y, shares, self.copies.name, self.where)
+                y = (
+                    _Gather.apply(y, shares, self.copies, self.where)
+                    if torch.is_grad_enabled()
+                    else transport.gather_rows(y, shares, self.copies.name, self.where)
+                )
             if valid < slots:
                 y = torch.cat([y, y.new_zeros(slots - valid, *y.shape[1:])])
             if order is not None:

@@ -4,6 +4,7 @@ Hugging Face layout: ``model.safetensors``, or ``model-0000k-of-0000n.safetensor
 ``model.safetensors.index.json``.  Tensor names are the model's parameter and persistent buffer names, or the names
 transformers stores them under (its conversion mapping, see conversion.py).
 """
+
 from __future__ import annotations
 
 import json
@@ -41,8 +42,9 @@ class Checkpoint:
         else:
             raise CheckpointError(f"no {SINGLE} or {INDEX} in {self.directory}")
         self.stored = {name: self.directory / file for name, file in weight_map.items()}
-        self.files = assemble(self.stored, conversions) if conversions else {
-            name: Assembled.plain(name) for name in self.stored}
+        self.files = (
+            assemble(self.stored, conversions) if conversions else {name: Assembled.plain(name) for name in self.stored}
+        )
 
     def shape(self, name: str) -> tuple:
         return self.files[name].shape(self._stored_shape)
@@ -86,15 +88,17 @@ def check_names(checkpoint: Checkpoint, expected: dict, optional: set = frozense
         if not present:
             problems.append(f"missing: {names[0]}")
         elif checkpoint.shape(present[0]) != tuple(shape):
-            problems.append(f"shape mismatch: {present[0]} is {checkpoint.shape(present[0])} in the checkpoint, "
-                            f"{tuple(shape)} in the model")
+            problems.append(
+                f"shape mismatch: {present[0]} is {checkpoint.shape(present[0])} in the checkpoint, "
+                f"{tuple(shape)} in the model"
+            )
     problems += [f"unexpected: {n}" for n in sorted(set(checkpoint.files) - known)]
     if problems:
         listed = "; ".join(problems[:12]) + (f"; and {len(problems) - 12} more" if len(problems) > 12 else "")
         raise CheckpointError(f"checkpoint {checkpoint.directory} does not match the model: {listed}")
 
 
-def save_pretrained(sharded, directory: str | Path, max_shard_bytes: int = 5 * 2 ** 30) -> Path:
+def save_pretrained(sharded, directory: str | Path, max_shard_bytes: int = 5 * 2**30) -> Path:
     """Write a standard, unsharded checkpoint (a collective: every rank must call it).
 
     Tensors are gathered one at a time and rank 0 writes a file whenever ``max_shard_bytes`` is
@@ -111,10 +115,17 @@ def save_pretrained(sharded, directory: str | Path, max_shard_bytes: int = 5 * 2
         return directory
     mesh = getattr(sharded, "autotp_mesh", None)
     if mesh is not None and "pp" in mesh.mesh_dim_names:
-        raise ValueError("save_pretrained got one pipeline stage's module, which holds only that stage's parameters: "
-                         "save the pipeline as a whole")
-    _write(_stored(sharded, full_checkpoint_tensors(sharded)), directory, max_shard_bytes, _is_writer(sharded),
-           getattr(sharded, "autotp_config", None))
+        raise ValueError(
+            "save_pretrained got one pipeline stage's module, which holds only that stage's parameters: "
+            "save the pipeline as a whole"
+        )
+    _write(
+        _stored(sharded, full_checkpoint_tensors(sharded)),
+        directory,
+        max_shard_bytes,
+        _is_writer(sharded),
+        getattr(sharded, "autotp_config", None),
+    )
     dist.barrier(sharded.autotp_group if mesh is None else None)  # the writer may be in another TP group
     return directory
 
@@ -178,8 +189,9 @@ def is_persistent(module: torch.nn.Module, name: str, tensor: torch.Tensor) -> b
     """Parameters and persistent buffers are what a checkpoint holds."""
     owner, _, attr = name.rpartition(".")
     holder = module.get_submodule(owner)
-    return isinstance(tensor, torch.nn.Parameter) or (attr in holder._buffers and
-                                                       attr not in holder._non_persistent_buffers_set)
+    return isinstance(tensor, torch.nn.Parameter) or (
+        attr in holder._buffers and attr not in holder._non_persistent_buffers_set
+    )
 
 
 def full_checkpoint_tensors(sharded: torch.nn.Module):
@@ -204,8 +216,7 @@ def _name_files(directory: Path, files: list, total: int) -> None:
         final = f"model-{k:05d}-of-{len(files):05d}.safetensors"
         path.rename(directory / final)
         weight_map.update(dict.fromkeys(names, final))
-    (directory / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
-                                              indent=1))
+    (directory / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
 
 
 def _placements_by_id(sharded: torch.nn.Module) -> dict:

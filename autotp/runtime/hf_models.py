@@ -1,4 +1,5 @@
 """Conveniences for Hugging Face models (found by their config object, never by name)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -40,13 +41,16 @@ def computed_buffers(model: torch.nn.Module, wanted: dict) -> dict:
     checkpoints rarely hold them (rotary ``inv_freq``), since ``__init__`` computes them from the config.  They
     are recomputed the same way, by constructing ``type(model)(model.config)`` on the CPU with its parameters on
     the meta device (accelerate's ``init_empty_weights``), and cast to the wanted dtypes."""
-    advice = (f"{', '.join(sorted(wanted))}: computed at construction, in no checkpoint, and left on the meta "
-              f"device. Build {type(model).__name__} with accelerate.init_empty_weights(include_buffers=False) "
-              "instead of torch.device('meta'), so that buffers stay real, or set them before parallelize")
+    advice = (
+        f"{', '.join(sorted(wanted))}: computed at construction, in no checkpoint, and left on the meta "
+        f"device. Build {type(model).__name__} with accelerate.init_empty_weights(include_buffers=False) "
+        "instead of torch.device('meta'), so that buffers stay real, or set them before parallelize"
+    )
     config = getattr(model, "config", None)
     if config is None:
         raise CheckpointError(f"{advice} ({type(model).__name__} has no config to rebuild them from)")
     from accelerate import init_empty_weights
+
     try:
         with torch.device("cpu"), init_empty_weights(include_buffers=False):
             rebuilt = dict(type(model)(config).named_buffers(remove_duplicate=False))
@@ -56,7 +60,8 @@ def computed_buffers(model: torch.nn.Module, wanted: dict) -> dict:
     for name, meta in wanted.items():
         value = rebuilt.get(name)
         if value is None or value.is_meta or value.shape != meta.shape:
-            raise CheckpointError(f"{advice} ({type(model).__name__}(config) gives no {name} of shape "
-                                  f"{tuple(meta.shape)})")
+            raise CheckpointError(
+                f"{advice} ({type(model).__name__}(config) gives no {name} of shape {tuple(meta.shape)})"
+            )
         found[name] = value.to(meta.dtype)
     return found

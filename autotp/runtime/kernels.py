@@ -2,6 +2,7 @@
 
 The rewriter (passes/rewrite.py) calls these with this rank's offsets baked in.
 """
+
 from __future__ import annotations
 
 import torch
@@ -54,7 +55,7 @@ def expert_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor,
     ends = offs.tolist()
     start, end = (ends[first - 1] if first else 0), ends[first + weight.shape[0] - 1]
     grouped = torch.ops.transformers.grouped_mm_fallback if fallback else aten._grouped_mm
-    mine = grouped(x[start:end], weight, offs[first:first + weight.shape[0]] - start)
+    mine = grouped(x[start:end], weight, offs[first : first + weight.shape[0]] - start)
     return torch.cat([mine.new_zeros(start, mine.shape[1]), mine, mine.new_zeros(x.shape[0] - end, mine.shape[1])])
 
 

@@ -5,6 +5,7 @@ slice of the logits; this loss needs only three all-reduces of (tokens,) vectors
 holds the full [tokens, vocab] logits.  The slices follow autotp's layout for a vocabulary of V:
 rank r holds columns ``Shard(-1, units=V).ranges(V, r, N)`` (equal slices when N divides V).
 """
+
 from __future__ import annotations
 
 import torch
@@ -48,8 +49,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return g.to(ctx.dtype), None, None, None, None
 
 
-def parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, group=None,
-                           ignore_index: int = -100) -> torch.Tensor:
+def parallel_cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, group=None, ignore_index: int = -100
+) -> torch.Tensor:
     """Mean cross-entropy over tokens whose label is not ``ignore_index``, equal to
     ``F.cross_entropy(full_logits.flatten(0, -2), labels.flatten())``.  A collective over ``group``.
 
@@ -57,19 +59,24 @@ def parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, vocab_siz
     """
     group = group or dist.group.WORLD
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    (start, length), = Shard(-1, units=vocab_size).ranges(vocab_size, rank, world)
+    ((start, length),) = Shard(-1, units=vocab_size).ranges(vocab_size, rank, world)
     if logits.shape[-1] == vocab_size:
         start, group_name = 0, None
     elif logits.shape[-1] == length:
         group_name = group.group_name
     else:
-        raise ValueError(f"logits have {logits.shape[-1]} columns on rank {rank}: expected this rank's vocabulary "
-                         f"slice ({length} of {vocab_size}) or the full vocabulary; pass the logits of a model "
-                         "sharded with gather_outputs=False, and vocab_size=config.vocab_size")
+        raise ValueError(
+            f"logits have {logits.shape[-1]} columns on rank {rank}: expected this rank's vocabulary "
+            f"slice ({length} of {vocab_size}) or the full vocabulary; pass the logits of a model "
+            "sharded with gather_outputs=False, and vocab_size=config.vocab_size"
+        )
     if labels.shape != logits.shape[:-1]:
-        raise ValueError(f"labels of shape {tuple(labels.shape)} do not match logits {tuple(logits.shape)} "
-                         "(one label per row of logits)")
+        raise ValueError(
+            f"labels of shape {tuple(labels.shape)} do not match logits {tuple(logits.shape)} "
+            "(one label per row of logits)"
+        )
     if group_name is None:
-        return torch.nn.functional.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(),
-                                                 ignore_index=ignore_index)
+        return torch.nn.functional.cross_entropy(
+            logits.flatten(0, -2).float(), labels.flatten(), ignore_index=ignore_index
+        )
     return _VocabParallelCrossEntropy.apply(logits.flatten(0, -2), labels.flatten(), start, group_name, ignore_index)

@@ -12,6 +12,7 @@ tensor memory on the device, filled (tied names once) by the first source that h
               rank's piece, so that every layout holds the same full model;
   otherwise   uninitialised memory (to fill with ``dcp.load``).
 """
+
 from __future__ import annotations
 
 import functools
@@ -45,8 +46,10 @@ def _fill(module: torch.nn.Module, device: torch.device, checkpoint, seed: int |
     group, plan, model = module.autotp_group, module.autotp_plan, module.autotp_source
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     todo: dict = {}
-    for name, tensor in [*module.named_parameters(remove_duplicate=False),
-                         *module.named_buffers(remove_duplicate=False)]:
+    for name, tensor in [
+        *module.named_parameters(remove_duplicate=False),
+        *module.named_buffers(remove_duplicate=False),
+    ]:
         if tensor.is_meta:
             todo.setdefault(id(tensor), (tensor, []))[1].append(name)
     if not todo:
@@ -60,12 +63,23 @@ def _fill(module: torch.nn.Module, device: torch.device, checkpoint, seed: int |
         placement, shape = _layout(plan, names, tensor)
         stored = next((n for n in names if checkpoint is not None and n in checkpoint.files), None)
         deal = next((dealt[n] for n in names if n in dealt), None)
-        pieces.append((tensor, names, shape, stored, piece_ranges(shape, placement, rank, world, _outer_box(tensor),
-                                                                  deal.spans(shape[0]) if deal else None)))
-    computed = {names[0]: torch.empty(shape, dtype=tensor.dtype, device="meta") for tensor, names, shape, stored, _
-                in pieces if stored is None and not _persistent(module, names[0], tensor)}
+        pieces.append(
+            (
+                tensor,
+                names,
+                shape,
+                stored,
+                piece_ranges(shape, placement, rank, world, _outer_box(tensor), deal.spans(shape[0]) if deal else None),
+            )
+        )
+    computed = {
+        names[0]: torch.empty(shape, dtype=tensor.dtype, device="meta")
+        for tensor, names, shape, stored, _ in pieces
+        if stored is None and not _persistent(module, names[0], tensor)
+    }
     if computed:
         from autotp.runtime.hf_models import computed_buffers
+
         computed = computed_buffers(model, computed)
     with step("loading this rank's pieces", total=len(pieces)) as advance:
         for tensor, names, shape, stored, ranges in pieces:
@@ -78,12 +92,16 @@ def _fill(module: torch.nn.Module, device: torch.device, checkpoint, seed: int |
             elif names[0] in computed:
                 read = functools.partial(_box, computed[names[0]])
             elif seed is not None:
-                read = functools.partial(_box, initialised(skeleton, canonical.get(names[0], names[0]), shape,
-                                                           tensor.dtype, seed))
+                read = functools.partial(
+                    _box, initialised(skeleton, canonical.get(names[0], names[0]), shape, tensor.dtype, seed)
+                )
             else:
                 read = None
-            local = tensor.to_local() if isinstance(tensor, DTensor) else torch.empty(
-                tensor.shape, dtype=tensor.dtype, device=device)
+            local = (
+                tensor.to_local()
+                if isinstance(tensor, DTensor)
+                else torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+            )
             if read is not None:
                 with torch.no_grad():
                     fill_ranges(local, ranges, read)
@@ -121,7 +139,7 @@ def _outer_box(tensor: torch.Tensor):
     """Per dim, (start, length) of the TP piece that FSDP2 keeps on this rank; None for a plain tensor."""
     if not isinstance(tensor, DTensor):
         return None
-    chunk, = tensor.__create_chunk_list__()
+    (chunk,) = tensor.__create_chunk_list__()
     return list(zip(chunk.offsets, chunk.sizes, strict=True))
 
 
@@ -168,8 +186,10 @@ def initialised(model: torch.nn.Module, name: str, shape: tuple, dtype: torch.dt
     finally:
         slot[attr] = held
     if full.is_floating_point() and torch.isnan(full).any():
-        raise CheckpointError(f"autotp cannot initialise {name}: neither the model's _init_weights nor its module's "
-                              "reset_parameters writes it; load it from a checkpoint (checkpoint=DIR)")
+        raise CheckpointError(
+            f"autotp cannot initialise {name}: neither the model's _init_weights nor its module's "
+            "reset_parameters writes it; load it from a checkpoint (checkpoint=DIR)"
+        )
     return full
 
 
@@ -190,5 +210,8 @@ def _initialisers(model: torch.nn.Module, path: str) -> list:
     if found[-1][0] is None:
         reset = getattr(chain[-1][1], "reset_parameters", None)
         return [reset] if callable(reset) else []
-    return [lambda owner=owner, module=module: owner._init_weights(module)
-            for owner, module in reversed(found) if owner is not None]
+    return [
+        lambda owner=owner, module=module: owner._init_weights(module)
+        for owner, module in reversed(found)
+        if owner is not None
+    ]

@@ -5,6 +5,7 @@ the TP group, holding the first program's very parameters; or, where that is off
 
 Inputs are matched by structure (their pytree: types, lengths, a mask function's code), never by object: a mask
 rebuilt per batch is the program's input as it was (ops/mask_functions.py)."""
+
 from __future__ import annotations
 
 import warnings
@@ -76,8 +77,12 @@ def refusal(program: torch.nn.Module, args: tuple, kwargs: dict) -> str | None:
     try:
         leaves = [x for _, x in _check_inputs_match(args, kwargs, spec)]
     except ValueError:
-        return call_difference(spec, tree_flatten((args, reorder_kwargs(kwargs, spec)
-                                                   if set(kwargs) == set(spec.child(1).context) else kwargs))[1])
+        return call_difference(
+            spec,
+            tree_flatten((args, reorder_kwargs(kwargs, spec) if set(kwargs) == set(spec.child(1).context) else kwargs))[
+                1
+            ],
+        )
     try:
         guards = getattr(program, "_guards_fn", None)
         if guards is not None:
@@ -95,9 +100,11 @@ def share_tensors(main: torch.nn.Module, other: torch.nn.Module) -> None:
         for name, tensor in list(named(remove_duplicate=False)):
             held = main.get_parameter(name) if kind == "parameter" else main.get_buffer(name)
             if held.shape != tensor.shape:
-                raise InputStructureError(f"the program captured for these inputs holds {kind} {name} as "
-                                          f"{tuple(tensor.shape)}, the first as {tuple(held.shape)}: capture with "
-                                          "inputs of this structure instead")
+                raise InputStructureError(
+                    f"the program captured for these inputs holds {kind} {name} as "
+                    f"{tuple(tensor.shape)}, the first as {tuple(held.shape)}: capture with "
+                    "inputs of this structure instead"
+                )
             owner, _, leaf = name.rpartition(".")
             module = other.get_submodule(owner)
             if kind == "parameter":
@@ -136,17 +143,21 @@ class Programs:
                 return self._run(other, args, kwargs)
         if self.most <= 0:
             fix = self.why_not or "pass recaptures=8 to parallelize"
-            raise InputStructureError(f"this call's inputs differ from those the model was captured with: {why}; "
-                                      f"{fix}, or call with inputs of that structure")
+            raise InputStructureError(
+                f"this call's inputs differ from those the model was captured with: {why}; "
+                f"{fix}, or call with inputs of that structure"
+            )
         other = self.make(args, kwargs, self.main.training)
         other.autotp_captured_training = self.main.training
         self.made += 1
         self.others[self.made] = other
         if len(self.others) > self.most:
             self.others.popitem(last=False)
-        warnings.warn(f"autotp: captured and planned the model again for a call of a new structure ({why}); "
-                      f"{len(self.others) + 1} programs kept, at most {self.most + 1} (option recaptures)",
-                      stacklevel=3)
+        warnings.warn(
+            f"autotp: captured and planned the model again for a call of a new structure ({why}); "
+            f"{len(self.others) + 1} programs kept, at most {self.most + 1} (option recaptures)",
+            stacklevel=3,
+        )
         return self._run(other, args, kwargs)
 
     def _run(self, other: torch.nn.Module, args, kwargs):
@@ -160,14 +171,17 @@ def install(main: torch.nn.Module, make, most: int, why_not: str = "") -> Progra
     """Route ``main``'s calls through Programs; export's own input check (a pre-hook that raises on a new
     structure) gives way to it."""
     from torch.export._unlift import _check_input_constraints_pre_hook
+
     for key, hook in list(main._forward_pre_hooks.items()):
         if getattr(hook, "__func__", hook) is _check_input_constraints_pre_hook or (
-                getattr(hook, "__name__", "") == "_check_input_constraints_pre_hook"):
+            getattr(hook, "__name__", "") == "_check_input_constraints_pre_hook"
+        ):
             del main._forward_pre_hooks[key]
             main._forward_pre_hooks_with_kwargs.pop(key, None)
     programs = Programs(main, make, most, why_not)
 
     def forward(*args, **kwargs):  # a function, as torch.compile expects of a GraphModule's forward
         return programs(*args, **kwargs)
+
     main.forward = forward
     return programs

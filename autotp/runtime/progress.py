@@ -3,6 +3,7 @@
 The library only marks its steps; nothing is shown unless a reporter is installed (``showing``): the command
 line installs rich progress bars when stderr is a terminal, and none when it is piped.
 """
+
 from __future__ import annotations
 
 import contextlib

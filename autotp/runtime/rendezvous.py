@@ -7,6 +7,7 @@ read them.  The store cannot tell a dead rank from a slow one; on gloo, each exc
 every peer one point-to-point message (see ``_Presence``), which fails as soon as the peer's
 connection closes, so a dead rank is named within seconds while a slow one gets the whole ``timeout``.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -32,8 +33,7 @@ class RankDisagreement(RuntimeError):
 def inputs_digest(args, kwargs) -> str:
     """Shapes and dtypes of the example inputs (their values may differ between ranks)."""
     leaves = tree_leaves((args, kwargs or {}))
-    text = ";".join(f"{tuple(x.shape)}:{x.dtype}" if isinstance(x, torch.Tensor) else repr(type(x))
-                    for x in leaves)
+    text = ";".join(f"{tuple(x.shape)}:{x.dtype}" if isinstance(x, torch.Tensor) else repr(type(x)) for x in leaves)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -86,8 +86,10 @@ class _Presence:
 
 
 def _store_gone() -> RankDisagreement:
-    return RankDisagreement("rank 0 is gone (it hosts the rendezvous store, and its connection closed): it failed "
-                            "or died; see its own errors")
+    return RankDisagreement(
+        "rank 0 is gone (it hosts the rendezvous store, and its connection closed): it failed "
+        "or died; see its own errors"
+    )
 
 
 class Rendezvous:
@@ -139,8 +141,10 @@ class Rendezvous:
         ranks = sorted(presence.lost)
         cause = presence.lost[ranks[0]].split(". This is")[0]
         who = f"rank {ranks[0]} is" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))} are"
-        return RankDisagreement(f"{who} gone while this rank waited for every rank to {what}: its connection closed, "
-                                f"so it crashed or exited (see its own errors). gloo: {cause}")
+        return RankDisagreement(
+            f"{who} gone while this rank waited for every rank to {what}: its connection closed, "
+            f"so it crashed or exited (see its own errors). gloo: {cause}"
+        )
 
     def _late(self, keys: list[str], ranks: list[int], what: str, presence: _Presence | None) -> str:
         """Why ranks missed the deadline, as far as this rank can tell."""
@@ -151,12 +155,16 @@ class Rendezvous:
             calls_key = f"{self.root}/calls/{rank}"
             calls = int(self.store.get(calls_key)) if self._check([calls_key]) else 0
             if calls != self.call:
-                reasons.append(f"rank {rank} has made {calls} parallelize call(s) on this group and this rank "
-                               f"{self.call}: every rank must call autotp.parallelize equally often, in the same "
-                               "order (or it is slow to reach this call)")
+                reasons.append(
+                    f"rank {rank} has made {calls} parallelize call(s) on this group and this rank "
+                    f"{self.call}: every rank must call autotp.parallelize equally often, in the same "
+                    "order (or it is slow to reach this call)"
+                )
             elif presence is not None:
-                reasons.append(f"rank {rank} is alive (its connection is open) but did not {what}: it is slow, "
-                               "stuck, or failed and went on (see its own errors)")
+                reasons.append(
+                    f"rank {rank} is alive (its connection is open) but did not {what}: it is slow, "
+                    "stuck, or failed and went on (see its own errors)"
+                )
             else:
                 reasons.append(f"rank {rank} did not {what}: it failed, died, or is slow (see its own errors)")
         return f"{'; '.join(reasons)} (waited {self.timeout:.0f} s; pass timeout= to autotp.parallelize to wait longer)"
@@ -171,8 +179,13 @@ class Rendezvous:
             for key in keys + read:
                 self.store.delete_key(key)
 
-    def agree(self, name: str, value: str, what: str, fix: str = "every rank must build the same model and pass "
-              "example inputs of the same shapes and dtypes") -> None:
+    def agree(
+        self,
+        name: str,
+        value: str,
+        what: str,
+        fix: str = "every rank must build the same model and pass example inputs of the same shapes and dtypes",
+    ) -> None:
         """Every rank publishes ``value``; all must be equal."""
         if self.world == 1:
             return  # nothing to agree on, and no store to lean on (its host may have exited)
@@ -227,9 +240,13 @@ class InputCheck:
         if not self.every_call:
             self.handle.remove()
         what = f"the input values of call {self.calls}"
-        self.rendezvous.agree(f"inputs/{self.calls}", values_digest(args, kwargs), what,
-                              "every rank must pass the same inputs to the sharded model (same batch; the same seed "
-                              "for random inputs); check_inputs=False turns this check off")
+        self.rendezvous.agree(
+            f"inputs/{self.calls}",
+            values_digest(args, kwargs),
+            what,
+            "every rank must pass the same inputs to the sharded model (same batch; the same seed "
+            "for random inputs); check_inputs=False turns this check off",
+        )
 
 
 def random_digest(device: torch.device) -> str:
@@ -260,8 +277,11 @@ class RandomCheck:
         self.calls += 1
         if not self.every_call:
             self.handle.remove()
-        self.rendezvous.agree(f"random/{self.calls}", random_digest(self.device),
-                              f"the random generators' states at call {self.calls} that drops",
-                              "every rank of a tensor-parallel group must seed alike (torch.manual_seed(seed) with "
-                              "one seed) and draw the same random numbers outside the model; check_inputs=False "
-                              "turns this check off")
+        self.rendezvous.agree(
+            f"random/{self.calls}",
+            random_digest(self.device),
+            f"the random generators' states at call {self.calls} that drops",
+            "every rank of a tensor-parallel group must seed alike (torch.manual_seed(seed) with "
+            "one seed) and draw the same random numbers outside the model; check_inputs=False "
+            "turns this check off",
+        )

@@ -12,6 +12,7 @@ stopping its workers) is noted and acted on at the end of the step: every rank a
         if checkpoints.after(step, model, optimizer, scheduler=scheduler):
             break   # SIGTERM: saved, stop
 """
+
 from __future__ import annotations
 
 import re
@@ -78,7 +79,7 @@ class RunCheckpoints:
             partial.rename(final)
             for stale in self.directory.glob("step-*.partial"):
                 shutil.rmtree(stale, ignore_errors=True)
-            for old in self.complete()[:-self.keep] if self.keep else ():
+            for old in self.complete()[: -self.keep] if self.keep else ():
                 shutil.rmtree(old, ignore_errors=True)
         _barrier()
         return final

@@ -1,5 +1,6 @@
 """How autotp's collectives reach c10d: the functional ops (NCCL, torch.compile), or on gloo two shortcuts; every
 failure raised as a CollectiveError that names the collective, its group and the value it moves."""
+
 from __future__ import annotations
 
 import os
@@ -98,7 +99,8 @@ def failure(op: str, what: str, group: str, exc: Exception) -> CollectiveError:
         f"autotp: {op}{over} {what} ({phase}) did not complete: "
         f"another rank died, is stuck, or runs different code (look at the other ranks' output); the process "
         f"group's timeout bounds the wait (on a mesh, parallelize's timeout=; else init_process_group(timeout=...)). "
-        f"Cause: {exc}")
+        f"Cause: {exc}"
+    )
 
 
 def _gathered(x: torch.Tensor, world: int, group: str) -> torch.Tensor:
@@ -141,8 +143,12 @@ def exchange(x: torch.Tensor, out_splits: list, in_splits: list, group: str, whe
         if gloo is None:
             return _c10d.wait_tensor(_c10d.all_to_all_single(x.contiguous(), out_splits, in_splits, group))
         out = x.new_empty(sum(out_splits), *x.shape[1:])
-        wait(dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=_resolve_process_group(group),
-                                     async_op=True), gloo)
+        wait(
+            dist.all_to_all_single(
+                out, x.contiguous(), out_splits, in_splits, group=_resolve_process_group(group), async_op=True
+            ),
+            gloo,
+        )
         return out
     except Exception as exc:
         raise failed("all_to_all", x, where, exc, group) from exc

@@ -8,6 +8,7 @@ copied without blocking.  While idle it broadcasts a tick a second, so the other
 reach the group's timeout; a stop ends every rank's loop.  Sampling runs on rank 0 only (its logits are the whole
 vocabulary on every rank), from each request's own generator when it gives a seed.
 """
+
 from __future__ import annotations
 
 import threading
@@ -31,6 +32,7 @@ HEADER = 2 + 3 * 2  # a step is at most two calls (Engine._calls)
 @dataclass(frozen=True)
 class Sampling:
     """What a request asks of its tokens (OpenAI's fields; ``top_k`` is vLLM's extension). temperature 0: greedy."""
+
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
@@ -42,14 +44,18 @@ class Sampling:
     ignore_eos: bool = False
 
     def __post_init__(self):
-        checks = [(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens must be a positive integer"),
-                  (self.temperature >= 0, "temperature must be at least 0"),
-                  (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
-                  (isinstance(self.top_k, int) and self.top_k >= 0, "top_k must be 0 (off) or a positive integer"),
-                  (isinstance(self.n, int) and 1 <= self.n <= 16, "n must be an integer from 1 to 16"),
-                  (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be from 0 to 20"),
-                  (all(isinstance(s, str) and s for s in self.stop) and len(self.stop) <= 4,
-                   "stop must be up to 4 non-empty strings")]
+        checks = [
+            (isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens must be a positive integer"),
+            (self.temperature >= 0, "temperature must be at least 0"),
+            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+            (isinstance(self.top_k, int) and self.top_k >= 0, "top_k must be 0 (off) or a positive integer"),
+            (isinstance(self.n, int) and 1 <= self.n <= 16, "n must be an integer from 1 to 16"),
+            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be from 0 to 20"),
+            (
+                all(isinstance(s, str) and s for s in self.stop) and len(self.stop) <= 4,
+                "stop must be up to 4 non-empty strings",
+            ),
+        ]
         for ok, message in checks:
             if not ok:
                 raise Refused(message)
@@ -92,7 +98,7 @@ class Choice:
         """Text not sent yet; while unfinished, the tail that may begin a stop string is held back."""
         hold = 0 if self.finish_reason else max((len(stop) - 1 for stop in self.sampling.stop), default=0)
         end = max(self.sent, len(self.text) - hold)
-        piece, self.sent = self.text[self.sent:end], end
+        piece, self.sent = self.text[self.sent : end], end
         return piece
 
 
@@ -115,8 +121,17 @@ class Engine:
     captures and plans the step program); rank 0 then calls ``run`` on a thread of its own, the others
     ``follow``."""
 
-    def __init__(self, sharded, tokenizer, *, blocks: int, block_size: int = 16, max_num_seqs: int = 32,
-                 max_batched_tokens: int = 512, max_model_len: int | None = None):
+    def __init__(
+        self,
+        sharded,
+        tokenizer,
+        *,
+        blocks: int,
+        block_size: int = 16,
+        max_num_seqs: int = 32,
+        max_batched_tokens: int = 512,
+        max_model_len: int | None = None,
+    ):
         self.group = sharded.autotp_group
         self.control = host_group(self.group)  # the steps' messages: CPU tensors
         self.device = sharded.autotp_device
@@ -127,8 +142,9 @@ class Engine:
         config = sharded.autotp_source.config.get_text_config()
         self.vocab_size = config.vocab_size
         limit = max_model_len or getattr(config, "max_position_embeddings", None) or blocks * block_size
-        self.scheduler = Scheduler(blocks, block_size, max_num_seqs=max_num_seqs,
-                                   max_batched_tokens=max_batched_tokens, max_model_len=limit)
+        self.scheduler = Scheduler(
+            blocks, block_size, max_num_seqs=max_num_seqs, max_batched_tokens=max_batched_tokens, max_model_len=limit
+        )
         eos = getattr(getattr(sharded.autotp_source, "generation_config", None), "eos_token_id", None)
         eos = eos if eos is not None else getattr(tokenizer, "eos_token_id", None)
         self.eos = {eos} if isinstance(eos, int) else set(eos or ())
@@ -170,12 +186,21 @@ class Engine:
     def metrics(self) -> dict:
         now = time.time()
         window = [n for t, n in self.recent if now - t < 10]
-        return {"requests_running": len({id(r) for r in self.requests if r.choices and any(
-                    c.sequence in self.scheduler.running for c in r.choices)}),
-                "requests_waiting": len(self.scheduler.waiting) + len(self.inbox),
-                "kv_blocks_used": self.scheduler.blocks_in_use, "kv_blocks_total": self.scheduler.total,
-                "preemptions": self.scheduler.preemptions, "generation_tokens": self.generated,
-                "tokens_per_second": sum(window) / 10}
+        return {
+            "requests_running": len(
+                {
+                    id(r)
+                    for r in self.requests
+                    if r.choices and any(c.sequence in self.scheduler.running for c in r.choices)
+                }
+            ),
+            "requests_waiting": len(self.scheduler.waiting) + len(self.inbox),
+            "kv_blocks_used": self.scheduler.blocks_in_use,
+            "kv_blocks_total": self.scheduler.total,
+            "preemptions": self.scheduler.preemptions,
+            "generation_tokens": self.generated,
+            "tokens_per_second": sum(window) / 10,
+        }
 
     # ---- the loops -----------------------------------------------------------------------------------------
     def run(self) -> None:
@@ -218,12 +243,12 @@ class Engine:
             calls = message[1] if message[0] == "step" else []
             header[0], header[1] = KINDS.index(message[0]), len(calls)
             for i, (ids, _, _, context) in enumerate(calls):
-                header[2 + 3 * i: 5 + 3 * i] = torch.tensor([*ids.shape, context.shape[1]])
+                header[2 + 3 * i : 5 + 3 * i] = torch.tensor([*ids.shape, context.shape[1]])
         dist.broadcast(header, group_src=0, group=self.control)
         kind, count = KINDS[int(header[0])], int(header[1])
         if kind != "step":
             return (kind,)
-        shapes = [header[2 + 3 * i: 5 + 3 * i].tolist() for i in range(count)]
+        shapes = [header[2 + 3 * i : 5 + 3 * i].tolist() for i in range(count)]
         sizes = [n for rows, tokens, width in shapes for n in (rows * tokens,) * 3 + (rows * width,)]
         flat = torch.empty(sum(sizes), dtype=torch.long, pin_memory=self.pinned)
         if message is not None:
@@ -286,9 +311,9 @@ class Engine:
         for r in rows:
             blocks, pad = r.sequence.blocks, tokens - r.count
             where = [blocks[p // size] * size + p % size for p in range(r.start + r.count)]
-            ids.append([0] * pad + r.sequence.tokens[r.start:r.start + r.count])
+            ids.append([0] * pad + r.sequence.tokens[r.start : r.start + r.count])
             positions.append([0] * pad + list(range(r.start, r.start + r.count)))
-            slots.append([self.scratch] * pad + where[r.start:])
+            slots.append([self.scratch] * pad + where[r.start :])
             context.append(where + [where[0]] * (width - len(where)))
         return tuple(torch.tensor(x, dtype=torch.long) for x in (ids, positions, slots, context))
 

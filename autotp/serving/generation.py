@@ -7,6 +7,7 @@ the weights are the forward program's own shards (same placements, no copy).  On
 the prefill (a whole prompt) and every one-token decode step.  Rank 0 picks each token and
 broadcasts it, so every rank continues with the same tokens.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -23,6 +24,7 @@ class _CachedLM(torch.nn.Module):
     def __init__(self, model: torch.nn.Module, batch: int, max_len: int, device: torch.device):
         super().__init__()
         from transformers.cache_utils import StaticCache
+
         config = model.config.get_text_config()
         self.model = model
         self.cache = StaticCache(config=config, max_cache_len=max_len)
@@ -34,9 +36,15 @@ class _CachedLM(torch.nn.Module):
     def forward(self, input_ids, attention_mask, position_ids, cache_position):
         for layer in self.cache.layers:  # where this call writes: its positions, not a count kept since capture
             layer.cumulative_length.copy_(cache_position[0])
-        return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                          past_key_values=self.cache, cache_position=cache_position, use_cache=True,
-                          logits_to_keep=1).logits
+        return self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=self.cache,
+            cache_position=cache_position,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits
 
 
 def dtype_of(model: torch.nn.Module) -> torch.dtype:
@@ -73,8 +81,14 @@ class ResidentShards:
         return torch.zeros([len(range(*b.indices(n))) for b, n in zip(box, self.shapes[name], strict=True)])
 
 
-def choose_tokens(logits: torch.Tensor, do_sample: bool, temperature: float, top_k: int | None, top_p: float | None,
-            generator: torch.Generator | None) -> torch.Tensor:
+def choose_tokens(
+    logits: torch.Tensor,
+    do_sample: bool,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    generator: torch.Generator | None,
+) -> torch.Tensor:
     """Next tokens (batch,) from last-position logits [batch, vocab] (or one token from [vocab]), as transformers'
     generate picks them."""
     if not do_sample:
@@ -95,23 +109,29 @@ def decoder(sharded: torch.nn.Module, batch: int, max_len: int) -> torch.nn.Modu
     """The sharded decode program for ``batch`` sequences of up to ``max_len`` tokens (a collective)."""
     from autotp.api import tensor_parallel
     from autotp.options import PlanOptions, RunOptions
+
     source = sharded.autotp_source
     group = sharded.autotp_group
     device = sharded.autotp_device
     training = source.training
     wrapper = _CachedLM(source, batch, max_len, device).eval()  # never drops; the model's mode is put back
     where = torch.device("meta") if _is_meta(source) else device  # example inputs live with the model
-    example = (torch.zeros(batch, 2, dtype=torch.long, device=where),      # input_ids
-               torch.ones(batch, max_len, dtype=torch.long, device=where),  # attention_mask
-               torch.zeros(batch, 2, dtype=torch.long, device=where),      # position_ids
-               torch.arange(2, device=where))                               # cache_position
+    example = (
+        torch.zeros(batch, 2, dtype=torch.long, device=where),  # input_ids
+        torch.ones(batch, max_len, dtype=torch.long, device=where),  # attention_mask
+        torch.zeros(batch, 2, dtype=torch.long, device=where),  # position_ids
+        torch.arange(2, device=where),
+    )  # cache_position
     fixed = {f"model.{name}": sharded.autotp_plan.placement(name) for name in sharded.autotp_plan.params}
     attention = _decode_attention(source)
     try:
-        return tensor_parallel(wrapper, example, None,
-                               PlanOptions(topology=sharded.autotp_plan.topology, training=False, fixed=fixed),
-                               RunOptions(group=group, device=sharded.autotp_device,
-                                          checkpoint=ResidentShards(sharded, "model.")))
+        return tensor_parallel(
+            wrapper,
+            example,
+            None,
+            PlanOptions(topology=sharded.autotp_plan.topology, training=False, fixed=fixed),
+            RunOptions(group=group, device=sharded.autotp_device, checkpoint=ResidentShards(sharded, "model.")),
+        )
     finally:
         source.train(training)
         if attention is not None:
@@ -126,9 +146,11 @@ def _decode_attention(source: torch.nn.Module) -> str | None:
     config = source.config.get_text_config()
     if getattr(config, "_attn_implementation", None) != "flex_attention":
         return None
-    warnings.warn(f"{type(source).__name__} attends with FlexAttention: its decode program attends with SDPA "
-                  "(transformers' flex mask branches on the mask's values, which torch.export cannot capture)",
-                  stacklevel=4)
+    warnings.warn(
+        f"{type(source).__name__} attends with FlexAttention: its decode program attends with SDPA "
+        "(transformers' flex mask branches on the mask's values, which torch.export cannot capture)",
+        stacklevel=4,
+    )
     source.set_attn_implementation("sdpa")
     return "flex_attention"
 
@@ -156,10 +178,21 @@ def free_generation_cache(sharded: torch.nn.Module) -> None:
 
 
 @torch.no_grad()
-def generate(sharded: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
-             max_new_tokens: int = 20, do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
-             top_p: float | None = None, seed: int | None = None, eos_token_id: int | None = None,
-             pad_token_id: int | None = None, keep_programs: int = 4) -> torch.Tensor:
+def generate(
+    sharded: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    max_new_tokens: int = 20,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    eos_token_id: int | None = None,
+    pad_token_id: int | None = None,
+    keep_programs: int = 4,
+) -> torch.Tensor:
     """Prompt + generated tokens, [batch, prompt + new], like ``transformers``' ``generate`` (greedy or
     sampled; a finished sequence continues with ``pad_token_id``).  A collective: every rank calls it
     with the same prompt and gets the same tokens.  ``attention_mask`` marks left padding.  The decode
@@ -181,8 +214,11 @@ def generate(sharded: torch.nn.Module, input_ids: torch.Tensor, attention_mask: 
     device = sharded.autotp_device
     batch, prompt = input_ids.shape
     total = prompt + max_new_tokens
-    last_logits = (_cached(sharded, batch, prompt, total, attention_mask, keep_programs, device) if _cacheable(sharded)
-                   else _recomputed(sharded, attention_mask))
+    last_logits = (
+        _cached(sharded, batch, prompt, total, attention_mask, keep_programs, device)
+        if _cacheable(sharded)
+        else _recomputed(sharded, attention_mask)
+    )
     generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
     tokens, done = input_ids.to(device), torch.zeros(batch, dtype=torch.bool, device=device)
     for start in range(prompt, total):
@@ -214,6 +250,7 @@ def _cached(sharded, batch: int, prompt: int, total: int, attention_mask, keep: 
         step = tokens if start == prompt else tokens[:, -1:]
         at = torch.arange(start - step.shape[1], start, device=device)
         return program(step, mask, positions[:, at], at)[:, -1]
+
     return last_logits
 
 
@@ -221,10 +258,13 @@ def _recomputed(sharded, attention_mask):
     """Last-position logits of the sharded forward itself, run on the whole sequence each step (a model
     ``forward(tokens) -> logits`` without a cache autotp knows): as its own greedy loop computes them."""
     if attention_mask is not None and not bool(attention_mask.all()):
-        raise ValueError("this model takes no attention mask (it is not a Hugging Face model): generate from "
-                         "prompts of one length without padding")
+        raise ValueError(
+            "this model takes no attention mask (it is not a Hugging Face model): generate from "
+            "prompts of one length without padding"
+        )
 
     def last_logits(tokens: torch.Tensor, start: int) -> torch.Tensor:
         out = sharded(tokens)
         return getattr(out, "logits", out)[:, -1]
+
     return last_logits

@@ -5,6 +5,7 @@ Each request is handed to the engine (serving/engine.py), whose thread calls bac
 it; the callback snapshots what is new and posts it to the request's asyncio queue, so the engine's state is read
 only on its own thread.  A client that goes away is aborted, which frees its blocks.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -36,10 +37,17 @@ def sampling_of(body: dict, room: int) -> Sampling:
         logprobs = (body.get("top_logprobs") or 0) if logprobs else None
     try:
         asked = body.get("max_tokens", body.get("max_completion_tokens"))
-        return Sampling(max_tokens=asked if asked is not None else (room if "messages" in body else 16),
-                        temperature=float(body.get("temperature", 1.0)), top_p=float(body.get("top_p", 1.0)),
-                        top_k=max(0, int(body.get("top_k", 0))), seed=body.get("seed"), stop=stop,
-                        n=body.get("n", 1), logprobs=logprobs, ignore_eos=bool(body.get("ignore_eos", False)))
+        return Sampling(
+            max_tokens=asked if asked is not None else (room if "messages" in body else 16),
+            temperature=float(body.get("temperature", 1.0)),
+            top_p=float(body.get("top_p", 1.0)),
+            top_k=max(0, int(body.get("top_k", 0))),
+            seed=body.get("seed"),
+            stop=stop,
+            n=body.get("n", 1),
+            logprobs=logprobs,
+            ignore_eos=bool(body.get("ignore_eos", False)),
+        )
     except (TypeError, ValueError) as exc:
         raise Refused(str(exc)) from exc
 
@@ -49,8 +57,15 @@ def _snapshot(request: Request) -> dict:
     choices = []
     for c in request.choices:
         sent = getattr(c, "logprobs_sent", 0)
-        choices.append({"index": c.index, "text": c.delta(), "logprobs": c.logprobs[sent:],
-                        "finish_reason": c.finish_reason, "tokens": len(c.sequence.output)})
+        choices.append(
+            {
+                "index": c.index,
+                "text": c.delta(),
+                "logprobs": c.logprobs[sent:],
+                "finish_reason": c.finish_reason,
+                "tokens": len(c.sequence.output),
+            }
+        )
         c.logprobs_sent = len(c.logprobs)
     return {"choices": choices, "error": request.error, "finished": request.finished}
 
@@ -60,8 +75,10 @@ def make_app(engine, tokenizer, *, model_name: str, api_key: str | None = None) 
     created = int(time.time())
 
     def error(exc: ApiError) -> JSONResponse:
-        return JSONResponse({"error": {"message": exc.message, "type": exc.kind, "param": exc.param,
-                                       "code": exc.status}}, status_code=exc.status)
+        return JSONResponse(
+            {"error": {"message": exc.message, "type": exc.kind, "param": exc.param, "code": exc.status}},
+            status_code=exc.status,
+        )
 
     async def body_of(http: HttpRequest) -> dict:
         if api_key is not None and http.headers.get("authorization") != f"Bearer {api_key}":
@@ -75,8 +92,9 @@ def make_app(engine, tokenizer, *, model_name: str, api_key: str | None = None) 
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")
         if body.get("model", model_name) != model_name:
-            raise ApiError(404, f"model {body.get('model')!r} is not served here; this server serves {model_name!r}",
-                           param="model")
+            raise ApiError(
+                404, f"model {body.get('model')!r} is not served here; this server serves {model_name!r}", param="model"
+            )
         return body
 
     def token_text(token: int) -> str:
@@ -84,12 +102,25 @@ def make_app(engine, tokenizer, *, model_name: str, api_key: str | None = None) 
 
     def logprobs_of(items: list, chat: bool):
         if chat:
-            return {"content": [{"token": token_text(t), "logprob": lp, "bytes": list(token_text(t).encode()),
-                                 "top_logprobs": [{"token": token_text(i), "logprob": v,
-                                                   "bytes": list(token_text(i).encode())} for i, v in top]}
-                                for t, lp, top in items]}
-        return {"tokens": [token_text(t) for t, _, _ in items], "token_logprobs": [lp for _, lp, _ in items],
-                "top_logprobs": [{token_text(i): v for i, v in top} for _, _, top in items]}
+            return {
+                "content": [
+                    {
+                        "token": token_text(t),
+                        "logprob": lp,
+                        "bytes": list(token_text(t).encode()),
+                        "top_logprobs": [
+                            {"token": token_text(i), "logprob": v, "bytes": list(token_text(i).encode())}
+                            for i, v in top
+                        ],
+                    }
+                    for t, lp, top in items
+                ]
+            }
+        return {
+            "tokens": [token_text(t) for t, _, _ in items],
+            "token_logprobs": [lp for _, lp, _ in items],
+            "top_logprobs": [{token_text(i): v for i, v in top} for _, _, top in items],
+        }
 
     async def serve(http: HttpRequest, prompt: list, body: dict, chat: bool):
         try:
@@ -105,8 +136,12 @@ def make_app(engine, tokenizer, *, model_name: str, api_key: str | None = None) 
         except RuntimeError as exc:
             raise ApiError(503, str(exc), "server_error") from exc
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        head = {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                "model": model_name}
+        head = {
+            "id": ident,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": model_name,
+        }
         want_logprobs = sampling.logprobs is not None
 
         def usage(done: dict) -> dict:
@@ -139,10 +174,15 @@ def make_app(engine, tokenizer, *, model_name: str, api_key: str | None = None) 
                     texts[c["index"]] = texts.get(c["index"], "") + c["text"]
                     logs.setdefault(c["index"], []).extend(c["logprobs"])
                     done[c["index"]] = c
-            choices = [{"index": i, "finish_reason": done[i]["finish_reason"],
-                        "logprobs": logprobs_of(logs[i], chat) if want_logprobs else None,
-                        **({"message": {"role": "assistant", "content": texts[i]}} if chat else {"text": texts[i]})}
-                       for i in sorted(done)]
+            choices = [
+                {
+                    "index": i,
+                    "finish_reason": done[i]["finish_reason"],
+                    "logprobs": logprobs_of(logs[i], chat) if want_logprobs else None,
+                    **({"message": {"role": "assistant", "content": texts[i]}} if chat else {"text": texts[i]}),
+                }
+                for i in sorted(done)
+            ]
             return JSONResponse({**head, "choices": choices, "usage": usage(done)})
 
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
@@ -151,8 +191,10 @@ def make_app(engine, tokenizer, *, model_name: str, api_key: str | None = None) 
         async def events():
             done: dict = {}
             if chat:
-                first = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None} for i in range(sampling.n)]
+                first = [
+                    {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                    for i in range(sampling.n)
+                ]
                 yield f"data: {json.dumps({**chunk_head, 'choices': first})}\n\n"
             try:
                 async for update in updates():
@@ -160,9 +202,12 @@ def make_app(engine, tokenizer, *, model_name: str, api_key: str | None = None) 
                         done[c["index"]] = c
                         if not c["text"] and not c["finish_reason"] and not c["logprobs"]:
                             continue
-                        part = {"index": c["index"], "finish_reason": c["finish_reason"],
-                                "logprobs": logprobs_of(c["logprobs"], chat) if want_logprobs else None,
-                                **({"delta": {"content": c["text"]}} if chat else {"text": c["text"]})}
+                        part = {
+                            "index": c["index"],
+                            "finish_reason": c["finish_reason"],
+                            "logprobs": logprobs_of(c["logprobs"], chat) if want_logprobs else None,
+                            **({"delta": {"content": c["text"]}} if chat else {"text": c["text"]}),
+                        }
                         yield f"data: {json.dumps({**chunk_head, 'choices': [part]})}\n\n"
             except ApiError as exc:
                 yield f"data: {json.dumps({'error': {'message': exc.message, 'type': exc.kind, 'code': 503}})}\n\n"
@@ -179,6 +224,7 @@ def make_app(engine, tokenizer, *, model_name: str, api_key: str | None = None) 
                 return await handler(http)
             except ApiError as exc:
                 return error(exc)
+
         run.__name__ = handler.__name__
         return run
 
@@ -211,8 +257,18 @@ def make_app(engine, tokenizer, *, model_name: str, api_key: str | None = None) 
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "autotp", "max_model_len": engine.scheduler.max_model_len}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": model_name,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "autotp",
+                    "max_model_len": engine.scheduler.max_model_len,
+                }
+            ],
+        }
 
     @app.get("/health")
     async def health():

@@ -11,6 +11,7 @@ dim free, so the planner splits the pool by KV heads as it splits the attention 
 Every size of a step is dynamic in the one captured program: rows, tokens a row and context length.  The pool's
 slots are zero at the start; a slot past a row's context is read as padding and masked away.
 """
+
 from __future__ import annotations
 
 import torch
@@ -68,8 +69,10 @@ def attention_layer_types(config) -> list[str]:
         kinds = ["sliding_attention" if windowed else "full_attention"] * count
     other = sorted({k for k in kinds if k not in ("full_attention", "sliding_attention")})
     if other:
-        raise ValueError(f"{type(config).__name__} has {', '.join(other)} layers: the paged KV cache serves full and "
-                         "sliding-window attention layers only; serve this model with autotp.generate")
+        raise ValueError(
+            f"{type(config).__name__} has {', '.join(other)} layers: the paged KV cache serves full and "
+            "sliding-window attention layers only; serve this model with autotp.generate"
+        )
     return kinds
 
 
@@ -92,18 +95,28 @@ class PagedLM(torch.nn.Module):
         meta = torch.device("meta")  # each rank allocates only its piece, zeroed (runtime/materialize.py)
         for i in range(len(self.kinds)):
             for kind in ("keys", "values"):
-                self.register_buffer(f"{kind}_{i}", torch.empty(blocks * block_size, heads, dim, dtype=dtype,
-                                                                device=meta))
+                self.register_buffer(
+                    f"{kind}_{i}", torch.empty(blocks * block_size, heads, dim, dtype=dtype, device=meta)
+                )
 
     def pools(self) -> list[torch.Tensor]:
         return [b for n, b in self.named_buffers() if n.startswith(("keys_", "values_"))]
 
     def forward(self, input_ids, position_ids, slots, context):
-        cache = _StepCache([_PagedLayer(getattr(self, f"keys_{i}"), getattr(self, f"values_{i}"), slots, context)
-                            for i in range(len(self.kinds))])
-        return self.model(input_ids=input_ids, attention_mask=self._masks(position_ids, context.shape[1]),
-                          position_ids=position_ids, past_key_values=cache, use_cache=True,
-                          logits_to_keep=1).logits[:, -1]
+        cache = _StepCache(
+            [
+                _PagedLayer(getattr(self, f"keys_{i}"), getattr(self, f"values_{i}"), slots, context)
+                for i in range(len(self.kinds))
+            ]
+        )
+        return self.model(
+            input_ids=input_ids,
+            attention_mask=self._masks(position_ids, context.shape[1]),
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits[:, -1]
 
     def _masks(self, position_ids: torch.Tensor, width: int):
         """The additive masks [rows, 1, tokens, n]: a token sees its row's positions up to its own (and within the
@@ -117,7 +130,8 @@ class PagedLM(torch.nn.Module):
             if kind == "sliding_attention":
                 allowed = allowed & (here - seen < self.window)
             masks[kind] = torch.zeros(allowed.shape, dtype=dtype, device=position_ids.device).masked_fill(
-                ~allowed, torch.finfo(dtype).min)[:, None]
+                ~allowed, torch.finfo(dtype).min
+            )[:, None]
         return masks if len(masks) > 1 else next(iter(masks.values()))
 
 
@@ -128,21 +142,31 @@ def step_program(sharded: torch.nn.Module, blocks: int, block_size: int) -> torc
     from autotp.api import tensor_parallel
     from autotp.options import PlanOptions, RunOptions
     from autotp.runtime.conversion import on_meta
+
     source = sharded.autotp_source
     training = source.training
     wrapper = PagedLM(on_meta(source), blocks, block_size).eval()  # captured weightless: the weights are shared
     where = torch.device("meta")
     rows, tokens, width = 2, 3, 5  # distinct sizes: each dim stays its own symbol
-    example = (torch.zeros(rows, tokens, dtype=torch.long, device=where),
-               torch.arange(tokens, device=where).repeat(rows, 1) + 2,
-               torch.arange(tokens, device=where).repeat(rows, 1) + 2,
-               torch.arange(width, device=where).repeat(rows, 1))
+    example = (
+        torch.zeros(rows, tokens, dtype=torch.long, device=where),
+        torch.arange(tokens, device=where).repeat(rows, 1) + 2,
+        torch.arange(tokens, device=where).repeat(rows, 1) + 2,
+        torch.arange(width, device=where).repeat(rows, 1),
+    )
     pools = {name: tuple(pool.shape) for name, pool in wrapper.named_buffers() if name.startswith(("keys_", "values_"))}
     fixed = {PREFIX + name: sharded.autotp_plan.placement(name) for name in sharded.autotp_plan.params}
     try:
-        return tensor_parallel(wrapper, example, None,
-                               PlanOptions(topology=sharded.autotp_plan.topology, training=False, fixed=fixed),
-                               RunOptions(group=sharded.autotp_group, device=sharded.autotp_device,
-                                          checkpoint=ResidentShards(sharded, PREFIX, pools)))
+        return tensor_parallel(
+            wrapper,
+            example,
+            None,
+            PlanOptions(topology=sharded.autotp_plan.topology, training=False, fixed=fixed),
+            RunOptions(
+                group=sharded.autotp_group,
+                device=sharded.autotp_device,
+                checkpoint=ResidentShards(sharded, PREFIX, pools),
+            ),
+        )
     finally:
         source.train(training)

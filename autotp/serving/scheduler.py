@@ -7,6 +7,7 @@ blocks are freed and it waits at the head of the queue, to be recomputed from it
 produced, never dropped.  Pure bookkeeping, no tensors: rank 0 runs it and sends every rank the step it decided
 (serving/engine.py).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -22,10 +23,10 @@ class Refused(ValueError):
 class Sequence:
     prompt: list
     max_tokens: int
-    owner: object = None               # who hears of its tokens (serving/engine.py)
+    owner: object = None  # who hears of its tokens (serving/engine.py)
     output: list = field(default_factory=list)
     blocks: list = field(default_factory=list)
-    cached: int = 0                    # tokens whose keys and values are in its blocks
+    cached: int = 0  # tokens whose keys and values are in its blocks
     number: int = field(default_factory=itertools.count().__next__)
     finished: bool = False
 
@@ -38,6 +39,7 @@ class Sequence:
 class Run:
     """One row of a step: ``count`` tokens of ``sequence`` from position ``start``; ``samples`` when it ends at the
     sequence's last token (its logits choose the next one)."""
+
     sequence: Sequence
     start: int
     count: int
@@ -48,8 +50,9 @@ class Run:
 
 
 class Scheduler:
-    def __init__(self, blocks: int, block_size: int, *, max_num_seqs: int = 32, max_batched_tokens: int = 512,
-                 max_model_len: int):
+    def __init__(
+        self, blocks: int, block_size: int, *, max_num_seqs: int = 32, max_batched_tokens: int = 512, max_model_len: int
+    ):
         if blocks < 1 or block_size < 1 or max_num_seqs < 1 or max_batched_tokens < 1:
             raise ValueError("blocks, block_size, max_num_seqs and max_batched_tokens must be positive")
         self.block_size, self.total = block_size, blocks
@@ -70,9 +73,11 @@ class Scheduler:
         if not sequence.prompt:
             raise Refused("the prompt is empty: send at least one token")
         if need > self.max_model_len:
-            raise Refused(f"the prompt ({len(sequence.prompt)} tokens) and max_tokens ({sequence.max_tokens}) need "
-                          f"{need} tokens; this server holds at most {self.max_model_len} a sequence: shorten the "
-                          "prompt or lower max_tokens")
+            raise Refused(
+                f"the prompt ({len(sequence.prompt)} tokens) and max_tokens ({sequence.max_tokens}) need "
+                f"{need} tokens; this server holds at most {self.max_model_len} a sequence: shorten the "
+                "prompt or lower max_tokens"
+            )
 
     def drop(self, sequence: Sequence) -> None:
         """A finished or aborted sequence leaves, its blocks freed."""
@@ -132,8 +137,11 @@ class Scheduler:
         when it is the one preempted."""
         need = self._blocks_for(sequence, count)
         while need > len(self.free):
-            victim = max((s for s in self.running if all(r.sequence is not s for r in runs)),
-                         key=lambda s: s.number, default=None)
+            victim = max(
+                (s for s in self.running if all(r.sequence is not s for r in runs)),
+                key=lambda s: s.number,
+                default=None,
+            )
             if victim is None or victim is sequence or victim.number < sequence.number:
                 victim = sequence
             self._preempt(victim)

@@ -9,6 +9,7 @@ sequences whose attention reads the whole cache; the cache is a tensor like any 
 where the plan splits the heads.  The prefill is the plain forward priced at ``prefill_tokens`` tokens with the
 decode plan's parameter placements imposed.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -27,8 +28,8 @@ PREFIX = "model."  # the decode wrapper holds the model as ``model``
 
 @dataclass(frozen=True)
 class ServePlan:
-    decode: Plan                    # a one-token step of ``batch`` sequences, the cache at ``context``
-    prefill: Plan                   # ``prefill_tokens`` tokens of one sequence, the decode plan's weights
+    decode: Plan  # a one-token step of ``batch`` sequences, the cache at ``context``
+    prefill: Plan  # ``prefill_tokens`` tokens of one sequence, the decode plan's weights
     world_size: int
     context: int
     batch: int
@@ -67,17 +68,30 @@ class ServePlan:
         return max(0, int(free // self.kv_bytes_per_sequence)) if self.kv_bytes_per_sequence else 0
 
     def summary(self) -> dict:
-        return {"world_size": self.world_size, "context": self.context, "batch": self.batch,
-                "decode_ms": self.decode_seconds * 1e3, "tokens_per_second": self.tokens_per_second,
-                "prefill_ms_per_1000_tokens": self.prefill_seconds_per_1000 * 1e3,
-                "bandwidth_bound_ms": self.bandwidth_bound_seconds * 1e3,
-                "kv_cache_gb_per_sequence": self.kv_bytes_per_sequence / 1e9,
-                "sequences_that_fit": self.sequences_that_fit,
-                "decode_forward": dict(self.decode.collective_counts("forward"))}
+        return {
+            "world_size": self.world_size,
+            "context": self.context,
+            "batch": self.batch,
+            "decode_ms": self.decode_seconds * 1e3,
+            "tokens_per_second": self.tokens_per_second,
+            "prefill_ms_per_1000_tokens": self.prefill_seconds_per_1000 * 1e3,
+            "bandwidth_bound_ms": self.bandwidth_bound_seconds * 1e3,
+            "kv_cache_gb_per_sequence": self.kv_bytes_per_sequence / 1e9,
+            "sequences_that_fit": self.sequences_that_fit,
+            "decode_forward": dict(self.decode.collective_counts("forward")),
+        }
 
 
-def plan_serving(model: torch.nn.Module, *, world_size: int, context: int, max_batch: int, topology=None,
-                 memory_fraction: float = 0.9, prefill_tokens: int = 1000) -> ServePlan:
+def plan_serving(
+    model: torch.nn.Module,
+    *,
+    world_size: int,
+    context: int,
+    max_batch: int,
+    topology=None,
+    memory_fraction: float = 0.9,
+    prefill_tokens: int = 1000,
+) -> ServePlan:
     """The serving plan of a causal LM (a transformers model; built on meta, nothing is read) on ``world_size``
     ranks."""
     for name, value in (("context", context), ("max_batch", max_batch), ("prefill_tokens", prefill_tokens)):
@@ -88,29 +102,48 @@ def plan_serving(model: torch.nn.Module, *, world_size: int, context: int, max_b
     topo = load_topology(topology)
     _, gm, step = decode_program(model, context, max_batch)
     decode = solve_plan(gm, world_size, PlanOptions(topology=topo, training=False, price_at=step), price_experts=True)
-    weights = {name[len(PREFIX):]: placement for name, placement in decode.params.items()
-               if name.startswith(PREFIX)}
+    weights = {name[len(PREFIX) :]: placement for name, placement in decode.params.items() if name.startswith(PREFIX)}
     ids = torch.zeros(2, 16, dtype=torch.long, device=torch.device("meta"))
     forward = prepared_graph(model, (ids,), None, fold=True)
     names = {n.target for n in forward.graph.nodes if n.op == "get_attr"}
-    prefill = solve_plan(forward, world_size, PlanOptions(
-        topology=topo, training=False, fixed={k: v for k, v in weights.items() if k in names},
-        price_at={"input_ids": (1, prefill_tokens)}))
+    prefill = solve_plan(
+        forward,
+        world_size,
+        PlanOptions(
+            topology=topo,
+            training=False,
+            fixed={k: v for k, v in weights.items() if k in names},
+            price_at={"input_ids": (1, prefill_tokens)},
+        ),
+    )
     memory = decode.cost["memory"]
     read = memory["params"] + memory.get("buffers", 0.0)  # every weight and the whole cache, once a step
-    return ServePlan(decode, prefill, world_size, context, max_batch, prefill_tokens, memory_fraction,
-                     topo.memory_bytes, read / topo.hbm_bandwidth)
+    return ServePlan(
+        decode,
+        prefill,
+        world_size,
+        context,
+        max_batch,
+        prefill_tokens,
+        memory_fraction,
+        topo.memory_bytes,
+        read / topo.hbm_bandwidth,
+    )
 
 
 def decode_program(model: torch.nn.Module, context: int, batch: int) -> tuple:
     """(the decode wrapper, its captured graph, the price_at of a one-token step of ``batch`` sequences)."""
     from autotp.serving.generation import _CachedLM
+
     meta = torch.device("meta")
     model.eval()
     wrapper = _CachedLM(model, batch, context, meta).eval()
-    example = (torch.zeros(batch, 2, dtype=torch.long, device=meta),
-               torch.ones(batch, context, dtype=torch.long, device=meta),
-               torch.zeros(batch, 2, dtype=torch.long, device=meta), torch.arange(2, device=meta))
+    example = (
+        torch.zeros(batch, 2, dtype=torch.long, device=meta),
+        torch.ones(batch, context, dtype=torch.long, device=meta),
+        torch.zeros(batch, 2, dtype=torch.long, device=meta),
+        torch.arange(2, device=meta),
+    )
     step = {"input_ids": (batch, 1), "position_ids": (batch, 1), "cache_position": (1,)}
     with warnings.catch_warnings():  # the cache tensors are buffers written in place, not parameters
         warnings.filterwarnings("ignore", message="A model attribute .* requires gradient")

@@ -1,6 +1,7 @@
 """`autotp calibrate`: measure collectives on the current process group (kept as measured points, read
 between sizes, and fitted to latency + bytes/busbw), time matrix products on rank 0's device
 (calibrate_products.py), and write a topology profile that prices plans with the measured figures."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -20,7 +21,7 @@ from autotp.cost_models.communication import ring_steps
 from autotp.tools.calibrate_products import measure_products, product_table
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
-SIZES = tuple(4096 * 4 ** k for k in range(8))  # 4 KiB .. 64 MiB
+SIZES = tuple(4096 * 4**k for k in range(8))  # 4 KiB .. 64 MiB
 
 
 def _run_once(op: str, nbytes: int, world: int, device) -> None:
@@ -35,7 +36,7 @@ def _run_once(op: str, nbytes: int, world: int, device) -> None:
 
 def _samples(nbytes: int) -> int:
     """Many samples for small messages (cheap, and noisy), a few for large ones."""
-    return 100 if nbytes <= 256 * 1024 else 30 if nbytes <= 4 * 2 ** 20 else 8
+    return 100 if nbytes <= 256 * 1024 else 30 if nbytes <= 4 * 2**20 else 8
 
 
 def measure(device=None) -> dict:
@@ -71,7 +72,7 @@ def fit(op: str, samples: dict, world: int) -> dict:
     points = sorted((factor * b, t) for b, t in samples.items())
     best = None
     for i, (c1, t1) in enumerate(points):
-        for c2, t2 in points[i + 1:]:
+        for c2, t2 in points[i + 1 :]:
             inverse_bw = max((t2 - t1) / (c2 - c1), 1e-15)
             latency = max(t1 - inverse_bw * c1, 0.0)
             errors = sorted(abs(latency + inverse_bw * c - t) / t for c, t in points)
@@ -91,7 +92,7 @@ def measured_entry(op: str, samples: dict, world: int) -> dict:
 
 def _device_figures(device) -> dict:
     """Copy bandwidth of this device, measured, and its memory."""
-    big = torch.empty(16 * 2 ** 20, device=device)
+    big = torch.empty(16 * 2**20, device=device)
     big.clone()
     start = time.perf_counter()
     for _ in range(5):
@@ -113,12 +114,24 @@ def profile(measured: dict, world: int, device, products: dict) -> dict:
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     fitted = {op: measured_entry(op, samples, world) for op, samples in measured.items()}
     table, peak = product_table(products, f"measured by autotp calibrate on {host}, {datetime.date.today()}")
-    figures = {**_device_figures(device), "peak_flops": peak, "nodes": world // local, "gpus_per_node": local,
-               "memory_efficiency": 1.0, "intra_base_latency_s": fitted["all_reduce"]["latency_s"],
-               "intra_step_latency_s": 0.0, "intra_busbw": fitted["all_reduce"]["busbw"]}
-    return {"name": f"calibrated-{host}-{world}", "description": f"{world} ranks of {dist.get_backend()} on {host}",
-            "figures": {k: {"value": v, "source": source} for k, v in figures.items()}, "products": table,
-            "measured": fitted, "samples": {op: {str(b): t for b, t in s.items()} for op, s in measured.items()}}
+    figures = {
+        **_device_figures(device),
+        "peak_flops": peak,
+        "nodes": world // local,
+        "gpus_per_node": local,
+        "memory_efficiency": 1.0,
+        "intra_base_latency_s": fitted["all_reduce"]["latency_s"],
+        "intra_step_latency_s": 0.0,
+        "intra_busbw": fitted["all_reduce"]["busbw"],
+    }
+    return {
+        "name": f"calibrated-{host}-{world}",
+        "description": f"{world} ranks of {dist.get_backend()} on {host}",
+        "figures": {k: {"value": v, "source": source} for k, v in figures.items()},
+        "products": table,
+        "measured": fitted,
+        "samples": {op: {str(b): t for b, t in s.items()} for op, s in measured.items()},
+    }
 
 
 def comparison(path: Path) -> tuple[list[tuple], float]:
@@ -131,10 +144,15 @@ def comparison(path: Path) -> tuple[list[tuple], float]:
     rows = []
     for size in sorted(samples["all_reduce"]):  # every collective (what collective_time reads) without the size
         lines = {op: measured_entry(op, {b: t for b, t in s.items() if b != size}, world) for op, s in samples.items()}
-        held_out = dataclasses.replace(topo, measured=lines, intra_base_latency_s=lines["all_reduce"]["latency_s"],
-                                       intra_busbw=lines["all_reduce"]["busbw"])
-        rows += [(op, size, s[size], collective_time(op, size, world, held_out)) for op, s in samples.items()
-                 if size in s]
+        held_out = dataclasses.replace(
+            topo,
+            measured=lines,
+            intra_base_latency_s=lines["all_reduce"]["latency_s"],
+            intra_busbw=lines["all_reduce"]["busbw"],
+        )
+        rows += [
+            (op, size, s[size], collective_time(op, size, world, held_out)) for op, s in samples.items() if size in s
+        ]
     rows = [(op, b, t, p, abs(p - t) / t) for op, b, t, p in rows]
     return rows, statistics.median(r[4] for r in rows)
 

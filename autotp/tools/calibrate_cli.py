@@ -1,4 +1,5 @@
 """`autotp calibrate`: under torchrun it uses that process group; otherwise it spawns local gloo ranks."""
+
 from __future__ import annotations
 
 import json

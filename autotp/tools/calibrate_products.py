@@ -6,6 +6,7 @@ of them and the fit is judged on the fourth it never saw (issue 26: calibration 
 sizes, not on the points it was fitted to), and again leaving each point out in turn.  Ragged grouped
 products (``torch._grouped_mm`` over G groups) fit the overhead each further group adds.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -16,9 +17,21 @@ import torch
 from autotp.cost_models.compute import fit_group_overhead, fit_products, held_out
 
 # (m, n, k): rows by the shapes of transformer layers split 1 to 8 ways; fp32 CPUs get small ones
-GPU_GRID = [(m, n, k) for m in (512, 1024, 2048, 4096, 8192)
-            for n, k in ((1024, 4096), (1792, 4096), (3584, 4096), (4096, 1024), (4096, 1792), (4096, 14336),
-                         (8192, 8192), (14336, 4096), (28672, 4096))]
+GPU_GRID = [
+    (m, n, k)
+    for m in (512, 1024, 2048, 4096, 8192)
+    for n, k in (
+        (1024, 4096),
+        (1792, 4096),
+        (3584, 4096),
+        (4096, 1024),
+        (4096, 1792),
+        (4096, 14336),
+        (8192, 8192),
+        (14336, 4096),
+        (28672, 4096),
+    )
+]
 GPU_GROUPED = [(m, 3584, 4096, g) for m in (256, 1024) for g in (2, 4, 8, 16)]
 CPU_GRID = [(m, n, k) for m in (16, 64, 256) for n, k in ((64, 256), (256, 64), (256, 256), (512, 128))]
 CPU_GROUPED = [(64, 128, 128, g) for g in (2, 4, 8)]
@@ -65,9 +78,11 @@ def measure_products(device, dtype=None, grid=None, grouped=None, seconds=produc
     dtype = dtype or (torch.bfloat16 if gpu else torch.float32)
     grid = grid if grid is not None else GPU_GRID if gpu else CPU_GRID
     grouped = grouped if grouped is not None else GPU_GROUPED if gpu else CPU_GROUPED
-    return {"plain": [(m, n, k, seconds(m, n, k, device, dtype)) for m, n, k in grid],
-            "grouped": [(m, n, k, g, seconds(m, n, k, device, dtype, g)) for m, n, k, g in grouped],
-            "dtype": str(dtype).removeprefix("torch.")}
+    return {
+        "plain": [(m, n, k, seconds(m, n, k, device, dtype)) for m, n, k in grid],
+        "grouped": [(m, n, k, g, seconds(m, n, k, device, dtype, g)) for m, n, k, g in grouped],
+        "dtype": str(dtype).removeprefix("torch."),
+    }
 
 
 def product_table(measured: dict, source: str, peak_flops: float | None = None) -> tuple[dict, float]:
@@ -78,16 +93,24 @@ def product_table(measured: dict, source: str, peak_flops: float | None = None) 
     points = [(m, n, k, 2.0 * m * n * k / t / peak) for m, n, k, t in plain]
     fitted = fit_products(points, peak)
     quarter, each = held_out(points, peak, every=4), held_out(points, peak, every=len(points))
-    errors = (f"fitted to {len(points)} products of {measured['dtype']}; on the sizes left out of the fit: every "
-              f"fourth held out, median {quarter['median']:.1%}, max {quarter['max']:.1%}; leave-one-out median "
-              f"{each['median']:.1%}, max {each['max']:.1%}")
+    errors = (
+        f"fitted to {len(points)} products of {measured['dtype']}; on the sizes left out of the fit: every "
+        f"fourth held out, median {quarter['median']:.1%}, max {quarter['max']:.1%}; leave-one-out median "
+        f"{each['median']:.1%}, max {each['max']:.1%}"
+    )
     grouped = [(m, n, k, g, 2.0 * g * m * n * k / t / peak) for m, n, k, g, t in measured["grouped"]]
     group = fit_group_overhead(grouped, fitted, peak) if grouped else fitted["overhead_s"]
-    table = {"peak_fraction": {"value": fitted["peak_fraction"], "source": f"{source}: {errors}"},
-             "overhead_s": {"value": fitted["overhead_s"], "source": f"{source}: {errors}"},
-             "group_overhead_s": {"value": group, "source": f"{source}: fitted to {len(grouped)} grouped products "
-                                                            "(torch._grouped_mm) given the plain products' figures"},
-             "points": [{"m": m, "n": n, "k": k, "fraction": f, "source": f"{source}, {measured['dtype']}"}
-                        for m, n, k, f in points],
-             "held_out": {"every_fourth": quarter["rows"], "leave_one_out": each["rows"]}}
+    table = {
+        "peak_fraction": {"value": fitted["peak_fraction"], "source": f"{source}: {errors}"},
+        "overhead_s": {"value": fitted["overhead_s"], "source": f"{source}: {errors}"},
+        "group_overhead_s": {
+            "value": group,
+            "source": f"{source}: fitted to {len(grouped)} grouped products "
+            "(torch._grouped_mm) given the plain products' figures",
+        },
+        "points": [
+            {"m": m, "n": n, "k": k, "fraction": f, "source": f"{source}, {measured['dtype']}"} for m, n, k, f in points
+        ],
+        "held_out": {"every_fourth": quarter["rows"], "leave_one_out": each["rows"]},
+    }
     return table, peak

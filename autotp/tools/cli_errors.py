@@ -1,5 +1,6 @@
 """Errors of the command line (and of anything else that fronts autotp, such as a server) in one line: what is
 wrong and what to do, and an exit status by kind; ``--debug`` shows the trace instead."""
+
 from __future__ import annotations
 
 import argparse
@@ -39,6 +40,7 @@ def status_and_line(exc: BaseException) -> tuple[int, str]:
     """The exit status and the one line ``exc`` is reported as."""
     from autotp.passes.capture import CaptureError
     from autotp.planning.solution import DoesNotFit, PlanningError
+
     first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
     if isinstance(exc, (UsageError, FileNotFoundError)):
         return USAGE, f"autotp: {first}"
@@ -48,8 +50,9 @@ def status_and_line(exc: BaseException) -> tuple[int, str]:
         return NOTHING_FITS, f"autotp: {first}; rerun with --debug for the trace"
     if isinstance(exc, (ValueError, TypeError)) and _raised_by_autotp_check(exc):
         return USAGE, f"autotp: {first}"
-    return INTERNAL, (f"autotp: internal error ({type(exc).__name__}: {first}); rerun with --debug for the trace "
-                      "and report it")
+    return INTERNAL, (
+        f"autotp: internal error ({type(exc).__name__}: {first}); rerun with --debug for the trace and report it"
+    )
 
 
 def _raised_by_autotp_check(exc: BaseException) -> bool:

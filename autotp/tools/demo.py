@@ -1,4 +1,5 @@
 """`autotp demo`: plan a small LLaMA for 2 ranks, run it on 2 gloo processes, compare with one process."""
+
 from __future__ import annotations
 
 import torch
@@ -11,14 +12,24 @@ WORLD = 2
 
 def build_llama():
     from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=344, num_hidden_layers=2,
-                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=128, use_cache=False)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=344,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=128,
+        use_cache=False,
+    )
     return LlamaForCausalLM(config).eval()
 
 
 def _rank(rank: int, world: int) -> tuple:
     import autotp
+
     model = build_llama()
     sharded = autotp.parallelize(model)
     ids = torch.randint(0, 256, (3, 11), generator=torch.Generator().manual_seed(1))
@@ -48,9 +59,11 @@ def main() -> int:
     results = run_local(WORLD, _rank)
     ok = all(r[1] and r[5] for r in results)
     for rank, match, error, local, full, same in results:
-        console.print(f"rank {rank}: logits match single process: {'[green]yes' if match else '[red]NO'}[/] "
-                      f"(max abs diff {error:.2e}); parameters {local / 1e6:.2f} MB of {full / 1e6:.2f} MB "
-                      f"({local / full:.0%}); greedy generation token-exact: {'[green]yes' if same else '[red]NO'}[/]")
+        console.print(
+            f"rank {rank}: logits match single process: {'[green]yes' if match else '[red]NO'}[/] "
+            f"(max abs diff {error:.2e}); parameters {local / 1e6:.2f} MB of {full / 1e6:.2f} MB "
+            f"({local / full:.0%}); greedy generation token-exact: {'[green]yes' if same else '[red]NO'}[/]"
+        )
     console.print("\n[green]sharded == single-process[/]" if ok else "\n[red]MISMATCH[/]")
     console.print("more: [bold]python examples/generate.py[/] (sharded KV-cache generation, sampling, padding)")
     return 0 if ok else 1

@@ -1,6 +1,7 @@
 """Plans as pictures: one block's ops with their placements and collectives, and the mesh planner's layouts by
 estimated step time (``--svg`` / ``--html`` of ``autotp plan``, ``show`` and ``mesh``).  Plain SVG text, no
 plotting library."""
+
 from __future__ import annotations
 
 import html
@@ -25,9 +26,12 @@ def _box(x: float, y: float, w: float, h: float, fill: str, extra: str = "") -> 
 
 
 def _svg(width: float, height: float, body: list) -> str:
-    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
-            f'viewBox="0 0 {width:.0f} {height:.0f}"><rect width="100%" height="100%" fill="white"/>'
-            + "".join(body) + "</svg>\n")
+    return (
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
+        f'viewBox="0 0 {width:.0f} {height:.0f}"><rect width="100%" height="100%" fill="white"/>'
+        + "".join(body)
+        + "</svg>\n"
+    )
 
 
 def _blocks(plan) -> list[str]:
@@ -51,24 +55,37 @@ def plan_svg(plan, block: int | None = None) -> str:
 
     def inside(module: str) -> bool:
         return module == prefix[:-1] or module.startswith(prefix)
+
     moved: dict = {}
     for c in plan.collectives:
         if inside(c.get("module", "")):
             moved.setdefault(c["tensor"], []).append(c)
-    ops = [(name, entry) for name, entry in plan.nodes.items() if inside(entry.get("module", ""))
-           and ((_ROWS.get(entry.get("op")) is not None and _ROWS[entry["op"]].family in _SHOWN) or name in moved)]
+    ops = [
+        (name, entry)
+        for name, entry in plan.nodes.items()
+        if inside(entry.get("module", ""))
+        and ((_ROWS.get(entry.get("op")) is not None and _ROWS[entry["op"]].family in _SHOWN) or name in moved)
+    ]
     line, top = 26, 70
-    body = [_text(10, 20, f"{prefix.rstrip('.')} at TP {plan.world_size}: placements and collectives",
-                  'font-weight="bold"'),
-            _text(10, 40, "est. step " f"{plan.cost.get('seconds', 0) * 1e3:.3f} ms for the whole model; "
-                  "backward collectives in italics")]
+    body = [
+        _text(
+            10, 20, f"{prefix.rstrip('.')} at TP {plan.world_size}: placements and collectives", 'font-weight="bold"'
+        ),
+        _text(
+            10,
+            40,
+            "est. step "
+            f"{plan.cost.get('seconds', 0) * 1e3:.3f} ms for the whole model; "
+            "backward collectives in italics",
+        ),
+    ]
     for k, (key, words) in enumerate(_KEY):
         body += [_box(10 + 190 * k, 48, 12, 12, _COLOURS[key]), _text(28 + 190 * k, 59, words)]
     for i, (name, entry) in enumerate(ops):
         y = top + i * line
         out = str(entry.get("out"))
         body.append(_box(10, y, 560, line - 4, _COLOURS.get(out[:1], "#dddddd"), 'fill-opacity="0.35"'))
-        module = entry.get("module", "")[len(prefix):] or "-"
+        module = entry.get("module", "")[len(prefix) :] or "-"
         op = entry.get("op", "").replace("aten.", "").replace(".default", "")
         placements = f"{', '.join(str(p) for p in entry.get('in', []) if p)} -> {out}"
         body += [_text(16, y + 16, f"{module[:28]:28s} {op[:22]:22s}"), _text(400, y + 16, placements[:24])]
@@ -86,8 +103,15 @@ def mesh_svg(result) -> str:
     labels = [f"TP {c.tp} x PP {c.pp} x DP {c.dp}" for c in rows]
     line, top, width = 22, 50, 600
     left = 10 + CHAR_WIDTH * max(map(len, labels), default=0) + 12  # the longest label, then a gap
-    body = [_text(10, 20, f"{result.devices} devices of {result.topology}, global batch {result.global_batch}: "
-                  "estimated step time per layout", 'font-weight="bold"')]
+    body = [
+        _text(
+            10,
+            20,
+            f"{result.devices} devices of {result.topology}, global batch {result.global_batch}: "
+            "estimated step time per layout",
+            'font-weight="bold"',
+        )
+    ]
     for i, (c, label) in enumerate(zip(rows, labels, strict=True)):
         y = top + i * line
         body.append(_text(10, y + 14, label))
@@ -97,12 +121,19 @@ def mesh_svg(result) -> str:
             continue
         chosen = (c.tp, c.pp, c.dp) == (result.choice.tp, result.choice.pp, result.choice.dp)
         length = width * c.step_seconds / slowest
-        body += [_box(left, y, length, line - 6, "#27ae60" if chosen else "#4a90d9"),
-                 _text(left + length + 6, y + 14, f"{c.step_seconds:.2f} s, {c.memory_bytes / 1e9:.1f} GB"
-                       + (f", MFU {c.mfu:.0%}" if c.mfu else ""))]
+        body += [
+            _box(left, y, length, line - 6, "#27ae60" if chosen else "#4a90d9"),
+            _text(
+                left + length + 6,
+                y + 14,
+                f"{c.step_seconds:.2f} s, {c.memory_bytes / 1e9:.1f} GB" + (f", MFU {c.mfu:.0%}" if c.mfu else ""),
+            ),
+        ]
     return _svg(left + width + 260, top + len(rows) * line + 10, body)
 
 
 def html_page(title: str, svg: str, notes: str = "") -> str:
-    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title></head>"
-            f"<body><h1>{html.escape(title)}</h1>{svg}<p>{html.escape(notes)}</p></body></html>\n")
+    return (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title></head>"
+        f"<body><h1>{html.escape(title)}</h1>{svg}<p>{html.escape(notes)}</p></body></html>\n"
+    )

@@ -1,5 +1,6 @@
 """Plans in other systems' words: DTensor ``parallelize_module`` styles and HF ``tp_plan`` strings,
 and Hugging Face's own per-architecture plans as parameter placements (for ``autotp compare``)."""
+
 from __future__ import annotations
 
 import functools
@@ -23,8 +24,7 @@ def _matmul_nodes(plan: Plan) -> dict:
 
 
 def _gathered(plan: Plan, module: str) -> bool:
-    return any(c["phase"] == "forward" and c["op"] == "all_gather" and c["module"] == module
-               for c in plan.collectives)
+    return any(c["phase"] == "forward" and c["op"] == "all_gather" and c["module"] == module for c in plan.collectives)
 
 
 def _styles(plan: Plan) -> tuple[dict, dict]:
@@ -41,8 +41,10 @@ def _styles(plan: Plan) -> tuple[dict, dict]:
             unsupported[module] = f"fused weight split block by block ({weight}): no DTensor placement interleaves"
             continue
         if placement.units is not None:
-            unsupported[module] = (f"whole heads dealt unevenly or shared by ranks ({weight}): DTensor's Shard "
-                                   "and HF's tp_plan split evenly")
+            unsupported[module] = (
+                f"whole heads dealt unevenly or shared by ranks ({weight}): DTensor's Shard "
+                "and HF's tp_plan split evenly"
+            )
             continue
         if entry["op"] == _EMBEDDING:
             if placement.dim == 1:
@@ -120,10 +122,20 @@ def to_hf_tp_plan(plan: Plan) -> tuple[dict, dict]:
 
 # HF styles -> the dim of the weight they split, counted from the end as transformers counts it (a 3-D expert
 # tensor [E, out, in] splits like its 2-D matrices); "packed": gate|up split block by block; experts: dim 0
-_HF_WEIGHT = {"colwise": -2, "colwise_gather_output": -2, "local_colwise": -2, "packed_colwise": -2,
-              "rowwise": -1, "rowwise_split_input": -1, "local_rowwise": -1, "grouped_gemm": 0,
-              "colwise_rep": -2, "rowwise_rep": -1,
-              "embedding_rowwise": -2, "embedding_colwise": -1}  # an embedding table is [vocab, hidden]
+_HF_WEIGHT = {
+    "colwise": -2,
+    "colwise_gather_output": -2,
+    "local_colwise": -2,
+    "packed_colwise": -2,
+    "rowwise": -1,
+    "rowwise_split_input": -1,
+    "local_rowwise": -1,
+    "grouped_gemm": 0,
+    "colwise_rep": -2,
+    "rowwise_rep": -1,
+    "embedding_rowwise": -2,
+    "embedding_colwise": -1,
+}  # an embedding table is [vocab, hidden]
 
 
 def _hf_shard(style: str, shape) -> Shard:

@@ -1,4 +1,5 @@
 """Rich progress bars for the steps autotp marks (runtime/progress.py), drawn on a terminal only."""
+
 from __future__ import annotations
 
 import contextlib
@@ -13,8 +14,14 @@ class Bars(Reporter):
     """One line a step: a spinner, its description, a bar and a count where it has parts, the time taken."""
 
     def __init__(self, console: Console):
-        self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-                                 MofNCompleteColumn(), TimeElapsedColumn(), console=console)
+        self.progress = Progress(
+            SpinnerColumn(),
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=console,
+        )
 
     def start(self, description: str, total: int | None) -> object:
         return self.progress.add_task(description, total=total)

@@ -1,4 +1,5 @@
 """Human-readable views of a plan (rich tables); decisions are described from the graph."""
+
 from __future__ import annotations
 
 import re
@@ -21,12 +22,14 @@ def tensor_shapes(model: torch.nn.Module) -> dict:
 def plan_table(plan: Plan, shapes: dict | None = None, every: bool = False) -> Table:
     """Each parameter's decision.  A run of consecutive blocks of one list whose parameters are placed
     alike is shown once, as its first block and one row for the rest (``every``: one row a parameter)."""
-    table = Table(title=f"autotp plan: {plan.world_size} ranks, topology {plan.topology}",
-                  caption=None if every else "blocks placed alike are shown once; --all lists every parameter")
+    table = Table(
+        title=f"autotp plan: {plan.world_size} ranks, topology {plan.topology}",
+        caption=None if every else "blocks placed alike are shown once; --all lists every parameter",
+    )
     for column in ("parameter", "decision", "placement", "local shape"):
         table.add_column(column)
     rows = {name: _param_row(plan, shapes, name) for name in plan.params}
-    for row in ([(n, *rows[n]) for n in sorted(rows, key=_natural)] if every else _fold_blocks(rows)):
+    for row in [(n, *rows[n]) for n in sorted(rows, key=_natural)] if every else _fold_blocks(rows):
         table.add_row(*row)
     return table
 
@@ -55,7 +58,7 @@ def _fold_blocks(rows: dict) -> list:
         block = _block(name)
         if block != name and block.rpartition(".")[2].isdigit():
             blocks.setdefault(block, []).append(name)
-    alike = {block: sorted((n[len(block):], rows[n]) for n in names) for block, names in blocks.items()}
+    alike = {block: sorted((n[len(block) :], rows[n]) for n in names) for block, names in blocks.items()}
     out, shown = [], set()
     for name in sorted(rows, key=_natural):
         if name in shown:
@@ -101,8 +104,13 @@ def collectives_table(plan: Plan) -> Table:
         entry["b"] += c["bytes"]
         entry["s"] += c["seconds"]
     for block, e in blocks.items():
-        table.add_row(block, _counts(e["forward"]), *((_counts(e["backward"]),) if training else ()), f"{e['b']:.0f}",
-                      f"{e['s'] * 1e6:.1f}")
+        table.add_row(
+            block,
+            _counts(e["forward"]),
+            *((_counts(e["backward"]),) if training else ()),
+            f"{e['b']:.0f}",
+            f"{e['s'] * 1e6:.1f}",
+        )
     return table
 
 
@@ -117,20 +125,30 @@ def diff_tables(a: Plan, b: Plan) -> list:
         changed.add_column(column)
     for name in sorted(set(a.params) | set(b.params)):
         if a.params.get(name) != b.params.get(name):
-            changed.add_row(name, f"{a.params.get(name, '-')} {a.styles.get(name, '')}",
-                            f"{b.params.get(name, '-')} {b.styles.get(name, '')}")
+            changed.add_row(
+                name,
+                f"{a.params.get(name, '-')} {a.styles.get(name, '')}",
+                f"{b.params.get(name, '-')} {b.styles.get(name, '')}",
+            )
     cost = Table(title="estimated cost")
     for column in ("", "a", "b", "b - a"):
         cost.add_column(column, justify="right")
-    rows = [("world size", a.world_size, b.world_size), ("topology", a.topology, b.topology),
-            ("step µs", a.cost.get("seconds", 0) * 1e6, b.cost.get("seconds", 0) * 1e6),
-            ("memory/device MB", a.cost.get("memory", {}).get("total", 0) / 1e6,
-             b.cost.get("memory", {}).get("total", 0) / 1e6),
-            ("forward collectives", a.collective_counts("forward").total(), b.collective_counts("forward").total())]
+    rows = [
+        ("world size", a.world_size, b.world_size),
+        ("topology", a.topology, b.topology),
+        ("step µs", a.cost.get("seconds", 0) * 1e6, b.cost.get("seconds", 0) * 1e6),
+        (
+            "memory/device MB",
+            a.cost.get("memory", {}).get("total", 0) / 1e6,
+            b.cost.get("memory", {}).get("total", 0) / 1e6,
+        ),
+        ("forward collectives", a.collective_counts("forward").total(), b.collective_counts("forward").total()),
+    ]
     for label, x, y in rows:
         delta = f"{y - x:+.4g}" if isinstance(x, (int, float)) and isinstance(y, (int, float)) else ""
-        cost.add_row(label, f"{x:.2f}" if isinstance(x, float) else str(x),
-                     f"{y:.2f}" if isinstance(y, float) else str(y), delta)
+        cost.add_row(
+            label, f"{x:.2f}" if isinstance(x, float) else str(x), f"{y:.2f}" if isinstance(y, float) else str(y), delta
+        )
     same = "same model" if a.fingerprint == b.fingerprint else "DIFFERENT models (fingerprints differ)"
     return [changed if changed.row_count else "no parameter is placed differently", cost, same]
 
@@ -141,20 +159,29 @@ def experts_table(plan: Plan) -> Table:
     if not experts:
         raise KeyError("this plan had no choice of expert strategy (no experts, or one imposed)")
     ep = plan.mesh.get("ep", 1)
-    table = Table(title=f"expert strategies at TP {plan.world_size}{f' x EP {ep}' if ep > 1 else ''} on "
-                        f"{plan.topology} (estimated step time of the best plan with each imposed)")
+    table = Table(
+        title=f"expert strategies at TP {plan.world_size}{f' x EP {ep}' if ep > 1 else ''} on "
+        f"{plan.topology} (estimated step time of the best plan with each imposed)"
+    )
     for column in ("strategy", "est. step ms", ""):
         table.add_column(column)
-    names = {"tensor": "expert tensor parallelism (every expert split)",
-             "parallel": "expert parallelism, local compute (whole experts, zero rows for others' tokens)",
-             "all-to-all": f"expert parallelism by all-to-all (whole experts over {plan.world_size} ranks, rows "
-                           "sent to their owners)"}
+    names = {
+        "tensor": "expert tensor parallelism (every expert split)",
+        "parallel": "expert parallelism, local compute (whole experts, zero rows for others' tokens)",
+        "all-to-all": f"expert parallelism by all-to-all (whole experts over {plan.world_size} ranks, rows "
+        "sent to their owners)",
+    }
     if ep > 1:
-        names = {"tensor": f"EP {ep} x expert TP {plan.world_size} (experts dealt over ep, each split over tp)",
-                 "all-to-all": f"EP {ep * plan.world_size} x expert TP 1 (whole experts over ep x tp)"}
+        names = {
+            "tensor": f"EP {ep} x expert TP {plan.world_size} (experts dealt over ep, each split over tp)",
+            "all-to-all": f"EP {ep * plan.world_size} x expert TP 1 (whole experts over ep x tp)",
+        }
     for mode, seconds in experts["seconds"].items():
-        table.add_row(names[mode], "does not fit" if seconds is None else f"{seconds * 1e3:.3f}",
-                      "chosen" if experts["chosen"] == mode else "")
+        table.add_row(
+            names[mode],
+            "does not fit" if seconds is None else f"{seconds * 1e3:.3f}",
+            "chosen" if experts["chosen"] == mode else "",
+        )
     return table
 
 
@@ -175,8 +202,14 @@ def explain_table(plan: Plan, target: str) -> Table:
         for option in options:
             seconds = "impossible" if option["seconds"] is None else f"{option['seconds'] * 1e6:.2f}"
             kept = "-" if option.get("kept") is None else f"{option['kept'] / 1e6:.3f}"
-            table.add_row(f"{name} ({plan.nodes[name].get('op', '')})", ", ".join(map(str, option["in"])),
-                          str(option["out"]), seconds, kept, "chosen" if option.get("chosen") else "")
+            table.add_row(
+                f"{name} ({plan.nodes[name].get('op', '')})",
+                ", ".join(map(str, option["in"])),
+                str(option["out"]),
+                seconds,
+                kept,
+                "chosen" if option.get("chosen") else "",
+            )
     return table
 
 
@@ -189,17 +222,23 @@ def print_plan(plan: Plan, shapes: dict | None = None, console: Console | None =
         console.print(activations_table(plan))
     if plan.fold:
         start = plan.fold.get("start", 0)
-        console.print(f"{plan.fold['count'] - start} identical blocks of {plan.fold['path']} planned from four: "
-                      f"blocks {start + 1} to {plan.fold['count'] - 2} take the same decisions")
+        console.print(
+            f"{plan.fold['count'] - start} identical blocks of {plan.fold['path']} planned from four: "
+            f"blocks {start + 1} to {plan.fold['count'] - 2} take the same decisions"
+        )
     if plan.cost.get("dropout"):
-        console.print(f"dropout: the program drops in {len(plan.cost['dropout'])} modules (captured in training mode; "
-                      "sharded.eval() stops it; docs/dropout.md)")
+        console.print(
+            f"dropout: the program drops in {len(plan.cost['dropout'])} modules (captured in training mode; "
+            "sharded.eval() stops it; docs/dropout.md)"
+        )
     if plan.cost.get("experts"):
         console.print(f"experts: {plan.cost['experts']['chosen']} (`autotp explain PLAN experts` prices each)")
     for op, why in plan.cost.get("replicated", dict.fromkeys(plan.replicated_ops, "no sharding rule")).items():
         console.print(f"runs replicated: {op}: {why}", highlight=False)
-    console.print(f"estimated {'training step' if plan.cost.get('training') else 'forward'} time "
-                  f"{plan.cost.get('seconds', 0) * 1e6:.1f} µs per device")
+    console.print(
+        f"estimated {'training step' if plan.cost.get('training') else 'forward'} time "
+        f"{plan.cost.get('seconds', 0) * 1e6:.1f} µs per device"
+    )
 
 
 def memory_table(plan: Plan) -> Table:
@@ -224,37 +263,68 @@ def activations_table(plan: Plan) -> Table:
     split = {_block(m) for m in plan.cost.get("token_split", ())}
     again = {_block(m) for m in plan.cost.get("recompute", ())}
     for block in sorted(kept, key=_natural):
-        table.add_row(block or "(top level)", f"{kept[block] / 1e6:.3f}", "yes" if block in split else "no",
-                      "attention" if block in again else "no")
+        table.add_row(
+            block or "(top level)",
+            f"{kept[block] / 1e6:.3f}",
+            "yes" if block in split else "no",
+            "attention" if block in again else "no",
+        )
     return table
 
 
 def mesh_table(result) -> list:
     """The best layout per (TP, PP, DP, EP) of autotp.planning.mesh_search.plan_mesh, fastest first, then the choice."""
     from autotp.planning.mesh_search import activation_options, layout_name
-    table = Table(title=f"mesh candidates: {result.devices} devices of {result.topology}, global batch "
-                        f"{result.global_batch}, data parallel {result.data_parallel} (estimated)")
-    for column in ("TP", "PP", "DP", "EP", "micro-batches", "schedule", "bubble", "SP", "recompute", "step s",
-                   "memory/device GB", "MFU", "note"):
+
+    table = Table(
+        title=f"mesh candidates: {result.devices} devices of {result.topology}, global batch "
+        f"{result.global_batch}, data parallel {result.data_parallel} (estimated)"
+    )
+    for column in (
+        "TP",
+        "PP",
+        "DP",
+        "EP",
+        "micro-batches",
+        "schedule",
+        "bubble",
+        "SP",
+        "recompute",
+        "step s",
+        "memory/device GB",
+        "MFU",
+        "note",
+    ):
         table.add_column(column)
     for c in result.candidates:
         schedule = "-" if c.schedule is None else c.schedule + (f" x{c.virtual_stages}" if c.virtual_stages > 1 else "")
         experts = "-" if c.ep == 1 else f"{c.ep}" + (" whole" if c.etp == 1 and c.tp > 1 else "")
         batches = f"{c.microbatches} x {c.microbatch_size}" if c.microbatches and c.microbatch_size else "-"
-        table.add_row(str(c.tp), str(c.pp), str(c.dp), experts, batches, schedule,
-                      f"{c.bubble:.1%}" if c.schedule else "-",
-                      "yes" if c.sequence_parallel else "no",
-                      "full" if c.recompute else "attention" if c.selective else "no",
-                      "-" if c.step_seconds is None else f"{c.step_seconds:.3g}",
-                      "-" if c.memory_bytes is None else f"{c.memory_bytes / 1e9:.2f}",
-                      "-" if c.mfu is None else f"{c.mfu:.1%}", c.note)
+        table.add_row(
+            str(c.tp),
+            str(c.pp),
+            str(c.dp),
+            experts,
+            batches,
+            schedule,
+            f"{c.bubble:.1%}" if c.schedule else "-",
+            "yes" if c.sequence_parallel else "no",
+            "full" if c.recompute else "attention" if c.selective else "no",
+            "-" if c.step_seconds is None else f"{c.step_seconds:.3g}",
+            "-" if c.memory_bytes is None else f"{c.memory_bytes / 1e9:.2f}",
+            "-" if c.mfu is None else f"{c.mfu:.1%}",
+            c.note,
+        )
     best = result.choice
-    return [table, f"mesh choice: {layout_name(best)}, {best.microbatches} micro-batches of "
-                   f"{best.microbatch_size}, schedule {best.schedule or '-'}"
-                   f"{f' x{best.virtual_stages}' if best.virtual_stages > 1 else ''}"
-                   f"{f' (bubble {best.bubble:.1%} of the step)' if best.schedule else ''}"
-                   f"{activation_options(best)}; {_stages(best.stages)}",
-            result.activation_model]
+    return [
+        table,
+        f"mesh choice: {layout_name(best)}, {best.microbatches} micro-batches of "
+        f"{best.microbatch_size}, schedule {best.schedule or '-'}"
+        f"{f' x{best.virtual_stages}' if best.virtual_stages > 1 else ''}"
+        f"{f' (bubble {best.bubble:.1%} of the step)' if best.schedule else ''}"
+        f"{activation_options(best)}; {_stages(best.stages)}",
+        result.activation_model,
+    ]
 
 
 def _stages(stages: list) -> str:

@@ -6,6 +6,7 @@ builds the step program; rank 0 then serves HTTP (uvicorn) while its engine thre
 rank 0 stops (SIGTERM: it drains the requests in flight first) or fails, the whole group ends; a failed rank makes
 rank 0 answer 503 and exit non-zero.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,6 +58,7 @@ def bytes_of(text: str) -> int:
 def device_name(text: str) -> str:
     """--device as torch names a device ('cuda', 'cuda:1', 'cpu'): a usage error otherwise."""
     from autotp.options import parse_device
+
     try:
         parse_device(text)
     except ValueError as exc:
@@ -65,33 +67,63 @@ def device_name(text: str) -> str:
 
 
 def add_serve_parser(sub, positive) -> None:
-    serve = sub.add_parser("serve", help="serve a Hugging Face causal LM directory over an OpenAI-compatible HTTP "
-                                         "API, sharded over --world-size ranks")
+    serve = sub.add_parser(
+        "serve",
+        help="serve a Hugging Face causal LM directory over an OpenAI-compatible HTTP "
+        "API, sharded over --world-size ranks",
+    )
     serve.add_argument("model", help="a directory with config.json, safetensors weights and a tokenizer")
-    serve.add_argument("--world-size", type=positive, default=None,
-                       help="tensor-parallel ranks (default: torchrun's WORLD_SIZE, else 1)")
+    serve.add_argument(
+        "--world-size",
+        type=positive,
+        default=None,
+        help="tensor-parallel ranks (default: torchrun's WORLD_SIZE, else 1)",
+    )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=positive, default=8000)
-    serve.add_argument("--served-model-name", default=None, help="the model's name in the API (default: the "
-                                                                 "directory's name)")
-    serve.add_argument("--api-key", default=os.environ.get("AUTOTP_API_KEY"),
-                       help="require 'Authorization: Bearer KEY' (default: $AUTOTP_API_KEY, else none)")
+    serve.add_argument(
+        "--served-model-name", default=None, help="the model's name in the API (default: the directory's name)"
+    )
+    serve.add_argument(
+        "--api-key",
+        default=os.environ.get("AUTOTP_API_KEY"),
+        help="require 'Authorization: Bearer KEY' (default: $AUTOTP_API_KEY, else none)",
+    )
     size = serve.add_mutually_exclusive_group()
     size.add_argument("--kv-blocks", type=positive, default=None, help="KV cache blocks (each --block-size tokens)")
-    size.add_argument("--kv-cache-memory", type=bytes_of, default=None,
-                      help="KV cache bytes a rank, e.g. 4GiB (default: on a GPU 90%% of what the weights leave; on "
-                           "the CPU room for --max-num-seqs sequences of --max-model-len)")
+    size.add_argument(
+        "--kv-cache-memory",
+        type=bytes_of,
+        default=None,
+        help="KV cache bytes a rank, e.g. 4GiB (default: on a GPU 90%% of what the weights leave; on "
+        "the CPU room for --max-num-seqs sequences of --max-model-len)",
+    )
     serve.add_argument("--block-size", type=positive, default=16, help="tokens a KV block")
     serve.add_argument("--max-num-seqs", type=positive, default=32, help="sequences running at once")
-    serve.add_argument("--max-num-batched-tokens", type=positive, default=512,
-                       help="tokens a step: running decodes first, prompt chunks fill the rest")
-    serve.add_argument("--max-model-len", type=positive, default=None,
-                       help="tokens a sequence may hold (default: the config's max_position_embeddings)")
-    serve.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                       help="weights' dtype (default: the checkpoint's)")
-    serve.add_argument("--device", type=device_name, default=None,
-                       help="where each rank's shards and KV cache live, e.g. cpu (default: this rank's GPU under "
-                            "NCCL, else the CPU)")
+    serve.add_argument(
+        "--max-num-batched-tokens",
+        type=positive,
+        default=512,
+        help="tokens a step: running decodes first, prompt chunks fill the rest",
+    )
+    serve.add_argument(
+        "--max-model-len",
+        type=positive,
+        default=None,
+        help="tokens a sequence may hold (default: the config's max_position_embeddings)",
+    )
+    serve.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default=None,
+        help="weights' dtype (default: the checkpoint's)",
+    )
+    serve.add_argument(
+        "--device",
+        type=device_name,
+        default=None,
+        help="where each rank's shards and KV cache live, e.g. cpu (default: this rank's GPU under NCCL, else the CPU)",
+    )
 
 
 def serve_command(args) -> int:
@@ -104,10 +136,12 @@ def serve_command(args) -> int:
     import torch.multiprocessing as mp
 
     from autotp.tools.spawn import free_port
+
     port = free_port()
     context = mp.get_context("spawn")
-    ranks = [context.Process(target=_spawned, args=(rank, port, options), daemon=False)
-             for rank in range(options.world_size)]
+    ranks = [
+        context.Process(target=_spawned, args=(rank, port, options), daemon=False) for rank in range(options.world_size)
+    ]
     for process in ranks:
         process.start()
     for stop in (signal.SIGTERM, signal.SIGINT):  # rank 0 drains its requests, then the group ends
@@ -134,8 +168,14 @@ def _supervise(ranks: list) -> int:
 
 
 def _spawned(rank: int, port: int, options: ServeOptions) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(options.world_size), LOCAL_WORLD_SIZE=str(options.world_size))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(options.world_size),
+        LOCAL_WORLD_SIZE=str(options.world_size),
+    )
     code = serve_rank(options)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -148,6 +188,7 @@ def serve_rank(options: ServeOptions) -> int:
 
     import autotp
     from autotp.serving.engine import Engine
+
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -159,13 +200,20 @@ def serve_rank(options: ServeOptions) -> int:
     dtype = getattr(torch, options.dtype) if options.dtype else None
     sharded = autotp.from_pretrained(options.model, dtype=dtype, device=options.device)
     from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(options.model)
     config = sharded.autotp_source.config.get_text_config()
     max_len = options.max_model_len or getattr(config, "max_position_embeddings", None) or 4096
     blocks = kv_blocks(options, sharded, max_len)
-    engine = Engine(sharded, tokenizer, blocks=blocks, block_size=options.block_size,
-                    max_num_seqs=options.max_num_seqs, max_batched_tokens=options.max_num_batched_tokens,
-                    max_model_len=max_len)
+    engine = Engine(
+        sharded,
+        tokenizer,
+        blocks=blocks,
+        block_size=options.block_size,
+        max_num_seqs=options.max_num_seqs,
+        max_batched_tokens=options.max_num_batched_tokens,
+        max_model_len=max_len,
+    )
     if rank != 0:  # stopped by rank 0's last step, after it drains: a launcher's SIGTERM to every rank waits for it
         for stop in (signal.SIGTERM, signal.SIGINT):
             signal.signal(stop, signal.SIG_IGN)
@@ -181,12 +229,19 @@ def kv_blocks(options: ServeOptions, sharded, max_len: int) -> int:
     import torch
 
     from autotp.serving.generation import dtype_of, kv_heads_and_dim
+
     if options.kv_blocks:
         return options.kv_blocks
     config = sharded.autotp_source.config.get_text_config()
     heads, dim = kv_heads_and_dim(config)
-    per_block = (2 * config.num_hidden_layers * options.block_size * -(-heads // options.world_size) * dim
-                 * dtype_of(sharded).itemsize)
+    per_block = (
+        2
+        * config.num_hidden_layers
+        * options.block_size
+        * -(-heads // options.world_size)
+        * dim
+        * dtype_of(sharded).itemsize
+    )
     budget = options.kv_cache_memory
     if budget is None and sharded.autotp_device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(sharded.autotp_device)
@@ -202,6 +257,7 @@ def _serve_http(engine, tokenizer, options: ServeOptions, blocks: int) -> int:
     import uvicorn
 
     from autotp.serving.openai_api import make_app
+
     failed = threading.Event()
 
     def drive():
@@ -213,13 +269,17 @@ def _serve_http(engine, tokenizer, options: ServeOptions, blocks: int) -> int:
             server.should_exit = True
 
     app = make_app(engine, tokenizer, model_name=options.name, api_key=options.api_key)
-    config = uvicorn.Config(app, host=options.host, port=options.port, log_level="warning",
-                            timeout_graceful_shutdown=30)
+    config = uvicorn.Config(
+        app, host=options.host, port=options.port, log_level="warning", timeout_graceful_shutdown=30
+    )
     server = uvicorn.Server(config)
     loop = threading.Thread(target=drive, name="autotp-engine", daemon=True)
     loop.start()
-    print(f"autotp: serving {options.name} on http://{options.host}:{options.port}/v1 over {options.world_size} "
-          f"rank(s), {blocks} KV blocks of {options.block_size} tokens", flush=True)
+    print(
+        f"autotp: serving {options.name} on http://{options.host}:{options.port}/v1 over {options.world_size} "
+        f"rank(s), {blocks} KV blocks of {options.block_size} tokens",
+        flush=True,
+    )
     for stop in (signal.SIGTERM, signal.SIGINT):  # uvicorn raises what it caught again once drained: heard here
         signal.signal(stop, lambda *_: None)
     server.run()  # until SIGINT/SIGTERM (after the requests in flight) or a failure

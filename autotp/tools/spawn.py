@@ -1,5 +1,6 @@
 """Run a function on N local gloo processes: the demo, examples and tests use it.  Real launches
 (several machines, GPUs) are torchrun's job."""
+
 from __future__ import annotations
 
 import datetime
@@ -17,8 +18,14 @@ import torch.multiprocessing as mp
 # seconds importing torch and transformers, which dominated short multi-process runs (the test suite);
 # transformers.modeling_utils is what every transformers model imports first (0.5 s a rank on the 2-core VM);
 # autotp.tools.warmup loads what a first capture loads lazily and fills its caches (tools/warmup.py).
-_PRELOAD = ["torch", "torch.distributed", "transformers", "transformers.modeling_utils", "autotp",
-            "autotp.tools.warmup"]
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "transformers",
+    "transformers.modeling_utils",
+    "autotp",
+    "autotp.tools.warmup",
+]
 
 
 def local_context():
@@ -41,11 +48,17 @@ def run_local(world: int, fn, *args, timeout: float = 120, setup=None, backend: 
     port = free_port()
     queue = local_context().Queue()
     if setup is None:
-        ranks = mp.start_processes(_worker, args=(world, port, fn, args, queue, timeout, backend), nprocs=world,
-                                   join=False, start_method="forkserver")
+        ranks = mp.start_processes(
+            _worker,
+            args=(world, port, fn, args, queue, timeout, backend),
+            nprocs=world,
+            join=False,
+            start_method="forkserver",
+        )
     else:
-        ranks = mp.start_processes(_lead, args=(setup, world, port, fn, args, queue, timeout, backend), join=False,
-                                   start_method="forkserver")
+        ranks = mp.start_processes(
+            _lead, args=(setup, world, port, fn, args, queue, timeout, backend), join=False, start_method="forkserver"
+        )
     results = {}
     while not ranks.join(timeout=0.01):  # read while they run: a rank's put blocks once the pipe's buffer is full
         _drain(queue, results)
@@ -68,8 +81,9 @@ def _lead(_, setup, world: int, port: int, fn, args, queue, timeout: float, back
     """Runs ``setup`` and forks the ranks from here; a rank's error is raised again here, and so in the caller."""
     torch.set_num_threads(1)
     setup()
-    ranks = mp.start_processes(_worker, args=(world, port, fn, args, queue, timeout, backend), nprocs=world,
-                               join=False, start_method="fork")
+    ranks = mp.start_processes(
+        _worker, args=(world, port, fn, args, queue, timeout, backend), nprocs=world, join=False, start_method="fork"
+    )
     while not ranks.join():
         pass
 

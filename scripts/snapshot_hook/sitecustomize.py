@@ -1,6 +1,7 @@
 """Loaded by every Python process of a recorded run (scripts/plan_snapshot.py puts this folder on PYTHONPATH):
 each Plan built in the process, solved or loaded, is written to $AUTOTP_PLAN_SNAPSHOT as <sha256 of its JSON>.json.
 Forked and fork-server ranks run it too, which a pytest plugin would miss."""
+
 import hashlib
 import importlib.abc
 import importlib.machinery

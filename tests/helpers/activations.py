@@ -1,4 +1,5 @@
 """Activation memory as autograd holds it, to compare with what a plan estimates."""
+
 from __future__ import annotations
 
 import torch
@@ -10,6 +11,7 @@ def saved_bytes(module: torch.nn.Module, *inputs) -> int:
     gathered tensors through its own hooks (autotp.runtime.activations): what those keep is counted."""
     from autotp.runtime import activations
     from autotp.runtime.activations import Recomputed
+
     held = {t.untyped_storage().data_ptr() for t in [*module.parameters(), *module.buffers(), *inputs]}
     seen: dict = {}
 
@@ -22,6 +24,7 @@ def saved_bytes(module: torch.nn.Module, *inputs) -> int:
 
     pack = activations._pack
     activations._pack = lambda tensor: count(pack(tensor))
+
     # a recomputed piece (torch.utils.checkpoint) keeps its inputs, and nothing its ops save
     def count_inputs(mod, args):
         for arg in args:

@@ -1,5 +1,6 @@
 """The Hugging Face architectures of tests/test_architectures.py (configs.ARCHITECTURES) and the check that a
 sharded one computes what the model computes, gradients included."""
+
 from __future__ import annotations
 
 import torch
@@ -15,6 +16,7 @@ NAMES = list(configs.ARCHITECTURES)
 def hf_model(name: str, **overrides):
     """``configs.ARCHITECTURES[name]``'s model (with ``overrides`` to its config), fixed seed, eval mode."""
     import transformers
+
     _, model_cls, _ = configs.ARCHITECTURES[name]
     config = configs.architecture(name, **overrides)
     torch.manual_seed(0)

@@ -5,6 +5,7 @@ over the defaults, so a test names only what it changes.  A test that means tran
 set here (``use_cache=True``, a longer position table) passes it.  ``mixtral_8x7b`` and ``deepseek_v3_671b`` are
 transformers' defaults for their families, which are those published models' shapes.  ``ARCHITECTURES``: the
 layouts tests/test_architectures.py runs (``architecture(name)``)."""
+
 from __future__ import annotations
 
 # Tables of sizes, a few lines a config as transformers spells its fields: left as written.

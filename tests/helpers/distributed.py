@@ -1,4 +1,5 @@
 """Spawn N gloo ranks on this machine and run a test function on each (failures propagate)."""
+
 from __future__ import annotations
 
 import functools
@@ -13,15 +14,32 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from autotp.tools.spawn import exit_quietly, free_port, local_context, run_local
 from tests.helpers.shared_capture import capture_first
 
-__all__ = ["AT_THREE_RANKS", "CollectiveCounter", "block_of", "comm_counts", "exit_quietly", "plan_ops", "run_ranks",
-           "run_unsupervised", "weight_collectives"]
+__all__ = [
+    "AT_THREE_RANKS",
+    "CollectiveCounter",
+    "block_of",
+    "comm_counts",
+    "exit_quietly",
+    "plan_ops",
+    "run_ranks",
+    "run_unsupervised",
+    "weight_collectives",
+]
 
 # the eager c10d ops (gloo's polled waits) under the names of their functional twins
-_FUNCTIONAL = {"allreduce_": "all_reduce", "_allgather_base_": "all_gather_into_tensor",
-               "_reduce_scatter_base_": "reduce_scatter_tensor", "alltoall_base_": "all_to_all_single"}
+_FUNCTIONAL = {
+    "allreduce_": "all_reduce",
+    "_allgather_base_": "all_gather_into_tensor",
+    "_reduce_scatter_base_": "reduce_scatter_tensor",
+    "alltoall_base_": "all_to_all_single",
+}
 # the functional ops under the names a plan's collectives use (Plan.collective_counts)
-_PLAN = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
-         "all_to_all_single": "all_to_all"}
+_PLAN = {
+    "all_reduce": "all_reduce",
+    "all_gather_into_tensor": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "all_to_all_single": "all_to_all",
+}
 
 
 # A check's rank counts: 3 (uneven splits, the most it exercises) in the default tier, 2 and 4 in the slow one
@@ -117,7 +135,10 @@ def weight_collectives(gm) -> list[str]:
         if node.op == "get_attr" or (node.op == "call_function" and inputs and all(a in from_weights for a in inputs)):
             from_weights.add(node)
         fn = node.target
-        if getattr(fn, "__module__", "") == "autotp.runtime.collectives" and fn.__name__ not in _GRADIENT_ONLY and \
-                node.args[0] in from_weights:
+        if (
+            getattr(fn, "__module__", "") == "autotp.runtime.collectives"
+            and fn.__name__ not in _GRADIENT_ONLY
+            and node.args[0] in from_weights
+        ):
             found.append(f"{fn.__name__}({node.args[0].name})")
     return found

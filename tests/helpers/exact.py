@@ -1,5 +1,6 @@
 """Checks shared by the end-to-end tests of model styles: a sharded model computes what the model computes, in
 the forward and over training steps, running the collectives its plan lists."""
+
 from __future__ import annotations
 
 import re
@@ -17,9 +18,13 @@ TOL = {"rtol": 1e-4, "atol": 1e-5}
 def sums_per_block(plan, phase: str = "forward", blocks: str = r"layers\.(\d+)(\.|$)") -> Counter:
     """block index -> collectives that sum partial sums (all-reduces, or reduce-scatters where the plan splits
     the residual stream) the plan runs in that block (module paths matched by ``blocks``)."""
-    return Counter(int(found.group(1)) for c in plan.collectives
-                   if c["phase"] == phase and c["op"] in ("all_reduce", "reduce_scatter")
-                   for found in [re.search(blocks, c["module"])] if found)
+    return Counter(
+        int(found.group(1))
+        for c in plan.collectives
+        if c["phase"] == phase and c["op"] in ("all_reduce", "reduce_scatter")
+        for found in [re.search(blocks, c["module"])]
+        if found
+    )
 
 
 def forward_matches(model, sharded, inputs: list[tuple]) -> None:

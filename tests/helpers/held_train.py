@@ -5,6 +5,7 @@ attempt holds (torchrun's restart count 0); the restarted group runs examples/tr
     AUTOTP_HOLD=after-step:3   rank 1 stops after its 3rd step
     AUTOTP_HOLD=in-save:4      rank 1 stops inside the save of step 4, after writing, before the completion mark
 """
+
 from __future__ import annotations
 
 import os
@@ -31,6 +32,7 @@ def main() -> None:
             if index + 1 == int(at):
                 _hold()
             return loss
+
         train.Trainer.step = step_then_hold
     if held and where == "in-save":
         save = run_checkpoints.dcp.save
@@ -39,6 +41,7 @@ def main() -> None:
             save(state, checkpoint_id=checkpoint_id)
             if Path(checkpoint_id).name == f"step-{at}.partial":
                 _hold()
+
         run_checkpoints.dcp.save = save_then_hold
     train.main()
 

@@ -1,4 +1,5 @@
 """Tiny models for tests: random weights from configs, no network."""
+
 from __future__ import annotations
 
 import torch
@@ -70,16 +71,31 @@ def build(kind: str, device: str = "cpu", blocks: int = BLOCKS):
             return model.eval(), args, blocks
         if kind == "llama":
             from transformers import LlamaForCausalLM
-            config = configs.llama(vocab_size=128, intermediate_size=128, num_hidden_layers=blocks,
-                                   num_attention_heads=8, num_key_value_heads=4)
+
+            config = configs.llama(
+                vocab_size=128,
+                intermediate_size=128,
+                num_hidden_layers=blocks,
+                num_attention_heads=8,
+                num_key_value_heads=4,
+            )
             model = LlamaForCausalLM(config)
         elif kind == "phi3":  # fused qkv cut with slices (GQA sizes), fused gate_up cut with chunk
             from transformers import Phi3ForCausalLM
-            config = configs.phi3(vocab_size=128, intermediate_size=128, num_hidden_layers=blocks,
-                                  num_key_value_heads=4, pad_token_id=0, bos_token_id=0, eos_token_id=0)
+
+            config = configs.phi3(
+                vocab_size=128,
+                intermediate_size=128,
+                num_hidden_layers=blocks,
+                num_key_value_heads=4,
+                pad_token_id=0,
+                bos_token_id=0,
+                eos_token_id=0,
+            )
             model = Phi3ForCausalLM(config)
         elif kind == "gpt2":
             from transformers import GPT2LMHeadModel
+
             config = configs.gpt2(vocab_size=128, n_layer=blocks, bos_token_id=0, eos_token_id=0)
             model = GPT2LMHeadModel(config)
         else:
@@ -90,15 +106,24 @@ def build(kind: str, device: str = "cpu", blocks: int = BLOCKS):
 def llama_with(heads: int, kv: int, head_dim: int = 8, vocab: int = 96, layers: int = 1):
     """A LLaMA with the given head counts (head sharing and uneven splits), fixed seed."""
     from transformers import LlamaForCausalLM
+
     torch.manual_seed(0)
-    return LlamaForCausalLM(configs.llama(hidden_size=heads * head_dim, num_attention_heads=heads,
-                                          num_key_value_heads=kv, head_dim=head_dim, vocab_size=vocab,
-                                          num_hidden_layers=layers)).eval()
+    return LlamaForCausalLM(
+        configs.llama(
+            hidden_size=heads * head_dim,
+            num_attention_heads=heads,
+            num_key_value_heads=kv,
+            head_dim=head_dim,
+            vocab_size=vocab,
+            num_hidden_layers=layers,
+        )
+    ).eval()
 
 
 def phi2(layers: int = 2):
     """Phi-2's layout: one layer norm feeding attention and MLP in parallel, biases on every linear."""
     from transformers import PhiForCausalLM
+
     torch.manual_seed(0)
     return PhiForCausalLM(configs.phi(num_hidden_layers=layers)).eval()
 
@@ -107,9 +132,9 @@ def vit(image: int = 16, patch: int = 4, layers: int = 2):
     """A ViT classifier: convolutional patches, a class token and a learned position table, so the
     sequence length is fixed by the config ((image / patch)^2 + 1 tokens: 17 by default)."""
     from transformers import ViTForImageClassification
+
     torch.manual_seed(0)
-    return ViTForImageClassification(configs.vit(image_size=image, patch_size=patch,
-                                                 num_hidden_layers=layers)).eval()
+    return ViTForImageClassification(configs.vit(image_size=image, patch_size=patch, num_hidden_layers=layers)).eval()
 
 
 def padded_prompts(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:

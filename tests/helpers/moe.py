@@ -1,5 +1,6 @@
 """Mixture-of-experts models and checks shared by tests/test_moe.py, tests/test_moe_dispatch.py and
 tests/test_expert_checkpoints.py."""
+
 from __future__ import annotations
 
 import torch
@@ -15,6 +16,7 @@ from tests.helpers.exact import TOL
 
 def mixtral(experts: int = 4, layers: int = 2, implementation: str | None = None):
     from transformers import MixtralForCausalLM
+
     torch.manual_seed(0)
     config = configs.mixtral(num_hidden_layers=layers, num_local_experts=experts)
     if implementation:
@@ -25,6 +27,7 @@ def mixtral(experts: int = 4, layers: int = 2, implementation: str | None = None
 def qwen3_moe(experts: int = 8, layers: int = 2):
     """Experts of 32 rows: a router of 2% of an expert tensor's size would count as large (strategies.py)."""
     from transformers import Qwen3MoeForCausalLM
+
     torch.manual_seed(0)
     return Qwen3MoeForCausalLM(configs.qwen3_moe(num_hidden_layers=layers, num_experts=experts)).eval()
 
@@ -71,6 +74,7 @@ def pretrained(directory: str):
     """The model ``autotp.from_pretrained(directory)`` builds (on the meta device) and captures."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
+
     config = AutoConfig.from_pretrained(directory)
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, torch_dtype=None)
@@ -92,5 +96,3 @@ def six_experts() -> tuple:
 
 def six_experts_models() -> list:
     return [six_experts()]
-
-

@@ -1,5 +1,6 @@
 """Tiny models written the way PyTorch-native training code writes them (random weights, fixed seeds): rotary
 embeddings with complex numbers, FlexAttention, PyTorch's own transformer layers."""
+
 from __future__ import annotations
 
 import torch
@@ -90,8 +91,16 @@ class ComplexBlock(nn.Module):
 class ComplexRotaryLM(nn.Module):
     """A LLaMA whose rotary embedding is a complex64 buffer (``torch.polar``), cut to the sequence in forward."""
 
-    def __init__(self, dim: int = 32, layers: int = 2, heads: int = 4, kv_heads: int = 2, hidden: int = 64,
-                 positions: int = 32, repeat: str = "expand"):
+    def __init__(
+        self,
+        dim: int = 32,
+        layers: int = 2,
+        heads: int = 4,
+        kv_heads: int = 2,
+        hidden: int = 64,
+        positions: int = 32,
+        repeat: str = "expand",
+    ):
         super().__init__()
         self.tok_embeddings = nn.Embedding(VOCAB, dim)
         self.layers = nn.ModuleList(ComplexBlock(dim, heads, kv_heads, hidden, repeat) for _ in range(layers))
@@ -101,7 +110,7 @@ class ComplexRotaryLM(nn.Module):
 
     def forward(self, tokens):
         h = self.tok_embeddings(tokens)
-        table = self.freqs_cis[0:tokens.shape[1]]
+        table = self.freqs_cis[0 : tokens.shape[1]]
         for layer in self.layers:
             h = layer(h, table)
         return self.output(self.norm(h))
@@ -123,13 +132,15 @@ def greedy(model: nn.Module, ids: torch.Tensor, new: int) -> torch.Tensor:
 class EncoderLM(nn.Module):
     """An nn.TransformerEncoder language model: causal mask, optional key padding mask, batch first or not."""
 
-    def __init__(self, dim: int = 32, heads: int = 4, layers: int = 2, batch_first: bool = True,
-                 norm_first: bool = False):
+    def __init__(
+        self, dim: int = 32, heads: int = 4, layers: int = 2, batch_first: bool = True, norm_first: bool = False
+    ):
         super().__init__()
         self.batch_first = batch_first
         self.emb = nn.Embedding(VOCAB, dim)
-        layer = nn.TransformerEncoderLayer(dim, heads, 2 * dim, dropout=0.0, batch_first=batch_first,
-                                           norm_first=norm_first)
+        layer = nn.TransformerEncoderLayer(
+            dim, heads, 2 * dim, dropout=0.0, batch_first=batch_first, norm_first=norm_first
+        )
         self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.head = nn.Linear(dim, VOCAB, bias=False)
 
@@ -150,8 +161,9 @@ class WeightsLM(nn.Module):
         super().__init__()
         self.emb = nn.Embedding(VOCAB, dim)
         self.attention = nn.ModuleList(nn.MultiheadAttention(dim, heads) for _ in range(layers))
-        self.mlp = nn.ModuleList(nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
-                                 for _ in range(layers))
+        self.mlp = nn.ModuleList(
+            nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim)) for _ in range(layers)
+        )
         self.head = nn.Linear(dim, VOCAB, bias=False)
 
     def forward(self, ids):
@@ -173,8 +185,9 @@ class DecoderLM(nn.Module):
         self.batch_first = batch_first
         self.emb = nn.Embedding(VOCAB, dim)
         self.encoder = nn.TransformerEncoderLayer(dim, heads, 2 * dim, dropout=0.0, batch_first=batch_first)
-        self.layers = nn.ModuleList(nn.TransformerDecoderLayer(dim, heads, 2 * dim, dropout=0.0,
-                                                               batch_first=batch_first) for _ in range(layers))
+        self.layers = nn.ModuleList(
+            nn.TransformerDecoderLayer(dim, heads, 2 * dim, dropout=0.0, batch_first=batch_first) for _ in range(layers)
+        )
         self.head = nn.Linear(dim, VOCAB, bias=False)
 
     def forward(self, ids):
@@ -217,6 +230,7 @@ class FlexAttention(nn.Module):
             block_mask = create_block_mask(causal, None, None, s, s, device=x.device)
         score_mod = None
         if self.mode == "alibi_h":
+
             def score_mod(score, b_, h, q_, kv_):
                 return score - torch.exp2(-8.0 * (h + 1).to(torch.float32) / heads) * (q_ - kv_).abs()
         elif self.mode == "alibi_buffer":
@@ -225,8 +239,10 @@ class FlexAttention(nn.Module):
             def score_mod(score, b_, h, q_, kv_):
                 return score - slopes[h] * (q_ - kv_).abs()
         elif self.mode == "softcap":
+
             def score_mod(score, b_, h, q_, kv_):
                 return 20.0 * torch.tanh(score / 20.0)
+
         out = flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=kv != heads)
         return self.o(out.transpose(1, 2).reshape(b, s, heads * d))
 
@@ -245,8 +261,7 @@ class FlexBlock(nn.Module):
 class FlexLM(nn.Module):
     """A decoder of FlexAttention blocks (pre-norm, GELU MLP)."""
 
-    def __init__(self, mode: str = "forward_mask", dim: int = 32, heads: int = 4, kv_heads: int = 2,
-                 layers: int = 2):
+    def __init__(self, mode: str = "forward_mask", dim: int = 32, heads: int = 4, kv_heads: int = 2, layers: int = 2):
         super().__init__()
         self.emb = nn.Embedding(VOCAB, dim)
         self.layers = nn.ModuleList(FlexBlock(mode, dim, heads, kv_heads) for _ in range(layers))

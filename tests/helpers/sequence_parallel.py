@@ -1,4 +1,5 @@
 """Sequence-parallel checks shared by tests/test_sequence_parallel.py and tests/test_recompute.py."""
+
 from __future__ import annotations
 
 import torch

@@ -13,6 +13,7 @@ Anything else is captured as usual, so a hook that misses costs time, never corr
 ``OWN_CAPTURES`` names the builders whose tests run with every rank capturing for itself, as users' ranks do: one
 case per test file that shares captures, so that what sharing could hide (a capture that changes the user's model)
 still runs in the default tier (tests/test_shared_capture.py checks each file has one)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -79,8 +80,10 @@ def captures_own(build) -> bool:
 
 
 def _tensor(t: torch.Tensor, values: bool = True) -> bytes:
-    head = (f"{tuple(t.shape)}:{t.stride()}:{t.dtype}:{t.device.type}:{t.requires_grad}:"
-            f"{isinstance(t, torch.nn.Parameter)}:")
+    head = (
+        f"{tuple(t.shape)}:{t.stride()}:{t.dtype}:{t.device.type}:{t.requires_grad}:"
+        f"{isinstance(t, torch.nn.Parameter)}:"
+    )
     if t.is_meta or not values:  # a capture sees inputs as fake tensors: their values cannot shape it
         return head.encode()
     return head.encode() + t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
@@ -106,8 +109,16 @@ def digest(model: torch.nn.Module, args, kwargs) -> str | None:
         register_inputs(args, kwargs or {})  # as capture does first: a BlockMask or a dataclass input is a pytree
         for name, module in model.named_modules(remove_duplicate=False):
             state = vars(module)
-            h.update(pickle.dumps((name, type(module).__module__, type(module).__qualname__,
-                                   [(k, state[k]) for k in sorted(state) if k not in _SKIP])))
+            h.update(
+                pickle.dumps(
+                    (
+                        name,
+                        type(module).__module__,
+                        type(module).__qualname__,
+                        [(k, state[k]) for k in sorted(state) if k not in _SKIP],
+                    )
+                )
+            )
         named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
         for name, t in named:
             h.update(name.encode() + _tensor(t))
@@ -122,8 +133,17 @@ def digest(model: torch.nn.Module, args, kwargs) -> str | None:
 
 
 # the process group's state a model (or torch) can read while it is traced; is_available() is fixed by the build
-_GROUP_QUERIES = ("is_initialized", "get_rank", "get_world_size", "get_backend", "get_process_group_ranks",
-                  "get_global_rank", "get_group_rank", "get_node_local_rank", "is_torchelastic_launched")
+_GROUP_QUERIES = (
+    "is_initialized",
+    "get_rank",
+    "get_world_size",
+    "get_backend",
+    "get_process_group_ranks",
+    "get_global_rank",
+    "get_group_rank",
+    "get_node_local_rank",
+    "is_torchelastic_launched",
+)
 _PLAIN = (bool, int, float, str, type(None))
 _UNREPLAYABLE = ("unreplayable",)
 
@@ -161,6 +181,7 @@ def _watching():
                 plain = _plain(args) and _plain(list(kwargs.values()))
                 _note(reads, ("group", _name, args, kwargs, _outcome(_fn, args, kwargs)) if plain else _UNREPLAYABLE)
                 return _fn(*args, **kwargs)
+
             setattr(module, name, watched)
     getitem = os._Environ.__getitem__
 
@@ -172,6 +193,7 @@ def _watching():
             raise
         _note(reads, ("env", key, value))
         return value
+
     os._Environ.__getitem__ = read
     try:
         yield reads
@@ -186,8 +208,10 @@ def _same_state(reads: list) -> bool:
     for read in reads:
         if read[0] == "env" and os.environ.get(read[1]) != read[2]:
             return False
-        if read[0] == "group" and _outcome(getattr(c10d, read[1], None) or getattr(dist, read[1]), read[2],
-                                           read[3]) != read[4]:
+        if (
+            read[0] == "group"
+            and _outcome(getattr(c10d, read[1], None) or getattr(dist, read[1]), read[2], read[3]) != read[4]
+        ):
             return False
     return True
 
@@ -215,8 +239,15 @@ def shared_capture(model: torch.nn.Module, args: tuple, kwargs: dict | None = No
     return copied if copied is not None else _capture(model, args, kwargs)
 
 
-_HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
-          "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks")
+_HOOKS = (
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_backward_pre_hooks",
+    "_backward_hooks",
+)
 
 
 def copy_of(gm: torch.fx.GraphModule) -> torch.fx.GraphModule | None:
@@ -246,11 +277,19 @@ def copy_of(gm: torch.fx.GraphModule) -> torch.fx.GraphModule | None:
 def _layout(gm: torch.fx.GraphModule) -> list:
     """Where each tensor sits, which attributes and hooks each module has; a subgraph (FlexAttention's score
     function) is a GraphModule whatever it was named."""
-    return [(name, "GraphModule" if isinstance(m, torch.fx.GraphModule) else type(m).__name__, sorted(m._parameters),
-             sorted(m._buffers), sorted(m._non_persistent_buffers_set),
-             sorted(k for k, v in vars(m).items() if isinstance(v, torch.Tensor)), sorted(vars(m)),
-             [list(getattr(m, hooks).items()) for hooks in _HOOKS])
-            for name, m in gm.named_modules(remove_duplicate=False)]
+    return [
+        (
+            name,
+            "GraphModule" if isinstance(m, torch.fx.GraphModule) else type(m).__name__,
+            sorted(m._parameters),
+            sorted(m._buffers),
+            sorted(m._non_persistent_buffers_set),
+            sorted(k for k, v in vars(m).items() if isinstance(v, torch.Tensor)),
+            sorted(vars(m)),
+            [list(getattr(m, hooks).items()) for hooks in _HOOKS],
+        )
+        for name, m in gm.named_modules(remove_duplicate=False)
+    ]
 
 
 def capture_first(build) -> None:

@@ -1,5 +1,6 @@
 """Training in one process, what the pipeline tests (tests/test_pipeline.py, tests/test_recompute.py) compare
 pipelined training with: a 4-block LLaMA, one fixed batch, AdamW, ``STEPS`` steps."""
+
 from __future__ import annotations
 
 import torch
@@ -11,16 +12,20 @@ VOCAB, BATCH, SEQ, STEPS = 64, 8, 8, 3
 
 def llama(layers: int = 4, vocab: int = VOCAB):
     from transformers import LlamaForCausalLM
+
     torch.manual_seed(0)
-    config = configs.llama(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                           tie_word_embeddings=False)
+    config = configs.llama(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, tie_word_embeddings=False
+    )
     return LlamaForCausalLM(config)
 
 
 def batch():
     generator = torch.Generator().manual_seed(1)
-    return (torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator),
-            torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator))
+    return (
+        torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator),
+        torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator),
+    )
 
 
 def token_loss(output, target):

@@ -33,7 +33,7 @@ test-all: $(VENV)/.installed  # the default suite and the slow tier (scale check
 	$(BIN)/python -m pytest -q $(PARALLEL) -m "not serial"
 	$(BIN)/python -m pytest -q -m serial
 
-lint: $(VENV)/.installed  # ruff, then mypy strict on the typed core (scripts/check.sh)
+lint: $(VENV)/.installed  # ruff check, ruff format --check, then mypy strict on the typed core (scripts/check.sh)
 	PYTHON=$(BIN)/python scripts/check.sh
 
 clean:

@@ -181,7 +181,7 @@ TESTS = Path(__file__).resolve().parent
 _RUNS = {"run_ranks", "run_local", "run_unsupervised"}
 # files whose default tier already runs ranks that capture on their own (no captures=): the test that does
 OWN_ELSEWHERE = {
-    "test_checkpoint.py": "test_mesh_and_pipeline_saves_are_transformers_own_files",
+    "test_stored_layouts.py": "test_mesh_and_pipeline_saves_are_transformers_own_files",
     "test_errors.py": "test_parallelize_twice_on_the_same_model",  # the model stays untouched
     "test_mesh.py": "test_default_microbatches_train_like_one_process",
 }

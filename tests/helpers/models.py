@@ -155,3 +155,19 @@ def example_input(kind: str, batch: int, seq: int) -> torch.Tensor:
     if kind in ("mlp", "unruly"):
         return torch.randn(batch, seq, 32)
     return torch.randint(0, 96, (batch, seq))
+
+
+def pretrained_models(*directories: str) -> list:
+    """The models ``autotp.from_pretrained`` builds from these directories and the inputs it captures them with."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from autotp.runtime.hf_models import default_inputs
+
+    pairs = []
+    for directory in directories:
+        with init_empty_weights(include_buffers=False):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory), torch_dtype=None)
+        model.tie_weights()
+        pairs.append((model.eval(), default_inputs(model)))
+    return pairs

@@ -117,3 +117,28 @@ def test_sampling_is_shared_and_reproducible():
 
 def _sampling_captures() -> list:
     return [(_sampling_model(), (padded_prompts(128)[0],))]
+
+
+def _compiled(rank: int, world: int, backend: str) -> None:
+    """24 tokens from static buffers: the prompt's graph and the one-token step's, whatever the step; the tokens
+    are the eager program's (greedy, and sampled for a seed)."""
+    from autotp.serving.decode_graphs import CompileOptions
+
+    model = _sampling_model()
+    ids, mask = padded_prompts(128)
+    sharded = autotp.parallelize(model, (ids,))
+    options = CompileOptions(backend=backend)
+    for sampled in ({}, {"do_sample": True, "temperature": 0.8, "top_k": 20, "top_p": 0.9, "seed": 3}):
+        eager = autotp.generate(sharded, ids, mask, max_new_tokens=24, eos_token_id=[], pad_token_id=0, **sampled)
+        for _ in range(2):  # the second call replays the prompt's graph too
+            got = autotp.generate(
+                sharded, ids, mask, max_new_tokens=24, eos_token_id=[], pad_token_id=0, compile=options, **sampled
+            )
+            assert torch.equal(got, eager), (got, eager)
+    graphs = sharded.__dict__["_autotp_decoders"][(3, 6 + 24)].autotp_step_graphs[options]
+    assert graphs.compiled == 2, graphs.compiled
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_compiled_generation_is_two_graphs_for_24_tokens_and_equals_eager(backend):
+    run_ranks(2, _compiled, backend, captures=_sampling_captures)

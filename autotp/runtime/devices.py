@@ -59,6 +59,13 @@ def _own_accelerator_backend(group) -> bool:
     return "cpu" not in served(group) or group._get_backend(gpu) is not group._get_backend(torch.device("cpu"))
 
 
+def graph_capturable(group, device: torch.device) -> bool:
+    """Whether a CUDA graph can hold a program's kernels and its collectives over ``group`` on ``device``: a GPU
+    with a backend of its own for it (NCCL); plain gloo moves CUDA tensors through the host, which no graph can
+    capture.  One rank issues no collective."""
+    return device.type == "cuda" and (group.size() == 1 or _own_accelerator_backend(group))
+
+
 def shard_device(group, model: torch.nn.Module, device=None) -> torch.device:
     """The device this rank's shards live on, checked before any capture: ``device`` where given; else this rank's
     GPU where the group has a backend of its own for it (NCCL, "cpu:gloo,cuda:nccl": a CPU model's pieces are

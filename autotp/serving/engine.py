@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from autotp.runtime.devices import host_group
-from autotp.serving.generation import choose_tokens
 from autotp.serving.paged_cache import step_program
+from autotp.serving.sampling import sample_rows, sampling_tensors
 from autotp.serving.scheduler import Refused, Run, Scheduler, Sequence
 
 TICK_SECONDS = 1.0
@@ -67,14 +67,16 @@ class Choice:
     def __init__(self, index: int, sequence: Sequence, sampling: Sampling, tokenizer, device):
         self.index, self.sequence, self.sampling, self.tokenizer = index, sequence, sampling, tokenizer
         self.text, self.sent, self.finish_reason, self.logprobs = "", 0, None, []
-        self.generator = None
-        if sampling.seed is not None:
-            self.generator = torch.Generator(device=device).manual_seed(sampling.seed + index)
+        seed = sampling.seed if sampling.seed is not None else int(torch.randint(2**31, ()))
+        self.seed = (seed + 0x9E3779B9 * index) & 0xFFFFFFFF  # serving/sampling.py keys its draws by it
 
     def pick(self, logits: torch.Tensor, eos: set) -> None:
         """Choose the next token from this step's logits [vocab]; finish on end of sequence, a stop string or length."""
         s = self.sampling
-        token = int(choose_tokens(logits, s.temperature > 0, s.temperature, s.top_k, s.top_p, self.generator))
+        params = sampling_tensors(
+            [(s.temperature, s.top_k, s.top_p, self.seed, len(self.sequence.tokens))], logits.device
+        )
+        token = int(sample_rows(logits[None], *params)[0])
         if s.logprobs is not None:
             logprobs = logits.float().log_softmax(-1)
             top = logprobs.topk(s.logprobs) if s.logprobs else None

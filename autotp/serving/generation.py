@@ -5,7 +5,8 @@ buffers are written in place (``index_copy_``); autotp plans it like any graph, 
 split by KV heads (shared by neighbouring ranks where there are fewer KV heads than ranks), and
 the weights are the forward program's own shards (same placements, no copy).  One program serves
 the prefill (a whole prompt) and every one-token decode step.  Rank 0 picks each token and
-broadcasts it, so every rank continues with the same tokens.
+broadcasts it, so every rank continues with the same tokens.  With ``compile`` the steps are fed from static
+buffers, so the prefill and the one-token step are one graph each (serving/decode_graphs.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ from collections import OrderedDict
 
 import torch
 import torch.distributed as dist
+
+from autotp.serving.decode_graphs import CompileOptions, StepGraphs
+from autotp.serving.sampling import sample_rows, sampling_tensors
 
 
 class _CachedLM(torch.nn.Module):
@@ -79,30 +83,6 @@ class ResidentShards:
         if name in self.shared:
             return self.local[name]  # this rank's piece itself, whatever the box
         return torch.zeros([len(range(*b.indices(n))) for b, n in zip(box, self.shapes[name], strict=True)])
-
-
-def choose_tokens(
-    logits: torch.Tensor,
-    do_sample: bool,
-    temperature: float,
-    top_k: int | None,
-    top_p: float | None,
-    generator: torch.Generator | None,
-) -> torch.Tensor:
-    """Next tokens (batch,) from last-position logits [batch, vocab] (or one token from [vocab]), as transformers'
-    generate picks them."""
-    if not do_sample:
-        return logits.argmax(dim=-1)
-    scores = logits.float() / temperature
-    if top_k:
-        kth = torch.topk(scores, min(top_k, scores.shape[-1])).values[..., -1:]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        ordered, order = scores.sort(dim=-1)
-        drop = ordered.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p
-        drop[..., -1:] = False
-        scores = scores.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-    return torch.multinomial(scores.softmax(dim=-1), 1, generator=generator).squeeze(-1)
 
 
 def decoder(sharded: torch.nn.Module, batch: int, max_len: int) -> torch.nn.Module:
@@ -192,15 +172,19 @@ def generate(
     eos_token_id: int | None = None,
     pad_token_id: int | None = None,
     keep_programs: int = 4,
+    compile: bool | CompileOptions = False,
 ) -> torch.Tensor:
     """Prompt + generated tokens, [batch, prompt + new], like ``transformers``' ``generate`` (greedy or
     sampled; a finished sequence continues with ``pad_token_id``).  A collective: every rank calls it
     with the same prompt and gets the same tokens.  ``attention_mask`` marks left padding.  The decode
     program (and its KV cache) for each (batch, total length) is built on first use and kept, the
     ``keep_programs`` most recently used of them (``free_generation_cache`` drops them all): stale
-    cache entries are never read, as every position is written before it is attended to.  A model that is not a
-    Hugging Face one (``forward(tokens) -> logits``, its own cache unknown to autotp) runs the sharded forward on
-    the whole sequence for every token."""
+    cache entries are never read, as every position is written before it is attended to.  ``compile``: the
+    prefill and the one-token steps each run as one compiled graph (and on a GPU group as one replayed CUDA graph;
+    serving/decode_graphs.py), the steps fed from static buffers.  A model that is not a Hugging Face one
+    (``forward(tokens) -> logits``, its own cache unknown to autotp) runs the sharded forward on the whole sequence
+    for every token.  Sampled tokens are keyed by ``seed`` (drawn from torch's generator when None), the row and the
+    position (serving/sampling.py)."""
     config = getattr(sharded.autotp_source, "generation_config", None)
     eos = eos_token_id if eos_token_id is not None else getattr(config, "eos_token_id", None)
     eos = {eos} if isinstance(eos, int) else set(eos or ())
@@ -214,23 +198,43 @@ def generate(
     device = sharded.autotp_device
     batch, prompt = input_ids.shape
     total = prompt + max_new_tokens
+    options = CompileOptions() if compile is True else (compile or None)
     last_logits = (
-        _cached(sharded, batch, prompt, total, attention_mask, keep_programs, device)
+        _cached(sharded, batch, prompt, total, attention_mask, keep_programs, device, options)
         if _cacheable(sharded)
         else _recomputed(sharded, attention_mask)
     )
-    generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
-    tokens, done = input_ids.to(device), torch.zeros(batch, dtype=torch.bool, device=device)
+    seed = int(torch.randint(2**31, ())) if seed is None else seed
+    rows = [
+        (
+            temperature if do_sample else 0.0,
+            top_k or 0,
+            1.0 if top_p is None else top_p,
+            (seed + 0x9E3779B9 * row) & 0xFFFFFFFF,
+            0,
+        )
+        for row in range(batch)
+    ]
+    temperatures, top_ks, top_ps, seeds, _ = sampling_tensors(rows, device)
+    eos_ids = torch.tensor(sorted(eos), device=device, dtype=torch.long)
+    tokens = torch.full((batch, total), pad, dtype=torch.long, device=device)
+    tokens[:, :prompt] = input_ids
+    done = torch.zeros(batch, dtype=torch.bool, device=device)
+    end = torch.full((), total, dtype=torch.long, device=device)  # the length once every row is done
     for start in range(prompt, total):
-        chosen = choose_tokens(last_logits(tokens, start), do_sample, temperature, top_k, top_p, generator)
+        logits = last_logits(tokens, start)
+        chosen = sample_rows(logits, temperatures, top_ks, top_ps, seeds, torch.full_like(seeds, start))
         if dist.get_world_size(group) > 1:  # every rank continues with rank 0's tokens
             dist.broadcast(chosen, group_src=0, group=group)
-        chosen = torch.where(done, torch.full_like(chosen, pad), chosen)
-        done |= torch.isin(chosen, torch.tensor(sorted(eos), device=device, dtype=chosen.dtype))
-        tokens = torch.cat([tokens, chosen[:, None]], dim=1)
-        if done.all():
+        tokens[:, start] = torch.where(done, pad, chosen)
+        done |= torch.isin(tokens[:, start], eos_ids)
+        end = torch.where(done.all() & (end == total), start + 1, end)
+        if eos and (start - prompt) % SYNC_EVERY == SYNC_EVERY - 1 and bool(done.all()):  # the host asks now and then
             break
-    return tokens
+    return tokens[:, : int(end)]
+
+
+SYNC_EVERY = 8  # steps between the host's looks at whether every row is done
 
 
 def _cacheable(sharded: torch.nn.Module) -> bool:
@@ -238,18 +242,34 @@ def _cacheable(sharded: torch.nn.Module) -> bool:
     return hasattr(getattr(sharded.autotp_source, "config", None), "get_text_config")
 
 
-def _cached(sharded, batch: int, prompt: int, total: int, attention_mask, keep: int, device):
-    """Last-position logits from the decode program: the prompt first, then one new token a step."""
+def _cached(
+    sharded, batch: int, prompt: int, total: int, attention_mask, keep: int, device, options: CompileOptions | None
+):
+    """Last-position logits from the decode program: the prompt first, then one new token a step, from static
+    buffers (the same tensors every step: one graph for the prompt and one for every step when compiled)."""
     program = _program(sharded, batch, total, keep)
+    if options is not None:
+        graphs = program.__dict__.setdefault("autotp_step_graphs", {})
+        if options not in graphs:
+            graphs[options] = StepGraphs(program, options, sharded.autotp_group, device)
+        run = graphs[options]
+    else:
+        run = program
     mask = torch.zeros(batch, total, dtype=torch.long, device=device)
     mask[:, :prompt] = attention_mask if attention_mask is not None else 1
     mask[:, prompt:] = 1
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    step_ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
+    step_positions = torch.zeros(batch, 1, dtype=torch.long, device=device)
+    at = torch.zeros(1, dtype=torch.long, device=device)
 
     def last_logits(tokens: torch.Tensor, start: int) -> torch.Tensor:
-        step = tokens if start == prompt else tokens[:, -1:]
-        at = torch.arange(start - step.shape[1], start, device=device)
-        return program(step, mask, positions[:, at], at)[:, -1]
+        if start == prompt:
+            return run(tokens[:, :prompt], mask, positions[:, :prompt], torch.arange(prompt, device=device))[:, -1]
+        step_ids.copy_(tokens[:, start - 1 : start])
+        step_positions.copy_(positions[:, start - 1 : start])
+        at.fill_(start - 1)
+        return run(step_ids, mask, step_positions, at)[:, -1]
 
     return last_logits
 
@@ -264,7 +284,7 @@ def _recomputed(sharded, attention_mask):
         )
 
     def last_logits(tokens: torch.Tensor, start: int) -> torch.Tensor:
-        out = sharded(tokens)
+        out = sharded(tokens[:, :start])
         return getattr(out, "logits", out)[:, -1]
 
     return last_logits

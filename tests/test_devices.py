@@ -123,13 +123,15 @@ def _engine_steps(rank: int, world: int) -> list:
         max_model_len=48,
     )
     seen, steps, ticks = {}, [], []
-    pick, step, send = serving.Choice.pick, serving.Engine._step, serving.Engine._send
+    choose, step, send = serving.Engine._choose, serving.Engine._step, serving.Engine._send
 
-    def recording(choice, logits, eos):
-        seen.setdefault(id(choice), []).append(logits.clone())
-        pick(choice, logits, eos)
+    def recording(self, logits, rows):
+        for run, row in zip(rows, logits, strict=True):
+            if run is not None and run.samples:
+                seen.setdefault(id(run.sequence.owner[0]), []).append(row.clone())
+        return choose(self, logits, rows)
 
-    serving.Choice.pick = recording
+    serving.Engine._choose = recording
     serving.Engine._step = lambda self, runs: (steps.append(len(runs)), step(self, runs))[1]
     serving.Engine._send = lambda self, message: (ticks.append(message == ("tick",)), send(self, message))[1]
     loop = threading.Thread(target=engine.run)

@@ -287,13 +287,15 @@ def _engine_logits(rank: int, world: int, family: str) -> list:
         engine.follow()
         return []
     seen: dict = {}
-    pick = serving.Choice.pick
+    choose = serving.Engine._choose
 
-    def recording(choice, logits, eos):
-        seen.setdefault(id(choice), []).append(logits.clone())
-        pick(choice, logits, eos)
+    def recording(self, logits, rows):
+        for run, row in zip(rows, logits, strict=True):
+            if run is not None and run.samples:
+                seen.setdefault(id(run.sequence.owner[0]), []).append(row.clone())
+        return choose(self, logits, rows)
 
-    serving.Choice.pick = recording
+    serving.Engine._choose = recording
     loop = threading.Thread(target=engine.run)
     loop.start()
     requests = []

@@ -1,12 +1,15 @@
 """The serving loop: rank 0 decides each step, every rank runs it, rank 0 picks the tokens.
 
 Rank 0 holds the scheduler (serving/scheduler.py) and the requests; each step it broadcasts the step's tensors (the
-rows' tokens, positions, slots and contexts) to the tensor-parallel ranks, so every rank runs the same program on
-the same inputs and no rank can diverge.  These are the host's messages: they go over a CPU group beside the
-model's (runtime/devices.host_group; an NCCL group carries no CPU tensor) and reach the GPU from pinned memory,
-copied without blocking.  While idle it broadcasts a tick a second, so the other ranks' waits never
-reach the group's timeout; a stop ends every rank's loop.  Sampling runs on rank 0 only (its logits are the whole
-vocabulary on every rank), from each request's own generator when it gives a seed.
+rows' tokens, positions, slots and block tables, the decodes padded to a batch bucket: serving/step_inputs.py) to
+the tensor-parallel ranks, so every rank runs the same program on the same inputs and no rank can diverge.  These
+are the host's messages: they go over a CPU group beside the model's (runtime/devices.host_group; an NCCL group
+carries no CPU tensor) and reach the GPU as one copy from pinned memory, without blocking.  While idle it
+broadcasts a tick a second, so the other ranks' waits never reach the group's timeout; a stop ends every rank's
+loop.  The decode call runs through ``StepGraphs`` when compiled (a graph a bucket, replayed; serving/
+decode_graphs.py).  Sampling runs on rank 0 only (its logits are the whole vocabulary on every rank), for the whole
+batch on the device (serving/sampling.py), and the step's one device-to-host copy brings back the chosen tokens
+(and the log-probabilities asked for): nothing inside a step waits for the device.
 """
 
 from __future__ import annotations
@@ -20,13 +23,16 @@ import torch
 import torch.distributed as dist
 
 from autotp.runtime.devices import host_group
+from autotp.serving.decode_graphs import CompileOptions, StepGraphs
 from autotp.serving.paged_cache import step_program
 from autotp.serving.sampling import sample_rows, sampling_tensors
 from autotp.serving.scheduler import Refused, Run, Scheduler, Sequence
+from autotp.serving.step_inputs import StepLayout, batch_buckets, step_calls
 
 TICK_SECONDS = 1.0
 KINDS = ("tick", "stop", "step")
-HEADER = 2 + 3 * 2  # a step is at most two calls (Engine._calls)
+HEADER = 2 + 3 * 2  # a step is at most two calls (step_inputs.step_calls)
+GREEDY = (0.0, 0, 1.0, 0, 0)  # the sampling of a row that chooses nothing (padding, a chunk before its end)
 
 
 @dataclass(frozen=True)
@@ -64,24 +70,23 @@ class Sampling:
 class Choice:
     """One of a request's ``n`` sequences as the client sees it: text so far, and what is sent of it."""
 
-    def __init__(self, index: int, sequence: Sequence, sampling: Sampling, tokenizer, device):
+    def __init__(self, index: int, sequence: Sequence, sampling: Sampling, tokenizer):
         self.index, self.sequence, self.sampling, self.tokenizer = index, sequence, sampling, tokenizer
         self.text, self.sent, self.finish_reason, self.logprobs = "", 0, None, []
         seed = sampling.seed if sampling.seed is not None else int(torch.randint(2**31, ()))
         self.seed = (seed + 0x9E3779B9 * index) & 0xFFFFFFFF  # serving/sampling.py keys its draws by it
 
-    def pick(self, logits: torch.Tensor, eos: set) -> None:
-        """Choose the next token from this step's logits [vocab]; finish on end of sequence, a stop string or length."""
+    def row(self) -> tuple:
+        """How this choice's next token is drawn (serving/sampling.py): keyed by its seed and position."""
         s = self.sampling
-        params = sampling_tensors(
-            [(s.temperature, s.top_k, s.top_p, self.seed, len(self.sequence.tokens))], logits.device
-        )
-        token = int(sample_rows(logits[None], *params)[0])
+        return s.temperature, s.top_k, s.top_p, self.seed, len(self.sequence.tokens)
+
+    def pick(self, token: int, logprob: float | None, best: list, eos: set) -> None:
+        """Take the token chosen on the device (its log-probability and the best others', when asked); finish on
+        end of sequence, a stop string or length."""
+        s = self.sampling
         if s.logprobs is not None:
-            logprobs = logits.float().log_softmax(-1)
-            top = logprobs.topk(s.logprobs) if s.logprobs else None
-            best = [] if top is None else list(zip(top.indices.tolist(), top.values.tolist(), strict=True))
-            self.logprobs.append((token, float(logprobs[token]), best))
+            self.logprobs.append((token, logprob, best[: s.logprobs]))
         self.sequence.output.append(token)
         if token in eos and not s.ignore_eos:
             self.finish_reason = "stop"
@@ -133,6 +138,7 @@ class Engine:
         max_num_seqs: int = 32,
         max_batched_tokens: int = 512,
         max_model_len: int | None = None,
+        compile: CompileOptions | None = None,
     ):
         self.group = sharded.autotp_group
         self.control = host_group(self.group)  # the steps' messages: CPU tensors
@@ -147,6 +153,10 @@ class Engine:
         self.scheduler = Scheduler(
             blocks, block_size, max_num_seqs=max_num_seqs, max_batched_tokens=max_batched_tokens, max_model_len=limit
         )
+        self.layout = StepLayout(
+            block_size, blocks, -(-self.scheduler.max_model_len // block_size), batch_buckets(max_num_seqs)
+        )
+        self.decode = self.program if compile is None else StepGraphs(self.program, compile, self.group, self.device)
         eos = getattr(getattr(sharded.autotp_source, "generation_config", None), "eos_token_id", None)
         eos = eos if eos is not None else getattr(tokenizer, "eos_token_id", None)
         self.eos = {eos} if isinstance(eos, int) else set(eos or ())
@@ -167,7 +177,7 @@ class Engine:
             raise RuntimeError("the server is shutting down")
         sequences = [Sequence(request.prompt, request.sampling.max_tokens) for _ in range(request.sampling.n)]
         self.scheduler.check(sequences[0])
-        request.choices = [Choice(i, s, request.sampling, self.tokenizer, self.device) for i, s in enumerate(sequences)]
+        request.choices = [Choice(i, s, request.sampling, self.tokenizer) for i, s in enumerate(sequences)]
         for choice in request.choices:
             choice.sequence.owner = (choice, request)
         with self.wake:
@@ -256,6 +266,7 @@ class Engine:
         if message is not None:
             torch.cat([t.reshape(-1) for call in message[1] for t in call], out=flat)
         dist.broadcast(flat, group_src=0, group=self.control)
+        flat = flat.to(self.device, non_blocking=self.pinned)  # the step's one host-to-device copy
         pieces, calls = iter(flat.split(sizes)), []
         for rows, tokens, width in shapes:
             calls.append(tuple(next(pieces).view(rows, n) for n in (tokens, tokens, tokens, width)))
@@ -278,18 +289,19 @@ class Engine:
         self.requests.remove(request)
 
     def _step(self, runs: list[Run]) -> None:
-        calls = self._calls(runs)
+        calls = step_calls(runs, self.layout)
         _, sent = self._send(("step", [inputs for inputs, _ in calls]))
-        logits = self._forward(sent)
+        rows = [row for _, call_rows in calls for row in call_rows]
+        chosen = self._device_step(sent, rows).tolist()  # the step's one device-to-host copy
         self.scheduler.advance(runs)
         changed = {}
-        for (_, rows), out in zip(calls, logits, strict=True):
-            for run, row in zip(rows, out, strict=True):
-                if run.samples:
-                    choice, request = run.sequence.owner
-                    choice.pick(row, self.eos)
-                    self.generated += 1
-                    changed[id(request)] = request
+        for run, values in zip(rows, chosen, strict=True):
+            if run is not None and run.samples:
+                choice, request = run.sequence.owner
+                token, logprob, best = _unpacked(values)
+                choice.pick(token, logprob, best, self.eos)
+                self.generated += 1
+                changed[id(request)] = request
         self.recent.append((time.time(), sum(r.samples for r in runs)))
         for request in changed.values():
             for choice in request.choices:
@@ -299,26 +311,42 @@ class Engine:
                 self.requests.remove(request)
             request.notify(request)
 
-    def _calls(self, runs: list[Run]) -> list:
-        """The step as program calls: the one-token rows together, the prompt chunks together."""
-        groups = [[r for r in runs if r.count == 1], [r for r in runs if r.count > 1]]
-        return [(self._inputs(rows), rows) for rows in groups if rows]
+    def _device_step(self, calls: list, rows: list) -> torch.Tensor:
+        """The step on the device: the program's calls, then every row's choice (no host sync)."""
+        return self._choose(torch.cat(self._forward(calls)), rows)
 
-    def _inputs(self, rows: list[Run]) -> tuple:
-        """Rows padded on the left to the longest chunk (each row's last token gives its logits): a padding token is
-        written to the scratch block, which no context reads; a context is padded with any slot (masked)."""
-        width, tokens = max(r.start + r.count for r in rows), max(r.count for r in rows)
-        size = self.block_size
-        ids, positions, slots, context = [], [], [], []
-        for r in rows:
-            blocks, pad = r.sequence.blocks, tokens - r.count
-            where = [blocks[p // size] * size + p % size for p in range(r.start + r.count)]
-            ids.append([0] * pad + r.sequence.tokens[r.start : r.start + r.count])
-            positions.append([0] * pad + list(range(r.start, r.start + r.count)))
-            slots.append([self.scratch] * pad + where[r.start :])
-            context.append(where + [where[0]] * (width - len(where)))
-        return tuple(torch.tensor(x, dtype=torch.long) for x in (ids, positions, slots, context))
+    def _choose(self, logits: torch.Tensor, rows: list) -> torch.Tensor:
+        """Each row's next token [rows] on the device, or where a row asks for log-probabilities [rows, 2 + 2k]
+        (float64): token, its log-probability, the k best tokens and theirs (serving/sampling.py)."""
+        choices = [r.sequence.owner[0] if r is not None and r.samples else None for r in rows]
+        params = sampling_tensors([c.row() if c is not None else GREEDY for c in choices], self.device)
+        tokens = sample_rows(logits, *params)
+        most = max(
+            (c.sampling.logprobs for c in choices if c is not None and c.sampling.logprobs is not None), default=None
+        )
+        if most is None:
+            return tokens
+        logprobs = logits.float().log_softmax(-1)
+        top = logprobs.topk(most)
+        return torch.cat(
+            [
+                tokens[:, None].double(),
+                logprobs.gather(-1, tokens[:, None]).double(),
+                top.indices.double(),
+                top.values.double(),
+            ],
+            dim=1,
+        )
 
     @torch.no_grad()
     def _forward(self, calls: list) -> list:
-        return [self.program(*(t.to(self.device, non_blocking=self.pinned) for t in inputs)) for inputs in calls]
+        """Each call's logits: the decode call (one token a row) through the bucket's graph when compiled."""
+        return [(self.decode if inputs[0].shape[1] == 1 else self.program)(*inputs) for inputs in calls]
+
+
+def _unpacked(values) -> tuple:
+    """(token, log-probability or None, [(token, log-probability)] best first) from a row of ``Engine._choose``."""
+    if not isinstance(values, list):
+        return values, None, []
+    k = (len(values) - 2) // 2
+    return int(values[0]), values[1], [(int(i), v) for i, v in zip(values[2 : 2 + k], values[2 + k :], strict=True)]

@@ -3,13 +3,16 @@
 The cache of each attention layer is a pool of slots, ``[blocks × block_size, kv_heads, head_dim]``; a
 sequence owns whole blocks, listed in its block table, and its token at position p lives in slot
 ``table[p // block_size] * block_size + p % block_size`` (vLLM's layout).  A step hands the program, per row of
-its batch, the tokens to run, their positions, the slots they are written to and the slots of the row's whole
-context (positions 0..n-1, this step's included).  The layer writes this step's keys and values into their slots
-(``index_copy_``) and reads the context back (``index_select``): both are rows of the op table with the KV-heads
-dim free, so the planner splits the pool by KV heads as it splits the attention heads, like any other tensor.
+its batch, the tokens to run, their positions, the slots they are written to and the row's block table, padded to
+the step's width with any block (the positions past the row's own are masked).  The layer writes this step's keys
+and values into their slots (``index_copy_``) and reads the blocks of the table back (``index_select`` of their
+slots): both are rows of the op table with the KV-heads dim free, so the planner splits the pool by KV heads as it
+splits the attention heads, like any other tensor.  What a row reads is bounded by its block table, never by a
+list of slots built on the host.
 
-Every size of a step is dynamic in the one captured program: rows, tokens a row and context length.  The pool's
-slots are zero at the start; a slot past a row's context is read as padding and masked away.
+Every size of a step is dynamic in the one captured program: rows, tokens a row and blocks a table (a decode step
+of the engine runs at the few shapes of its batch buckets, serving/step_inputs.py).  The pool's slots are zero at
+the start; a slot past a row's context is read as padding and masked away.
 """
 
 from __future__ import annotations
@@ -77,11 +80,11 @@ def attention_layer_types(config) -> list[str]:
 
 
 class PagedLM(torch.nn.Module):
-    """model(input_ids, position_ids, slots, context) -> each row's last-position logits, [rows, vocab].
+    """model(input_ids, position_ids, slots, block_table) -> each row's last-position logits, [rows, vocab].
 
-    ``input_ids``, ``position_ids``, ``slots``: [rows, tokens]; ``context``: [rows, n], the slots of positions
-    0..n-1 of each row (a row shorter than n pads with any slot: masked).  Every row runs the same number of
-    tokens, and a row's tokens are its last ones (positions ascending)."""
+    ``input_ids``, ``position_ids``, ``slots``: [rows, tokens]; ``block_table``: [rows, n], the blocks of positions
+    0..n × block_size - 1 of each row (a row with fewer pads with any block: masked).  Every row runs the same
+    number of tokens, and a row's tokens are its last ones (positions ascending)."""
 
     def __init__(self, model: torch.nn.Module, blocks: int, block_size: int, dtype: torch.dtype | None = None):
         super().__init__()
@@ -102,7 +105,9 @@ class PagedLM(torch.nn.Module):
     def pools(self) -> list[torch.Tensor]:
         return [b for n, b in self.named_buffers() if n.startswith(("keys_", "values_"))]
 
-    def forward(self, input_ids, position_ids, slots, context):
+    def forward(self, input_ids, position_ids, slots, block_table):
+        offsets = torch.arange(self.block_size, device=block_table.device)
+        context = (block_table[:, :, None] * self.block_size + offsets).flatten(1)  # each position's slot
         cache = _StepCache(
             [
                 _PagedLayer(getattr(self, f"keys_{i}"), getattr(self, f"values_{i}"), slots, context)
@@ -153,7 +158,7 @@ def step_program(sharded: torch.nn.Module, blocks: int, block_size: int) -> torc
         torch.arange(tokens, device=where).repeat(rows, 1) + 2,
         torch.arange(tokens, device=where).repeat(rows, 1) + 2,
         torch.arange(width, device=where).repeat(rows, 1),
-    )
+    )  # a table of 5 blocks
     pools = {name: tuple(pool.shape) for name, pool in wrapper.named_buffers() if name.startswith(("keys_", "values_"))}
     fixed = {PREFIX + name: sharded.autotp_plan.placement(name) for name in sharded.autotp_plan.params}
     try:

@@ -40,6 +40,8 @@ class ServeOptions:
     max_model_len: int | None = None
     dtype: str | None = None
     device: str | None = None
+    enforce_eager: bool = False  # no decode graphs, even on a GPU
+    compile: bool = False  # decode graphs compiled by torch.compile (inductor)
 
     @property
     def name(self) -> str:
@@ -123,6 +125,18 @@ def add_serve_parser(sub, positive) -> None:
         type=device_name,
         default=None,
         help="where each rank's shards and KV cache live, e.g. cpu (default: this rank's GPU under NCCL, else the CPU)",
+    )
+    graphs = serve.add_mutually_exclusive_group()
+    graphs.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="run every decode step op by op (default on a GPU: each batch bucket's step captured "
+        "once as a CUDA graph and replayed)",
+    )
+    graphs.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile each batch bucket's decode step with torch.compile (inductor), on the CPU too",
     )
 
 
@@ -213,6 +227,7 @@ def serve_rank(options: ServeOptions) -> int:
         max_num_seqs=options.max_num_seqs,
         max_batched_tokens=options.max_num_batched_tokens,
         max_model_len=max_len,
+        compile=decode_graphs(options, sharded.autotp_device),
     )
     if rank != 0:  # stopped by rank 0's last step, after it drains: a launcher's SIGTERM to every rank waits for it
         for stop in (signal.SIGTERM, signal.SIGINT):
@@ -220,6 +235,16 @@ def serve_rank(options: ServeOptions) -> int:
         engine.follow()
         return 0
     return _serve_http(engine, tokenizer, options, blocks)
+
+
+def decode_graphs(options: ServeOptions, device):
+    """vLLM's defaults: on a GPU the decode steps replayed as CUDA graphs unless --enforce-eager; --compile compiles
+    them (inductor) as well, and on the CPU it is what turns graphs on."""
+    from autotp.serving.decode_graphs import CompileOptions
+
+    if options.enforce_eager or (device.type != "cuda" and not options.compile):
+        return None
+    return CompileOptions(backend="inductor" if options.compile else None)
 
 
 def kv_blocks(options: ServeOptions, sharded, max_len: int) -> int:

@@ -134,18 +134,36 @@ def _engine_run(rank: int, sharded, backend: str | None) -> list:
     loop.join()
     assert engine.error is None
     made = None if backend is None else (engine.decode.compiled, engine.layout.buckets)
-    return [[r.choices[0].sequence.output for r in requests], steps, made]
+    latencies = {name: histogram.count for name, histogram in engine.histograms().items()}
+    return [[r.choices[0].sequence.output for r in requests], steps, made, latencies]
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_compiled_decode_is_a_graph_a_bucket_and_equals_eager(backend):
     """Over ~50 steps whose decode batch varies from 1 to 4: the compiled engine makes at most one decode graph a
     bucket (1, 2, 4), and every token equals the eager engine's, whose steps never sync with the host."""
-    (eager, steps, _), (compiled, _, (made, buckets)) = run_ranks(2, _served, backend)[0]
+    (eager, steps, _, latencies), (compiled, _, (made, buckets), _) = run_ranks(2, _served, backend)[0]
     assert len(steps) >= 48 and set(steps) >= {1, 2, 3, 4}, steps
     assert buckets == (1, 2, 4) and made <= len(buckets), (made, buckets)
     assert compiled == eager
     assert [len(tokens) for tokens in eager] == [12, 24, 36, 48]
+    assert latencies == {"time_to_first_token_seconds": 4, "inter_token_latency_seconds": 120 - 4}
+
+
+def test_latency_histograms_read_as_prometheus_histograms():
+    from autotp.serving.latency_metrics import Histogram
+
+    histogram = Histogram((0.1, 1.0))
+    for seconds in (0.05, 0.1, 0.5, 3.0):
+        histogram.observe(seconds)
+    assert histogram.lines("autotp_ttft_seconds") == [
+        "# TYPE autotp_ttft_seconds histogram",
+        'autotp_ttft_seconds_bucket{le="0.1"} 2',
+        'autotp_ttft_seconds_bucket{le="1.0"} 3',
+        'autotp_ttft_seconds_bucket{le="+Inf"} 4',
+        "autotp_ttft_seconds_sum 3.65",
+        "autotp_ttft_seconds_count 4",
+    ]
 
 
 def test_serve_replays_graphs_on_a_gpu_unless_enforce_eager_and_compiles_on_the_cpu_when_asked():

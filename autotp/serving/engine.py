@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from autotp.runtime.devices import host_group
 from autotp.serving.decode_graphs import CompileOptions, StepGraphs
+from autotp.serving.latency_metrics import Histogram
 from autotp.serving.paged_cache import step_program
 from autotp.serving.sampling import sample_rows, sampling_tensors
 from autotp.serving.scheduler import Refused, Run, Scheduler, Sequence
@@ -73,6 +74,7 @@ class Choice:
     def __init__(self, index: int, sequence: Sequence, sampling: Sampling, tokenizer):
         self.index, self.sequence, self.sampling, self.tokenizer = index, sequence, sampling, tokenizer
         self.text, self.sent, self.finish_reason, self.logprobs = "", 0, None, []
+        self.last_token_at: float | None = None  # when its latest token came (time.monotonic)
         seed = sampling.seed if sampling.seed is not None else int(torch.randint(2**31, ()))
         self.seed = (seed + 0x9E3779B9 * index) & 0xFFFFFFFF  # serving/sampling.py keys its draws by it
 
@@ -115,6 +117,7 @@ class Request:
 
     def __init__(self, prompt: list, sampling: Sampling, notify):
         self.prompt, self.sampling, self.notify = list(prompt), sampling, notify
+        self.arrived = time.monotonic()
         self.choices: list = []
         self.error: str | None = None
 
@@ -167,6 +170,7 @@ class Engine:
         self.requests: list = []
         self.generated = 0
         self.recent: deque = deque(maxlen=64)  # (time, tokens) of recent steps
+        self.latencies = {"time_to_first_token_seconds": Histogram(), "inter_token_latency_seconds": Histogram()}
 
     # ---- called from the server's threads --------------------------------------------------------------
     def submit(self, request: Request) -> None:
@@ -213,6 +217,10 @@ class Engine:
             "generation_tokens": self.generated,
             "tokens_per_second": sum(window) / 10,
         }
+
+    def histograms(self) -> dict:
+        """name -> Histogram: time to first token (per request) and inter-token latency (per sequence)."""
+        return dict(self.latencies)
 
     # ---- the loops -----------------------------------------------------------------------------------------
     def run(self) -> None:
@@ -300,6 +308,7 @@ class Engine:
                 choice, request = run.sequence.owner
                 token, logprob, best = _unpacked(values)
                 choice.pick(token, logprob, best, self.eos)
+                self._time(choice, request)
                 self.generated += 1
                 changed[id(request)] = request
         self.recent.append((time.time(), sum(r.samples for r in runs)))
@@ -310,6 +319,14 @@ class Engine:
             if request.finished:
                 self.requests.remove(request)
             request.notify(request)
+
+    def _time(self, choice: Choice, request: Request) -> None:
+        now = time.monotonic()
+        if choice.last_token_at is not None:
+            self.latencies["inter_token_latency_seconds"].observe(now - choice.last_token_at)
+        elif choice.index == 0:
+            self.latencies["time_to_first_token_seconds"].observe(now - request.arrived)
+        choice.last_token_at = now
 
     def _device_step(self, calls: list, rows: list) -> torch.Tensor:
         """The step on the device: the program's calls, then every row's choice (no host sync)."""

@@ -283,6 +283,8 @@ def make_app(engine, tokenizer, *, model_name: str, api_key: str | None = None) 
             kind = "counter" if name in ("generation_tokens", "preemptions") else "gauge"
             metric = f"autotp_{name}" + ("_total" if kind == "counter" else "")
             lines += [f"# TYPE {metric} {kind}", f"{metric} {value}"]
+        for name, histogram in engine.histograms().items():  # latencies (serving/latency_metrics.py)
+            lines += histogram.lines(f"autotp_{name}")
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     return app

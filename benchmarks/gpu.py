@@ -9,8 +9,9 @@ products at the per-rank shapes of TP-8 layouts; a whole TP-8 rank of a LLaMA-3-
 time measured against `plan.cost["seconds"]`).  Multi-rank exactness is the gloo test suite's job.
 Each section runs on its own: a failure is printed and the next section runs.  The card found sets the floors
 (its profile's HBM bandwidth and bf16 peak: H100 3.35 TB/s, H200 4.8 TB/s).  gpu_ranks.py holds the sections with
-more processes: ``autotp serve`` on NCCL, and two ranks on one GPU over gloo.  On a CPU every section rehearses
-at tiny sizes (gloo).
+more processes: ``autotp serve`` on NCCL, and two ranks on one GPU over gloo; gpu_serving.py the decode speed of
+the serving path (CUDA graphs against the HBM floor and transformers' compiled generate).  On a CPU every section
+rehearses at tiny sizes (gloo).
 """
 
 from __future__ import annotations
@@ -350,11 +351,13 @@ LOCAL = ("environment", "matmuls", "exactness", "moe", "roofline", "experts")
 
 def main() -> None:
     import gpu_ranks
+    import gpu_serving
 
     sections = {
         **{name: globals()[name] for name in LOCAL},
         "serve": gpu_ranks.serve,
         "two_ranks_gloo_cuda": gpu_ranks.two_ranks_gloo_cuda,
+        "serving": gpu_serving.serving,
     }
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None)
@@ -365,7 +368,7 @@ def main() -> None:
         print(f"== {name}", flush=True)
         start = time.perf_counter()
         try:
-            if name in ("exactness", "moe", "roofline") and not torch.distributed.is_initialized():
+            if name in ("exactness", "moe", "roofline", "serving") and not torch.distributed.is_initialized():
                 _init_process_group()
             RESULTS[name] = sections[name](**json.loads(args.sizes).get(name, {}))
         except Exception:

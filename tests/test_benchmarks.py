@@ -41,6 +41,17 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
         ("dropout.py", ["--layers", "1", "--hidden", "32", "--repeats", "1"], "reference vs one process"),
         ("plan_speed.py", ["--layers-8b", "2", "--layers-70b", "2", "--hidden-scale", "0.0625"], "time to a plan"),
         ("serve_throughput.py", ["--layers", "1", "--hidden", "64", "--tokens", "4"], "autotp engine"),
+        (
+            "gpu.py",
+            [
+                "--sections",
+                "serving",
+                "--sizes",
+                '{"serving": {"layers": 1, "hidden": 64, "heads": 4, '
+                '"kv_heads": 2, "ffn": 128, "vocab": 128, "batches": [1, 4], "prompt": 8, "new": 6}}',
+            ],
+            "autotp_graphs_tok_s",
+        ),
     ],
 )
 def test_benchmark_runs(script, args, expect):

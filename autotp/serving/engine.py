@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from autotp.runtime.devices import host_group
 from autotp.serving.decode_graphs import CompileOptions, StepGraphs
+from autotp.serving.detokenize import IncrementalText
 from autotp.serving.latency_metrics import Histogram
 from autotp.serving.paged_cache import step_program
 from autotp.serving.sampling import sample_rows, sampling_tensors
@@ -31,6 +32,8 @@ from autotp.serving.scheduler import Refused, Run, Scheduler, Sequence
 from autotp.serving.step_inputs import StepLayout, batch_buckets, step_calls
 
 TICK_SECONDS = 1.0
+RATE_SECONDS = 10.0  # autotp_tokens_per_second: tokens picked over this many seconds
+RECENT_STEPS = 4096  # steps remembered for it (more than RATE_SECONDS holds at any step rate served)
 KINDS = ("tick", "stop", "step")
 HEADER = 2 + 3 * 2  # a step is at most two calls (step_inputs.step_calls)
 GREEDY = (0.0, 0, 1.0, 0, 0)  # the sampling of a row that chooses nothing (padding, a chunk before its end)
@@ -38,7 +41,9 @@ GREEDY = (0.0, 0, 1.0, 0, 0)  # the sampling of a row that chooses nothing (padd
 
 @dataclass(frozen=True)
 class Sampling:
-    """What a request asks of its tokens (OpenAI's fields; ``top_k`` is vLLM's extension). temperature 0: greedy."""
+    """What a request asks of its tokens (OpenAI's fields; ``top_k`` is vLLM's extension). temperature 0: greedy.
+    The penalties lower a token's logit by ``presence_penalty`` once it was generated and by ``frequency_penalty``
+    for each time it was (OpenAI's and vLLM's definition: over the generated tokens, not the prompt)."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -49,6 +54,8 @@ class Sampling:
     n: int = 1
     logprobs: int | None = None
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self):
         checks = [
@@ -62,6 +69,8 @@ class Sampling:
                 all(isinstance(s, str) and s for s in self.stop) and len(self.stop) <= 4,
                 "stop must be up to 4 non-empty strings",
             ),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty must be from -2 to 2"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be from -2 to 2"),
         ]
         for ok, message in checks:
             if not ok:
@@ -69,11 +78,14 @@ class Sampling:
 
 
 class Choice:
-    """One of a request's ``n`` sequences as the client sees it: text so far, and what is sent of it."""
+    """One of a request's ``n`` sequences as the client sees it: text so far (whole characters, ended before a stop
+    string), and what is sent of it."""
 
     def __init__(self, index: int, sequence: Sequence, sampling: Sampling, tokenizer):
-        self.index, self.sequence, self.sampling, self.tokenizer = index, sequence, sampling, tokenizer
+        self.index, self.sequence, self.sampling = index, sequence, sampling
+        self.detokenized = IncrementalText(tokenizer)
         self.text, self.sent, self.finish_reason, self.logprobs = "", 0, None, []
+        self.counts: torch.Tensor | None = None  # times each token was generated (on the device), for the penalties
         self.last_token_at: float | None = None  # when its latest token came (time.monotonic)
         seed = sampling.seed if sampling.seed is not None else int(torch.randint(2**31, ()))
         self.seed = (seed + 0x9E3779B9 * index) & 0xFFFFFFFF  # serving/sampling.py keys its draws by it
@@ -83,25 +95,37 @@ class Choice:
         s = self.sampling
         return s.temperature, s.top_k, s.top_p, self.seed, len(self.sequence.tokens)
 
+    def penalties(self, vocab: int, device: torch.device) -> torch.Tensor | None:
+        """What the presence and frequency penalties take off each logit [vocab] (on the device, no host sync), or
+        None when the request asks for none."""
+        s = self.sampling
+        if not (s.presence_penalty or s.frequency_penalty):
+            return None
+        if self.counts is None:  # the tokens generated so far, counted once; pick adds each new one
+            self.counts = torch.zeros(vocab, dtype=torch.float32, device=device)
+            generated = torch.tensor(self.sequence.output, dtype=torch.long).to(device)
+            self.counts.index_add_(0, generated, torch.ones(len(self.sequence.output), device=device))
+        return s.presence_penalty * (self.counts > 0) + s.frequency_penalty * self.counts
+
     def pick(self, token: int, logprob: float | None, best: list, eos: set) -> None:
-        """Take the token chosen on the device (its log-probability and the best others', when asked); finish on
-        end of sequence, a stop string or length."""
+        """Take the token chosen on the device (its log-probability and the best others', when asked: the model's
+        own, before the penalties, as vLLM reports them); finish on end of sequence, a stop string or length."""
         s = self.sampling
         if s.logprobs is not None:
             self.logprobs.append((token, logprob, best[: s.logprobs]))
         self.sequence.output.append(token)
-        if token in eos and not s.ignore_eos:
-            self.finish_reason = "stop"
-        self.text = self.tokenizer.decode(self._shown(), skip_special_tokens=True)
-        cut = min((i for i in (self.text.find(stop) for stop in s.stop) if i >= 0), default=-1)
+        if self.counts is not None:
+            self.counts[token] += 1
+        ended = token in eos and not s.ignore_eos
+        done = ended or len(self.sequence.output) >= s.max_tokens
+        new = ("" if ended else self.detokenized.add(token)) + (self.detokenized.finish() if done else "")
+        checked = max(0, len(self.text) - max((len(stop) - 1 for stop in s.stop), default=0))
+        self.text += new
+        cut = min((i for i in (self.text.find(stop, checked) for stop in s.stop) if i >= 0), default=-1)
         if cut >= 0:
             self.text, self.finish_reason = self.text[:cut], "stop"
-        elif self.finish_reason is None and len(self.sequence.output) >= s.max_tokens:
-            self.finish_reason = "length"
-
-    def _shown(self) -> list:
-        out = self.sequence.output
-        return out[:-1] if self.finish_reason == "stop" and out else out
+        elif done:
+            self.finish_reason = "stop" if ended else "length"
 
     def delta(self) -> str:
         """Text not sent yet; while unfinished, the tail that may begin a stop string is held back."""
@@ -169,8 +193,10 @@ class Engine:
         self.error: str | None = None
         self.requests: list = []
         self.generated = 0
-        self.recent: deque = deque(maxlen=64)  # (time, tokens) of recent steps
+        self.recent: deque = deque(maxlen=RECENT_STEPS)  # (time, tokens picked) of recent steps
+        self.figures: dict = {}
         self.latencies = {"time_to_first_token_seconds": Histogram(), "inter_token_latency_seconds": Histogram()}
+        self._publish()
 
     # ---- called from the server's threads --------------------------------------------------------------
     def submit(self, request: Request) -> None:
@@ -200,23 +226,30 @@ class Engine:
             self.wake.notify()
 
     def metrics(self) -> dict:
+        """The figures /metrics reports, read from the server's thread: the counts the engine's thread published
+        after its last change, requests not yet taken from the inbox, and tokens a second over the last
+        RATE_SECONDS."""
         now = time.time()
-        window = [n for t, n in self.recent if now - t < 10]
-        return {
-            "requests_running": len(
-                {
-                    id(r)
-                    for r in self.requests
-                    if r.choices and any(c.sequence in self.scheduler.running for c in r.choices)
-                }
-            ),
-            "requests_waiting": len(self.scheduler.waiting) + len(self.inbox),
+        with self.wake:
+            arriving = sum(kind == "add" for kind, _ in self.inbox)
+            recent = sum(n for t, n in self.recent if now - t < RATE_SECONDS)
+            figures = dict(self.figures)
+        figures["requests_waiting"] += arriving
+        return {**figures, "generation_tokens": self.generated, "tokens_per_second": recent / RATE_SECONDS}
+
+    def _publish(self) -> None:
+        """Counts for ``metrics`` (on the engine's thread, the only one that reads its state): a request runs when
+        any of its sequences is in the running batch, and waits otherwise (queued or preempted)."""
+        running = sum(any(c.sequence in self.scheduler.running for c in r.choices) for r in self.requests)
+        figures = {
+            "requests_running": running,
+            "requests_waiting": len(self.requests) - running,
             "kv_blocks_used": self.scheduler.blocks_in_use,
             "kv_blocks_total": self.scheduler.total,
             "preemptions": self.scheduler.preemptions,
-            "generation_tokens": self.generated,
-            "tokens_per_second": sum(window) / 10,
         }
+        with self.wake:
+            self.figures = figures
 
     def histograms(self) -> dict:
         """name -> Histogram: time to first token (per request) and inter-token latency (per sequence)."""
@@ -290,6 +323,8 @@ class Engine:
                     self.scheduler.add(choice.sequence)
             elif request in self.requests:
                 self._finish(request)
+        if items:
+            self._publish()
 
     def _finish(self, request: Request) -> None:
         for choice in request.choices:
@@ -302,22 +337,26 @@ class Engine:
         rows = [row for _, call_rows in calls for row in call_rows]
         chosen = self._device_step(sent, rows).tolist()  # the step's one device-to-host copy
         self.scheduler.advance(runs)
-        changed = {}
+        changed, picked = {}, 0
         for run, values in zip(rows, chosen, strict=True):
-            if run is not None and run.samples:
+            if run is not None and run.samples:  # read before pick, which appends a token
                 choice, request = run.sequence.owner
                 token, logprob, best = _unpacked(values)
                 choice.pick(token, logprob, best, self.eos)
                 self._time(choice, request)
-                self.generated += 1
+                picked += 1
                 changed[id(request)] = request
-        self.recent.append((time.time(), sum(r.samples for r in runs)))
+        self.generated += picked
+        with self.wake:
+            self.recent.append((time.time(), picked))
         for request in changed.values():
             for choice in request.choices:
                 if choice.finish_reason and not choice.sequence.finished:
                     self.scheduler.drop(choice.sequence)
             if request.finished:
                 self.requests.remove(request)
+        self._publish()
+        for request in changed.values():
             request.notify(request)
 
     def _time(self, choice: Choice, request: Request) -> None:
@@ -337,7 +376,7 @@ class Engine:
         (float64): token, its log-probability, the k best tokens and theirs (serving/sampling.py)."""
         choices = [r.sequence.owner[0] if r is not None and r.samples else None for r in rows]
         params = sampling_tensors([c.row() if c is not None else GREEDY for c in choices], self.device)
-        tokens = sample_rows(logits, *params)
+        tokens = sample_rows(_penalized(logits, choices), *params)
         most = max(
             (c.sampling.logprobs for c in choices if c is not None and c.sampling.logprobs is not None), default=None
         )
@@ -359,6 +398,16 @@ class Engine:
     def _forward(self, calls: list) -> list:
         """Each call's logits: the decode call (one token a row) through the bucket's graph when compiled."""
         return [(self.decode if inputs[0].shape[1] == 1 else self.program)(*inputs) for inputs in calls]
+
+
+def _penalized(logits: torch.Tensor, choices: list) -> torch.Tensor:
+    """``logits`` [rows, vocab] less each row's presence and frequency penalties (Choice.penalties), as the rows'
+    sampling reads them; the logits themselves where no row asks for any."""
+    taken = [c.penalties(logits.shape[-1], logits.device) if c is not None else None for c in choices]
+    if all(t is None for t in taken):
+        return logits
+    zeros = torch.zeros(logits.shape[-1], device=logits.device)
+    return logits.float() - torch.stack([zeros if t is None else t for t in taken])
 
 
 def _unpacked(values) -> tuple:

@@ -1,9 +1,11 @@
 """The OpenAI-compatible HTTP API on rank 0 (FastAPI): completions, chat completions (the tokenizer's chat template),
 streaming as server-sent events, models, health and Prometheus metrics.
 
-Each request is handed to the engine (serving/engine.py), whose thread calls back after every step that changed
-it; the callback snapshots what is new and posts it to the request's asyncio queue, so the engine's state is read
-only on its own thread.  A client that goes away is aborted, which frees its blocks.
+A request passes the gate first (serving/http_gate.py: key, media type, body size), then FastAPI validates its body
+against the schemas of serving/requests.py (its 422 answered as OpenAI's 400).  Tokenizing runs on a worker thread,
+never on the event loop.  Each request is handed to the engine (serving/engine.py), whose thread calls back after
+every step that changed it; the callback snapshots what is new and posts it to the request's asyncio queue, so the
+engine's state is read only on its own thread.  A client that goes away is aborted, which frees its blocks.
 """
 
 from __future__ import annotations
@@ -15,41 +17,46 @@ import uuid
 
 from fastapi import FastAPI
 from fastapi import Request as HttpRequest
+from fastapi.concurrency import run_in_threadpool
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException
 
-from autotp.serving.engine import Request, Sampling
+from autotp.serving.engine import Request
+from autotp.serving.http_gate import ApiError, RequestGate
+from autotp.serving.requests import ChatRequest, CompletionRequest, SamplingRequest
 from autotp.serving.scheduler import Refused
 
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.kind, self.param = status, message, kind, param
+DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
+COUNTERS = ("generation_tokens", "preemptions")
 
 
-def sampling_of(body: dict, room: int) -> Sampling:
-    """The request's sampling fields, checked (Refused names the wrong one).  Without max_tokens a completion makes
-    16 tokens (OpenAI's default) and a chat reply runs to ``room``, the tokens its sequence has left."""
-    stop = body.get("stop") or ()
-    stop = (stop,) if isinstance(stop, str) else tuple(stop)
-    logprobs = body.get("logprobs")
-    if body.get("messages") is not None:  # chat: logprobs is a flag, top_logprobs the count
-        logprobs = (body.get("top_logprobs") or 0) if logprobs else None
-    try:
-        asked = body.get("max_tokens", body.get("max_completion_tokens"))
-        return Sampling(
-            max_tokens=asked if asked is not None else (room if "messages" in body else 16),
-            temperature=float(body.get("temperature", 1.0)),
-            top_p=float(body.get("top_p", 1.0)),
-            top_k=max(0, int(body.get("top_k", 0))),
-            seed=body.get("seed"),
-            stop=stop,
-            n=body.get("n", 1),
-            logprobs=logprobs,
-            ignore_eos=bool(body.get("ignore_eos", False)),
-        )
-    except (TypeError, ValueError) as exc:
-        raise Refused(str(exc)) from exc
+def validation_error(exc: RequestValidationError) -> ApiError:
+    """FastAPI's 422 as OpenAI's 400: one problem (a check of ours before a type's), naming its field."""
+    errors = exc.errors()
+    first = next((e for e in errors if e.get("type") == "value_error"), errors[0])
+    if first.get("type") == "json_invalid":
+        return ApiError(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}")
+    param = field_path(first.get("loc", ())[1:])
+    if not param:
+        return ApiError(400, "the request body must be a JSON object")
+    if first.get("type") == "extra_forbidden":
+        return ApiError(400, f"unrecognized request argument: {param}", param=param)
+    return ApiError(400, f"{param}: {first['msg'].removeprefix('Value error, ')}", param=param)
+
+
+def field_path(location: tuple) -> str:
+    """('messages', 0, 'content', 'str') -> 'messages[0].content': up to the first part that names a union's member,
+    not a field."""
+    path = ""
+    for part in location:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part.isidentifier():
+            path += f".{part}" if path else part
+        else:
+            break
+    return path
 
 
 def _snapshot(request: Request) -> dict:
@@ -70,190 +77,243 @@ def _snapshot(request: Request) -> dict:
     return {"choices": choices, "error": request.error, "finished": request.finished}
 
 
-def make_app(engine, tokenizer, *, model_name: str, api_key: str | None = None) -> FastAPI:
-    app = FastAPI(title="autotp", docs_url=None, redoc_url=None)
-    created = int(time.time())
+def _event(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
 
-    def error(exc: ApiError) -> JSONResponse:
-        return JSONResponse(
-            {"error": {"message": exc.message, "type": exc.kind, "param": exc.param, "code": exc.status}},
-            status_code=exc.status,
-        )
 
-    async def body_of(http: HttpRequest) -> dict:
-        if api_key is not None and http.headers.get("authorization") != f"Bearer {api_key}":
-            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", "authentication_error")
-        if engine.error is not None:
-            raise ApiError(503, engine.error, "server_error")
-        try:
-            body = json.loads(await http.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ApiError(400, f"the request body is not valid JSON: {exc}") from exc
-        if not isinstance(body, dict):
-            raise ApiError(400, "the request body must be a JSON object")
-        if body.get("model", model_name) != model_name:
+class Api:
+    """The endpoints' work, over one engine and its tokenizer."""
+
+    def __init__(self, engine, tokenizer, model_name: str):
+        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+
+    def check(self, request: SamplingRequest) -> None:
+        if self.engine.error is not None:
+            raise ApiError(503, self.engine.error)
+        if request.model not in (None, self.model_name):
             raise ApiError(
-                404, f"model {body.get('model')!r} is not served here; this server serves {model_name!r}", param="model"
+                404,
+                f"model {request.model!r} is not served here; this server serves {self.model_name!r}",
+                param="model",
             )
-        return body
+        unsupported = request.unsupported()
+        if unsupported:
+            raise ApiError(
+                400,
+                f"{unsupported}: autotp serve does not support this field; send it at its default or leave it out",
+                param=unsupported,
+            )
 
-    def token_text(token: int) -> str:
-        return tokenizer.decode([token])
+    async def completion_prompt(self, request: CompletionRequest) -> list[int]:
+        try:
+            prompt = request.one_prompt()
+        except Refused as exc:
+            raise ApiError(400, str(exc), param="prompt") from exc
+        if isinstance(prompt, str):
+            prompt = (await run_in_threadpool(self.tokenizer, prompt, add_special_tokens=True))["input_ids"]
+        if any(t < 0 or t >= self.engine.vocab_size for t in prompt):
+            raise ApiError(400, f"prompt token ids must be in [0, {self.engine.vocab_size})", param="prompt")
+        return prompt
 
-    def logprobs_of(items: list, chat: bool):
+    async def chat_prompt(self, request: ChatRequest) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ApiError(400, f"{self.model_name}'s tokenizer has no chat template: use /v1/completions")
+        try:
+            conversation = request.conversation()
+        except Refused as exc:
+            raise ApiError(400, str(exc), param="messages") from exc
+        prompt = await run_in_threadpool(
+            self.tokenizer.apply_chat_template,
+            conversation,
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
+        return list(prompt)
+
+    def token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+    def logprobs_of(self, items: list, chat: bool) -> dict:
+        text = self.token_text
         if chat:
             return {
                 "content": [
                     {
-                        "token": token_text(t),
+                        "token": text(t),
                         "logprob": lp,
-                        "bytes": list(token_text(t).encode()),
+                        "bytes": list(text(t).encode()),
                         "top_logprobs": [
-                            {"token": token_text(i), "logprob": v, "bytes": list(token_text(i).encode())}
-                            for i, v in top
+                            {"token": text(i), "logprob": v, "bytes": list(text(i).encode())} for i, v in top
                         ],
                     }
                     for t, lp, top in items
                 ]
             }
         return {
-            "tokens": [token_text(t) for t, _, _ in items],
+            "tokens": [text(t) for t, _, _ in items],
             "token_logprobs": [lp for _, lp, _ in items],
-            "top_logprobs": [{token_text(i): v for i, v in top} for _, _, top in items],
+            "top_logprobs": [{text(i): v for i, v in top} for _, _, top in items],
         }
 
-    async def serve(http: HttpRequest, prompt: list, body: dict, chat: bool):
+    async def serve(self, http: HttpRequest, prompt: list, request: SamplingRequest, chat: bool):
+        """Run ``request`` on ``prompt``: one JSON answer, or its server-sent events when it streams."""
         try:
-            sampling = sampling_of(body, max(1, engine.scheduler.max_model_len - len(prompt)))
+            sampling = request.sampling_for(max(1, self.engine.scheduler.max_model_len - len(prompt)))
         except Refused as exc:
             raise ApiError(400, str(exc)) from exc
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-        request = Request(prompt, sampling, lambda r: loop.call_soon_threadsafe(queue.put_nowait, _snapshot(r)))
+        work = Request(prompt, sampling, lambda r: loop.call_soon_threadsafe(queue.put_nowait, _snapshot(r)))
         try:
-            engine.submit(request)
+            self.engine.submit(work)
         except Refused as exc:
             raise ApiError(400, str(exc), param="prompt") from exc
         except RuntimeError as exc:
-            raise ApiError(503, str(exc), "server_error") from exc
-        ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        head = {
-            "id": ident,
+            raise ApiError(503, str(exc)) from exc
+        reply = Reply(self, http, work, queue, len(prompt), chat)
+        if request.stream:
+            return StreamingResponse(reply.events(request.include_usage), media_type="text/event-stream")
+        return JSONResponse(await reply.whole())
+
+
+class Reply:
+    """One request's answer as it arrives from the engine: whole, or streamed."""
+
+    def __init__(
+        self, api: Api, http: HttpRequest, work: Request, queue: asyncio.Queue, prompt_tokens: int, chat: bool
+    ):
+        self.api, self.http, self.work, self.queue, self.chat = api, http, work, queue, chat
+        self.prompt_tokens = prompt_tokens
+        self.logprobs = work.sampling.logprobs is not None
+        self.head = {
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
             "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()),
-            "model": model_name,
+            "model": api.model_name,
         }
-        want_logprobs = sampling.logprobs is not None
+        self.done: dict = {}  # index -> the choice's last snapshot
 
-        def usage(done: dict) -> dict:
-            out = sum(c["tokens"] for c in done.values())
-            return {"prompt_tokens": len(prompt), "completion_tokens": out, "total_tokens": len(prompt) + out}
+    def usage(self) -> dict:
+        out = sum(c["tokens"] for c in self.done.values())
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": out, "total_tokens": self.prompt_tokens + out}
 
-        async def updates():
-            """The request's snapshots until it finishes; aborted if the client leaves."""
-            finished = False
-            try:
-                while not finished:
-                    try:
-                        update = await asyncio.wait_for(queue.get(), 0.5)
-                    except TimeoutError:
-                        if await http.is_disconnected():
-                            return
-                        continue
-                    if update["error"] is not None:
-                        raise ApiError(503, update["error"], "server_error")
-                    finished = update["finished"]
-                    yield update
-            finally:
-                if not finished:
-                    engine.abort(request)
-
-        if not body.get("stream"):
-            texts, logs, done = {}, {}, {}
-            async for update in updates():
+    async def updates(self):
+        """The request's snapshots until it finishes; aborted if the client leaves."""
+        finished = False
+        try:
+            while not finished:
+                try:
+                    update = await asyncio.wait_for(self.queue.get(), 0.5)
+                except TimeoutError:
+                    if await self.http.is_disconnected():
+                        return
+                    continue
+                if update["error"] is not None:
+                    raise ApiError(503, update["error"])
+                finished = update["finished"]
                 for c in update["choices"]:
-                    texts[c["index"]] = texts.get(c["index"], "") + c["text"]
-                    logs.setdefault(c["index"], []).extend(c["logprobs"])
-                    done[c["index"]] = c
-            choices = [
-                {
-                    "index": i,
-                    "finish_reason": done[i]["finish_reason"],
-                    "logprobs": logprobs_of(logs[i], chat) if want_logprobs else None,
-                    **({"message": {"role": "assistant", "content": texts[i]}} if chat else {"text": texts[i]}),
-                }
-                for i in sorted(done)
+                    self.done[c["index"]] = c
+                yield update
+        finally:
+            if not finished:
+                self.api.engine.abort(self.work)
+
+    async def whole(self) -> dict:
+        texts: dict = {}
+        logs: dict = {}
+        async for update in self.updates():
+            for c in update["choices"]:
+                texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+                logs.setdefault(c["index"], []).extend(c["logprobs"])
+        choices = [
+            {
+                "index": i,
+                "finish_reason": self.done[i]["finish_reason"],
+                "logprobs": self.api.logprobs_of(logs[i], self.chat) if self.logprobs else None,
+                **self._content(texts[i], whole=True),
+            }
+            for i in sorted(self.done)
+        ]
+        return {**self.head, "choices": choices, "usage": self.usage()}
+
+    def _content(self, text: str, whole: bool) -> dict:
+        if not self.chat:
+            return {"text": text}
+        return {"message": {"role": "assistant", "content": text}} if whole else {"delta": {"content": text}}
+
+    async def events(self, include_usage: bool):
+        head = {**self.head, "object": "chat.completion.chunk" if self.chat else "text_completion"}
+        if self.chat:
+            first = [
+                {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                for i in range(self.work.sampling.n)
             ]
-            return JSONResponse({**head, "choices": choices, "usage": usage(done)})
+            yield _event({**head, "choices": first})
+        try:
+            async for update in self.updates():
+                for c in update["choices"]:
+                    if not c["text"] and not c["finish_reason"] and not c["logprobs"]:
+                        continue
+                    part = {
+                        "index": c["index"],
+                        "finish_reason": c["finish_reason"],
+                        "logprobs": self.api.logprobs_of(c["logprobs"], self.chat) if self.logprobs else None,
+                        **self._content(c["text"], whole=False),
+                    }
+                    yield _event({**head, "choices": [part]})
+        except ApiError as exc:
+            yield _event(exc.body)
+            return
+        if include_usage:
+            yield _event({**head, "choices": [], "usage": self.usage()})
+        yield "data: [DONE]\n\n"
 
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        chunk_head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
 
-        async def events():
-            done: dict = {}
-            if chat:
-                first = [
-                    {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-                    for i in range(sampling.n)
-                ]
-                yield f"data: {json.dumps({**chunk_head, 'choices': first})}\n\n"
-            try:
-                async for update in updates():
-                    for c in update["choices"]:
-                        done[c["index"]] = c
-                        if not c["text"] and not c["finish_reason"] and not c["logprobs"]:
-                            continue
-                        part = {
-                            "index": c["index"],
-                            "finish_reason": c["finish_reason"],
-                            "logprobs": logprobs_of(c["logprobs"], chat) if want_logprobs else None,
-                            **({"delta": {"content": c["text"]}} if chat else {"text": c["text"]}),
-                        }
-                        yield f"data: {json.dumps({**chunk_head, 'choices': [part]})}\n\n"
-            except ApiError as exc:
-                yield f"data: {json.dumps({'error': {'message': exc.message, 'type': exc.kind, 'code': 503}})}\n\n"
-                return
-            if include_usage:
-                yield f"data: {json.dumps({**chunk_head, 'choices': [], 'usage': usage(done)})}\n\n"
-            yield "data: [DONE]\n\n"
+def metrics_text(figures: dict, histograms: dict) -> str:
+    """Prometheus' text format; counters end in _total; the latency histograms (serving/latency_metrics.py)."""
+    lines = []
+    for name, value in figures.items():
+        kind = "counter" if name in COUNTERS else "gauge"
+        metric = f"autotp_{name}" + ("_total" if kind == "counter" else "")
+        lines += [f"# TYPE {metric} {kind}", f"{metric} {value}"]
+    for name, histogram in histograms.items():
+        lines += histogram.lines(f"autotp_{name}")
+    return "\n".join(lines) + "\n"
 
-        return StreamingResponse(events(), media_type="text/event-stream")
 
-    def guarded(handler):
-        async def run(http: HttpRequest):
-            try:
-                return await handler(http)
-            except ApiError as exc:
-                return error(exc)
+def make_app(
+    engine,
+    tokenizer,
+    *,
+    model_name: str,
+    api_key: str | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+) -> FastAPI:
+    app = FastAPI(title="autotp", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(RequestGate, max_body_bytes=max_request_bytes, api_key=api_key)
+    api, created = Api(engine, tokenizer, model_name), int(time.time())
 
-        run.__name__ = handler.__name__
-        return run
+    @app.exception_handler(ApiError)
+    async def api_error(_, exc: ApiError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_, exc: RequestValidationError):
+        return validation_error(exc).response()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_, exc: HTTPException):
+        return ApiError(exc.status_code, str(exc.detail)).response()
 
     @app.post("/v1/completions")
-    @guarded
-    async def completions(http: HttpRequest):
-        body = await body_of(http)
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            prompt = tokenizer(prompt, add_special_tokens=True)["input_ids"]
-        if not (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
-            raise ApiError(400, "prompt must be one non-empty string or list of token ids", param="prompt")
-        if any(t < 0 or t >= engine.vocab_size for t in prompt):
-            raise ApiError(400, f"prompt token ids must be in [0, {engine.vocab_size})", param="prompt")
-        return await serve(http, prompt, body, chat=False)
+    async def completions(request: CompletionRequest, http: HttpRequest):
+        api.check(request)
+        return await api.serve(http, await api.completion_prompt(request), request, chat=False)
 
     @app.post("/v1/chat/completions")
-    @guarded
-    async def chat_completions(http: HttpRequest):
-        body = await body_of(http)
-        messages = body.get("messages")
-        if not (isinstance(messages, list) and messages and all(isinstance(m, dict) and "role" in m for m in messages)):
-            raise ApiError(400, "messages must be a non-empty list of {role, content} objects", param="messages")
-        if not getattr(tokenizer, "chat_template", None):
-            raise ApiError(400, f"{model_name}'s tokenizer has no chat template: use /v1/completions")
-        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-        return await serve(http, list(prompt), body, chat=True)
+    async def chat_completions(request: ChatRequest, http: HttpRequest):
+        api.check(request)
+        return await api.serve(http, await api.chat_prompt(request), request, chat=True)
 
     @app.get("/v1/models")
     async def models():
@@ -278,13 +338,8 @@ def make_app(engine, tokenizer, *, model_name: str, api_key: str | None = None) 
 
     @app.get("/metrics")
     async def metrics():
-        lines = []
-        for name, value in engine.metrics().items():
-            kind = "counter" if name in ("generation_tokens", "preemptions") else "gauge"
-            metric = f"autotp_{name}" + ("_total" if kind == "counter" else "")
-            lines += [f"# TYPE {metric} {kind}", f"{metric} {value}"]
-        for name, histogram in engine.histograms().items():  # latencies (serving/latency_metrics.py)
-            lines += histogram.lines(f"autotp_{name}")
-        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(
+            metrics_text(engine.metrics(), engine.histograms()), media_type="text/plain; version=0.0.4"
+        )
 
     return app

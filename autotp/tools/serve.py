@@ -1,20 +1,26 @@
 """``autotp serve MODEL_DIR --world-size N``: the model sharded over N ranks behind an OpenAI-compatible endpoint.
 
-Under torchrun each process is one rank; otherwise this process starts the N ranks itself (one per GPU under NCCL,
-gloo processes on the CPU) and exits with rank 0's status.  Every rank loads only its pieces of the checkpoint and
-builds the step program; rank 0 then serves HTTP (uvicorn) while its engine thread drives every rank's steps.  When
-rank 0 stops (SIGTERM: it drains the requests in flight first) or fails, the whole group ends; a failed rank makes
-rank 0 answer 503 and exit non-zero.
+The directory is checked first (serving/servable.py: a decoder-only causal LM, a tokenizer, every weight), so what
+cannot be served is refused in one line before any rank starts.  Under torchrun each process is one rank; otherwise
+this process starts the N ranks itself (one per GPU under NCCL, gloo processes on the CPU) and exits with rank 0's
+status.  The ranks it starts meet through a file (no store listening on a port) and their gloo and NCCL sockets are
+bound to the interface that holds --host, so nothing listens beyond the host given (under torchrun, its launcher
+decides those).  Every rank loads only its pieces of the checkpoint and builds the step program; rank 0 then serves
+HTTP (uvicorn) while its engine thread drives every rank's steps.  When rank 0 stops (SIGTERM: it drains the
+requests in flight first) or fails, the whole group ends; a failed rank makes rank 0 answer 503 and exit non-zero.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import ipaddress
 import os
 import re
 import signal
+import socket
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -22,6 +28,7 @@ from pathlib import Path
 
 GROUP_TIMEOUT = datetime.timedelta(seconds=60)  # a stopped rank is noticed within this (the idle tick is 1 s)
 FAIL_GRACE_SECONDS = 2.0
+MAX_REQUEST_BYTES = 4 * 2**20  # the default --max-request-bytes
 
 
 @dataclass(frozen=True)
@@ -42,6 +49,7 @@ class ServeOptions:
     device: str | None = None
     enforce_eager: bool = False  # no decode graphs, even on a GPU
     compile: bool = False  # decode graphs compiled by torch.compile (inductor)
+    max_request_bytes: int = MAX_REQUEST_BYTES
 
     @property
     def name(self) -> str:
@@ -126,6 +134,12 @@ def add_serve_parser(sub, positive) -> None:
         default=None,
         help="where each rank's shards and KV cache live, e.g. cpu (default: this rank's GPU under NCCL, else the CPU)",
     )
+    serve.add_argument(
+        "--max-request-bytes",
+        type=bytes_of,
+        default=MAX_REQUEST_BYTES,
+        help="the largest request body accepted, e.g. 1MiB (default 4MiB; larger: 413)",
+    )
     graphs = serve.add_mutually_exclusive_group()
     graphs.add_argument(
         "--enforce-eager",
@@ -143,24 +157,25 @@ def add_serve_parser(sub, positive) -> None:
 def serve_command(args) -> int:
     given = {k: v for k, v in vars(args).items() if k in ServeOptions.__dataclass_fields__}
     options = ServeOptions(**{**given, "world_size": args.world_size or int(os.environ.get("WORLD_SIZE", 1))})
-    if not (Path(options.model) / "config.json").is_file():
-        raise ValueError(f"{options.model} has no config.json: give a directory saved by save_pretrained")
+    from autotp.serving.servable import check_servable
+
+    check_servable(options.model)
     if "RANK" in os.environ:  # under torchrun: this process is one rank
         return serve_rank(options)
     import torch.multiprocessing as mp
 
-    from autotp.tools.spawn import free_port
-
-    port = free_port()
     context = mp.get_context("spawn")
-    ranks = [
-        context.Process(target=_spawned, args=(rank, port, options), daemon=False) for rank in range(options.world_size)
-    ]
-    for process in ranks:
-        process.start()
-    for stop in (signal.SIGTERM, signal.SIGINT):  # rank 0 drains its requests, then the group ends
-        signal.signal(stop, lambda *_: ranks[0].terminate())
-    return _supervise(ranks)
+    with tempfile.TemporaryDirectory(prefix="autotp-serve-") as meeting:
+        rendezvous = f"file://{Path(meeting) / 'store'}"
+        ranks = [
+            context.Process(target=_spawned, args=(rank, rendezvous, options), daemon=False)
+            for rank in range(options.world_size)
+        ]
+        for process in ranks:
+            process.start()
+        for stop in (signal.SIGTERM, signal.SIGINT):  # rank 0 drains its requests, then the group ends
+            signal.signal(stop, lambda *_: ranks[0].terminate())
+        return _supervise(ranks)
 
 
 def _supervise(ranks: list) -> int:
@@ -181,22 +196,47 @@ def _supervise(ranks: list) -> int:
     return 0 if all(c == 0 for c in codes) else (codes[0] or 1)
 
 
-def _spawned(rank: int, port: int, options: ServeOptions) -> None:
+def interface_of(host: str) -> str | None:
+    """The network interface that holds ``host``'s address (None for every interface: 0.0.0.0, ::, or an address
+    no interface holds, which uvicorn then refuses to bind)."""
+    import psutil  # accelerate's dependency, so from_pretrained's
+
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except OSError:
+        return None
+    if any(ipaddress.ip_address(a.split("%")[0]).is_unspecified for a in addresses):
+        return None
+    return next(
+        (
+            name
+            for name, held in psutil.net_if_addrs().items()
+            if any(a.address.split("%")[0] in addresses for a in held)
+        ),
+        None,
+    )
+
+
+def _spawned(rank: int, rendezvous: str, options: ServeOptions) -> None:
     os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
         RANK=str(rank),
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(options.world_size),
         LOCAL_WORLD_SIZE=str(options.world_size),
     )
-    code = serve_rank(options)
+    interface = interface_of(options.host)
+    if interface is not None:  # gloo's and NCCL's sockets listen on this interface only (a user's setting stays)
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
+    code = serve_rank(options, rendezvous)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # gloo's threads may abort an interpreter's teardown
 
 
-def serve_rank(options: ServeOptions) -> int:
+def serve_rank(options: ServeOptions, rendezvous: str | None = None) -> int:
+    """One rank: joins the group (through ``rendezvous``, a file:// URL, or torchrun's environment), loads its pieces
+    and runs; rank 0 serves HTTP."""
     import torch
     import torch.distributed as dist
 
@@ -207,7 +247,12 @@ def serve_rank(options: ServeOptions) -> int:
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=GROUP_TIMEOUT)
+        where = (
+            {}
+            if rendezvous is None
+            else {"init_method": rendezvous, "rank": int(os.environ["RANK"]), "world_size": options.world_size}
+        )
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=GROUP_TIMEOUT, **where)
     if dist.get_world_size() != options.world_size:
         raise ValueError(f"--world-size {options.world_size}, but the launcher started {dist.get_world_size()} ranks")
     rank = dist.get_rank()
@@ -293,7 +338,9 @@ def _serve_http(engine, tokenizer, options: ServeOptions, blocks: int) -> int:
             time.sleep(FAIL_GRACE_SECONDS)  # clients hear 503 a while before the port closes
             server.should_exit = True
 
-    app = make_app(engine, tokenizer, model_name=options.name, api_key=options.api_key)
+    app = make_app(
+        engine, tokenizer, model_name=options.name, api_key=options.api_key, max_request_bytes=options.max_request_bytes
+    )
     config = uvicorn.Config(
         app, host=options.host, port=options.port, log_level="warning", timeout_graceful_shutdown=30
     )

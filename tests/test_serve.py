@@ -425,15 +425,42 @@ def test_the_pool_is_sized_from_blocks_bytes_or_the_default():
         kv_blocks(ServeOptions(model="m", world_size=4, kv_cache_memory=per_block - 1), sharded, 64)
 
 
-def test_a_wrong_command_line_is_one_line(tmp_path):
+def test_a_wrong_command_line_or_a_model_it_cannot_serve_is_one_line(tmp_path):
+    """Refused before any rank starts, in one line with exit status 2: usage errors, an encoder (BERT), an
+    encoder-decoder (T5), a directory without weights and one without a tokenizer (the processes run at once)."""
     import subprocess
     import sys
 
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers import configs
+
     autotp = Path(sys.executable).parent / "autotp"
-    for args, says in [
+    made = {name: tmp_path / name for name in ("bert", "t5", "weightless", "untokenized")}
+    configs.architecture("bert").save_pretrained(made["bert"])
+    configs.t5().save_pretrained(made["t5"])
+    llama = configs.llama(use_cache=True)
+    llama.save_pretrained(made["weightless"])
+    tokenizer(llama.vocab_size).save_pretrained(made["weightless"])
+    AutoModelForCausalLM.from_config(llama).save_pretrained(made["untokenized"])
+    cases = [
         ([str(tmp_path / "nowhere")], "has no config.json"),
         ([str(tmp_path), "--kv-cache-memory", "4XB"], "not a size: '4XB'"),
         ([str(tmp_path), "--device", "gpu0"], "device must name a device as torch does"),
-    ]:
-        done = subprocess.run([str(autotp), "serve", *args], capture_output=True, text=True, timeout=120)
-        assert done.returncode == 2 and says in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+        ([str(made["bert"])], "holds an encoder (BertConfig"),
+        ([str(made["t5"])], "holds an encoder-decoder model (T5Config)"),
+        ([str(made["weightless"])], "no model.safetensors"),
+        ([str(made["untokenized"])], "has no tokenizer that loads"),
+    ]
+    runs = [
+        subprocess.Popen(
+            [str(autotp), "serve", *args, "--world-size", "2"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for args, _ in cases
+    ]
+    for run, (_, says) in zip(runs, cases, strict=True):
+        out, err = run.communicate(timeout=120)
+        assert run.returncode == 2 and says in err and len(err.strip().splitlines()) == 1 and not out, err

@@ -179,6 +179,15 @@ def convbert(**overrides):
                              "attention_probs_dropout_prob": 0.0, **overrides})
 
 
+def t5(**overrides):
+    """T5: an encoder-decoder, 2 blocks each side of 32, 4 heads of 8, FFN 64."""
+    from transformers import T5Config
+
+    return T5Config(
+        **{"vocab_size": 96, "d_model": 32, "d_kv": 8, "d_ff": 64, "num_layers": 2, "num_heads": 4, **overrides}
+    )
+
+
 def diffllama(**overrides):
     """DiffLlama: differential attention over 4 heads of 8 (as many KV heads), 2 blocks of 32, FFN 64."""
     from transformers import DiffLlamaConfig

@@ -1,6 +1,8 @@
 """A served model for the endpoint's tests: a tiny LLaMA with random weights and a word-level tokenizer with a chat
 template, both built here and saved with save_pretrained (no downloads), and the server started as a user starts it
-(``autotp serve DIR --world-size N``) in a process of its own."""
+(``autotp serve DIR --world-size N``) in a process of its own.  For the text's own checks: a byte-level BPE tokenizer
+(as real models use: a character outside its training text is several byte tokens) and a LLaMA whose greedy tokens
+are known (``save_cycle_model``)."""
 
 from __future__ import annotations
 
@@ -44,6 +46,63 @@ def tokenizer(vocab: int):
         unk_token="<unk>",
         chat_template=CHAT_TEMPLATE,
     )
+
+
+def byte_tokenizer(vocab: int):
+    """A byte-level BPE of at most ``vocab`` tokens (specials, the 256 bytes, merges of an English text), so 'é' is
+    two tokens, '€' three and '😀' four; with the chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab,
+        special_tokens=SPECIAL + ROLES,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    core.train_from_iterator(["the quick brown fox jumps over the lazy dog; a server answers the user"] * 20, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def save_cycle_model(directory: Path, cycle: list[int], rivals: list[int], seed: int = 0) -> torch.nn.Module:
+    """A LLaMA over byte_tokenizer whose next token depends only on the last one: after ``cycle[i]`` the greedy
+    token is ``cycle[i + 1]`` (wrapping), by 1 logit over ``rivals[i]`` and by 4 or so over any other token (so a
+    penalty on the repeated cycle turns it to the rival).  Attention and MLP outputs are zero, so each position's
+    hidden state is its token's embedding, and the LM head's rows point at their predecessors' normed embeddings."""
+    from transformers import AutoModelForCausalLM
+
+    words = byte_tokenizer(VOCAB)
+    torch.manual_seed(seed)
+    config = configs.llama(
+        vocab_size=VOCAB, use_cache=True, bos_token_id=1, eos_token_id=2, pad_token_id=0, max_position_embeddings=128
+    )
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        hidden = model.model.norm(model.model.embed_tokens.weight)
+        head = model.lm_head.weight
+        head.normal_(0, 0.3 / hidden[cycle[0]].norm().item())  # other tokens' logits: spread about 0.3
+        for before, after, rival in zip(cycle, cycle[1:] + cycle[:1], rivals, strict=True):
+            toward = hidden[before] / hidden[before].norm() ** 2
+            head[after], head[rival] = 6 * toward, 5 * toward
+    model.save_pretrained(directory)
+    words.save_pretrained(directory)
+    return model
+
+
+VOCAB = 320  # byte_tokenizer's and save_cycle_model's vocabulary
 
 
 def save_model(directory: Path, family: str = "llama", seed: int = 0, **overrides) -> torch.nn.Module:

@@ -426,13 +426,15 @@ def test_the_pool_is_sized_from_blocks_bytes_or_the_default():
 
 
 def test_a_wrong_command_line_or_a_model_it_cannot_serve_is_one_line(tmp_path):
-    """Refused before any rank starts, in one line with exit status 2: usage errors, an encoder (BERT), an
-    encoder-decoder (T5), a directory without weights and one without a tokenizer (the processes run at once)."""
+    """Refused before any rank starts, in one line with exit status 2: usage errors, an encoder (BERT) and a
+    directory without weights through the command (its processes run at once); an encoder-decoder (T5) and a
+    directory without a tokenizer by the same check in this process."""
     import subprocess
     import sys
 
     from transformers import AutoModelForCausalLM
 
+    from autotp.serving.servable import check_servable
     from tests.helpers import configs
 
     autotp = Path(sys.executable).parent / "autotp"
@@ -448,9 +450,7 @@ def test_a_wrong_command_line_or_a_model_it_cannot_serve_is_one_line(tmp_path):
         ([str(tmp_path), "--kv-cache-memory", "4XB"], "not a size: '4XB'"),
         ([str(tmp_path), "--device", "gpu0"], "device must name a device as torch does"),
         ([str(made["bert"])], "holds an encoder (BertConfig"),
-        ([str(made["t5"])], "holds an encoder-decoder model (T5Config)"),
         ([str(made["weightless"])], "no model.safetensors"),
-        ([str(made["untokenized"])], "has no tokenizer that loads"),
     ]
     runs = [
         subprocess.Popen(
@@ -461,6 +461,10 @@ def test_a_wrong_command_line_or_a_model_it_cannot_serve_is_one_line(tmp_path):
         )
         for args, _ in cases
     ]
+    with pytest.raises(ValueError, match=r"holds an encoder-decoder model \(T5Config\)"):
+        check_servable(made["t5"])
+    with pytest.raises(ValueError, match="has no tokenizer that loads"):
+        check_servable(made["untokenized"])
     for run, (_, says) in zip(runs, cases, strict=True):
         out, err = run.communicate(timeout=120)
         assert run.returncode == 2 and says in err and len(err.strip().splitlines()) == 1 and not out, err

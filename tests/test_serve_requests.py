@@ -277,6 +277,16 @@ def test_metrics_are_right_under_load_and_nothing_listens_beyond_the_host(served
     import psutil
 
     server, _, _, name = served
+    lead = psutil.Process(server.process.pid)
+    listening = {
+        (c.laddr.ip, c.laddr.port)
+        for p in [lead, *lead.children(recursive=True)]
+        for c in p.net_connections(kind="inet")
+        if c.status == psutil.CONN_LISTEN
+    }
+    assert ("127.0.0.1", server.port) in listening and len(listening) > 1, listening
+    assert {ip for ip, _ in listening} == {"127.0.0.1"}, listening
+
     client = _client(server)
     before, started = _metrics(server), time.monotonic()
     first = threading.Event()
@@ -301,6 +311,8 @@ def test_metrics_are_right_under_load_and_nothing_listens_beyond_the_host(served
         thread.start()
     assert first.wait(60)
     during = _metrics(server)
+    while during["autotp_requests_running"] + during["autotp_requests_waiting"] < 4 and not replies:
+        during = _metrics(server)  # until the 4 requests have arrived, before the first 2 finish
     for thread in threads:
         thread.join(120)
     after = _metrics(server)
@@ -317,13 +329,3 @@ def test_metrics_are_right_under_load_and_nothing_listens_beyond_the_host(served
     assert window <= after["autotp_generation_tokens_total"]
     if took < 9:
         assert window >= generated, after
-
-    lead = psutil.Process(server.process.pid)
-    listening = {
-        (c.laddr.ip, c.laddr.port)
-        for p in [lead, *lead.children(recursive=True)]
-        for c in p.net_connections(kind="inet")
-        if c.status == psutil.CONN_LISTEN
-    }
-    assert ("127.0.0.1", server.port) in listening and len(listening) > 1, listening
-    assert {ip for ip, _ in listening} == {"127.0.0.1"}, listening

@@ -32,9 +32,10 @@ COUNTERS = ("generation_tokens", "preemptions")
 
 
 def validation_error(exc: RequestValidationError) -> ApiError:
-    """FastAPI's 422 as OpenAI's 400: one problem (a check of ours before a type's), naming its field."""
+    """FastAPI's 422 as OpenAI's 400: one problem, naming its field.  Of a union's (a prompt is a string or a list),
+    the one that says most: a check of ours, then a range or length, then a wrong type."""
     errors = exc.errors()
-    first = next((e for e in errors if e.get("type") == "value_error"), errors[0])
+    first = min(errors, key=lambda e: (e.get("type") != "value_error", str(e.get("type")).endswith("_type")))
     if first.get("type") == "json_invalid":
         return ApiError(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}")
     param = field_path(first.get("loc", ())[1:])
@@ -160,8 +161,9 @@ class Api:
         """Run ``request`` on ``prompt``: one JSON answer, or its server-sent events when it streams."""
         try:
             sampling = request.sampling_for(max(1, self.engine.scheduler.max_model_len - len(prompt)))
-        except Refused as exc:
-            raise ApiError(400, str(exc)) from exc
+        except Refused as exc:  # a value in OpenAI's range that autotp does not serve; the message starts with its name
+            field = str(exc).split()[0]
+            raise ApiError(400, str(exc), param=field if field in type(request).model_fields else None) from exc
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
         work = Request(prompt, sampling, lambda r: loop.call_soon_threadsafe(queue.put_nowait, _snapshot(r)))
         try:

@@ -125,7 +125,8 @@ def _engine_rank(rank: int, world: int, directory: str, tokens: int, prompts: di
     from transformers import AutoTokenizer
 
     import autotp
-    from autotp.serving.engine import Engine, Request, Sampling
+    from autotp.serving.choices import Request, Sampling
+    from autotp.serving.engine import Engine
 
     sharded = autotp.from_pretrained(directory)
     words = AutoTokenizer.from_pretrained(directory)

@@ -84,6 +84,7 @@ def _engine_run(rank: int, sharded, backend: str | None) -> list:
     seed): ~50 steps whose decode batch goes 4, 3, 2, 1.  Eager (backend None), every step after the first runs
     under NoHostSync; compiled, the decode graphs made are counted."""
     from autotp.serving import engine as serving
+    from autotp.serving.choices import Request, Sampling
     from autotp.serving.decode_graphs import CompileOptions
     from tests.helpers.serving import tokenizer
 
@@ -112,9 +113,9 @@ def _engine_run(rank: int, sharded, backend: str | None) -> list:
 
     engine._device_step = guarded
     requests = [
-        serving.Request(
+        Request(
             [10 + 7 * i + k for k in range(3 + i)],
-            serving.Sampling(
+            Sampling(
                 max_tokens=12 * (i + 1),
                 ignore_eos=True,
                 **({"temperature": 0.8, "top_k": 20, "seed": 4} if i == 1 else {"temperature": 0}),

@@ -109,6 +109,7 @@ def _engine_steps(rank: int, world: int) -> list:
     ``device=`` under a group that refuses CPU tensors; every step's logits recorded."""
     import autotp
     from autotp.serving import engine as serving
+    from autotp.serving.choices import Request, Sampling
     from tests.helpers.serving import tokenizer
 
     model = _served_model()
@@ -140,9 +141,9 @@ def _engine_steps(rank: int, world: int) -> list:
     for wave in range(3):
         time.sleep(1.5 * serving.TICK_SECONDS)  # idle: at least one tick
         batch = [
-            serving.Request(
+            Request(
                 [5 + (3 * wave + 7 * i + k) % 90 for k in range(3 + 4 * i)],
-                serving.Sampling(max_tokens=18, temperature=0, ignore_eos=True),
+                Sampling(max_tokens=18, temperature=0, ignore_eos=True),
                 lambda r: None,
             )
             for i in range(3)

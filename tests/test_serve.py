@@ -271,6 +271,7 @@ def _engine_logits(rank: int, world: int, family: str) -> list:
     logits recorded (rank 0's: they pick the tokens)."""
     import autotp
     from autotp.serving import engine as serving
+    from autotp.serving.choices import Request, Sampling
 
     model = _served_model(family)
     sharded = autotp.parallelize(model, (torch.zeros(2, 8, dtype=torch.long),))
@@ -303,9 +304,7 @@ def _engine_logits(rank: int, world: int, family: str) -> list:
         while engine.generated < 2 * i and i:
             time.sleep(0.001)
         prompt = [10 + (7 * i + 3 * k) % 80 for k in range(3 + (i * 5) % 12)]
-        requests.append(
-            serving.Request(prompt, serving.Sampling(max_tokens=12, temperature=0, ignore_eos=True), lambda r: None)
-        )
+        requests.append(Request(prompt, Sampling(max_tokens=12, temperature=0, ignore_eos=True), lambda r: None))
         engine.submit(requests[-1])
     while not all(r.finished for r in requests):
         time.sleep(0.01)

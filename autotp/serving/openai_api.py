@@ -22,7 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from autotp.serving.engine import Request
+from autotp.serving.choices import Request
 from autotp.serving.http_gate import ApiError, RequestGate
 from autotp.serving.requests import ChatRequest, CompletionRequest, SamplingRequest
 from autotp.serving.scheduler import Refused

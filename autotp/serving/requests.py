@@ -15,7 +15,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from autotp.serving.engine import Sampling
+from autotp.serving.choices import Sampling
 from autotp.serving.scheduler import Refused
 
 

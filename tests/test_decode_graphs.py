@@ -191,3 +191,59 @@ def test_serve_replays_graphs_on_a_gpu_unless_enforce_eager_and_compiles_on_the_
     assert chosen(device="cpu") is None and chosen("--compile", device="cpu") == CompileOptions()
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "m", "--compile", "--enforce-eager"])
+
+
+def _reference(q, keys, values, table, positions, block_size, window, softcap):
+    """Softmax attention over each row's context copied out of the pool (what the step program did before)."""
+    context = (table[:, :, None] * block_size + torch.arange(block_size)).flatten(1)
+    group = q.shape[1] // keys.shape[1]
+    k, v = (pool[context].transpose(1, 2).repeat_interleave(group, 1) for pool in (keys, values))
+    scores = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    seen, here = torch.arange(context.shape[1])[None, None, :], positions[:, :, None]
+    allowed = (seen <= here) & ((here - seen < window) if window else True)
+    return scores.masked_fill(~allowed[:, None], -torch.inf).softmax(-1) @ v
+
+
+class Largest(TorchDispatchMode):
+    """The most elements any op's output holds."""
+
+    largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.largest = max(
+            [self.largest] + [t.numel() for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        )
+        return out
+
+
+@pytest.mark.parametrize(("window", "softcap"), [(0, 0.0), (5, 0.0), (0, 2.0)])
+def test_attention_reads_the_pool_a_block_at_a_time_and_equals_softmax_over_the_copied_context(window, softcap):
+    """autotp::paged_attention, the step program's attention: grouped KV heads, prompt chunks and decodes, padding
+    tables, sliding windows and soft caps give softmax attention over the context copied out of the pool; on the
+    CPU it reads one block of every row at a time (its largest tensor is a block's keys or the output, not a row's
+    context: 21 to 32 times smaller here), without a host sync; spans of several blocks (other devices) are as exact."""
+    from autotp.runtime.paged_attention import paged_attention, read_in_place, span_of
+    from tests.helpers.exact import TOL
+
+    torch.manual_seed(0)
+    rows, heads, kv, dim, size, width = 4, 4, 2, 16, 4, 32
+    keys, values = torch.randn(2, 40 * size, kv, dim).unbind(0)
+    table = torch.randint(0, 40, (rows, width))
+    for tokens in (1, 3):  # a decode, a chunk padded on the left (position 0 twice)
+        q = torch.randn(rows, heads, tokens, dim)
+        positions = torch.tensor([[0, 0, 1], [5, 6, 7], [60, 61, 62], [125, 126, 127]])[:, -tokens:]
+        expected = _reference(q, keys, values, table, positions, size, window, softcap)
+        with NoHostSync(), Largest() as seen:
+            got = read_in_place(
+                q, keys, values, table, positions, size, dim**-0.5, window, softcap, span_of("cpu", size)
+            )
+        torch.testing.assert_close(got, expected, **TOL)
+        assert seen.largest == max(rows * size * kv * dim, q.numel()) < rows * width * size * kv * dim // 16
+        op = paged_attention(q, keys, values, table, positions, size, dim**-0.5, window, softcap)
+        torch.testing.assert_close(op, expected, **TOL)
+        for span in (3, span_of("cuda", size), width + 1):
+            spanned = read_in_place(q, keys, values, table, positions, size, dim**-0.5, window, softcap, span)
+            torch.testing.assert_close(spanned, expected, **TOL)

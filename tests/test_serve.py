@@ -313,11 +313,15 @@ def _engine_logits(rank: int, world: int, family: str) -> list:
     assert engine.scheduler.preemptions > 0, "the small pool was meant to force preemption"
     assert engine.program.autotp_programs.made == 0, "the step program was captured again for some step's sizes"
     plan = engine.program.autotp_plan
+    pools = [n for n in engine.program.graph.nodes if n.op == "get_attr" and n.target.startswith(("keys_", "values_"))]
     layout = {
         "pools": {n: p for n, p in plan.params.items() if n.startswith(("keys_", "values_"))},
         "local": tuple(engine.program.get_buffer("keys_0").shape),
         "sums": dict(sums_per_block(plan)),
         "in_blocks": sorted({c["op"] for c in plan.collectives if ".layers." in c["module"]}),
+        "pool_reads": sorted(
+            {str(user.target) for node in pools + [u for p in pools for u in p.users] for user in node.users}
+        ),
     }
     return [
         (r.prompt, r.choices[0].sequence.output, torch.stack(seen[id(r.choices[0])]).tolist(), layout) for r in requests
@@ -340,6 +344,8 @@ def test_every_steps_logits_equal_transformers_whatever_runs_beside(family):
         assert set(layout["pools"].values()) == {"S(1)"} and len(layout["pools"]) == 4
         assert layout["local"] == ((8 + 1) * 4, 1, 16)  # 8 blocks and the scratch block, of 4 slots; 1 KV head
         assert layout["sums"] == {0: 2, 1: 2} and layout["in_blocks"] == ["all_reduce"]
+        # what reads the pool (and its in-place writes): the writes and the paged attention, no copy of a context
+        assert layout["pool_reads"] == ["aten.index_copy_.default", "autotp.paged_attention.default"], layout
     for prompt, output, logits, _ in results:
         with torch.no_grad():
             ref = model(torch.tensor([prompt + output])).logits[0, len(prompt) - 1 : -1]

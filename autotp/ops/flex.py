@@ -123,7 +123,7 @@ def mask_tensors(args, kwargs) -> set:
 # ---- the rule ----------------------------------------------------------------------------------------
 
 
-def _serves(q: Shard, held, heads: int, kv: int, world: int) -> bool:
+def serves(q: Shard, held, heads: int, kv: int, world: int) -> bool:
     """Every rank's query heads meet their KV heads where the kernel looks for them: local query head i reads
     local KV head i // (its query heads / its KV heads), which must be global KV head (first + i) // (Hq / Hkv)."""
     group = heads // kv
@@ -137,27 +137,40 @@ def _serves(q: Shard, held, heads: int, kv: int, world: int) -> bool:
     return True
 
 
-def flex_heads(node: Node, ctx: Context) -> list[Strategy]:
+def flex_heads(node: Node, ctx: Context) -> list[Strategy] | None:
     """FlexAttention split by query heads (dim 1): k and v split alike or held for the query heads each rank
-    computes (grouped KV heads, see ``_serves``); the block mask's tables split where they have one head per
+    computes (grouped KV heads, see ``serves``); the block mask's tables split where they have one head per
     query head, else read whole (they broadcast); the buffers its functions read stay whole (indexed by the
     global head).  Outputs (out, log-sum-exp, max) split alike."""
     q, k, v, _, block_mask = node.args[:5]
+    heads = ctx.shape(q)[1]
+    tables = [t for t in block_mask if isinstance(t, Node) and is_placed(t)]
+    reads = head_reads(node, q, k, v, ctx)
+    if reads is None:
+        return None
+    found = []
+    for s, held in reads:
+        placements = {q: s, k: held, v: held}
+        placements.update({t: s if len(ctx.shape(t)) > 1 and ctx.shape(t)[1] == heads else R for t in tables})
+        found.append(Strategy(ctx.fill(node, placements), tuple(s for _ in node.meta["val"])))
+    return found
+
+
+def head_reads(node: Node, q: Node, k: Node, v: Node, ctx: Context) -> list | None:
+    """(the query heads' split, how k and v [..., kv heads on dim 1, ...] are held) for an attention kernel
+    that reads grouped KV heads itself (``serves``); None, with the reason noted, where no split serves."""
     heads, kv = ctx.shape(q)[1], ctx.shape(k)[1]
     if not (ctx.static(heads) and ctx.static(kv)) or heads % kv or ctx.shape(v)[1] != kv:
         return []
-    tables = [t for t in block_mask if isinstance(t, Node) and is_placed(t)]
     found = []
     for s in ctx.shard_options(q, 1):
         if s.chunks is not None:
             continue
         options = [*(o for o in ctx.shard_options(k, 1) if o.chunks is None), R]
         for held in options:
-            if not _serves(s, held, heads, kv, ctx.world) or (v is not k and held not in [*ctx.shard_options(v, 1), R]):
+            if not serves(s, held, heads, kv, ctx.world) or (v is not k and held not in [*ctx.shard_options(v, 1), R]):
                 continue
-            placements = {q: s, k: held, v: held}
-            placements.update({t: s if len(ctx.shape(t)) > 1 and ctx.shape(t)[1] == heads else R for t in tables})
-            found.append(Strategy(ctx.fill(node, placements), tuple(s for _ in node.meta["val"])))
+            found.append((s, held))
     if not found and ctx.world > 1:
         ctx.why[node] = (
             f"no split of its {heads} query heads on {ctx.world} ranks meets its {kv} KV heads where the "

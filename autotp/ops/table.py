@@ -52,6 +52,7 @@ from autotp.ops.layout_rules import (
     unbind,
     unsqueeze,
 )
+from autotp.ops.paged_reads import paged_heads
 from autotp.ops.product_shapes import (
     attention_dropout,
     attention_flops,
@@ -79,6 +80,7 @@ from autotp.ops.rules import (
 )
 from autotp.ops.semantics import Op, may_alias, row_of
 from autotp.ops.view_rules import view
+from autotp.runtime.paged_attention import PAGED_ATTENTION
 
 aten = torch.ops.aten
 
@@ -183,6 +185,7 @@ _ROWS: dict = {
             local=local_forms.attention),
     **_rows([FLEX], family="attention", rule=flex_heads, flops=attention_flops, shape=attention_shape,
             keeps=keeps_flex, local=global_heads),
+    **_rows([PAGED_ATTENTION], family="attention", rule=paged_heads, keeps=keeps_flex),
     **_rows([aten.conv1d.default, aten.conv2d.default, aten.conv1d.padding, aten.conv2d.padding],
             family="convolution", rule=convolution, keeps=keeps_operands, local=local_forms.depthwise_groups),
     **_rows([aten.embedding.default], family="embedding", rule=embedding, keeps=keeps_nothing, moves=lookup_bytes,
@@ -279,6 +282,8 @@ TAGS = {
     "halves": [aten.glu.default],  # input 0 cut in two halves along a dim, one gating the other
     "picks": [aten.select.int],  # one index of input 0 along a dim, the dim dropped
     "repeats_each": [aten.repeat_interleave.self_int],  # each index of a dim n times in place (KV heads to queries)
+    "grouped_kv": [FLEX, PAGED_ATTENTION],  # attention that reads KV heads (dim 1) grouped under its query heads
+    "reads_pool": [PAGED_ATTENTION],  # attention over a KV pool held as buffers (priced there, not again)
     # what a pipeline stage keeps (split.py) and a capture retargets to the CPU (capture.py)
     "checks_dtype": [aten._assert_tensor_metadata.default],  # export's dtype/device check of a value
     "cpu_no_integers": [aten.histc.default],  # no CPU kernel for integer inputs (runtime/kernels stands in)

@@ -11,7 +11,6 @@ from dataclasses import replace
 import torch
 
 from autotp.canonicalize.group_cuts import group_blocks
-from autotp.ops.flex import FLEX
 from autotp.ops.layout_rules import cut_range, positive_dim
 from autotp.ops.strategies import Context
 from autotp.ops.table import op
@@ -140,11 +139,12 @@ def repeat_hints(gm: torch.fx.GraphModule) -> dict:
     covers: dict = {}
     for node in gm.graph.nodes:
         if op(node.target).family == "attention":
-            heads = [a.meta["val"].shape[1] if a.meta["val"].dim() == 4 else None for a in node.args[:3]]
+            grouped = "grouped_kv" in op(node.target).tags  # a paged pool's KV heads: [slots, heads, dim]
+            heads = [a.meta["val"].shape[1] if a.meta["val"].dim() in (4, 3 * grouped) else None for a in node.args[:3]]
             if heads[1:] == [1, 1] and isinstance(heads[0], int) and heads[0] > 1:
                 covers.setdefault(1, set()).add(heads[0])
-            elif node.target is FLEX and all(isinstance(h, int) for h in heads) and 1 < heads[1] < heads[0]:
-                covers.setdefault(heads[1], set()).add(heads[0])  # FlexAttention's own grouped KV heads
+            elif grouped and all(isinstance(h, int) for h in heads) and 1 < heads[1] < heads[0]:
+                covers.setdefault(heads[1], set()).add(heads[0])  # the kernel's own grouped KV heads
         if "repeats_each" in op(node.target).tags:
             x, repeats, at = node.args[:3]
             kv = x.meta["val"].shape[at]

@@ -5,10 +5,12 @@ sequence owns whole blocks, listed in its block table, and its token at position
 ``table[p // block_size] * block_size + p % block_size`` (vLLM's layout).  A step hands the program, per row of
 its batch, the tokens to run, their positions, the slots they are written to and the row's block table, padded to
 the step's width with any block (the positions past the row's own are masked).  The layer writes this step's keys
-and values into their slots (``index_copy_``) and reads the blocks of the table back (``index_select`` of their
-slots): both are rows of the op table with the KV-heads dim free, so the planner splits the pool by KV heads as it
-splits the attention heads, like any other tensor.  What a row reads is bounded by its block table, never by a
-list of slots built on the host.
+and values into their slots (``index_copy_``, a row of the op table with the KV-heads dim free) and the model's
+attention reads the pool in place through the block table (``autotp::paged_attention``, runtime/
+paged_attention.py: a block at a time, nothing the size of a row's context copied out), registered with
+transformers as the attention implementation ``autotp_paged`` while the step program is captured.  The planner
+splits the pool by KV heads as it splits the attention heads.  What a row reads is bounded by its block table,
+never by a list of slots built on the host.
 
 Every size of a step is dynamic in the one captured program: rows, tokens a row and blocks a table (a decode step
 of the engine runs at the few shapes of its batch buckets, serving/step_inputs.py).  The pool's slots are zero at
@@ -17,12 +19,52 @@ the start; a slot past a row's context is read as padding and masked away.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from autotp.runtime.paged_attention import paged_attention
 from autotp.serving.generation import ResidentShards, dtype_of, kv_heads_and_dim
 
 PREFIX = "model."  # the step wrapper holds the model as ``model``
+ATTENTION = "autotp_paged"  # transformers' attention implementation while the step program is captured
+
+
+@dataclass(frozen=True)
+class PagedStep:
+    """What the attention of every layer reads besides q and the pools: the step's tables and positions."""
+
+    table: torch.Tensor  # [rows, n]
+    positions: torch.Tensor  # [rows, tokens]
+    block_size: int
+    kinds: list  # each layer's attention kind (sliding layers see ``window`` positions back)
+    window: int | None
+
+
+def paged_forward(module, query, keys, values, attention_mask, scaling=None, softcap=None, autotp_paged=None, **rest):
+    """transformers' attention interface over the pools a ``_PagedLayer`` returned: [rows, tokens, heads, dim]."""
+    step = autotp_paged
+    if step is None or rest.get("s_aux") is not None or rest.get("sinks") is not None:
+        raise ValueError(f"{type(module).__name__}: the paged cache reads plain softmax attention only")
+    sliding = step.kinds[module.layer_idx] == "sliding_attention"
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = paged_attention(
+        query,
+        keys,
+        values,
+        step.table,
+        step.positions,
+        step.block_size,
+        scale,
+        (step.window or 0) if sliding else 0,
+        softcap or 0.0,
+    )
+    return out.transpose(1, 2), None
+
+
+AttentionInterface.register(ATTENTION, paged_forward)
 
 
 class _PagedLayer(CacheLayerMixin):
@@ -31,25 +73,24 @@ class _PagedLayer(CacheLayerMixin):
     is_compileable = True
     supports_early_init = False
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, context: torch.Tensor):
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, width: int):
         super().__init__()
-        self.pool_keys, self.pool_values, self.slots, self.context = keys, values, slots, context
+        self.pool_keys, self.pool_values, self.slots, self.width = keys, values, slots, width
         self.is_initialized = True
 
     def lazy_initialization(self, key_states, value_states) -> None:
         pass
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Writes this step's keys and values into their slots; returns the pools, read in place by attention."""
         heads, dim = key_states.shape[1], key_states.shape[3]
-        at, read = self.slots.reshape(-1), self.context.reshape(-1)
-        out = []
+        at = self.slots.reshape(-1)
         for pool, states in ((self.pool_keys, key_states), (self.pool_values, value_states)):
             pool.index_copy_(0, at, states.transpose(1, 2).reshape(-1, heads, dim).to(pool.dtype))
-            out.append(pool.index_select(0, read).unflatten(0, self.context.shape).transpose(1, 2))
-        return out[0], out[1]
+        return self.pool_keys, self.pool_values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.context.shape[1], 0
+        return self.width, 0
 
     def get_seq_length(self) -> int:
         return 0  # positions come with the step; nothing is counted since capture
@@ -106,38 +147,27 @@ class PagedLM(torch.nn.Module):
         return [b for n, b in self.named_buffers() if n.startswith(("keys_", "values_"))]
 
     def forward(self, input_ids, position_ids, slots, block_table):
-        offsets = torch.arange(self.block_size, device=block_table.device)
-        context = (block_table[:, :, None] * self.block_size + offsets).flatten(1)  # each position's slot
+        width = block_table.shape[1] * self.block_size
         cache = _StepCache(
             [
-                _PagedLayer(getattr(self, f"keys_{i}"), getattr(self, f"values_{i}"), slots, context)
+                _PagedLayer(getattr(self, f"keys_{i}"), getattr(self, f"values_{i}"), slots, width)
                 for i in range(len(self.kinds))
             ]
         )
-        return self.model(
-            input_ids=input_ids,
-            attention_mask=self._masks(position_ids, context.shape[1]),
-            position_ids=position_ids,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        ).logits[:, -1]
-
-    def _masks(self, position_ids: torch.Tensor, width: int):
-        """The additive masks [rows, 1, tokens, n]: a token sees its row's positions up to its own (and within the
-        window on sliding layers).  One mask where every layer is alike; a mapping by layer kind otherwise."""
-        dtype = self.pools()[0].dtype
-        seen = torch.arange(width, device=position_ids.device)[None, None, :]
-        here = position_ids[:, :, None]
-        masks = {}
-        for kind in dict.fromkeys(self.kinds):
-            allowed = seen <= here
-            if kind == "sliding_attention":
-                allowed = allowed & (here - seen < self.window)
-            masks[kind] = torch.zeros(allowed.shape, dtype=dtype, device=position_ids.device).masked_fill(
-                ~allowed, torch.finfo(dtype).min
-            )[:, None]
-        return masks if len(masks) > 1 else next(iter(masks.values()))
+        step = PagedStep(block_table, position_ids, self.block_size, self.kinds, self.window)
+        config = self.model.config.get_text_config()
+        kept, config._attn_implementation = config._attn_implementation, ATTENTION
+        try:
+            return self.model(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+                autotp_paged=step,
+            ).logits[:, -1]
+        finally:
+            config._attn_implementation = kept
 
 
 def step_program(sharded: torch.nn.Module, blocks: int, block_size: int) -> torch.nn.Module:

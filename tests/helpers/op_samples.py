@@ -8,6 +8,8 @@ import transformers.integrations.moe  # noqa: F401  (registers torch.ops.transfo
 from torch import nn
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+from autotp.runtime.paged_attention import paged_attention
+
 aten = torch.ops.aten
 H, FFN, HEADS, KV, D, VOCAB = 12, 24, 6, 2, 2, 16  # 6 query heads and 2 KV heads of 2: uneven and shared at 4 ranks
 
@@ -155,6 +157,13 @@ def flex(m, x):
 
     mask = create_block_mask(lambda batch, head, query, key: query >= key, None, None, s, s, device=x.device)
     return flex_attention(q, k, v, score_mod=score, block_mask=mask, enable_gqa=True)
+
+
+def paged(m, x, table, positions):
+    """Attention reading a paged pool of grouped KV heads in place through a block table (serving's steps)."""
+    b, s, _ = x.shape
+    q = torch.nn.functional.linear(x, m.q).view(b, s, HEADS, D).transpose(1, 2)
+    return paged_attention(q, m.keys * 2, m.values, table, positions, 2, D**-0.5, 3, 0.0).sum(-1)
 
 
 def experts(m, x, ids):
@@ -364,6 +373,10 @@ SAMPLES = {
             pw2_bias=(H,),
         ),
         lambda: (_floats(2, 5, H),),
+    ),
+    "paged": (
+        lambda: Program(paged, q=(HEADS * D, H), keys=(16, KV, D), values=(16, KV, D)),
+        lambda: (_floats(2, 5, H), torch.tensor([[0, 3, 5], [7, 2, 1]]), torch.arange(1, 6).repeat(2, 1)),
     ),
     "experts": (lambda: Program(experts, w=(3, H, 8)), lambda: (_floats(8, H), torch.tensor([0, 0, 0, 1, 1, 2, 2, 2]))),
 }

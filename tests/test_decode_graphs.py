@@ -99,6 +99,7 @@ def _engine_run(rank: int, sharded, backend: str | None) -> list:
         max_model_len=64,
         compile=None if backend is None else CompileOptions(backend=backend),
     )
+    sized = None if backend is not None else _profiled(rank, engine, sharded.autotp_source.config)
     if rank != 0:
         engine.follow()
         return []
@@ -136,14 +137,44 @@ def _engine_run(rank: int, sharded, backend: str | None) -> list:
     assert engine.error is None
     made = None if backend is None else (engine.decode.compiled, engine.layout.buckets)
     latencies = {name: histogram.count for name, histogram in engine.histograms().items()}
-    return [[r.choices[0].sequence.output for r in requests], steps, made, latencies]
+    return [[r.choices[0].sequence.output for r in requests], steps, made, latencies, sized]
+
+
+class _Memory:
+    """A GPU's figures as serving/pool_sizing.py reads them, made up: rank 1's device is the smaller."""
+
+    def __init__(self, rank: int, engine):
+        self.total, self.engine, self.reset_before = (400_000, 330_000)[rank], engine, False
+
+    def reset(self):
+        self.reset_before = True
+
+    def use(self, profiling_pool: int):
+        from autotp.serving.pool_sizing import MemoryUse
+
+        scratch = self.engine.pools()["keys_0"][self.engine.scratch :]
+        assert self.reset_before and scratch.abs().sum() > 0, "the profiling step ran after the reset"
+        return MemoryUse(self.total, peak=100_000 + profiling_pool, profiling_pool=profiling_pool)
+
+
+def _profiled(rank: int, engine, config) -> tuple:
+    """The eager engine's pool sized by a profiling step at half the made-up devices, then reallocated: 63 blocks,
+    what the smaller device leaves ((0.5 × 330,000 − 100,000) // 1,024 bytes a block a rank)."""
+    from autotp.serving.pool_sizing import block_bytes, profiled_blocks
+
+    per_block = block_bytes(config, engine.block_size, 2, 4)
+    blocks = profiled_blocks(engine, 0.5, per_block, _Memory(rank, engine))
+    engine.resize_pool(blocks)
+    return blocks, tuple(engine.pools()["keys_0"].shape), engine.scheduler.total, per_block
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_compiled_decode_is_a_graph_a_bucket_and_equals_eager(backend):
     """Over ~50 steps whose decode batch varies from 1 to 4: the compiled engine makes at most one decode graph a
-    bucket (1, 2, 4), and every token equals the eager engine's, whose steps never sync with the host."""
-    (eager, steps, _, latencies), (compiled, _, (made, buckets), _) = run_ranks(2, _served, backend)[0]
+    bucket (1, 2, 4), and every token equals the eager engine's, whose steps never sync with the host and whose
+    pool was sized by a profiling step and reallocated before it served."""
+    (eager, steps, _, latencies, sized), (compiled, _, (made, buckets), _, _) = run_ranks(2, _served, backend)[0]
+    assert sized == (63, (64 * 4, 1, 16), 63, 1024)  # the pool and the scheduler as profiling sized them
     assert len(steps) >= 48 and set(steps) >= {1, 2, 3, 4}, steps
     assert buckets == (1, 2, 4) and made <= len(buckets), (made, buckets)
     assert compiled == eager

@@ -60,18 +60,11 @@ class Engine:
         self.device = sharded.autotp_device
         self.pinned = self.device.type == "cuda"  # step inputs staged in pinned memory, copied without blocking
         self.program = step_program(sharded, blocks + 1, block_size)  # the last block: where padding is written
-        self.scratch = blocks * block_size
-        self.block_size, self.tokenizer = block_size, tokenizer
+        self.block_size, self.tokenizer, self.compile = block_size, tokenizer, compile
         config = sharded.autotp_source.config.get_text_config()
         self.vocab_size = config.vocab_size
-        limit = max_model_len or getattr(config, "max_position_embeddings", None) or blocks * block_size
-        self.scheduler = Scheduler(
-            blocks, block_size, max_num_seqs=max_num_seqs, max_batched_tokens=max_batched_tokens, max_model_len=limit
-        )
-        self.layout = StepLayout(
-            block_size, blocks, -(-self.scheduler.max_model_len // block_size), batch_buckets(max_num_seqs)
-        )
-        self.decode = self.program if compile is None else StepGraphs(self.program, compile, self.group, self.device)
+        self.limits = (max_num_seqs, max_batched_tokens, max_model_len or getattr(config, "max_position_embeddings", 0))
+        self._size(blocks)
         eos = getattr(getattr(sharded.autotp_source, "generation_config", None), "eos_token_id", None)
         eos = eos if eos is not None else getattr(tokenizer, "eos_token_id", None)
         self.eos = {eos} if isinstance(eos, int) else set(eos or ())
@@ -84,6 +77,54 @@ class Engine:
         self.recent: deque = deque(maxlen=RECENT_STEPS)  # (time, tokens picked) of recent steps
         self.figures: dict = {}
         self.latencies = {"time_to_first_token_seconds": Histogram(), "inter_token_latency_seconds": Histogram()}
+        self._publish()
+
+    def _size(self, blocks: int) -> None:
+        """The scheduler, the steps' layout and the decode graphs over a pool of ``blocks`` blocks (and the scratch
+        block, the last)."""
+        seqs, tokens, limit = self.limits
+        size = self.block_size
+        self.scratch = blocks * size
+        self.scheduler = Scheduler(
+            blocks, size, max_num_seqs=seqs, max_batched_tokens=tokens, max_model_len=limit or blocks * size
+        )
+        self.layout = StepLayout(size, blocks, -(-self.scheduler.max_model_len // size), batch_buckets(seqs))
+        compiled = self.compile is not None
+        self.decode = StepGraphs(self.program, self.compile, self.group, self.device) if compiled else self.program
+
+    # ---- the pool sized by running (serving/pool_sizing.py), every rank at once before serving ------------------
+    def pools(self) -> dict:
+        """name -> this rank's piece of each layer's keys or values pool."""
+        return {n: b for n, b in self.program.named_buffers() if n.split(".")[-1].startswith(("keys_", "values_"))}
+
+    def pool_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.pools().values())
+
+    def profile(self) -> None:
+        """The largest step there is, on every rank (a collective; nothing scheduled): max_batched_tokens prompt
+        tokens in rows no longer than a sequence may be, then each bucket's decode twice (its graph made and, on a
+        GPU, captured), all written to and read from the scratch block."""
+        size, scratch = self.block_size, self.scratch // self.block_size
+        rows = -(-self.limits[1] // self.scheduler.max_model_len)
+        positions = torch.arange(-(-self.limits[1] // rows), device=self.device).repeat(rows, 1)
+        table = torch.full((rows, -(-positions.shape[1] // size)), scratch, device=self.device)
+        self._forward([(positions * 0, positions, scratch * size + positions % size, table)])
+        for rows in self.layout.buckets:
+            zeros = torch.zeros(rows, 1, dtype=torch.long, device=self.device)
+            table = torch.full((rows, self.layout.table_width), scratch, device=self.device)
+            for _ in range(2):
+                self._forward([(zeros, zeros, zeros + scratch * size, table)])
+
+    def resize_pool(self, blocks: int) -> None:
+        """Every layer's pool reallocated for ``blocks`` blocks (and the scratch block), zeroed; the scheduler, the
+        layout and the graphs made anew (a captured graph reads the old pool).  Before serving: nothing runs."""
+        kinds = {name: (pool.shape[1:], pool.dtype, pool.device) for name, pool in self.pools().items()}
+        for name, (shape, dtype, device) in kinds.items():
+            owner, _, leaf = name.rpartition(".")
+            module = self.program.get_submodule(owner)
+            module._buffers[leaf] = None  # the old pool freed before the new one is made
+            module._buffers[leaf] = torch.zeros((blocks + 1) * self.block_size, *shape, dtype=dtype, device=device)
+        self._size(blocks)
         self._publish()
 
     # ---- called from the server's threads --------------------------------------------------------------

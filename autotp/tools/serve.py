@@ -41,6 +41,7 @@ class ServeOptions:
     api_key: str | None = None
     kv_blocks: int | None = None
     kv_cache_memory: int | None = None  # bytes a rank
+    gpu_memory_utilization: float = 0.9  # the share of a GPU the server may use (the pool: what a step leaves)
     block_size: int = 16
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
@@ -76,6 +77,17 @@ def device_name(text: str) -> str:
     return text
 
 
+def fraction(text: str) -> float:
+    """--gpu-memory-utilization: a number in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"not a fraction in (0, 1]: {text!r}")
+    return value
+
+
 def add_serve_parser(sub, positive) -> None:
     serve = sub.add_parser(
         "serve",
@@ -105,8 +117,15 @@ def add_serve_parser(sub, positive) -> None:
         "--kv-cache-memory",
         type=bytes_of,
         default=None,
-        help="KV cache bytes a rank, e.g. 4GiB (default: on a GPU 90%% of what the weights leave; on "
+        help="KV cache bytes a rank, e.g. 4GiB (default: on a GPU what --gpu-memory-utilization leaves; on "
         "the CPU room for --max-num-seqs sequences of --max-model-len)",
+    )
+    size.add_argument(
+        "--gpu-memory-utilization",
+        type=fraction,
+        default=0.9,
+        help="the share of each GPU's memory to use (default 0.9): the KV cache gets what is left of it after the "
+        "weights, a profiling step at --max-num-batched-tokens and the decode graphs",
     )
     serve.add_argument("--block-size", type=positive, default=16, help="tokens a KV block")
     serve.add_argument("--max-num-seqs", type=positive, default=32, help="sequences running at once")
@@ -267,13 +286,18 @@ def serve_rank(options: ServeOptions, rendezvous: str | None = None) -> int:
     engine = Engine(
         sharded,
         tokenizer,
-        blocks=blocks,
+        blocks=blocks or -(-max_len // options.block_size),  # a profiling pool: one sequence
         block_size=options.block_size,
         max_num_seqs=options.max_num_seqs,
         max_batched_tokens=options.max_num_batched_tokens,
         max_model_len=max_len,
         compile=decode_graphs(options, sharded.autotp_device),
     )
+    if blocks is None:  # on a GPU: what the weights, a profiling step and the graphs leave (serving/pool_sizing.py)
+        from autotp.serving.pool_sizing import profiled_blocks
+
+        blocks = profiled_blocks(engine, options.gpu_memory_utilization, _block_bytes(options, sharded))
+        engine.resize_pool(blocks)
     if rank != 0:  # stopped by rank 0's last step, after it drains: a launcher's SIGTERM to every rank waits for it
         for stop in (signal.SIGTERM, signal.SIGINT):
             signal.signal(stop, signal.SIG_IGN)
@@ -292,35 +316,26 @@ def decode_graphs(options: ServeOptions, device):
     return CompileOptions(backend="inductor" if options.compile else None)
 
 
-def kv_blocks(options: ServeOptions, sharded, max_len: int) -> int:
-    """Blocks of the pool: as asked, from the bytes asked, or the default (a GPU's free memory, else room for
-    --max-num-seqs sequences of max_len).  A rank's block holds its KV heads: the whole heads over the ranks,
-    rounded up."""
-    import torch
-
-    from autotp.serving.generation import dtype_of, kv_heads_and_dim
+def kv_blocks(options: ServeOptions, sharded, max_len: int) -> int | None:
+    """Blocks of the pool: as asked, from the bytes asked, on the CPU room for --max-num-seqs sequences of
+    max_len; None on a GPU, where a profiling step tells (serving/pool_sizing.py)."""
+    from autotp.serving.pool_sizing import blocks_in
 
     if options.kv_blocks:
         return options.kv_blocks
+    if options.kv_cache_memory is not None:
+        return blocks_in(options.kv_cache_memory, _block_bytes(options, sharded))
+    if sharded.autotp_device.type == "cuda":
+        return None
+    return options.max_num_seqs * -(-max_len // options.block_size)
+
+
+def _block_bytes(options: ServeOptions, sharded) -> int:
+    from autotp.serving.generation import dtype_of
+    from autotp.serving.pool_sizing import block_bytes
+
     config = sharded.autotp_source.config.get_text_config()
-    heads, dim = kv_heads_and_dim(config)
-    per_block = (
-        2
-        * config.num_hidden_layers
-        * options.block_size
-        * -(-heads // options.world_size)
-        * dim
-        * dtype_of(sharded).itemsize
-    )
-    budget = options.kv_cache_memory
-    if budget is None and sharded.autotp_device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(sharded.autotp_device)
-        budget = int(0.9 * free)
-    if budget is None:
-        return options.max_num_seqs * -(-max_len // options.block_size)
-    if budget < per_block:
-        raise ValueError(f"--kv-cache-memory {budget} bytes holds no block ({per_block} bytes a block a rank)")
-    return budget // per_block
+    return block_bytes(config, options.block_size, options.world_size, dtype_of(sharded).itemsize)
 
 
 def _serve_http(engine, tokenizer, options: ServeOptions, blocks: int) -> int:

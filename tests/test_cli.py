@@ -61,6 +61,11 @@ def test_mesh_prices_every_split(tmp_path):
     assert sorted(tp for tp, _, _ in rows) == [1, 2, 4, 8]  # TP inside a node; 2 blocks are too few to pipeline
     assert all(tp * pp * dp == 16 for tp, pp, dp in rows)
     assert "mesh choice: TP" in result.stdout
+    from autotp.planning.mesh_search import TIE
+
+    marked = [line for line in result.stdout.splitlines() if line.count("│") >= 5 and "chosen" in line]
+    assert len(marked) == 1, result.stdout  # the chosen row is marked, and the rule that chose it stated
+    assert f"within {TIE:.0%} of the fastest estimate" in " ".join(result.stdout.split())
 
 
 def test_mesh_json_for_a_cluster_of_nodes(tmp_path):

@@ -186,7 +186,7 @@ def test_plan_serve_prints_what_a_deployment_is_sized_by(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     first, second = result.stdout.strip().splitlines()[-2:]
     assert re.fullmatch(
-        r"TP 2, context 128, batch 4: prefill [\d.]+ ms per 1,000 tokens; decode [\d.]+ ms a step "
+        r"TP 2, context 128, batch 4: prefill [\d.]+ ms per 1,000 tokens \(in chunks of 512\); decode [\d.]+ ms a step "
         r"\(reading the weights and cache at memory bandwidth: [\d.]+ ms\), [\d,]+ tokens/s; KV cache "
         r"[\d.]+ MiB a sequence per device: \d+ sequences of 128 tokens fit beside the weights in 90% "
         r"of a device \(estimates\)",
@@ -195,6 +195,15 @@ def test_plan_serve_prints_what_a_deployment_is_sized_by(tmp_path):
     assert second.startswith("TP 1 is the smallest size that decodes a step within 1000.0 ms (TP 1 "), second
     bad = autotp("plan", str(llama), "--serve", "--world-size", "2", "--memory-fraction", "1.5")
     assert bad.returncode == 2 and bad.stderr.strip().startswith("autotp: --memory-fraction must be in (0, 1]")
+    serve = ("plan", str(llama), "--serve", "--world-size", "2", "--context", "128")
+    fewer = autotp(*serve, "--max-batch", "4000", "--memory-fraction", "1e-4")  # 8 MB a device
+    assert fewer.returncode == 0, fewer.stderr[-3000:]
+    said, line = fewer.stdout.strip().splitlines()[-2:]
+    fit = int(re.search(r": (\d+) sequences of 128 tokens do", said)[1])
+    assert said.startswith("--max-batch 4000 does not fit at TP 2: ") and 0 < fit < 4000, said
+    assert f"batch {fit}:" in line and f"{fit} sequences of 128 tokens fit" in line, line  # planned for those
+    none = autotp(*serve, "--memory-fraction", "1e-9")
+    assert none.returncode == 1 and none.stderr.startswith("autotp: not one sequence of 128 tokens fits at TP 2")
 
 
 def test_compare_against_megatron_prices_each_plan_no_cheaper_than_autotps(tmp_path):

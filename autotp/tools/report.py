@@ -102,7 +102,7 @@ def _fold_blocks(rows: dict) -> list:
     return out
 
 
-_ORDER = ["params", "grads", "optimizer", "buffers", "activations", "kv_cache", "total"]
+_ORDER = ["params", "grads", "optimizer", "buffers", "activations", "kv_cache", "temporaries", "total"]
 
 
 def _block(module: str) -> str:

@@ -40,6 +40,15 @@ from typing import Any, cast
 
 import torch
 
+# The notation above in a few lines, for whoever reads a plan (autotp explain, autotp show).
+NOTATION = (
+    "R: every rank holds the whole tensor; P: each rank holds a summand (an all-reduce sums them); "
+    "S(d): dim d split in N contiguous slices; S(d|a,b,c): dim d is fused blocks of sizes a, b, c, each split; "
+    "S(d/u): u whole units (heads) dealt out; @f: the units follow f finer ones (grouped KV heads); "
+    "D(e): expert rows, zeros where another rank's experts computed; A<n>(e): whole experts over n ranks, "
+    "their rows sent by all-to-all"
+)
+
 
 @dataclass(frozen=True)
 class Replicate:

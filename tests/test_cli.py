@@ -2,59 +2,18 @@
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
-import os
 import re
-import subprocess
-import sys
-import traceback
 from pathlib import Path
 
-import pytest
-
 from autotp.plan import Plan
-from autotp.tools.cli import main
 from tests.helpers import configs
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _autotp_process(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    """``python -m autotp.tools.cli ARGS``, as a user runs it."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "160"}
-    return subprocess.run(
-        [sys.executable, "-m", "autotp.tools.cli", *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
-def _autotp(*args: str) -> subprocess.CompletedProcess:
-    """The same command line in this process (a fresh interpreter spends seconds importing torch and transformers
-    per call): its output, errors and exit status as a process would give them."""
-    out, err = io.StringIO(), io.StringIO()
-    with pytest.MonkeyPatch.context() as patch:  # both undone after the call
-        patch.chdir(ROOT)  # model specs such as examples.mlp:build import from here, as under `python -m`
-        patch.setattr(sys, "path", [*sys.path])  # a copy: the CLI adds the working directory to it
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                code = main(list(args)) or 0
-            except SystemExit as exc:
-                code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
-                err.write("" if isinstance(exc.code, int) or exc.code is None else str(exc.code))
-            except Exception:
-                traceback.print_exc(file=err)
-                code = 1
-    return subprocess.CompletedProcess(["autotp", *args], code, out.getvalue(), err.getvalue())
+from tests.helpers.cli import autotp, autotp_process, tiny_llama_dir
 
 
 def test_demo_runs_sharded_and_matches():
-    result = _autotp_process("demo")
+    result = autotp_process("demo")
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     assert "down_proj.weight" in out and "row" in out and "column" in out  # the plan table
@@ -66,7 +25,7 @@ def test_demo_runs_sharded_and_matches():
 
 def test_plan_writes_json(tmp_path):
     path = tmp_path / "plan.json"
-    result = _autotp("plan", "examples.mlp:build", "--world-size", "2", "--json", "--out", str(path))
+    result = autotp("plan", "examples.mlp:build", "--world-size", "2", "--json", "--out", str(path))
     assert result.returncode == 0, result.stderr[-3000:]
     printed, written = json.loads(result.stdout), json.loads(path.read_text())
     assert printed == written
@@ -75,26 +34,14 @@ def test_plan_writes_json(tmp_path):
 
 
 def test_plan_bad_model_spec_is_a_clear_error():
-    result = _autotp_process("plan", "no_such_module:build", "--world-size", "2")
+    result = autotp_process("plan", "no_such_module:build", "--world-size", "2")
     assert result.returncode != 0
     assert "cannot load 'no_such_module:build'" in result.stderr
 
 
-def _tiny_llama_dir(tmp_path: Path) -> Path:
-    configs.llama(
-        vocab_size=256,
-        intermediate_size=128,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        max_position_embeddings=2048,
-        use_cache=True,
-    ).save_pretrained(tmp_path)
-    return tmp_path
-
-
 def test_plan_from_a_config_with_a_topology(tmp_path):
-    model_dir = _tiny_llama_dir(tmp_path)
-    result = _autotp(
+    model_dir = tiny_llama_dir(tmp_path)
+    result = autotp(
         "plan", str(model_dir / "config.json"), "--world-size", "4", "--topology", "dgx-a100", "--seq", "64", "--json"
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -105,8 +52,8 @@ def test_plan_from_a_config_with_a_topology(tmp_path):
 
 
 def test_mesh_prices_every_split(tmp_path):
-    model_dir = _tiny_llama_dir(tmp_path)
-    result = _autotp(
+    model_dir = tiny_llama_dir(tmp_path)
+    result = autotp(
         "mesh", str(model_dir), "--topology", "2x-dgx-h100", "--devices", "16", "--batch", "16", "--seq", "32"
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -114,6 +61,11 @@ def test_mesh_prices_every_split(tmp_path):
     assert sorted(tp for tp, _, _ in rows) == [1, 2, 4, 8]  # TP inside a node; 2 blocks are too few to pipeline
     assert all(tp * pp * dp == 16 for tp, pp, dp in rows)
     assert "mesh choice: TP" in result.stdout
+    from autotp.planning.mesh_search import TIE
+
+    marked = [line for line in result.stdout.splitlines() if line.count("│") >= 5 and "chosen" in line]
+    assert len(marked) == 1, result.stdout  # the chosen row is marked, and the rule that chose it stated
+    assert f"within {TIE:.0%} of the fastest estimate" in " ".join(result.stdout.split())
 
 
 def test_mesh_json_for_a_cluster_of_nodes(tmp_path):
@@ -139,7 +91,7 @@ def test_mesh_json_for_a_cluster_of_nodes(tmp_path):
             }
         )
     )
-    result = _autotp(
+    result = autotp(
         "mesh",
         str(tmp_path),
         "--topology",
@@ -168,28 +120,28 @@ def test_mesh_json_for_a_cluster_of_nodes(tmp_path):
 def test_show_diff_and_explain_a_saved_plan(tmp_path):
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     for path, world in ((a, "2"), (b, "4")):
-        result = _autotp("plan", "examples.nanogpt:build", "--world-size", world, "--out", str(path))
+        result = autotp("plan", "examples.nanogpt:build", "--world-size", world, "--out", str(path))
         assert result.returncode == 0, result.stderr[-3000:]
         assert "collectives per step, by block" in result.stdout and "h.0" in result.stdout
-    shown = _autotp("show", str(a))
+    shown = autotp("show", str(a))
     assert shown.returncode == 0 and "column (fused 3 blocks)" in shown.stdout and "memory per device" in shown.stdout
-    diff = _autotp("diff", str(a), str(b))
+    diff = autotp("diff", str(a), str(b))
     assert diff.returncode == 0 and "same model" in diff.stdout
     assert re.search(r"world size\s*│\s*2\s*│\s*4", diff.stdout)
-    explain = _autotp("explain", str(a), "h.0.mlp.2")
+    explain = autotp("explain", str(a), "h.0.mlp.2")
     assert explain.returncode == 0, explain.stderr
     rows = [line for line in explain.stdout.splitlines() if "aten.linear.default" in line]
     assert len(rows) >= 3 and sum("chosen" in r for r in rows) == 1
     assert "S(1)" in next(r for r in rows if "chosen" in r)  # the row split was chosen
-    missing = _autotp("explain", str(a), "no.such.module")
+    missing = autotp("explain", str(a), "no.such.module")
     assert missing.returncode != 0 and "no op named" in missing.stderr
     (tmp_path / "bad.json").write_text('{"version": 1, "world_size": "two"}')
-    bad = _autotp("show", str(tmp_path / "bad.json"))
+    bad = autotp("show", str(tmp_path / "bad.json"))
     assert bad.returncode != 0 and "not an autotp plan" in bad.stderr
 
 
 def test_compare_with_transformers_plans(tmp_path):
-    llama = _tiny_llama_dir(tmp_path / "llama")
+    llama = tiny_llama_dir(tmp_path / "llama")
     phi3 = tmp_path / "phi3"
     configs.phi3(
         vocab_size=256,
@@ -200,7 +152,7 @@ def test_compare_with_transformers_plans(tmp_path):
         use_cache=True,
     ).save_pretrained(phi3)
     for model_dir in (llama, phi3):
-        result = _autotp("compare", str(model_dir), "--world-size", "2", "--seq", "64", "--against", "hf")
+        result = autotp("compare", str(model_dir), "--world-size", "2", "--seq", "64", "--against", "hf")
         assert result.returncode == 0, result.stderr[-3000:]
         rows = {
             cells[0]: cells[1:]
@@ -217,8 +169,8 @@ def test_compare_with_transformers_plans(tmp_path):
 def test_plan_serve_prints_what_a_deployment_is_sized_by(tmp_path):
     """`autotp plan --serve`: prefill per 1,000 tokens, a decode step and tokens/s at the batch, the KV cache a
     sequence holds and how many fit; --max-decode-ms names the smallest TP size that meets it."""
-    llama = _tiny_llama_dir(tmp_path / "llama")
-    result = _autotp(
+    llama = tiny_llama_dir(tmp_path / "llama")
+    result = autotp(
         "plan",
         str(llama),
         "--serve",
@@ -234,22 +186,31 @@ def test_plan_serve_prints_what_a_deployment_is_sized_by(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     first, second = result.stdout.strip().splitlines()[-2:]
     assert re.fullmatch(
-        r"TP 2, context 128, batch 4: prefill [\d.]+ ms per 1,000 tokens; decode [\d.]+ ms a step "
+        r"TP 2, context 128, batch 4: prefill [\d.]+ ms per 1,000 tokens \(in chunks of 512\); decode [\d.]+ ms a step "
         r"\(reading the weights and cache at memory bandwidth: [\d.]+ ms\), [\d,]+ tokens/s; KV cache "
         r"[\d.]+ MiB a sequence per device: \d+ sequences of 128 tokens fit beside the weights in 90% "
         r"of a device \(estimates\)",
         first,
     ), first
     assert second.startswith("TP 1 is the smallest size that decodes a step within 1000.0 ms (TP 1 "), second
-    bad = _autotp("plan", str(llama), "--serve", "--world-size", "2", "--memory-fraction", "1.5")
+    bad = autotp("plan", str(llama), "--serve", "--world-size", "2", "--memory-fraction", "1.5")
     assert bad.returncode == 2 and bad.stderr.strip().startswith("autotp: --memory-fraction must be in (0, 1]")
+    serve = ("plan", str(llama), "--serve", "--world-size", "2", "--context", "128")
+    fewer = autotp(*serve, "--max-batch", "4000", "--memory-fraction", "1e-4")  # 8 MB a device
+    assert fewer.returncode == 0, fewer.stderr[-3000:]
+    said, line = fewer.stdout.strip().splitlines()[-2:]
+    fit = int(re.search(r": (\d+) sequences of 128 tokens do", said)[1])
+    assert said.startswith("--max-batch 4000 does not fit at TP 2: ") and 0 < fit < 4000, said
+    assert f"batch {fit}:" in line and f"{fit} sequences of 128 tokens fit" in line, line  # planned for those
+    none = autotp(*serve, "--memory-fraction", "1e-9")
+    assert none.returncode == 1 and none.stderr.startswith("autotp: not one sequence of 128 tokens fits at TP 2")
 
 
 def test_compare_against_megatron_prices_each_plan_no_cheaper_than_autotps(tmp_path):
     """`--against`: Megatron's plan with and without sequence parallelism beside autotp's, one column each, all
     priced by the one price; autotp's estimate is the lowest; a plan naming no module is said, not shown."""
-    llama = _tiny_llama_dir(tmp_path / "llama")
-    result = _autotp("compare", str(llama), "--world-size", "2", "--seq", "64", "--against", "megatron", "megatron-sp")
+    llama = tiny_llama_dir(tmp_path / "llama")
+    result = autotp("compare", str(llama), "--world-size", "2", "--seq", "64", "--against", "megatron", "megatron-sp")
     assert result.returncode == 0, result.stderr[-3000:]
     header = next(line for line in result.stdout.splitlines() if "┃" in line)
     assert [c.strip() for c in header.split("┃")[1:-1]] == ["", "Megatron", "Megatron + SP", "autotp"], header
@@ -262,7 +223,7 @@ def test_compare_against_megatron_prices_each_plan_no_cheaper_than_autotps(tmp_p
     assert ours <= min(megatron, split), rows
     gpt2 = tmp_path / "gpt2"
     configs.gpt2(n_layer=1, n_embd=32, n_head=4, vocab_size=64).save_pretrained(gpt2)
-    other = _autotp("compare", str(gpt2), "--world-size", "2", "--seq", "16", "--against", "megatron")
+    other = autotp("compare", str(gpt2), "--world-size", "2", "--seq", "16", "--against", "megatron")
     assert other.returncode == 1 and "no megatron plan names modules of GPT2LMHeadModel" in other.stdout, other
 
 
@@ -284,13 +245,13 @@ def _llama_config(path: Path, heads: int, kv: int, head_dim: int, vocab: int, la
 
 def test_plan_calls_out_uneven_and_shared_heads(tmp_path):
     uneven = _llama_config(tmp_path / "uneven.json", heads=10, kv=10, head_dim=128, vocab=32001)
-    result = _autotp("plan", str(uneven), "--world-size", "4")
+    result = autotp("plan", str(uneven), "--world-size", "4")
     assert result.returncode == 0, result.stderr[-3000:]
     rows = {line.split("│")[1].strip(): line for line in result.stdout.splitlines() if line.count("│") > 3}
     assert "uneven heads: 3,3,2,2 of 10" in rows["model.layers.0.self_attn.q_proj.weight"]
     assert "384x1280" in rows["model.layers.0.self_attn.q_proj.weight"]  # rank 0 holds 3 heads of 128
     shared = _llama_config(tmp_path / "shared.json", heads=8, kv=2, head_dim=128, vocab=32000)
-    result = _autotp("plan", str(shared), "--world-size", "4", "--inference")
+    result = autotp("plan", str(shared), "--world-size", "4", "--inference")
     assert result.returncode == 0, result.stderr[-3000:]
     rows = {line.split("│")[1].strip(): line for line in result.stdout.splitlines() if line.count("│") > 3}
     for proj in ("k_proj", "v_proj"):
@@ -313,14 +274,14 @@ def test_plan_folds_a_deep_model_and_its_table(tmp_path):
     from autotp.tools.report import plan_table
 
     deep = _llama_config(tmp_path / "deep.json", heads=8, kv=8, head_dim=16, vocab=1000, layers=12)
-    result = _autotp("plan", str(deep), "--world-size", "2", "--inference", "--out", str(tmp_path / "folded.json"))
+    result = autotp("plan", str(deep), "--world-size", "2", "--inference", "--out", str(tmp_path / "folded.json"))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "12 identical blocks of model.layers planned from four" in result.stdout
     rows = _rows(result.stdout)
     assert "row" in rows["model.layers.0.mlp.down_proj.weight"][0]
     assert rows["model.layers.1 … model.layers.11"][0] == "each as model.layers.0 (11 blocks)"
     assert not any(name.startswith("model.layers.5.") for name in rows)
-    whole = _autotp(
+    whole = autotp(
         "plan",
         str(deep),
         "--world-size",
@@ -351,7 +312,7 @@ def test_plans_and_meshes_draw_as_pictures(tmp_path):
     import xml.etree.ElementTree as ET
 
     config = _llama_config(tmp_path / "c.json", heads=8, kv=2, head_dim=16, vocab=1000, layers=6)
-    result = _autotp(
+    result = autotp(
         "plan",
         str(config),
         "--world-size",
@@ -370,7 +331,7 @@ def test_plans_and_meshes_draw_as_pictures(tmp_path):
     assert sum(t.startswith(("all_reduce", "all_gather", "reduce_scatter")) for t in texts) == len(block) > 0
     assert any("q_proj" in t and "linear" in t for t in texts)
     assert (tmp_path / "p.svg").read_text() in (tmp_path / "p.html").read_text()
-    mesh = _autotp(
+    mesh = autotp(
         "mesh", str(config), "--topology", "dgx-h100", "--global-batch", "8", "--json", "--svg", str(tmp_path / "m.svg")
     )
     assert mesh.returncode == 0, mesh.stderr[-3000:]
@@ -379,71 +340,6 @@ def test_plans_and_meshes_draw_as_pictures(tmp_path):
     rows = [e.text for e in root.iter() if e.tag.endswith("text") and (e.text or "").startswith("TP ")]
     assert len(rows) == len(candidates)
     assert sum(e.get("fill") == "#27ae60" for e in root.iter() if e.tag.endswith("rect")) == 1
-
-
-def _errors(tmp_path: Path) -> list:
-    """(arguments, exit status, the start of the one line on stderr): each documented error of each command."""
-    model, plan = str(_tiny_llama_dir(tmp_path)), tmp_path / "not-a-plan.json"
-    plan.write_text("{}")
-    usage = [
-        (["plan", model, "--world-size", "0"], "argument --world-size: expected a whole number of at least 1"),
-        (["plan", model, "--world-size", "2", "--topology", "dgx-h1000"], "unknown topology 'dgx-h1000'; give one of"),
-        (["plan", model, "--world-size", "64"], "--world-size 64 is more than topology dgx-h100 has (8 devices)"),
-        (["plan", model, "--world-size", "2", "--memory-limit", "0"], "--memory-limit must be a positive number"),
-        (["plan", "no_such_module:build", "--world-size", "2"], "cannot load 'no_such_module:build'"),
-        (["plan", str(tmp_path / "missing"), "--world-size", "2"], "MODEL must be package.module:factory"),
-        (["plan"], "the following arguments are required: model, --world-size"),
-        (["mesh", model, "--nodes", "0"], "argument --nodes: expected a whole number of at least 1"),
-        (["mesh", model, "--devices", "9"], "--devices 9 is more than topology dgx-h100 has"),
-        (["compare", model, "--world-size", "2", "--topology", "nope.json"], "topology file nope.json does not exist"),
-        (["show", str(tmp_path / "missing.json")], "cannot read"),
-        (["show", str(plan)], f"{plan}: "),
-        (["diff", str(plan), str(plan)], f"{plan}: "),
-        (["frob"], "argument command: invalid choice: 'frob'"),
-    ]
-    return [(args, 2, start) for args, start in usage] + [
-        (["plan", model, "--world-size", "1", "--seq", "64", "--memory-limit", "1e-6"], 1, "no plan fits"),
-    ]
-
-
-def test_every_documented_error_is_one_line_with_its_status(tmp_path):
-    """Each error a user can make is said in one line, ``autotp: <what is wrong>; <what to do>``, with no trace:
-    exit status 2 for a usage error (checked before any capture), 1 where nothing fits.  Run as processes, in
-    parallel (each imports torch)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "160"}
-    cases = _errors(tmp_path)
-    running = [
-        subprocess.Popen(
-            [sys.executable, "-m", "autotp.tools.cli", *args],
-            cwd=ROOT,
-            env=env,
-            text=True,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-        )
-        for args, _, _ in cases
-    ]
-    for (args, status, start), process in zip(cases, running, strict=True):
-        _, err = process.communicate(timeout=300)
-        lines = [line for line in err.splitlines() if not line.startswith("[transformers]")]
-        assert process.returncode == status and len(lines) == 1, (args, process.returncode, err[-2000:])
-        assert lines[0].startswith(f"autotp: {start}") and "; " in lines[0], (args, lines)
-
-
-def test_an_internal_error_says_so_and_debug_shows_its_trace(monkeypatch):
-    """An error inside autotp is named as one (exit status 3, asking for a report); --debug prints its trace."""
-    import autotp.tools.commands as commands
-
-    def broken(args):
-        raise KeyError("a bug")
-
-    monkeypatch.setattr(commands, "show_command", broken)
-    quiet = _autotp("show", "plan.json")
-    assert quiet.returncode == 3 and quiet.stderr.strip().splitlines() == [
-        "autotp: internal error (KeyError: 'a bug'); rerun with --debug for the trace and report it"
-    ]
-    loud = _autotp("--debug", "show", "plan.json")
-    assert loud.returncode == 3 and "Traceback" in loud.stderr and "raise KeyError" in loud.stderr
 
 
 def test_long_work_shows_progress_on_a_terminal_and_nothing_when_piped():

@@ -39,6 +39,23 @@ def test_uncapturable_model_shows_the_line_and_the_fix():
     assert "data-dependent Python control flow" in message
 
 
+def test_a_capture_error_shows_the_users_line_from_a_folder_named_autotp(tmp_path):
+    """The user's frame is found by where torch and autotp are installed, not by a folder's name: a project (or a
+    clone of this repository) in a folder named autotp still sees its own line."""
+    import importlib.util
+    import inspect
+
+    folder = tmp_path / "autotp"
+    folder.mkdir()
+    (folder / "user_model.py").write_text(f"import torch\n\n\n{inspect.getsource(Branchy)}")
+    spec = importlib.util.spec_from_file_location("user_model", folder / "user_model.py")
+    user_model = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(user_model)
+    with pytest.raises(CaptureError) as info:
+        autotp.plan(user_model.Branchy(), (torch.randn(2, 8),), world_size=2)
+    assert f"at {folder / 'user_model.py'}:" in str(info.value) and "if x.sum() > 0" in str(info.value)
+
+
 def test_example_inputs_of_the_wrong_type():
     model, args, _ = build("mlp")
     with pytest.raises(TypeError, match=r"write \(x,\)"):

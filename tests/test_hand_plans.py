@@ -5,6 +5,7 @@ objective, and is no dearer than any hand plan at the shapes users run.  Meta de
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -75,6 +76,13 @@ def test_a_hand_plan_runs_its_own_collectives():
     assert not plain.collective_counts("backward")
     split = solve_hand_plan(model, gm, hands["megatron-sp"], 4, options)
     assert dict(split.collective_counts("forward")) == {"reduce_scatter": 2 * 4 + 1, "all_gather": 2 * 4 + 2}
+    training = replace(options, training=True, price_at={"input_ids": (1, 4096)})
+    plain, split = (solve_hand_plan(model, gm, hands[name], 4, training) for name in ("megatron", "megatron-sp"))
+    # Megatron fuses QKV and gate-up: one sum of the input's gradient a sublayer (Shoeybi et al. 2019, figure 3:
+    # g's conjugate f), and the head's input gradient: 2 a block and 1 (Korthikanti et al. 2022, section 4.2.2:
+    # with sequence parallelism each is a reduce-scatter)
+    assert dict(plain.collective_counts("backward")) == {"all_reduce": 2 * 4 + 1}, plain.collective_counts("backward")
+    assert split.collective_counts("backward")["reduce_scatter"] == 2 * 4 + 1, split.collective_counts("backward")
 
 
 LLAMA_70B = {"hidden_size": 8192, "intermediate_size": 28672, "num_attention_heads": 64, "num_hidden_layers": 80}

@@ -145,17 +145,28 @@ def test_a_chunk_padded_layer_runs_lengths_the_capture_excluded():
     run_ranks(2, _chunks)
 
 
-def _mamba(rank: int, world: int) -> None:
-    from transformers import Mamba2ForCausalLM
+def _state_space(rank: int, world: int, family: str) -> None:
+    """Lengths the first capture's guard excluded get programs of their own, forward and backward alike."""
+    import transformers
 
     torch.manual_seed(0)
-    model = Mamba2ForCausalLM(configs.mamba2()).eval()
+    built = {"mamba2": ("Mamba2ForCausalLM", configs.mamba2), "bamba": ("BambaForCausalLM", configs.bamba)}
+    cls, config = built[family]
+    model = getattr(transformers, cls)(config()).eval()
     sharded = autotp.parallelize(model, (torch.randint(0, 100, (2, 16)),), {"use_cache": False})
     for seq in (16, 11, 24, 5):
         ids = torch.randint(0, 100, (2, seq))
-        torch.testing.assert_close(sharded(ids, use_cache=False).logits, model(ids, use_cache=False).logits, **TOL)
+        mine, theirs = (m(ids, use_cache=False).logits for m in (sharded, model))
+        torch.testing.assert_close(mine, theirs, **TOL, msg=lambda m, s=seq: f"seq {s}: {m}")
+        for logits in (mine, theirs):
+            logits.logsumexp(-1).mean().backward()
+        grads = autotp.full_state_dict(sharded, grads=True)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, **TOL, msg=lambda m, n=name, s=seq: f"seq {s} {n}: {m}")
+        sharded.zero_grad(), model.zero_grad()
 
 
 @pytest.mark.slow
-def test_mamba2_at_lengths_that_are_not_a_multiple_of_its_chunk():
-    run_ranks(2, _mamba)
+@pytest.mark.parametrize("family", ["mamba2", "bamba"])  # Mamba-2 alone; a hybrid of Mamba-2 and attention
+def test_state_space_layers_at_lengths_that_are_not_a_multiple_of_their_chunk(family):
+    run_ranks(2, _state_space, family)

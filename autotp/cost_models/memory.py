@@ -24,7 +24,9 @@ def state_factor(element_size: int, training: bool) -> float:
     return (2 * element_size + optimizer) / element_size
 
 
-KINDS = ("params", "grads", "optimizer", "buffers", "activations", "kv_cache")
+KINDS = ("params", "grads", "optimizer", "buffers", "activations", "kv_cache", "temporaries")
+# Kinds held only while one op runs: a device needs their largest, not their sum over the ops (or layers).
+PEAK_KINDS = ("temporaries",)
 
 
 def breakdown(by_kind: dict) -> dict:

@@ -251,8 +251,9 @@ def op_memory(node: Node, strategy, sizes: Sizes, world: int, trainable: dict, t
         state = held * state_factor(node.meta["val"].element_size(), training) - held
         return {"params": held, "grads": held if training else 0.0, "optimizer": state - (held if training else 0)}
     if op(node.target).family == "attention" and not training and "reads_pool" not in op(node.target).tags:
-        kv = zip(node.args[1:3], strategy.inputs[1:3], strict=True)
-        return {"kv_cache": sum(local_bytes(sizes.nbytes(a), p, world) for a, p in kv)}
+        from autotp.cost_models.kv_memory import attention_memory  # it prices with this module's helpers
+
+        return attention_memory(node, strategy, sizes, world, trainable)
     return {}
 
 

@@ -8,11 +8,11 @@ import functools
 import hashlib
 import inspect
 import logging
-import os
 import re
 import traceback
 import types
 import warnings
+from pathlib import Path
 
 import torch
 from torch.export import Dim, ShapesCollection
@@ -243,18 +243,23 @@ def retarget_device(gm: torch.fx.GraphModule, device: torch.device) -> None:
 
 
 def _user_frame(exc: BaseException) -> str:
-    """Where in the user's code the capture failed: the innermost frame outside torch."""
-    frames = [
-        f
-        for f in traceback.extract_tb(exc.__traceback__)
-        if f"{os.sep}torch{os.sep}" not in f.filename
-        and f"{os.sep}autotp{os.sep}" not in f.filename
-        and "passes" + os.sep + "capture.py" not in f.filename
-    ]
+    """Where in the user's code the capture failed: the innermost frame outside the directories torch and autotp
+    are installed in (their paths, not a folder's name: a user's project may sit in a folder named autotp)."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not _in_library(f.filename)]
     if not frames:
         return ""
     f = frames[-1]
     return f"  at {f.filename}:{f.lineno} in {f.name}: {(f.line or '').strip()}\n"
+
+
+@functools.cache
+def _library_dirs() -> tuple[Path, ...]:
+    return (Path(torch.__file__).resolve().parent, Path(__file__).resolve().parents[1])  # torch's and autotp's
+
+
+def _in_library(filename: str) -> bool:
+    path = Path(filename).resolve()
+    return any(path.is_relative_to(d) for d in _library_dirs())
 
 
 def canonical_names(gm: torch.fx.GraphModule) -> None:

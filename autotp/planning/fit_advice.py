@@ -8,7 +8,7 @@ from typing import Any
 
 from torch.fx import Node
 
-from autotp.cost_models.memory import smallest_fitting_world
+from autotp.cost_models.memory import PEAK_KINDS, smallest_fitting_world
 from autotp.cost_models.pricing import Sizes, kept_bytes, op_memory
 from autotp.placement import Shard
 from autotp.planning.candidates import Candidates
@@ -26,12 +26,14 @@ def fit_advice(
     per_node: int,
 ) -> str:
     """What would fit: the smallest world size for the current plan's memory, or the memory it needs."""
-    replicated = sharded = 0.0
+    replicated = sharded = peak = 0.0
     activations: dict[tuple[Any, ...], float] = {}
     for node, options in ctx.strategies.items():
         for var, s in zip(x[node], options, strict=True):
             if (var.value() or 0) > 0.5:
-                held = w(node, 1) * sum(op_memory(node, s, sizes, ctx.world, trainable, training).values())
+                by_kind = op_memory(node, s, sizes, ctx.world, trainable, training)
+                held = w(node, 1) * sum(v for k, v in by_kind.items() if k not in PEAK_KINDS)
+                peak = max([peak, *(v for k, v in by_kind.items() if k in PEAK_KINDS)])  # one op's, not summed
                 split = isinstance(s.output, Shard) or (node.op != "get_attr" and not s.replicated)
                 replicated += 0 if split else held
                 sharded += held * ctx.world if split else 0
@@ -39,6 +41,7 @@ def fit_advice(
     for (tensor, _, share), nbytes in activations.items():
         replicated += w(tensor, 1) * nbytes if share == 1 else 0
         sharded += w(tensor, 1) * nbytes * ctx.world if share < 1 else 0
+    sharded += peak * ctx.world  # this rank's share of the largest temporary, split like the heads
     need = replicated + sharded / ctx.world
     fits = smallest_fitting_world(replicated, sharded, limit, [2**k for k in range(1, 11)])
     advice = f"try world size {fits}" if fits else "no world size helps: its replicated part alone is too large"

@@ -12,7 +12,7 @@ import torch
 from torch.fx import Node
 
 from autotp.cost_models import collective_time
-from autotp.cost_models.memory import breakdown
+from autotp.cost_models.memory import PEAK_KINDS, breakdown
 from autotp.cost_models.pricing import (
     Sizes,
     activation_bytes,
@@ -79,6 +79,7 @@ class Ilp:
         """x: one strategy per node; each brings its op time, its memory and its tie-break preference."""
         problem, t, w, sizes = self.problem, self.world, self.weight, self.sizes
         paired = set(self.pairs) | set(self.pairs.values())
+        peaks: dict[str, dict[Node, list[Any]]] = {}
         for i, (node, options) in enumerate(self.found.strategies.items()):
             self.x[node] = [problem.add_variable(f"x{i}_{k}", cat="Binary") for k in range(len(options))]
             problem += pulp.lpSum(self.x[node]) == 1
@@ -89,13 +90,21 @@ class Ilp:
                 )
                 self.preference.append(var * weight * k * TIE_BREAK)
                 for kind, held in op_memory(node, s, sizes, t, self.trainable, self.training).items():
-                    if held:
+                    if held and kind in PEAK_KINDS:  # held while this op runs: its largest counts, once
+                        peaks.setdefault(kind, {}).setdefault(node, []).append(var * held)
+                    elif held:
                         term = var * weight * held
                         self.memory.append(term)
                         self.kinds.setdefault(kind, []).append(term)
                 for key, held in kept_bytes(node, s, sizes, t, self.grad):
                     self.saves.setdefault(key, (held, [], set()))[1].append(var)
                     self.saves[key][2].add(node)
+        for kind, by_node in peaks.items():
+            peak = problem.add_variable(f"peak_{kind}", lowBound=0)
+            for terms in by_node.values():
+                problem += peak >= pulp.lpSum(terms)
+            self.memory.append(peak)
+            self.kinds[kind] = [peak]
 
     def recompute(self, cores: list[list[Node]], forced: bool, ties: Sequence[tuple[Node, Node]]) -> list[Any]:
         """r: one 0/1 choice per core (1 when ``forced``; tied cores of folded blocks alike), priced at the forward

@@ -82,6 +82,7 @@ class MeshPlan:
             "data_parallel": self.data_parallel,
             "global_batch": self.global_batch,
             "activation_model": self.activation_model,
+            "tie_rule": TIE_RULE,
             "candidates": [asdict(x) for x in self.candidates],
         }
 
@@ -176,6 +177,10 @@ def _cluster(search: SearchOptions) -> tuple[Topology, int]:
 # Step times this close (relative) are within the cost model's error: the layout with fewer pipeline stages (then
 # more TP inside the node) is chosen, as Narayanan et al. 2021 (section 3.3) advise -- TP up to a node, then PP.
 TIE = 0.01
+TIE_RULE = (
+    f"among the layouts that fit and whose step is within {TIE:.0%} of the fastest estimate (closer than the cost "
+    "model's error), the fewest pipeline stages, then the most TP (Narayanan et al. 2021, section 3.3)"
+)
 
 
 def _layouts(profiles: list[Profile], devices: int, setting: Setting) -> list[Candidate]:

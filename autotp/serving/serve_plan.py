@@ -3,6 +3,13 @@ prefill, priced with the figures a deployment is sized by (vLLM's ``--max-model-
 ``--gpu-memory-utilization``): decode time per step and tokens/s at a batch, prefill time per 1,000 tokens, and
 how many sequences of that context fit beside the weights.
 
+Memory is the pool's, as an engine holds it: the weights, the KV cache (K and V by KV heads, every layer's: the
+decode program's cache buffers) and the temporaries at their peak (the largest one op holds while it runs, e.g.
+grouped-query attention's repeated K and V, of the decode step or of one prefill chunk of
+``max_num_batched_tokens``), not summed over layers (cost_models/kv_memory.py).  Where ``max_batch`` sequences do
+not fit, the plan is made for the number that does (``requested`` keeps what was asked); none fitting is
+``DoesNotFit``.
+
 The decode program is the one ``autotp.generate`` runs (serving/generation.py: the model around a static KV
 cache written in place), captured on the meta device and planned for a one-token step of ``max_batch``
 sequences whose attention reads the whole cache; the cache is a tensor like any other, so it is split by KV heads
@@ -18,9 +25,11 @@ from dataclasses import dataclass
 import torch
 
 from autotp.cost_models import load_topology
+from autotp.cost_models.memory import PEAK_KINDS
 from autotp.options import PlanOptions
 from autotp.passes.prepared_graph import prepared_graph
 from autotp.plan import Plan
+from autotp.planning.solution import DoesNotFit
 from autotp.planning.tensor_plan import solve_plan
 
 PREFIX = "model."  # the decode wrapper holds the model as ``model``
@@ -29,14 +38,15 @@ PREFIX = "model."  # the decode wrapper holds the model as ``model``
 @dataclass(frozen=True)
 class ServePlan:
     decode: Plan  # a one-token step of ``batch`` sequences, the cache at ``context``
-    prefill: Plan  # ``prefill_tokens`` tokens of one sequence, the decode plan's weights
+    prefill: Plan  # one chunk of ``prefill_tokens`` tokens, the decode plan's weights
     world_size: int
     context: int
-    batch: int
+    batch: int  # sequences planned: ``requested``, or as many as fit
     prefill_tokens: int
     memory_fraction: float
     device_bytes: float
     bandwidth_bound_seconds: float  # the weights and the cache read once at the device's memory bandwidth
+    requested: int  # sequences asked for (--max-batch)
 
     @property
     def decode_seconds(self) -> float:
@@ -62,16 +72,16 @@ class ServePlan:
 
     @property
     def sequences_that_fit(self) -> int:
-        """Sequences of ``context`` tokens whose cache fits beside the weights in ``memory_fraction`` of a device."""
-        beside = self.decode.cost["memory"]["params"] + self.prefill.cost["memory"].get("buffers", 0.0)
-        free = self.memory_fraction * self.device_bytes - beside
-        return max(0, int(free // self.kv_bytes_per_sequence)) if self.kv_bytes_per_sequence else 0
+        """Sequences of ``context`` tokens whose cache (and their share of the decode step's temporaries) fits
+        beside the weights in ``memory_fraction`` of a device."""
+        return _fitting(self.decode, self.prefill, self.batch, self.memory_fraction * self.device_bytes)
 
     def summary(self) -> dict:
         return {
             "world_size": self.world_size,
             "context": self.context,
             "batch": self.batch,
+            "requested_batch": self.requested,
             "decode_ms": self.decode_seconds * 1e3,
             "tokens_per_second": self.tokens_per_second,
             "prefill_ms_per_1000_tokens": self.prefill_seconds_per_1000 * 1e3,
@@ -90,18 +100,55 @@ def plan_serving(
     max_batch: int,
     topology=None,
     memory_fraction: float = 0.9,
-    prefill_tokens: int = 1000,
+    prefill_tokens: int = 512,
 ) -> ServePlan:
     """The serving plan of a causal LM (a transformers model; built on meta, nothing is read) on ``world_size``
-    ranks."""
+    ranks, for ``max_batch`` sequences or as many as fit; ``prefill_tokens``: the prefill's chunk (the server's
+    --max-num-batched-tokens)."""
     for name, value in (("context", context), ("max_batch", max_batch), ("prefill_tokens", prefill_tokens)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if not 0 < memory_fraction <= 1:
         raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction!r}")
     topo = load_topology(topology)
-    _, gm, step = decode_program(model, context, max_batch)
-    decode = solve_plan(gm, world_size, PlanOptions(topology=topo, training=False, price_at=step), price_experts=True)
+    pool = memory_fraction * topo.memory_bytes
+    decode, prefill = _plans(model, world_size, context, max_batch, prefill_tokens, topo)
+    batch = min(max_batch, _fitting(decode, prefill, max_batch, pool))
+    if batch < 1:
+        raise DoesNotFit(
+            f"not one sequence of {context} tokens fits at TP {world_size}: the weights take "
+            f"{decode.cost['memory']['params'] / 1e9:.1f} GB of the {pool / 1e9:.1f} GB a device gives "
+            f"({memory_fraction:.0%}); serve at a larger --world-size, a shorter --context, or on larger devices"
+        )
+    if batch < max_batch:  # the step of the sequences that fit: its cache and temporaries at that batch
+        decode, prefill = _plans(model, world_size, context, batch, prefill_tokens, topo)
+    memory = decode.cost["memory"]
+    read = memory["params"] + memory.get("buffers", 0.0)  # every weight and the whole cache, once a step
+    return ServePlan(
+        decode,
+        prefill,
+        world_size,
+        context,
+        batch,
+        prefill_tokens,
+        memory_fraction,
+        topo.memory_bytes,
+        read / topo.hbm_bandwidth,
+        max_batch,
+    )
+
+
+def _plans(model: torch.nn.Module, world_size: int, context: int, batch: int, chunk: int, topo) -> tuple:
+    """(the decode step's plan at ``batch`` sequences, one prefill chunk's with its weights), memory unlimited:
+    what fits is counted from their terms (``_fitting``)."""
+    unlimited = float("inf")
+    _, gm, step = decode_program(model, context, batch)
+    decode = solve_plan(
+        gm,
+        world_size,
+        PlanOptions(topology=topo, training=False, price_at=step, memory_limit=unlimited),
+        price_experts=True,
+    )
     weights = {name[len(PREFIX) :]: placement for name, placement in decode.params.items() if name.startswith(PREFIX)}
     ids = torch.zeros(2, 16, dtype=torch.long, device=torch.device("meta"))
     forward = prepared_graph(model, (ids,), None, fold=True)
@@ -113,22 +160,25 @@ def plan_serving(
             topology=topo,
             training=False,
             fixed={k: v for k, v in weights.items() if k in names},
-            price_at={"input_ids": (1, prefill_tokens)},
+            price_at={"input_ids": (1, chunk)},
+            memory_limit=unlimited,
         ),
     )
+    return decode, prefill
+
+
+def _peak(plan: Plan) -> float:
+    return sum(plan.cost["memory"].get(kind, 0.0) for kind in PEAK_KINDS)
+
+
+def _fitting(decode: Plan, prefill: Plan, batch: int, pool: float) -> int:
+    """Sequences whose cache and share of the decode step's temporaries (both grow with the batch) fit in
+    ``pool`` beside the weights, the other buffers and a prefill chunk's temporaries."""
     memory = decode.cost["memory"]
-    read = memory["params"] + memory.get("buffers", 0.0)  # every weight and the whole cache, once a step
-    return ServePlan(
-        decode,
-        prefill,
-        world_size,
-        context,
-        max_batch,
-        prefill_tokens,
-        memory_fraction,
-        topo.memory_bytes,
-        read / topo.hbm_bandwidth,
-    )
+    others = prefill.cost["memory"].get("buffers", 0.0)
+    per_sequence = (memory.get("buffers", 0.0) - others + _peak(decode)) / batch
+    free = pool - memory["params"] - others - _peak(prefill)
+    return max(0, int(free // per_sequence)) if per_sequence > 0 else 0
 
 
 def decode_program(model: torch.nn.Module, context: int, batch: int) -> tuple:
@@ -151,11 +201,16 @@ def decode_program(model: torch.nn.Module, context: int, batch: int) -> tuple:
 
 
 def fastest_tp_within(model_factory, *, decode_ms: float, sizes=(1, 2, 4, 8), **serving) -> tuple:
-    """(the smallest TP size whose decode step meets ``decode_ms``, or None; {size: ServePlan}) over ``sizes``.
-    ``model_factory()`` builds the model afresh for each size (a capture sets its mode and config)."""
+    """(the smallest TP size whose decode step meets ``decode_ms``, or None; {size: ServePlan, or None where not
+    one sequence fits}) over ``sizes``.  ``model_factory()`` builds the model afresh for each size (a capture
+    sets its mode and config)."""
     found: dict = {}
     for size in sizes:
-        found[size] = plan_serving(model_factory(), world_size=size, **serving)
+        try:
+            found[size] = plan_serving(model_factory(), world_size=size, **serving)
+        except DoesNotFit:
+            found[size] = None
+            continue
         if found[size].decode_seconds * 1e3 <= decode_ms:
             return size, found
     return None, found

@@ -153,22 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     cal = sub.add_parser("calibrate", help="measure collectives on this machine's process group, write a topology")
     cal.add_argument("--out", default="calibrated.json", help="where to write the topology profile")
     cal.add_argument("--nproc", type=positive, default=2, help="local gloo ranks to spawn when not under torchrun")
-    from autotp.tools.serve import add_serve_parser, serve_command
+    from autotp.tools.serve import add_serve_parser
 
     add_serve_parser(sub, positive)
-    from autotp.tools import commands
-
-    handlers = {
-        "plan": commands.plan_command,
-        "mesh": commands.mesh_command,
-        "show": commands.show_command,
-        "diff": commands.diff_command,
-        "explain": commands.explain_command,
-        "compare": commands.compare_command,
-        "demo": commands.demo_command,
-        "calibrate": commands.calibrate_command,
-        "serve": serve_command,
-    }
     argv = sys.argv[1:] if argv is None else argv
     args = run(parser.parse_args, argv, "--debug" in argv)
     if isinstance(args, int):  # a usage error, already said
@@ -177,7 +164,18 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("autotp").setLevel(logging.DEBUG)
     else:  # a plan is priced at the example's sizes; which sizes a program would run at is for parallelize's users
         warnings.filterwarnings("ignore", message="autotp: the example inputs fix")
-    return run(handlers[args.command], args, args.debug)
+    return run(_command(args.command), args, args.debug)
+
+
+def _command(name: str):
+    """The function that runs command ``name``, imported only once the arguments parsed (it may load torch)."""
+    if name == "serve":
+        from autotp.tools.serve import serve_command
+
+        return serve_command
+    from autotp.tools import commands
+
+    return getattr(commands, f"{name}_command")
 
 
 if __name__ == "__main__":

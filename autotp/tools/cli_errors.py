@@ -6,9 +6,11 @@ from __future__ import annotations
 import argparse
 import sys
 import traceback
+from pathlib import Path
 
 # Exit statuses: nothing fits (docs/cli.md), a usage error (argparse's), an error inside autotp
 NOTHING_FITS, USAGE, INTERNAL = 1, 2, 3
+AUTOTP_DIR = Path(__file__).resolve().parents[1]  # where autotp is installed, not any folder named autotp
 
 
 class UsageError(Exception):
@@ -37,13 +39,13 @@ def positive(text: str) -> int:
 
 
 def status_and_line(exc: BaseException) -> tuple[int, str]:
-    """The exit status and the one line ``exc`` is reported as."""
-    from autotp.passes.capture import CaptureError
-    from autotp.planning.solution import DoesNotFit, PlanningError
-
+    """The exit status and the one line ``exc`` is reported as (a usage error without loading torch)."""
     first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
     if isinstance(exc, (UsageError, FileNotFoundError)):
         return USAGE, f"autotp: {first}"
+    from autotp.passes.capture import CaptureError
+    from autotp.planning.solution import DoesNotFit, PlanningError
+
     if isinstance(exc, DoesNotFit):
         return NOTHING_FITS, f"autotp: {first}"
     if isinstance(exc, (PlanningError, CaptureError)):
@@ -59,7 +61,7 @@ def _raised_by_autotp_check(exc: BaseException) -> bool:
     """A ValueError autotp raises on purpose checks a value it was given (options, topologies, plans); one from
     deeper in torch or a library is autotp's failure, reported as internal."""
     frames = traceback.extract_tb(exc.__traceback__)
-    return bool(frames) and "/autotp/" in frames[-1].filename.replace("\\", "/")
+    return bool(frames) and Path(frames[-1].filename).resolve().is_relative_to(AUTOTP_DIR)
 
 
 def run(command, args, debug: bool) -> int:

@@ -3,51 +3,12 @@ command, each returning its exit status."""
 
 from __future__ import annotations
 
-import importlib
-import os
 import sys
 from pathlib import Path
 
-import torch
-
 from autotp.tools.cli_errors import UsageError
+from autotp.tools.model_spec import load_model
 from autotp.tools.progress_bars import progress_bars
-
-
-def load_model(spec: str, batch: int, seq: int):
-    """(model, example_args) on the meta device from ``package.module:factory``, a Hugging Face
-    ``config.json`` or a model directory: no weights are read, so any size plans on a laptop."""
-    path = Path(spec)
-    if path.is_dir() or path.suffix == ".json":
-        config_path = path / "config.json" if path.is_dir() else path
-        if not config_path.exists():
-            raise UsageError(
-                f"{config_path} does not exist",
-                "give a config.json, a model directory holding one, or package.module:factory",
-            )
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        config = AutoConfig.from_pretrained(str(config_path))
-        config.use_cache = False
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
-        return model, (torch.zeros(batch, seq, dtype=torch.long, device="meta"),)
-    module, _, name = spec.partition(":")
-    if not name:
-        raise UsageError(
-            f"MODEL must be package.module:factory, a config.json or a model directory, got {spec!r}",
-            "see autotp plan --help",
-        )
-    sys.path.insert(0, os.getcwd())  # like `python -m`: modules of the current directory are importable
-    try:
-        factory = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as exc:
-        raise UsageError(
-            f"cannot load {spec!r} ({exc})",
-            "run from the directory that holds the module, or give its full package path",
-        ) from exc
-    with torch.device("meta"):
-        return factory()
 
 
 def _console():
@@ -56,9 +17,27 @@ def _console():
     return Console(width=140, stderr=True)
 
 
+def _output_paths_checked(args) -> None:
+    """--out, --svg and --html can be written: said before a capture and solve, not after."""
+    for flag in ("out", "svg", "html"):
+        given = getattr(args, flag, None)
+        if not given:
+            continue
+        path = Path(given)
+        if path.is_dir():
+            raise UsageError(f"--{flag} {given} is a folder", "give a file name inside it")
+        if not path.parent.is_dir():
+            raise UsageError(
+                f"--{flag} {given}: folder {path.parent} does not exist",
+                "create it, or give a path in one that does",
+            )
+
+
 def _checked(args) -> None:
     """The arguments a capture would need, checked before it (which takes seconds to minutes)."""
     from autotp.cost_models import load_topology
+
+    _output_paths_checked(args)
 
     topology = load_topology(args.topology, getattr(args, "nodes", None))  # a name it does not know: one line
     for flag in ("world_size", "devices"):
@@ -192,6 +171,7 @@ def _load_plan(path: str):
 def show_command(args) -> int:
     from autotp.tools.report import print_plan
 
+    _output_paths_checked(args)
     plan = _load_plan(args.plan)
     _figures(args, "plan", plan)
     print_plan(plan, every=args.all)
@@ -280,4 +260,5 @@ def demo_command(args) -> int:
 def calibrate_command(args) -> int:
     from autotp.tools.calibrate_cli import main as calibrate
 
+    _output_paths_checked(args)
     return calibrate(args.out, args.nproc)

@@ -9,13 +9,12 @@ tests/test_interop.py checks transformers' plans against the collectives transfo
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
-from autotp.options import PlanOptions
-from autotp.passes.prepared_graph import prepared_graph
-from autotp.plan import Plan
-from autotp.planning.tensor_plan import solve_plan
-from autotp.tools.hand_plans import hand_plans, solve_hand_plan
+if TYPE_CHECKING:  # torch loads when a comparison runs, not when the command line lists the choices
+    import torch
+
+    from autotp.plan import Plan
 
 AGAINST = ("hf", "megatron", "megatron-sp", "dtensor")
 NOT_PRICED = float("nan")
@@ -53,6 +52,11 @@ def compare(
     tp_plan), "hf_invalid": why transformers' placements cannot run this model exactly, or None, "hf_ep": its
     ep_plan over the tp_plan, where it has one}.  A summary lists under "unpriced" the styles whose collectives
     autotp does not know (never guessed)."""
+    from autotp.options import PlanOptions
+    from autotp.passes.prepared_graph import prepared_graph
+    from autotp.planning.tensor_plan import solve_plan
+    from autotp.tools.hand_plans import hand_plans, solve_hand_plan
+
     gm = prepared_graph(model, args, kwargs, fold=True)
     options = PlanOptions(topology=topology, training=training, memory_limit=memory_limit)
     result = {"autotp": summary(solve_plan(gm, world_size, options)), "hf": None, "hf_invalid": None, "hf_ep": None}

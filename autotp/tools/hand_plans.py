@@ -87,7 +87,9 @@ def hand_plans(
             )
         else:
             entry = {**plans.get(plans[name].get("as"), {}), **plans[name]}  # "as": another plan's styles
-            plan = HandPlan(name, entry["styles"], entry.get("sequence_parallel", False), entry["source"])
+            plan = HandPlan(
+                name, entry["styles"], sequence_parallel=entry.get("sequence_parallel", False), source=entry["source"]
+            )
         named = plan and all(any(_style_of(m, {p: s}) for m in modules) for p, s in plan.styles.items())
         if plan and (name.startswith("hf") or named):
             found[name] = replace(

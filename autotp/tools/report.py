@@ -9,7 +9,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from autotp.placement import Shard
+from autotp.placement import NOTATION, Disjoint, Routed, Shard
 from autotp.plan import Plan
 
 
@@ -26,7 +26,7 @@ def plan_table(plan: Plan, shapes: dict | None = None, every: bool = False) -> T
         title=f"autotp plan: {plan.world_size} ranks, topology {plan.topology}",
         caption=None if every else "blocks placed alike are shown once; --all lists every parameter",
     )
-    for column in ("parameter", "decision", "placement", "local shape"):
+    for column in ("parameter", "decision", "placement", "local shape (per rank)"):
         table.add_column(column)
     rows = {name: _param_row(plan, shapes, name) for name in plan.params}
     for row in [(n, *rows[n]) for n in sorted(rows, key=_natural)] if every else _fold_blocks(rows):
@@ -36,13 +36,35 @@ def plan_table(plan: Plan, shapes: dict | None = None, every: bool = False) -> T
 
 def _param_row(plan: Plan, shapes: dict | None, name: str) -> tuple:
     placement = plan.placement(name)
-    local = "?"
-    if shapes and name in shapes:
-        dims = list(shapes[name])
-        if isinstance(placement, Shard):  # rank 0's piece (the largest when uneven)
-            dims[placement.dim] = placement.local_size(dims[placement.dim], 0, plan.world_size)
-        local = "x".join(map(str, dims))
+    local = local_shapes(placement, shapes[name], plan.world_size) if shapes and name in shapes else "?"
     return plan.styles.get(name, ""), str(placement), local
+
+
+def local_shapes(placement, shape, world: int) -> str:
+    """The piece each rank holds: one shape when every rank's is alike, else each shape with its ranks
+    ("3x64 on ranks 0-1, 2x64 on 2-3"); expert weights by the experts a rank holds."""
+    shard, ranks = placement, world
+    if isinstance(placement, (Disjoint, Routed)):  # whole experts dealt out along their dim
+        shard, ranks = placement.experts, getattr(placement, "ranks", world)
+    pieces: dict[str, list[int]] = {}
+    for rank in range(ranks if isinstance(shard, Shard) else 1):
+        dims = list(shape)
+        if isinstance(shard, Shard):
+            dims[shard.dim] = shard.local_size(dims[shard.dim], rank, ranks)
+        pieces.setdefault("x".join(map(str, dims)), []).append(rank)
+    if len(pieces) == 1:
+        return next(iter(pieces))
+    return ", ".join(f"{dims} on {_span(held)}" for dims, held in pieces.items())
+
+
+def _span(ranks: list[int]) -> str:
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][-1] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    return "ranks " + ", ".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs)
 
 
 def _natural(name: str) -> list:
@@ -80,7 +102,7 @@ def _fold_blocks(rows: dict) -> list:
     return out
 
 
-_ORDER = ["params", "grads", "optimizer", "buffers", "activations", "kv_cache", "total"]
+_ORDER = ["params", "grads", "optimizer", "buffers", "activations", "kv_cache", "temporaries", "total"]
 
 
 def _block(module: str) -> str:
@@ -194,7 +216,7 @@ def explain_table(plan: Plan, target: str) -> Table:
     names = [n for n in names if n in plan.alternatives] or names
     if not names:
         raise KeyError(f"no op named {target!r} in this plan; give a node name (see --json) or a module path")
-    table = Table(title=f"alternatives for {target} (each priced with its neighbours' choices fixed)")
+    table = Table(title=f"alternatives for {target} (each priced with its neighbours' choices fixed)", caption=NOTATION)
     for column in ("op", "inputs", "output", "est. µs", "kept MB", ""):
         table.add_column(column)
     for name in names:
@@ -274,7 +296,7 @@ def activations_table(plan: Plan) -> Table:
 
 def mesh_table(result) -> list:
     """The best layout per (TP, PP, DP, EP) of autotp.planning.mesh_search.plan_mesh, fastest first, then the choice."""
-    from autotp.planning.mesh_search import activation_options, layout_name
+    from autotp.planning.mesh_search import TIE_RULE, activation_options, layout_name
 
     table = Table(
         title=f"mesh candidates: {result.devices} devices of {result.topology}, global batch "
@@ -294,6 +316,7 @@ def mesh_table(result) -> list:
         "memory/device GB",
         "MFU",
         "note",
+        "",
     ):
         table.add_column(column)
     for c in result.candidates:
@@ -314,6 +337,7 @@ def mesh_table(result) -> list:
             "-" if c.memory_bytes is None else f"{c.memory_bytes / 1e9:.2f}",
             "-" if c.mfu is None else f"{c.mfu:.1%}",
             c.note,
+            "chosen" if c is result.choice else "",
         )
     best = result.choice
     return [
@@ -323,6 +347,7 @@ def mesh_table(result) -> list:
         f"{f' x{best.virtual_stages}' if best.virtual_stages > 1 else ''}"
         f"{f' (bubble {best.bubble:.1%} of the step)' if best.schedule else ''}"
         f"{activation_options(best)}; {_stages(best.stages)}",
+        f"the choice (marked): {TIE_RULE}",
         result.activation_model,
     ]
 

@@ -18,6 +18,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-batch", type=positive, default=64, help="sequences decoded together (--max-num-seqs)")
     parser.add_argument(
+        "--max-num-batched-tokens",
+        type=positive,
+        default=512,
+        help="tokens of one prefill chunk, as the server's --max-num-batched-tokens (default 512)",
+    )
+    parser.add_argument(
         "--memory-fraction",
         type=float,
         default=0.9,
@@ -48,13 +54,22 @@ def print_serving(args, load_model) -> int:
         "max_batch": args.max_batch,
         "topology": args.topology,
         "memory_fraction": args.memory_fraction,
+        "prefill_tokens": args.max_num_batched_tokens,
     }
     served = plan_serving(load_model()[0], world_size=args.world_size, **serving)
+    if served.batch < served.requested:
+        print(
+            f"--max-batch {served.requested} does not fit at TP {served.world_size}: {served.batch} sequences of "
+            f"{served.context} tokens do, planned below; serve with --max-num-seqs {served.batch}, or a larger "
+            "--world-size or a shorter --context for more"
+        )
     print(_line(served))
     if args.max_decode_ms is None:
         return 0
     size, tried = fastest_tp_within(lambda: load_model()[0], decode_ms=args.max_decode_ms, **serving)
-    steps = ", ".join(f"TP {k} {v.decode_seconds * 1e3:.2f} ms" for k, v in tried.items())
+    steps = ", ".join(
+        f"TP {k} {v.decode_seconds * 1e3:.2f} ms" if v else f"TP {k}: not one sequence fits" for k, v in tried.items()
+    )
     if size is None:
         print(
             f"no TP size of 1, 2, 4, 8 decodes a step within {args.max_decode_ms} ms ({steps}): use a smaller "
@@ -68,8 +83,9 @@ def print_serving(args, load_model) -> int:
 def _line(s) -> str:
     return (
         f"TP {s.world_size}, context {s.context}, batch {s.batch}: prefill {s.prefill_seconds_per_1000 * 1e3:.2f} "
-        f"ms per 1,000 tokens; decode {s.decode_seconds * 1e3:.2f} ms a step (reading the weights and cache "
-        f"at memory bandwidth: {s.bandwidth_bound_seconds * 1e3:.2f} ms), {s.tokens_per_second:,.0f} tokens/s; "
+        f"ms per 1,000 tokens (in chunks of {s.prefill_tokens}); decode {s.decode_seconds * 1e3:.2f} ms a step "
+        f"(reading the weights and cache at memory bandwidth: {s.bandwidth_bound_seconds * 1e3:.2f} ms), "
+        f"{s.tokens_per_second:,.0f} tokens/s; "
         f"KV cache {s.kv_bytes_per_sequence / 2**20:.1f} MiB a sequence per device: "
         f"{s.sequences_that_fit} sequences of {s.context} tokens fit beside the weights in "
         f"{s.memory_fraction:.0%} of a device (estimates)"

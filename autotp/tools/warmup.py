@@ -42,6 +42,10 @@ def warm() -> None:
     for name in _MODULES:
         if importlib.util.find_spec(name.split(".")[0]) is not None:
             importlib.import_module(name)
+    import autotp
+
+    for name in autotp.__all__:  # the public names load on first use (autotp/__init__.py): load them all here
+        getattr(autotp, name)
     from autotp.passes.capture import capture
 
     with torch.device("meta"):

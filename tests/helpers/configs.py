@@ -107,6 +107,17 @@ def mamba2(**overrides):
                            "use_cache": False, **overrides})
 
 
+def bamba(**overrides):
+    """Bamba: a hybrid of Mamba-2 blocks (4 heads of 16, chunks of 8) and attention (block 1: 4 heads sharing 2
+    KV heads), hidden 64, FFN 96."""
+    from transformers import BambaConfig
+    return BambaConfig(**{"vocab_size": 100, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+                          "num_attention_heads": 4, "num_key_value_heads": 2, "attn_layer_indices": [1],
+                          "mamba_n_heads": 4, "mamba_d_head": 32, "mamba_n_groups": 1, "mamba_d_state": 16,
+                          "mamba_chunk_size": 8, "mamba_expand": 2, "max_position_embeddings": 64,
+                          "use_cache": False, **overrides})
+
+
 def vit(**overrides):
     """A ViT classifier of 16 x 16 images in 4 x 4 patches (17 tokens), 2 blocks of 64, 4 heads, 5 labels."""
     from transformers import ViTConfig

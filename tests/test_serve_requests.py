@@ -310,9 +310,13 @@ def test_metrics_are_right_under_load_and_nothing_listens_beyond_the_host(served
     for thread in threads:
         thread.start()
     assert first.wait(60)
-    during = _metrics(server)
-    while during["autotp_requests_running"] + during["autotp_requests_waiting"] < 4 and not replies:
-        during = _metrics(server)  # until the 4 requests have arrived, before the first 2 finish
+    during, deadline = _metrics(server), time.monotonic() + 30
+    # until the 4 requests have arrived and a step has scheduled the first 2 (the figures are published after each
+    # change, so one read may fall between a request's arrival and the step that runs it), before the first 2 finish
+    while (during["autotp_requests_running"], during["autotp_requests_waiting"]) != (2, 2) and not replies:
+        if time.monotonic() > deadline:
+            break
+        during = _metrics(server)
     for thread in threads:
         thread.join(120)
     after = _metrics(server)

@@ -58,11 +58,15 @@ def keep_pieces(module: torch.nn.Module) -> None:
     entered: list = []
 
     def enter(mod, args):
+        if torch.compiler.is_compiling():  # compiled: gathers are marked for recompute instead (gather_tokens)
+            return
         hooks = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
         hooks.__enter__()
         entered.append(hooks)
 
     def leave(mod, args, out):
+        if torch.compiler.is_compiling():
+            return
         entered.pop().__exit__(None, None, None)
 
     module.register_forward_pre_hook(enter)

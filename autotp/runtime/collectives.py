@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 from torch.fx import Node
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from autotp.placement import Partial, Replicate, Routed, Shard, assemble, take_local
 from autotp.runtime import activations
@@ -251,14 +252,26 @@ def gather_reduce_backward(x, dim, chunks, units, of, groups, size, rank, world,
 
 def gather_tokens(x, dim, chunks, units, of, groups, size, rank, world, group, where, reduce_backward):
     """A gather along a token dim (sequence parallelism): an op that saves the result for its backward
-    keeps this rank's tokens instead (autotp.runtime.activations)."""
-    full = (gather_reduce_backward if reduce_backward else gather)(
-        x, dim, chunks, units, of, groups, size, rank, world, group, where
-    )
-    if _no_grad() or torch.compiler.is_compiling():  # compiled: the compiler decides what its backward keeps
-        return full
+    keeps this rank's tokens instead.  Eager: saved-tensor hooks (autotp.runtime.activations); compiled: the
+    gather is marked must-recompute, as SimpleFSDP marks its parameter gathers, so the partitioner keeps the
+    piece and gathers again in the backward (one graph, no hooks)."""
+    collective = gather_reduce_backward if reduce_backward else gather
+
+    def gathered(piece: torch.Tensor) -> torch.Tensor:
+        return collective(piece, dim, chunks, units, of, groups, size, rank, world, group, where)
+
+    if _no_grad():
+        return gathered(x)
+    if torch.compiler.is_compiling():
+        return checkpoint(gathered, x, use_reentrant=False, context_fn=_recomputed)
+    full = gathered(x)
     shard = Shard(dim, chunks, units, of, groups)
     return activations.remember(full, x, lambda piece: gather_values(piece, shard, size, world, group, where))
+
+
+def _recomputed():
+    """Selective-checkpoint contexts that recompute every op of the region (a token gather) in the backward."""
+    return create_selective_checkpoint_contexts(lambda ctx, op, *args, **kwargs: CheckpointPolicy.MUST_RECOMPUTE)
 
 
 def scatter(x, dim, chunks, units, of, groups, size, rank, world, group, where):

@@ -4,11 +4,16 @@ Compiles are slow on the CPU: the default tier runs sequence parallelism, the ot
 
 from __future__ import annotations
 
+import pytest
 import torch
+from torch.utils.checkpoint import checkpoint
 
 import autotp
-from tests.helpers.compiled import compiled_training_matches
+from autotp.runtime.dropout import Attention, Dropout, random_ops
+from tests.helpers import configs
+from tests.helpers.compiled import STEPS, compiled_training_matches
 from tests.helpers.distributed import run_ranks
+from tests.helpers.exact import TOL, logits
 from tests.helpers.models import llama_with
 
 
@@ -16,13 +21,80 @@ def _tokens() -> tuple:
     return (torch.randint(0, 96, (2, 8)),)
 
 
-def _sequence_parallel(rank: int, world: int) -> None:
+def _sequence_parallel(rank: int, world: int, recompute: str | bool) -> None:
+    """A 1-block LLaMA with its tokens split between the TP regions; ``recompute``: "selective" (autotp's
+    recomputed attention cores), "full" (the whole program under torch.utils.checkpoint, as a trainer wraps
+    each block) or False."""
     model = llama_with(heads=4, kv=2, head_dim=8, layers=1)
-    sharded = autotp.parallelize(model, _tokens(), sequence_parallel=True)
+    selective = recompute if recompute == "selective" else False
+    sharded = autotp.parallelize(model, _tokens(), sequence_parallel=True, recompute=selective)
     assert any(c["op"] == "reduce_scatter" for c in sharded.autotp_plan.collectives)
+    assert bool(sharded.autotp_plan.cost["recompute"]) == bool(selective)
+    run = (lambda x: checkpoint(sharded, x, use_reentrant=False)) if recompute == "full" else None
     torch.manual_seed(1)
-    compiled_training_matches(model, sharded, _tokens)
+    compiled_training_matches(model, sharded, _tokens, run)
 
 
 def test_sequence_parallel_compiles_as_one_graph_and_trains_exactly():
-    run_ranks(2, _sequence_parallel)
+    run_ranks(2, _sequence_parallel, False)
+
+
+@pytest.mark.slow  # the default tier compiles sequence parallelism above
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_recomputation_compiles_as_one_graph_and_trains_exactly(recompute):
+    run_ranks(2, _sequence_parallel, recompute)
+
+
+def _gpt2_dropping():
+    """A 1-block GPT-2 dropping everywhere: embeddings, residual branches, SDPA's dropout_p."""
+    from transformers import GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = configs.gpt2(n_layer=1, bos_token_id=0, eos_token_id=0, attn_pdrop=0.1, resid_pdrop=0.1, embd_pdrop=0.1)
+    config._attn_implementation = "sdpa"
+    return GPT2LMHeadModel(config).train()
+
+
+def _step(run, sharded, x, seed: int) -> tuple:
+    """(output, ``sharded``'s gradients by name) of one forward and backward of ``run`` (``sharded`` or its
+    compiled form) with every mask drawn after ``seed``."""
+    torch.manual_seed(seed)
+    out = logits(run(x))
+    out.square().mean().backward()
+    return out.detach(), {n: p.grad.clone() for n, p in sharded.named_parameters()}
+
+
+def _dropout(rank: int, world: int) -> None:
+    import torch.distributed as dist
+    from torch._inductor import config as inductor
+
+    x = torch.randint(0, 96, (2, 8))
+    sharded = autotp.parallelize(_gpt2_dropping(), (x,), sequence_parallel=True, recompute="selective")
+    assert sharded.autotp_plan.cost["recompute"]
+    dropouts = random_ops(sharded)
+    assert any(isinstance(m, Attention) and m.layout is not None for m in dropouts)
+    assert any(isinstance(m, Dropout) and m.layout is not None for m in dropouts)
+    opt = torch.optim.SGD(sharded.parameters(), lr=0.5)
+    with inductor.patch(fallback_random=True):  # inductor draws as eager does: the compiled masks are eager's
+        compiled = torch.compile(sharded, fullgraph=True)
+        for step in range(STEPS):
+            eager = _step(sharded, sharded, x, seed=step)
+            opt.zero_grad()
+            out, grads = _step(compiled, sharded, x, seed=step)
+            torch.testing.assert_close(out, eager[0], **TOL)
+            for name, grad in grads.items():
+                torch.testing.assert_close(grad, eager[1][name], **TOL, msg=lambda m, n=name: f"{n}: {m}")
+            opt.step()
+            opt.zero_grad()
+        for m in dropouts:  # each compiled alone: a split input's mask differs across ranks, a whole one's does not
+            if isinstance(m, Dropout):
+                torch.manual_seed(5)
+                mask = torch.compile(m, fullgraph=True)(torch.ones(2, 4, 64)) == 0
+                masks = [None] * world
+                dist.all_gather_object(masks, mask)
+                assert torch.equal(masks[0], masks[1]) == (m.layout is None), m
+
+
+@pytest.mark.slow  # the default tier compiles sequence parallelism above
+def test_dropout_compiles_drawing_eagers_masks_apart_on_split_inputs_and_again_when_recomputed():
+    run_ranks(2, _dropout)

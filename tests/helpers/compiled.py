@@ -11,12 +11,12 @@ from tests.helpers.exact import TOL, logits
 STEPS = 3
 
 
-def compiled_training_matches(model, sharded, inputs, steps: int = STEPS, loss=lambda out: logits(out).square().mean()):
-    """``steps`` SGD steps of ``torch.compile(sharded, fullgraph=True)`` and of ``model`` on ``inputs()`` (a new
-    batch of one shape each step): outputs and every gradient equal at each step.  Returns the compiled module."""
-    compiled = torch.compile(sharded, fullgraph=True)
+def compiled_training_matches(model, sharded, inputs, run=None, loss=lambda out: logits(out).square().mean()):
+    """``STEPS`` SGD steps of ``torch.compile(run or sharded, fullgraph=True)`` and of ``model`` on ``inputs()``
+    (a new batch of one shape each step): outputs and every gradient equal at each step."""
+    compiled = torch.compile(run or sharded, fullgraph=True)
     opt, opt_ref = (torch.optim.SGD(m.parameters(), lr=0.5) for m in (sharded, model))
-    for step in range(steps):
+    for step in range(STEPS):
         args = inputs()
         out, ref = logits(compiled(*args)), logits(model(*args))
         torch.testing.assert_close(out, ref, **TOL, msg=lambda m, s=step: f"step {s} output: {m}")
@@ -28,4 +28,3 @@ def compiled_training_matches(model, sharded, inputs, steps: int = STEPS, loss=l
         for o in (opt, opt_ref):
             o.step()
             o.zero_grad()
-    return compiled

@@ -30,8 +30,21 @@ def _lengths(shard: Shard, size: int, world: int) -> list[int]:
     return [shard.local_size(size, r, world) for r in range(world)]
 
 
+def in_rank_order(shard: Shard, size: int, world: int) -> bool:
+    """Rank r's piece is the r-th of ``world`` equal blocks: gathered and scattered without pads or reordering,
+    in the form inductor's micro-pipeline TP pass fuses with the adjacent matmul (all-gather, wait, split, cat
+    into the product; the product, split, cat into the reduce-scatter).  Uneven pieces are padded: not fused."""
+    if size % world:
+        return False
+    n = size // world
+    return all(shard.ranges(size, r, world) == [(r * n, n)] for r in range(world))
+
+
 def gather_values(x: torch.Tensor, shard: Shard, size: int, world: int, group: str, where: str) -> torch.Tensor:
     """The full tensor from every rank's piece (owners' pieces for grouped shards)."""
+    if in_rank_order(shard, size, world):  # the pieces stacked on dim 0, then side by side along the dim
+        stacked = all_gather(x.contiguous(), world, group, where)
+        return stacked if shard.dim == 0 else torch.cat(stacked.chunk(world), shard.dim)
     lengths = _lengths(shard, size, world)
     moved = pad(x.movedim(shard.dim, 0), max(lengths)).contiguous()
     gathered = all_gather(moved, world, group, where)
@@ -62,13 +75,17 @@ def _reduce_scatter(
     x: torch.Tensor, shard: Shard, size: int, rank: int, world: int, group: str, where: str
 ) -> torch.Tensor:
     lengths = _lengths(shard, size, world)
-    moved = x.movedim(shard.dim, 0)
-    pieces = [pad(take_local(moved, shard.at(0), r, world), max(lengths)) for r in range(world)]
+    even = in_rank_order(shard, size, world)
+    if even:  # the ranks' blocks stacked on dim 0 straight from the product
+        stacked = x.contiguous() if shard.dim == 0 else torch.cat(x.chunk(world, shard.dim))
+    else:
+        moved = x.movedim(shard.dim, 0)
+        stacked = torch.cat([pad(take_local(moved, shard.at(0), r, world), max(lengths)) for r in range(world)])
     try:
-        out = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(torch.cat(pieces).contiguous(), "sum", world, group))
+        out = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(stacked.contiguous(), "sum", world, group))
     except Exception as exc:
         raise failed("reduce_scatter", x, where, exc, group) from exc
-    return out[: lengths[rank]].movedim(0, shard.dim).contiguous()
+    return out if even else out[: lengths[rank]].movedim(0, shard.dim).contiguous()
 
 
 def _owners_share(local: torch.Tensor, shard: Shard, size: int, rank: int, world: int) -> torch.Tensor:

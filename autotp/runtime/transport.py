@@ -71,6 +71,18 @@ def unregister(group: dist.ProcessGroup) -> None:
     _gloo.pop(group.group_name, None)
 
 
+def enable_async_tp(group: dist.ProcessGroup, device: torch.device) -> None:
+    """Inductor's micro-pipeline TP pass on (a process-wide compiler setting, as torchtitan sets it), and on CUDA
+    symmetric memory for ``group``: the fused all-gather-matmul and matmul-reduce-scatter ops run over it."""
+    from torch._inductor import config
+
+    config._micro_pipeline_tp = True
+    if device.type == "cuda":
+        from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+        enable_symm_mem_for_group(group.group_name)
+
+
 def _eager_gloo(group: str) -> Gloo | None:
     gloo = _gloo.get(group)
     return None if gloo is None or torch.compiler.is_compiling() else gloo

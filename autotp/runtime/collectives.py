@@ -14,14 +14,16 @@ fails or outlives the process group's timeout raises a ``CollectiveError`` namin
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch.fx import Node
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from autotp.placement import Partial, Replicate, Routed, Shard, assemble, take_local
 from autotp.runtime import activations
-from autotp.runtime.transport import all_gather, failed, pad
 from autotp.runtime.transport import all_reduce as all_reduce_sum
+from autotp.runtime.transport import failed, pad, start_all_gather
 
 _c10d = torch.ops._c10d_functional
 
@@ -42,14 +44,27 @@ def in_rank_order(shard: Shard, size: int, world: int) -> bool:
 
 def gather_values(x: torch.Tensor, shard: Shard, size: int, world: int, group: str, where: str) -> torch.Tensor:
     """The full tensor from every rank's piece (owners' pieces for grouped shards)."""
+    return start_gather(x, shard, size, world, group, where)()
+
+
+def start_gather(
+    x: torch.Tensor, shard: Shard, size: int, world: int, group: str, where: str
+) -> Callable[[], torch.Tensor]:
+    """``gather_values`` issued now; the function returned waits for it and puts the pieces together."""
     if in_rank_order(shard, size, world):  # the pieces stacked on dim 0, then side by side along the dim
-        stacked = all_gather(x.contiguous(), world, group, where)
-        return stacked if shard.dim == 0 else torch.cat(stacked.chunk(world), shard.dim)
+        stacked = start_all_gather(x.contiguous(), world, group, where)
+        if shard.dim == 0:
+            return stacked
+        return lambda: torch.cat(stacked().chunk(world), shard.dim)
     lengths = _lengths(shard, size, world)
     moved = pad(x.movedim(shard.dim, 0), max(lengths)).contiguous()
-    gathered = all_gather(moved, world, group, where)
-    parts = [p[:n].movedim(0, shard.dim) for p, n in zip(gathered.chunk(world, 0), lengths, strict=True)]
-    return assemble(parts, shard, size)  # concatenated along the dim itself: contiguous, like the input
+    started = start_all_gather(moved, world, group, where)
+
+    def assembled() -> torch.Tensor:
+        parts = [p[:n].movedim(0, shard.dim) for p, n in zip(started().chunk(world, 0), lengths, strict=True)]
+        return assemble(parts, shard, size)  # concatenated along the dim itself: contiguous, like the input
+
+    return assembled
 
 
 def _embed(x: torch.Tensor, shard: Shard, size: int, rank: int, world: int) -> torch.Tensor:
@@ -283,7 +298,7 @@ def gather_tokens(x, dim, chunks, units, of, groups, size, rank, world, group, w
         return checkpoint(gathered, x, use_reentrant=False, context_fn=_recomputed)
     full = gathered(x)
     shard = Shard(dim, chunks, units, of, groups)
-    return activations.remember(full, x, lambda piece: gather_values(piece, shard, size, world, group, where))
+    return activations.remember(full, x, lambda piece: start_gather(piece, shard, size, world, group, where))
 
 
 def _recomputed():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -116,20 +117,39 @@ def failure(op: str, what: str, group: str, exc: Exception) -> CollectiveError:
 
 
 def _gathered(x: torch.Tensor, world: int, group: str) -> torch.Tensor:
+    return _start_gather(x, world, group)()
+
+
+def _start_gather(x: torch.Tensor, world: int, group: str) -> Callable[[], torch.Tensor]:
     gloo = _eager_gloo(group)
     if gloo is None:
-        return _c10d.wait_tensor(_c10d.all_gather_into_tensor(x, world, group))
+        started = _c10d.all_gather_into_tensor(x, world, group)
+        return lambda: _c10d.wait_tensor(started)
     out = x.new_empty(world * x.shape[0], *x.shape[1:])
-    wait(dist.all_gather_single(out, x, group=_resolve_process_group(group), async_op=True), gloo)
-    return out
+    work = dist.all_gather_single(out, x, group=_resolve_process_group(group), async_op=True)
+    return lambda: (wait(work, gloo), out)[1]
 
 
 def all_gather(x: torch.Tensor, world: int, group: str, where: str) -> torch.Tensor:
     """Every rank's ``x`` (contiguous), concatenated along dim 0."""
+    return start_all_gather(x, world, group, where)()
+
+
+def start_all_gather(x: torch.Tensor, world: int, group: str, where: str) -> Callable[[], torch.Tensor]:
+    """Issue ``all_gather`` now; the function returned waits for it and returns its result (eager programs issue
+    a collective early where independent compute can run before its first use)."""
     try:
-        return _gathered(x, world, group)
+        finish = _start_gather(x, world, group)
     except Exception as exc:
         raise failed("all_gather", x, where, exc, group) from exc
+
+    def waited() -> torch.Tensor:
+        try:
+            return finish()
+        except Exception as exc:
+            raise failed("all_gather", x, where, exc, group) from exc
+
+    return waited
 
 
 def all_reduce(x: torch.Tensor, group: str, where: str) -> torch.Tensor:

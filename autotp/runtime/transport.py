@@ -154,11 +154,11 @@ def start_all_gather(x: torch.Tensor, world: int, group: str, where: str) -> Cal
 
 def all_reduce(x: torch.Tensor, group: str, where: str) -> torch.Tensor:
     """The sum over ranks, as a fresh tensor: callers may add into it in place."""
-    gloo = _gloo.get(group)
+    gloo = _eager_gloo(group)  # compiled: the functional op (sizes may be symbolic)
     try:
         if gloo and x.numel() * x.element_size() * gloo.world <= ONE_SHOT_BYTES:
             return _gathered(x.reshape(-1).contiguous(), gloo.world, group).view(gloo.world, *x.shape).sum(0)
-        if _eager_gloo(group):
+        if gloo:
             out = x.clone(memory_format=torch.contiguous_format)
             wait(dist.all_reduce(out, group=_resolve_process_group(group), async_op=True), gloo)
             return out

@@ -1,6 +1,8 @@
 """One graph under every option: ``torch.compile(sharded, fullgraph=True)`` with inductor on the CPU compiles
-the sharded program without a break and trains exactly as one process does, over 3 steps, on 2 gloo ranks.
-Compiles are slow on the CPU: the default tier runs sequence parallelism, the other options are in the slow tier."""
+the sharded program without a break and trains exactly as one process does, over 3 steps, on 2 gloo ranks
+(4 for meshes): sequence parallelism, selective and full recomputation, dropout, expert TP, FSDP2 units compiled
+per block, pipeline stages compiled each.  Compiles are slow on the CPU: the default tier runs sequence
+parallelism, the other options are in the slow tier."""
 
 from __future__ import annotations
 
@@ -148,3 +150,34 @@ def _fsdp_blocks(rank: int, world: int, reference: tuple) -> None:
 def test_fsdp2_units_compiled_per_block_train_exactly():
     reference = training.trained_in_one_process(lambda: training.llama(layers=2))
     run_ranks(4, _fsdp_blocks, reference)
+
+
+def _pipeline_stages(rank: int, world: int, reference: tuple) -> int:
+    """PP 2 x TP 2, 2 micro-batches (1F1B): each stage's program compiled as one graph; every step's loss (the last
+    stage) and the trained parameters equal one process's."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    losses, params = reference
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    x, y = training.batch()
+    pipelined = autotp.parallelize(training.llama(), (x,), mesh=mesh, loss_fn=training.token_loss, microbatches=2)
+    for stage in pipelined.modules.values():
+        stage.compile(fullgraph=True)
+    optimizer, found = training.adamw(pipelined.parameters()), []
+    for _ in range(training.STEPS):
+        per_microbatch: list = []
+        pipelined.step(x, target=y, losses=per_microbatch)
+        optimizer.step()
+        optimizer.zero_grad()
+        found += [torch.stack(per_microbatch).mean().item()] if per_microbatch else []
+    if found:  # the last stage
+        torch.testing.assert_close(torch.tensor(found), torch.tensor(losses), **TOL)
+    trained = pipelined.full_state_dict()
+    for name, value in params.items():
+        torch.testing.assert_close(trained[name], torch.from_numpy(value), **TOL, msg=name)
+    return len(found)
+
+
+@pytest.mark.slow  # the default tier compiles sequence parallelism above
+def test_pipeline_stages_compile_as_one_graph_each_and_train_exactly():
+    assert run_ranks(4, _pipeline_stages, training.trained_in_one_process()) == [0, 0, training.STEPS, training.STEPS]

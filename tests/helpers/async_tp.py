@@ -7,6 +7,7 @@ standing for one rank of ``world``; the copy is counted, the compiled program it
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections import Counter
 from unittest import mock
@@ -27,7 +28,7 @@ class _CountFusions(CustomGraphPass):
     """Inductor's post-grad custom pass: the micro-pipeline TP pass on a copy, its fused ops counted per graph."""
 
     def __init__(self):
-        self.graphs: list[tuple[str, Counter]] = []
+        self.totals: dict = {"forward": Counter(), "backward": Counter()}
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         import torch.distributed._symmetric_memory as symm_mem
@@ -40,24 +41,30 @@ class _CountFusions(CustomGraphPass):
         ):
             micro_pipeline_tp.micro_pipeline_tp_pass(copied)
         fused = Counter({name: sum(n.target is op for n in copied.nodes) for name, op in FUSED.items()})
-        self.graphs.append(("backward" if micro_pipeline_tp._is_backward(graph) else "forward", fused))
+        self.totals["backward" if micro_pipeline_tp._is_backward(graph) else "forward"].update(fused)
 
     def uuid(self) -> None:  # never cached: every compile runs it
         return None
 
 
-def fused_pairs(module: torch.nn.Module, x: torch.Tensor) -> dict:
-    """{"forward": Counter, "backward": Counter} of the collective-matmul pairs the pass fuses in the graphs of one
-    compiled training step of ``module`` (graph breaks allowed: every graph counts)."""
+@contextlib.contextmanager
+def counting_compile(module: torch.nn.Module):
+    """Within: (``torch.compile(module)``, {"forward": Counter, "backward": Counter}), the pairs the pass fuses in
+    every graph compiled meanwhile (graph breaks allowed: every graph counts; a backward compiles at its first
+    run)."""
     counting = _CountFusions()
     torch._dynamo.reset()
     with torch._inductor.config.patch(post_grad_custom_post_pass=counting, fx_graph_cache=False):
-        out = torch.compile(module)(x)
+        yield torch.compile(module), counting.totals
+
+
+def fused_pairs(module: torch.nn.Module, x: torch.Tensor) -> dict:
+    """{"forward": Counter, "backward": Counter} of the collective-matmul pairs the pass fuses in the graphs of one
+    compiled training step of ``module``."""
+    with counting_compile(module) as (compiled, totals):
+        out = compiled(x)
         out = getattr(out, "logits", out)
         (out.full_tensor() if hasattr(out, "full_tensor") else out).float().square().mean().backward()
-    totals: dict = {"forward": Counter(), "backward": Counter()}
-    for phase, fused in counting.graphs:
-        totals[phase].update(fused)
     return totals
 
 

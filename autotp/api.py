@@ -35,7 +35,7 @@ from autotp.runtime.hf_models import default_inputs
 from autotp.runtime.materialize import materialize
 from autotp.runtime.programs import InputStructureError, install
 from autotp.runtime.rendezvous import InputCheck, RandomCheck, Rendezvous, inputs_digest
-from autotp.runtime.transport import register
+from autotp.runtime.transport import enable_async_tp, register
 
 
 def plan(model: torch.nn.Module, args=None, kwargs=None, *, world_size: int, fold: bool = True, **options) -> Plan:
@@ -86,6 +86,8 @@ def tensor_parallel(
     if fill and (source is not None or running.init_seed is not None):  # load
         materialize(sharded, ranks.device, checkpoint=source, seed=running.init_seed)
     ranks.planners.agree("loaded", "ok", "the end of loading")
+    if running.async_tp:
+        enable_async_tp(ranks.group, ranks.device)
     if running.check_inputs:
         InputCheck(ranks.everyone, every_call=running.check_inputs == "always").attach(sharded)
         if dropouts:

@@ -136,6 +136,11 @@ class RunOptions:
     dropout: str = "default"
     """How dropout masks are drawn: "default" (Megatron's model-parallel streams) or "reference" (each rank its
     piece of the masks one process draws; for tests)."""
+    async_tp: bool = False
+    """Asynchronous TP under torch.compile: turn on inductor's micro-pipeline TP pass (all-gathers and
+    reduce-scatters fused with their matmuls, each split into per-rank chunks that overlap) and, on CUDA, symmetric
+    memory for this group, which the fused ops need.  The program's collectives are always in the form the pass
+    fuses; eager programs and other devices run as without it."""
     recaptures: int = 8
     """Programs kept for inputs of a new structure (another BlockMask length, a length a shape guard of the
     capture excluded), each captured and planned again over the group, sharing the parameters; 0 refuses such

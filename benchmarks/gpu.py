@@ -6,7 +6,9 @@ One GPU gives one NCCL rank, so this checks what a single GPU can: autotp's emit
 safetensors shards and `torch.compile` on CUDA (exactness against the model itself, fp32, TF32 off),
 greedy generation, and the cost model's compute figures against measured products (bf16 matrix
 products at the per-rank shapes of TP-8 layouts; a whole TP-8 rank of a LLaMA-3-8B-shaped model, step
-time measured against `plan.cost["seconds"]`).  Multi-rank exactness is the gloo test suite's job.
+time measured against `plan.cost["seconds"]`; with ``--sections training``, benchmarks/gpu_training.py: a TP-8
+rank's sequence-parallel slice compiled on a fake process group, its MFU and the fused ``symm_mem`` ops).
+Multi-rank exactness is the gloo test suite's job.
 Each section runs on its own: a failure is printed and the next section runs.  The card found sets the floors
 (its profile's HBM bandwidth and bf16 peak: H100 3.35 TB/s, H200 4.8 TB/s).  gpu_ranks.py holds the sections with
 more processes: ``autotp serve`` on NCCL, and two ranks on one GPU over gloo; gpu_serving.py the decode speed of
@@ -352,12 +354,14 @@ LOCAL = ("environment", "matmuls", "exactness", "moe", "roofline", "experts")
 def main() -> None:
     import gpu_ranks
     import gpu_serving
+    import gpu_training
 
     sections = {
         **{name: globals()[name] for name in LOCAL},
         "serve": gpu_ranks.serve,
         "two_ranks_gloo_cuda": gpu_ranks.two_ranks_gloo_cuda,
         "serving": gpu_serving.serving,
+        "training": gpu_training.training,
     }
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None)

@@ -2,6 +2,7 @@
 autotp against a torchtitan-style hand-written DTensor plan of the same model, same mesh, same batch, in one run.
 
     python benchmarks/train.py [--layers 8] [--hidden 256] [--seq 128] [--batch 8] [--repeats 10] [--runs 3]
+                               [--compile]
 
 The hand-written plan is Megatron's, as torchtitan writes it for LLaMA (without sequence parallelism):
 ``parallelize_module`` with q/k/v and gate/up ``ColwiseParallel``, o/down ``RowwiseParallel``, the embedding
@@ -16,6 +17,9 @@ Memory: after a warm-up step (the optimizer state exists), one step under
 its breakdown, and the planner's estimate for the same layout (``autotp.plan_mesh``'s per-device pricing).
 Time: the runners alternate step by step, medians per run.  Every run (``--runs``, fresh processes) prints its
 numbers, then the range over runs.  Both start from the same weights; their first losses are checked equal.
+``--compile``: every runner compiled per block as torchtitan compiles (``torch.compile(block, fullgraph=True)``):
+the hand-written plan's blocks before ``fully_shard``, autotp's FSDP units (``sharded.autotp_units``) after
+``parallelize``.
 """
 
 from __future__ import annotations
@@ -39,8 +43,9 @@ from examples.train import build, global_batch, loss_fn, parse
 KINDS = ("Parameter", "Gradient", "Optstate", "Activation", "Temp", "Buffer")
 
 
-def hand_written(model: torch.nn.Module, mesh) -> torch.nn.Module:
-    """torchtitan's LLaMA plan on the "tp" dimension, FSDP2 per block and at the root on "dp", with prefetch."""
+def hand_written(model: torch.nn.Module, mesh, compiled: bool = False) -> torch.nn.Module:
+    """torchtitan's LLaMA plan on the "tp" dimension, FSDP2 per block and at the root on "dp", with prefetch;
+    ``compiled``: each block compiled before ``fully_shard``, as torchtitan's ``apply_compile``."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -68,6 +73,8 @@ def hand_written(model: torch.nn.Module, mesh) -> torch.nn.Module:
                 "mlp.down_proj": RowwiseParallel(),
             },
         )
+        if compiled:
+            block.compile(fullgraph=True)
         fully_shard(block, mesh=mesh["dp"])
     for before, after in itertools.pairwise(blocks):
         before.set_modules_to_forward_prefetch([after])
@@ -98,7 +105,14 @@ def _peak(model, optimizer, x, y) -> dict:
     return {"Total": peak["Total"], **{k: peak.get(k, 0) for k in KINDS}}
 
 
-def run(rank: int, world: int, o: argparse.Namespace, repeats: int) -> dict:
+def compiled_units(sharded: torch.nn.Module) -> torch.nn.Module:
+    """autotp's FSDP units (one per block) each compiled on its own, as torchtitan compiles its blocks."""
+    for path in sharded.autotp_units:
+        sharded.get_submodule(path).compile(fullgraph=True)
+    return sharded
+
+
+def run(rank: int, world: int, o: argparse.Namespace, repeats: int, compiled: bool = False) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     import autotp
@@ -111,13 +125,18 @@ def run(rank: int, world: int, o: argparse.Namespace, repeats: int) -> dict:
     runners = {
         "autotp": autotp.parallelize(build(o), (x,), mesh=mesh),
         "autotp, plain c10d": plain,
-        "hand-written": hand_written(build(o), mesh),
+        "hand-written": hand_written(build(o), mesh, compiled),
     }
+    if compiled:
+        runners["autotp"], runners["autotp, plain c10d"] = (
+            compiled_units(runners[k]) for k in ("autotp", "autotp, plain c10d")
+        )
     optimizers = {name: torch.optim.AdamW(m.parameters(), lr=o.lr) for name, m in runners.items()}
     first = {name: _step(m, optimizers[name], x, y)[1] for name, m in runners.items()}
     if any(abs(loss - first["hand-written"]) > 1e-4 * abs(first["hand-written"]) + 1e-5 for loss in first.values()):
         raise AssertionError(f"the runners disagree on the first loss: {first}")
-    peaks = {name: _peak(m, optimizers[name], x, y) for name, m in runners.items()}
+    # MemTracker is a dispatch mode, which compiled code refuses: compiled runs report time only
+    peaks = {name: _peak(m, optimizers[name], x, y) for name, m in runners.items()} if not compiled else None
     times: dict = {name: [] for name in runners}
     for _ in range(repeats):
         for name, m in runners.items():
@@ -144,6 +163,7 @@ def main(argv=None) -> dict:
     p.add_argument("--batch", type=int, default=8, help="global batch (half per DP replica)")
     p.add_argument("--repeats", type=int, default=10, help="timed steps per runner and run")
     p.add_argument("--runs", type=int, default=1, help="fresh 4-rank runs (the spread over them is printed)")
+    p.add_argument("--compile", action="store_true", help="every runner compiled per block (torchtitan's way)")
     a = p.parse_args(argv)
     o = parse(
         [
@@ -168,25 +188,32 @@ def main(argv=None) -> dict:
     print(f"{describe('gloo, 4 local ranks')}; {datetime.date.today()}")
     print(
         f"TP 2 x DP 2, LLaMA {a.layers} layers hidden {a.hidden} vocab 1024, global batch {a.batch} x {a.seq}, "
-        "one AdamW step"
+        "one AdamW step" + (", compiled per block" if a.compile else "")
     )
     ratios: dict = {"memory": [], "time": [], "time (plain c10d)": []}
     for k in range(a.runs):
-        results = run_local(4, run, o, a.repeats, timeout=600)
-        names = list(results[0]["peaks"])
-        peak = {n: max(r["peaks"][n]["Total"] for r in results) for n in names}
+        results = run_local(4, run, o, a.repeats, a.compile, timeout=900)
+        names = list(results[0]["times"])
         step = {n: statistics.median(r["times"][n] for r in results) for n in names}
         for n in names:
+            if results[0]["peaks"] is None:
+                print(f"run {k + 1}: {n:20s} step {step[n] * 1e3:7.1f} ms (median of {a.repeats})")
+                continue
+            peak = max(r["peaks"][n]["Total"] for r in results)
             top = max(results, key=lambda r, n=n: r["peaks"][n]["Total"])["peaks"][n]
             parts = ", ".join(f"{kind.lower()} {top[kind] / 2**20:.2f}" for kind in KINDS if top[kind])
             print(
-                f"run {k + 1}: {n:20s} peak {peak[n] / 2**20:7.2f} MiB ({parts}), step {step[n] * 1e3:7.1f} ms "
+                f"run {k + 1}: {n:20s} peak {peak / 2**20:7.2f} MiB ({parts}), step {step[n] * 1e3:7.1f} ms "
                 f"(median of {a.repeats})"
             )
-        ratios["memory"].append(peak["autotp"] / peak["hand-written"])
+        if results[0]["peaks"] is not None:
+            peaks = {n: max(r["peaks"][n]["Total"] for r in results) for n in ("autotp", "hand-written")}
+            ratios["memory"].append(peaks["autotp"] / peaks["hand-written"])
         ratios["time"].append(step["autotp"] / step["hand-written"])
         ratios["time (plain c10d)"].append(step["autotp, plain c10d"] / step["hand-written"])
     for what, values in ratios.items():
+        if not values:  # memory, when compiled
+            continue
         print(f"autotp / hand-written {what}: {min(values):.2f}x .. {max(values):.2f}x over {a.runs} run(s)")
     print(f"planner's estimate for this layout: {_estimate(o) / 2**20:.2f} MiB per device (fp32 AdamW)")
     return ratios

@@ -114,6 +114,23 @@ def test_every_cost_function_takes_a_topology_as_parallelize_does():
             call("dgx-h1000")
 
 
+def test_a_fused_collective_matmul_costs_the_longer_of_the_two_plus_a_tail():
+    """Asynchronous TP (one chunk per rank): max(collective, product) + min / n + (n - 1) NVLink steps; no faster
+    than the longer of the two, slower than their sum only where a chunk is shorter than a step."""
+    from autotp.cost_models.communication import fused_time
+
+    topo = load_topology("dgx-h100")
+    gather = collective_time("all_gather", 64 * 2**20, 8, topo)  # 64 MiB of tokens to 8 H100s
+    product = product_time(8192, 4096, 4096, topo)  # the column-parallel product they feed
+    fused = fused_time(gather, product, 8, topo)
+    assert fused == pytest.approx(max(gather, product) + min(gather, product) / 8 + 7 * topo.intra_step_latency_s)
+    assert max(gather, product) < fused < gather + product
+    assert fused_time(gather, product, 1, topo) == gather + product
+    tiny = 1e-7  # chunks shorter than a step: fusing does not pay
+    assert fused_time(tiny, tiny, 8, topo) > 2 * tiny
+    assert fused_time(gather, product, 8, "dgx-h100") == fused
+
+
 def test_roofline_compute():
     """Elementwise ops are priced by their bytes; a product that moves more than it computes, by its bytes too."""
     topo = load_topology("dgx-h100")

@@ -89,6 +89,21 @@ def collective_time(op: str, nbytes: float, group_size: int, topology: Topology 
     return _intra(op, nbytes, per_node, topology) + _inter(op, nbytes, nodes, topology)
 
 
+def fused_time(collective_s: float, product_s: float, group_size: int, topology: Topology | str | Path | None) -> float:
+    """Seconds of an all-gather fused with the product that reads it, or of a product fused with the
+    reduce-scatter of its output (asynchronous TP: inductor's micro-pipeline TP pass, the decomposition in
+    ``torch.distributed._symmetric_memory``): the product is cut into one chunk per rank and each chunk's transfer
+    overlaps another chunk's product, so the longer of the two runs whole, the shorter's first (all-gather) or
+    last (reduce-scatter) chunk does not overlap, and each of the n - 1 chunks handed over pays one NVLink step
+    latency (the profile's ``intra_step_latency_s``, NCCL's figure).  Only even pieces in rank order fuse
+    (runtime/collectives.py ``in_rank_order``): a padded collective costs ``collective_s + product_s``."""
+    topology = load_topology(topology)
+    if group_size <= 1:
+        return collective_s + product_s
+    tail = min(collective_s, product_s) / group_size + (group_size - 1) * topology.intra_step_latency_s
+    return max(collective_s, product_s) + tail
+
+
 def measured_time(measured: dict, bus_bytes: float) -> float:
     """Seconds for ``bus_bytes`` (bytes x the ring's bandwidth factor) from a calibrated collective: read
     log-log between its measured sizes ("points"), the largest size's bandwidth above them and the smallest

@@ -14,13 +14,16 @@ fails or outlives the process group's timeout raises a ``CollectiveError`` namin
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch.fx import Node
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from autotp.placement import Partial, Replicate, Routed, Shard, assemble, take_local
 from autotp.runtime import activations
-from autotp.runtime.transport import all_gather, failed, pad
 from autotp.runtime.transport import all_reduce as all_reduce_sum
+from autotp.runtime.transport import failed, pad, start_all_gather
 
 _c10d = torch.ops._c10d_functional
 
@@ -29,13 +32,39 @@ def _lengths(shard: Shard, size: int, world: int) -> list[int]:
     return [shard.local_size(size, r, world) for r in range(world)]
 
 
+def in_rank_order(shard: Shard, size: int, world: int) -> bool:
+    """Rank r's piece is the r-th of ``world`` equal blocks: gathered and scattered without pads or reordering,
+    in the form inductor's micro-pipeline TP pass fuses with the adjacent matmul (all-gather, wait, split, cat
+    into the product; the product, split, cat into the reduce-scatter).  Uneven pieces are padded: not fused."""
+    if size % world:
+        return False
+    n = size // world
+    return all(shard.ranges(size, r, world) == [(r * n, n)] for r in range(world))
+
+
 def gather_values(x: torch.Tensor, shard: Shard, size: int, world: int, group: str, where: str) -> torch.Tensor:
     """The full tensor from every rank's piece (owners' pieces for grouped shards)."""
+    return start_gather(x, shard, size, world, group, where)()
+
+
+def start_gather(
+    x: torch.Tensor, shard: Shard, size: int, world: int, group: str, where: str
+) -> Callable[[], torch.Tensor]:
+    """``gather_values`` issued now; the function returned waits for it and puts the pieces together."""
+    if in_rank_order(shard, size, world):  # the pieces stacked on dim 0, then side by side along the dim
+        stacked = start_all_gather(x.contiguous(), world, group, where)
+        if shard.dim == 0:
+            return stacked
+        return lambda: torch.cat(stacked().chunk(world), shard.dim)
     lengths = _lengths(shard, size, world)
     moved = pad(x.movedim(shard.dim, 0), max(lengths)).contiguous()
-    gathered = all_gather(moved, world, group, where)
-    parts = [p[:n].movedim(0, shard.dim) for p, n in zip(gathered.chunk(world, 0), lengths, strict=True)]
-    return assemble(parts, shard, size)  # concatenated along the dim itself: contiguous, like the input
+    started = start_all_gather(moved, world, group, where)
+
+    def assembled() -> torch.Tensor:
+        parts = [p[:n].movedim(0, shard.dim) for p, n in zip(started().chunk(world, 0), lengths, strict=True)]
+        return assemble(parts, shard, size)  # concatenated along the dim itself: contiguous, like the input
+
+    return assembled
 
 
 def _embed(x: torch.Tensor, shard: Shard, size: int, rank: int, world: int) -> torch.Tensor:
@@ -61,13 +90,17 @@ def _reduce_scatter(
     x: torch.Tensor, shard: Shard, size: int, rank: int, world: int, group: str, where: str
 ) -> torch.Tensor:
     lengths = _lengths(shard, size, world)
-    moved = x.movedim(shard.dim, 0)
-    pieces = [pad(take_local(moved, shard.at(0), r, world), max(lengths)) for r in range(world)]
+    even = in_rank_order(shard, size, world)
+    if even:  # the ranks' blocks stacked on dim 0 straight from the product
+        stacked = x.contiguous() if shard.dim == 0 else torch.cat(x.chunk(world, shard.dim))
+    else:
+        moved = x.movedim(shard.dim, 0)
+        stacked = torch.cat([pad(take_local(moved, shard.at(0), r, world), max(lengths)) for r in range(world)])
     try:
-        out = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(torch.cat(pieces).contiguous(), "sum", world, group))
+        out = _c10d.wait_tensor(_c10d.reduce_scatter_tensor(stacked.contiguous(), "sum", world, group))
     except Exception as exc:
         raise failed("reduce_scatter", x, where, exc, group) from exc
-    return out[: lengths[rank]].movedim(0, shard.dim).contiguous()
+    return out if even else out[: lengths[rank]].movedim(0, shard.dim).contiguous()
 
 
 def _owners_share(local: torch.Tensor, shard: Shard, size: int, rank: int, world: int) -> torch.Tensor:
@@ -251,14 +284,26 @@ def gather_reduce_backward(x, dim, chunks, units, of, groups, size, rank, world,
 
 def gather_tokens(x, dim, chunks, units, of, groups, size, rank, world, group, where, reduce_backward):
     """A gather along a token dim (sequence parallelism): an op that saves the result for its backward
-    keeps this rank's tokens instead (autotp.runtime.activations)."""
-    full = (gather_reduce_backward if reduce_backward else gather)(
-        x, dim, chunks, units, of, groups, size, rank, world, group, where
-    )
-    if _no_grad() or torch.compiler.is_compiling():  # compiled: the compiler decides what its backward keeps
-        return full
+    keeps this rank's tokens instead.  Eager: saved-tensor hooks (autotp.runtime.activations); compiled: the
+    gather is marked must-recompute, as SimpleFSDP marks its parameter gathers, so the partitioner keeps the
+    piece and gathers again in the backward (one graph, no hooks)."""
+    collective = gather_reduce_backward if reduce_backward else gather
+
+    def gathered(piece: torch.Tensor) -> torch.Tensor:
+        return collective(piece, dim, chunks, units, of, groups, size, rank, world, group, where)
+
+    if _no_grad():
+        return gathered(x)
+    if torch.compiler.is_compiling():
+        return checkpoint(gathered, x, use_reentrant=False, context_fn=_recomputed)
+    full = gathered(x)
     shard = Shard(dim, chunks, units, of, groups)
-    return activations.remember(full, x, lambda piece: gather_values(piece, shard, size, world, group, where))
+    return activations.remember(full, x, lambda piece: start_gather(piece, shard, size, world, group, where))
+
+
+def _recomputed():
+    """Selective-checkpoint contexts that recompute every op of the region (a token gather) in the backward."""
+    return create_selective_checkpoint_contexts(lambda ctx, op, *args, **kwargs: CheckpointPolicy.MUST_RECOMPUTE)
 
 
 def scatter(x, dim, chunks, units, of, groups, size, rank, world, group, where):

@@ -7,7 +7,9 @@ input is split, each rank draws its own piece from a stream of its own (Megatron
 + 2718 + rank), so the pieces together are one mask of independent parts; ranks that hold the same piece (heads
 shared by neighbouring ranks) share its stream.  The stream is forked for each op from one number drawn from the
 default CPU generator: every rank's default generators stay in step, torch.utils.checkpoint's restore of them
-makes a recomputed op draw the same mask again, and ``torch.manual_seed`` decides every mask.
+makes a recomputed op draw the same mask again, and ``torch.manual_seed`` decides every mask.  The fork is a
+custom op taking that number as a tensor (``stream_keep``), so torch.compile keeps the program one graph; a split
+attention's probabilities are masked by SDPA's math kernel with that keep-mask (its fused kernels draw inside).
 
 Reference mode (for tests): every rank draws the whole mask one process draws for the same seed, in the same
 memory order, and keeps its own piece, so the program equals one process exactly, at N times the mask memory.
@@ -32,14 +34,32 @@ def _default_generator(device: torch.device) -> torch.Generator:
     return module.default_generators[device.index if device.index is not None else module.current_device()]
 
 
-@torch.compiler.disable  # re-seeding and restoring generators: eager, also inside a compiled program
-def on_own_stream(key: int, device: torch.device, fn, *args, **kwargs):
-    """``fn(*args, **kwargs)`` on this rank's stream ``key``: the default generator of ``device`` re-seeded
-    from one draw of the default CPU generator (the same draw on every rank) plus the key, and restored after."""
-    seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
+def stream_seed() -> torch.Tensor:
+    """One draw of the default CPU generator (the same on every rank; torch.utils.checkpoint's restore draws it
+    again): the seed a split op's stream is forked from.  A tensor, so a compiled graph takes it as a value."""
+    return torch.randint(0, 2**62, (), dtype=torch.int64)
+
+
+@torch.library.custom_op("autotp::stream_keep", mutates_args=())
+def stream_keep(like: torch.Tensor, p: float, seed: torch.Tensor, key: int) -> torch.Tensor:
+    """Dropout's keep-mask for ``like`` (drawn in ``like``'s memory order, as dropout draws it) on this rank's
+    stream ``key``: the default generator of ``like``'s device re-seeded with ``seed`` plus the key, and restored
+    after.  A custom op, so torch.compile traces it as one opaque call (its seed a graph value) where generator
+    forks would break the graph; a boolean, so what the backward keeps is one byte an element."""
+    device = like.device
     with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device], device_type=device.type):
-        _default_generator(device).manual_seed(seed + STREAM_OFFSET + key)
-        return fn(*args, **kwargs)
+        _default_generator(device).manual_seed(int(seed) + STREAM_OFFSET + key)
+        return F.dropout(torch.ones_like(like), p, True) != 0
+
+
+@stream_keep.register_fake
+def _(like, p, seed, key):
+    return torch.empty_like(like, dtype=torch.bool)
+
+
+def on_own_stream(x: torch.Tensor, p: float, key: int) -> torch.Tensor:
+    """Dropout of ``x`` with its mask drawn on this rank's stream ``key``."""
+    return x * stream_keep(x.detach(), p, stream_seed(), key) * (1 / (1 - p))
 
 
 def _ones(shape: list, order: tuple, like: torch.Tensor) -> torch.Tensor:
@@ -72,16 +92,23 @@ class Dropout(torch.nn.Module):
             return x * (take_local(noise, self.layout, self.rank, self.world) if self.layout is not None else noise)
         if self.layout is None:
             return F.dropout(x, self.p, True)
-        return on_own_stream(self.key, x.device, F.dropout, x, self.p, True)
+        return on_own_stream(x, self.p, self.key)
 
     def extra_repr(self) -> str:
         return f"p={self.p}, split={self.layout}, reference={self.reference}"
 
 
+def _math(q, k, v, mask, p: float, causal: bool, keep: torch.Tensor, scale, gqa: bool) -> torch.Tensor:
+    """SDPA's math kernel with a given keep-mask of the probabilities."""
+    if mask is not None and mask.dtype == torch.bool:  # as SDPA hands a boolean mask to its math kernel
+        mask = torch.where(mask, 0.0, float("-inf")).to(q.dtype)
+    return aten._scaled_dot_product_attention_math(q, k, v, mask, p, causal, keep, scale=scale, enable_gqa=gqa)[0]
+
+
 class Attention(torch.nn.Module):
     """scaled_dot_product_attention with dropout_p in this rank's form (its heads ``layout`` of ``heads``, or all
-    of them): forked onto this rank's stream where split; in reference mode the math kernel with this rank's heads
-    of the keep-mask one process draws.  Without dropout in eval mode."""
+    of them): the math kernel with a keep-mask from this rank's stream where split; in reference mode the math
+    kernel with this rank's heads of the keep-mask one process draws.  Without dropout in eval mode."""
 
     def __init__(
         self,
@@ -107,25 +134,11 @@ class Attention(torch.nn.Module):
             keep = F.dropout(q.new_ones(b, self.heads, sq, k.shape[-2]), p, True) != 0
             if self.layout is not None:
                 keep = take_local(keep, self.layout, self.rank, self.world)
-            if mask is not None and mask.dtype == torch.bool:  # as SDPA hands a boolean mask to its math kernel
-                mask = torch.where(mask, 0.0, float("-inf")).to(q.dtype)
-            return aten._scaled_dot_product_attention_math(
-                q, k, v, mask, p, self.causal, keep, scale=self.scale, enable_gqa=self.gqa
-            )[0]
-        if p and self.layout is not None:
-            return on_own_stream(
-                self.key,
-                q.device,
-                F.scaled_dot_product_attention,
-                q,
-                k,
-                v,
-                mask,
-                p,
-                self.causal,
-                scale=self.scale,
-                enable_gqa=self.gqa,
-            )
+            return _math(q, k, v, mask, p, self.causal, keep, self.scale, self.gqa)
+        if p and self.layout is not None:  # the probabilities' keep-mask on this rank's stream, as SDPA's math draws it
+            b, heads, sq, _ = q.shape
+            keep = stream_keep(q.new_empty(b, heads, sq, k.shape[-2]), p, stream_seed(), self.key)
+            return _math(q, k, v, mask, p, self.causal, keep, self.scale, self.gqa)
         return F.scaled_dot_product_attention(q, k, v, mask, p, self.causal, scale=self.scale, enable_gqa=self.gqa)
 
     def extra_repr(self) -> str:

@@ -234,8 +234,12 @@ class InputCheck:
     def attach(self, module: torch.nn.Module) -> None:
         self.handle = module.register_forward_pre_hook(self, with_kwargs=True)
 
-    @torch.compiler.disable  # store traffic and hashing run eagerly, before the compiled program
     def __call__(self, module, args, kwargs) -> None:
+        if not torch.compiler.is_compiling():  # traced inside a caller's graph (checkpoint of the program): skipped
+            self._agree(args, kwargs)
+
+    @torch.compiler.disable  # store traffic and hashing run eagerly, before the compiled program
+    def _agree(self, args, kwargs) -> None:
         self.calls += 1
         if not self.every_call:
             self.handle.remove()
@@ -270,8 +274,12 @@ class RandomCheck:
     def attach(self, module: torch.nn.Module) -> None:
         self.handle = module.register_forward_pre_hook(self)
 
-    @torch.compiler.disable
     def __call__(self, module, args) -> None:
+        if not torch.compiler.is_compiling():  # as InputCheck
+            self._agree()
+
+    @torch.compiler.disable
+    def _agree(self) -> None:
         if not any(m.training for m in self.dropouts):
             return
         self.calls += 1

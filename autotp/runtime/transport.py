@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -71,6 +72,18 @@ def unregister(group: dist.ProcessGroup) -> None:
     _gloo.pop(group.group_name, None)
 
 
+def enable_async_tp(group: dist.ProcessGroup, device: torch.device) -> None:
+    """Inductor's micro-pipeline TP pass on (a process-wide compiler setting, as torchtitan sets it), and on CUDA
+    symmetric memory for ``group``: the fused all-gather-matmul and matmul-reduce-scatter ops run over it."""
+    from torch._inductor import config
+
+    config._micro_pipeline_tp = True
+    if device.type == "cuda":
+        from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+        enable_symm_mem_for_group(group.group_name)
+
+
 def _eager_gloo(group: str) -> Gloo | None:
     gloo = _gloo.get(group)
     return None if gloo is None or torch.compiler.is_compiling() else gloo
@@ -104,29 +117,48 @@ def failure(op: str, what: str, group: str, exc: Exception) -> CollectiveError:
 
 
 def _gathered(x: torch.Tensor, world: int, group: str) -> torch.Tensor:
+    return _start_gather(x, world, group)()
+
+
+def _start_gather(x: torch.Tensor, world: int, group: str) -> Callable[[], torch.Tensor]:
     gloo = _eager_gloo(group)
     if gloo is None:
-        return _c10d.wait_tensor(_c10d.all_gather_into_tensor(x, world, group))
+        started = _c10d.all_gather_into_tensor(x, world, group)
+        return lambda: _c10d.wait_tensor(started)
     out = x.new_empty(world * x.shape[0], *x.shape[1:])
-    wait(dist.all_gather_single(out, x, group=_resolve_process_group(group), async_op=True), gloo)
-    return out
+    work = dist.all_gather_single(out, x, group=_resolve_process_group(group), async_op=True)
+    return lambda: (wait(work, gloo), out)[1]
 
 
 def all_gather(x: torch.Tensor, world: int, group: str, where: str) -> torch.Tensor:
     """Every rank's ``x`` (contiguous), concatenated along dim 0."""
+    return start_all_gather(x, world, group, where)()
+
+
+def start_all_gather(x: torch.Tensor, world: int, group: str, where: str) -> Callable[[], torch.Tensor]:
+    """Issue ``all_gather`` now; the function returned waits for it and returns its result (eager programs issue
+    a collective early where independent compute can run before its first use)."""
     try:
-        return _gathered(x, world, group)
+        finish = _start_gather(x, world, group)
     except Exception as exc:
         raise failed("all_gather", x, where, exc, group) from exc
+
+    def waited() -> torch.Tensor:
+        try:
+            return finish()
+        except Exception as exc:
+            raise failed("all_gather", x, where, exc, group) from exc
+
+    return waited
 
 
 def all_reduce(x: torch.Tensor, group: str, where: str) -> torch.Tensor:
     """The sum over ranks, as a fresh tensor: callers may add into it in place."""
-    gloo = _gloo.get(group)
+    gloo = _eager_gloo(group)  # compiled: the functional op (sizes may be symbolic)
     try:
         if gloo and x.numel() * x.element_size() * gloo.world <= ONE_SHOT_BYTES:
             return _gathered(x.reshape(-1).contiguous(), gloo.world, group).view(gloo.world, *x.shape).sum(0)
-        if _eager_gloo(group):
+        if gloo:
             out = x.clone(memory_format=torch.contiguous_format)
             wait(dist.all_reduce(out, group=_resolve_process_group(group), async_op=True), gloo)
             return out

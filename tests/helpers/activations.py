@@ -16,7 +16,7 @@ def saved_bytes(module: torch.nn.Module, *inputs) -> int:
     seen: dict = {}
 
     def count(stored):
-        tensor = stored if isinstance(stored, torch.Tensor) else stored[0][0]  # regather: ([piece, ...], ...)
+        tensor = stored if isinstance(stored, torch.Tensor) else stored[0].piece  # regather: (_Kept, size, ...)
         storage = tensor.untyped_storage()
         if storage.data_ptr() not in held:
             seen[storage.data_ptr()] = storage.nbytes()

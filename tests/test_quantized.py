@@ -1,0 +1,151 @@
+"""Quantized checkpoints sharded by the plan: transformers' FP8 block-wise format and GPTQ int4, checked against
+independent references (transformers' own FP8 dequantization, GPTQ's packing written from its definition, the
+checkpoint dequantized into a full-precision model in one process)."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import autotp
+from autotp.runtime.quantized import QuantizationError, quantization
+from autotp.runtime.quantized_ops import fp8_dequantized, int4_dequantized, pack_int4, unpack_int4
+from tests.helpers import configs
+from tests.helpers.distributed import run_ranks
+from tests.helpers.exact import TOL, sums_per_block
+from tests.helpers.models import pretrained_models
+from tests.helpers.quantized import fp8_checkpoint, fp8_quantized, gptq_checkpoint
+
+BLOCK, GROUP = (16, 16), 16  # heads of 16 and an MLP of 13 blocks (208): uneven at 2, 3 and 4 ranks
+
+
+def test_fp8_blocks_dequantize_as_transformers_does():
+    """A ragged grid (40 x 70 in blocks of 16 x 32: 3 x 3 blocks, the last ones cut) read as transformers reads it."""
+    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+
+    torch.manual_seed(0)
+    weight, scale = fp8_quantized(torch.randn(40, 70), (16, 32))
+    assert scale.shape == (3, 3)
+    want = _dequantize_fp8_weight(weight, scale, [16, 32], torch.float32)
+    assert torch.equal(fp8_dequantized(weight, scale, 16, 32), want)
+
+
+def test_gptq_packing_golden_word():
+    """GPTQ's packing by its definition: value i of a word at bits 4i; v1 stores each zero one less."""
+    word = torch.tensor([[0x76543210], [-0x0123_4568]], dtype=torch.int32)  # 0xFEDCBA98 as int32
+    assert unpack_int4(word, 1).tolist() == [[0, 1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15]]
+    assert unpack_int4(word, 0)[:, 0].tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]
+    assert torch.equal(pack_int4(unpack_int4(word, 0), 0), word)
+    # 8 inputs (one group, one word) of 8 outputs (one word of zeros): output 0's values 0..7, its zero stored 2
+    # (so 3), scale 0.5 -> 0.5 * (v - 3); the other outputs' values and stored zeros 0 (so 1)
+    qweight = torch.tensor([[0x76543210, 0, 0, 0, 0, 0, 0, 0]], dtype=torch.int32)
+    qzeros = torch.tensor([[0x2]], dtype=torch.int32)
+    weight = int4_dequantized(qweight, torch.full((1, 8), 0.5, dtype=torch.float16), qzeros, 8)
+    assert weight[:, 0].tolist() == [-1.5, -1.0, -0.5, 0.0, 0.5, 1.0, 1.5, 2.0]
+    assert weight[:, 1:].eq(-0.5).all()
+
+
+@pytest.mark.parametrize(
+    "config,named",
+    [
+        ({"quant_method": "awq", "bits": 4}, "quant_method 'awq'"),
+        ({"quant_method": "compressed-tensors"}, "quant_method 'compressed-tensors'"),
+        ({"quant_method": "fp8"}, "weight_block_size"),
+        ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True}, "desc_act true"),
+        ({"quant_method": "gptq", "bits": 8, "group_size": 128}, "bits 8"),
+    ],
+)
+def test_unsupported_quantization_is_refused_in_one_line(tmp_path, config, named):
+    """Refused by from_pretrained before any rank reads anything (no process group needed to get the error)."""
+    configs.llama(quantization_config=config).save_pretrained(tmp_path)
+    with pytest.raises(QuantizationError, match=named) as raised:
+        autotp.from_pretrained(tmp_path)
+    assert "\n" not in str(raised.value)
+    assert quantization(configs.llama()) is None
+
+
+def _write(kind: str, directory: str) -> None:
+    """A tiny LLaMA (4 heads of 16, 2 KV heads, MLP of 13 blocks) as a quantized checkpoint, and beside it the
+    full-precision model it stands for (``reference.pt``); ``lm_head`` left unquantized (modules_to_not_convert)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(configs.llama(intermediate_size=208)).eval()
+    if kind == "fp8":
+        fp8_checkpoint(model, directory, BLOCK)
+    else:
+        gptq_checkpoint(model, directory, GROUP)
+    torch.save(model.state_dict(), f"{directory}/reference.pt")
+
+
+def _reference(directory: str):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(configs.llama(intermediate_size=208)).eval()
+    model.load_state_dict(torch.load(f"{directory}/reference.pt"))
+    return model
+
+
+def _stored(kind: str) -> dict:
+    """The tensors of one quantized linear: name suffix -> dtype."""
+    if kind == "fp8":
+        return {"weight": torch.float8_e4m3fn, "weight_scale_inv": torch.float32}
+    return {"qweight": torch.int32, "scales": torch.float16, "qzeros": torch.int32}
+
+
+def _serves_quantized(rank: int, world: int, kind: str, directory: str) -> None:
+    from autotp.placement import parse
+
+    sharded = autotp.from_pretrained(directory, training=False)
+    reference = _reference(directory)
+    torch.manual_seed(1)
+    ids = torch.randint(1, 96, (2, 7))  # no 0: transformers' generate would take it for padding
+    torch.testing.assert_close(sharded(ids).logits, reference(ids).logits, **TOL)
+    want = reference.generate(ids[:, :4], max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert torch.equal(autotp.generate(sharded, ids[:, :4], max_new_tokens=5, pad_token_id=0), want)
+    plan = sharded.autotp_plan
+    assert sums_per_block(plan) == {0: 2, 1: 2}, plan.collectives  # Megatron's count: 2 all-reduces a block
+    # a rank holds the stored bytes and scales of its pieces only, split alike at whole blocks
+    held = dict(sharded.named_parameters())
+    stored = _stored(kind)
+    for layer in ("self_attn.q_proj", "mlp.gate_proj", "mlp.down_proj"):
+        names = [f"model.layers.0.{layer}.{suffix}" for suffix in stored]
+        for name, dtype in zip(names, stored.values(), strict=True):
+            assert held[name].dtype == dtype and parse(plan.params[name]) != parse("R"), (name, plan.params[name])
+            assert held[name].numel() < torch.Size(plan.shapes[name]).numel()
+    assert not any(p.dtype == torch.float32 and "proj.weight" in n for n, p in held.items() if kind == "gptq")
+    assert plan.params["model.layers.0.mlp.down_proj." + next(iter(stored))].endswith("/13)")  # 13 blocks, uneven
+    saved = autotp.save_pretrained(sharded, f"{directory}/saved")
+    if rank == 0:  # the same format back, every tensor name and bit
+        original, written = load_file(f"{directory}/model.safetensors"), load_file(f"{saved}/model.safetensors")
+        assert original.keys() == written.keys()
+        for name, tensor in original.items():
+            assert written[name].dtype == tensor.dtype and torch.equal(
+                written[name].view(torch.uint8), tensor.view(torch.uint8)
+            ), name
+        assert json.loads((saved / "config.json").read_text())["quantization_config"]["quant_method"] == kind
+
+
+@pytest.mark.parametrize("kind,world", [("fp8", 3), ("gptq", 4)])
+def test_quantized_checkpoint_sharded_by_whole_blocks(tmp_path, kind, world):
+    """Logits and greedy tokens equal the dequantized model's in one process (fp32), KV heads fewer than ranks at 3
+    and 4, an MLP of 13 blocks split unevenly; each rank reads only its blocks and scales; saved back as read."""
+    directory = str(tmp_path)
+    _write(kind, directory)
+    run_ranks(world, _serves_quantized, kind, directory, captures=functools.partial(_quantized_models, kind, directory))
+
+
+def _quantized_models(kind: str, directory: str) -> list:
+    from autotp.runtime.quantized import quantize_modules
+
+    return [(quantize_modules(model), args) for model, args in pretrained_models(directory)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,world", [("fp8", 2), ("fp8", 4), ("gptq", 2), ("gptq", 3)])
+def test_quantized_checkpoint_at_other_rank_counts(tmp_path, kind, world):
+    test_quantized_checkpoint_sharded_by_whole_blocks(tmp_path, kind, world)

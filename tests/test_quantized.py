@@ -98,7 +98,11 @@ def _stored(kind: str) -> dict:
 
 
 def _serves_quantized(rank: int, world: int, kind: str, directory: str) -> None:
+    from rich.console import Console
+
     from autotp.placement import parse
+    from autotp.plan import Plan
+    from autotp.tools.report import print_plan
 
     sharded = autotp.from_pretrained(directory, training=False)
     reference = _reference(directory)
@@ -119,6 +123,17 @@ def _serves_quantized(rank: int, world: int, kind: str, directory: str) -> None:
             assert held[name].numel() < torch.Size(plan.shapes[name]).numel()
     assert not any(p.dtype == torch.float32 and "proj.weight" in n for n, p in held.items() if kind == "gptq")
     assert plan.params["model.layers.0.mlp.down_proj." + next(iter(stored))].endswith("/13)")  # 13 blocks, uneven
+    # the plan records each stored tensor's format and blocks, autotp plan shows them, its memory counts their bytes
+    first = next(iter(stored))
+    assert plan.quantized[f"model.layers.1.mlp.down_proj.{first}"].startswith(
+        "fp8 e4m3 in 16x16" if kind == "fp8" else "gptq int4"
+    )
+    assert len(plan.quantized) == 7 * 2 * len(stored) and Plan.from_json(plan.to_json()).quantized == plan.quantized
+    console = Console(record=True, width=140)
+    print_plan(plan, console=console)
+    assert "stored quantized: 14 weights" in console.export_text()
+    if rank == 0:  # the first ranks hold the larger pieces of uneven splits
+        assert plan.cost["memory"]["params"] == sum(p.numel() * p.element_size() for p in sharded.parameters())
     saved = autotp.save_pretrained(sharded, f"{directory}/saved")
     if rank == 0:  # the same format back, every tensor name and bit
         original, written = load_file(f"{directory}/model.safetensors"), load_file(f"{saved}/model.safetensors")

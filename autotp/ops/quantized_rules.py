@@ -132,3 +132,27 @@ QUANTIZED = {
     torch.ops.autotp.fp8_block_linear.default: fp8_spec,
     torch.ops.autotp.int4_group_linear.default: int4_spec,
 }
+
+
+def quantized_layout(gm: torch.fx.GraphModule) -> dict[str, str]:
+    """Parameter name -> how it is stored, for each operand of a quantized product (the plan JSON records it and
+    ``autotp plan`` shows it): a weight's format and the blocks or groups no split falls inside; its scales and
+    zeros as "the ... of" it."""
+    found = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in QUANTIZED:
+            continue
+        names = [a.target if isinstance(a, Node) and a.op == "get_attr" else None for a in node.args]
+        weight = names[1]
+        if node.target == torch.ops.autotp.fp8_block_linear.default:
+            blocks = f"{node.args[3]}x{node.args[4]} blocks"
+            described = {1: f"fp8 e4m3 in {blocks}", 2: f"the float32 scales of {weight}'s {blocks}"}
+        else:
+            group = f"groups of {node.args[4]} inputs"
+            described = {
+                1: f"gptq int4, 8 a word along inputs, in {group}",
+                2: f"the float16 scales of {weight}'s {group}",
+                3: f"the int4 zeros (stored one less, 8 a word along outputs) of {weight}'s {group}",
+            }
+        found.update({names[slot]: text for slot, text in described.items() if names[slot] is not None})
+    return found

@@ -29,8 +29,10 @@ def load_model(spec: str, batch: int, seq: int):
 
         config = AutoConfig.from_pretrained(str(config_path))
         config.use_cache = False
+        from autotp.runtime.quantized import quantize_modules
+
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
+            model = quantize_modules(AutoModelForCausalLM.from_config(config))  # quantized bytes, as stored
         return model, (torch.zeros(batch, seq, dtype=torch.long, device="meta"),)
     module, _, name = spec.partition(":")
     if not name:

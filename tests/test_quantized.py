@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import json
+import time
 
 import pytest
 import torch
@@ -47,6 +48,29 @@ def test_gptq_packing_golden_word():
     weight = int4_dequantized(qweight, torch.full((1, 8), 0.5, dtype=torch.float16), qzeros, 8)
     assert weight[:, 0].tolist() == [-1.5, -1.0, -0.5, 0.0, 0.5, 1.0, 1.5, 2.0]
     assert weight[:, 1:].eq(-0.5).all()
+
+
+def test_quantized_weights_are_frozen_and_pass_the_input_gradient():
+    """Training a quantized model trains the rest: the quantized products pass the input's gradient through the
+    dequantized weight; a quantized weight asked to train is refused in one line."""
+    from autotp.passes.capture import check_inputs
+    from autotp.runtime.quantized import quantize_modules
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(48, 40))
+    model.config = configs.llama(quantization_config={"quant_method": "fp8", "weight_block_size": [16, 16]})
+    quantize_modules(model)
+    layer = model[0]
+    layer.weight.data, layer.weight_scale_inv.data = fp8_quantized(torch.randn(40, 48), (16, 16))
+    x = torch.randn(3, 48, requires_grad=True)
+    model(x).square().sum().backward()
+    dense = fp8_dequantized(layer.weight, layer.weight_scale_inv, 16, 16).requires_grad_(False)
+    y = x.detach().clone().requires_grad_(True)
+    (torch.nn.functional.linear(y, dense) + layer.bias).square().sum().backward()
+    assert torch.equal(x.grad, y.grad) and layer.weight.grad is None and layer.bias.grad is not None
+    layer.weight.requires_grad_(True)
+    with pytest.raises(TypeError, match=r"0.weight is stored quantized .* cannot be trained: freeze it"):
+        check_inputs(model, (x,), None)
 
 
 @pytest.mark.parametrize(
@@ -134,6 +158,7 @@ def _serves_quantized(rank: int, world: int, kind: str, directory: str) -> None:
     assert "stored quantized: 14 weights" in console.export_text()
     if rank == 0:  # the first ranks hold the larger pieces of uneven splits
         assert plan.cost["memory"]["params"] == sum(p.numel() * p.element_size() for p in sharded.parameters())
+    _serves_greedily(sharded, reference, ids[:, :4], rank)
     saved = autotp.save_pretrained(sharded, f"{directory}/saved")
     if rank == 0:  # the same format back, every tensor name and bit
         original, written = load_file(f"{directory}/model.safetensors"), load_file(f"{saved}/model.safetensors")
@@ -143,6 +168,35 @@ def _serves_quantized(rank: int, world: int, kind: str, directory: str) -> None:
                 written[name].view(torch.uint8), tensor.view(torch.uint8)
             ), name
         assert json.loads((saved / "config.json").read_text())["quantization_config"]["quant_method"] == kind
+
+
+def _serves_greedily(sharded, reference, prompts: torch.Tensor, rank: int) -> None:
+    """The serving engine (what ``autotp serve`` runs) answers each prompt with the reference's greedy tokens."""
+    import threading
+
+    from autotp.serving.choices import Request, Sampling
+    from autotp.serving.engine import Engine
+    from tests.helpers.serving import tokenizer
+
+    engine = Engine(
+        sharded, tokenizer(96), blocks=8, block_size=4, max_num_seqs=2, max_batched_tokens=8, max_model_len=16
+    )
+    if rank != 0:
+        engine.follow()
+        return
+    loop = threading.Thread(target=engine.run)
+    loop.start()
+    requests = [
+        Request(p.tolist(), Sampling(max_tokens=4, temperature=0, ignore_eos=True), lambda r: None) for p in prompts
+    ]
+    for request in requests:
+        engine.submit(request)
+    while not all(r.finished for r in requests):
+        time.sleep(0.01)
+    engine.stop()
+    loop.join()
+    want = reference.generate(prompts, max_new_tokens=4, do_sample=False, pad_token_id=0)[:, prompts.shape[1] :]
+    assert [r.choices[0].sequence.output for r in requests] == want.tolist()
 
 
 @pytest.mark.parametrize("kind,world", [("fp8", 3), ("gptq", 4)])

@@ -102,6 +102,8 @@ def check_inputs(model: torch.nn.Module, args, kwargs) -> None:
     for name, tensor in [*model.named_parameters(), *buffers.items()]:
         if (tensor.dtype in _COMPLEX and name in buffers) or (tensor.dtype in _QUANTIZED and not tensor.requires_grad):
             continue
+        if tensor.dtype in _QUANTIZED:  # asks for a gradient: a weight stored quantized is never trained
+            raise TypeError(f"{name} is stored quantized ({tensor.dtype}) and cannot be trained: freeze it")
         if tensor.is_complex():
             why = (
                 "complex tensors are sharded as buffers (rotation tables), not as parameters"

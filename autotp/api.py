@@ -34,7 +34,7 @@ from autotp.runtime.hf_checkpoint import Checkpoint, check_tensors
 from autotp.runtime.hf_models import default_inputs
 from autotp.runtime.materialize import materialize
 from autotp.runtime.programs import InputStructureError, install
-from autotp.runtime.quantized import quantization, quantize_modules
+from autotp.runtime.quantized import check_quantized_names, quantization, quantize_modules
 from autotp.runtime.rendezvous import InputCheck, RandomCheck, Rendezvous, inputs_digest
 from autotp.runtime.transport import register
 
@@ -282,6 +282,7 @@ def from_pretrained(directory, *, dtype: torch.dtype | None = None, **options) -
         model = AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
     model.tie_weights()  # transformers ties input/output embeddings only when asked, on empty weights
     quantize_modules(model, scheme)  # linears stored quantized hold their stored tensors (runtime/quantized.py)
+    check_quantized_names(Checkpoint(directory).stored, model, scheme)
     return tensor_parallel(model.eval(), None, None, planning, replace(running, checkpoint=directory))
 
 

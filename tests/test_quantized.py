@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 import autotp
 from autotp.runtime.quantized import QuantizationError, quantization
@@ -48,6 +48,20 @@ def test_gptq_packing_golden_word():
     weight = int4_dequantized(qweight, torch.full((1, 8), 0.5, dtype=torch.float16), qzeros, 8)
     assert weight[:, 0].tolist() == [-1.5, -1.0, -0.5, 0.0, 0.5, 1.0, 1.5, 2.0]
     assert weight[:, 1:].eq(-0.5).all()
+
+
+def test_experts_stored_quantized_are_refused_by_name(tmp_path):
+    """FP8 experts (DeepSeek-V3 stores each expert's projections so) are not read yet: refused, named, before any
+    rank reads anything."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(configs.mixtral())
+    fp8_checkpoint(model, tmp_path, (16, 16))
+    stored = load_file(tmp_path / "model.safetensors")
+    stored["model.layers.0.mlp.experts.0.gate_proj.weight_scale_inv"] = torch.ones(3, 2)
+    save_file(stored, tmp_path / "model.safetensors")
+    with pytest.raises(QuantizationError, match=r"layers.0.mlp.experts.0.gate_proj.weight_scale_inv is stored fp8"):
+        autotp.from_pretrained(tmp_path)
 
 
 def test_quantized_weights_are_frozen_and_pass_the_input_gradient():

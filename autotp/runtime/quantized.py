@@ -152,11 +152,9 @@ def _tied_ids(model: nn.Module) -> set:
 STORED = {"fp8": ("weight_scale_inv",), "gptq": ("qweight", "qzeros", "scales", "g_idx")}
 
 
-def check_quantized_names(names, model: nn.Module, scheme: Quantization | None) -> None:
+def check_quantized_names(names, model: nn.Module, scheme: Quantization) -> None:
     """Every tensor the checkpoint stores quantized (its names: ``names``) belongs to a linear autotp reads so; one
     stored quantized elsewhere (DeepSeek's FP8 experts, an embedding) is refused, named, before any rank reads."""
-    if scheme is None:
-        return
     held = {n for n, m in model.named_modules() if isinstance(m, (Fp8BlockLinear, Int4GroupLinear))}
     suffixes = STORED[scheme.method]
     other = sorted(n for n in names if n.rpartition(".")[2] in suffixes and n.rpartition(".")[0] not in held)

@@ -93,6 +93,7 @@ def test_quantized_weights_are_frozen_and_pass_the_input_gradient():
         ({"quant_method": "awq", "bits": 4}, "quant_method 'awq'"),
         ({"quant_method": "compressed-tensors"}, "quant_method 'compressed-tensors'"),
         ({"quant_method": "fp8"}, "weight_block_size"),
+        ({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"}, "'static'"),
         ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True}, "desc_act true"),
         ({"quant_method": "gptq", "bits": 8, "group_size": 128}, "bits 8"),
     ],

@@ -54,6 +54,10 @@ def quantization(config) -> Quantization | None:
             raise QuantizationError(
                 "autotp reads fp8 checkpoints with weight_block_size [bn, bk] only (not per tensor)"
             )
+        if found.get("activation_scheme", "dynamic") != "dynamic":  # static: a stored activation_scale a linear
+            raise QuantizationError(
+                f"autotp reads fp8 checkpoints of activation_scheme 'dynamic', not {found['activation_scheme']!r}"
+            )
         if found.get("scale_fmt", "float") not in ("float", None):
             raise QuantizationError(f"autotp reads fp8 scales as float32, not scale_fmt {found['scale_fmt']!r}")
         return Quantization("fp8", (int(block[0]), int(block[1])), keep)

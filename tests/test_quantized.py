@@ -141,9 +141,22 @@ def _serves_quantized(rank: int, world: int, kind: str, directory: str) -> None:
 
     from autotp.placement import parse
     from autotp.plan import Plan
+    from autotp.runtime.hf_checkpoint import Checkpoint
     from autotp.tools.report import print_plan
 
-    sharded = autotp.from_pretrained(directory, training=False)
+    read: dict = {}
+    original = Checkpoint._read_stored
+
+    def recording(self, key, box):  # what this rank reads of each stored tensor
+        piece = original(self, key, box)
+        read[key] = read.get(key, 0) + piece.numel()
+        return piece
+
+    Checkpoint._read_stored = recording
+    try:
+        sharded = autotp.from_pretrained(directory, training=False)
+    finally:
+        Checkpoint._read_stored = original
     reference = _reference(directory)
     torch.manual_seed(1)
     ids = torch.randint(1, 96, (2, 7))  # no 0: transformers' generate would take it for padding
@@ -159,7 +172,7 @@ def _serves_quantized(rank: int, world: int, kind: str, directory: str) -> None:
         names = [f"model.layers.0.{layer}.{suffix}" for suffix in stored]
         for name, dtype in zip(names, stored.values(), strict=True):
             assert held[name].dtype == dtype and parse(plan.params[name]) != parse("R"), (name, plan.params[name])
-            assert held[name].numel() < torch.Size(plan.shapes[name]).numel()
+            assert read[name] == held[name].numel() < torch.Size(plan.shapes[name]).numel(), name  # read: its piece
     assert not any(p.dtype == torch.float32 and "proj.weight" in n for n, p in held.items() if kind == "gptq")
     assert plan.params["model.layers.0.mlp.down_proj." + next(iter(stored))].endswith("/13)")  # 13 blocks, uneven
     # the plan records each stored tensor's format and blocks, autotp plan shows them, its memory counts their bytes

@@ -44,6 +44,7 @@ class Plan:
     alternatives: dict[str, Any] = field(default_factory=dict)  # node name -> the solver's options, priced
     shapes: dict[str, list[int]] = field(default_factory=dict)  # parameter name -> full shape
     replicated_ops: list[str] = field(default_factory=list)  # ops without a sharding rule (run replicated)
+    quantized: dict[str, str] = field(default_factory=dict)  # parameter name -> its stored format and blocks
     cost: dict[str, Any] = field(default_factory=dict)
     mesh: dict[str, Any] = field(default_factory=lambda: {"tp": None})
     # {"path", "count"}: nodes describe blocks 0, 1, N-2, N-1; block 1 stands for 1..N-3

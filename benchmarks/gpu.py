@@ -12,7 +12,8 @@ Multi-rank exactness is the gloo test suite's job.
 Each section runs on its own: a failure is printed and the next section runs.  The card found sets the floors
 (its profile's HBM bandwidth and bf16 peak: H100 3.35 TB/s, H200 4.8 TB/s).  gpu_ranks.py holds the sections with
 more processes: ``autotp serve`` on NCCL, and two ranks on one GPU over gloo; gpu_serving.py the decode speed of
-the serving path (CUDA graphs against the HBM floor and transformers' compiled generate).  On a CPU every section
+the serving path (CUDA graphs against the HBM floor and transformers' compiled generate); gpu_quantized.py quantized
+checkpoints (exactness, weight-only products against bf16, PyTorch's FP8 and int4 kernels).  On a CPU every section
 rehearses at tiny sizes (gloo).
 """
 
@@ -352,6 +353,7 @@ LOCAL = ("environment", "matmuls", "exactness", "moe", "roofline", "experts")
 
 
 def main() -> None:
+    import gpu_quantized
     import gpu_ranks
     import gpu_serving
     import gpu_training
@@ -362,6 +364,7 @@ def main() -> None:
         "two_ranks_gloo_cuda": gpu_ranks.two_ranks_gloo_cuda,
         "serving": gpu_serving.serving,
         "training": gpu_training.training,
+        "quantized": gpu_quantized.quantized,
     }
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None)
@@ -372,7 +375,10 @@ def main() -> None:
         print(f"== {name}", flush=True)
         start = time.perf_counter()
         try:
-            if name in ("exactness", "moe", "roofline", "serving") and not torch.distributed.is_initialized():
+            if (
+                name in ("exactness", "moe", "roofline", "serving", "quantized")
+                and not torch.distributed.is_initialized()
+            ):
                 _init_process_group()
             RESULTS[name] = sections[name](**json.loads(args.sizes).get(name, {}))
         except Exception:

@@ -52,6 +52,7 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
             ],
             "autotp_graphs_tok_s",
         ),
+        ("gpu.py", ["--sections", "quantized"], "fp8_tokens_equal': True"),
     ],
 )
 def test_benchmark_runs(script, args, expect):

@@ -64,6 +64,7 @@ from autotp.ops.product_shapes import (
     product_flops,
     same_dtype,
 )
+from autotp.ops.quantized_rules import quantized_linear, quantized_shape
 from autotp.ops.rules import (
     attention,
     dropout,
@@ -171,6 +172,11 @@ _ROWS: dict = {
     # products
     **_rows([aten.linear.default], family="linear", rule=linear, flops=product_flops, shape=linear_shape,
             keeps=keeps_operands, styles={1: {0: "column", 1: "row"}}),
+    # quantized weights (runtime/quantized_ops.py): split at whole blocks, groups and packed words, scales alike
+    **_rows([torch.ops.autotp.fp8_block_linear.default], family="quantized_linear", rule=quantized_linear,
+            flops=product_flops, shape=quantized_shape, keeps=keeps_nothing, styles={1: {0: "column", 1: "row"}}),
+    **_rows([torch.ops.autotp.int4_group_linear.default], family="quantized_linear", rule=quantized_linear,
+            flops=product_flops, shape=quantized_shape, keeps=keeps_nothing, styles={1: {1: "column", 0: "row"}}),
     **_rows([aten.mm.default], family="matmul", rule=matmul, flops=product_flops, shape=matmul_shape,
             keeps=keeps_operands, styles={1: {1: "column", 0: "row"}}),
     **_rows([aten.matmul.default], family="matmul", rule=matmul, flops=product_flops, shape=matmul_shape,
@@ -284,6 +290,8 @@ TAGS = {
     "repeats_each": [aten.repeat_interleave.self_int],  # each index of a dim n times in place (KV heads to queries)
     "grouped_kv": [FLEX, PAGED_ATTENTION],  # attention that reads KV heads (dim 1) grouped under its query heads
     "reads_pool": [PAGED_ATTENTION],  # attention over a KV pool held as buffers (priced there, not again)
+    # a product of quantized weights: its input's whole blocks (ops/quantized_rules.block_units)
+    "quantized": [torch.ops.autotp.fp8_block_linear.default, torch.ops.autotp.int4_group_linear.default],
     # what a pipeline stage keeps (split.py) and a capture retargets to the CPU (capture.py)
     "checks_dtype": [aten._assert_tensor_metadata.default],  # export's dtype/device check of a value
     "cpu_no_integers": [aten.histc.default],  # no CPU kernel for integer inputs (runtime/kernels stands in)

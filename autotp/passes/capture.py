@@ -83,6 +83,7 @@ def _standalone(tree):
 
 _SUPPORTED = {torch.float32, torch.float16, torch.bfloat16, torch.float64}
 _COMPLEX = {torch.complex64, torch.complex128}  # buffers only (rotation tables e^(i t f)): pairs of a supported dtype
+_QUANTIZED = {torch.float8_e4m3fn}  # frozen stored weights a quantized product reads (runtime/quantized.py)
 
 
 def check_inputs(model: torch.nn.Module, args, kwargs) -> None:
@@ -99,8 +100,10 @@ def check_inputs(model: torch.nn.Module, args, kwargs) -> None:
     buffers = dict(model.named_buffers())
     complex_buffers = [name for name, b in buffers.items() if b.dtype in _COMPLEX]
     for name, tensor in [*model.named_parameters(), *buffers.items()]:
-        if tensor.dtype in _COMPLEX and name in buffers:
+        if (tensor.dtype in _COMPLEX and name in buffers) or (tensor.dtype in _QUANTIZED and not tensor.requires_grad):
             continue
+        if tensor.dtype in _QUANTIZED:  # asks for a gradient: a weight stored quantized is never trained
+            raise TypeError(f"{name} is stored quantized ({tensor.dtype}) and cannot be trained: freeze it")
         if tensor.is_complex():
             why = (
                 "complex tensors are sharded as buffers (rotation tables), not as parameters"

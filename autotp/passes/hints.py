@@ -12,6 +12,7 @@ import torch
 
 from autotp.canonicalize.group_cuts import group_blocks
 from autotp.ops.layout_rules import cut_range, positive_dim
+from autotp.ops.quantized_rules import block_units
 from autotp.ops.strategies import Context
 from autotp.ops.table import op
 from autotp.ops.views import merged_runs, split_runs, view_groups
@@ -163,6 +164,8 @@ def unit_hints(gm: torch.fx.GraphModule, ctx: Context) -> dict:
     """
     work = []
     for node in gm.graph.nodes:
+        if "quantized" in op(node.target).tags:  # whole blocks of a quantized product's inputs
+            work += block_units(node, ctx)
         if op(node.target).family == "view":
             src = [ctx.probe(s) for s in ctx.shape(node.args[0])]
             dst = [ctx.probe(s) for s in ctx.shape(node)]

@@ -68,8 +68,9 @@ def _add_parameter_options(gm: torch.fx.GraphModule, ctx: Context) -> None:
     """A parameter is stored in a placement its users compute with (parameters are never gathered).
 
     Large parameters (at least ``ctx.min_shard_fraction`` of the largest, in ``ctx.parameter_sizes`` where it
-    names them) must be sharded whenever one shard layout suits every user: holding them whole would defeat
-    tensor parallelism.  Small ones (norm weights, output biases) are left to the cost model.
+    names them) and quantized products' operands must be sharded whenever one shard layout suits every user:
+    holding them whole would defeat tensor parallelism.  Small ones (norm weights, output biases) are left to the
+    cost model.
     """
     trainable = dict(gm.named_parameters(remove_duplicate=False))
     nodes = [n for n in gm.graph.nodes if n.op == "get_attr" and n in ctx.strategies]
@@ -79,11 +80,18 @@ def _add_parameter_options(gm: torch.fx.GraphModule, ctx: Context) -> None:
         wanted = {R}.union(*(_wanted(node, user, ctx) for user in node.users))
         options: set[Any] = {p for p in wanted if isinstance(p, (Replicate, Shard, Routed))}
         suits_all = {p for p in options if isinstance(p, (Shard, Routed)) and _carried(node, p, ctx, {})}
-        if node.target in trainable and suits_all and sizes[node] >= ctx.min_shard_fraction * largest:
+        large = sizes[node] >= ctx.min_shard_fraction * largest
+        if node.target in trainable and suits_all and (large or _quantized(node, ctx)):
             options = suits_all
         if node.target in ctx.fixed:
             options = {ctx.fixed[node.target]}
         ctx.strategies[node] = [Strategy((), p) for p in sorted(options, key=str)]
+
+
+def _quantized(node: Node, ctx: Context) -> bool:
+    """A quantized weight, its scales or zeros: split with its weight wherever one layout suits every reader, so that
+    a rank holds only its blocks' scales (ops/quantized_rules.py)."""
+    return all("quantized" in ctx.op(user.target).tags for user in node.users)
 
 
 def _wanted(node: Node, user: Node, ctx: Context) -> set[Any]:

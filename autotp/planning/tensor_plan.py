@@ -19,6 +19,7 @@ from autotp.canonicalize.graph_edits import module_path
 from autotp.cost_models import load_topology
 from autotp.cost_models.pricing import Experts, Sizes, activation_bytes, input_sizes
 from autotp.cost_models.topology import Topology
+from autotp.ops.quantized_rules import quantized_layout
 from autotp.ops.strategies import Strategy, input_slots, needs_grad, on_tokens, token_inputs
 from autotp.ops.table import drops
 from autotp.options import PlanOptions
@@ -245,6 +246,7 @@ def to_plan(
             per_reader=bool(imposed and imposed.grad_sums_per_reader),
         ),
         styles=expand(param_styles(gm, choice, world_size)),
+        quantized=expand(quantized_layout(gm)),
         shapes=expand({n.target: list(n.meta["val"].shape) for n in choice if n.op == "get_attr"}),
         alternatives=alternatives(gm, found, choice, topo, training, sizes),
         cost={

@@ -180,9 +180,14 @@ def gather_whole(tensor: torch.Tensor, layout: tuple, group) -> torch.Tensor:
     shard, split again over the DP group), then over the TP group (autotp's own placement), then, for an
     expert table dealt over a dispatch group (``layout``'s third item, runtime.expert_dispatch.Dealt), over it."""
     local = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    if local.dtype in _BYTES:  # FP8 weights travel as their bytes (gloo has no FP8 type)
+        return gather_whole(local.view(torch.uint8), layout, group).view(local.dtype)
     placement, size, *dealt = layout
     full = gather_full(local, None if isinstance(placement, Routed) else placement, size, group)
     return dealt[0].gather(full) if dealt and dealt[0] is not None else full
+
+
+_BYTES = {torch.float8_e4m3fn}
 
 
 def is_persistent(module: torch.nn.Module, name: str, tensor: torch.Tensor) -> bool:

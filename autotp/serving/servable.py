@@ -94,10 +94,12 @@ def _check_weights(directory, config) -> None:
 
     from autotp.runtime.conversion import model_conversions
     from autotp.runtime.hf_checkpoint import Checkpoint, check_tensors
+    from autotp.runtime.quantized import quantize_modules
 
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config)
     model.tie_weights()
+    quantize_modules(model)  # a quantized checkpoint holds its linears' stored tensors; another format is refused
     check_tensors(Checkpoint(directory, model_conversions(model)), model)
 
 

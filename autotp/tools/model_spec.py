@@ -66,8 +66,10 @@ def _from_config(config_path: Path, batch: int, seq: int):
     for line in near_misses(fields, config):
         print(f"autotp: {config_path}: {line}", file=sys.stderr)
     config.use_cache = False
+    from autotp.runtime.quantized import quantize_modules
+
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = quantize_modules(AutoModelForCausalLM.from_config(config))  # quantized bytes, as stored
     return model, (torch.zeros(batch, seq, dtype=torch.long, device="meta"),)
 
 

@@ -253,6 +253,8 @@ def print_plan(plan: Plan, shapes: dict | None = None, console: Console | None =
             f"dropout: the program drops in {len(plan.cost['dropout'])} modules (captured in training mode; "
             "sharded.eval() stops it; docs/dropout.md)"
         )
+    for layout, count in Counter(v for v in plan.quantized.values() if not v.startswith("the ")).items():
+        console.print(f"stored quantized: {count} weights, {layout}, split only between whole ones (scales alike)")
     if plan.cost.get("experts"):
         console.print(f"experts: {plan.cost['experts']['chosen']} (`autotp explain PLAN experts` prices each)")
     for op, why in plan.cost.get("replicated", dict.fromkeys(plan.replicated_ops, "no sharding rule")).items():

@@ -8,6 +8,7 @@ import transformers.integrations.moe  # noqa: F401  (registers torch.ops.transfo
 from torch import nn
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+import autotp.runtime.quantized_ops  # noqa: F401  (registers torch.ops.autotp's quantized products)
 from autotp.runtime.paged_attention import paged_attention
 
 aten = torch.ops.aten
@@ -400,6 +401,32 @@ def _complex_program():
     return program
 
 
+class Quantized(nn.Module):
+    """The quantized products (runtime/quantized_ops.py) on weights of 13 blocks, groups and packed words (uneven at
+    2, 3 and 4 ranks), and one of ragged blocks (10 outputs in blocks of 4: never split inside one)."""
+
+    def __init__(self):
+        super().__init__()
+        fp8 = {"up": (52, H), "down": (H, 52), "ragged": (10, H)}
+        for name, shape in fp8.items():
+            setattr(self, name, nn.Parameter(torch.randn(*shape).to(torch.float8_e4m3fn), requires_grad=False))
+            scales = torch.rand((shape[0] + 3) // 4, (shape[1] + 3) // 4) + 0.5
+            setattr(self, f"{name}_scale", nn.Parameter(scales, requires_grad=False))
+        words = torch.randint(-(2**31), 2**31 - 1, (13, 24), dtype=torch.int32)
+        self.qweight = nn.Parameter(words, requires_grad=False)  # 104 inputs, 8 a word: 13 groups of 8
+        self.scales = nn.Parameter((torch.rand(13, 24) / 8).half(), requires_grad=False)
+        self.qzeros = nn.Parameter(torch.randint(0, 2**31 - 1, (13, 3), dtype=torch.int32), requires_grad=False)
+
+    def forward(self, x, z):
+        product = torch.ops.autotp.fp8_block_linear
+        h = torch.nn.functional.silu(product(x, self.up, self.up_scale, 4, 4))
+        y = product(h, self.down, self.down_scale, 4, 4)
+        return product(y, self.ragged, self.ragged_scale, 4, 4), torch.ops.autotp.int4_group_linear(
+            z, self.qweight, self.scales, self.qzeros, 8
+        )
+
+
+SAMPLES["quantized"] = (Quantized, lambda: (_floats(2, 5, H), _floats(2, 5, 104)))
 SAMPLES["grouped_bf16"] = (_bf16_program, lambda: (torch.randn(8, 16, dtype=torch.bfloat16),))
 SAMPLES["cache_write"] = (_cache_program, lambda: (_floats(2, 3, H), torch.tensor([1, 4, 6])))
 SAMPLES["complex_rotary"] = (_complex_program, lambda: (_floats(2, 5, H),))

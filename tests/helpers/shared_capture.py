@@ -55,6 +55,7 @@ OWN_CAPTURES = {
     "tests.test_layouts._bloom_models": None,
     "tests.helpers.moe.six_experts_models": None,  # test_moe.py's and test_moe_dispatch.py's hand-written MoE
     "tests.test_partial_sums._models": lambda world: world == 3,
+    "tests.test_quantized._quantized_models": lambda kind, directory: kind == "gptq",
     "tests.test_properties._models": lambda build, x: type(build).__name__ == "_MLP",
     "tests.test_recompute._two_ranks_models": None,
     "tests.test_sequence_parallel._two_ranks_models": None,

@@ -152,12 +152,12 @@ def test_gradients_of_gathered_tokens_are_reduce_scattered():
 
 def _priced_as(plan, monkeypatch, model, args, **patches):
     """``plan`` (sequence parallel, 2 ranks) priced again by the solver with every op held to its choice and
-    ``patches`` (name -> value) set in planning/solve.py and planning/accounting.py; the alternatives are the
+    ``patches`` (name -> value) set in planning/ilp.py and planning/accounting.py; the alternatives are the
     full ones."""
     from dataclasses import replace
 
     from autotp.plan import Plan
-    from autotp.planning import accounting, solve
+    from autotp.planning import accounting, ilp
     from autotp.planning.solve import solve as plan_solve
 
     def held(gm, found, *a, **k):
@@ -170,7 +170,7 @@ def _priced_as(plan, monkeypatch, model, args, **patches):
     with monkeypatch.context() as patch:
         patch.setattr("autotp.planning.tensor_plan.solve", held)
         for name, replacement in patches.items():
-            for module in (solve, accounting):
+            for module in (ilp, accounting):
                 if hasattr(module, name):
                     patch.setattr(module, name, replacement)
         return autotp.plan(model, args, world_size=2, sequence_parallel=True)

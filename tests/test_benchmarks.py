@@ -38,6 +38,21 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
             ["--layers", "1", "--hidden", "32", "--seq", "8", "--batch", "4", "--repeats", "1"],
             "autotp / hand-written memory",
         ),
+        (
+            "train.py",
+            ["--layers", "1", "--hidden", "32", "--seq", "8", "--batch", "4", "--repeats", "1", "--compile"],
+            "autotp / hand-written time",
+        ),
+        (
+            "gpu.py",
+            [
+                "--sections",
+                "training",
+                "--sizes",
+                '{"training": {"seq": 32, "layers": 1, "hidden": 128, "heads": 8, "kv": 8, "ffn": 256, "vocab": 512}}',
+            ],
+            "TP-8 rank 0, SP, compiled",
+        ),
         ("dropout.py", ["--layers", "1", "--hidden", "32", "--repeats", "1"], "reference vs one process"),
         ("plan_speed.py", ["--layers-8b", "2", "--layers-70b", "2", "--hidden-scale", "0.0625"], "time to a plan"),
         ("serve_throughput.py", ["--layers", "1", "--hidden", "64", "--tokens", "4"], "autotp engine"),

@@ -24,6 +24,7 @@ from autotp.ops.table import drops, op
 from autotp.passes.canonical_order import canonical_order
 from autotp.passes.faithful import check_faithful
 from autotp.runtime import kernels
+from autotp.runtime.quantized import stored_quantized
 
 
 class CaptureError(RuntimeError):
@@ -83,7 +84,6 @@ def _standalone(tree):
 
 _SUPPORTED = {torch.float32, torch.float16, torch.bfloat16, torch.float64}
 _COMPLEX = {torch.complex64, torch.complex128}  # buffers only (rotation tables e^(i t f)): pairs of a supported dtype
-_QUANTIZED = {torch.float8_e4m3fn}  # frozen stored weights a quantized product reads (runtime/quantized.py)
 
 
 def check_inputs(model: torch.nn.Module, args, kwargs) -> None:
@@ -99,10 +99,11 @@ def check_inputs(model: torch.nn.Module, args, kwargs) -> None:
         raise TypeError(f"example kwargs must be a dict of keyword inputs, got {type(kwargs).__name__}")
     buffers = dict(model.named_buffers())
     complex_buffers = [name for name, b in buffers.items() if b.dtype in _COMPLEX]
+    stored = stored_quantized(model)  # the tensors quantized products read as stored, and only those
     for name, tensor in [*model.named_parameters(), *buffers.items()]:
-        if (tensor.dtype in _COMPLEX and name in buffers) or (tensor.dtype in _QUANTIZED and not tensor.requires_grad):
+        if (tensor.dtype in _COMPLEX and name in buffers) or (name in stored and not tensor.requires_grad):
             continue
-        if tensor.dtype in _QUANTIZED:  # asks for a gradient: a weight stored quantized is never trained
+        if name in stored:  # asks for a gradient: a weight stored quantized is never trained
             raise TypeError(f"{name} is stored quantized ({tensor.dtype}) and cannot be trained: freeze it")
         if tensor.is_complex():
             why = (

@@ -119,6 +119,18 @@ class Int4GroupLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+def stored_quantized(model: nn.Module) -> frozenset[str]:
+    """The names of the tensors ``model``'s quantized linears hold as stored (not their biases): the only tensors of
+    a dtype autotp does not shard (FP8) that a capture accepts, read by the quantized products alone."""
+    return frozenset(
+        f"{path}.{name}" if path else name
+        for path, module in model.named_modules()
+        if isinstance(module, (Fp8BlockLinear, Int4GroupLinear))
+        for name, _ in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+        if name != "bias"
+    )
+
+
 def quantize_modules(model: nn.Module, scheme: Quantization | None = None) -> nn.Module:
     """Replace (in place) every ``nn.Linear`` of ``model`` whose weight the checkpoint stores quantized by the module
     that holds it so, on the device of its weight (the meta device for ``from_pretrained``); a module named in

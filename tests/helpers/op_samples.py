@@ -401,27 +401,31 @@ def _complex_program():
     return program
 
 
+def _fp8_linear(outputs: int, inputs: int) -> nn.Module:
+    """An FP8 linear as a checkpoint stores it (runtime/quantized.Fp8BlockLinear), in blocks of 4 x 4."""
+    from autotp.runtime.quantized import Fp8BlockLinear
+
+    linear = Fp8BlockLinear(nn.Linear(inputs, outputs, bias=False), (4, 4))
+    linear.weight.data = torch.randn(outputs, inputs).to(torch.float8_e4m3fn)
+    linear.weight_scale_inv.data = torch.rand((outputs + 3) // 4, (inputs + 3) // 4) + 0.5
+    return linear
+
+
 class Quantized(nn.Module):
     """The quantized products (runtime/quantized_ops.py) on weights of 13 blocks, groups and packed words (uneven at
     2, 3 and 4 ranks), and one of ragged blocks (10 outputs in blocks of 4: never split inside one)."""
 
     def __init__(self):
         super().__init__()
-        fp8 = {"up": (52, H), "down": (H, 52), "ragged": (10, H)}
-        for name, shape in fp8.items():
-            setattr(self, name, nn.Parameter(torch.randn(*shape).to(torch.float8_e4m3fn), requires_grad=False))
-            scales = torch.rand((shape[0] + 3) // 4, (shape[1] + 3) // 4) + 0.5
-            setattr(self, f"{name}_scale", nn.Parameter(scales, requires_grad=False))
+        self.up, self.down, self.ragged = _fp8_linear(52, H), _fp8_linear(H, 52), _fp8_linear(10, H)
         words = torch.randint(-(2**31), 2**31 - 1, (13, 24), dtype=torch.int32)
         self.qweight = nn.Parameter(words, requires_grad=False)  # 104 inputs, 8 a word: 13 groups of 8
         self.scales = nn.Parameter((torch.rand(13, 24) / 8).half(), requires_grad=False)
         self.qzeros = nn.Parameter(torch.randint(0, 2**31 - 1, (13, 3), dtype=torch.int32), requires_grad=False)
 
     def forward(self, x, z):
-        product = torch.ops.autotp.fp8_block_linear
-        h = torch.nn.functional.silu(product(x, self.up, self.up_scale, 4, 4))
-        y = product(h, self.down, self.down_scale, 4, 4)
-        return product(y, self.ragged, self.ragged_scale, 4, 4), torch.ops.autotp.int4_group_linear(
+        h = torch.nn.functional.silu(self.up(x))
+        return self.ragged(self.down(h)), torch.ops.autotp.int4_group_linear(
             z, self.qweight, self.scales, self.qzeros, 8
         )
 

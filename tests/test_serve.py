@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.helpers.exact import TOL, sums_per_block
-from tests.helpers.serving import Server, save_model, tokenizer
+from tests.helpers.serving import Server, post, read_metrics, save_model, tokenizer
 
 pytest.importorskip("openai")
 pytest.importorskip("fastapi")
@@ -31,26 +31,6 @@ def _client(server: Server, key: str = KEY):
     import openai
 
     return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=120)
-
-
-def _post(server: Server, path: str, body: bytes, key: str = KEY) -> tuple[int, dict]:
-    request = urllib.request.Request(
-        server.url + path,
-        data=body,
-        method="POST",
-        headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=60) as answer:
-            return answer.status, json.loads(answer.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
-
-
-def _metrics(server: Server) -> dict:
-    with urllib.request.urlopen(server.url + "/metrics", timeout=10) as answer:
-        lines = answer.read().decode().splitlines()
-    return {k: float(v) for k, v in (line.split() for line in lines if not line.startswith("#"))}
 
 
 def _check_against_transformers(model, prompt: list, tokens: list, logprobs: list, top: list) -> None:
@@ -169,7 +149,7 @@ def test_requests_arriving_at_different_times_get_transformers_answers(tmp_path,
         for thread in threads:
             thread.join(300)
         assert sorted(results) == list(range(8)), "a request got no answer"
-        metrics = _metrics(server)
+        metrics = read_metrics(server)
         assert metrics["autotp_preemptions_total"] > 0, "the small cache was meant to force preemption"
         assert metrics["autotp_kv_blocks_used"] == 0 and metrics["autotp_requests_running"] == 0
         for prompt, tokens, logprobs, top, usage in results.values():
@@ -177,13 +157,13 @@ def test_requests_arriving_at_different_times_get_transformers_answers(tmp_path,
             _check_against_transformers(model, prompt, tokens, logprobs, top)
 
         # bad input: one line each, a 4xx
-        status, body = _post(server, "/v1/completions", b'{"prompt": "w9", ')
+        status, body = post(server, "/v1/completions", b'{"prompt": "w9", ', key=KEY)
         assert status == 400 and "not valid JSON" in body["error"]["message"]
-        status, body = _post(server, "/v1/completions", json.dumps({"model": "other", "prompt": "w9"}).encode())
+        status, body = post(server, "/v1/completions", json.dumps({"model": "other", "prompt": "w9"}).encode(), key=KEY)
         assert status == 404 and "'tiny'" in body["error"]["message"]
-        status, body = _post(server, "/v1/completions", json.dumps({"prompt": " ".join(["w9"] * 30)}).encode())
+        status, body = post(server, "/v1/completions", json.dumps({"prompt": " ".join(["w9"] * 30)}).encode(), key=KEY)
         assert status == 400 and "at most 32" in body["error"]["message"]
-        status, body = _post(server, "/v1/completions", json.dumps({"prompt": "w9"}).encode(), key="wrong")
+        status, body = post(server, "/v1/completions", json.dumps({"prompt": "w9"}).encode(), key="wrong")
         assert status == 401
 
         # sampling: a seed reproduces, n choices, a stop string ends the text before it
@@ -208,7 +188,7 @@ def test_requests_arriving_at_different_times_get_transformers_answers(tmp_path,
         next(iter(stream))
         stream.close()
         time.sleep(2)
-        assert _metrics(server)["autotp_kv_blocks_used"] == 0
+        assert read_metrics(server)["autotp_kv_blocks_used"] == 0
         chunks: list = []
         started = threading.Event()
 
@@ -376,7 +356,7 @@ def test_a_dead_rank_makes_the_server_answer_503_and_exit_non_zero(tmp_path):
                 status = exc.code
             time.sleep(0.1)
         assert status == 503, "the server never said it had failed"
-        status, body = _post(server, "/v1/completions", json.dumps({"prompt": "w9"}).encode())
+        status, body = post(server, "/v1/completions", json.dumps({"prompt": "w9"}).encode(), key=KEY)
         assert status == 503 and "ranks failed" in body["error"]["message"]
         assert server.process.wait(90) != 0
 

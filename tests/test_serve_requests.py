@@ -18,7 +18,7 @@ import urllib.request
 import pytest
 import torch
 
-from tests.helpers.serving import VOCAB, Server, byte_tokenizer, save_cycle_model
+from tests.helpers.serving import VOCAB, Server, byte_tokenizer, post, read_metrics, save_cycle_model
 
 pytest.importorskip("openai")
 pytest.importorskip("fastapi")
@@ -58,22 +58,6 @@ def _client(server: Server):
     import openai
 
     return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
-
-
-def _post(server: Server, path: str, body: bytes, content_type: str | None = "application/json") -> tuple[int, dict]:
-    headers = {"Authorization": f"Bearer {KEY}", **({"Content-Type": content_type} if content_type else {})}
-    request = urllib.request.Request(server.url + path, data=body, method="POST", headers=headers)
-    try:
-        with urllib.request.urlopen(request, timeout=60) as answer:
-            return answer.status, json.loads(answer.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
-
-
-def _metrics(server: Server) -> dict:
-    with urllib.request.urlopen(server.url + "/metrics", timeout=10) as answer:
-        lines = answer.read().decode().splitlines()
-    return {k: float(v) for k, v in (line.split() for line in lines if not line.startswith("#"))}
 
 
 def _refused(call, param: str) -> str:
@@ -154,9 +138,9 @@ def test_requests_are_typed_as_openai_defines_them_and_penalties_are_its(served)
     _refused(
         lambda: client.chat.completions.create(model=name, messages=[{"role": "user", "content": image}]), "messages"
     )
-    status, body = _post(server, "/v1/completions", b'["a"]')
+    status, body = post(server, "/v1/completions", b'["a"]', key=KEY)
     assert status == 400 and "JSON object" in body["error"]["message"]
-    status, body = _post(server, "/v1/completions", b'{"prompt": " ", "n": "two"}')
+    status, body = post(server, "/v1/completions", b'{"prompt": " ", "n": "two"}', key=KEY)
     assert status == 400 and body["error"]["param"] == "n"
 
     prompt = words(" ")["input_ids"]
@@ -228,8 +212,8 @@ def test_limits_come_before_work(served):
     """JSON only (415), a body over --max-request-bytes refused whether it says its length or not (413), a lone
     surrogate refused as OpenAI's 400, and a long prompt tokenized off the event loop: /health answers meanwhile."""
     server, _, _, _ = served
-    assert _post(server, "/v1/completions", b'{"prompt": "a"}', "text/plain")[0] == 415
-    assert _post(server, "/v1/completions", b'{"prompt": "a"}', None)[0] == 415
+    assert post(server, "/v1/completions", b'{"prompt": "a"}', key=KEY, content_type="text/plain")[0] == 415
+    assert post(server, "/v1/completions", b'{"prompt": "a"}', key=KEY, content_type=None)[0] == 415
     connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
     connection.request(
         "POST",
@@ -250,14 +234,14 @@ def test_limits_come_before_work(served):
         ("/v1/completions", b'{"prompt": "a\\ud800"}'),
         ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udfff a"}]}'),
     ]:
-        status, answer = _post(server, path, body)
+        status, answer = post(server, path, body, key=KEY)
         assert status == 400 and "not valid Unicode" in answer["error"]["message"], answer
         assert answer["error"]["type"] == "invalid_request_error"
 
     done: dict = {}
 
     def long_prompt() -> None:  # 220,000 tokens: tokenized, then refused as longer than a sequence holds
-        status, _ = _post(server, "/v1/completions", json.dumps({"prompt": "the fox " * 110_000}).encode())
+        status, _ = post(server, "/v1/completions", json.dumps({"prompt": "the fox " * 110_000}).encode(), key=KEY)
         done["prompt"] = (time.monotonic(), status)
 
     thread = threading.Thread(target=long_prompt)
@@ -288,7 +272,7 @@ def test_metrics_are_right_under_load_and_nothing_listens_beyond_the_host(served
     assert {ip for ip, _ in listening} == {"127.0.0.1"}, listening
 
     client = _client(server)
-    before, started = _metrics(server), time.monotonic()
+    before, started = read_metrics(server), time.monotonic()
     first = threading.Event()
     replies: list = []
 
@@ -310,16 +294,16 @@ def test_metrics_are_right_under_load_and_nothing_listens_beyond_the_host(served
     for thread in threads:
         thread.start()
     assert first.wait(60)
-    during, deadline = _metrics(server), time.monotonic() + 30
+    during, deadline = read_metrics(server), time.monotonic() + 30
     # until the 4 requests have arrived and a step has scheduled the first 2 (the figures are published after each
     # change, so one read may fall between a request's arrival and the step that runs it), before the first 2 finish
     while (during["autotp_requests_running"], during["autotp_requests_waiting"]) != (2, 2) and not replies:
         if time.monotonic() > deadline:
             break
-        during = _metrics(server)
+        during = read_metrics(server)
     for thread in threads:
         thread.join(120)
-    after = _metrics(server)
+    after = read_metrics(server)
     took = time.monotonic() - started
 
     assert during["autotp_requests_running"] == 2 and during["autotp_requests_waiting"] == 2, during

@@ -6,10 +6,12 @@ are known (``save_cycle_model``)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -191,3 +193,21 @@ class Server:
                 self.process.wait(60)
             except subprocess.TimeoutExpired:
                 self.process.kill()
+
+
+def post(server: Server, path: str, body: bytes, *, key: str, content_type: str | None = "application/json"):
+    """(status, JSON body) of a POST to the server, errors included (``content_type`` None: no such header)."""
+    headers = {"Authorization": f"Bearer {key}", **({"Content-Type": content_type} if content_type else {})}
+    request = urllib.request.Request(server.url + path, data=body, method="POST", headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def read_metrics(server: Server) -> dict:
+    """/metrics as name -> value (histogram series by their labelled names)."""
+    with urllib.request.urlopen(server.url + "/metrics", timeout=10) as answer:
+        lines = answer.read().decode().splitlines()
+    return {k: float(v) for k, v in (line.split() for line in lines if not line.startswith("#"))}

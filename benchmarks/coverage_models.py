@@ -1,5 +1,5 @@
 """The models of the coverage sweep (benchmarks/coverage_sweep.py): every architecture of the installed transformers,
-built from its own config class shrunk by one generic rule, and a few models of other libraries (the ``sweep`` extra).
+built from its own config class shrunk by one generic rule (a few models of other libraries: coverage_library.py).
 
 ``shrink(config_dict)`` walks a config's fields by name, nested sub-configs included: hidden sizes to 64, intermediate
 sizes scaled with them, 2 layers, vocabularies to 1000 (special token ids moved inside), 4 heads (2 KV heads where
@@ -308,17 +308,6 @@ def family(cls, config) -> str:
     return "causal LM" if cls.__name__.endswith("ForCausalLM") else "text encoder"
 
 
-def family_of(name: str) -> str | None:
-    """``family`` from the shrunk config, without building the model; None where the config does not build."""
-    if name in OTHERS:
-        return "other library"
-    try:
-        config = hf_config(name)
-        return family(hf_class(name, config), config)
-    except Exception:  # a config that does not build: no family
-        return None
-
-
 def _field(config, *names, default=None):
     """The first of ``names`` set on the config or any of its sub-configs (breadth first)."""
     todo = [config]
@@ -380,103 +369,3 @@ def missing_input(error: Exception, model) -> str | None:
 
 
 # models of other libraries: (name, family, factory() -> (model, kwargs)); installed by the "sweep" extra
-
-
-def _x_decoder():
-    from x_transformers import Decoder, TransformerWrapper
-
-    model = TransformerWrapper(
-        num_tokens=VOCAB,
-        max_seq_len=64,
-        attn_layers=Decoder(
-            dim=HIDDEN, depth=2, heads=HEADS, attn_kv_heads=2, rotary_pos_emb=True, attn_dim_head=HEAD_DIM
-        ),
-    )
-    return model, {"x": torch.randint(0, VOCAB, (BATCH, SEQ))}
-
-
-def _x_encoder():
-    from x_transformers import Encoder, TransformerWrapper
-
-    model = TransformerWrapper(
-        num_tokens=VOCAB,
-        max_seq_len=64,
-        attn_layers=Encoder(dim=HIDDEN, depth=2, heads=HEADS, attn_dim_head=HEAD_DIM, ff_glu=True),
-    )
-    return model, {"x": torch.randint(0, VOCAB, (BATCH, SEQ))}
-
-
-def _x_vit():
-    from x_transformers import Encoder, ViTransformerWrapper
-
-    model = ViTransformerWrapper(
-        image_size=32,
-        patch_size=8,
-        num_classes=10,
-        attn_layers=Encoder(dim=HIDDEN, depth=2, heads=HEADS, attn_dim_head=HEAD_DIM),
-    )
-    return model, {"img": torch.randn(BATCH, 3, 32, 32)}
-
-
-def _x_encoder_decoder():
-    from x_transformers import XTransformer
-
-    model = XTransformer(
-        dim=HIDDEN,
-        enc_num_tokens=VOCAB,
-        enc_depth=2,
-        enc_heads=HEADS,
-        enc_max_seq_len=64,
-        dec_num_tokens=VOCAB,
-        dec_depth=2,
-        dec_heads=HEADS,
-        dec_max_seq_len=64,
-    )
-    return model, {"src": torch.randint(0, VOCAB, (BATCH, SEQ)), "tgt": torch.randint(0, VOCAB, (BATCH, SEQ))}
-
-
-def _mixer():
-    from mlp_mixer_pytorch import MLPMixer
-
-    model = MLPMixer(image_size=32, channels=3, patch_size=8, dim=HIDDEN, depth=2, num_classes=10)
-    return model, {"input": torch.randn(BATCH, 3, 32, 32)}
-
-
-def _perceiver():
-    from perceiver_pytorch import Perceiver
-
-    model = Perceiver(
-        num_freq_bands=4,
-        depth=2,
-        max_freq=10.0,
-        input_channels=3,
-        input_axis=2,
-        num_latents=16,
-        latent_dim=HIDDEN,
-        cross_heads=1,
-        latent_heads=HEADS,
-        cross_dim_head=HEAD_DIM,
-        latent_dim_head=HEAD_DIM,
-        num_classes=10,
-    )
-    return model, {"data": torch.randn(BATCH, 16, 16, 3)}
-
-
-def _gateloop():
-    from gateloop_transformer import Transformer
-
-    model = Transformer(
-        dim=HIDDEN, num_tokens=VOCAB, depth=2, dim_head=HEAD_DIM, heads=HEADS, checkpoint_gate_looped_attn=False
-    )
-    return model, {"x": torch.randint(0, VOCAB, (BATCH, SEQ))}
-
-
-OTHERS = {
-    "x-transformers:decoder": _x_decoder,
-    "x-transformers:encoder": _x_encoder,
-    "x-transformers:vit": _x_vit,
-    "x-transformers:encoder-decoder": _x_encoder_decoder,
-    "mlp-mixer-pytorch:mixer": _mixer,
-    "perceiver-pytorch:perceiver": _perceiver,
-    "gateloop-transformer:transformer": _gateloop,
-}

@@ -226,7 +226,7 @@ def _at_four(plans: dict, at_four: dict) -> list:
 
 
 def summarize(plans: dict, exacts: dict, at_four: dict | None = None) -> str:
-    from coverage_models import family_of
+    from coverage_build import family_of
 
     for name, e in plans.items():  # families by today's rule (records keep the one of their run)
         if e.get("captured"):

@@ -30,11 +30,13 @@ from pathlib import Path
 
 import coverage_models as cm
 import torch
+from coverage_build import alarm, build, first_line, names, probe
+from coverage_exact import exact_entry
+from coverage_library import OTHERS
 from coverage_measures import measure
 from machine import describe
 
 OUT = Path(__file__).resolve().parent / "coverage"
-TOL = {"rtol": 1e-4, "atol": 1e-5}  # the suite's (tests/helpers/exact.py)
 RUN_BATCH, RUN_SEQ = 8, 1024  # the shapes plans are priced at (run_shapes)
 # Parameters of at least hidden x hidden elements (the shrunk width, cm.HIDDEN) only offered sharded, as for a model
 # too large for one device, what TP is for: at the sweep's widths replicating a small attention beside a wide MLP or
@@ -42,74 +44,6 @@ RUN_BATCH, RUN_SEQ = 8, 1024  # the shapes plans are priced at (run_shapes)
 # kernel, norm and bias vectors) are left to the cost model, as Megatron and vLLM keep them whole.  A fraction of the
 # largest parameter would not do: that is a vocabulary, a position table or a conv stem, sized unlike the blocks.
 SHARD_FROM = cm.HIDDEN**2
-
-
-class Timeout(Exception):
-    pass
-
-
-def _alarm(seconds: int):
-    def fire(*_):
-        raise Timeout(f"took over {seconds} s")
-
-    signal.signal(signal.SIGALRM, fire)
-    signal.alarm(seconds)
-
-
-def first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0][:300] if text else ''}"
-
-
-def names() -> list[str]:
-    return cm.hf_types() + list(cm.OTHERS)
-
-
-def build(name: str, device: str, spec: dict | None = None):
-    """(model in eval mode, keyword inputs, family); ``spec``: the input layout and extra inputs a probe found."""
-    torch.manual_seed(0)
-    if name in cm.OTHERS:
-        with torch.device(device):
-            model, kwargs = cm.OTHERS[name]()
-        return model.eval(), {k: v.to(device) for k, v in kwargs.items()}, "other library"
-    config = cm.hf_config(name)
-    cls = cm.hf_class(name, config)
-    if cls is None:
-        raise LookupError("no causal-LM or base model class in transformers")
-    with torch.device(device):
-        model = cls(config).eval()
-    spec = spec or {"layout": 0, "extra": []}
-    kwargs = cm.inputs(model, config, layout=spec["layout"])
-    for extra in spec["extra"]:
-        kwargs[extra] = cm._tensor(extra, config, torch.Generator().manual_seed(1))
-    return model, {k: v.to(device) for k, v in kwargs.items()}, cm.family(type(model), config)
-
-
-def probe(name: str) -> dict:
-    """Build on the CPU and find inputs a forward accepts: the audio layout, inputs the error names as missing."""
-    model, kwargs, family = build(name, "cpu")
-    if name in cm.OTHERS:
-        with torch.no_grad():
-            model(**kwargs)
-        return {"layout": 0, "extra": [], "family": family}
-    error = None
-    for layout in (0, 1):
-        spec = {"layout": layout, "extra": []}
-        for _ in range(3):
-            model, kwargs, family = build(name, "cpu", spec)
-            try:
-                with torch.no_grad():
-                    model(**kwargs)
-                return {**spec, "family": family}
-            except Exception as exc:  # any model's error: try the next inputs
-                error = exc
-                missing = cm.missing_input(exc, model)
-                if missing is None or missing in kwargs:
-                    break
-                spec["extra"].append(missing)
-        if getattr(model, "main_input_name", "") != "input_features":
-            break
-    raise error
 
 
 def _plan(model, kwargs, full: dict | None = None):
@@ -136,7 +70,7 @@ def _plan(model, kwargs, full: dict | None = None):
 def full_sizes(name: str, model) -> dict:
     """Parameter name -> elements in the full config's model at the same depth (built on meta): {} where that does
     not build or names differ."""
-    if name in cm.OTHERS:
+    if name in OTHERS:
         return {}
     try:
         with torch.device("meta"):
@@ -228,7 +162,7 @@ def plan_entry(name: str, timeout: int) -> dict:
     from autotp.passes.capture import CaptureError
 
     entry, start = {"name": name}, time.perf_counter()
-    _alarm(timeout)
+    alarm(timeout)
     try:
         stage = "build"
         spec = probe(name)
@@ -293,114 +227,6 @@ def _where(exc: BaseException) -> str:
         f for f in traceback.extract_tb(exc.__traceback__) if "site-packages" in f.filename or "/autotp/" in f.filename
     ]
     return f"{Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
-
-
-def _leaves(out) -> list:
-    from autotp.passes.faithful import float_leaves
-
-    return float_leaves(out)
-
-
-def _float64(model, kwargs) -> tuple[list | None, dict]:
-    """The model's outputs and gradients in float64: the truth both fp32 runs round away from; (None, {}) where an
-    op has no float64 kernel (grouped matmuls): a value off by more than TOL is then a mismatch, never rounding."""
-    import copy
-
-    exact = copy.deepcopy(model).double()
-    for p in exact.parameters():
-        p.grad = None  # a copy made after the fp32 backward holds its gradients
-    try:
-        out = _leaves(_seeded(exact, {k: v.double() if v.is_floating_point() else v for k, v in kwargs.items()}))
-        sum(x.square().mean() for x in out).backward()
-    except RuntimeError:
-        return None, {}
-    return out, {n: p.grad for n, p in exact.named_parameters()}
-
-
-def _rounding(got: torch.Tensor, want: torch.Tensor, truth: torch.Tensor) -> bool:
-    """Off the one-process value by more than TOL, but about as far from float64 as one process is (at most 4 times
-    its distance, plus atol): fp32 rounding of a long or ill-conditioned sum (a token's gradient summed over every
-    position; BLIP's gradients of 1.8e10, 3.8e3 apart from float64 in one process), not a bug, which is orders of
-    magnitude farther."""
-    ours, theirs = _error(got.double(), truth), _error(want.double(), truth)
-    return ours <= 4 * theirs + TOL["atol"]
-
-
-def _error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return (got - want).abs().max().item() if want.numel() else 0.0  # a model may hold empty tensors (DINOv3)
-
-
-def _seeded(model, kwargs):
-    """The model's outputs with the random generator seeded: a model that samples in eval mode (VITS's noise)
-    draws the same numbers in the sharded program and in one process."""
-    torch.manual_seed(0)
-    return model(**kwargs)
-
-
-def _rank(rank: int, world: int, name: str, spec: dict, timeout: int) -> dict:
-    import autotp
-
-    model, kwargs, _ = build(name, "cpu", spec)
-    sharded = autotp.parallelize(
-        model,
-        (),
-        kwargs,
-        timeout=timeout,  # rank 0 plans alone: the others wait
-        **spec.get("options", {}),
-    )
-    got, want = (_leaves(_seeded(m, kwargs)) for m in (sharded, model))  # a model that samples (VITS) alike
-    result = {"outputs": len(want), "out_err": 0.0, "grad_err": 0.0, "mismatch": None, "grads_off": [], "rounding": []}
-    if len(got) != len(want):
-        result["mismatch"] = f"{len(got)} float outputs, one process has {len(want)}"
-        return result
-    truth = None
-    for i, (g, w) in enumerate(zip(got, want, strict=True)):
-        err = _error(g, w) if g.shape == w.shape else float("inf")
-        result["out_err"] = max(result["out_err"], err)
-        if g.shape != w.shape or not torch.allclose(g, w, **TOL):
-            truth = truth or _float64(model, kwargs)
-            if g.shape == w.shape and truth[0] is not None and _rounding(g, w, truth[0][i]):
-                result["rounding"].append(f"output {i}")
-            else:
-                result["mismatch"] = result["mismatch"] or f"output {i} {tuple(w.shape)}: max error {err:.3g}"
-    sum(x.float().square().mean() for x in got).backward()
-    sum(x.float().square().mean() for x in want).backward()
-    grads = autotp.full_state_dict(sharded, grads=True)
-    for n, p in model.named_parameters():
-        if p.grad is None or grads.get(n) is None:
-            continue
-        err = _error(grads[n], p.grad)
-        result["grad_err"] = max(result["grad_err"], err)
-        if not torch.allclose(grads[n], p.grad, **TOL):
-            truth = truth or _float64(model, kwargs)
-            if n in truth[1] and _rounding(grads[n], p.grad, truth[1][n]):
-                result["rounding"].append(n)
-            else:
-                result["mismatch"] = result["mismatch"] or f"grad {n}: max error {err:.3g}"
-                result["grads_off"].append(n)
-    return result
-
-
-def exact_entry(name: str, spec: dict, timeout: int, world: int = 2) -> dict:
-    from autotp.tools.spawn import run_local
-
-    entry, start = {"name": name, "world": world}, time.perf_counter()
-    _alarm(timeout)
-    try:
-        result = run_local(world, _rank, name, spec, timeout, timeout=timeout)[0]
-        entry.update(result, result="exact" if result["mismatch"] is None else "mismatch")
-    except Exception as exc:  # a rank's error, raised here
-        lines = [line.strip() for line in str(exc).splitlines()]
-        refused = next((line for line in lines if "UnfaithfulCapture" in line), None)
-        if refused:  # autotp's check of the capture said why, in one line
-            entry.update(result="refused", error=refused[:400])
-        else:  # the rank's own error: the last "...Error: ..." line of its traceback
-            raised = [line for line in lines if re.match(r"^[\w.]+(Error|Exception)\b", line)]
-            entry.update(result="crash", error=raised[-1][:300] if raised else first_line(exc))
-    finally:
-        signal.alarm(0)
-        entry["seconds"] = round(time.perf_counter() - start, 2)
-    return entry
 
 
 def records(part: str) -> dict:
@@ -481,7 +307,7 @@ def main() -> None:
         planned = records("plan")
         todo = [n for n in todo if planned.get(n, {}).get("planned")]
     if args.part == "exact4":  # one a family: its first in name order, whatever it does at 2 ranks
-        from coverage_models import family_of
+        from coverage_build import family_of
 
         firsts: dict = {}
         for name in sorted(todo):

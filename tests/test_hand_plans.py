@@ -34,7 +34,7 @@ def _llama(config: str, **changes):
 
 def _priced_against_hand_plans(
     model, world: int, shapes: dict, names=("hf", "megatron", "megatron-sp")
-) -> None:  # "dtensor": megatron-sp's styles
+) -> None:  # "dtensor": megatron-sp's styles, its gathered tokens saved whole (autotp's runtime gathers them again)
     gm = prepared_graph(model, (torch.zeros(2, 16, dtype=torch.long, device="meta"),), None, fold=True)
     hands = hand_plans(model, names)
     assert sorted(hands) == sorted(names), sorted(hands)

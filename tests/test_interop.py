@@ -166,3 +166,73 @@ def test_compare_counts_what_transformers_runs_for_experts(expert_parallel, tmp_
     predicted = result["hf_ep"] if expert_parallel else result["hf"]
     assert not predicted["unpriced"], predicted
     run_ranks(2, _transformers_counts, str(tmp_path), expert_parallel, ids, predicted)
+
+
+def _torchtitan_counts(rank: int, world: int, directory: str, ids, predicted: dict) -> None:
+    """torchtitan's LLaMA plan (models/llama3/infra/parallelize.py, apply_tp) written on transformers' module names
+    and run by DTensor's parallelize_module: the collectives of a training step, counted by CommDebugMode."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(directory)
+    mesh = init_device_mesh("cpu", (world,))
+    parallelize_module(
+        model,
+        mesh,
+        {
+            "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "model.norm": SequenceParallel(),
+            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        },
+    )
+    shard_in = PrepareModuleInput(
+        input_kwarg_layouts={"hidden_states": Shard(1)}, desired_input_kwarg_layouts={"hidden_states": Replicate()}
+    )
+    for layer in model.model.layers:
+        parallelize_module(
+            layer,
+            mesh,
+            {
+                "input_layernorm": SequenceParallel(),
+                "self_attn": shard_in,
+                "self_attn.q_proj": ColwiseParallel(),
+                "self_attn.k_proj": ColwiseParallel(),
+                "self_attn.v_proj": ColwiseParallel(),
+                "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+                "post_attention_layernorm": SequenceParallel(),
+                "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                "mlp.gate_proj": ColwiseParallel(),
+                "mlp.up_proj": ColwiseParallel(),
+                "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
+            },
+        )
+    positions = torch.arange(ids.shape[1])  # the blocks see a shard of the tokens: the positions are the whole's
+    with CommDebugMode() as forward:
+        loss = model(ids, position_ids=positions[None], cache_position=positions).logits.float().square().mean()
+    with CommDebugMode() as backward:  # the norm weights' gradients are left Partial: summed as the step reads them
+        loss.backward()
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+    measured = plan_ops(comm_counts(forward)), plan_ops(comm_counts(backward))
+    assert measured == (predicted["forward"], predicted["backward"]), (measured, predicted)
+
+
+def test_compare_counts_what_dtensor_runs_for_torchtitans_plan(tmp_path):
+    """`autotp compare`'s "dtensor" column (torchtitan's plan, Megatron's with sequence parallelism: one
+    reduce-scatter of q, k and v's input gradient a sublayer, not three) is what DTensor runs, by kind."""
+    from autotp.tools.compare import compare
+
+    model, _, _ = build("llama")
+    model.save_pretrained(tmp_path)
+    ids = example_input("llama", 2, 6)  # a sequence of whole shards: Shard(1) splits it evenly
+    predicted = compare(model, (ids,), world_size=2, against=("dtensor",))["dtensor"]
+    assert predicted and not predicted["unpriced"], predicted
+    run_ranks(2, _torchtitan_counts, str(tmp_path), ids, predicted)

@@ -326,9 +326,10 @@ def regather_time(nbytes: float, world: int, topology: Topology) -> float:
     return collective_time("all_gather", nbytes, world, topology)
 
 
-def activation_bytes(choice: dict, sizes: Sizes, world: int, grad: set, recomputed=()) -> dict:
+def activation_bytes(choice: dict, sizes: Sizes, world: int, grad: set, recomputed=(), regather: bool = True) -> dict:
     """node -> bytes per device kept for backward of its output's storage (each tensor counted once);
-    ``recomputed``: attention cores (passes/recompute.py) that keep nothing of their own."""
+    ``recomputed``: attention cores (passes/recompute.py) that keep nothing of their own; ``regather``: tokens
+    gathered for an op are kept as this rank's piece (autotp's runtime), else whole."""
     held: dict = {}
     keepers: dict = {}
     for node, strategy in choice.items():
@@ -336,7 +337,7 @@ def activation_bytes(choice: dict, sizes: Sizes, world: int, grad: set, recomput
             held[key] = nbytes
             keepers.setdefault(key, set()).add(node)
     gone = set().union(*(dropped(keepers, core) for core in recomputed))
-    pieces = regathered(choice, grad)
+    pieces = regathered(choice, grad) if regather else set()
     by_node: dict = {}
     for (tensor, kind, share), nbytes in held.items():
         if (tensor, kind, share) in gone:

@@ -35,20 +35,23 @@ def planned_collectives(
     weights: Mapping[Node, int] | None = None,
     training: bool = True,
     per_reader: bool = False,
+    regather: bool = True,
+    coalesce: bool = True,
 ) -> list[dict[str, Any]]:
     """The collectives the rewriter will insert for ``choice`` (one per tensor and target placement;
     ``count``: how many real tensors a folded graph's node stands for; ``regather``: a backward all-gather of
     tokens kept as this rank's piece, runtime/activations.py; ``tensors``: the replicated parameters whose partial
     gradients one all-reduce sums, passes/gradients.partial_params); an inference plan (``training=False``) lists
-    the forward's alone; ``per_reader``: each reader sums its input's partial gradient itself (solution.Imposed)."""
+    the forward's alone; ``per_reader``, ``regather`` and ``coalesce``: as solution.Imposed's grad_sums_per_reader,
+    not saves_gathered and not sums_each_param."""
     grad = needs_grad(gm)
     # ranks sharing a unit sum its gradient (a bias with its weight)
     found: dict[tuple[Any, ...], tuple[Any, ...]] = {
         (members[0], "group"): ("backward", "all_reduce") for members in gradient_sums(gm, choice, world)
     }
-    pieces = regathered(choice, grad)
+    pieces = regathered(choice, grad) if regather else set()
     routed: list[tuple[Node, Any, Any]] = []  # (tensor, have, want) entering or leaving a routed segment
-    together = partial_params(gm, choice, grad)  # one all-reduce for each list (of a dtype)
+    together = partial_params(gm, choice, grad) if coalesce else []  # one all-reduce a list (of a dtype)
     alone = {member for members in together for member in members}
     for node in gm.graph.nodes:
         strategy = choice.get(node)

@@ -154,7 +154,8 @@ class Ilp:
                 for v, s in zip(self.x.get(key[0], ()), found.strategies.get(key[0], ()), strict=True)
                 if on_tokens(key[0], s)
             ]
-            if split and key[1:] == ("value", 1.0):  # gathered from tokens: only this rank's piece is kept
+            if split and key[1:] == ("value", 1.0) and not self.imposed.saves_gathered:
+                # gathered from tokens: only this rank's piece is kept
                 whole, piece = (problem.add_variable(f"a{k}{part}", lowBound=0) for part in "wp")
                 problem += whole >= kept_var - pulp.lpSum(split)
                 problem += piece >= kept_var + pulp.lpSum(split) - 1
@@ -276,7 +277,7 @@ class Ilp:
         self.costs.append(together * latency)
         for k, ((src, _), g) in enumerate(grad_reduce.items()):
             summed = collective_time("all_reduce", sizes.nbytes(src), t, self.topology)
-            if coalesced(src):  # summed with the others in one all-reduce (partial_params)
+            if coalesced(src) and not self.imposed.sums_each_param:  # one all-reduce with the others (partial_params)
                 problem += together >= g
                 self.costs.append(g * w(src, 1) * (summed - latency))
                 continue
@@ -331,7 +332,7 @@ class Ilp:
         by_kind["activations"] = sum(
             w(node, 1) * held
             for node, held in activation_bytes(  # exact, whatever slack the ILP left
-                choice, self.sizes, self.world, self.grad, recomputed
+                choice, self.sizes, self.world, self.grad, recomputed, regather=not self.imposed.saves_gathered
             ).items()
         )
         regathers = {node: priced for node, (piece, priced) in gathers.items() if pulp.value(piece) > 0.5}

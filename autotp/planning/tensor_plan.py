@@ -244,6 +244,8 @@ def to_plan(
             weights,
             training,
             per_reader=bool(imposed and imposed.grad_sums_per_reader),
+            regather=not (imposed and imposed.saves_gathered),
+            coalesce=not (imposed and imposed.sums_each_param),
         ),
         styles=expand(param_styles(gm, choice, world_size)),
         quantized=expand(quantized_layout(gm)),
@@ -259,7 +261,9 @@ def to_plan(
                 if training
                 else {}
             ),
-            **_activations_by_module(gm, choice, sizes, world_size, training, solution.recomputed),
+            **_activations_by_module(
+                gm, choice, sizes, world_size, training, solution.recomputed, not (imposed and imposed.saves_gathered)
+            ),
             **({"experts": experts_cost} if experts_cost else {}),
             **({"replicated": dict(sorted(found.unruled.items()))} if found.unruled else {}),
         },
@@ -339,6 +343,7 @@ def _activations_by_module(
     world: int,
     training: bool,
     recomputed: list[list[Node]],
+    regather: bool = True,
 ) -> dict[str, Any]:
     """Bytes kept for backward per device by the module that computes them, the modules that split
     the tokens (sequence parallelism) and those whose attention core is recomputed, for reports."""
@@ -347,7 +352,7 @@ def _activations_by_module(
     if not training:  # nothing is kept for a backward, nothing recomputed
         return {"token_split": split, "dropout": dropping}
     kept: dict[str, float] = {}
-    for node, held in activation_bytes(choice, sizes or Sizes(), world, needs_grad(gm), recomputed).items():
+    for node, held in activation_bytes(choice, sizes or Sizes(), world, needs_grad(gm), recomputed, regather).items():
         kept[module_path(node)] = kept.get(module_path(node), 0.0) + held
     return {
         "activations": kept,

@@ -55,6 +55,8 @@ class HandPlan:
     styles: dict  # module pattern -> style
     sequence_parallel: bool = False  # norms and residuals split by tokens between the styled modules
     grad_sums_per_module: bool = False  # each styled module sums its input's gradient itself (transformers' hooks)
+    saves_gathered: bool = False  # gathered tokens kept whole for the backward (DTensor), not gathered again
+    sums_each_param: bool = False  # each replicated parameter's partial gradient summed alone (DTensor's Partial)
     experts: str | None = None  # how its expert layers run (PlanOptions.experts): "all-to-all" for whole experts
     source: str = ""
     unknown: tuple = field(default=())  # styles with no entry in _BOUNDARY: the plan is not priced (never guessed)
@@ -88,7 +90,12 @@ def hand_plans(
         else:
             entry = {**plans.get(plans[name].get("as"), {}), **plans[name]}  # "as": another plan's styles
             plan = HandPlan(
-                name, entry["styles"], sequence_parallel=entry.get("sequence_parallel", False), source=entry["source"]
+                name,
+                entry["styles"],
+                sequence_parallel=entry.get("sequence_parallel", False),
+                saves_gathered=entry.get("saves_gathered", False),
+                sums_each_param=entry.get("sums_each_param", False),
+                source=entry["source"],
             )
         named = plan and all(any(_style_of(m, {p: s}) for m in modules) for p, s in plan.styles.items())
         if plan and (name.startswith("hf") or named):
@@ -117,7 +124,9 @@ def solve_hand_plan(
         recompute=False,
         experts=hand.experts or options.experts,
     )
-    imposed = Imposed(_conversions(hand, options.training), hand.grad_sums_per_module)
+    imposed = Imposed(
+        _conversions(hand, options.training), hand.grad_sums_per_module, hand.saves_gathered, hand.sums_each_param
+    )
     try:  # token-split forms offered with sequence parallelism, not imposed: a rowwise output is partial first
         solved = solve_plan(gm, world_size, options, imposed=imposed, attempt=Attempt(hand.sequence_parallel, "off"))
     except PlanningError:

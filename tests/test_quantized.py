@@ -247,3 +247,31 @@ def _quantized_models(kind: str, directory: str) -> list:
 @pytest.mark.parametrize("kind,world", [("fp8", 2), ("fp8", 4), ("gptq", 2), ("gptq", 3)])
 def test_quantized_checkpoint_at_other_rank_counts(tmp_path, kind, world):
     test_quantized_checkpoint_sharded_by_whole_blocks(tmp_path, kind, world)
+
+
+def _priced(kind: str, rows: int) -> float:
+    """Seconds of one product x[rows, 8192] @ W[8192 -> 28672] (a LLaMA-3-70B MLP's gate) on one H100, inference,
+    its weight stored as ``kind`` (bf16, fp8 in 128x128 blocks, gptq int4 in groups of 128)."""
+    from autotp.runtime.quantized import Fp8BlockLinear, Int4GroupLinear
+
+    with torch.device("meta"):
+        layer = torch.nn.Linear(8192, 28672, bias=False, dtype=torch.bfloat16)
+        stored = {"bf16": layer, "fp8": Fp8BlockLinear(layer, (128, 128)), "gptq": Int4GroupLinear(layer, 128)}[kind]
+    x = torch.zeros(rows, 8192, dtype=torch.bfloat16, device="meta")
+    plan = autotp.plan(torch.nn.Sequential(stored), (x,), world_size=1, topology="dgx-h100", training=False)
+    return plan.cost["seconds"]
+
+
+def test_quantized_products_read_their_stored_bytes_and_pay_their_dequantization():
+    """Decode (8 rows, memory-bound): the weight read halves in FP8 and quarters in int4, the dequantization hidden
+    behind it.  Prefill (4096 rows, compute-bound): the product's arithmetic plus the dequantization, each weight
+    element dequantized once per 128 rows on the CUDA cores (67 TFLOP/s fp32, the H100 datasheet), at the
+    operations the dequantization takes (fp8: to float, times the scale, to bf16; int4 three more)."""
+    bf16, fp8, gptq = (_priced(kind, 8) for kind in ("bf16", "fp8", "gptq"))
+    assert fp8 / bf16 == pytest.approx(0.5, abs=0.02) and gptq / bf16 == pytest.approx(0.25, abs=0.03)
+    print(f"decode, 8 rows: bf16 {bf16 * 1e6:.1f} us, fp8 {fp8 * 1e6:.1f} us, int4 {gptq * 1e6:.1f} us")
+    weight = 28672 * 8192
+    dequantized = {kind: ops * weight * (4096 / 128) / 67e12 for kind, ops in (("fp8", 3), ("gptq", 6))}
+    dense = _priced("bf16", 4096)
+    for kind in ("fp8", "gptq"):
+        assert _priced(kind, 4096) - dense == pytest.approx(dequantized[kind], rel=0.02), kind

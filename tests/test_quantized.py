@@ -64,6 +64,31 @@ def test_experts_stored_quantized_are_refused_by_name(tmp_path):
         autotp.from_pretrained(tmp_path)
 
 
+def test_an_act_order_gptq_checkpoint_is_refused_before_any_rank_reads(tmp_path):
+    """A g_idx that is not each input's index // group_size (GPTQ's act-order, here under a config that says
+    desc_act false) is refused in one line naming the option, by from_pretrained and by autotp serve's check; the
+    trivial g_idx the same checkpoint stored first passes that check."""
+    from transformers import AutoModelForCausalLM
+
+    from autotp.runtime.hf_checkpoint import Checkpoint
+    from autotp.runtime.quantized import check_quantized, quantize_modules
+    from autotp.serving.servable import check_servable
+    from tests.helpers.serving import tokenizer
+
+    model = AutoModelForCausalLM.from_config(configs.llama())
+    gptq_checkpoint(model, tmp_path, GROUP)
+    tokenizer(model.config.vocab_size).save_pretrained(tmp_path)
+    check_quantized(Checkpoint(tmp_path), quantize_modules(model), quantization(model.config))
+    stored = load_file(tmp_path / "model.safetensors")
+    name = "model.layers.1.mlp.down_proj.g_idx"
+    stored[name] = stored[name][torch.randperm(len(stored[name]), generator=torch.Generator().manual_seed(0))]
+    save_file(stored, tmp_path / "model.safetensors")
+    for check in (autotp.from_pretrained, check_servable):
+        with pytest.raises(QuantizationError, match=rf"{name} is not .* act-order \(desc_act true") as raised:
+            check(tmp_path)
+        assert "\n" not in str(raised.value)
+
+
 def test_quantized_weights_are_frozen_and_pass_the_input_gradient():
     """Training a quantized model trains the rest: the quantized products pass the input's gradient through the
     dequantized weight; a quantized weight asked to train is refused in one line."""

@@ -300,3 +300,35 @@ def test_quantized_products_read_their_stored_bytes_and_pay_their_dequantization
     dense = _priced("bf16", 4096)
     for kind in ("fp8", "gptq"):
         assert _priced(kind, 4096) - dense == pytest.approx(dequantized[kind], rel=0.02), kind
+
+
+@pytest.mark.slow
+def test_autotp_serve_answers_from_a_quantized_checkpoint(tmp_path):
+    """``autotp serve`` on an FP8 checkpoint directory at 2 ranks, asked by the openai client: a completion's greedy
+    tokens are those of transformers' generate on the dequantized model in one process."""
+    openai = pytest.importorskip("openai")
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers.serving import Server, tokenizer
+
+    config = configs.llama(
+        intermediate_size=208,
+        use_cache=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    fp8_checkpoint(model, tmp_path, BLOCK)  # the model is now the checkpoint dequantized
+    words = tokenizer(config.vocab_size)
+    words.save_pretrained(tmp_path)
+    text = "w11 w42 w23 w64 w35"
+    with Server(tmp_path, "--served-model-name", "fp8", "--kv-blocks", "8", "--block-size", "4", world=2) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        reply = client.completions.create(model="fp8", prompt=text, max_tokens=6, temperature=0, logprobs=1)
+    served = [words.convert_tokens_to_ids(t) for t in reply.choices[0].logprobs.tokens]
+    prompt = torch.tensor([words(text)["input_ids"]])
+    want = model.generate(prompt, max_new_tokens=6, do_sample=False, attention_mask=torch.ones_like(prompt))
+    assert served == want[0, prompt.shape[1] :].tolist() and len(served) == 6

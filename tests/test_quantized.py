@@ -132,24 +132,27 @@ def test_unsupported_quantization_is_refused_in_one_line(tmp_path, config, named
     assert quantization(configs.llama()) is None
 
 
-def _write(kind: str, directory: str) -> None:
-    """A tiny LLaMA (4 heads of 16, 2 KV heads, MLP of 13 blocks) as a quantized checkpoint, and beside it the
-    full-precision model it stands for (``reference.pt``); ``lm_head`` left unquantized (modules_to_not_convert)."""
+def _write(kind: str, directory: str, block: tuple[int, int] = BLOCK, **sizes) -> None:
+    """A tiny LLaMA (by default 4 heads of 16, 2 KV heads, MLP of 13 blocks) as a quantized checkpoint, and beside it
+    the full-precision model it stands for (``reference.pt``); ``lm_head`` left unquantized (modules_to_not_convert)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(configs.llama(intermediate_size=208)).eval()
+    model = AutoModelForCausalLM.from_config(configs.llama(**{"intermediate_size": 208, **sizes})).eval()
     if kind == "fp8":
-        fp8_checkpoint(model, directory, BLOCK)
+        fp8_checkpoint(model, directory, block)
     else:
-        gptq_checkpoint(model, directory, GROUP)
+        gptq_checkpoint(model, directory, block[1])
     torch.save(model.state_dict(), f"{directory}/reference.pt")
 
 
 def _reference(directory: str):
-    from transformers import AutoModelForCausalLM
+    """The full-precision model the checkpoint in ``directory`` stands for."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_config(configs.llama(intermediate_size=208)).eval()
+    config = AutoConfig.from_pretrained(directory)
+    del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config).eval()
     model.load_state_dict(torch.load(f"{directory}/reference.pt"))
     return model
 
@@ -266,6 +269,44 @@ def _quantized_models(kind: str, directory: str) -> list:
     from autotp.runtime.quantized import quantize_modules
 
     return [(quantize_modules(model), args) for model, args in pretrained_models(directory)]
+
+
+RAGGED = {"hidden_size": 256, "intermediate_size": 200}  # blocks of 128: an MLP of one block and a ragged 72
+
+
+def _exact_with_ragged_blocks(rank: int, world: int, directory: str) -> None:
+    from autotp.placement import Shard, parse
+
+    sharded = autotp.from_pretrained(directory, training=False)
+    reference = _reference(directory)
+    torch.manual_seed(1)
+    ids = torch.randint(1, 96, (2, 7))
+    torch.testing.assert_close(sharded(ids).logits, reference(ids).logits, **TOL)
+    want = reference.generate(ids[:, :4], max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert torch.equal(autotp.generate(sharded, ids[:, :4], max_new_tokens=4, pad_token_id=0), want)
+    plan = sharded.autotp_plan
+    split = set()
+    for name in (n for n, text in plan.quantized.items() if text.startswith("fp8")):
+        placement, shape = parse(plan.params[name]), plan.shapes[name]
+        if not isinstance(placement, Shard):
+            continue
+        size = shape[placement.dim]
+        for r in range(world):  # every cut between whole blocks; the ragged last block whole on one rank
+            for start, n in placement.ranges(size, r, world):
+                assert start % 128 == 0 and ((start + n) % 128 == 0 or start + n == size), (name, placement, r)
+        split.add((name.rpartition(".")[0].rpartition(".")[2], placement.dim))
+    assert ("q_proj", 0) in split, split  # heads split by whole blocks beside the ragged MLP
+
+
+@pytest.mark.slow
+def test_a_ragged_last_block_is_never_cut(tmp_path):
+    """FP8 in blocks of 128 on dims of 256 and 200 (one block and a ragged 72) at 2 ranks (50 s): logits and greedy
+    tokens equal the dequantized model's; every quantized weight is cut only between whole blocks, so the ragged
+    MLP dim is held whole (the MLP is split along its 256: gate and up by rows, down by columns)."""
+    directory = str(tmp_path)
+    _write("fp8", directory, (128, 128), **RAGGED)
+    captures = functools.partial(_quantized_models, "fp8", directory)
+    run_ranks(2, _exact_with_ragged_blocks, directory, captures=captures)
 
 
 @pytest.mark.slow

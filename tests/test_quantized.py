@@ -50,18 +50,46 @@ def test_gptq_packing_golden_word():
     assert weight[:, 1:].eq(-0.5).all()
 
 
-def test_experts_stored_quantized_are_refused_by_name(tmp_path):
-    """FP8 experts (DeepSeek-V3 stores each expert's projections so) are not read yet: refused, named, before any
-    rank reads anything."""
+def _store_experts_fp8(directory, fused: bool) -> None:
+    """The checkpoint's routed experts stored FP8 too, in blocks of 16: each expert's gate, up and down projections
+    under their own names (DeepSeek-V3's and Qwen3's FP8 files), or the stacked tensors with a ``_scale_inv`` beside
+    each (transformers' FP8 experts as it saves them)."""
+    stored = load_file(f"{directory}/model.safetensors")
+    for name in [n for n in stored if n.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))]:
+        experts, prefix = stored.pop(name), name.rpartition(".")[0]
+        pieces = [fp8_quantized(w, BLOCK) for w in experts]
+        if fused:
+            stored[name] = torch.stack([w for w, _ in pieces])
+            stored[f"{name}_scale_inv"] = torch.stack([s for _, s in pieces])
+            continue
+        for e, expert in enumerate(experts):
+            halves = expert.chunk(2) if name.endswith("gate_up_proj") else [expert]
+            for proj, half in zip(
+                ("gate_proj", "up_proj") if len(halves) == 2 else ("down_proj",), halves, strict=True
+            ):
+                weight, scale = fp8_quantized(half, BLOCK)
+                stored[f"{prefix}.{e}.{proj}.weight"], stored[f"{prefix}.{e}.{proj}.weight_scale_inv"] = weight, scale
+    save_file(stored, f"{directory}/model.safetensors")
+
+
+@pytest.mark.parametrize(
+    "family,fused,first",
+    [
+        ("deepseek_v3", False, "model.layers.1.mlp.experts.0.down_proj.weight_scale_inv"),  # layer 0 is dense
+        ("qwen3_moe", True, "model.layers.0.mlp.experts.down_proj_scale_inv"),
+    ],
+)
+def test_experts_stored_fp8_are_refused_by_name_before_any_rank_reads(tmp_path, family, fused, first):
+    """Routed experts stored FP8 (DeepSeek-V3's files: each expert's projections; transformers' own: the stacked
+    tensors) are not read yet: refused in one line naming the first, before any rank reads anything."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_config(configs.mixtral())
-    fp8_checkpoint(model, tmp_path, (16, 16))
-    stored = load_file(tmp_path / "model.safetensors")
-    stored["model.layers.0.mlp.experts.0.gate_proj.weight_scale_inv"] = torch.ones(3, 2)
-    save_file(stored, tmp_path / "model.safetensors")
-    with pytest.raises(QuantizationError, match=r"layers.0.mlp.experts.0.gate_proj.weight_scale_inv is stored fp8"):
+    model = AutoModelForCausalLM.from_config(getattr(configs, family)())
+    fp8_checkpoint(model, tmp_path, BLOCK)
+    _store_experts_fp8(tmp_path, fused)
+    with pytest.raises(QuantizationError, match=rf"^{first} \(and \d+ more\) is stored fp8") as raised:
         autotp.from_pretrained(tmp_path)
+    assert "\n" not in str(raised.value) and "experts stored quantized are not read" in str(raised.value)
 
 
 def test_an_act_order_gptq_checkpoint_is_refused_before_any_rank_reads(tmp_path):

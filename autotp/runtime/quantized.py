@@ -166,7 +166,9 @@ def _tied_ids(model: nn.Module) -> set:
     return {k for k, v in seen.items() if v > 1}
 
 
-STORED = {"fp8": ("weight_scale_inv",), "gptq": ("qweight", "qzeros", "scales", "g_idx")}
+# The names (last part) a format stores beside a quantized weight; stacked experts add them to the stacked
+# tensor's name (transformers' FP8 experts: ``gate_up_proj_scale_inv``).
+STORED = {"fp8": ("scale_inv",), "gptq": ("qweight", "qzeros", "scales", "g_idx")}
 
 
 def check_quantized(checkpoint: Checkpoint, model: nn.Module, scheme: Quantization) -> None:
@@ -176,7 +178,7 @@ def check_quantized(checkpoint: Checkpoint, model: nn.Module, scheme: Quantizati
     held = {n for n, m in model.named_modules() if isinstance(m, (Fp8BlockLinear, Int4GroupLinear))}
     suffixes = STORED[scheme.method]
     names = checkpoint.stored
-    other = sorted(n for n in names if n.rpartition(".")[2] in suffixes and n.rpartition(".")[0] not in held)
+    other = sorted(n for n in names if _stored_beside(n, suffixes) and n.rpartition(".")[0] not in held)
     if other:
         raise QuantizationError(
             f"{other[0]}{f' (and {len(other) - 1} more)' if len(other) > 1 else ''} is stored {scheme.method}, but "
@@ -184,6 +186,11 @@ def check_quantized(checkpoint: Checkpoint, model: nn.Module, scheme: Quantizati
         )
     for name in sorted(n for n in names if n.endswith(".g_idx")):
         _check_group_index(name, checkpoint.read_box(name, [slice(None)]), scheme.block[1])
+
+
+def _stored_beside(name: str, suffixes: tuple[str, ...]) -> bool:
+    last = name.rpartition(".")[2]
+    return any(last == s or last.endswith("_" + s) for s in suffixes)
 
 
 def _check_group_index(name: str, found: torch.Tensor, group: int) -> None:

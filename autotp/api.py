@@ -34,7 +34,7 @@ from autotp.runtime.hf_checkpoint import Checkpoint, check_tensors
 from autotp.runtime.hf_models import default_inputs
 from autotp.runtime.materialize import materialize
 from autotp.runtime.programs import InputStructureError, install
-from autotp.runtime.quantized import check_quantized_names, quantization, quantize_modules
+from autotp.runtime.quantized import check_quantized, quantization, quantize_modules
 from autotp.runtime.rendezvous import InputCheck, RandomCheck, Rendezvous, inputs_digest
 from autotp.runtime.transport import enable_async_tp, register
 
@@ -285,7 +285,7 @@ def from_pretrained(directory, *, dtype: torch.dtype | None = None, **options) -
     model.tie_weights()  # transformers ties input/output embeddings only when asked, on empty weights
     quantize_modules(model, scheme)  # linears stored quantized hold their stored tensors (runtime/quantized.py)
     if scheme is not None:
-        check_quantized_names(Checkpoint(directory).stored, model, scheme)
+        check_quantized(Checkpoint(directory), model, scheme)
     return tensor_parallel(model.eval(), None, None, planning, replace(running, checkpoint=directory))
 
 

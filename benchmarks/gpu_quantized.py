@@ -8,7 +8,10 @@
 3. the kernels PyTorch has, to wire in next: ``F.scaled_mm`` block-wise (1x128 activations, 128x128 weights) and
    ``_weight_int4pack_mm`` with GPTQ's integer zeros converted to float zero points, each against the weight-only
    product, with the reason where one does not run.
-On a CPU it rehearses at tiny sizes (blocks of 16) and reports the kernels it cannot run.
+On a CPU it rehearses at tiny sizes (blocks of 32, the least group the int4 kernels take): the int4 kernel is
+PyTorch's CPU twin (``_weight_int4pack_mm_for_cpu``, the same (q - 8) x scale + zero), which checks the conversion of
+GPTQ's zeros, and the block-wise ``scaled_mm`` call is checked at the GPU's sizes on the meta device, which checks
+the scales' layout (the CUDA kernel's own checks), not its numbers.
 """
 
 from __future__ import annotations
@@ -24,6 +27,9 @@ def quantized(hidden: int = 4096, ffn: int = 14336, tokens: int = 8) -> dict:
     out.update(_kernels(hidden, ffn, tokens))
     out["exact"] = bool(out["exactness"]["fp8_logits"] < 1e-4 and out["exactness"]["gptq_logits"] < 1e-4)
     out["exact"] &= out["exactness"]["fp8_tokens_equal"] and out["exactness"]["gptq_tokens_equal"]
+    if DEVICE == "cpu":  # the rehearsal's own checks of the GPU's calls: the scales' layout, GPTQ's zeros converted
+        out["exact"] &= out["scaled_mm_blockwise_layout"].startswith("accepted")
+        out["exact"] &= out.get("int4pack_mm_relative", 1.0) < 0.02  # bf16 rounding; an off-by-one zero: ~0.1
     print("  ", out, flush=True)
     return out
 
@@ -56,23 +62,23 @@ def _exactness() -> dict:
     return found
 
 
-def _operands(hidden: int, ffn: int, tokens: int) -> dict:
+def _operands(hidden: int, ffn: int, tokens: int, device: str = DEVICE) -> dict:
     from autotp.runtime.quantized_ops import PACK
 
-    block = 128 if DEVICE == "cuda" else 16
+    block = 128 if device != "cpu" else 32
     torch.manual_seed(0)
-    x = torch.randn(tokens, hidden, device=DEVICE, dtype=torch.bfloat16)
-    weight = torch.randn(ffn, hidden, device=DEVICE).to(torch.float8_e4m3fn)
-    scale = torch.rand(ffn // block, hidden // block, device=DEVICE) / 64
-    words = torch.randint(-(2**31), 2**31 - 1, (hidden // PACK, ffn), device=DEVICE, dtype=torch.int32)
-    scales = (torch.rand(hidden // block, ffn, device=DEVICE) / 64).half()
-    zeros = torch.randint(-(2**31), 2**31 - 1, (hidden // block, ffn // PACK), device=DEVICE, dtype=torch.int32)
+    x = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16)
+    weight = torch.randn(ffn, hidden, device=device).to(torch.float8_e4m3fn)
+    scale = torch.rand(ffn // block, hidden // block, device=device) / 64
+    words = torch.randint(-(2**31), 2**31 - 1, (hidden // PACK, ffn), device=device, dtype=torch.int32)
+    scales = (torch.rand(hidden // block, ffn, device=device) / 64).half()
+    zeros = torch.randint(-(2**31), 2**31 - 1, (hidden // block, ffn // PACK), device=device, dtype=torch.int32)
     return {"x": x, "fp8": (weight, scale, block, block), "int4": (words, scales, zeros, block), "block": block}
 
 
 def _speed(hidden: int, ffn: int, tokens: int) -> dict:
     """Milliseconds of one product at a decode shape, and the HBM floor of its weight bytes (CUDA only)."""
-    hidden, ffn = (hidden, ffn) if DEVICE == "cuda" else (64, 224)
+    hidden, ffn = (hidden, ffn) if DEVICE == "cuda" else (128, 224)
     ops = _operands(hidden, ffn, tokens)
     x, dense = ops["x"], torch.randn(ffn, hidden, device=DEVICE, dtype=torch.bfloat16)
     times = {
@@ -90,8 +96,7 @@ def _speed(hidden: int, ffn: int, tokens: int) -> dict:
 
 def _kernels(hidden: int, ffn: int, tokens: int) -> dict:
     """PyTorch's own quantized kernels against the weight-only products (relative max difference), or why not."""
-    hidden, ffn = (hidden, ffn) if DEVICE == "cuda" else (64, 224)
-    ops = _operands(hidden, ffn, tokens)
+    ops = _operands(*((hidden, ffn) if DEVICE == "cuda" else (128, 224)), tokens)
     found = {}
     for name, run in (("scaled_mm_blockwise", _scaled_mm), ("int4pack_mm", _int4pack)):
         try:
@@ -99,11 +104,20 @@ def _kernels(hidden: int, ffn: int, tokens: int) -> dict:
             found[f"{name}_relative"] = max_diff(got, want) / float(want.float().abs().max())
         except Exception as exc:  # the kernel's own reason (a CPU build, an older card, a layout it wants)
             found[f"{name}_not_run"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+    if DEVICE == "cpu":  # the block-wise call as the GPU makes it, its layout checked by PyTorch's meta kernel
+        try:
+            _scaled_mm(_operands(hidden, ffn, tokens, device="meta"), compare=False)
+            found["scaled_mm_blockwise_layout"] = f"accepted at {tokens}x{hidden}x{ffn} (meta)"
+        except Exception as exc:
+            found["scaled_mm_blockwise_layout"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
     return found
 
 
-def _scaled_mm(ops: dict) -> tuple:
-    """FP8 activations scaled per token and 128 inputs (max-abs, dynamic), weights per 128x128 block."""
+def _scaled_mm(ops: dict, compare: bool = True) -> tuple:
+    """FP8 activations scaled per token and 128 inputs (max-abs, dynamic), weights per 128x128 block.  The kernel
+    reads activation scales [M, K/128] column-major and the weight's scales as [K/128 rounded up to 4, N/128]
+    column-major: transformers' ``weight_scale_inv`` [N/128, K/128], its columns padded to a multiple of 4,
+    transposed (no copy)."""
     import torch.nn.functional as F
 
     from autotp.runtime.quantized_ops import fp8_dequantized
@@ -112,27 +126,35 @@ def _scaled_mm(ops: dict) -> tuple:
     pieces = x.float().unflatten(-1, (-1, bk))
     x_scale = pieces.abs().amax(-1).clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max
     x_fp8 = (pieces / x_scale[..., None]).to(torch.float8_e4m3fn).flatten(-2)
+    padded = torch.nn.functional.pad(scale, (0, -scale.shape[1] % 4))
     got = F.scaled_mm(
         x_fp8,
         weight.t(),
         x_scale.t().contiguous().t(),
         F.ScalingType.BlockWise1x128,
-        scale,
+        padded.t(),
         F.ScalingType.BlockWise128x128,
         output_dtype=torch.bfloat16,
     )
+    if not compare:
+        return got, None
     x_back = (x_fp8.float().unflatten(-1, (-1, bk)) * x_scale[..., None]).flatten(-2)
     return got, x_back @ fp8_dequantized(weight, scale, bn, bk).t()
 
 
 def _int4pack(ops: dict) -> tuple:
-    """GPTQ's w = s (q - z) as tinygemm's w = (q - 8) s + m: m = s (8 - z), z = stored zero + 1."""
+    """GPTQ's w = s (q - z) as tinygemm's w = (q - 8) s + m: m = s (8 - z), z = stored zero + 1; packed as PyTorch's
+    own tests pack for CUDA (two values a byte, the even input high), or for its CPU twin (the int32 values)."""
     from autotp.runtime.quantized_ops import unpack_int4
 
     x, (words, scales, zeros, group) = ops["x"], ops["int4"]
     values = unpack_int4(words, 0).t().contiguous()  # [N, K] in 0..15
-    packed = torch.ops.aten._convert_weight_to_int4pack((values[:, ::2] << 4 | values[:, 1::2]).to(torch.uint8), 8)
     z = unpack_int4(zeros, 1).float() + 1
-    both = torch.stack([scales.float(), scales.float() * (8 - z)], -1).to(torch.bfloat16)
-    got = torch.ops.aten._weight_int4pack_mm(x, packed, group, both)
+    both = torch.stack([scales.float(), scales.float() * (8 - z)], -1).to(torch.bfloat16)  # [K/g, N, 2]
+    if x.device.type == "cpu":
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(values, 8)
+        got = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group, both)
+    else:
+        nibbles = (values[:, ::2] << 4 | values[:, 1::2]).to(torch.uint8)
+        got = torch.ops.aten._weight_int4pack_mm(x, torch.ops.aten._convert_weight_to_int4pack(nibbles, 8), group, both)
     return got, torch.ops.autotp.int4_group_linear(x, words, scales, zeros, group)

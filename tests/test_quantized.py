@@ -50,18 +50,71 @@ def test_gptq_packing_golden_word():
     assert weight[:, 1:].eq(-0.5).all()
 
 
-def test_experts_stored_quantized_are_refused_by_name(tmp_path):
-    """FP8 experts (DeepSeek-V3 stores each expert's projections so) are not read yet: refused, named, before any
-    rank reads anything."""
+def _store_experts_fp8(directory, fused: bool) -> None:
+    """The checkpoint's routed experts stored FP8 too, in blocks of 16: each expert's gate, up and down projections
+    under their own names (DeepSeek-V3's and Qwen3's FP8 files), or the stacked tensors with a ``_scale_inv`` beside
+    each (transformers' FP8 experts as it saves them)."""
+    stored = load_file(f"{directory}/model.safetensors")
+    for name in [n for n in stored if n.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))]:
+        experts, prefix = stored.pop(name), name.rpartition(".")[0]
+        pieces = [fp8_quantized(w, BLOCK) for w in experts]
+        if fused:
+            stored[name] = torch.stack([w for w, _ in pieces])
+            stored[f"{name}_scale_inv"] = torch.stack([s for _, s in pieces])
+            continue
+        for e, expert in enumerate(experts):
+            halves = expert.chunk(2) if name.endswith("gate_up_proj") else [expert]
+            for proj, half in zip(
+                ("gate_proj", "up_proj") if len(halves) == 2 else ("down_proj",), halves, strict=True
+            ):
+                weight, scale = fp8_quantized(half, BLOCK)
+                stored[f"{prefix}.{e}.{proj}.weight"], stored[f"{prefix}.{e}.{proj}.weight_scale_inv"] = weight, scale
+    save_file(stored, f"{directory}/model.safetensors")
+
+
+@pytest.mark.parametrize(
+    "family,fused,first",
+    [
+        ("deepseek_v3", False, "model.layers.1.mlp.experts.0.down_proj.weight_scale_inv"),  # layer 0 is dense
+        ("qwen3_moe", True, "model.layers.0.mlp.experts.down_proj_scale_inv"),
+    ],
+)
+def test_experts_stored_fp8_are_refused_by_name_before_any_rank_reads(tmp_path, family, fused, first):
+    """Routed experts stored FP8 (DeepSeek-V3's files: each expert's projections; transformers' own: the stacked
+    tensors) are not read yet: refused in one line naming the first, before any rank reads anything."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_config(configs.mixtral())
-    fp8_checkpoint(model, tmp_path, (16, 16))
-    stored = load_file(tmp_path / "model.safetensors")
-    stored["model.layers.0.mlp.experts.0.gate_proj.weight_scale_inv"] = torch.ones(3, 2)
-    save_file(stored, tmp_path / "model.safetensors")
-    with pytest.raises(QuantizationError, match=r"layers.0.mlp.experts.0.gate_proj.weight_scale_inv is stored fp8"):
+    model = AutoModelForCausalLM.from_config(getattr(configs, family)())
+    fp8_checkpoint(model, tmp_path, BLOCK)
+    _store_experts_fp8(tmp_path, fused)
+    with pytest.raises(QuantizationError, match=rf"^{first} \(and \d+ more\) is stored fp8") as raised:
         autotp.from_pretrained(tmp_path)
+    assert "\n" not in str(raised.value) and "experts stored quantized are not read" in str(raised.value)
+
+
+def test_an_act_order_gptq_checkpoint_is_refused_before_any_rank_reads(tmp_path):
+    """A g_idx that is not each input's index // group_size (GPTQ's act-order, here under a config that says
+    desc_act false) is refused in one line naming the option, by from_pretrained and by autotp serve's check; the
+    trivial g_idx the same checkpoint stored first passes that check."""
+    from transformers import AutoModelForCausalLM
+
+    from autotp.runtime.hf_checkpoint import Checkpoint
+    from autotp.runtime.quantized import check_quantized, quantize_modules
+    from autotp.serving.servable import check_servable
+    from tests.helpers.serving import tokenizer
+
+    model = AutoModelForCausalLM.from_config(configs.llama())
+    gptq_checkpoint(model, tmp_path, GROUP)
+    tokenizer(model.config.vocab_size).save_pretrained(tmp_path)
+    check_quantized(Checkpoint(tmp_path), quantize_modules(model), quantization(model.config))
+    stored = load_file(tmp_path / "model.safetensors")
+    name = "model.layers.1.mlp.down_proj.g_idx"
+    stored[name] = stored[name][torch.randperm(len(stored[name]), generator=torch.Generator().manual_seed(0))]
+    save_file(stored, tmp_path / "model.safetensors")
+    for check in (autotp.from_pretrained, check_servable):
+        with pytest.raises(QuantizationError, match=rf"{name} is not .* act-order \(desc_act true") as raised:
+            check(tmp_path)
+        assert "\n" not in str(raised.value)
 
 
 def test_quantized_weights_are_frozen_and_pass_the_input_gradient():
@@ -107,24 +160,27 @@ def test_unsupported_quantization_is_refused_in_one_line(tmp_path, config, named
     assert quantization(configs.llama()) is None
 
 
-def _write(kind: str, directory: str) -> None:
-    """A tiny LLaMA (4 heads of 16, 2 KV heads, MLP of 13 blocks) as a quantized checkpoint, and beside it the
-    full-precision model it stands for (``reference.pt``); ``lm_head`` left unquantized (modules_to_not_convert)."""
+def _write(kind: str, directory: str, block: tuple[int, int] = BLOCK, **sizes) -> None:
+    """A tiny LLaMA (by default 4 heads of 16, 2 KV heads, MLP of 13 blocks) as a quantized checkpoint, and beside it
+    the full-precision model it stands for (``reference.pt``); ``lm_head`` left unquantized (modules_to_not_convert)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(configs.llama(intermediate_size=208)).eval()
+    model = AutoModelForCausalLM.from_config(configs.llama(**{"intermediate_size": 208, **sizes})).eval()
     if kind == "fp8":
-        fp8_checkpoint(model, directory, BLOCK)
+        fp8_checkpoint(model, directory, block)
     else:
-        gptq_checkpoint(model, directory, GROUP)
+        gptq_checkpoint(model, directory, block[1])
     torch.save(model.state_dict(), f"{directory}/reference.pt")
 
 
 def _reference(directory: str):
-    from transformers import AutoModelForCausalLM
+    """The full-precision model the checkpoint in ``directory`` stands for."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_config(configs.llama(intermediate_size=208)).eval()
+    config = AutoConfig.from_pretrained(directory)
+    del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config).eval()
     model.load_state_dict(torch.load(f"{directory}/reference.pt"))
     return model
 
@@ -243,7 +299,77 @@ def _quantized_models(kind: str, directory: str) -> list:
     return [(quantize_modules(model), args) for model, args in pretrained_models(directory)]
 
 
+RAGGED = {"hidden_size": 256, "intermediate_size": 200}  # blocks of 128: an MLP of one block and a ragged 72
+
+
+def _exact_with_ragged_blocks(rank: int, world: int, directory: str) -> None:
+    from autotp.placement import Shard, parse
+
+    sharded = autotp.from_pretrained(directory, training=False)
+    reference = _reference(directory)
+    torch.manual_seed(1)
+    ids = torch.randint(1, 96, (2, 7))
+    torch.testing.assert_close(sharded(ids).logits, reference(ids).logits, **TOL)
+    want = reference.generate(ids[:, :4], max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert torch.equal(autotp.generate(sharded, ids[:, :4], max_new_tokens=4, pad_token_id=0), want)
+    plan = sharded.autotp_plan
+    split = set()
+    for name in (n for n, text in plan.quantized.items() if text.startswith("fp8")):
+        placement, shape = parse(plan.params[name]), plan.shapes[name]
+        if not isinstance(placement, Shard):
+            continue
+        size = shape[placement.dim]
+        for r in range(world):  # every cut between whole blocks; the ragged last block whole on one rank
+            for start, n in placement.ranges(size, r, world):
+                assert start % 128 == 0 and ((start + n) % 128 == 0 or start + n == size), (name, placement, r)
+        split.add((name.rpartition(".")[0].rpartition(".")[2], placement.dim))
+    assert ("q_proj", 0) in split, split  # heads split by whole blocks beside the ragged MLP
+
+
+@pytest.mark.slow
+def test_a_ragged_last_block_is_never_cut(tmp_path):
+    """FP8 in blocks of 128 on dims of 256 and 200 (one block and a ragged 72) at 2 ranks (50 s): logits and greedy
+    tokens equal the dequantized model's; every quantized weight is cut only between whole blocks, so the ragged
+    MLP dim is held whole (the MLP is split along its 256: gate and up by rows, down by columns)."""
+    directory = str(tmp_path)
+    _write("fp8", directory, (128, 128), **RAGGED)
+    captures = functools.partial(_quantized_models, "fp8", directory)
+    run_ranks(2, _exact_with_ragged_blocks, directory, captures=captures)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind,world", [("fp8", 2), ("fp8", 4), ("gptq", 2), ("gptq", 3)])
 def test_quantized_checkpoint_at_other_rank_counts(tmp_path, kind, world):
     test_quantized_checkpoint_sharded_by_whole_blocks(tmp_path, kind, world)
+
+
+@pytest.mark.slow
+def test_autotp_serve_answers_from_a_quantized_checkpoint(tmp_path):
+    """``autotp serve`` on an FP8 checkpoint directory at 2 ranks, asked by the openai client: a completion's greedy
+    tokens are those of transformers' generate on the dequantized model in one process."""
+    openai = pytest.importorskip("openai")
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers.serving import Server, tokenizer
+
+    config = configs.llama(
+        intermediate_size=208,
+        use_cache=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    fp8_checkpoint(model, tmp_path, BLOCK)  # the model is now the checkpoint dequantized
+    words = tokenizer(config.vocab_size)
+    words.save_pretrained(tmp_path)
+    text = "w11 w42 w23 w64 w35"
+    with Server(tmp_path, "--served-model-name", "fp8", "--kv-blocks", "8", "--block-size", "4", world=2) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        reply = client.completions.create(model="fp8", prompt=text, max_tokens=6, temperature=0, logprobs=1)
+    served = [words.convert_tokens_to_ids(t) for t in reply.choices[0].logprobs.tokens]
+    prompt = torch.tensor([words(text)["input_ids"]])
+    want = model.generate(prompt, max_new_tokens=6, do_sample=False, attention_mask=torch.ones_like(prompt))
+    assert served == want[0, prompt.shape[1] :].tolist() and len(served) == 6

@@ -8,14 +8,33 @@ measured products (topologies/*.json "products", each point with its source; ``a
 one).  A ragged grouped product (tokens sorted by expert, one kernel over the experts' groups) pays the
 overhead again for each further group, as separate products would, but never more than that group's own time
 (the waste is its last partial wave of tiles): tiny groups cost one launch.  Other ops: the memory roofline.
+
+A product of weights stored quantized is priced as a fused kernel runs it: it reads the stored bytes (FP8 one a
+weight, int4 half), so a decode product's weight reads halve against bf16, and it dequantizes each weight tile in
+registers on the CUDA cores, again for each tile of ``TILE_ROWS`` activation rows: arithmetic added to the
+product's, which a memory-bound (decode) product hides and a compute-bound one (prefill) pays.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from pathlib import Path
 
 from autotp.cost_models.topology import Topology, load_topology
+
+# Activation rows one dequantized weight tile serves before the next tile of rows dequantizes it again: the M of
+# one output tile (128 in CUTLASS's Hopper GEMMs and DeepSeek's DeepGEMM FP8 kernels).  A stated assumption about
+# the fused kernels, not a measurement.
+TILE_ROWS = 128
+
+
+def dequantize_time(ops: float, elements: float, m: float, topology: Topology) -> float:
+    """Seconds a fused kernel spends dequantizing ``elements`` weight elements at ``ops`` operations each, once
+    per tile of ``TILE_ROWS`` of its ``m`` rows, on the CUDA cores (``vector_flops``; peak where a profile lacks
+    it)."""
+    rate = topology.vector_flops or topology.peak_flops
+    return ops * elements * math.ceil(max(m, 1) / TILE_ROWS) / rate
 
 
 def memory_time(nbytes: float, topology: Topology) -> float:
@@ -37,9 +56,11 @@ def product_time(
     groups: float = 1,
     ragged: bool = False,
     nbytes: float = 0.0,
+    dequantized: float = 0.0,
 ) -> float:
     """Seconds of ``groups`` products [m, k] @ [k, n] in one kernel on one device (``ragged``: a grouped
-    product whose groups run like separate products), or of moving their ``nbytes``, whichever is slower."""
+    product whose groups run like separate products) with ``dequantized`` seconds of dequantizing its weight
+    (``dequantize_time``), or of moving their ``nbytes``, whichever is slower."""
     topology = load_topology(topology)
     figures = topology.products
     flops = 2.0 * groups * m * n * k
@@ -47,7 +68,8 @@ def product_time(
         return memory_time(nbytes, topology)
     group = 2.0 * m * n * k / (figures.peak_fraction * topology.peak_flops)
     further = min(figures.group_overhead_s, group) if ragged else 0.0  # a group wastes at most its own time
-    return max(groups * group + figures.overhead_s + (max(groups, 1) - 1) * further, memory_time(nbytes, topology))
+    arithmetic = groups * group + figures.overhead_s + (max(groups, 1) - 1) * further + dequantized
+    return max(arithmetic, memory_time(nbytes, topology))
 
 
 def product_fraction(

@@ -13,7 +13,7 @@ import torch
 from torch.fx import Node
 
 from autotp.cost_models import collective_time, reshard_time
-from autotp.cost_models.compute import op_time, product_time
+from autotp.cost_models.compute import dequantize_time, op_time, product_time
 from autotp.cost_models.memory import state_factor
 from autotp.cost_models.topology import Topology
 from autotp.ops.strategies import input_slots, is_placed
@@ -205,9 +205,13 @@ def product_shape(node: Node, strategy, sizes: Sizes, world: int) -> tuple:
 
 
 def product_seconds(node: Node, strategy, sizes: Sizes, world: int, topology: Topology, moved: float) -> float:
-    """A product at the shape one rank computes, never faster than moving its share of the bytes."""
-    shape = product_shape(node, strategy, sizes, world)
-    return product_time(*shape[:3], topology, *shape[3:], moved * work_share(node, strategy, world, sizes.experts))
+    """A product at the shape one rank computes, never faster than moving its share of the bytes; a quantized
+    one also dequantizes the weight piece it holds (n x k of each group)."""
+    m, n, k, groups, ragged = product_shape(node, strategy, sizes, world)
+    dequantizes = op(node.target).dequantizes
+    dequantized = dequantize_time(dequantizes(node), groups * n * k, m, topology) if dequantizes else 0.0
+    share = work_share(node, strategy, world, sizes.experts)
+    return product_time(m, n, k, topology, groups, ragged, moved * share, dequantized)
 
 
 def op_seconds(

@@ -42,6 +42,7 @@ class Topology:
     intra_step_latency_s: float  # per ring step over NVLink / PCIe
     intra_busbw: float  # ring bus bandwidth inside a node, bytes/s
     products: Products  # matrix products by shape: the profile's "products" table
+    vector_flops: float = 0.0  # FP32 FLOP/s of the CUDA cores (not the tensor cores): dequantizing weights; 0: peak
     intra_busbw_nvls: float = 0.0  # in-switch reduction (NVLS) all-reduce bus bandwidth; 0 if none
     inter_base_latency_s: float = 0.0
     inter_step_latency_s: float = 0.0

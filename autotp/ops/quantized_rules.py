@@ -24,22 +24,28 @@ from autotp.runtime import quantized_ops  # noqa: F401  (registers torch.ops.aut
 @dataclass(frozen=True)
 class QuantizedSpec:
     """Per operand slot: (slot, dim, elements of the weight's dim per element) for the output dim (``outputs``)
-    and the contracted dim (``inputs``); ``weight``: (slot, output dim) of the quantized weight itself."""
+    and the contracted dim (``inputs``); ``ops``: the operations dequantizing one weight element takes, one per
+    elementwise step of its dequantization as runtime/quantized_ops.py writes it (the cost model's figure)."""
 
     outputs: tuple[tuple[int, int, int], ...]
     inputs: tuple[tuple[int, int, int], ...]
+    ops: int
 
 
 def fp8_spec(node: Node) -> QuantizedSpec:
-    """fp8_block_linear(x, weight[N, K], scale_inv[N/bn, K/bk], bn, bk)."""
+    """fp8_block_linear(x, weight[N, K], scale_inv[N/bn, K/bk], bn, bk); dequantized: to float, times the scale,
+    to the activation's dtype."""
     bn, bk = node.args[3], node.args[4]
-    return QuantizedSpec(outputs=((1, 0, 1), (2, 0, bn)), inputs=((1, 1, 1), (2, 1, bk)))
+    return QuantizedSpec(outputs=((1, 0, 1), (2, 0, bn)), inputs=((1, 1, 1), (2, 1, bk)), ops=3)
 
 
 def int4_spec(node: Node) -> QuantizedSpec:
-    """int4_group_linear(x, qweight[K/8, N], scales[K/g, N], qzeros[K/g, N/8], g): 8 values a word."""
+    """int4_group_linear(x, qweight[K/8, N], scales[K/g, N], qzeros[K/g, N/8], g): 8 values a word; dequantized:
+    shifted, masked, to float, less the zero, times the scale, to the activation's dtype."""
     group = node.args[4]
-    return QuantizedSpec(outputs=((1, 1, 1), (2, 1, 1), (3, 1, 8)), inputs=((1, 0, 8), (2, 0, group), (3, 0, group)))
+    return QuantizedSpec(
+        outputs=((1, 1, 1), (2, 1, 1), (3, 1, 8)), inputs=((1, 0, 8), (2, 0, group), (3, 0, group)), ops=6
+    )
 
 
 def granule(pieces: tuple[tuple[int, int, int], ...]) -> int:
@@ -126,6 +132,11 @@ def quantized_shape(node: Node, held, whole) -> tuple:
     spec: QuantizedSpec = QUANTIZED[node.target](node)
     slot, dim, _ = spec.outputs[0]
     return math.prod(x[:-1]), held(node.args[slot])[dim], x[-1], 1, False
+
+
+def dequantize_ops(node: Node) -> int:
+    """Operations per weight element of dequantizing this product's weight (the op-table row's ``dequantizes``)."""
+    return QUANTIZED[node.target](node).ops
 
 
 QUANTIZED = {

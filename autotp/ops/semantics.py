@@ -33,6 +33,8 @@ class Op:
     #                           parameter, stored as used and never gathered at run time
     flops: Callable | None = None
     shape: Callable | None = None
+    dequantizes: Callable | None = None  # node -> operations a fused kernel spends per weight element dequantizing
+    #                                      its stored weight (quantized products: cost_models/compute.py)
     moves: Callable | None = None  # (node, nbytes) -> bytes read and written (None: every input and the output)
     linear: tuple = ()  # operands a partial sum may be, one at a time: the op is linear in each
     linear_if: Callable | None = None  # node -> bool: the op is linear only then (a cast to the same dtype)

@@ -64,7 +64,7 @@ from autotp.ops.product_shapes import (
     product_flops,
     same_dtype,
 )
-from autotp.ops.quantized_rules import quantized_linear, quantized_shape
+from autotp.ops.quantized_rules import dequantize_ops, quantized_linear, quantized_shape
 from autotp.ops.rules import (
     attention,
     dropout,
@@ -174,9 +174,11 @@ _ROWS: dict = {
             keeps=keeps_operands, styles={1: {0: "column", 1: "row"}}),
     # quantized weights (runtime/quantized_ops.py): split at whole blocks, groups and packed words, scales alike
     **_rows([torch.ops.autotp.fp8_block_linear.default], family="quantized_linear", rule=quantized_linear,
-            flops=product_flops, shape=quantized_shape, keeps=keeps_nothing, styles={1: {0: "column", 1: "row"}}),
+            flops=product_flops, shape=quantized_shape, dequantizes=dequantize_ops, keeps=keeps_nothing,
+            styles={1: {0: "column", 1: "row"}}),
     **_rows([torch.ops.autotp.int4_group_linear.default], family="quantized_linear", rule=quantized_linear,
-            flops=product_flops, shape=quantized_shape, keeps=keeps_nothing, styles={1: {1: "column", 0: "row"}}),
+            flops=product_flops, shape=quantized_shape, dequantizes=dequantize_ops, keeps=keeps_nothing,
+            styles={1: {1: "column", 0: "row"}}),
     **_rows([aten.mm.default], family="matmul", rule=matmul, flops=product_flops, shape=matmul_shape,
             keeps=keeps_operands, styles={1: {1: "column", 0: "row"}}),
     **_rows([aten.matmul.default], family="matmul", rule=matmul, flops=product_flops, shape=matmul_shape,

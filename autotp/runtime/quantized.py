@@ -18,6 +18,7 @@ from torch import nn
 
 from autotp.runtime import quantized_ops
 from autotp.runtime.conversion import CheckpointError
+from autotp.runtime.hf_checkpoint import Checkpoint
 
 
 @dataclass(frozen=True)
@@ -99,8 +100,8 @@ class Fp8BlockLinear(nn.Module):
 
 class Int4GroupLinear(nn.Module):
     """GPTQ's int4 linear as stored: ``qweight`` [K/8, N], ``scales`` and ``qzeros`` [K/g, N/8] per group, ``g_idx``
-    (each input's group: k // g, desc_act false, so it is kept for saving and not read); scales in float16, as
-    GPTQ stores them."""
+    (each input's group: k // g, desc_act false, checked so by ``check_quantized`` and kept for saving); scales in
+    float16, as GPTQ stores them."""
 
     def __init__(self, linear: nn.Linear, group: int):
         super().__init__()
@@ -165,17 +166,39 @@ def _tied_ids(model: nn.Module) -> set:
     return {k for k, v in seen.items() if v > 1}
 
 
-STORED = {"fp8": ("weight_scale_inv",), "gptq": ("qweight", "qzeros", "scales", "g_idx")}
+# The names (last part) a format stores beside a quantized weight; stacked experts add them to the stacked
+# tensor's name (transformers' FP8 experts: ``gate_up_proj_scale_inv``).
+STORED = {"fp8": ("scale_inv",), "gptq": ("qweight", "qzeros", "scales", "g_idx")}
 
 
-def check_quantized_names(names, model: nn.Module, scheme: Quantization) -> None:
-    """Every tensor the checkpoint stores quantized (its names: ``names``) belongs to a linear autotp reads so; one
-    stored quantized elsewhere (DeepSeek's FP8 experts, an embedding) is refused, named, before any rank reads."""
+def check_quantized(checkpoint: Checkpoint, model: nn.Module, scheme: Quantization) -> None:
+    """What the checkpoint stores quantized is what autotp reads, checked before any rank reads a piece: every
+    quantized tensor belongs to a linear read so (one stored elsewhere, DeepSeek's FP8 experts or an embedding,
+    is refused, named), and a GPTQ ``g_idx`` is each input's index // group size (desc_act false)."""
     held = {n for n, m in model.named_modules() if isinstance(m, (Fp8BlockLinear, Int4GroupLinear))}
     suffixes = STORED[scheme.method]
-    other = sorted(n for n in names if n.rpartition(".")[2] in suffixes and n.rpartition(".")[0] not in held)
+    names = checkpoint.stored
+    other = sorted(n for n in names if _stored_beside(n, suffixes) and n.rpartition(".")[0] not in held)
     if other:
         raise QuantizationError(
             f"{other[0]}{f' (and {len(other) - 1} more)' if len(other) > 1 else ''} is stored {scheme.method}, but "
             "autotp reads quantized linear layers only (experts stored quantized are not read yet)"
+        )
+    for name in sorted(n for n in names if n.endswith(".g_idx")):
+        _check_group_index(name, checkpoint.read_box(name, [slice(None)]), scheme.block[1])
+
+
+def _stored_beside(name: str, suffixes: tuple[str, ...]) -> bool:
+    last = name.rpartition(".")[2]
+    return any(last == s or last.endswith("_" + s) for s in suffixes)
+
+
+def _check_group_index(name: str, found: torch.Tensor, group: int) -> None:
+    """desc_act false stores g_idx[i] = i // group_size; anything else is an act-order permutation of the inputs,
+    which the products (and the splits by whole groups) do not read."""
+    trivial = torch.arange(found.numel(), dtype=torch.int64) // group
+    if found.dim() != 1 or not torch.equal(found.to(torch.int64), trivial):
+        raise QuantizationError(
+            f"{name} is not each input's index // group_size {group}: the checkpoint was quantized with act-order "
+            "(desc_act true, whatever its config says), which autotp does not read: quantize it with desc_act false"
         )

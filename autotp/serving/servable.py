@@ -94,12 +94,15 @@ def _check_weights(directory, config) -> None:
 
     from autotp.runtime.conversion import model_conversions
     from autotp.runtime.hf_checkpoint import Checkpoint, check_tensors
-    from autotp.runtime.quantized import quantize_modules
+    from autotp.runtime.quantized import check_quantized, quantization, quantize_modules
 
+    scheme = quantization(config)  # a format autotp does not read is refused
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config)
     model.tie_weights()
-    quantize_modules(model)  # a quantized checkpoint holds its linears' stored tensors; another format is refused
+    quantize_modules(model, scheme)  # a quantized checkpoint holds its linears' stored tensors
+    if scheme is not None:
+        check_quantized(Checkpoint(directory), model, scheme)
     check_tensors(Checkpoint(directory, model_conversions(model)), model)
 
 

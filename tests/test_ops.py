@@ -21,7 +21,10 @@ from autotp.passes.hints import with_hints
 from autotp.passes.prepared_graph import prepared_graph
 from autotp.placement import Disjoint, Partial, Replicate, Shard, take_local
 from autotp.planning.candidates import enumerate_strategies
-from tests.helpers.op_samples import SAMPLES
+from tests.helpers.op_samples import SAMPLES as PLAIN_SAMPLES
+from tests.helpers.op_samples_typed import TYPED_SAMPLES
+
+SAMPLES = {**PLAIN_SAMPLES, **TYPED_SAMPLES}
 
 aten = torch.ops.aten
 

@@ -285,12 +285,11 @@ def dry_run(o: argparse.Namespace) -> dict:
 
 # what each term of the dry run is, where it is not a count of what the rank holds on meta
 TERM_NOTES = {
-    "gradients": "one a parameter, as the optimizer reads them after the backward",
-    "gathered_parameters": "FSDP's unsharded copies and all-gather buffers: only during the step",
-    "gathered_gradients": "unsharded gradients and the reduce-scatter buffer: only during the step",
-    "activations": "kept for backward (on meta: this rank's stage plans) for the micro-batches in flight at the "
-    "schedule's peak: {flight:g}",
-    "dispatch": "expert all-to-all buffers: only during the step",
+    "gradients": "as the optimizer reads them (on meta)",
+    "gathered_parameters": "FSDP's unsharded copies and all-gather buffers, during a step only",
+    "gathered_gradients": "unsharded gradients and the reduce-scatter input, during a step only",
+    "activations": "micro-batches in flight at the schedule's peak: {flight:g} (on meta: from the stage plans)",
+    "dispatch": "expert all-to-all buffers, during a step only",
 }
 
 
@@ -316,7 +315,7 @@ def _measure(o: argparse.Namespace, world: int) -> tuple[dict, str]:
     title = (
         f"rank {o.rank} of {world} (TP {o.tp} x DP {o.dp} x PP {o.pp}"
         + (f", pipeline rank {pp_rank}, {o.schedule}, {microbatches} micro-batches of {size}" if o.pp > 1 else "")
-        + f"), built on meta in {built:.1f} s; bytes by term, held on meta | the planner's for this rank"
+        + f"), built on meta in {built:.1f} s\nbytes by term, held on meta | the planner's for this rank"
         + (f" ({why})" if why else "")
     )
     lines = [title]

@@ -64,7 +64,7 @@ def parse(argv=None) -> argparse.Namespace:
         "--dry-run",
         action="store_true",
         help="play one rank of the mesh on PyTorch's fake backend "
-        "(no GPUs, no weights) and print what it holds beside the mesh planner's estimate",
+        "(no GPUs, no weights) and print what it holds, term by term, beside the planner's figure for each",
     )
     p.add_argument("--world-size", type=int, help="the ranks a dry run plays one of (default: tp x dp x pp)")
     p.add_argument("--rank", type=int, default=0, help="the rank a dry run plays")

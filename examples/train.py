@@ -64,7 +64,7 @@ def parse(argv=None) -> argparse.Namespace:
         "--dry-run",
         action="store_true",
         help="play one rank of the mesh on PyTorch's fake backend "
-        "(no GPUs, no weights) and print what it holds beside the mesh planner's estimate",
+        "(no GPUs, no weights) and print what it holds, term by term, beside the planner's figure for each",
     )
     p.add_argument("--world-size", type=int, help="the ranks a dry run plays one of (default: tp x dp x pp)")
     p.add_argument("--rank", type=int, default=0, help="the rank a dry run plays")
@@ -270,57 +270,118 @@ class _Display:
 
 def dry_run(o: argparse.Namespace) -> dict:
     """Rank ``o.rank`` of the mesh on PyTorch's fake backend (collectives do nothing, so one process can play any
-    rank of any size): its parameter, AdamW state and activation bytes, beside the mesh planner's estimate of the
-    same layout's peak per device."""
+    rank of any size): what it holds on meta, term by term (cost_models/memory.RankMemory), beside the planner's
+    figure for each term of the same layout, micro-batching, schedule and stages, on the same pipeline rank."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     world = o.world_size or o.tp * o.dp * o.pp
     dist.init_process_group("fake", store=FakeStore(), rank=o.rank, world_size=world)
     with _bars(True):  # rich redirects stdout while it draws: the report is printed after
-        mine, report = _measure(o, world)
+        held, report = _measure(o, world)
     print(report)
     dist.destroy_process_group()
-    return mine
+    return held
+
+
+# what each term of the dry run is, where it is not a count of what the rank holds on meta
+TERM_NOTES = {
+    "gradients": "as the optimizer reads them (on meta)",
+    "gathered_parameters": "FSDP's unsharded copies and all-gather buffers, during a step only",
+    "gathered_gradients": "unsharded gradients and the reduce-scatter input, during a step only",
+    "activations": "micro-batches in flight at the schedule's peak: {flight:g} (on meta: from the stage plans)",
+    "dispatch": "expert all-to-all buffers, during a step only",
+}
 
 
 def _measure(o: argparse.Namespace, world: int) -> tuple[dict, str]:
-    from autotp.cost_models import load_topology
     from autotp.cost_models.schedule_tables import in_flight
 
     start = time.perf_counter()
-    model = Trainer(o).model
+    trainer = Trainer(o)
     built = time.perf_counter() - start
-    stages = model.modules if o.pp > 1 else {0: model}
-    params = sum(p.numel() * p.element_size() for m in stages.values() for p in _pieces(m))
-    microbatches = o.microbatches or o.pp
-    activations = sum(
-        sum(m.autotp_plan.cost["activations"].values())
-        * in_flight(o.schedule if o.pp > 1 else None, o.pp, microbatches, index, len(stages))
-        for index, m in stages.items()
+    model = trainer.model
+    stages = list(model.modules.values()) if o.pp > 1 else [model]
+    pp_rank = trainer.mesh["pp"].get_local_rank() if o.pp > 1 else 0
+    microbatches, virtual = (o.microbatches or o.pp) if o.pp > 1 else 1, len(stages)
+    size = o.batch // o.dp // microbatches
+    flight = in_flight(o.schedule if o.pp > 1 else None, o.pp, microbatches, pp_rank, virtual)
+    held = {
+        "parameters": _nbytes(p for m in stages for p in m.parameters()),
+        **_optimizer_on_meta(trainer.optimizer),
+        "activations": flight * sum(sum(m.autotp_plan.cost["activations"].values()) for m in stages),
+        "buffers": _nbytes(b for m in stages for b in m.buffers()),
+    }
+    planned, peak, why = _planned(o, world, model, microbatches, size, pp_rank)
+    title = (
+        f"rank {o.rank} of {world} (TP {o.tp} x DP {o.dp} x PP {o.pp}"
+        + (f", pipeline rank {pp_rank}, {o.schedule}, {microbatches} micro-batches of {size}" if o.pp > 1 else "")
+        + f"), built on meta in {built:.1f} s\nbytes by term, held on meta | the planner's for this rank"
+        + (f" ({why})" if why else "")
     )
-    mine = {"parameters": params, "optimizer": 2 * params, "activations": activations}
-    per_device = load_topology(None).gpus_per_node
-    plan = autotp.plan_mesh(
-        build(o, meta=True),
-        (global_batch(o, 0)[0][:2],),
-        devices=world,
-        global_batch=o.batch,
-        nodes=-(-world // per_device),
-        data_parallel=o.data_parallel,
-    )
-    same = next((c for c in plan.candidates if (c.tp, c.pp, c.dp) == (o.tp, o.pp, o.dp)), None)
-    return mine, (
-        f"rank {o.rank} of {world} (TP {o.tp} x DP {o.dp} x PP {o.pp}), built on meta in {built:.1f} s: "
-        + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in mine.items())
-        + f"; total {sum(mine.values()) / 2**20:.1f} MiB; the mesh planner's peak per device for this "
-        + "layout: "
-        + (f"{same.memory_bytes / 2**20:.1f} MiB" if same and same.memory_bytes else "not priced")
-    )
+    lines = [title]
+    for term in [*planned] if planned else [*held, "total"]:
+        mine = held.get(term, sum(held.values()) if term == "total" else None)
+        note = TERM_NOTES.get(term, "").format(flight=flight)
+        lines.append(
+            f"  {term.replace('_', ' '):<20} {_mib(mine):>12} | {_mib(planned.get(term) if planned else None):>12}"
+            + (f"   {note}" if note else "")
+        )
+    if peak:
+        lines.append(f"the planner's peak over the pipeline ranks: {peak}")
+    return held, "\n".join(lines)
 
 
-def _pieces(module: torch.nn.Module) -> list:
-    """This rank's own tensors of a module's parameters (FSDP2's shards are DTensors)."""
-    return [p.to_local() if isinstance(p, DTensor) else p for p in module.parameters()]
+def _planned(o: argparse.Namespace, world: int, model, microbatches: int, size: int, pp_rank: int):
+    """(the planner's RankMemory terms of this pipeline rank, with "total"; its largest total over the pipeline ranks
+    and which; why where it cannot price, with None)."""
+    from autotp.cost_models import load_topology
+    from autotp.cost_models.mesh_layout import Candidate
+    from autotp.passes.fold import sections
+    from autotp.passes.prepared_graph import prepared_graph
+    from autotp.planning.mesh_search import price_layout
+
+    gm = prepared_graph(build(o, meta=True), (global_batch(o, 0)[0][:2],), None, fold=True)
+    _, blocks, folded = sections(gm)
+    if o.pp > 1 and folded is None:
+        return None, "", "the planner prices pipeline stages between a folded graph's blocks: at least 5 of them"
+    ends = [*model.starts[1:], blocks] if o.pp > 1 else []
+    layout = Candidate(
+        o.tp,
+        o.pp,
+        o.dp,
+        microbatch_size=size,
+        schedule=o.schedule if o.pp > 1 else None,
+        virtual_stages=len(model.modules) if o.pp > 1 else 1,
+        stages=[[a, b] for a, b in zip(model.starts, ends, strict=True)] if o.pp > 1 else [],
+    )
+    nodes = -(-world // load_topology(None).gpus_per_node)
+    priced = price_layout(gm, layout, global_batch=o.batch, data_parallel=o.data_parallel, nodes=nodes)
+    terms = priced.memory[pp_rank]
+    top = max(range(o.pp), key=lambda i: priced.memory[i].total)
+    peak = f"{_mib(priced.memory[top].total)} (pipeline rank {top})" if o.pp > 1 else ""
+    return {**terms.terms(), "total": terms.total}, peak, ""
+
+
+def _optimizer_on_meta(optimizer) -> dict:
+    """The gradients an AdamW step reads and the state it creates, counted from one step on meta (zeros as
+    gradients; the step's counters, on the CPU, are left out)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    grads = _nbytes(p.grad for p in params)
+    optimizer.zero_grad()
+    state = (t for per in optimizer.state.values() for t in per.values() if isinstance(t, torch.Tensor) and t.dim())
+    return {"gradients": grads, "optimizer": _nbytes(state)}
+
+
+def _nbytes(tensors) -> float:
+    """Bytes of this rank's own pieces (FSDP2's shards are DTensors)."""
+    return float(sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in tensors))
+
+
+def _mib(nbytes: float | None) -> str:
+    return "-" if nbytes is None else f"{nbytes / 2**20:.{1 if nbytes >= 2**20 else 3}f} MiB"
 
 
 def _run(rank: int, world: int, o: argparse.Namespace) -> list[float]:

@@ -7,6 +7,8 @@ import json
 import re
 from pathlib import Path
 
+import pytest
+
 from autotp.plan import Plan
 from tests.helpers import configs
 from tests.helpers.cli import autotp, autotp_process, tiny_llama_dir
@@ -114,6 +116,8 @@ def test_mesh_json_for_a_cluster_of_nodes(tmp_path):
     assert choice["tp"] * choice["pp"] * choice["dp"] == 16 and out["devices"] == 16 and choice["tp"] <= 2
     assert [b for start, end in choice["stages"] for b in range(start, end)] == list(range(8))
     assert out["step_seconds"] > 0 and out["memory_bytes"] > 0 and out["data_parallel"] == "ddp"
+    assert len(out["memory"]) == choice["pp"]  # each pipeline rank's terms; the largest total is memory_bytes
+    assert max(sum(terms.values()) for terms in out["memory"]) == pytest.approx(out["memory_bytes"])
     assert all({"tp", "pp", "dp", "step_seconds", "memory_bytes", "note"} <= set(c) for c in out["candidates"])
 
 

@@ -129,13 +129,23 @@ def test_gpt3_175b_on_1024_fake_ranks():
 
 
 ROOT = Path(__file__).resolve().parents[1]
+TERMS = [
+    "parameters",
+    "gradients",
+    "optimizer",
+    "gathered parameters",
+    "gathered gradients",
+    "activations",
+    "buffers",
+    "dispatch",
+]
 # the README's 1,024-rank command at 8 ranks: every flag it passes, at the sizes of docs/scale.md's small command
-# (--layers 4 --batch 8 --seq 16, the example's defaults for the rest)
+# (--layers 6 --batch 8 --seq 16, the example's defaults for the rest; six blocks: the planner folds them)
 SMALL = {
     "--tp": "2",
     "--dp": "2",
     "--pp": "2",
-    "--layers": "4",
+    "--layers": "6",
     "--hidden": "64",
     "--heads": "4",
     "--kv-heads": "2",
@@ -156,7 +166,8 @@ def readme_dry_run() -> list[str]:
 
 def test_the_readmes_dry_run_command_runs_at_eight_ranks():
     """The README's command for one rank of a 1,024-rank mesh, run as it is written with small sizes: rank 7 of
-    TP 2 x DP 2 x PP 2 builds its stage on the fake backend and prints what it holds beside the planner's estimate.
+    TP 2 x DP 2 x PP 2 builds its stage on the fake backend and prints what it holds, term by term, beside the
+    planner's figure for each term of the same layout and pipeline rank.
     Run as a user runs it, a process, with a terminal's progress bars on stderr (FORCE_COLOR: rich draws as on a
     terminal) for the capture and the solves, and no torch.export log lines or warnings among them (issue 34)."""
     python, script, *args = readme_dry_run()
@@ -175,10 +186,12 @@ def test_the_readmes_dry_run_command_runs_at_eight_ranks():
     printed, shown = run.stdout, run.stderr
     assert run.returncode == 0, shown
     assert re.search(
-        r"rank 7 of 8 \(TP 2 x DP 2 x PP 2\), built on meta in .* s: parameters [\d.]+ MiB, optimizer "
-        r"[\d.]+ MiB, activations [\d.]+ MiB; total [\d.]+ MiB; the mesh planner's peak per device for "
-        r"this layout: ([\d.]+ MiB|not priced)",
+        r"rank 7 of 8 \(TP 2 x DP 2 x PP 2, pipeline rank 1, 1f1b, 2 micro-batches of 2\), built on meta in .* s",
         printed,
-    ), printed  # at this size, not priced
-    assert "capturing LlamaForCausalLM with torch.export" in shown and "solving the plan for 8 ranks" in shown, shown
+    ), printed
+    rows = re.findall(r"^  ([a-z ]+?) +(?:([\d.e+-]+) MiB|-) \| +([\d.e+-]+) MiB", printed, re.M)
+    assert [term for term, _, _ in rows] == [*TERMS, "total"], printed  # every term, each priced by the planner
+    for term, held, priced in rows[:3]:  # parameters, gradients, optimizer: held on meta and priced, the same bytes
+        assert float(held) == pytest.approx(float(priced), rel=0.01), (term, printed)
+    assert "capturing LlamaForCausalLM with torch.export" in shown and "solving the plan for 2 ranks" in shown, shown
     assert not re.search(r"Warning|non_strict_utils|specialized|^[WI]\d{4} ", shown, re.M), shown

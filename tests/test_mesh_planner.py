@@ -152,7 +152,7 @@ def test_whole_block_recomputation_under_sequence_parallelism_keeps_each_layers_
         sequence_parallel=True,
     )
     layout = Candidate(t, 1, 1, microbatch_size=1, recompute=True, sequence_parallel=True)
-    two, four = (stage_memory(kept, [(1, 1 + n)], 0, layout, 1, "ddp")[0] for n in (2, 4))
+    two, four = (stage_memory(kept, [(1, 1 + n)], 0, layout, 1, "ddp")[0].total for n in (2, 4))
     assert (four - two) / 2 == pytest.approx(2 * s * h / t)
 
 
@@ -295,18 +295,22 @@ def _section(params: float):
 
 def test_fsdp_is_priced_as_the_runtime_builds_it_one_unit_per_block():
     """FSDP2 per block (parallel/data.py): everything sharded over dp; the root unit (embedding, head) gathered all
-    step; the running block's parameters and the next one's (prefetched) gathered, the running one's gradient whole.
-    In a pipeline stage (reshard_after_forward=False) all of it stays gathered."""
+    step; the running block's parameters gathered with its all-gather output and the next one's (prefetched), the
+    running one's gradient whole with its reduce-scatter input.  In a pipeline stage (reshard_after_forward=False)
+    all of it stays gathered."""
     from autotp.cost_models.mesh_layout import Candidate, Profile, stage_memory
 
     profile = Profile(1, [_section(10), *(_section(4) for _ in range(4)), _section(6)], boundary=0.0, stackable=True)
     state = 4 * (10 + 4 * 4 + 6)  # parameters, gradients and Adam's two moments
     alone = stage_memory(profile, [(0, 4)], 0, Candidate(1, 1, 2, microbatch_size=1), 1, "fsdp")[0]
-    assert alone == state / 2 + 2 * (10 + 6) + 2 * 4 + 4
-    assert stage_memory(profile, [(0, 4)], 0, Candidate(1, 1, 2, microbatch_size=1), 1, "ddp")[0] == state
+    assert alone.total == state / 2 + 2 * (10 + 6) + 3 * 4 + 2 * 4
+    assert alone.gathered_parameters == 10 + 6 + 3 * 4  # running, its kept all-gather output, the prefetched one
+    assert stage_memory(profile, [(0, 4)], 0, Candidate(1, 1, 2, microbatch_size=1), 1, "ddp")[0].total == state
     staged = Candidate(1, 2, 2, microbatch_size=1, schedule="1F1B")
     held = 2 * 4 + 6  # two blocks and the head
-    assert stage_memory(profile, [(2, 4)], 1, staged, 2, "fsdp")[0] == held + held + (held + held + 2 * held) / 2
+    in_stage = stage_memory(profile, [(2, 4)], 1, staged, 2, "fsdp")[0]
+    assert in_stage.total == held + held + (held + held + 2 * held) / 2
+    assert (in_stage.gathered_parameters, in_stage.gathered_gradients, in_stage.parameters) == (held, held, held / 2)
 
 
 def test_a_tied_embedding_is_priced_on_the_first_and_the_last_stage():
@@ -348,7 +352,7 @@ def test_a_tied_embedding_is_priced_on_the_first_and_the_last_stage():
     ]  # one stage: one copy
     for layout, ranges, rank, extra in layouts:
         got = (
-            stage_memory(profile, ranges, rank, layout, 4, "ddp")[0]
-            - stage_memory(without, ranges, rank, layout, 4, "ddp")[0]
+            stage_memory(profile, ranges, rank, layout, 4, "ddp")[0].total
+            - stage_memory(without, ranges, rank, layout, 4, "ddp")[0].total
         )
         assert got == pytest.approx(extra), (layout.schedule, ranges)

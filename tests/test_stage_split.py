@@ -72,7 +72,7 @@ def test_block_profiles_price_blocks_alike_and_the_head_on_the_last_stage(tmp_pa
 
 def _stage_peaks(profile, ranges: list) -> list:
     layout = Candidate(1, 2, 1, microbatch_size=1, schedule="1f1b")
-    return [stage_memory(profile, [r], i, layout, 4, "fsdp")[0] for i, r in enumerate(ranges)]
+    return [stage_memory(profile, [r], i, layout, 4, "fsdp")[0].total for i, r in enumerate(ranges)]
 
 
 def test_a_model_without_repeated_blocks_is_refused():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
+
 # The share of a device's memory a plan may fill: the CUDA context, NCCL's buffers and the caching allocator's
 # fragmentation take the rest (Megatron and torchtitan users keep a similar margin).
 USABLE_FRACTION = 0.9
@@ -41,3 +43,32 @@ def smallest_fitting_world(replicated: float, sharded_full: float, limit: float,
         if replicated + sharded_full / n <= limit:
             return n
     return None
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Bytes one device of a layout holds at its step's peak, by term: the dry run (examples/train.py) prints the
+    same terms for a rank, and tests/test_measured_memory.py holds them against MemTracker's categories.
+
+    ``parameters``, ``gradients`` and ``optimizer`` are the rank's own (FSDP's shards, else its TP pieces whole);
+    ``gathered_parameters`` and ``gathered_gradients`` are the unsharded copies FSDP holds during the step (the
+    blocks being run and prefetched, the root unit, or a pipeline stage's whole TP piece); ``activations`` what
+    backward keeps for the micro-batches in flight at the schedule's peak (a decoder's KV cache with them);
+    ``dispatch`` one layer's expert all-to-all buffers."""
+
+    parameters: float = 0.0
+    gradients: float = 0.0
+    optimizer: float = 0.0
+    gathered_parameters: float = 0.0
+    gathered_gradients: float = 0.0
+    activations: float = 0.0
+    buffers: float = 0.0
+    dispatch: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return sum(getattr(self, f.name) for f in fields(self))
+
+    def terms(self) -> dict[str, float]:
+        """term name -> bytes, in the order of the fields."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -14,9 +14,11 @@ from dataclasses import dataclass, field, replace
 
 from autotp.cost_models import expert_layout as moe
 from autotp.cost_models import schedule_tables as pipe
+from autotp.cost_models.memory import RankMemory
 from autotp.cost_models.topology import Topology
 
 STATE = ("params", "grads", "optimizer", "buffers")
+TERMS = ("parameters", "gradients", "optimizer")  # RankMemory's names of STATE's first three
 KEPT = ("activations", "kv_cache")  # held per micro-batch in flight
 
 
@@ -67,9 +69,11 @@ class Candidate:
     recompute: bool = False  # whole blocks recomputed (only their inputs kept)
     sequence_parallel: bool = False
     selective: bool = False  # attention cores recomputed (Korthikanti et al. 2022)
-    stages: list = field(default_factory=list)  # [start, end) blocks per stage (per virtual stage, in order)
+    stages: list = field(default_factory=list)  # [start, end) blocks per stage (per virtual stage, in order); given
+    # to price, the split it prices (else the one it chooses)
     step_seconds: float | None = None  # None: does not fit
-    memory_bytes: float | None = None
+    memory_bytes: float | None = None  # the largest of ``memory``'s totals
+    memory: list = field(default_factory=list)  # RankMemory of each pipeline rank
     mfu: float | None = None
     bubble: float = 0.0  # idle share of the step: 1 - m / the schedule's stage-times
     parts: dict = field(default_factory=dict)  # step seconds by part: compute (with TP collectives), p2p,
@@ -116,12 +120,17 @@ def section_seconds(profile: Profile, layout: Candidate, setting: Setting) -> li
 
 
 def price(profile: Profile, layout: Candidate, setting: Setting) -> Candidate:
-    """``layout`` (tp, pp, dp, ep, micro-batch size, schedule, virtual stages, recomputation) priced: its
-    stage boundaries, step time and MFU, or a note when its peak memory per device is over the limit."""
+    """``layout`` (tp, pp, dp, ep, micro-batch size, schedule, virtual stages, recomputation, and its stages' block
+    ranges where given) priced: its stage boundaries, step time and MFU, each pipeline rank's memory by term, or a
+    note when the peak per device is over the limit."""
     pp, dp, b, v, topo = layout.pp, layout.dp, layout.microbatch_size, layout.virtual_stages, setting.topology
     m = setting.global_batch // dp // b
     costs = section_seconds(profile, layout, setting)
-    ranges = stage_ranges(profile, layout, setting, costs) or profile.ranges[_key(layout)]  # none fits: time-balanced
+    ranges = (
+        [tuple(r) for r in layout.stages]  # a split the runtime was given or chose
+        or stage_ranges(profile, layout, setting, costs)
+        or profile.ranges[_key(layout)]  # none fits: time-balanced
+    )
     n = len(profile.blocks)
     chunk = []
     for start, end in ranges:  # a recomputed block runs its forward twice: 4/3 of forward + backward
@@ -159,9 +168,15 @@ def price(profile: Profile, layout: Candidate, setting: Setting) -> Candidate:
         parts["dp"] = reduce + gather
         parts["dp_exposed"] = pipe.exposed_dp_time(reduce, gather, slowest * 2 / 3, m * slowest)
     seconds = units * slowest + parts["dp_exposed"]
-    peak = max(h[0] for h in held)
+    peak = max(h[0].total for h in held)
     priced = replace(
-        layout, microbatches=m, stages=[list(r) for r in ranges], memory_bytes=peak, bubble=1 - m / units, parts=parts
+        layout,
+        microbatches=m,
+        stages=[list(r) for r in ranges],
+        memory_bytes=peak,
+        memory=[h[0] for h in held],
+        bubble=1 - m / units,
+        parts=parts,
     )
     if peak > setting.limit:
         return replace(
@@ -207,7 +222,7 @@ def stage_ranges(profile: Profile, layout: Candidate, setting: Setting, costs: l
 
     @functools.cache  # the split's search asks for the same stages many times
     def fits(stage: int, start: int, end: int) -> bool:
-        return stage_memory(profile, [(start, end)], stage, layout, m, setting.data_parallel)[0] <= setting.limit
+        return stage_memory(profile, [(start, end)], stage, layout, m, setting.data_parallel)[0].total <= setting.limit
 
     if all(fits(k, a, b) for k, (a, b) in enumerate(profile.ranges[key])):
         return profile.ranges[key]
@@ -216,8 +231,8 @@ def stage_ranges(profile: Profile, layout: Candidate, setting: Setting, costs: l
 
 def stage_memory(
     profile: Profile, ranges: list, stage: int, layout: Candidate, microbatches: int, data_parallel: str
-) -> tuple[float, float, float, float, float]:
-    """(peak bytes, parameter bytes, gradient bytes, and those of its experts) on a device of pipeline stage
+) -> tuple[RankMemory, float, float, float, float]:
+    """(its terms at the peak, parameter bytes, gradient bytes, and those of its experts) on a device of pipeline stage
     ``stage``, which runs the blocks of ``ranges``; the embedding comes with block 0 and the head with the last
     block.  Experts are held as the layout deals them (expert_layout.py), sharded over their own data-parallel
     ranks."""
@@ -239,17 +254,27 @@ def stage_memory(
     experts = [total("experts:" + k) if ep == 1 else total("whole experts:" + k) / (ep * etp) for k in STATE[:3]]
     mine = [sections[1 + k] for start, end in ranges for k in range(start, end)]
     if data_parallel == "ddp" or dp == 1:
-        state = params + grads + optimizer + sum(experts)
+        own = {"parameters": params + experts[0], "gradients": grads + experts[1], "optimizer": optimizer + experts[2]}
+        gathered = (0.0, 0.0)
     elif pp == 1:  # FSDP units per block (parallel/data.py): everything sharded; the root unit (embedding, head)
-        # gathered all step, its gradient whole until the end; a block's parameters gathered while it runs with the
-        # next one's prefetched, its gradient whole until reduce-scattered
-        block_params = max((_gathered(s, ep, etp, ("params",)) for s in mine), default=0.0)
-        block_grads = max((_gathered(s, ep, etp, ("grads",)) for s in mine), default=0.0)
-        root = sum(_gathered(s, ep, etp) for s in ends)
-        state = (params + grads + optimizer) / dp + sum(experts) / edp + root + 2 * block_params + block_grads
+        # gathered all step, its gradient whole until the end.  In the forward FSDP2 holds three blocks' worth: the
+        # running block gathered, its all-gather output (kept until the next copy-out: AllGatherState) and the next
+        # block's (prefetched); in the backward a block's gradient whole and the reduce-scatter input kept beside
+        # it (ReduceScatterState).  Measured: tests/test_measured_memory.py
+        own = {k: x / dp + e / edp for k, x, e in zip(TERMS, (params, grads, optimizer), experts, strict=True)}
+        gathered = tuple(
+            sum(_gathered(s, ep, etp, (kind,)) for s in ends)
+            + copies * max((_gathered(s, ep, etp, (kind,)) for s in mine), default=0.0)
+            for kind, copies in (("params", 3), ("grads", 2))
+        )
     else:  # FSDP in a pipeline stage keeps parameters gathered and gradients whole from the first forward to the
         # last backward (reshard_after_forward=False, as torchtitan), beside the sharded copies
-        state = params + grads + (params + grads + optimizer) / dp + experts[0] + experts[1] + experts[2] / edp
+        own = {
+            "parameters": params / dp + experts[0],
+            "gradients": grads / dp + experts[1],
+            "optimizer": optimizer / dp + experts[2] / edp,
+        }
+        gathered = (params, grads)
     blocks = sum(end - start for start, end in ranges)
     around = sum(s.held(KEPT) for s in ends)
     flight = pipe.in_flight(layout.schedule, pp, microbatches, stage, layout.virtual_stages)
@@ -268,7 +293,15 @@ def stage_memory(
         ),
         default=0.0,
     )  # one layer's all-to-all at a time
-    return state + buffers + layout.microbatch_size * activations + dispatch, params, grads, experts[0], experts[1]
+    held = RankMemory(
+        **own,
+        gathered_parameters=gathered[0],
+        gathered_gradients=gathered[1],
+        activations=layout.microbatch_size * activations,
+        buffers=buffers,
+        dispatch=dispatch,
+    )
+    return held, params, grads, experts[0], experts[1]
 
 
 def _gathered(section: Section, ep: int, etp: int, kinds: tuple = ("params", "grads")) -> float:

@@ -9,8 +9,9 @@ autotp's tensor-parallel module holds plain local shards, identical on every ran
 Under FSDP each repeated block is its own unit, as torchtitan applies it: the TP program is cut into one
 submodule per block (parallel/blocks.py), ``fully_shard`` goes on every block and then on the root (the
 embedding, the head and whatever is not in a block), and each block prefetches its neighbour's all-gather (the
-next block's in the forward, the previous one's in the backward).  So a rank holds one or two blocks' gathered
-parameters at a time instead of all of them.  A block is resharded after its forward unless the module is a
+next block's in the forward, the previous one's in the backward).  So a rank holds a few blocks' gathered
+parameters at a time instead of all of them (three in the forward, with FSDP2's kept all-gather output: measured in
+tests/test_measured_memory.py).  A block is resharded after its forward unless the module is a
 pipeline stage, which runs several micro-batches' forwards before their backwards (torchtitan:
 ``reshard_after_forward = not pp``).  Each unit's all-gather and reduce-scatter are FSDP's own collectives, given
 through ``set_custom_all_gather`` / ``set_custom_reduce_scatter`` so that one that fails or times out says which

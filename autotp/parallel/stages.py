@@ -80,7 +80,9 @@ def stage_starts(profile: Profile, layout: Candidate, setting: Setting) -> list:
         balanced = stage_ranges(profile, layout, replace(setting, limit=math.inf))
         m = setting.global_batch // layout.dp // layout.microbatch_size
         need = max(
-            stage_memory(profile, [balanced[s] for s in held_by(layout, i)], i, layout, m, setting.data_parallel)[0]
+            stage_memory(profile, [balanced[s] for s in held_by(layout, i)], i, layout, m, setting.data_parallel)[
+                0
+            ].total
             for i in range(layout.pp)
         )
         raise StageError(

@@ -76,6 +76,7 @@ class MeshPlan:
             "choice": {k: getattr(c, k) for k in keys},
             "step_seconds": c.step_seconds,
             "memory_bytes": c.memory_bytes,
+            "memory": [asdict(m) for m in c.memory],  # each pipeline rank's bytes by term (RankMemory)
             "mfu": c.mfu,
             "devices": self.devices,
             "topology": self.topology,

@@ -1,8 +1,8 @@
 """One graph under every option: ``torch.compile(sharded, fullgraph=True)`` with inductor on the CPU compiles
 the sharded program without a break and trains exactly as one process does, over 3 steps, on 2 gloo ranks
-(4 for meshes): sequence parallelism, selective and full recomputation, dropout, expert TP, FSDP2 units compiled
-per block, pipeline stages compiled each.  Compiles are slow on the CPU: the default tier runs sequence
-parallelism, the other options are in the slow tier."""
+(4 for meshes): sequence parallelism, selective and full recomputation, dropout, FSDP2 units compiled per block,
+pipeline stages compiled each (every expert strategy: tests/test_compiled_experts.py).  Compiles are slow on
+the CPU: the default tier runs sequence parallelism, the other options are in the slow tier."""
 
 from __future__ import annotations
 
@@ -100,23 +100,6 @@ def _dropout(rank: int, world: int) -> None:
 @pytest.mark.slow  # the default tier compiles sequence parallelism above
 def test_dropout_compiles_drawing_eagers_masks_apart_on_split_inputs_and_again_when_recomputed():
     run_ranks(2, _dropout)
-
-
-def _experts(rank: int, world: int, experts: str) -> None:
-    """A 1-block Mixtral with its experts split (``"tensor"``).  Not yet: whole experts ("parallel": the grouped
-    product's fallback slices rows at offsets read from the host) and "all-to-all" (its row counts reach the
-    host), whose sizes are data-dependent in the graph."""
-    from tests.helpers.moe import mixtral
-
-    model = mixtral(layers=1)
-    sharded = autotp.parallelize(model, _tokens(), experts=experts)
-    torch.manual_seed(1)
-    compiled_training_matches(model, sharded, _tokens)
-
-
-@pytest.mark.slow  # the default tier compiles sequence parallelism above
-def test_expert_tensor_parallelism_compiles_as_one_graph_and_trains_exactly():
-    run_ranks(2, _experts, "tensor")
 
 
 def _fsdp_blocks(rank: int, world: int, reference: tuple) -> None:

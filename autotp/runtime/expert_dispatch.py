@@ -6,7 +6,9 @@ splits when the experts do not divide the ranks), sends the rows (all-to-all, un
 the segment's own ops on the rows it received, grouped by its local experts (a grouped matmul on exactly those
 rows: no row of another rank's expert, no zeros).  The results travel back by the reverse all-to-all.  Dropless:
 every routed row is computed, whatever the load.  Ranks that hold the same rows (a TP group inside the dispatch
-group, the "copies") each send a contiguous share of them and all-gather the results.
+group, the "copies") each send the routed rows of a contiguous share of the slots and all-gather the results.
+The sizes reach the host once a layer, the splits of both directions in one read: a compiled program holds them
+as unbacked sizes, checked as such, and nothing else in the dispatch depends on values.
 
 The backward is the same exchange with the splits swapped: every token's contribution reaches the owner of its
 expert, so expert gradients are complete on their owner and need no sum inside the group.
@@ -128,15 +130,22 @@ class _Routes:
 
 def _routes(counts: torch.Tensor, owners: list, group: Group, where: str) -> _Routes:
     """``counts``: this rank's rows per expert (int64, E).  One all-to-all of the counts gives the
-    [group size, local experts] matrix of rows this rank will receive; two host reads give the splits."""
+    [group size, local experts] matrix of rows this rank will receive; the layer's one host read gives the
+    splits, rows sent to and received from each rank together (a compiled graph holds them as unbacked sizes:
+    dynamo's ``capture_scalar_outputs``, which ExpertDispatch turns on)."""
     mine = owners[group.rank][1]
     matrix = transport.exchange(
         counts, [mine] * group.size, [n for _, n in owners], group.name, f"the row counts of {where}"
     ).view(group.size, mine)
-    per_expert = counts.tolist()
-    send = [sum(per_expert[first : first + n]) for first, n in owners]
-    recv = matrix.sum(1).tolist()
-    local = torch.arange(mine, device=counts.device).repeat(group.size).repeat_interleave(matrix.flatten())
+    owner = torch.tensor([r for r, (_, n) in enumerate(owners) for _ in range(n)], device=counts.device)
+    sends = counts.new_zeros(group.size).index_add_(0, owner, counts)
+    splits = torch.cat([sends, matrix.sum(1)]).cpu().tolist()  # the one host read (one copy, whatever the device)
+    for n in splits:
+        torch._check_is_size(n)
+    send, recv = splits[: group.size], splits[group.size :]
+    received = sum(recv)
+    local = torch.arange(mine, device=counts.device).repeat(group.size)
+    local = local.repeat_interleave(matrix.flatten(), output_size=received)
     return _Routes(send, recv, torch.argsort(local, stable=True), matrix.sum(0))
 
 
@@ -175,54 +184,57 @@ class ExpertDispatch(torch.nn.Module):
         self.segment = segment
         self.experts, self.grouped, self.rows, self.outputs = experts, grouped, rows, outputs
         self.owners, self.group, self.copies, self.where = owners, group, copies, where
-        self.received = 0  # rows the segment last ran on: only those of this rank's experts
+        self.received = 0  # rows the segment last ran on (eager): only those of this rank's experts
+        torch._dynamo.config.capture_scalar_outputs = True  # compiled, the splits are sizes in the graph (_routes)
 
     def forward(self, key, *args):
         rows, rest = list(args[: self.rows]), args[self.rows :]
         slots = rows[0].shape[0]
-        if self.grouped:
-            ends = key.to(torch.int64)
-            order = None
+        if self.grouped:  # grouped rows past the last offset belong to no expert
+            ends, order = key.to(torch.int64), None
         else:
             order = torch.argsort(key, stable=True)
-            ends = torch.cumsum(torch.bincount(key, minlength=self.experts), 0)
+            per_expert = key.new_zeros(self.experts, dtype=torch.int64).index_add_(0, key, torch.ones_like(key))
+            ends = torch.cumsum(per_expert, 0)
             rows = [r[order] for r in rows]
-        valid = int(ends[-1])  # grouped rows past the last offset belong to no expert
-        rows = [r[:valid] for r in rows]
-        start, stop, shares = 0, valid, None
-        if self.copies is not None:  # each copy sends its share of the rows
-            shares = _lengths(valid, self.copies.size)
-            start = sum(shares[: self.copies.rank])
-            stop = start + shares[self.copies.rank]
+        start, length, shares = 0, slots, None
+        if self.copies is not None:  # each copy sends the routed rows of its share of the slots
+            shares = _lengths(slots, self.copies.size)
+            start, length = sum(shares[: self.copies.rank]), shares[self.copies.rank]
             rows = [
                 _Share.apply(r, shares, self.copies, self.where)
                 if torch.is_grad_enabled()
-                else r.narrow(0, start, stop - start)
+                else r.narrow(0, start, length)
                 for r in rows
             ]
-        routes = _routes(_share(ends, start, stop), self.owners, self.group, self.where)
-        sent = [all_to_all(r, routes.recv, routes.send, self.group.name, self.where)[routes.order] for r in rows]
+        routes = _routes(_share(ends, start, start + length), self.owners, self.group, self.where)
+        routed = sum(routes.send)  # the share's first rows: those past the last offset are sent nowhere
+        torch._check(routed <= length)
+        sent = [
+            all_to_all(r[:routed], routes.recv, routes.send, self.group.name, self.where)[routes.order] for r in rows
+        ]
         offsets = torch.cumsum(routes.counts, 0)
         local = (
             offsets.to(key.dtype)
             if self.grouped
-            else torch.arange(routes.counts.numel(), device=key.device).repeat_interleave(routes.counts)
+            else torch.arange(routes.counts.numel(), device=key.device).repeat_interleave(
+                routes.counts, output_size=sent[0].shape[0]
+            )
         )
-        self.received = sent[0].shape[0]
+        if not torch.compiler.is_compiling():
+            self.received = sent[0].shape[0]
         out = self.segment(*sent, local, *rest)
         outs = out if self.outputs > 1 else (out,)
         back = _inverse(routes.order)
         found = []
         for y in outs:
-            y = all_to_all(y[back], routes.send, routes.recv, self.group.name, self.where)
+            y = transport.pad(all_to_all(y[back], routes.send, routes.recv, self.group.name, self.where), length)
             if shares is not None:
                 y = (
                     _Gather.apply(y, shares, self.copies, self.where)
                     if torch.is_grad_enabled()
                     else transport.gather_rows(y, shares, self.copies.name, self.where)
                 )
-            if valid < slots:
-                y = torch.cat([y, y.new_zeros(slots - valid, *y.shape[1:])])
             if order is not None:
                 y = torch.empty_like(y).index_copy(0, order, y)
             found.append(y)

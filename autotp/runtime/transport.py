@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 _c10d = torch.ops._c10d_functional
 
@@ -193,7 +194,7 @@ def gather_rows(x: torch.Tensor, lengths: list, group: str, where: str) -> torch
 
 
 def pad(x: torch.Tensor, length: int) -> torch.Tensor:
-    """Zero-pad dim 0 to ``length``."""
-    if x.shape[0] == length:
+    """Zero-pad dim 0 to ``length`` (compiled, rows counted on the device are padded whatever their number)."""
+    if guard_or_false(x.shape[0] == length):
         return x
     return torch.cat([x, x.new_zeros(length - x.shape[0], *x.shape[1:])])

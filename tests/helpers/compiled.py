@@ -1,5 +1,6 @@
 """Training a sharded program compiled as one graph (``torch.compile(fullgraph=True)``, inductor on the CPU):
-outputs and gradients equal one process's at every step (tests/test_compiled.py)."""
+outputs and gradients equal one process's at every step (tests/test_compiled.py,
+tests/test_compiled_experts.py)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ from tests.helpers.exact import TOL, logits
 STEPS = 3
 
 
-def compiled_training_matches(model, sharded, inputs, run=None, loss=lambda out: logits(out).square().mean()):
-    """``STEPS`` SGD steps of ``torch.compile(run or sharded, fullgraph=True)`` and of ``model`` on ``inputs()``
-    (a new batch of one shape each step): outputs and every gradient equal at each step."""
-    compiled = torch.compile(run or sharded, fullgraph=True)
+def compiled_training_matches(
+    model, sharded, inputs, run=None, loss=lambda out: logits(out).square().mean(), backend="inductor"
+):
+    """``STEPS`` SGD steps of ``torch.compile(run or sharded, fullgraph=True, backend=backend)`` and of ``model``
+    on ``inputs()`` (a new batch of one shape each step): outputs and every gradient equal at each step."""
+    compiled = torch.compile(run or sharded, fullgraph=True, backend=backend)
     opt, opt_ref = (torch.optim.SGD(m.parameters(), lr=0.5) for m in (sharded, model))
     for step in range(STEPS):
         args = inputs()

@@ -84,3 +84,13 @@ def test_the_overlap_is_priced_by_fused_time(block, monkeypatch):
     chosen = _plan(block, LONG, async_tp=None)
     assert not chosen.cost["token_split"] and not chosen.cost["async_tp"]["chosen"]
     assert chosen.cost["async_tp"]["saved_seconds"] == 0
+
+
+def test_the_command_line_prices_asynchronous_tp_on_request():
+    """``autotp plan --async-tp auto`` solves nanoGPT (one tensor gathered for several readers under several
+    placements, each pair its own variable) and says what it chose and why."""
+    from tests.helpers.cli import autotp
+
+    result = autotp("plan", "examples.nanogpt:build", "--world-size", "2", "--async-tp", "auto")
+    assert result.returncode == 0, result.stderr
+    assert "asynchronous TP: off (priced: " in result.stdout

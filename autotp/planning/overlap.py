@@ -12,6 +12,7 @@ product of the gradient with the weight, the reduce-scatter's gradient all-gathe
 
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING, Any
 
 import pulp
@@ -72,21 +73,23 @@ def price_overlap(ilp: Ilp) -> None:
     overlaps however many products read it).  Needs ``ilp.edges()`` first (the conversions and their links)."""
     problem, strategies, world = ilp.problem, ilp.found.strategies, ilp.world
     credits: dict[tuple[Node, Any, Any], tuple[str, list[Any]]] = {}  # conversion -> (its collective, credits)
-    for e, (src, reader, slot, links) in enumerate(ilp.links):
+    count = itertools.count()  # names of the pair variables
+    for src, reader, slot, links in ilp.links:
         for (have, want), z in links.items():
             if slot is None or not fused_gather(src, reader, slot, have, want, ilp.sizes, world):
                 continue
             terms = credits.setdefault((src, have, want), ("all_gather", []))[1]
-            for k, (var, s) in enumerate(zip(ilp.x[reader], strategies[reader], strict=True)):
+            for var, s in zip(ilp.x[reader], strategies[reader], strict=True):
                 if s.inputs[slot] == want:
-                    both = _both(problem, z, var, f"fg{e}_{k}")
+                    both = _both(problem, z, var, f"fused{next(count)}")
                     terms.append(both * _saving(ilp, src, reader, s, "all_gather"))
-    for j, ((src, have, want), n) in enumerate(ilp.need.items()):
+    for (src, have, want), n in ilp.need.items():
         if fused_scatter(src, have, want, ilp.sizes, world):
             terms = credits.setdefault((src, have, want), ("reduce_scatter", []))[1]
-            for k, (var, s) in enumerate(zip(ilp.x[src], strategies[src], strict=True)):
+            for var, s in zip(ilp.x[src], strategies[src], strict=True):
                 if s.output == have:
-                    terms.append(_both(problem, n, var, f"fs{j}_{k}") * _saving(ilp, src, src, s, "reduce_scatter"))
+                    both = _both(problem, n, var, f"fused{next(count)}")
+                    terms.append(both * _saving(ilp, src, src, s, "reduce_scatter"))
     for k, (key, (forward, terms)) in enumerate(credits.items()):
         saved = problem.add_variable(f"overlap{k}", lowBound=None)
         problem += saved <= pulp.lpSum(terms)

@@ -106,10 +106,10 @@ def solve_plan(
 
 def _async_reason(options: PlanOptions, priced: dict[bool, float]) -> str:
     """Why the plan runs with asynchronous TP or without, in one line (plan.cost["async_tp"]["why"])."""
-    if options.async_tp is not None:
-        return f"async_tp={options.async_tp} imposed" + (
-            "" if options.async_tp else " (None resolves to False where the group cannot fuse: it needs CUDA and NCCL)"
-        )
+    if options.async_tp:
+        return "async_tp=True"
+    if options.async_tp is False:
+        return "async_tp=False (the default; None is False off a CUDA group over NCCL, which the fused ops need)"
     if len(priced) < 2:
         return "nothing to fuse: no plan with split tokens was priced"
     return f"priced: {priced[True]:.4g} s a step with the fusable collectives fused, {priced[False]:.4g} s without"

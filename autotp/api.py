@@ -36,7 +36,7 @@ from autotp.runtime.materialize import materialize
 from autotp.runtime.programs import InputStructureError, install
 from autotp.runtime.quantized import check_quantized, quantization, quantize_modules
 from autotp.runtime.rendezvous import InputCheck, RandomCheck, Rendezvous, inputs_digest
-from autotp.runtime.transport import enable_async_tp, register
+from autotp.runtime.transport import enable_async_tp, fusable_async_tp, register
 
 
 def plan(model: torch.nn.Module, args=None, kwargs=None, *, world_size: int, fold: bool = True, **options) -> Plan:
@@ -71,7 +71,7 @@ def tensor_parallel(
             f"ep={planning.ep}: a program's expert ranks are its mesh's \"ep\" dimension ({ranks.ep} "
             "here): give parallelize a mesh with an 'ep' dimension, or drop ep"
         )
-    planning = replace(planning, ep=ranks.ep)
+    planning = replace(planning, ep=ranks.ep, async_tp=fusable_async_tp(planning.async_tp, ranks.group, ranks.device))
     if args is None and kwargs is None:
         args = default_inputs(model)
     gm = prepare(graph) if graph is not None else prepared_graph(model, args, kwargs)  # capture -> prepare
@@ -87,7 +87,7 @@ def tensor_parallel(
     if fill and (source is not None or running.init_seed is not None):  # load
         materialize(sharded, ranks.device, checkpoint=source, seed=running.init_seed)
     ranks.planners.agree("loaded", "ok", "the end of loading")
-    if running.async_tp:
+    if planning.async_tp or plan.cost.get("async_tp", {}).get("chosen"):
         enable_async_tp(ranks.group, ranks.device)
     if running.check_inputs:
         InputCheck(ranks.everyone, every_call=running.check_inputs == "always").attach(sharded)

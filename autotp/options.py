@@ -61,12 +61,22 @@ class PlanOptions:
     (a position-bias MLP as wide as a projection).  Names it leaves out are compared at their own sizes."""
     gather_outputs: bool = True
     """Return full outputs on every rank; False leaves outputs sharded where the plan computes them sharded."""
+    async_tp: bool | None = False
+    """Asynchronous TP under torch.compile: True turns on inductor's micro-pipeline TP pass (all-gathers and
+    reduce-scatters fused with their matmuls, each split into per-rank chunks that overlap) and, on CUDA, symmetric
+    memory for the group, which the fused ops need; the plan is priced with those pairs fused
+    (``cost_models.communication.fused_time``), so sequence parallelism may win where it did not.  None: the
+    planner prices the plan with and without and keeps the cheaper, on a CUDA group over NCCL (elsewhere, False).
+    False by default: the pass fuses only compiled programs, and an eager program priced fused would be priced
+    wrong.  The program's collectives are always in the form the pass fuses; eager programs run as without it."""
     price_at: Mapping[str, Any] | None = None
     """Input name -> the shape to price the plan at (``{"input_ids": (8, 4096)}``; None in a dim: the example's):
     capture at small example inputs, plan for the batch and sequence a run uses.  Only dims the capture made
     dynamic can differ from the example; None: price at the example inputs' sizes."""
 
     def __post_init__(self) -> None:
+        if self.async_tp not in (None, True, False):
+            raise ValueError(f"async_tp must be None, True or False, got {self.async_tp!r}")
         if self.sequence_parallel not in (None, True, False):
             raise ValueError(f"sequence_parallel must be None, True or False, got {self.sequence_parallel!r}")
         if self.recompute not in (None, "selective", False):
@@ -136,11 +146,6 @@ class RunOptions:
     dropout: str = "default"
     """How dropout masks are drawn: "default" (Megatron's model-parallel streams) or "reference" (each rank its
     piece of the masks one process draws; for tests)."""
-    async_tp: bool = False
-    """Asynchronous TP under torch.compile: turn on inductor's micro-pipeline TP pass (all-gathers and
-    reduce-scatters fused with their matmuls, each split into per-rank chunks that overlap) and, on CUDA, symmetric
-    memory for this group, which the fused ops need.  The program's collectives are always in the form the pass
-    fuses; eager programs and other devices run as without it."""
     recaptures: int = 8
     """Programs kept for inputs of a new structure (another BlockMask length, a length a shape guard of the
     capture excluded), each captured and planned again over the group, sharing the parameters; 0 refuses such

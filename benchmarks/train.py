@@ -15,6 +15,9 @@ collectives (one-shot small all-reduces, polled waits) and with the plain functi
 Memory: after a warm-up step (the optimizer state exists), one step under
 ``torch.distributed._tools.mem_tracker.MemTracker`` per runner; the peak of the rank that peaks highest, with
 its breakdown, and the planner's estimate for the same layout (``autotp.plan_mesh``'s per-device pricing).
+Compiled code runs outside MemTracker's dispatch mode, so every run also reads one step's peak off
+``torch.profiler``'s memory events (what the rank holds before the step plus the largest running sum of what
+the ops allocate net): compiled runs report that one, eager runs both, which shows how far the two agree.
 Time: the runners alternate step by step, medians per run.  Every run (``--runs``, fresh processes) prints its
 numbers, then the range over runs.  Both start from the same weights; their first losses are checked equal.
 ``--compile``: every runner compiled per block as torchtitan compiles (``torch.compile(block, fullgraph=True)``):
@@ -105,6 +108,33 @@ def _peak(model, optimizer, x, y) -> dict:
     return {"Total": peak["Total"], **{k: peak.get(k, 0) for k in KINDS}}
 
 
+def _held(model, optimizer) -> int:
+    """Bytes of the storages a rank holds between steps: its parameters' pieces, gradients, optimizer state and
+    buffers (each storage once)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    tensors += [p.grad for p in model.parameters() if p.grad is not None]
+    tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    storages = {}
+    for t in tensors:
+        storage = (t.to_local() if hasattr(t, "to_local") else t).untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def _profiled_peak(model, optimizer, x, y) -> int:
+    """The peak of one step read from torch.profiler's memory events, for compiled code (MemTracker, a dispatch
+    mode, cannot follow it): what the rank holds before the step plus the largest running sum of the bytes every
+    op allocates net of what it frees, in the order the ops end (an op's own transient peak is not seen)."""
+    start = _held(model, optimizer)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        _step(model, optimizer, x, y)
+    live = peak = 0
+    for event in sorted((e for e in prof.events() if e.self_cpu_memory_usage), key=lambda e: e.time_range.end):
+        live += event.self_cpu_memory_usage
+        peak = max(peak, live)
+    return start + peak
+
+
 def compiled_units(sharded: torch.nn.Module) -> torch.nn.Module:
     """autotp's FSDP units (one per block) each compiled on its own, as torchtitan compiles its blocks."""
     for path in sharded.autotp_units:
@@ -135,13 +165,18 @@ def run(rank: int, world: int, o: argparse.Namespace, repeats: int, compiled: bo
     first = {name: _step(m, optimizers[name], x, y)[1] for name, m in runners.items()}
     if any(abs(loss - first["hand-written"]) > 1e-4 * abs(first["hand-written"]) + 1e-5 for loss in first.values()):
         raise AssertionError(f"the runners disagree on the first loss: {first}")
-    # MemTracker is a dispatch mode, which compiled code refuses: compiled runs report time only
+    # MemTracker is a dispatch mode, which compiled code refuses: compiled runs read the profiler's memory events
     peaks = {name: _peak(m, optimizers[name], x, y) for name, m in runners.items()} if not compiled else None
+    profiled = {name: _profiled_peak(m, optimizers[name], x, y) for name, m in runners.items()}
     times: dict = {name: [] for name in runners}
     for _ in range(repeats):
         for name, m in runners.items():
             times[name].append(_step(m, optimizers[name], x, y)[0])
-    return {"peaks": peaks, "times": {name: statistics.median(t) for name, t in times.items()}}
+    return {
+        "peaks": peaks,
+        "profiled": profiled,
+        "times": {name: statistics.median(t) for name, t in times.items()},
+    }
 
 
 def _estimate(o: argparse.Namespace) -> float:
@@ -190,25 +225,31 @@ def main(argv=None) -> dict:
         f"TP 2 x DP 2, LLaMA {a.layers} layers hidden {a.hidden} vocab 1024, global batch {a.batch} x {a.seq}, "
         "one AdamW step" + (", compiled per block" if a.compile else "")
     )
-    ratios: dict = {"memory": [], "time": [], "time (plain c10d)": []}
+    ratios: dict = {"memory": [], "memory (profiler)": [], "time": [], "time (plain c10d)": []}
     for k in range(a.runs):
         results = run_local(4, run, o, a.repeats, a.compile, timeout=900)
         names = list(results[0]["times"])
         step = {n: statistics.median(r["times"][n] for r in results) for n in names}
+        profiled = {n: max(r["profiled"][n] for r in results) for n in names}
         for n in names:
             if results[0]["peaks"] is None:
-                print(f"run {k + 1}: {n:20s} step {step[n] * 1e3:7.1f} ms (median of {a.repeats})")
+                print(
+                    f"run {k + 1}: {n:20s} peak {profiled[n] / 2**20:7.2f} MiB (profiler), step "
+                    f"{step[n] * 1e3:7.1f} ms (median of {a.repeats})"
+                )
                 continue
             peak = max(r["peaks"][n]["Total"] for r in results)
             top = max(results, key=lambda r, n=n: r["peaks"][n]["Total"])["peaks"][n]
             parts = ", ".join(f"{kind.lower()} {top[kind] / 2**20:.2f}" for kind in KINDS if top[kind])
             print(
-                f"run {k + 1}: {n:20s} peak {peak / 2**20:7.2f} MiB ({parts}), step {step[n] * 1e3:7.1f} ms "
+                f"run {k + 1}: {n:20s} peak {peak / 2**20:7.2f} MiB ({parts}; profiler "
+                f"{profiled[n] / 2**20:.2f}), step {step[n] * 1e3:7.1f} ms "
                 f"(median of {a.repeats})"
             )
         if results[0]["peaks"] is not None:
             peaks = {n: max(r["peaks"][n]["Total"] for r in results) for n in ("autotp", "hand-written")}
             ratios["memory"].append(peaks["autotp"] / peaks["hand-written"])
+        ratios["memory (profiler)"].append(profiled["autotp"] / profiled["hand-written"])
         ratios["time"].append(step["autotp"] / step["hand-written"])
         ratios["time (plain c10d)"].append(step["autotp, plain c10d"] / step["hand-written"])
     for what, values in ratios.items():

@@ -104,6 +104,14 @@ def fused_time(collective_s: float, product_s: float, group_size: int, topology:
     return max(collective_s, product_s) + tail
 
 
+def fused_saving(
+    collective_s: float, product_s: float, group_size: int, topology: Topology | str | Path | None
+) -> float:
+    """Seconds fusing saves against running the collective and then the product (negative where the chunks' step
+    latencies cost more than the overlap buys): what the sharding ILP credits a fused pair (planning/overlap.py)."""
+    return collective_s + product_s - fused_time(collective_s, product_s, group_size, topology)
+
+
 def measured_time(measured: dict, bus_bytes: float) -> float:
     """Seconds for ``bus_bytes`` (bytes x the ring's bandwidth factor) from a calibrated collective: read
     log-log between its measured sizes ("points"), the largest size's bandwidth above them and the smallest

@@ -74,6 +74,10 @@ class Ilp:
         self.saves: dict[tuple[Any, ...], tuple[float, list[Any], set[Node]]] = {}
         self.latency = collective_time("all_reduce", 0.0, self.world, topology)
         self.imposed = imposed
+        # edges() fills: (tensor, from, to) -> n, and per edge (producer, reader, slot, {(from, to): z})
+        self.need: dict[tuple[Node, Any, Any], Any] = {}
+        self.links: list[tuple[Node, Node, int | None, dict[tuple[Any, Any], Any]]] = []
+        self.overlap: list[tuple[tuple[Node, Any, Any], Any]] = []  # conversion fused with products, seconds saved
 
     def choose_one(self) -> None:
         """x: one strategy per node; each brings its op time, its memory and its tie-break preference."""
@@ -212,14 +216,15 @@ class Ilp:
         """z and n: what each reader needs of each value, converted once per (tensor, from, to); g: the values
         whose gradients ranks must sum.  Returns g."""
         problem, strategies, x, t, sizes = self.problem, self.found.strategies, self.x, self.world, self.sizes
-        need: dict[tuple[Node, Any, Any], Any] = {}  # (tensor, from, to) -> indicator that this reshard happens
+        need = self.need  # (tensor, from, to) -> indicator that this reshard happens
         grad_reduce: dict[tuple[Node, Node | None], Any] = {}
-        # (producer, reader, the reader's choices [(var or 1, required placement)])
-        edges: list[tuple[Node, Node, list[tuple[Any, Any]]]] = []
+        # (producer, reader, the reader's input slot, the reader's choices [(var or 1, required placement)])
+        edges: list[tuple[Node, Node, int | None, list[tuple[Any, Any]]]] = []
         for node, options in strategies.items():
             for slot_i, src in enumerate(input_slots(node)):
                 if src in strategies and is_placed(src):
-                    edges.append((src, node, [(v, s.inputs[slot_i]) for v, s in zip(x[node], options, strict=True)]))
+                    wanted = [(v, s.inputs[slot_i]) for v, s in zip(x[node], options, strict=True)]
+                    edges.append((src, node, slot_i, wanted))
                     bad = [v for v, s in zip(x[node], options, strict=True) if partial_grad(node, s, s.inputs[slot_i])]
                     if src in self.grad and bad:
                         key: tuple[Any, ...] = (src, node) if self.imposed.grad_sums_per_reader else (src, None)
@@ -232,7 +237,7 @@ class Ilp:
             if src in strategies and is_placed(src) and not isinstance(src.meta.get("val"), (list, tuple))
         ]
         if self.gather_outputs:
-            edges += [(src, output, [(1, R)]) for src in returned]  # returned full on every rank
+            edges += [(src, output, None, [(1, R)]) for src in returned]  # returned full on every rank
         else:  # shards stay where they are; partial sums are still reduced
             self.costs += [
                 v * collective_time("all_reduce", sizes.nbytes(src), t, self.topology)
@@ -241,9 +246,9 @@ class Ilp:
                 if isinstance(s.output, Partial)
             ]
         stored, written, allowed = stored_views(self.gm), shared_with_writes(self.gm), self.imposed.conversions
-        for e, (src, reader, wanted) in enumerate(edges):
+        for e, (src, reader, slot, wanted) in enumerate(edges):
             produced = [(v, s.output) for v, s in zip(x[src], strategies[src], strict=True)]
-            for (p, q), z in _link(
+            links = _link(
                 problem,
                 produced,
                 wanted,
@@ -256,10 +261,12 @@ class Ilp:
                     )
                 ),
                 f"z{e}_",
-            ).items():
+            )
+            self.links.append((src, reader, slot, links))
+            for (p, q), z in links.items():
                 if p != q:
                     key = (src, p, q)
-                    need.setdefault(key, problem.add_variable(f"n{len(need)}", lowBound=0))
+                    need.setdefault(key, problem.add_variable(f"n{len(need)}", lowBound=0, upBound=1))
                     problem += need[key] >= z
         for (src, p, q), var in need.items():
             self.costs.append(
@@ -336,6 +343,7 @@ class Ilp:
             ).items()
         )
         regathers = {node: priced for node, (piece, priced) in gathers.items() if pulp.value(piece) > 0.5}
+        fused = [(key, w(key[0], 1) * float(pulp.value(saved))) for key, saved in self.overlap]
         return Solution(
             choice,
             seconds,
@@ -343,6 +351,7 @@ class Ilp:
             breakdown(by_kind),
             recomputed,
             regathers,
+            {key: saved for key, saved in fused if pulp.value(self.need[key]) > 0.5},
         )
 
 

@@ -45,3 +45,5 @@ class Solution:
     recomputed: list[list[Node]] = field(default_factory=list)  # attention cores whose backward computes them again
     # tensor kept as token pieces -> its backward re-gather's {"bytes", "count" (folded), "seconds" (all counts)}
     regathers: dict[Node, dict[str, float]] = field(default_factory=dict)
+    # conversion (tensor, from, to) fused with its products (asynchronous TP) -> seconds fusing saves (all counts)
+    overlap: dict[tuple[Node, Any, Any], float] = field(default_factory=dict)

@@ -20,6 +20,8 @@ Objective, per step, in seconds (the named terms below):
        + sum n[t,p,q] w_t conversion_time(t,p,q)           resharding collectives
        + together latency + sum g[t] w_t (allreduce(t) - latency or allreduce(t))   gradient sums
        - sum h[t] w_t (allreduce(t) - reduce_scatter(t))   a gathered shard's gradient reduce-scattered instead
+       - sum o[t,p,q] w_t                                  async_tp: what fusing conversion n[t,p,q] with its
+                                                           products saves (planning/overlap.py, fused_time)
        + 1e-10 sum x[v,s] index(s)                         tie break: the rules' earlier options
 
 Constraints (the families, in the order they are added):
@@ -32,6 +34,8 @@ Constraints (the families, in the order they are added):
     edges:          sum_q z[e,p,q] = sum_{s: out(s)=p} x[src,s];  sum_p z[e,p,q] = sum_{s: in(s)=q} x[dst,s];
                     n[t,p,q] >= z[e,p,q];  g[t] >= sum of the x that read t partially in the backward
     gradient_sums:  together >= g[t] (coalesced);  h[t] <= g[t], h[t] <= sum x[t, sharded]
+    overlap:        f = z[e,p,q] AND x[v,s] (or n AND x) for each fusable pair;  o <= sum f saving(v,s),
+                    o <= n cap                                                        (async_tp=True)
     memory:         sum of memory terms <= limit  (added only when the fastest plan does not fit)
 
 Memory enters mostly through the candidates: large parameters are only offered sharded, so no global
@@ -52,6 +56,7 @@ from autotp.options import PlanOptions
 from autotp.passes.recompute import attention_cores
 from autotp.planning.candidates import Candidates
 from autotp.planning.ilp import Ilp
+from autotp.planning.overlap import price_overlap
 from autotp.planning.solution import Imposed, Solution
 
 
@@ -86,6 +91,8 @@ def solve(
     ilp.tie(ties)
     ilp.bias_pairs()
     ilp.gradient_sums(ilp.edges())
+    if options.async_tp and found.world > 1:
+        price_overlap(ilp)
     limit = device_limit(topology, options.memory_limit)
     ilp.minimise(limit)
     return ilp.solution(cores, again, gathers)

@@ -6,6 +6,7 @@ call; ``plan_choice`` reads a plan back onto a graph for the rewrite.
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
@@ -40,21 +41,27 @@ BACKWARD_MEMORY = ("grads", "optimizer", "activations")
 
 @dataclass(frozen=True)
 class Attempt:
-    """One solve of a plan's search: sequence parallelism on or off, and how attention cores are recomputed
-    ("off", "forced" for every core, "priced" per core where memory demands it)."""
+    """One solve of a plan's search: sequence parallelism on or off, how attention cores are recomputed ("off",
+    "forced" for every core, "priced" per core where memory demands it), and whether the collectives that
+    inductor's micro-pipeline TP pass fuses with their matmuls are priced fused (asynchronous TP)."""
 
     tokens: bool
     recompute: str
+    fused: bool = False
 
 
 def attempts(options: PlanOptions) -> list[Attempt]:
-    """The solves to try: without sequence parallelism and with it (only what ``options`` leave open, None), then,
-    training, recomputing attention cores where memory demands it (Korthikanti et al.)."""
-    mode = "forced" if options.recompute else "off"
+    """The solves to try: without sequence parallelism and with it (only what ``options`` leave open, None), with
+    sequence parallelism also priced with asynchronous TP where ``options.async_tp`` is None (only split tokens
+    have collectives the pass fuses), then, training, recomputing attention cores where memory demands it
+    (Korthikanti et al.)."""
+    mode, fused = "forced" if options.recompute else "off", options.async_tp is True
     tokens = [bool(options.sequence_parallel)] if options.sequence_parallel is not None else [False, True]
-    found = [Attempt(t, mode) for t in tokens]
+    found = [Attempt(t, mode, fused) for t in tokens]
+    if options.async_tp is None:
+        found += [Attempt(True, mode, True) for t in tokens if t]
     if options.recompute is None and options.training:
-        found.append(Attempt(found[-1].tokens, "priced"))
+        found.append(Attempt(found[-1].tokens, "priced", found[-1].fused))
     return found
 
 
@@ -74,6 +81,7 @@ def solve_plan(
     and ``attempt`` (the one solve to run): a hand-written plan's."""
     options = options or PlanOptions()
     tries, best = [attempt] if attempt else attempts(options), None
+    priced: dict[bool, float] = {}  # fused or not -> the cheapest plan's seconds
     with step(f"solving the plan for {world_size} ranks (ILP)", total=len(tries)) as advance:
         for k, attempt in enumerate(tries):
             if best is not None and attempt.recompute == "priced":  # recomputation only where nothing else fits
@@ -88,9 +96,23 @@ def solve_plan(
                 continue
             finally:
                 advance()
+            priced[attempt.fused] = min(priced.get(attempt.fused, math.inf), found.cost["seconds"])
             if best is None or found.cost["seconds"] < best.cost["seconds"] * (1 - 1e-9):
                 best = found
-    return cast(Plan, best)  # the last try raises where none fits
+    best = cast(Plan, best)  # the last try raises where none fits
+    best.cost["async_tp"]["why"] = _async_reason(options, priced)
+    return best
+
+
+def _async_reason(options: PlanOptions, priced: dict[bool, float]) -> str:
+    """Why the plan runs with asynchronous TP or without, in one line (plan.cost["async_tp"]["why"])."""
+    if options.async_tp:
+        return "async_tp=True"
+    if options.async_tp is False:
+        return "async_tp=False (the default; None is False off a CUDA group over NCCL, which the fused ops need)"
+    if len(priced) < 2:
+        return "nothing to fuse: no plan with split tokens was priced"
+    return f"priced: {priced[True]:.4g} s a step with the fusable collectives fused, {priced[False]:.4g} s without"
 
 
 def checked_topology(world_size: int, options: PlanOptions) -> Topology:
@@ -139,7 +161,14 @@ def price_plan(
         return replace(found, strategies=MappingProxyType({n: [choice[n]] for n in found.strategies}))
 
     return _solve_once(
-        gm, plan.world_size, options, sizes, Attempt(False, recompute), False, restrict=one_each, imposed=imposed
+        gm,
+        plan.world_size,
+        options,
+        sizes,
+        Attempt(False, recompute, plan.cost.get("async_tp", {}).get("chosen", False)),
+        False,
+        restrict=one_each,
+        imposed=imposed,
     )
 
 
@@ -155,6 +184,7 @@ def _solve_once(
     restrict: Callable[[Candidates], Candidates] | None = None,
 ) -> Plan:
     topo = checked_topology(world_size, options)
+    options = replace(options, async_tp=attempt.fused)
     if options.ep > 1 and world_size == 1 and options.experts is None:
         options = replace(options, experts="all-to-all")  # no TP to split experts over: whole, dealt over "ep"
     found = candidates(gm, world_size, options, attempt.tokens, options.experts)
@@ -254,6 +284,11 @@ def to_plan(
         cost={
             "seconds": solution.seconds,
             "compute_seconds": solution.compute,
+            "async_tp": {
+                "chosen": bool(options.async_tp),
+                "fused": [f"{n.name}: {have} -> {want}" for n, have, want in solution.overlap],
+                "saved_seconds": sum(solution.overlap.values()),
+            },
             "training": training,
             "memory": {k: v for k, v in solution.memory.items() if training or k not in BACKWARD_MEMORY},
             **(

@@ -85,6 +85,14 @@ def enable_async_tp(group: dist.ProcessGroup, device: torch.device) -> None:
         enable_symm_mem_for_group(group.group_name)
 
 
+def fusable_async_tp(asked: bool | None, group: dist.ProcessGroup, device: torch.device) -> bool | None:
+    """``async_tp`` as the planner takes it: None (the planner's choice) stays None only on a CUDA group over NCCL,
+    where symmetric memory runs the fused ops; elsewhere False."""
+    if asked is not None:
+        return asked
+    return None if device.type == "cuda" and dist.get_backend(group) == "nccl" else False
+
+
 def _eager_gloo(group: str) -> Gloo | None:
     gloo = _gloo.get(group)
     return None if gloo is None or torch.compiler.is_compiling() else gloo

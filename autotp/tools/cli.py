@@ -93,6 +93,13 @@ def main(argv: list[str] | None = None) -> int:
         help="split norms, dropouts and residual adds by tokens: when memory demands it (auto), always, never",
     )
     plan.add_argument(
+        "--async-tp",
+        choices=("auto", "on", "off"),
+        default="off",
+        help="price the all-gathers and reduce-scatters next to their matmuls fused (asynchronous TP under "
+        "torch.compile): whichever prices better (auto), always, never",
+    )
+    plan.add_argument(
         "--experts",
         choices=("auto", "tensor", "parallel", "all-to-all"),
         default="auto",

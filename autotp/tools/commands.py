@@ -78,6 +78,7 @@ def plan_command(args) -> int:
             fold=not args.no_fold,
             sequence_parallel={"auto": None, "on": True, "off": False}[args.sequence_parallel],
             recompute={"auto": None, "selective": "selective", "off": False}[args.recompute],
+            async_tp={"auto": None, "on": True, "off": False}[args.async_tp],
             experts=None if args.experts == "auto" else args.experts,
             ep=args.ep,
             memory_limit=_limit(args),

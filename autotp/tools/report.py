@@ -263,6 +263,14 @@ def print_plan(plan: Plan, shapes: dict | None = None, console: Console | None =
         f"estimated {'training step' if plan.cost.get('training') else 'forward'} time "
         f"{plan.cost.get('seconds', 0) * 1e6:.1f} µs per device"
     )
+    overlap = plan.cost.get("async_tp")
+    if overlap:  # plans solved before asynchronous TP was priced have none
+        console.print(
+            f"asynchronous TP: {'on' if overlap['chosen'] else 'off'} ({overlap.get('why', '')}); "
+            f"{len(overlap['fused'])} collective(s) fused with their matmuls, saving "
+            f"{overlap['saved_seconds'] * 1e6:.1f} µs",
+            highlight=False,
+        )
 
 
 def memory_table(plan: Plan) -> Table:

@@ -190,3 +190,7 @@ def test_tiled_kv_heads_are_split_block_by_block(captured):
     assert any(s.output == blocks for s in candidates[product]), candidates[product]
     unbound = [n for n in gm.graph.nodes if n.target == aten.unbind.int]
     assert unbound and any(s.output[0] == blocks for s in candidates[unbound[0]])
+    # at 3 ranks (more than the KV heads) each rank's 2 query heads read both: the KV value held whole (its
+    # gradient summed), each rank repeating its slice of the copies
+    at_three = _candidates(gm, 3)[repeat]
+    assert any(s.output == Shard(1) and isinstance(s.inputs[0], Shard) and s.inputs[0].whole(3) for s in at_three)

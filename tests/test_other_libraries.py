@@ -4,6 +4,8 @@ feed-forward) is split by heads at Megatron's count and exact at 2 ranks."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 
@@ -29,22 +31,35 @@ def _attention_split(plan) -> bool:
     return bool(cores) and all(e["out"].startswith("S(1") for e in cores)  # heads, or blocks of heads
 
 
-def _x_transformers(rank: int, world: int) -> None:
-    for kv_heads in (8, 2):
+def _block_collectives(plan, phase: str) -> Counter:
+    return Counter(c["op"] for c in plan.collectives if c["phase"] == phase and c["module"].startswith("attn_layers"))
+
+
+def _x_transformers(rank: int, world: int, kv_counts: tuple) -> None:
+    for kv_heads in kv_counts:
         model = decoder(kv_heads)
         sharded = autotp.parallelize(model, (torch.randint(0, VOCAB, (2, 16)),))
         plan = sharded.autotp_plan
         assert plan.replicated_ops == [] and _attention_split(plan), plan.nodes
-        counts = plan.collective_counts("forward")
-        assert counts["all_reduce"] == 2 * DEPTH, counts  # Megatron's: one per attention, one per MLP
-        assert counts["all_gather"] == 2, counts  # the embedding's and the head's
-        assert plan.collective_counts("backward")["all_gather"] == 0, plan.collectives
-        # 8 heads over 2 KV heads tiled (r kvh): query head i reads KV head i % 2; rank r's query heads are
-        # 2r, 2r + 2, ... (blocks of 2 split alike), which read only its KV head r, and its to_k rows are r's
-        assert {plan.nodes[n]["out"] for n, e in plan.nodes.items() if e["module"].endswith("to_k")} == {"S(2)"}
+        # Megatron's: one all-reduce per attention, one per MLP, nothing else in the blocks (the embedding's and the
+        # head's collectives are the vocabulary's)
+        assert _block_collectives(plan, "forward") == {"all_reduce": 2 * DEPTH}, plan.collectives
+        backward = _block_collectives(plan, "backward")
+        assert set(backward) == {"all_reduce"}, plan.collectives
+        to_k = {plan.nodes[n]["out"] for n, e in plan.nodes.items() if e["module"].endswith("to_k")}
+        if world <= kv_heads:  # 8 heads over 2 KV heads tiled (r kvh): query head i reads KV head i % 2; rank r's
+            # query heads 2r, 2r + 2, ... (blocks of 2 split alike) read only its KV head r, its own to_k rows
+            assert to_k == {"S(2)"} and backward["all_reduce"] == 2 * DEPTH + 1, (to_k, plan.collectives)
+        else:  # each rank's 2 query heads read both KV heads: to_k held whole, its gradient summed
+            assert to_k == {"S(2/1)"} and backward["all_reduce"] == 4 * DEPTH + 1, (to_k, plan.collectives)
         forward_matches(model, sharded, [(torch.randint(0, VOCAB, (3, 5)),), (torch.randint(0, VOCAB, (1, 1)),)])
         training_matches(model, sharded, [(torch.randint(0, VOCAB, (2, 6)),) for _ in range(2)])
 
 
 def test_x_transformers_decoder_is_split_by_heads_and_exact():
-    run_ranks(2, _x_transformers)
+    run_ranks(2, _x_transformers, (8, 2))
+
+
+@pytest.mark.slow
+def test_x_transformers_decoder_with_fewer_kv_heads_than_ranks():
+    run_ranks(4, _x_transformers, (2,))

@@ -175,6 +175,9 @@ def repeat_hints(gm: torch.fx.GraphModule) -> dict:
                 covers.setdefault(1, set()).add(heads[0])
             elif grouped and all(isinstance(h, int) for h in heads) and 1 < heads[1] < heads[0]:
                 covers.setdefault(heads[1], set()).add(heads[0])  # the kernel's own grouped KV heads
+        copied = [d for d, m in enumerate(node.args[1]) if m != 1] if node.target == aten.repeat.default else []
+        if len(copied) == 1 and isinstance(node.args[1][copied[0]], int):  # tiled copies: held whole, they serve all
+            covers.setdefault(1, set()).add(node.meta["val"].shape[copied[0]])
         if "repeats_each" in op(node.target).tags:
             x, repeats, at = node.args[:3]
             kv = x.meta["val"].shape[at]

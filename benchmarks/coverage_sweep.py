@@ -105,7 +105,8 @@ def at_count(plan, model, gm, options: dict, modules: list[str], over: int, full
     whole and is over by as many says nothing (a norm kept whole beside a large conv's extra sum)."""
     from autotp.options import PlanOptions
     from autotp.placement import Replicate
-    from autotp.planning.analysis import offered, solve_plan
+    from autotp.planning.analysis import offered
+    from autotp.planning.tensor_plan import solve_plan
 
     forced = {
         n

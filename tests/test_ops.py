@@ -178,3 +178,22 @@ def test_rows_agree_with_the_schemas():
             assert row.view or row.family in ("index", "elementwise"), target
     assert op(aten.flatten.using_ints).view and op(aten.numpy_T.default).view and op(aten.broadcast_to.default).view
     assert op(operator.getitem).view and not op(aten.contiguous.default).view
+
+
+def test_tiled_kv_heads_are_split_block_by_block(captured):
+    """KV heads repeated tiled (query head i reads KV head i % 2 of 6) are one ``repeat``; at 2 ranks the copies
+    are 3 blocks of 2 heads split alike, so the product reading them, the query's rotary (an unbind) and the query
+    projection's rows are offered the same blocks, and each rank reads its own KV head (no KV head gathered)."""
+    gm, _ = captured["einsums"]
+    candidates = _candidates(gm, 2)
+    (repeat,) = [n for n in gm.graph.nodes if n.target == aten.repeat.default]
+    blocks = Shard(1, (2, 2, 2))
+    assert any(s.output == blocks and tuple(s.inputs) == (Shard(1),) for s in candidates[repeat]), candidates[repeat]
+    (product,) = [n for n in repeat.users if n.target == aten.einsum.default]
+    assert any(s.output == blocks for s in candidates[product]), candidates[product]
+    unbound = [n for n in gm.graph.nodes if n.target == aten.unbind.int]
+    assert unbound and any(s.output[0] == blocks for s in candidates[unbound[0]])
+    # at 3 ranks (more than the KV heads) each rank's 2 query heads read both: the KV value held whole (its
+    # gradient summed), each rank repeating its slice of the copies
+    at_three = _candidates(gm, 3)[repeat]
+    assert any(s.output == Shard(1) and isinstance(s.inputs[0], Shard) and s.inputs[0].whole(3) for s in at_three)

@@ -2,9 +2,14 @@
 
     before: u = unsqueeze(kv, 2); e = expand(u, [b, kv_heads, n, s, d]); r = reshape(e, [b, kv_heads * n, s, d])
     after:  r = repeat_interleave(kv, n, 1)
+    before: u = unsqueeze(kv, 1); e = expand(u, [b, n, kv_heads, s, d]); r = reshape(e, [b, n * kv_heads, s, d])
+    after:  r = repeat(kv, [1, n, 1, 1])
 
-Llama, Mistral, Qwen (``repeat_kv``): as one op it can be sharded by heads even when ranks outnumber KV heads
-(ops/rules.py: repeat_interleave).  Test: tests/test_architectures.py (KV heads fewer than ranks).
+Llama, Mistral, Qwen (``repeat_kv``): query head i reads KV head i // n; as one op it can be sharded by heads
+even when ranks outnumber KV heads (ops/rules.py: repeat_interleave).  Test: tests/test_architectures.py (KV
+heads fewer than ranks).  x-transformers (einops ``'b kvh n d -> b (r kvh) n d'``): query head i reads KV head
+i % kv_heads, n copies of all KV heads; split block by block (ops/along_rules.repeat, hints.join_hints), each
+rank's query heads read its own KV heads when the ranks divide the KV heads.  Test: tests/test_other_libraries.py.
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ aten = torch.ops.aten
 
 
 def fuse_repeat_kv(gm: torch.fx.GraphModule) -> None:
-    """reshape(expand(x.unsqueeze(d + 1)), merging d and d + 1) -> x.repeat_interleave(n, d).
+    """reshape(expand(x.unsqueeze(d + 1)), merging d and d + 1) -> x.repeat_interleave(n, d);
+    reshape(expand(x.unsqueeze(d)), merging d and d + 1) -> x.repeat(n at d).
 
     This is how grouped-query attention repeats KV heads; as one op it can be sharded by heads
     even when ranks outnumber KV heads (ops/rules.py: repeat_interleave).
@@ -33,15 +39,11 @@ def fuse_repeat_kv(gm: torch.fx.GraphModule) -> None:
         if unsqueezed.target != aten.unsqueeze.default:
             continue
         x = unsqueezed.args[0]
-        big, out, src = (list(map(str, n.meta["val"].shape)) for n in (expanded, node, x))
-        at = unsqueezed.args[1] % len(big) - 1
-        if at < 0 or big[: at + 1] + big[at + 2 :] != src or not big[at + 1].isdigit() or not src[at].isdigit():
-            continue
-        repeats = int(big[at + 1])
-        if out != [*big[:at], str(int(src[at]) * repeats), *big[at + 2 :]]:
+        fused_op = _repeat_of(*(list(map(str, n.meta["val"].shape)) for n in (x, expanded, node)), unsqueezed.args[1])
+        if fused_op is None:
             continue
         with gm.graph.inserting_before(node):
-            fused = gm.graph.call_function(aten.repeat_interleave.self_int, (x, repeats, at))
+            fused = gm.graph.call_function(*fused_op(x))
         fused.meta = dict(node.meta)
         node.replace_all_uses_with(fused)
         dead = node
@@ -51,6 +53,29 @@ def fuse_repeat_kv(gm: torch.fx.GraphModule) -> None:
             dead = source
     gm.graph.lint()
     gm.recompile()
+
+
+def _repeat_of(src: list, big: list, out: list, new: int):
+    """The op that makes ``out`` from ``src`` (``big``: src with a dim of copies at ``new``, which ``out``
+    merges with a neighbour of src's), as x -> (target, args); None if ``out`` is not such a merge.  Copies
+    after the dim they merge with repeat each of its indices in place; copies before it tile the whole dim."""
+    new %= len(big)
+    if big[:new] + big[new + 1 :] != src or not big[new].isdigit():
+        return None
+    copies = int(big[new])
+    for at in (new - 1, new):  # src's dim that the copies merge with
+        if not 0 <= at < len(src) or not src[at].isdigit():
+            continue
+        merged = list(src)
+        merged[at] = str(int(src[at]) * copies)
+        if out != merged:
+            continue
+        if at < new:
+            return lambda x: (aten.repeat_interleave.self_int, (x, copies, at))
+        sizes = [1] * len(src)
+        sizes[at] = copies
+        return lambda x: (aten.repeat.default, (x, sizes))
+    return None
 
 
 def _skip_noop_slices(node):

@@ -10,7 +10,7 @@ from torch.fx import Node
 
 from autotp.ops.layout_rules import positive_dim
 from autotp.ops.strategies import Context, Strategy, summable
-from autotp.placement import P, Shard
+from autotp.placement import P, R, Shard
 
 aten = torch.ops.aten
 
@@ -49,7 +49,9 @@ def reduced(node: Node, ctx: Context) -> list[Strategy]:
 
 def repeat(node: Node, ctx: Context) -> list[Strategy]:
     """x.repeat(sizes): a dim repeated once passes through (the sizes may add leading dims); a dim split evenly and
-    repeated m times is m blocks, each split alike (DiffLlama's value heads repeated over both halves of heads)."""
+    repeated m times is m blocks, each split alike (DiffLlama's value heads repeated over both halves of heads); x
+    held whole on every rank gives each rank its slice of the copies (KV heads tiled over more ranks than KV
+    heads: every rank's query heads read all of them)."""
     x, sizes = node.args[0], node.args[1]
     shape = ctx.shape(x)
     lead = len(sizes) - len(shape)
@@ -59,11 +61,21 @@ def repeat(node: Node, ctx: Context) -> list[Strategy]:
         if sizes[d + lead] == 1
         for s in ctx.shard_options(x, d) + ctx.token_options(x, d)
     ]
-    return found + [
+    copied = [d for d in range(len(shape)) if isinstance(sizes[d + lead], int) and sizes[d + lead] > 1]
+    found += [
         Strategy(ctx.fill(node, {x: Shard(d)}), Shard(d + lead, (shape[d],) * sizes[d + lead]))
-        for d in range(len(shape))
-        if isinstance(sizes[d + lead], int) and sizes[d + lead] > 1 and Shard(d) in ctx.shard_options(x, d)
+        for d in copied
+        if Shard(d) in ctx.shard_options(x, d)
     ]
+    if len(copied) == 1 and not lead:  # x held whole: each rank's slice of the copies (tiled KV heads, more ranks)
+        whole = [s for d in range(len(shape)) for s in ctx.shard_options(x, d) if s.whole(ctx.world)]
+        found += [
+            Strategy(ctx.fill(node, {x: src}), out)
+            for src in [R, *whole]
+            for out in ctx.shard_options(node, copied[0])
+            if out.chunks is None and out.units is None
+        ]
+    return found
 
 
 def unfold(node: Node, ctx: Context) -> list[Strategy]:

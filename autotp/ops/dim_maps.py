@@ -13,7 +13,7 @@ from torch.fx import Node
 
 from autotp.ops.channel_rules import conv_groups
 from autotp.ops.expert_rules import integer_indices
-from autotp.ops.layout_rules import pieces_of, positive_dim
+from autotp.ops.layout_rules import einsum_terms, pieces_of, positive_dim
 from autotp.ops.strategies import Context, is_placed
 from autotp.ops.views import inverse_view_dim, split_runs
 
@@ -117,9 +117,14 @@ def elementwise(node: Node, dim: int, blocks, ctx: Context) -> list:
 
 
 def getitem(node: Node, dim: int, blocks, ctx: Context) -> list:
-    """One piece of a split: that piece's blocks among the other pieces, for the split tensor
+    """One piece of an unbind: that dim of the unbound tensor.  One piece of a split: that piece's blocks among
+    the other pieces, for the split tensor
     (nn.MultiheadAttention's cross-attention: in_proj_weight cut into [q | kv], kv cut into [k | v])."""
     parts, index = node.args
+    if ctx.op(parts.target).family == "unbind":  # one slice of an unbind: the unbound tensor's other dims
+        unbound = parts.args[0]
+        at = positive_dim(parts.args[1] if len(parts.args) > 1 else parts.kwargs.get("dim", 0), len(ctx.shape(unbound)))
+        return [(unbound, dim + (dim >= at), blocks)]
     if ctx.op(parts.target).family != "split":
         return []
     x = parts.args[0]
@@ -171,6 +176,19 @@ def cat(node: Node, dim: int, blocks, ctx: Context) -> list:
     return [(p, at, tuple(blocks[k] for k in ks)) for p, ks in zip(parts, pieces or (), strict=False) if len(ks) > 1]
 
 
+def einsum(node: Node, dim: int, blocks, ctx: Context) -> list:
+    """A letter the output keeps is every operand's that has it at the same size."""
+    found = einsum_terms(node)
+    if found is None:
+        return []
+    (terms, kept), size = found, ctx.shape(node)[dim]
+    return [
+        (x, term.index(kept[dim]), blocks)
+        for term, x in zip(terms, node.args[1], strict=True)
+        if kept[dim] in term and ctx.shape(x)[term.index(kept[dim])] == size
+    ]
+
+
 def in_flat_units(hint, rest: int):
     """A hint on a heads dim, for the flat dim the heads were viewed from (blocks ``rest`` times longer)."""
     if isinstance(hint, int):
@@ -207,6 +225,7 @@ BY_FAMILY = {
     "convolution": convolution,
     "cat": cat,
     "attention": attention,
+    "einsum": einsum,
     "softmax": elementwise,
     "log_softmax": elementwise,
 }

@@ -23,6 +23,24 @@ def positive_dim(d: int, ndim: int) -> int:
     return d + ndim if d < 0 else d
 
 
+def einsum_terms(node: Node):
+    """(each operand's letters, the output's letters) of an einsum the rules read: no ellipsis, no repeated
+    letter, no operand twice; else None."""
+    equation, operands = node.args[0], node.args[1]
+    if not isinstance(equation, str) or "." in equation or "->" not in equation:
+        return None
+    inputs, kept = equation.replace(" ", "").split("->")
+    terms = inputs.split(",")
+    if (
+        len(terms) != len(operands)
+        or not all(isinstance(x, Node) for x in operands)
+        or len(set(operands)) != len(operands)
+        or any(len(set(t)) != len(t) for t in [*terms, kept])
+    ):
+        return None
+    return terms, kept
+
+
 def mapped(node: Node, ctx: Context, dim_map) -> list[Strategy]:
     """Single-input layout ops, from a function input dim -> output dim (None: may not be sharded)."""
     x = node.args[0]
@@ -335,7 +353,6 @@ def unbind(node: Node, ctx: Context) -> list[Strategy]:
     k = len(node.meta["val"])
     found = [Strategy(ctx.fill(node, {x: P}), (P,) * k)] if summable(x) else []
     for d in range(n):
-        for s in ctx.shard_options(x, d) if d != at else ():
-            if s.chunks is None:
-                found.append(Strategy(ctx.fill(node, {x: s}), (s.at(d - (d > at)),) * k))
+        for s in ctx.shard_options(x, d) if d != at else ():  # blocks too: each piece keeps them
+            found.append(Strategy(ctx.fill(node, {x: s}), (s.at(d - (d > at)),) * k))
     return found

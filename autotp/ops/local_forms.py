@@ -120,6 +120,15 @@ def repeat_interleave(node: Node, strategy, rank: int, world: int) -> None:
     node.target, node.args, node.kwargs = kernels.repeat_heads, (x, repeats, at, in_start, out_start, out_len), {}
 
 
+def repeat_slice(node: Node, strategy, rank: int, world: int) -> None:
+    """x.repeat of x held whole (R, or whole units): this rank's slice of the copies."""
+    src, out = _source(strategy), strategy.output
+    if not isinstance(out, Shard) or out.chunks is not None or (isinstance(src, Shard) and not src.whole(world)):
+        return
+    ((start, length),) = out.ranges(node.meta["val"].shape[out.dim], rank, world)
+    node.target, node.args, node.kwargs = kernels.repeat_range, (*node.args[:2], out.dim, start, length), {}
+
+
 def partial_mean(node: Node, strategy, rank: int, world: int) -> None:
     """A mean over a sharded dim: this rank's sum over the full count (a partial sum)."""
     if not (isinstance(_source(strategy), Shard) and isinstance(strategy.output, Partial)):

@@ -13,7 +13,7 @@ import itertools
 import torch
 from torch.fx import Node
 
-from autotp.ops.layout_rules import positive_dim, whole_spellings
+from autotp.ops.layout_rules import einsum_terms, positive_dim, whole_spellings
 from autotp.ops.strategies import Context, Strategy, contractible, input_slots, is_placed, summable
 from autotp.placement import P, R, Shard
 
@@ -276,27 +276,19 @@ def pad(node: Node, ctx: Context) -> list[Strategy]:
 
 def einsum(node: Node, ctx: Context) -> list[Strategy]:
     """einsum by its letters (no ellipsis, no repeated letter, no operand twice): a letter the output keeps may
-    be split in every operand that has it (the others read whole); a contracted letter split in every operand
+    be split in every operand that has it (the others read whole), block by block too (the copies of tiled KV
+    heads: every operand's blocks split alike); a contracted letter split in every operand
     that has it sums partial products; one partial operand, the others whole, gives a partial result (the
     product is linear in each operand)."""
-    equation, operands = node.args[0], node.args[1]
-    if not isinstance(equation, str) or "." in equation or "->" not in equation:
+    found_terms = einsum_terms(node)
+    if found_terms is None:
         return []
-    inputs, kept = equation.replace(" ", "").split("->")
-    terms = inputs.split(",")
-    if (
-        len(terms) != len(operands)
-        or not all(isinstance(x, Node) for x in operands)
-        or len(set(operands)) != len(operands)
-        or any(len(set(t)) != len(t) for t in [*terms, kept])
-    ):
-        return []
+    (terms, kept), operands = found_terms, node.args[1]
+    inputs = "".join(terms)
     out = ctx.shape(node)
     found = []
     for d, letter in enumerate(kept):
         for s in ctx.shard_options(node, d) + ctx.token_options(node, d):
-            if s.chunks is not None:
-                continue
             placements = {
                 x: _aligned(s, ctx.shape(x), term.index(letter), out[d], ctx) if letter in term else R
                 for term, x in zip(terms, operands, strict=True)

@@ -219,7 +219,7 @@ _ROWS: dict = {
     **_rows([aten.glu.default], family="along", rule=along_dims, keeps=keeps_input),
     **_rows([aten.flip.default], family="along", rule=along_dims, keeps=keeps_nothing),
     **_rows([aten.tril.default, aten.triu.default], family="along", rule=last_dims(2), keeps=keeps_nothing),
-    **_rows([aten.repeat.default], family="repeat", rule=repeat, keeps=keeps_nothing),
+    **_rows([aten.repeat.default], family="repeat", rule=repeat, keeps=keeps_nothing, local=local_forms.repeat_slice),
     **_rows([aten.unfold.default], family="unfold", rule=unfold, layout=True, keeps=keeps_nothing),
     **_rows([aten.im2col.default], family="unfold", rule=im2col, keeps=keeps_nothing),
     **_rows([aten.gather.default, aten.scatter.value, aten.scatter.src], family="gather", rule=gather,

@@ -11,11 +11,13 @@ from dataclasses import replace
 import torch
 
 from autotp.canonicalize.group_cuts import group_blocks
-from autotp.ops.layout_rules import cut_range, positive_dim
+from autotp.ops.layout_rules import cut_range, einsum_terms, positive_dim
 from autotp.ops.quantized_rules import block_units
 from autotp.ops.strategies import Context
 from autotp.ops.table import op
 from autotp.ops.views import merged_runs, split_runs, view_groups
+
+aten = torch.ops.aten
 
 
 def with_hints(gm: torch.fx.GraphModule, ctx: Context) -> Context:
@@ -77,19 +79,46 @@ def join_hints(gm: torch.fx.GraphModule, ctx: Context) -> dict:
             sizes = tuple(ctx.shape(p)[at] if len(ctx.shape(p)) == n else None for p in node.args[0])
             if all(isinstance(v, int) for v in sizes):
                 work.append((node, at, sizes))
+        work += _tiled_copies(node, ctx)
     hints: dict = {}
+    products = []  # products that read joined blocks: their other operands are offered the same blocks
     while work:
         node, dim, sizes = work.pop()
         if sizes not in hints.setdefault((node, dim), set()):
             hints[(node, dim)].add(sizes)
+            if op(node.target).family == "einsum":
+                products.append((node, dim, sizes))
             work += [found for user in node.users for found in _forward(user, node, dim, sizes, ctx)]
-    return hints
+    back = _walk_back(products, ctx)
+    return {key: hints.get(key, set()) | back.get(key, set()) for key in {*hints, *back}}
+
+
+def _tiled_copies(node, ctx: Context) -> list:
+    """``x.repeat(...)`` copying one dim m times (tiled KV heads: query head i reads KV head i % kv): that dim
+    is m blocks of x's, each split alike (ops/along_rules.repeat)."""
+    if node.target != aten.repeat.default:
+        return []
+    x, sizes = node.args[0], node.args[1]
+    lead = len(sizes) - len(ctx.shape(x))
+    copied = [d for d, m in enumerate(sizes) if m != 1]
+    if lead or len(copied) != 1 or not isinstance(sizes[copied[0]], int) or not ctx.static(ctx.shape(x)[copied[0]]):
+        return []
+    (at,) = copied
+    return [(node, at, (ctx.shape(x)[at],) * sizes[at])]
 
 
 def _forward(user, node, dim: int, sizes: tuple, ctx: Context) -> list:
     """Where ``user`` carries blocks of ``node``'s dim: a view keeping it or merging it first with later dims, a
     dim move, a copy or an elementwise op of the same shape."""
     row = op(user.target)
+    if row.family == "einsum":
+        found = einsum_terms(user)
+        terms, kept = found if found is not None else ([], "")
+        return [
+            (user, kept.index(term[dim]), sizes)
+            for term, x in zip(terms, user.args[1], strict=True)
+            if x is node and term[dim] in kept and ctx.shape(user)[kept.index(term[dim])] == ctx.shape(node)[dim]
+        ]
     if not user.args or user.args[0] is not node:
         return []
     if row.family == "view":
@@ -146,6 +175,9 @@ def repeat_hints(gm: torch.fx.GraphModule) -> dict:
                 covers.setdefault(1, set()).add(heads[0])
             elif grouped and all(isinstance(h, int) for h in heads) and 1 < heads[1] < heads[0]:
                 covers.setdefault(heads[1], set()).add(heads[0])  # the kernel's own grouped KV heads
+        copied = [d for d, m in enumerate(node.args[1]) if m != 1] if node.target == aten.repeat.default else []
+        if len(copied) == 1 and isinstance(node.args[1][copied[0]], int):  # tiled copies: held whole, they serve all
+            covers.setdefault(1, set()).add(node.meta["val"].shape[copied[0]])
         if "repeats_each" in op(node.target).tags:
             x, repeats, at = node.args[:3]
             kv = x.meta["val"].shape[at]

@@ -19,6 +19,11 @@ def repeat_heads(x: torch.Tensor, repeats: int, dim: int, in_start: int, out_sta
     return needed.narrow(dim, out_start - (first + in_start) * repeats, out_len)
 
 
+def repeat_range(x: torch.Tensor, sizes, dim: int, start: int, length: int):
+    """This rank's [start, start + length) of ``x.repeat(sizes)`` along ``dim`` (x whole on every rank)."""
+    return x.repeat(sizes).narrow(dim, start, length)
+
+
 def gather_positions(x: torch.Tensor, dim: int, positions: tuple[int, ...]):
     """``x.index_select(dim, positions)`` with this rank's positions in its own piece (a gather of heads whose
     pieces several ranks hold: canonicalize/group_cuts.py)."""

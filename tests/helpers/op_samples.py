@@ -180,14 +180,17 @@ def scans(m, x):
 
 
 def einsums(m, x):
-    """Attention written as einsums (einops-style libraries), a contraction with a weight, rotary's unbind."""
+    """Attention written as einsums (einops-style libraries), a contraction with a weight, rotary's unbind, KV
+    heads repeated tiled (x-transformers' ``'b kvh n d -> b (r kvh) n d'``: query head i reads KV head i % KV)."""
     b, s, _ = x.shape
     q = torch.einsum("bnd,ed->bne", x, m.q).view(b, s, HEADS, D).transpose(1, 2)
     k = torch.nn.functional.linear(x, m.k).view(b, s, HEADS, D).transpose(1, 2)
     x1, x2 = q.reshape(b, HEADS, s, D // 2, 2).unbind(-1)
     q = torch.stack((-x2, x1), -1).reshape(b, HEADS, s, D) + q
     weights = torch.einsum("bhid,bhjd->bhij", q, k).softmax(-1)
-    out = torch.einsum("bhij,bhjd->bhid", weights, k)
+    v = torch.nn.functional.linear(x, m.v).view(b, s, KV, D).transpose(1, 2)
+    v = v.unsqueeze(1).expand(b, HEADS // KV, KV, s, D).reshape(b, HEADS, s, D)
+    out = torch.einsum("bhij,bhjd->bhid", weights, v)
     return torch.einsum("bhsd,ehd->bse", out, m.o.view(H, HEADS, D))
 
 
@@ -313,7 +316,7 @@ SAMPLES = {
         lambda: (_floats(2, 5, H),),
     ),
     "einsums": (
-        lambda: Program(einsums, q=(HEADS * D, H), k=(HEADS * D, H), o=(H, HEADS * D)),
+        lambda: Program(einsums, q=(HEADS * D, H), k=(HEADS * D, H), v=(KV * D, H), o=(H, HEADS * D)),
         lambda: (_floats(2, 5, H),),
     ),
     "convolutions": (

@@ -97,7 +97,8 @@ def _read_profile(
                 tied[kind] = tied.get(kind, 0.0) + held
     grad = needs_grad(gm) if training else set()
     again = [core for core in attention_cores(gm, grad) if plan.nodes.get(core[-1].name, {}).get("recompute")]
-    for node, held in activation_bytes(choice, sizes, tp, grad, again).items():
+    regathered = {node for node in choice if plan.regathers(node.name)}
+    for node, held in activation_bytes(choice, sizes, tp, grad, again, regathered).items():
         section = kept.setdefault(where[node], Section())
         section.memory["activations"] = section.memory.get("activations", 0.0) + held
     for c in plan.collectives:

@@ -124,8 +124,12 @@ def solve_hand_plan(
         recompute=False,
         experts=hand.experts or options.experts,
     )
-    imposed = Imposed(
-        _conversions(hand, options.training), hand.grad_sums_per_module, hand.saves_gathered, hand.sums_each_param
+    imposed = Imposed(  # Megatron-SP gathers every kept token piece again in the backward, DTensor none
+        _conversions(hand, options.training),
+        hand.grad_sums_per_module,
+        hand.saves_gathered,
+        hand.sums_each_param,
+        regathered=frozenset(n.name for n in gm.graph.nodes),
     )
     try:  # token-split forms offered with sequence parallelism, not imposed: a rowwise output is partial first
         solved = solve_plan(gm, world_size, options, imposed=imposed, attempt=Attempt(hand.sequence_parallel, "off"))

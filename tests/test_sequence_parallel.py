@@ -220,3 +220,27 @@ def test_backward_collectives_of_sequence_parallelism_are_priced(monkeypatch):
         apart = _priced_as(plan, monkeypatch, model, args, options, coalesced=lambda src: False)  # an all-reduce each
         saved = (len(together["tensors"]) - 1) * latency
         assert apart.cost["seconds"] - plan.cost["seconds"] == pytest.approx(saved, rel=1e-6), kind
+
+
+def test_a_plan_that_does_not_say_gathers_every_kept_token_again():
+    """Plans written before the choice (no "regather" on their nodes) ran Megatron-SP's way: read back, every
+    gathered token tensor a backward keeps is its piece gathered again, in the price and in the rewrite."""
+    from autotp.options import PlanOptions
+    from autotp.passes.capture import fingerprint
+    from autotp.passes.prepared_graph import prepared_graph
+    from autotp.plan import Plan
+    from autotp.planning.plan_choice import planned
+    from autotp.planning.tensor_plan import price_plan, solve_plan
+
+    model, _, _ = build("llama", blocks=BLOCKS)
+    gm = prepared_graph(model, (torch.randint(0, 96, EXAMPLE),), None, fold=False)
+    plan = solve_plan(gm, 2, PlanOptions(sequence_parallel=True, recompute=False))
+    gathered = {name for name, entry in plan.nodes.items() if "regather" in entry}
+    assert gathered and not plan.cost["regathers"]
+    older = Plan.from_json(plan.to_json())
+    for entry in older.nodes.values():
+        entry.pop("regather", None)
+    assert {r["tensor"] for r in price_plan(gm, older).cost["regathers"]} == gathered
+    read = planned(gm, Plan.from_json(older.to_json()), fingerprint(gm), 2).regathered
+    assert gathered <= {node.name for node in read}
+    assert not gathered & {node.name for node in planned(gm, plan, fingerprint(gm), 2).regathered}

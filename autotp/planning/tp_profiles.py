@@ -24,7 +24,7 @@ from autotp.passes.fold import sections
 from autotp.passes.recompute import attention_cores
 from autotp.placement import parse
 from autotp.planning.expert_roles import block_experts, expert_part
-from autotp.planning.solution import PlanningError
+from autotp.planning.solution import Imposed, PlanningError
 from autotp.planning.tensor_plan import solve_plan
 
 
@@ -64,6 +64,9 @@ def _read_profile(
     cores: bool,
 ) -> Profile:
     part = expert_part(gm, topo, sizes) if training else None
+    # the mesh planner adds sequence parallelism where activations decide: its lean form, each gathered token tensor
+    # kept as this rank's piece and gathered again (Megatron-SP); the layout's own TP plan chooses under its limit
+    lean = Imposed(regathered=frozenset(n.name for n in gm.graph.nodes)) if tokens else None
     plan = solve_plan(
         gm,
         tp,
@@ -76,6 +79,7 @@ def _read_profile(
             experts="tensor" if part else None,
         ),
         sizes=sizes,
+        imposed=lean,
     )
     where, blocks, fold = sections(gm)
     count = cast(int, blocks)  # a block count where the graph is folded (fold), unread otherwise

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch.fx import Node
+from torch.fx import GraphModule, Node
 
 from autotp.ops.strategies import Strategy
 
@@ -32,6 +32,11 @@ class Imposed:
     saves_gathered: bool = False
     sums_each_param: bool = False
     regathered: frozenset[str] | None = None
+
+
+def every_name(gm: GraphModule) -> frozenset[str]:
+    """``Imposed.regathered`` as Megatron-SP runs: every gathered token tensor kept as this rank's piece."""
+    return frozenset(node.name for node in gm.graph.nodes)
 
 
 class DoesNotFit(PlanningError):

@@ -7,7 +7,7 @@ call; ``plan_choice`` reads a plan back onto a graph for the rewrite.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any, cast
@@ -346,7 +346,7 @@ def _activations_by_module(
     world: int,
     training: bool,
     recomputed: list[list[Node]],
-    regathered: Mapping[Node, Any],
+    regathered: Collection[Node],
 ) -> dict[str, Any]:
     """Bytes kept for backward per device by the module that computes them, the modules that split
     the tokens (sequence parallelism) and those whose attention core is recomputed, for reports."""

@@ -24,7 +24,7 @@ from autotp.passes.fold import sections
 from autotp.passes.recompute import attention_cores
 from autotp.placement import parse
 from autotp.planning.expert_roles import block_experts, expert_part
-from autotp.planning.solution import Imposed, PlanningError
+from autotp.planning.solution import Imposed, PlanningError, every_name
 from autotp.planning.tensor_plan import solve_plan
 
 
@@ -66,7 +66,7 @@ def _read_profile(
     part = expert_part(gm, topo, sizes) if training else None
     # the mesh planner adds sequence parallelism where activations decide: its lean form, each gathered token tensor
     # kept as this rank's piece and gathered again (Megatron-SP); the layout's own TP plan chooses under its limit
-    lean = Imposed(regathered=frozenset(n.name for n in gm.graph.nodes)) if tokens else None
+    lean = Imposed(regathered=every_name(gm)) if tokens else None
     plan = solve_plan(
         gm,
         tp,

@@ -230,6 +230,7 @@ def sharded_program(
         device=ranks.device,
         provided=provided,
         gather_outputs=planning.gather_outputs,
+        regathered=on_graph.regathered,
     )
     checkpoint_cores(sharded, again)
     dropouts = set_mode(sharded, running.dropout)

@@ -75,6 +75,12 @@ class Plan:
         entry = self.nodes[node_name]
         return [parse(p) for p in entry["in"]], parse(entry["out"])
 
+    def regathers(self, node_name: str) -> bool:
+        """Whether the plan keeps this node's output, where an op keeps it gathered from tokens, as this rank's
+        piece gathered again in the backward (``"regather": false``: kept whole); an older plan, which does not
+        say, re-gathers every one."""
+        return bool(self.nodes.get(node_name, {}).get("regather", True))
+
     def check(self, fingerprint: str, world_size: int) -> None:
         if self.version != SCHEMA_VERSION:
             raise PlanMismatch(

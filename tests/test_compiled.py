@@ -17,19 +17,29 @@ from tests.helpers.compiled import STEPS, compiled_training_matches
 from tests.helpers.distributed import run_ranks
 from tests.helpers.exact import TOL, logits
 from tests.helpers.models import llama_with
+from tests.helpers.sequence_parallel import regather_limits
 
 
 def _tokens() -> tuple:
     return (torch.randint(0, 96, (2, 8)),)
 
 
-def _sequence_parallel(rank: int, world: int, recompute: str | bool) -> None:
+def _model() -> torch.nn.Module:
+    return llama_with(heads=4, kv=2, head_dim=8, layers=1)
+
+
+def _sequence_parallel(rank: int, world: int, recompute: str | bool, limit: float | None = None) -> None:
     """A 1-block LLaMA with its tokens split between the TP regions; ``recompute``: "selective" (autotp's
     recomputed attention cores), "full" (the whole program under torch.utils.checkpoint, as a trainer wraps
-    each block) or False."""
-    model = llama_with(heads=4, kv=2, head_dim=8, layers=1)
+    each block) or False; ``limit``: a memory limit under which one gathered token tensor is kept as this rank's
+    piece (a gather marked must-recompute) and the other whole (a plain gather)."""
+    model = _model()
     selective = recompute if recompute == "selective" else False
-    sharded = autotp.parallelize(model, _tokens(), sequence_parallel=True, recompute=selective)
+    bounded = {"memory_limit": limit} if limit else {}
+    sharded = autotp.parallelize(model, _tokens(), sequence_parallel=True, recompute=selective, **bounded)
+    if limit:
+        gathered = {entry["regather"] for entry in sharded.autotp_plan.nodes.values() if "regather" in entry}
+        assert gathered == {False, True}, sharded.autotp_plan.nodes
     assert any(c["op"] == "reduce_scatter" for c in sharded.autotp_plan.collectives)
     assert bool(sharded.autotp_plan.cost["recompute"]) == bool(selective)
     run = (lambda x: checkpoint(sharded, x, use_reentrant=False)) if recompute == "full" else None
@@ -38,7 +48,8 @@ def _sequence_parallel(rank: int, world: int, recompute: str | bool) -> None:
 
 
 def test_sequence_parallel_compiles_as_one_graph_and_trains_exactly():
-    run_ranks(2, _sequence_parallel, False)
+    whole, pieces = regather_limits(_model(), _tokens())
+    run_ranks(2, _sequence_parallel, False, (whole + pieces) / 2)
 
 
 @pytest.mark.slow  # the default tier compiles sequence parallelism above

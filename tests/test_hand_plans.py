@@ -15,6 +15,7 @@ from autotp.options import PlanOptions
 from autotp.passes.prepared_graph import prepared_graph
 from autotp.planning.tensor_plan import price_plan, solve_plan
 from autotp.tools.hand_plans import hand_plans, solve_hand_plan
+from tests.helpers.sequence_parallel import regathering_all
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = {
@@ -32,10 +33,21 @@ def _llama(config: str, **changes):
         return LlamaForCausalLM(config).to(torch.bfloat16)
 
 
+def _captured(model) -> torch.fx.GraphModule:
+    return prepared_graph(model, (torch.zeros(2, 16, dtype=torch.long, device="meta"),), None, fold=True)
+
+
+@pytest.fixture(scope="module")
+def llama_8b() -> tuple:
+    """LLaMA-3 8B on the meta device and its folded capture, shared by this file's default-tier tests."""
+    model = _llama("docs/figures/llama-3-8b.json")
+    return model, _captured(model)
+
+
 def _priced_against_hand_plans(
-    model, world: int, shapes: dict, names=("hf", "megatron", "megatron-sp")
-) -> None:  # "dtensor": megatron-sp's styles, its gathered tokens saved whole (autotp's runtime gathers them again)
-    gm = prepared_graph(model, (torch.zeros(2, 16, dtype=torch.long, device="meta"),), None, fold=True)
+    model, world: int, shapes: dict, names=("hf", "megatron", "megatron-sp", "dtensor"), gm=None
+) -> None:  # "dtensor": megatron-sp's styles, its gathered tokens saved whole (autotp's plan chooses, per tensor)
+    gm = gm if gm is not None else _captured(model)
     hands = hand_plans(model, names)
     assert sorted(hands) == sorted(names), sorted(hands)
     for label, (shape, training) in shapes.items():
@@ -59,8 +71,35 @@ def _priced_against_hand_plans(
             )
 
 
-def test_llama3_8b_at_tp4_is_no_dearer_than_any_hand_plan():
-    _priced_against_hand_plans(_llama("docs/figures/llama-3-8b.json"), 4, SHAPES)
+def test_llama3_8b_at_tp4_is_no_dearer_than_any_hand_plan(llama_8b):
+    model, gm = llama_8b
+    _priced_against_hand_plans(model, 4, SHAPES, gm=gm)
+
+
+def test_gathered_tokens_are_kept_whole_unless_memory_binds(llama_8b):
+    """Sequence parallelism's gathered tokens (LLaMA-3 8B at TP 4, training 1x4096): with memory to spare the plan
+    keeps each whole for its backward (DTensor's way, no all-gather again); the same plan saying that it keeps
+    every one as this rank's piece (Megatron-SP's way) is priced with the all-gathers again and less memory;
+    under a limit between the two the plan gathers some again, and lists and prices each such all-gather."""
+    _, gm = llama_8b
+    options = PlanOptions(
+        topology="dgx-h100", training=True, price_at={"input_ids": (1, 4096)}, sequence_parallel=True, recompute=False
+    )
+    free = solve_plan(gm, 4, replace(options, memory_limit=float("inf")))
+    kept = {name: entry["regather"] for name, entry in free.nodes.items() if "regather" in entry}
+    assert kept and not any(kept.values()) and not free.cost["regathers"]
+    assert not any(c.get("regather") for c in free.collectives)
+    every = price_plan(gm, regathering_all(free), options)
+    assert {r["tensor"] for r in every.cost["regathers"]} == set(kept)
+    assert every.cost["memory"]["total"] < free.cost["memory"]["total"]
+    assert every.cost["seconds"] > free.cost["seconds"]
+    limit = (free.cost["memory"]["total"] + every.cost["memory"]["total"]) / 2
+    tight = solve_plan(gm, 4, replace(options, memory_limit=limit))
+    assert tight.cost["memory"]["total"] <= limit < free.cost["memory"]["total"]
+    again = {r["tensor"] for r in tight.cost["regathers"]}
+    assert again and again == {name for name, entry in tight.nodes.items() if entry.get("regather")}
+    assert again == {c["tensor"] for c in tight.collectives if c.get("regather")}
+    assert tight.cost["seconds"] > free.cost["seconds"]
 
 
 def test_a_hand_plan_runs_its_own_collectives():
@@ -68,7 +107,7 @@ def test_a_hand_plan_runs_its_own_collectives():
     gathers the logits (Megatron's count); with sequence parallelism each all-reduce is a reduce-scatter and an
     all-gather.  Inference: no backward collective listed."""
     model = _llama("docs/figures/llama-3-8b.json", num_hidden_layers=4)
-    gm = prepared_graph(model, (torch.zeros(2, 16, dtype=torch.long, device="meta"),), None, fold=True)
+    gm = _captured(model)
     options = PlanOptions(topology="dgx-h100", training=False, price_at={"input_ids": (1, 2048)})
     hands = hand_plans(model)
     plain = solve_hand_plan(model, gm, hands["megatron"], 4, options)

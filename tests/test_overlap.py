@@ -1,7 +1,8 @@
 """Overlap in the eager program: a collective is issued ahead of the compute that does not need it and waited for
 at its first use.  A dispatch mode records the order of collective issues, waits and compute of a training step of
-a sequence-parallel LLaMA (the backward's gathers of kept tokens are issued one ahead, FSDP's backward prefetch)
-and finds compute between an issue and its wait that does not read the collective's result."""
+a sequence-parallel LLaMA (planned under a memory limit that keeps gathered tokens as this rank's piece: the
+backward's gathers of them again are issued one ahead, FSDP's backward prefetch) and finds compute between an issue
+and its wait that does not read the collective's result."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import autotp
 from tests.helpers.distributed import run_ranks
 from tests.helpers.exact import TOL, logits
 from tests.helpers.models import build
-from tests.helpers.sequence_parallel import EXAMPLE
+from tests.helpers.sequence_parallel import EXAMPLE, regather_limits
 
 _c10d = torch.ops._c10d_functional
 ISSUES = (_c10d.all_gather_into_tensor.default, _c10d.reduce_scatter_tensor.default, _c10d.all_reduce.default)
@@ -54,9 +55,11 @@ def overlapped(events: list) -> list:
     return found
 
 
-def _step(rank: int, world: int) -> int:
+def _step(rank: int, world: int, limit: float) -> int:
     model, _, _ = build("llama")
-    sharded = autotp.parallelize(model, (torch.randint(0, 96, EXAMPLE),), sequence_parallel=True)
+    example = (torch.randint(0, 96, EXAMPLE),)
+    sharded = autotp.parallelize(model, example, sequence_parallel=True, memory_limit=limit, recompute=False)
+    assert sharded.autotp_plan.cost["regathers"]
     autotp.runtime.transport.register(sharded.autotp_group, shortcuts=False)  # the functional ops, as on NCCL
     x = torch.randint(0, 96, (2, 8))
     with Order() as order:
@@ -69,4 +72,6 @@ def _step(rank: int, world: int) -> int:
 
 
 def test_a_collective_is_issued_ahead_of_independent_compute_and_waited_at_its_first_use():
-    assert all(run_ranks(2, _step))
+    model, _, _ = build("llama")
+    _, pieces = regather_limits(model, (torch.randint(0, 96, EXAMPLE),))
+    assert all(run_ranks(2, _step, pieces))

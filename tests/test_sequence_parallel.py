@@ -16,7 +16,7 @@ from tests.helpers import configs
 from tests.helpers.activations import saved_bytes
 from tests.helpers.distributed import block_of, run_ranks
 from tests.helpers.models import build, vit
-from tests.helpers.sequence_parallel import EXAMPLE, matches_one_process
+from tests.helpers.sequence_parallel import EXAMPLE, matches_one_process, regather_limits
 
 BLOCKS = 2
 
@@ -25,12 +25,17 @@ def _two_ranks_models() -> list:
     return [(build(kind, blocks=BLOCKS)[0], (torch.randint(0, 96, EXAMPLE),)) for kind in ("llama", "gpt2")]
 
 
-def _two_ranks(rank: int, world: int) -> None:
-    for kind in ("llama", "gpt2"):
+def _two_ranks(rank: int, world: int, tight: float) -> None:
+    for kind, limit in (("llama", None), ("gpt2", None), ("llama", tight)):
         model, _, _ = build(kind, blocks=BLOCKS)
         example = torch.randint(0, 96, EXAMPLE)
-        sharded = autotp.parallelize(model, (example,), sequence_parallel=True)
+        bound = {"memory_limit": limit, "recompute": False} if limit else {}
+        sharded = autotp.parallelize(model, (example,), sequence_parallel=True, **bound)
         plan = sharded.autotp_plan
+        # gathered tokens are kept whole for the backward where memory allows; under the limit some are kept as
+        # this rank's piece and gathered again (the backward's all-gathers counted below), the others whole
+        gathered = {name: entry["regather"] for name, entry in plan.nodes.items() if "regather" in entry}
+        assert set(gathered.values()) == ({False, True} if limit else {False}), (kind, gathered)
         forward = [c for c in plan.collectives if c["phase"] == "forward"]
         per_block = {b: Counter(c["op"] for c in forward if block_of(c["module"]) == b) for b in range(BLOCKS)}
         assert all(ops == {"all_gather": 2, "reduce_scatter": 2} for ops in per_block.values()), (kind, per_block)
@@ -40,7 +45,7 @@ def _two_ranks(rank: int, world: int) -> None:
 
         # what autograd keeps is what the plan estimates, with and without sequence parallelism
         programs = [sharded]
-        if kind == "gpt2":  # dropout, GELU, layer norm, materialized attention scores
+        if kind == "gpt2" and not limit:  # dropout, GELU, layer norm, materialized attention scores
             programs.append(autotp.parallelize(model, (example,), sequence_parallel=False))
             plain = programs[-1].autotp_plan
             assert not any(c["op"] == "reduce_scatter" for c in plain.collectives)
@@ -51,7 +56,9 @@ def _two_ranks(rank: int, world: int) -> None:
 
 
 def test_sequence_parallel_at_two_ranks_is_exact_with_megatrons_collectives():
-    run_ranks(2, _two_ranks, captures=_two_ranks_models)
+    model, args = _two_ranks_models()[0]
+    whole, pieces = regather_limits(model, args)
+    run_ranks(2, _two_ranks, (whole + pieces) / 2, captures=_two_ranks_models)
 
 
 def _eleven_tokens_models() -> list:
@@ -150,10 +157,10 @@ def test_gradients_of_gathered_tokens_are_reduce_scattered():
         assert norms <= set(together["tensors"]), (kind, together)
 
 
-def _priced_as(plan, monkeypatch, model, args, **patches):
-    """``plan`` (sequence parallel, 2 ranks) priced again by the solver with every op held to its choice and
-    ``patches`` (name -> value) set in planning/ilp.py and planning/accounting.py; the alternatives are the
-    full ones."""
+def _priced_as(plan, monkeypatch, model, args, options, **patches):
+    """``plan`` (sequence parallel, 2 ranks, planned with ``options``) priced again by the solver with every op
+    held to its choice and ``patches`` (name -> value) set in planning/ilp.py and planning/accounting.py; the
+    alternatives are the full ones."""
     from dataclasses import replace
 
     from autotp.plan import Plan
@@ -173,12 +180,13 @@ def _priced_as(plan, monkeypatch, model, args, **patches):
             for module in (ilp, accounting):
                 if hasattr(module, name):
                     patch.setattr(module, name, replacement)
-        return autotp.plan(model, args, world_size=2, sequence_parallel=True)
+        return autotp.plan(model, args, world_size=2, sequence_parallel=True, **options)
 
 
 def test_backward_collectives_of_sequence_parallelism_are_priced(monkeypatch):
-    """Tokens a column-parallel matmul keeps as this rank's piece are all-gathered again in its backward: the
-    solver prices each such all-gather (plan.cost["regathers"]) as the plan lists it, and the step time
+    """Tokens a column-parallel matmul keeps as this rank's piece (where memory binds: the limit is that of the
+    plan keeping every one so) are all-gathered again in its backward: the solver prices each such all-gather
+    (plan.cost["regathers"]) as the plan lists it, and the step time
     (`autotp plan`) and each op's alternatives (`autotp explain`) include exactly that much.  The partial
     gradients of replicated parameters (norms) are summed in one all-reduce: priced with one latency."""
     from autotp.cost_models import collective_time, load_topology
@@ -188,7 +196,8 @@ def test_backward_collectives_of_sequence_parallelism_are_priced(monkeypatch):
     for kind in ("llama", "gpt2"):
         model, _, _ = build(kind, blocks=BLOCKS)
         args = (torch.randint(0, 96, EXAMPLE),)
-        plan = autotp.plan(model, args, world_size=2, sequence_parallel=True)
+        options = {"memory_limit": regather_limits(model, args)[1], "recompute": False}
+        plan = autotp.plan(model, args, world_size=2, sequence_parallel=True, **options)
         listed = sorted((c["tensor"], c["bytes"]) for c in plan.collectives if c.get("regather"))
         assert all(c["phase"] == "backward" and c["op"] == "all_gather" for c in plan.collectives if c.get("regather"))
         priced = plan.cost["regathers"]
@@ -196,7 +205,7 @@ def test_backward_collectives_of_sequence_parallelism_are_priced(monkeypatch):
         assert len(listed) >= 2 * BLOCKS, (kind, listed)  # the attention's and the MLP's input, per block
         for r in priced:
             assert r["seconds"] == pytest.approx(collective_time("all_gather", r["bytes"], 2, topology))
-        free = _priced_as(plan, monkeypatch, model, args, regather_time=lambda nbytes, world, topology: 0.0)
+        free = _priced_as(plan, monkeypatch, model, args, options, regather_time=lambda nbytes, world, topology: 0.0)
         assert not any(r["seconds"] for r in free.cost["regathers"])
         total = sum(r["seconds"] for r in priced)
         assert plan.cost["seconds"] - free.cost["seconds"] == pytest.approx(total, rel=1e-6)
@@ -208,6 +217,30 @@ def test_backward_collectives_of_sequence_parallelism_are_priced(monkeypatch):
             assert chosen(plan, r["tensor"]) - chosen(free, r["tensor"]) == pytest.approx(r["seconds"], rel=1e-6)
 
         (together,) = [c for c in plan.collectives if c.get("tensors")]
-        apart = _priced_as(plan, monkeypatch, model, args, coalesced=lambda src: False)  # one all-reduce each
+        apart = _priced_as(plan, monkeypatch, model, args, options, coalesced=lambda src: False)  # an all-reduce each
         saved = (len(together["tensors"]) - 1) * latency
         assert apart.cost["seconds"] - plan.cost["seconds"] == pytest.approx(saved, rel=1e-6), kind
+
+
+def test_a_plan_that_does_not_say_gathers_every_kept_token_again():
+    """Plans written before the choice (no "regather" on their nodes) ran Megatron-SP's way: read back, every
+    gathered token tensor a backward keeps is its piece gathered again, in the price and in the rewrite."""
+    from autotp.options import PlanOptions
+    from autotp.passes.capture import fingerprint
+    from autotp.passes.prepared_graph import prepared_graph
+    from autotp.plan import Plan
+    from autotp.planning.plan_choice import planned
+    from autotp.planning.tensor_plan import price_plan, solve_plan
+
+    model, _, _ = build("llama", blocks=BLOCKS)
+    gm = prepared_graph(model, (torch.randint(0, 96, EXAMPLE),), None, fold=False)
+    plan = solve_plan(gm, 2, PlanOptions(sequence_parallel=True, recompute=False))
+    gathered = {name for name, entry in plan.nodes.items() if "regather" in entry}
+    assert gathered and not plan.cost["regathers"]
+    older = Plan.from_json(plan.to_json())
+    for entry in older.nodes.values():
+        entry.pop("regather", None)
+    assert {r["tensor"] for r in price_plan(gm, older).cost["regathers"]} == gathered
+    read = planned(gm, Plan.from_json(older.to_json()), fingerprint(gm), 2).regathered
+    assert gathered <= {node.name for node in read}
+    assert not gathered & {node.name for node in planned(gm, plan, fingerprint(gm), 2).regathered}

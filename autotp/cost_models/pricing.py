@@ -18,7 +18,7 @@ from autotp.cost_models.memory import state_factor
 from autotp.cost_models.topology import Topology
 from autotp.ops.strategies import input_slots, is_placed
 from autotp.ops.table import flops, is_product, op
-from autotp.passes.kept_tensors import element_bytes, kept, regathered
+from autotp.passes.kept_tensors import element_bytes, kept, kept_gathered
 from autotp.passes.recompute import dropped
 from autotp.placement import Disjoint, Replicate, Routed, Shard
 
@@ -330,10 +330,11 @@ def regather_time(nbytes: float, world: int, topology: Topology) -> float:
     return collective_time("all_gather", nbytes, world, topology)
 
 
-def activation_bytes(choice: dict, sizes: Sizes, world: int, grad: set, recomputed=(), regather: bool = True) -> dict:
+def activation_bytes(choice: dict, sizes: Sizes, world: int, grad: set, recomputed=(), regathered=()) -> dict:
     """node -> bytes per device kept for backward of its output's storage (each tensor counted once);
-    ``recomputed``: attention cores (passes/recompute.py) that keep nothing of their own; ``regather``: tokens
-    gathered for an op are kept as this rank's piece (autotp's runtime), else whole."""
+    ``recomputed``: attention cores (passes/recompute.py) that keep nothing of their own; ``regathered``: the
+    tokens gathered for an op that the plan keeps as this rank's piece (gathered again in the backward); other
+    gathered tokens are kept whole."""
     held: dict = {}
     keepers: dict = {}
     for node, strategy in choice.items():
@@ -341,7 +342,7 @@ def activation_bytes(choice: dict, sizes: Sizes, world: int, grad: set, recomput
             held[key] = nbytes
             keepers.setdefault(key, set()).add(node)
     gone = set().union(*(dropped(keepers, core) for core in recomputed))
-    pieces = regathered(choice, grad) if regather else set()
+    pieces = kept_gathered(choice, grad) & set(regathered)
     by_node: dict = {}
     for (tensor, kind, share), nbytes in held.items():
         if (tensor, kind, share) in gone:

@@ -89,7 +89,7 @@ def kept_whole(choice: dict, grad: set) -> dict:
     return found
 
 
-def regathered(choice: dict, grad: set) -> set:
-    """Token-split tensors that some op keeps gathered for its backward: the runtime stores this rank's
-    piece and gathers it again in the backward instead (autotp.runtime.activations)."""
+def kept_gathered(choice: dict, grad: set) -> set:
+    """Token-split tensors that some op keeps gathered for its backward: each is kept whole, or as this rank's
+    piece gathered again in the backward (autotp.runtime.activations), as the plan chose (its regathers)."""
     return {tensor for tensor in kept_whole(choice, grad) if tensor in choice and on_tokens(tensor, choice[tensor])}

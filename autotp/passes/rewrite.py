@@ -4,6 +4,7 @@ and size arguments of view/reshape/expand/split adjusted to local shapes."""
 from __future__ import annotations
 
 import operator
+from collections.abc import Collection
 
 import torch
 from torch.fx import Node
@@ -181,11 +182,14 @@ def rewrite(
     device: torch.device | None = None,
     provided: frozenset[str] = frozenset(),
     gather_outputs: bool = True,
+    regathered: Collection[Node] | None = None,
 ) -> torch.fx.GraphModule:
     """Mutates ``gm`` (a fresh capture) into rank ``tp.rank``'s sharded program over the TP group ``tp``; expert
     segments that the plan routes, or that a mesh's "ep" ranks share (``dispatch``), are run by their experts'
     owners (runtime/expert_dispatch.py).  The pieces go to ``device``; the tensors in ``provided`` (a checkpoint's)
-    and those on the meta device are left for runtime/materialize.py to fill."""
+    and those on the meta device are left for runtime/materialize.py to fill.  Tokens gathered from the tensors in
+    ``regathered`` (None: from every tensor) keep this rank's piece for the backward, gathered again there; the
+    others are saved gathered."""
     rank, world, group = tp.rank, tp.size, tp.name
     dispatched = _dispatched(gm, choice, tp, dispatch or Groups(tp))
     graph = gm.graph
@@ -212,7 +216,10 @@ def rewrite(
             if shape is not None:  # a sharded token dim's length is read at run time
                 split = {p.dim for p in (placed[src], want) if isinstance(p, Shard)}
                 shape = [token_sizes.get(n) if d in split else n for d, n in enumerate(shape)]
-            steps = collectives.conversion_steps(placed[src], want, shape, rank, world, group, reduce_grad, _where(src))
+            again = regathered is None or src in regathered
+            steps = collectives.conversion_steps(
+                placed[src], want, shape, rank, world, group, reduce_grad, _where(src), again
+            )
             with graph.inserting_before(before):
                 for fn, extra in steps:
                     value = graph.call_function(fn, (value, *extra))

@@ -3,7 +3,7 @@ alternatives the solver had, each priced with its neighbours' choices fixed."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -16,7 +16,7 @@ from autotp.cost_models.pricing import Sizes, conversion_seconds, kept_bytes, op
 from autotp.cost_models.topology import Topology
 from autotp.ops.strategies import Strategy, input_slots, is_placed, needs_grad, on_tokens
 from autotp.passes.gradients import gradient_sums, partial_grad, partial_params
-from autotp.passes.kept_tensors import kept, kept_whole, regathered
+from autotp.passes.kept_tensors import kept, kept_gathered, kept_whole
 from autotp.placement import R, Routed, Shard, dump
 
 if TYPE_CHECKING:
@@ -35,21 +35,21 @@ def planned_collectives(
     weights: Mapping[Node, int] | None = None,
     training: bool = True,
     per_reader: bool = False,
-    regather: bool = True,
+    regathered: Collection[Node] = (),
     coalesce: bool = True,
 ) -> list[dict[str, Any]]:
     """The collectives the rewriter will insert for ``choice`` (one per tensor and target placement;
     ``count``: how many real tensors a folded graph's node stands for; ``regather``: a backward all-gather of
-    tokens kept as this rank's piece, runtime/activations.py; ``tensors``: the replicated parameters whose partial
-    gradients one all-reduce sums, passes/gradients.partial_params); an inference plan (``training=False``) lists
-    the forward's alone; ``per_reader``, ``regather`` and ``coalesce``: as solution.Imposed's grad_sums_per_reader,
-    not saves_gathered and not sums_each_param."""
+    tokens kept as this rank's piece, runtime/activations.py, for the tensors the plan ``regathered``;
+    ``tensors``: the replicated parameters whose partial gradients one all-reduce sums,
+    passes/gradients.partial_params); an inference plan (``training=False``) lists the forward's alone;
+    ``per_reader`` and ``coalesce``: as solution.Imposed's grad_sums_per_reader and not sums_each_param."""
     grad = needs_grad(gm)
     # ranks sharing a unit sum its gradient (a bias with its weight)
     found: dict[tuple[Any, ...], tuple[Any, ...]] = {
         (members[0], "group"): ("backward", "all_reduce") for members in gradient_sums(gm, choice, world)
     }
-    pieces = regathered(choice, grad) if regather else set()
+    pieces = kept_gathered(choice, grad) & set(regathered)
     routed: list[tuple[Node, Any, Any]] = []  # (tensor, have, want) entering or leaving a routed segment
     together = partial_params(gm, choice, grad) if coalesce else []  # one all-reduce a list (of a dtype)
     alone = {member for members in together for member in members}
@@ -198,13 +198,15 @@ def alternatives(
     topology: Topology,
     training: bool,
     sizes: Sizes | None = None,
+    regathered: Collection[Node] = (),
 ) -> dict[str, list[dict[str, Any]]]:
     """node name -> [{"in", "out", "seconds", "kept", "chosen"}] for ops that had a choice, cheapest first
     (``kept``: bytes per device its backward keeps under that option).
 
     Each alternative is priced as if only this op changed: its compute plus the conversions from its
     producers' chosen placements and into its users' chosen ones (None where impossible), and the backward
-    re-gather of a tensor it splits by tokens or keeps gathered from tokens (sequence parallelism).
+    re-gather of a tensor it splits by tokens or keeps gathered from tokens (sequence parallelism), where the plan
+    ``regathered`` it (the others are kept whole).
     """
     sizes = sizes or Sizes()
     world = ctx.world
@@ -233,7 +235,7 @@ def alternatives(
             for have, want, tensor in moves:
                 t = conversion_seconds(have, want, tensor, sizes, world, topology)
                 total = None if t is None or total is None else total + t
-            for tensor in _regathered_near(node, s, choice, whole, grad):
+            for tensor in _regathered_near(node, s, choice, whole, grad, regathered):
                 total = None if total is None else total + regather_time(sizes.nbytes(tensor), world, topology)
             held = sum(held for _, held in kept_bytes(node, s, sizes, world, grad))
             priced.append(
@@ -250,16 +252,22 @@ def alternatives(
 
 
 def _regathered_near(
-    node: torch.fx.Node, strategy: Strategy, choice: Choice, whole: Mapping[Node, set[Node]], grad: set[Node]
+    node: torch.fx.Node,
+    strategy: Strategy,
+    choice: Choice,
+    whole: Mapping[Node, set[Node]],
+    grad: set[Node],
+    regathered: Collection[Node],
 ) -> list[Node]:
-    """The tensors re-gathered in the backward (saved.regathered) that ``node`` produces or keeps, were it to
-    take ``strategy`` with every other op as chosen (``whole``: kept_whole of the chosen plan)."""
+    """The tensors of the plan's ``regathered`` that ``node`` produces or keeps and that would still be re-gathered
+    in the backward, were it to take ``strategy`` with every other op as chosen (``whole``: kept_whole of the
+    chosen plan)."""
     keeps = {item.tensor for item in kept(node, strategy, grad) if item.kind == "value" and item.placement == R}
     # in graph order (fx nodes compare by position): the seconds summed are the same in every process
     found: dict[Node, None] = {}
     for tensor in sorted(keeps | {node}):
         producer = strategy if tensor is node else choice.get(tensor)
         keepers = (whole.get(tensor, set()) - {node}) | ({node} & keeps)
-        if producer is not None and keepers and on_tokens(tensor, producer):
+        if tensor in regathered and producer is not None and keepers and on_tokens(tensor, producer):
             found[tensor] = None
     return list(found)

@@ -38,6 +38,9 @@ from autotp.planning.solution import DoesNotFit, Imposed, PlanningError, Solutio
 # same bytes); a tenth of a nanosecond per option index makes the solver prefer the rules' earlier
 # options, so the same graph always gets the same plan, folded or whole.
 TIE_BREAK = 1e-10
+# Under a memory limit the choices that trade time for bytes (gathering tokens again, recomputing cores) form a
+# knapsack whose bound CBC closes slowly when their ratios are alike: stop within this fraction of the best bound.
+MEMORY_BOUND_GAP = 1e-3
 
 
 class Ilp:
@@ -138,13 +141,15 @@ class Ilp:
 
     def activations(self, cores: list[list[Node]], again: list[Any]) -> dict[Node, tuple[Any, dict[str, float]]]:
         """a: each kept tensor held once if any chosen strategy keeps it; only this rank's piece of tokens that
-        are all-gathered again in the backward; nothing of what a recomputed core frees."""
+        are all-gathered again in the backward (piece: the solver's choice for each gathered tensor, or the
+        imposed one); nothing of what a recomputed core frees."""
         problem, w, t, found = self.problem, self.weight, self.world, self.found
         frees = {
             key: r
             for core, r in zip(cores, again, strict=True)
             for key in dropped({key: nodes for key, (_, _, nodes) in self.saves.items()}, core)
         }
+        fixed = self.imposed.regathered  # names of the tensors a priced plan re-gathers, or None: chosen here
         # tensor kept as token pieces -> (1 iff re-gathered in the backward, its seconds)
         gathers: dict[Node, tuple[Any, dict[str, float]]] = {}
         for k, (key, (held, chosen, _)) in enumerate(self.saves.items()):
@@ -159,10 +164,15 @@ class Ilp:
                 if on_tokens(key[0], s)
             ]
             if split and key[1:] == ("value", 1.0) and not self.imposed.saves_gathered:
-                # gathered from tokens: only this rank's piece is kept
-                whole, piece = (problem.add_variable(f"a{k}{part}", lowBound=0) for part in "wp")
-                problem += whole >= kept_var - pulp.lpSum(split)
-                problem += piece >= kept_var + pulp.lpSum(split) - 1
+                # gathered from tokens: kept whole, or this rank's piece gathered again (costs time, saves memory)
+                whole = problem.add_variable(f"a{k}w", lowBound=0)
+                piece = problem.add_variable(f"a{k}p", cat="Binary")
+                problem += whole >= kept_var - piece
+                problem += piece <= pulp.lpSum(split)
+                if fixed is not None and key[0].name in fixed:
+                    problem += piece >= kept_var + pulp.lpSum(split) - 1
+                elif fixed is not None:
+                    problem += piece == 0
                 term = w(key[0], 1) * held * (whole + piece / t)
                 gathers[key[0]] = (
                     piece,
@@ -319,7 +329,7 @@ class Ilp:
             )
             self.problem += total_memory <= limit, "memory_limit"
             try:
-                _run(self.problem, objective)
+                _run(self.problem, objective, MEMORY_BOUND_GAP)
             except PlanningError:
                 raise DoesNotFit(
                     f"no plan fits {limit / 1e9:.1f} GB per device at world size {self.world}: {hint}"
@@ -336,13 +346,13 @@ class Ilp:
         }
         by_kind = {kind: float(pulp.value(pulp.lpSum(terms)) or 0.0) for kind, terms in self.kinds.items()}
         recomputed = [core for core, r in zip(cores, again, strict=True) if pulp.value(r) > 0.5]
+        regathers = {node: priced for node, (piece, priced) in gathers.items() if pulp.value(piece) > 0.5}
         by_kind["activations"] = sum(
             w(node, 1) * held
             for node, held in activation_bytes(  # exact, whatever slack the ILP left
-                choice, self.sizes, self.world, self.grad, recomputed, regather=not self.imposed.saves_gathered
+                choice, self.sizes, self.world, self.grad, recomputed, regathers
             ).items()
         )
-        regathers = {node: priced for node, (piece, priced) in gathers.items() if pulp.value(piece) > 0.5}
         fused = [(key, w(key[0], 1) * float(pulp.value(saved))) for key, saved in self.overlap]
         return Solution(
             choice,
@@ -355,12 +365,13 @@ class Ilp:
         )
 
 
-def _run(problem: pulp.LpProblem, objective: Any) -> None:
-    """Solve for the objective in microseconds: CBC's tolerances (~1e-7) would blur a step time in seconds."""
+def _run(problem: pulp.LpProblem, objective: Any, gap: float | None = None) -> None:
+    """Solve for the objective in microseconds: CBC's tolerances (~1e-7) would blur a step time in seconds.
+    ``gap``: stop at a solution within this fraction of the best bound (None: CBC's default)."""
     problem.setObjective(objective * 1e6)
     with warnings.catch_warnings():  # PuLP 3 warns that 4.0 will stop bundling CBC; pyproject pins <4
         warnings.simplefilter("ignore", DeprecationWarning)
-        problem.solve(pulp.PULP_CBC_CMD(msg=False))
+        problem.solve(pulp.PULP_CBC_CMD(msg=False, gapRel=gap))
     status = pulp.LpStatus[problem.status]
     if status != "Optimal":
         raise PlanningError(f"the sharding ILP ended {status}")

@@ -1,5 +1,5 @@
-"""A saved plan read back onto a graph for the rewrite: each node's strategy and the nodes it recomputes, a
-folded plan's block-1 decisions stamped on every middle block."""
+"""A saved plan read back onto a graph for the rewrite: each node's strategy, the nodes it recomputes and those
+whose gathered tokens it gathers again, a folded plan's block-1 decisions stamped on every middle block."""
 
 from __future__ import annotations
 
@@ -19,6 +19,9 @@ class Planned:
 
     choice: dict[Node, Strategy]  # each planned node's strategy
     recomputed: frozenset[Node]  # the nodes the backward computes again
+    # the nodes whose tokens, gathered for an op that keeps them, are kept as this rank's piece and gathered again
+    # in the backward (Plan.regathers; the others are kept whole)
+    regathered: frozenset[Node]
 
 
 def plan_choice(gm: torch.fx.GraphModule, plan: Plan, graph_hash: str, world: int) -> dict[Node, Strategy]:
@@ -44,10 +47,13 @@ def planned(gm: torch.fx.GraphModule, plan: Plan, graph_hash: str, world: int) -
     plan.check(graph_hash, world)
     choice: dict[Node, Strategy] = {}
     recomputed: set[Node] = set()
+    regathered: set[Node] = set()
     for node, name in names.items():
         if name in plan.nodes:
             inputs, output = plan.strategy(name)
             choice[node] = Strategy(tuple(inputs), output)
             if plan.nodes[name].get("recompute"):
                 recomputed.add(node)
-    return Planned(choice, frozenset(recomputed))
+            if plan.regathers(name):
+                regathered.add(node)
+    return Planned(choice, frozenset(recomputed), frozenset(regathered))

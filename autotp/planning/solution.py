@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch.fx import Node
+from torch.fx import GraphModule, Node
 
 from autotp.ops.strategies import Strategy
 
@@ -22,14 +22,21 @@ class Imposed:
     want)`` says where a value may change placement (None: wherever a conversion exists); with
     ``grad_sums_per_reader`` each reader of a replicated value sums its own gradient (a hook per module), not one
     sum per value; ``saves_gathered``: tokens gathered for an op keep their gathered copy for its backward (DTensor
-    saves what it redistributed), not this rank's piece gathered again; ``sums_each_param``: each replicated
-    parameter's partial gradient is its own all-reduce (DTensor sums a Partial gradient when it is read), not one
-    coalesced sum."""
+    saves what it redistributed), none kept as this rank's piece gathered again; ``sums_each_param``: each
+    replicated parameter's partial gradient is its own all-reduce (DTensor sums a Partial gradient when it is
+    read), not one coalesced sum; ``regathered``: the names of the gathered tokens kept as this rank's piece and
+    gathered again, the others kept whole (a plan priced as it stands; None: the solver chooses each)."""
 
     conversions: Callable[[Node, Node, Any, Any], bool] | None = None
     grad_sums_per_reader: bool = False
     saves_gathered: bool = False
     sums_each_param: bool = False
+    regathered: frozenset[str] | None = None
+
+
+def every_name(gm: GraphModule) -> frozenset[str]:
+    """``Imposed.regathered`` as Megatron-SP runs: every gathered token tensor kept as this rank's piece."""
+    return frozenset(node.name for node in gm.graph.nodes)
 
 
 class DoesNotFit(PlanningError):

@@ -8,6 +8,7 @@ Variables:
     x[v,s] in {0,1}       v computes with strategy s                      (one per candidate)
     r[c]   in {0,1}       core c is recomputed in the backward            (recompute="priced"; 1 when "forced")
     a[k]   in [0,1]       some chosen strategy keeps tensor k
+    piece[k] in {0,1}     tensor k, kept gathered from tokens, is kept as this rank's piece and gathered again
     z[e,p,q] >= 0         edge e carries its producer's p to a consumer that reads q (transport form)
     n[t,p,q] >= 0         tensor t is converted from p to q once, however many readers share it
     g[t]   >= 0           the backward sums partial gradients of t (a replicated input of a sharded op)
@@ -27,7 +28,8 @@ Objective, per step, in seconds (the named terms below):
 Constraints (the families, in the order they are added):
     choose_one:     sum_s x[v,s] = 1                              for every v
     recompute:      rx[c,v,s] >= x[v,s] + r[c] - 1;  r tied alike across folded blocks
-    activations:    x[v,s] <= a[k] <= sum of the x that keep k;  a token piece or a freed core discounts a[k]
+    activations:    x[v,s] <= a[k] <= sum of the x that keep k;  a token piece or a freed core discounts a[k]:
+                    whole[k] >= a[k] - piece[k], piece[k] <= sum x[k, split by tokens] (held whole[k] + piece[k]/t)
     token_split:    x[v,s] = 0 for s whole or partial where it could split tokens   (sequence_parallel=True)
     ties:           x[a,s] = x[b,s] for tied nodes of folded blocks
     bias_pairs:     pair[b] >= x[v,s] for a grouped shard of the bias or its weight

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any, cast
@@ -25,6 +25,7 @@ from autotp.ops.strategies import Strategy, input_slots, needs_grad, on_tokens, 
 from autotp.ops.table import drops
 from autotp.options import PlanOptions
 from autotp.passes.capture import fingerprint, target_name
+from autotp.passes.kept_tensors import kept_gathered
 from autotp.passes.styles import param_styles
 from autotp.placement import Disjoint, Routed, Shard
 from autotp.plan import Plan, PlanMismatch
@@ -137,8 +138,8 @@ def price_plan(
 ) -> Plan:
     """A complete assignment priced by the solver's own objective: ``plan``'s strategy for every node of ``gm``
     (the graph it was solved on), nothing left to choose but what the strategies imply (the conversions between
-    them, the gradient sums, recomputation where the plan recomputes).  The one price every plan gets, the
-    solver's and a hand-written one's alike (tools/compare.py)."""
+    them, the gradient sums, recomputation where the plan recomputes, the gathered tokens it re-gathers).  The one
+    price every plan gets, the solver's and a hand-written one's alike (tools/compare.py)."""
     options = replace(
         options or PlanOptions(),
         training=plan.cost.get("training", True),
@@ -150,6 +151,7 @@ def price_plan(
     # a plan recomputes attention cores where memory demanded it: priced as recomputing each (the solver's
     # "priced" attempts may take some), exact for plans that recompute none or all
     recompute = "forced" if any(entry.get("recompute") for entry in plan.nodes.values()) else "off"
+    imposed = replace(imposed or Imposed(), regathered=frozenset(n for n in plan.nodes if plan.regathers(n)))
 
     def one_each(found: Candidates) -> Candidates:
         missing = [n.name for n in found.strategies if n not in choice]
@@ -248,6 +250,8 @@ def to_plan(
     weights = folding.weights if folding else None
     world_size, training, choice = found.world, options.training, solution.choice
     recomputed = {node for core in solution.recomputed for node in core}
+    # where an op keeps tokens gathered: whether the plan keeps this rank's piece and gathers it again
+    gathered = {n: n in solution.regathers for n in kept_gathered(choice, needs_grad(gm))} if training else {}
     expand: Callable[[dict[Any, Any]], dict[str, Any]] = folding.fold.expand if folding else dict
     return Plan(
         world_size=world_size,
@@ -260,6 +264,7 @@ def to_plan(
                 "op": target_name(n.target),
                 "args": [a.name for a in input_slots(n)],
                 **({"recompute": True} if n in recomputed else {}),
+                **({"regather": gathered[n]} if n in gathered else {}),
                 **({"key": folding.blocks.key[n]} if folding else {}),
             }
             for n, s in choice.items()
@@ -274,13 +279,13 @@ def to_plan(
             weights,
             training,
             per_reader=bool(imposed and imposed.grad_sums_per_reader),
-            regather=not (imposed and imposed.saves_gathered),
+            regathered=solution.regathers,
             coalesce=not (imposed and imposed.sums_each_param),
         ),
         styles=expand(param_styles(gm, choice, world_size)),
         quantized=expand(quantized_layout(gm)),
         shapes=expand({n.target: list(n.meta["val"].shape) for n in choice if n.op == "get_attr"}),
-        alternatives=alternatives(gm, found, choice, topo, training, sizes),
+        alternatives=alternatives(gm, found, choice, topo, training, sizes, solution.regathers),
         cost={
             "seconds": solution.seconds,
             "compute_seconds": solution.compute,
@@ -296,9 +301,7 @@ def to_plan(
                 if training
                 else {}
             ),
-            **_activations_by_module(
-                gm, choice, sizes, world_size, training, solution.recomputed, not (imposed and imposed.saves_gathered)
-            ),
+            **_activations_by_module(gm, choice, sizes, world_size, training, solution.recomputed, solution.regathers),
             **({"experts": experts_cost} if experts_cost else {}),
             **({"replicated": dict(sorted(found.unruled.items()))} if found.unruled else {}),
         },
@@ -378,7 +381,7 @@ def _activations_by_module(
     world: int,
     training: bool,
     recomputed: list[list[Node]],
-    regather: bool = True,
+    regathered: Collection[Node],
 ) -> dict[str, Any]:
     """Bytes kept for backward per device by the module that computes them, the modules that split
     the tokens (sequence parallelism) and those whose attention core is recomputed, for reports."""
@@ -387,7 +390,7 @@ def _activations_by_module(
     if not training:  # nothing is kept for a backward, nothing recomputed
         return {"token_split": split, "dropout": dropping}
     kept: dict[str, float] = {}
-    for node, held in activation_bytes(choice, sizes or Sizes(), world, needs_grad(gm), recomputed, regather).items():
+    for node, held in activation_bytes(choice, sizes or Sizes(), world, needs_grad(gm), recomputed, regathered).items():
         kept[module_path(node)] = kept.get(module_path(node), 0.0) + held
     return {
         "activations": kept,

@@ -24,7 +24,7 @@ from autotp.passes.fold import sections
 from autotp.passes.recompute import attention_cores
 from autotp.placement import parse
 from autotp.planning.expert_roles import block_experts, expert_part
-from autotp.planning.solution import PlanningError
+from autotp.planning.solution import Imposed, PlanningError, every_name
 from autotp.planning.tensor_plan import solve_plan
 
 
@@ -64,6 +64,9 @@ def _read_profile(
     cores: bool,
 ) -> Profile:
     part = expert_part(gm, topo, sizes) if training else None
+    # the mesh planner adds sequence parallelism where activations decide: its lean form, each gathered token tensor
+    # kept as this rank's piece and gathered again (Megatron-SP); the layout's own TP plan chooses under its limit
+    lean = Imposed(regathered=every_name(gm)) if tokens else None
     plan = solve_plan(
         gm,
         tp,
@@ -76,6 +79,7 @@ def _read_profile(
             experts="tensor" if part else None,
         ),
         sizes=sizes,
+        imposed=lean,
     )
     where, blocks, fold = sections(gm)
     count = cast(int, blocks)  # a block count where the graph is folded (fold), unread otherwise
@@ -97,7 +101,8 @@ def _read_profile(
                 tied[kind] = tied.get(kind, 0.0) + held
     grad = needs_grad(gm) if training else set()
     again = [core for core in attention_cores(gm, grad) if plan.nodes.get(core[-1].name, {}).get("recompute")]
-    for node, held in activation_bytes(choice, sizes, tp, grad, again).items():
+    regathered = {node for node in choice if plan.regathers(node.name)}
+    for node, held in activation_bytes(choice, sizes, tp, grad, again, regathered).items():
         section = kept.setdefault(where[node], Section())
         section.memory["activations"] = section.memory.get("activations", 0.0) + held
     for c in plan.collectives:

@@ -325,11 +325,21 @@ def shard_args(shard: Shard, size: int, rank: int, world: int, group: str, where
 
 
 def conversion_steps(
-    src, dst, shape, rank: int, world: int, group: str, partial_grad: bool = False, where: str = ""
+    src,
+    dst,
+    shape,
+    rank: int,
+    world: int,
+    group: str,
+    partial_grad: bool = False,
+    where: str = "",
+    regather: bool = True,
 ) -> list[tuple]:
     """The runtime calls (function, arguments after the tensor) that turn ``src`` into ``dst`` for a
     tensor of full ``shape``.  ``partial_grad``: the result feeds a sharded op as a replicated input,
-    so its gradient comes back as partial sums that must be added up.  ``where``: the value, for errors."""
+    so its gradient comes back as partial sums that must be added up.  ``where``: the value, for errors.
+    ``regather``: a gather along tokens keeps this rank's piece for the backward (gather_tokens), else the
+    gathered tensor is saved as any other."""
 
     def args(shard: Shard) -> tuple:  # a size known only at run time (a token dim) is a graph node
         size = shape[shard.dim]
@@ -337,7 +347,7 @@ def conversion_steps(
 
     if isinstance(src, Routed) or isinstance(dst, Routed):
         return []  # an expert segment's entry and exit: its dispatch moves the rows (runtime/expert_dispatch.py)
-    if isinstance(src, Shard) and isinstance(dst, Replicate) and isinstance(shape[src.dim], Node):
+    if regather and isinstance(src, Shard) and isinstance(dst, Replicate) and isinstance(shape[src.dim], Node):
         return [(gather_tokens, (*args(src), partial_grad))]
     if partial_grad and isinstance(src, Shard) and isinstance(dst, Replicate):
         return [(gather_reduce_backward, args(src))]

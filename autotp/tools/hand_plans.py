@@ -23,7 +23,7 @@ from autotp.options import PlanOptions
 from autotp.passes.capture import within
 from autotp.placement import Routed
 from autotp.plan import Plan
-from autotp.planning.solution import Imposed, PlanningError
+from autotp.planning.solution import Imposed, PlanningError, every_name
 from autotp.planning.tensor_plan import Attempt, price_plan, solve_plan
 from autotp.tools.interop import hf_styles, pattern_regex, style_placements
 
@@ -124,8 +124,12 @@ def solve_hand_plan(
         recompute=False,
         experts=hand.experts or options.experts,
     )
-    imposed = Imposed(
-        _conversions(hand, options.training), hand.grad_sums_per_module, hand.saves_gathered, hand.sums_each_param
+    imposed = Imposed(  # Megatron-SP gathers every kept token piece again in the backward, DTensor none
+        _conversions(hand, options.training),
+        hand.grad_sums_per_module,
+        hand.saves_gathered,
+        hand.sums_each_param,
+        regathered=every_name(gm),
     )
     try:  # token-split forms offered with sequence parallelism, not imposed: a rowwise output is partial first
         solved = solve_plan(gm, world_size, options, imposed=imposed, attempt=Attempt(hand.sequence_parallel, "off"))

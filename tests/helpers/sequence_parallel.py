@@ -6,6 +6,10 @@ import torch
 from torch.distributed.tensor.debug import CommDebugMode
 
 import autotp
+from autotp.options import PlanOptions
+from autotp.passes.prepared_graph import prepared_graph
+from autotp.plan import Plan
+from autotp.planning.tensor_plan import price_plan, solve_plan
 from tests.helpers.distributed import comm_counts, plan_ops
 from tests.helpers.exact import TOL
 from tests.helpers.models import logits
@@ -13,6 +17,26 @@ from tests.helpers.models import logits
 # priced at 4096 tokens: bytes decide (at a few hundred tokens of these tiny models latency does, and a
 # one-shot all-reduce beats a reduce-scatter)
 EXAMPLE = (64, 64)
+
+
+def regathering_all(plan: Plan) -> Plan:
+    """``plan`` saying that it keeps every gathered token tensor as this rank's piece, gathered again in the backward
+    (as Megatron-SP does), to price with price_plan."""
+    pieces = Plan.from_json(plan.to_json())
+    gathered = [entry for entry in pieces.nodes.values() if "regather" in entry]
+    assert gathered and not any(entry["regather"] for entry in gathered), "no gathered tokens kept whole"
+    for entry in gathered:
+        entry["regather"] = True
+    return pieces
+
+
+def regather_limits(model, args, world: int = 2) -> tuple[float, float]:
+    """(bytes per device of the sequence-parallel plan, which keeps every gathered token tensor whole for its
+    backward, and of the same plan keeping each as this rank's piece gathered again): under a memory limit between
+    the two the solver gathers some again; at the second, about all of them."""
+    gm = prepared_graph(model, args, None, fold=True)
+    whole = solve_plan(gm, world, PlanOptions(sequence_parallel=True, recompute=False))
+    return whole.cost["memory"]["total"], price_plan(gm, regathering_all(whole)).cost["memory"]["total"]
 
 
 def matches_one_process(model, sharded, shapes, plan=None) -> dict:

@@ -290,6 +290,7 @@ TAGS = {
     "halves": [aten.glu.default],  # input 0 cut in two halves along a dim, one gating the other
     "picks": [aten.select.int],  # one index of input 0 along a dim, the dim dropped
     "repeats_each": [aten.repeat_interleave.self_int],  # each index of a dim n times in place (KV heads to queries)
+    "repeats_tiled": [aten.repeat.default],  # (x, copies): x copied whole along dims (tiled KV heads to queries)
     "grouped_kv": [FLEX, PAGED_ATTENTION],  # attention that reads KV heads (dim 1) grouped under its query heads
     "reads_pool": [PAGED_ATTENTION],  # attention over a KV pool held as buffers (priced there, not again)
     # a product of quantized weights: its input's whole blocks (ops/quantized_rules.block_units)

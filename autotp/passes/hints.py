@@ -17,8 +17,6 @@ from autotp.ops.strategies import Context
 from autotp.ops.table import op
 from autotp.ops.views import merged_runs, split_runs, view_groups
 
-aten = torch.ops.aten
-
 
 def with_hints(gm: torch.fx.GraphModule, ctx: Context) -> Context:
     """``ctx`` with what the rules learn from downstream of a node: fused blocks, heads, the query heads KV heads
@@ -96,7 +94,7 @@ def join_hints(gm: torch.fx.GraphModule, ctx: Context) -> dict:
 def _tiled_copies(node, ctx: Context) -> list:
     """``x.repeat(...)`` copying one dim m times (tiled KV heads: query head i reads KV head i % kv): that dim
     is m blocks of x's, each split alike (ops/along_rules.repeat)."""
-    if node.target != aten.repeat.default:
+    if "repeats_tiled" not in op(node.target).tags:
         return []
     x, sizes = node.args[0], node.args[1]
     lead = len(sizes) - len(ctx.shape(x))
@@ -175,7 +173,7 @@ def repeat_hints(gm: torch.fx.GraphModule) -> dict:
                 covers.setdefault(1, set()).add(heads[0])
             elif grouped and all(isinstance(h, int) for h in heads) and 1 < heads[1] < heads[0]:
                 covers.setdefault(heads[1], set()).add(heads[0])  # the kernel's own grouped KV heads
-        copied = [d for d, m in enumerate(node.args[1]) if m != 1] if node.target == aten.repeat.default else []
+        copied = [d for d, m in enumerate(node.args[1]) if m != 1] if "repeats_tiled" in op(node.target).tags else []
         if len(copied) == 1 and isinstance(node.args[1][copied[0]], int):  # tiled copies: held whole, they serve all
             covers.setdefault(1, set()).add(node.meta["val"].shape[copied[0]])
         if "repeats_each" in op(node.target).tags:

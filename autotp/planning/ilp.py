@@ -3,8 +3,7 @@ adding its variables, constraints and objective terms to the one PuLP problem.""
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pulp
@@ -32,6 +31,7 @@ from autotp.passes.recompute import dropped
 from autotp.placement import Partial, R, Replicate, Shard
 from autotp.planning.candidates import Candidates
 from autotp.planning.fit_advice import fit_advice
+from autotp.planning.pulp_forms import link_choices, run_problem
 from autotp.planning.solution import DoesNotFit, Imposed, PlanningError, Solution
 
 # Equal-cost plans are common (an all-gather before a matmul or a reduce-scatter after it move the
@@ -258,7 +258,7 @@ class Ilp:
         stored, written, allowed = stored_views(self.gm), shared_with_writes(self.gm), self.imposed.conversions
         for e, (src, reader, slot, wanted) in enumerate(edges):
             produced = [(v, s.output) for v, s in zip(x[src], strategies[src], strict=True)]
-            links = _link(
+            links = link_choices(
                 problem,
                 produced,
                 wanted,
@@ -314,7 +314,7 @@ class Ilp:
         """The fastest plan; if it does not fit ``limit``, the fastest that does (or DoesNotFit with advice)."""
         total_memory = pulp.lpSum(self.memory)
         objective = pulp.lpSum(self.costs + self.preference)
-        _run(self.problem, objective)
+        run_problem(self.problem, objective)
         if pulp.value(total_memory) > limit:
             hint = fit_advice(
                 self.found,
@@ -329,7 +329,7 @@ class Ilp:
             )
             self.problem += total_memory <= limit, "memory_limit"
             try:
-                _run(self.problem, objective, MEMORY_BOUND_GAP)
+                run_problem(self.problem, objective, MEMORY_BOUND_GAP)
             except PlanningError:
                 raise DoesNotFit(
                     f"no plan fits {limit / 1e9:.1f} GB per device at world size {self.world}: {hint}"
@@ -363,43 +363,6 @@ class Ilp:
             regathers,
             {key: saved for key, saved in fused if pulp.value(self.need[key]) > 0.5},
         )
-
-
-def _run(problem: pulp.LpProblem, objective: Any, gap: float | None = None) -> None:
-    """Solve for the objective in microseconds: CBC's tolerances (~1e-7) would blur a step time in seconds.
-    ``gap``: stop at a solution within this fraction of the best bound (None: CBC's default)."""
-    problem.setObjective(objective * 1e6)
-    with warnings.catch_warnings():  # PuLP 3 warns that 4.0 will stop bundling CBC; pyproject pins <4
-        warnings.simplefilter("ignore", DeprecationWarning)
-        problem.solve(pulp.PULP_CBC_CMD(msg=False, gapRel=gap))
-    status = pulp.LpStatus[problem.status]
-    if status != "Optimal":
-        raise PlanningError(f"the sharding ILP ended {status}")
-
-
-def _link(
-    problem: pulp.LpProblem,
-    produced: list[tuple[Any, Any]],
-    wanted: list[tuple[Any, Any]],
-    ok: Callable[..., bool],
-    tag: str,
-) -> dict[tuple[Any, Any], Any]:
-    """z[p, q] >= 0 with row sums = producer picks p, column sums = consumer wants q.
-
-    For binary choices this forces z = 1 exactly on the chosen pair (transport form),
-    so one continuous variable per feasible pair prices the edge without products of binaries.
-    """
-    outs = list(dict.fromkeys(p for _, p in produced))
-    ins = list(dict.fromkeys(q for _, q in wanted))
-    z = {
-        (p, q): problem.add_variable(f"{tag}{k}", lowBound=0)
-        for k, (p, q) in enumerate((p, q) for p in outs for q in ins if ok(p, q))
-    }
-    for side, choices, key in ((0, produced, outs), (1, wanted, ins)):
-        for placement in key:
-            chosen = pulp.lpSum(v for v, pl in choices if pl == placement)
-            problem += pulp.lpSum(var for pq, var in z.items() if pq[side] == placement) == chosen
-    return z
 
 
 def _reshard_ok(src: Node, stored: bool, p: Any, q: Any, sizes: Sizes, world: int, topology: Topology) -> bool:

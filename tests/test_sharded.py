@@ -172,6 +172,7 @@ def _compiled(rank: int, world: int) -> None:
         torch.testing.assert_close(grads[name], p.grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
 
 
+@pytest.mark.slow  # the default tier compiles a plan, fullgraph, in tests/test_compiled.py
 def test_torch_compile_gives_the_same_outputs_and_gradients():
     run_ranks(2, _compiled, captures=functools.partial(_built, "nanogpt"))
 

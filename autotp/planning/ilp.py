@@ -163,7 +163,7 @@ class Ilp:
                 for v, s in zip(self.x.get(key[0], ()), found.strategies.get(key[0], ()), strict=True)
                 if on_tokens(key[0], s)
             ]
-            if split and key[1:] == ("value", 1.0) and not self.imposed.saves_gathered:
+            if split and key[1:] == ("value", 1.0):
                 # gathered from tokens: kept whole, or this rank's piece gathered again (costs time, saves memory)
                 whole = problem.add_variable(f"a{k}w", lowBound=0)
                 piece = problem.add_variable(f"a{k}p", cat="Binary")

@@ -21,15 +21,13 @@ class Imposed:
     """How a hand-written plan runs, beyond where it puts the parameters: ``conversions(producer, reader, have,
     want)`` says where a value may change placement (None: wherever a conversion exists); with
     ``grad_sums_per_reader`` each reader of a replicated value sums its own gradient (a hook per module), not one
-    sum per value; ``saves_gathered``: tokens gathered for an op keep their gathered copy for its backward (DTensor
-    saves what it redistributed), none kept as this rank's piece gathered again; ``sums_each_param``: each
-    replicated parameter's partial gradient is its own all-reduce (DTensor sums a Partial gradient when it is
-    read), not one coalesced sum; ``regathered``: the names of the gathered tokens kept as this rank's piece and
-    gathered again, the others kept whole (a plan priced as it stands; None: the solver chooses each)."""
+    sum per value; ``sums_each_param``: each replicated parameter's partial gradient is its own all-reduce
+    (DTensor sums a Partial gradient when it is read), not one coalesced sum; ``regathered``: the names of the gathered tokens kept as this rank's piece and
+    gathered again, the others kept whole (a plan priced as it stands; empty: DTensor, which saves what it
+    redistributed; None: the solver chooses each)."""
 
     conversions: Callable[[Node, Node, Any, Any], bool] | None = None
     grad_sums_per_reader: bool = False
-    saves_gathered: bool = False
     sums_each_param: bool = False
     regathered: frozenset[str] | None = None
 

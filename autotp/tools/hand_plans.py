@@ -127,9 +127,8 @@ def solve_hand_plan(
     imposed = Imposed(  # Megatron-SP gathers every kept token piece again in the backward, DTensor none
         _conversions(hand, options.training),
         hand.grad_sums_per_module,
-        hand.saves_gathered,
-        hand.sums_each_param,
-        regathered=every_name(gm),
+        sums_each_param=hand.sums_each_param,
+        regathered=frozenset() if hand.saves_gathered else every_name(gm),
     )
     try:  # token-split forms offered with sequence parallelism, not imposed: a rowwise output is partial first
         solved = solve_plan(gm, world_size, options, imposed=imposed, attempt=Attempt(hand.sequence_parallel, "off"))

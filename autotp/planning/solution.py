@@ -22,9 +22,9 @@ class Imposed:
     want)`` says where a value may change placement (None: wherever a conversion exists); with
     ``grad_sums_per_reader`` each reader of a replicated value sums its own gradient (a hook per module), not one
     sum per value; ``sums_each_param``: each replicated parameter's partial gradient is its own all-reduce
-    (DTensor sums a Partial gradient when it is read), not one coalesced sum; ``regathered``: the names of the gathered tokens kept as this rank's piece and
-    gathered again, the others kept whole (a plan priced as it stands; empty: DTensor, which saves what it
-    redistributed; None: the solver chooses each)."""
+    (DTensor sums a Partial gradient when it is read), not one coalesced sum; ``regathered``: the names of the
+    gathered tokens kept as this rank's piece and gathered again, the others kept whole (a plan priced as it
+    stands; empty: DTensor, which saves what it redistributed; None: the solver chooses each)."""
 
     conversions: Callable[[Node, Node, Any, Any], bool] | None = None
     grad_sums_per_reader: bool = False

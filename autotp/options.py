@@ -211,8 +211,13 @@ class SearchOptions:
     """Routed experts: the busiest rank's rows over the uniform top-k share."""
     overlap_all_to_all: float = 0.0
     """Routed experts: the share of the all-to-all time hidden behind compute (0: exposed; DualPipe hides most)."""
+    async_tp: bool | None = False
+    """Sequence-parallel layouts priced with their token collectives fused with their matmuls (PlanOptions'
+    async_tp): True always, False never, None both, the faster kept."""
 
     def __post_init__(self) -> None:
+        if self.async_tp not in (None, True, False):
+            raise ValueError(f"async_tp must be None, True or False, got {self.async_tp!r}")
         if self.data_parallel not in ("fsdp", "ddp"):
             raise ValueError(f"data_parallel must be 'fsdp' or 'ddp', got {self.data_parallel!r}")
         if self.expert_imbalance < 1 or not 0 <= self.overlap_all_to_all <= 1:

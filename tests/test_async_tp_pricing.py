@@ -3,6 +3,8 @@ priced at a long sequence on one DGX H100 (NVLink).  Rule and cost level: no ran
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from rich.console import Console
@@ -19,8 +21,7 @@ LONG = 16384  # tokens: 8 even pieces of 2048
 UNEVEN = LONG - 1  # pieces of 2048 and 2047: padded
 
 
-@pytest.fixture(scope="module")
-def block():
+def _llama_block(tokens: int) -> torch.fx.GraphModule:
     from transformers import LlamaForCausalLM
 
     config = configs.llama(
@@ -34,7 +35,12 @@ def block():
     )
     with torch.device("meta"):
         model = LlamaForCausalLM(config).to(torch.bfloat16)
-    return prepared_graph(model, (torch.zeros(2, 256, dtype=torch.long, device="meta"),), None)
+    return prepared_graph(model, (torch.zeros(2, tokens, dtype=torch.long, device="meta"),), None)
+
+
+@pytest.fixture(scope="module")
+def block():
+    return _llama_block(256)
 
 
 def _plan(gm, tokens: int, **options) -> Plan:
@@ -94,3 +100,28 @@ def test_the_command_line_prices_asynchronous_tp_on_request():
     result = autotp("plan", "examples.nanogpt:build", "--world-size", "2", "--async-tp", "auto")
     assert result.returncode == 0, result.stderr
     assert "asynchronous TP: off (priced: " in result.stdout
+
+
+def test_the_mesh_planner_prices_asynchronous_tp():
+    """plan_mesh (the block captured at the long sequence, whose shape it prices): with async_tp=None the TP-8
+    layout runs sequence parallelism fused, faster than the unfused plan async_tp=False picks, and the same layout
+    priced unfused costs what the overlap saved; the table and the choice line say so."""
+    from autotp.planning.mesh_search import plan_mesh_for_graph, price_layout
+    from autotp.tools.report import mesh_table
+
+    stack = _llama_block(LONG)
+    plain = plan_mesh_for_graph(stack, devices=8, topology="dgx-h100", async_tp=False)
+    chosen = plan_mesh_for_graph(stack, devices=8, topology="dgx-h100", async_tp=None)
+    assert (plain.choice.tp, plain.choice.sequence_parallel, plain.choice.async_tp) == (8, False, False)
+    assert (chosen.choice.tp, chosen.choice.sequence_parallel, chosen.choice.async_tp) == (8, True, True)
+    assert chosen.choice.step_seconds < plain.choice.step_seconds
+    assert chosen.to_dict()["choice"]["async_tp"] is True
+    unfused = price_layout(stack, replace(chosen.choice, async_tp=False), topology="dgx-h100")
+    fused = price_layout(stack, chosen.choice, topology="dgx-h100")
+    assert fused.step_seconds == pytest.approx(chosen.choice.step_seconds, rel=1e-9)
+    assert unfused.step_seconds > fused.step_seconds
+    console = Console(record=True, width=300)
+    for part in mesh_table(chosen):
+        console.print(part)
+    text = console.export_text()
+    assert "yes, async TP" in text and "sequence parallel with asynchronous TP" in text

@@ -47,6 +47,7 @@ class Profile:
     sums: dict = field(default_factory=dict)  # running totals over the blocks (stage_memory)
     sequence_parallel: bool = False  # the TP plan splits norms, dropouts and residual adds by tokens
     selective: bool = False  # the TP plan recomputes the attention cores
+    async_tp: bool = False  # its token collectives priced fused with their matmuls (planning/overlap.py)
     tied: dict = field(default_factory=dict)  # bytes by kind of weights read before and after the blocks (tied
     # embeddings), counted in sections[0]: a stage holding the head without the embedding holds its own copy
 
@@ -69,6 +70,7 @@ class Candidate:
     recompute: bool = False  # whole blocks recomputed (only their inputs kept)
     sequence_parallel: bool = False
     selective: bool = False  # attention cores recomputed (Korthikanti et al. 2022)
+    async_tp: bool = False  # token collectives fused with their matmuls under torch.compile
     stages: list = field(default_factory=list)  # [start, end) blocks per stage (per virtual stage, in order); given
     # to price, the split it prices (else the one it chooses)
     step_seconds: float | None = None  # None: does not fit

@@ -70,6 +70,7 @@ class MeshPlan:
             "recompute",
             "sequence_parallel",
             "selective",
+            "async_tp",
             "stages",
         )
         return {
@@ -119,9 +120,16 @@ def search_mesh(gm: torch.fx.GraphModule, search: SearchOptions) -> MeshPlan:
     # TP stays inside a node (Narayanan et al. 2021 section 3.3)
     tp_sizes = [tp for tp in pipe.divisors(devices) if tp <= topo.gpus_per_node]
     profiles: list[Profile] = []
-    with step("planning each tensor-parallel size", total=len(tp_sizes)) as advance:
+    fusings = {False: (False,), True: (True,), None: (False, True)}[search.async_tp]
+    # asynchronous TP may make sequence parallelism the faster plan even where activations fit
+    fused_sp = [tp for tp in tp_sizes if tp > 1] if search.async_tp is not False else []
+    with step("planning each tensor-parallel size", total=len(tp_sizes) + len(fused_sp)) as advance:
         for tp in tp_sizes:
             profiles.append(cast(Profile, tp_profile(gm, tp, topo, training, sizes, unit)))  # None only with tokens
+            advance()
+        for tp in fused_sp:
+            if (p := tp_profile(gm, tp, topo, training, sizes, unit, True, False, True)) is not None:
+                profiles.append(p)
             advance()
     setting = Setting(
         topo, global_batch, training, data_parallel, limit, flops, search.expert_imbalance, search.overlap_all_to_all
@@ -134,7 +142,9 @@ def search_mesh(gm: torch.fx.GraphModule, search: SearchOptions) -> MeshPlan:
             p
             for tp in short
             for tokens, cores in variants[tp]
-            if (p := tp_profile(gm, tp, topo, training, sizes, unit, tokens, cores)) is not None
+            for fused in (fusings if tokens else (False,))
+            if (p := tp_profile(gm, tp, topo, training, sizes, unit, tokens, cores, fused)) is not None
+            and all(p is not q for q in profiles)  # solved once (tp_profile keeps it), listed once
         ]
         found = _layouts(profiles, devices, setting)
     if not found[0].fits:
@@ -155,7 +165,9 @@ def price_layout(gm: torch.fx.GraphModule, layout: Candidate, **options: Any) ->
     global_batch = search.global_batch or unit
     limit = device_limit(topo, memory_limit)
     flops = model_flops(gm, sizes) / unit * global_batch if training else 0.0
-    profile = tp_profile(gm, layout.tp, topo, training, sizes, unit, layout.sequence_parallel, layout.selective)
+    profile = tp_profile(
+        gm, layout.tp, topo, training, sizes, unit, layout.sequence_parallel, layout.selective, layout.async_tp
+    )
     if profile is None:
         raise PlanningError("the graph has no tokens to split: price the layout without sequence_parallel")
     return price(profile, layout, Setting(topo, global_batch, training, data_parallel, limit, flops))
@@ -234,6 +246,7 @@ def _best_layout(profile: Profile, devices: int, setting: Setting) -> list[Candi
                         recompute=recompute,
                         sequence_parallel=profile.sequence_parallel,
                         selective=profile.selective,
+                        async_tp=profile.async_tp,
                     ),
                     setting,
                 )
@@ -321,10 +334,11 @@ def layout_name(c: Candidate) -> str:
 
 
 def activation_options(c: Candidate) -> str:
-    """How a layout saves activation memory, for messages."""
+    """How a layout saves activation memory (and, fused, collective time), for messages."""
     return "".join(
         [
             ", sequence parallel" * c.sequence_parallel,
+            " with asynchronous TP" * c.async_tp,
             ", recomputing attention" * c.selective,
             ", recomputing activations" * c.recompute,
         ]

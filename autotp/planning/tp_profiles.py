@@ -37,15 +37,18 @@ def tp_profile(
     unit: int,
     tokens: bool = False,
     cores: bool = False,
+    fused: bool = False,
 ) -> Profile | None:
     """Solve the TP plan once and read its time and memory per section, per sample (kept on the graph:
     pricing another cluster of the same nodes reuses it).  ``tokens``: with sequence parallelism;
-    ``cores``: recomputing the attention cores; None when the graph has no tokens to split."""
-    key = (tp, training, tokens, cores, repr(dataclasses.replace(topo, name="", nodes=1)))
+    ``cores``: recomputing the attention cores; ``fused``: token collectives priced fused with their matmuls
+    (asynchronous TP, only with ``tokens``); None when the graph has no tokens to split."""
+    fused = fused and tokens
+    key = (tp, training, tokens, cores, fused, repr(dataclasses.replace(topo, name="", nodes=1)))
     cache = gm.meta.setdefault("autotp_tp_profiles", {})
     if key not in cache:
         try:
-            cache[key] = _read_profile(gm, tp, topo, training, sizes, unit, tokens, cores)
+            cache[key] = _read_profile(gm, tp, topo, training, sizes, unit, tokens, cores, fused)
         except PlanningError:
             if not tokens:
                 raise
@@ -62,6 +65,7 @@ def _read_profile(
     unit: int,
     tokens: bool,
     cores: bool,
+    fused: bool,
 ) -> Profile:
     part = expert_part(gm, topo, sizes) if training else None
     # the mesh planner adds sequence parallelism where activations decide: its lean form, each gathered token tensor
@@ -77,6 +81,7 @@ def _read_profile(
             sequence_parallel=tokens,
             recompute="selective" if cores else False,
             experts="tensor" if part else None,
+            async_tp=fused,
         ),
         sizes=sizes,
         imposed=lean,
@@ -130,4 +135,6 @@ def _read_profile(
             )
             / unit
         )
-    return Profile(tp, per_sample, boundary, fold is not None, sequence_parallel=tokens, selective=cores, tied=tied)
+    return Profile(
+        tp, per_sample, boundary, fold is not None, sequence_parallel=tokens, selective=cores, async_tp=fused, tied=tied
+    )

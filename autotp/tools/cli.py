@@ -17,6 +17,13 @@ def _figure_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _mesh_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--async-tp",
+        choices=("auto", "on", "off"),
+        default="off",
+        help="price the all-gathers and reduce-scatters next to their matmuls fused (asynchronous TP under "
+        "torch.compile): whichever prices better (auto), always, never",
+    )
     parser.add_argument("--nodes", type=positive, default=None, help="a cluster of this many of the topology's nodes")
     parser.add_argument(
         "--global-batch",
@@ -91,13 +98,6 @@ def main(argv: list[str] | None = None) -> int:
         choices=("auto", "on", "off"),
         default="auto",
         help="split norms, dropouts and residual adds by tokens: when memory demands it (auto), always, never",
-    )
-    plan.add_argument(
-        "--async-tp",
-        choices=("auto", "on", "off"),
-        default="off",
-        help="price the all-gathers and reduce-scatters next to their matmuls fused (asynchronous TP under "
-        "torch.compile): whichever prices better (auto), always, never",
     )
     plan.add_argument(
         "--experts",

@@ -140,6 +140,7 @@ def print_mesh(model, example, args) -> int:
                 memory_limit=_limit(args),
                 expert_imbalance=args.expert_imbalance,
                 overlap_all_to_all=args.overlap_all_to_all,
+                async_tp={"auto": None, "on": True, "off": False}[args.async_tp],
             )
         except (PlanningError, ValueError) as exc:
             print(f"autotp: {exc}", file=sys.stderr)

@@ -341,7 +341,7 @@ def mesh_table(result) -> list:
             batches,
             schedule,
             f"{c.bubble:.1%}" if c.schedule else "-",
-            "yes" if c.sequence_parallel else "no",
+            ("yes, async TP" if c.async_tp else "yes") if c.sequence_parallel else "no",
             "full" if c.recompute else "attention" if c.selective else "no",
             "-" if c.step_seconds is None else f"{c.step_seconds:.3g}",
             "-" if c.memory_bytes is None else f"{c.memory_bytes / 1e9:.2f}",

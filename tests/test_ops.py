@@ -180,6 +180,26 @@ def test_rows_agree_with_the_schemas():
     assert op(operator.getitem).view and not op(aten.contiguous.default).view
 
 
+def test_a_repeat_over_tokens_copies_no_heads():
+    """A repeat over the sequence (a symbolic size: MRA, ProphetNet and Llama 4 repeat so) gives no KV-head hint,
+    and its graph is planned; it used to fail hashing the symbolic size."""
+    from autotp.passes.hints import repeat_hints
+    from autotp.planning.tensor_plan import solve_plan
+
+    class Repeated(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up, self.down = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+
+        def forward(self, x):
+            return self.down(self.up(x).repeat(1, 2, 1))
+
+    gm = prepared_graph(Repeated(), (torch.randn(2, 5, 8),), None)
+    assert any(n.target == aten.repeat.default for n in gm.graph.nodes)
+    assert repeat_hints(gm) == {}
+    assert solve_plan(gm, 2).nodes
+
+
 def test_tiled_kv_heads_are_split_block_by_block(captured):
     """KV heads repeated tiled (query head i reads KV head i % 2 of 6) are one ``repeat``; at 2 ranks the copies
     are 3 blocks of 2 heads split alike, so the product reading them, the query's rotary (an unbind) and the query

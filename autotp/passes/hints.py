@@ -174,8 +174,9 @@ def repeat_hints(gm: torch.fx.GraphModule) -> dict:
             elif grouped and all(isinstance(h, int) for h in heads) and 1 < heads[1] < heads[0]:
                 covers.setdefault(heads[1], set()).add(heads[0])  # the kernel's own grouped KV heads
         copied = [d for d, m in enumerate(node.args[1]) if m != 1] if "repeats_tiled" in op(node.target).tags else []
-        if len(copied) == 1 and isinstance(node.args[1][copied[0]], int):  # tiled copies: held whole, they serve all
-            covers.setdefault(1, set()).add(node.meta["val"].shape[copied[0]])
+        size = node.meta["val"].shape[copied[0]] if len(copied) == 1 else None
+        if isinstance(size, int) and isinstance(node.args[1][copied[0]], int):  # tiled copies held whole serve all
+            covers.setdefault(1, set()).add(size)  # (a repeat over tokens, a symbolic size, copies no heads)
         if "repeats_each" in op(node.target).tags:
             x, repeats, at = node.args[:3]
             kv = x.meta["val"].shape[at]

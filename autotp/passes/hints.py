@@ -91,18 +91,23 @@ def join_hints(gm: torch.fx.GraphModule, ctx: Context) -> dict:
     return {key: hints.get(key, set()) | back.get(key, set()) for key in {*hints, *back}}
 
 
-def _tiled_copies(node, ctx: Context) -> list:
-    """``x.repeat(...)`` copying one dim m times (tiled KV heads: query head i reads KV head i % kv): that dim
-    is m blocks of x's, each split alike (ops/along_rules.repeat)."""
+def _copied_dim(node) -> int | None:
+    """The one dim ``x.repeat(sizes)`` copies, a whole number of times (tiled KV heads: query head i reads KV head
+    i % kv); None for any other node."""
     if "repeats_tiled" not in op(node.target).tags:
-        return []
-    x, sizes = node.args[0], node.args[1]
-    lead = len(sizes) - len(ctx.shape(x))
+        return None
+    sizes = node.args[1]
     copied = [d for d, m in enumerate(sizes) if m != 1]
-    if lead or len(copied) != 1 or not isinstance(sizes[copied[0]], int) or not ctx.static(ctx.shape(x)[copied[0]]):
+    return copied[0] if len(copied) == 1 and isinstance(sizes[copied[0]], int) else None
+
+
+def _tiled_copies(node, ctx: Context) -> list:
+    """A tiled repeat's copied dim is m blocks of x's, each split alike (ops/along_rules.repeat)."""
+    at = _copied_dim(node)
+    held = ctx.shape(node.args[0]) if at is not None else ()
+    if at is None or len(node.args[1]) != len(held) or not ctx.static(held[at]):
         return []
-    (at,) = copied
-    return [(node, at, (ctx.shape(x)[at],) * sizes[at])]
+    return [(node, at, (held[at],) * node.args[1][at])]
 
 
 def _forward(user, node, dim: int, sizes: tuple, ctx: Context) -> list:
@@ -173,10 +178,10 @@ def repeat_hints(gm: torch.fx.GraphModule) -> dict:
                 covers.setdefault(1, set()).add(heads[0])
             elif grouped and all(isinstance(h, int) for h in heads) and 1 < heads[1] < heads[0]:
                 covers.setdefault(heads[1], set()).add(heads[0])  # the kernel's own grouped KV heads
-        copied = [d for d, m in enumerate(node.args[1]) if m != 1] if "repeats_tiled" in op(node.target).tags else []
-        size = node.meta["val"].shape[copied[0]] if len(copied) == 1 else None
-        if isinstance(size, int) and isinstance(node.args[1][copied[0]], int):  # tiled copies held whole serve all
-            covers.setdefault(1, set()).add(size)  # (a repeat over tokens, a symbolic size, copies no heads)
+        at = _copied_dim(node)
+        size = node.meta["val"].shape[at] if at is not None else None
+        if isinstance(size, int):  # tiled copies held whole serve all (a repeat over tokens, symbolic, copies no heads)
+            covers.setdefault(1, set()).add(size)
         if "repeats_each" in op(node.target).tags:
             x, repeats, at = node.args[:3]
             kv = x.meta["val"].shape[at]

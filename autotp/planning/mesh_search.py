@@ -121,14 +121,11 @@ def search_mesh(gm: torch.fx.GraphModule, search: SearchOptions) -> MeshPlan:
     tp_sizes = [tp for tp in pipe.divisors(devices) if tp <= topo.gpus_per_node]
     profiles: list[Profile] = []
     fusings = {False: (False,), True: (True,), None: (False, True)}[search.async_tp]
-    # asynchronous TP may make sequence parallelism the faster plan even where activations fit
-    fused_sp = [tp for tp in tp_sizes if tp > 1] if search.async_tp is not False else []
-    with step("planning each tensor-parallel size", total=len(tp_sizes) + len(fused_sp)) as advance:
+    with step("planning each tensor-parallel size", total=len(tp_sizes)) as advance:
         for tp in tp_sizes:
             profiles.append(cast(Profile, tp_profile(gm, tp, topo, training, sizes, unit)))  # None only with tokens
-            advance()
-        for tp in fused_sp:
-            if (p := tp_profile(gm, tp, topo, training, sizes, unit, True, False, True)) is not None:
+            # asynchronous TP may make sequence parallelism the faster plan even where activations fit
+            if True in fusings and tp > 1 and (p := tp_profile(gm, tp, topo, training, sizes, unit, True, False, True)):
                 profiles.append(p)
             advance()
     setting = Setting(

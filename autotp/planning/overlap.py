@@ -93,7 +93,7 @@ def price_overlap(ilp: Ilp) -> None:
     for k, (key, (forward, terms)) in enumerate(credits.items()):
         saved = problem.add_variable(f"overlap{k}", lowBound=None)
         problem += saved <= pulp.lpSum(terms)
-        problem += saved <= ilp.need[key] * _cap(ilp, key[0], forward)
+        problem += saved <= ilp.need[key] * _fused_savings(ilp, key[0], forward)  # the most one collective saves
         ilp.costs.append(-saved * ilp.weight(key[0], 1))
         ilp.overlap.append((key, saved))
 
@@ -110,21 +110,18 @@ def _both(problem: pulp.LpProblem, a: Any, b: Any, name: str) -> Any:
 def _saving(ilp: Ilp, tensor: Node, product: Node, strategy: Any, forward: str) -> float:
     """Seconds saved by fusing ``forward`` (of ``tensor``) with ``product`` under ``strategy``, and in training
     the backward's mirror pair (the product of the gradient has the forward's shape)."""
-    seconds = op_seconds(product, strategy, ilp.sizes, ilp.world, ilp.topology, training=False)
-    return sum(
-        fused_saving(
-            collective_time(c, ilp.sizes.nbytes(tensor), ilp.world, ilp.topology), seconds, ilp.world, ilp.topology
-        )
-        for c in _collectives(ilp, tensor, forward)
+    return _fused_savings(
+        ilp, tensor, forward, op_seconds(product, strategy, ilp.sizes, ilp.world, ilp.topology, training=False)
     )
 
 
-def _cap(ilp: Ilp, tensor: Node, forward: str) -> float:
-    """The most one collective's fusing saves: with a product at least as long (the collective then hides)."""
+def _fused_savings(ilp: Ilp, tensor: Node, forward: str, product_s: float | None = None) -> float:
+    """What fusing each collective of ``tensor`` (``forward``, and its mirror in training) with a product of
+    ``product_s`` seconds saves (None: a product as long as the collective)."""
     total = 0.0
     for c in _collectives(ilp, tensor, forward):
         seconds = collective_time(c, ilp.sizes.nbytes(tensor), ilp.world, ilp.topology)
-        total += fused_saving(seconds, seconds, ilp.world, ilp.topology)
+        total += fused_saving(seconds, seconds if product_s is None else product_s, ilp.world, ilp.topology)
     return total
 
 

@@ -113,37 +113,11 @@ def test_dropout_compiles_drawing_eagers_masks_apart_on_split_inputs_and_again_w
     run_ranks(2, _dropout)
 
 
-def _fsdp_blocks(rank: int, world: int, reference: tuple) -> None:
-    """TP 2 x DP 2: FSDP2 units per block, each block compiled on its own (torchtitan's per-block compile); AdamW
-    steps: every step's loss (averaged over the replicas) and the trained parameters equal one process's."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    losses, params = reference
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    x, y = (t.chunk(2)[mesh["dp"].get_local_rank()] for t in training.batch())
-    sharded = autotp.parallelize(training.llama(layers=2), (x,), mesh=mesh)
-    assert sharded.autotp_units == ["model.layers.0", "model.layers.1"]
-    for path in sharded.autotp_units:
-        sharded.get_submodule(path).compile(fullgraph=True)
-    optimizer = training.adamw(sharded.parameters())
-    for want in losses:
-        loss = training.token_loss(sharded(x), y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean, group=mesh["dp"].get_group())
-        torch.testing.assert_close(mean.item() / 2, want, **TOL)
-    trained = autotp.full_state_dict(sharded)
-    for name, value in params.items():
-        torch.testing.assert_close(trained[name], torch.from_numpy(value), **TOL, msg=name)
-
-
 @pytest.mark.slow  # the default tier compiles sequence parallelism above
-def test_fsdp2_units_compiled_per_block_train_exactly():
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_fsdp2_units_compiled_per_block_train_exactly(sequence_parallel):
     reference = training.trained_in_one_process(lambda: training.llama(layers=2))
-    run_ranks(4, _fsdp_blocks, reference)
+    run_ranks(4, training.tp_dp_matches, reference, sequence_parallel, True)
 
 
 def _pipeline_stages(rank: int, world: int, reference: tuple) -> int:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import autotp
-from tests.helpers import configs
+from tests.helpers import configs, training
 from tests.helpers.activations import saved_bytes
 from tests.helpers.distributed import block_of, run_ranks
 from tests.helpers.models import build, vit
@@ -73,6 +73,13 @@ def _eleven_tokens(rank: int, world: int) -> None:
 
 def test_eleven_tokens_on_four_ranks():
     run_ranks(4, _eleven_tokens, captures=_eleven_tokens_models)
+
+
+def test_fsdp2_units_per_block_with_sequence_parallelism_train_exactly():
+    """TP 2 x DP 2: each block an FSDP2 unit under sequence parallelism too (the norm weights' gradient sum, one
+    for the model without units, is made one per block so that each unit owns its parameters' reads)."""
+    reference = training.trained_in_one_process(lambda: training.llama(layers=2))
+    run_ranks(4, training.tp_dp_matches, reference, True, False)
 
 
 def test_taken_where_cheaper_or_where_memory_demands_it():

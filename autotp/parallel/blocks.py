@@ -7,7 +7,9 @@ Parameter objects, so every name stays the model's.  A node belongs to a block b
 nodes autotp inserted (collectives, conversions) carry none and go with the block that consumes them, else with
 the one that produces their input.  A block whose values are read by the root before the block's last node (its
 ops interleaved with the root's) cannot be called as one unit: it stays in the root (``blocks`` says which are
-units).
+units).  The rewrite sums the gradients of sequence parallelism's norm weights in one all-reduce for the whole
+model (runtime/collectives.sum_group_grads); a unit must own its parameters' reads, so here that sum is made one
+per block instead (one all-reduce per block, issued within that block's backward).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 from torch.fx import Node
 
 from autotp.passes.fold import Fold, scope_block
+from autotp.runtime.collectives import sum_group_grads
 
 
 def block_units(gm: torch.fx.GraphModule, path: str) -> list[str]:
@@ -29,11 +32,35 @@ def block_units(gm: torch.fx.GraphModule, path: str) -> list[str]:
     if not indices:
         return []
     fold = Fold(path, indices[-1] + 1)
+    _sums_per_block(gm, fold)
     scope = _scopes(gm, fold)
     made = [f"{path}.{i}" for i in indices if _cut(gm, fold, i, [n for n in gm.graph.nodes if scope.get(n) == i])]
     gm.graph.lint()
     gm.recompile()
     return made
+
+
+def _sums_per_block(gm: torch.fx.GraphModule, fold: Fold) -> None:
+    """Each gradient sum over parameters of several blocks becomes one sum per block (and one for the root's)."""
+    for node in [n for n in gm.graph.nodes if n.target is sum_group_grads]:
+        members, layouts, *rest, _ = node.args
+        parts: dict = {}
+        for k, member in enumerate(members):
+            parts.setdefault(fold.block_of_name(member.target), []).append(k)
+        if len(parts) < 2:
+            continue
+        items = {user.args[1]: user for user in node.users}  # every use is a getitem (rewrite._sum_gradients)
+        for ks in parts.values():
+            where = " and ".join(f"parameter {members[k].target}" for k in ks[:3]) + (" and more" * (len(ks) > 3))
+            with gm.graph.inserting_before(node):
+                part = gm.graph.call_function(
+                    sum_group_grads,
+                    ([members[k] for k in ks], [layouts[k] for k in ks], *rest, where),
+                )
+            for j, k in enumerate(ks):
+                if k in items:
+                    items[k].args = (part, j)
+        gm.graph.erase_node(node)
 
 
 def _scopes(gm: torch.fx.GraphModule, fold: Fold) -> dict:

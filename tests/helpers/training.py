@@ -50,3 +50,34 @@ def trained_in_one_process(build=llama) -> tuple:
         optimizer.zero_grad()
         losses.append(loss.item())
     return losses, {n: p.detach().numpy() for n, p in model.named_parameters()}
+
+
+def tp_dp_matches(rank: int, world: int, reference: tuple, sequence_parallel: bool, compiled: bool) -> None:
+    """TP 2 x DP 2 of a 2-block LLaMA: FSDP2 units per block (``compiled``: each compiled on its own, as torchtitan
+    compiles its blocks); every AdamW step's loss (averaged over the replicas) and the trained parameters equal
+    one process's (``reference``: trained_in_one_process of the same model)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import autotp
+    from tests.helpers.exact import TOL
+
+    losses, params = reference
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    x, y = (t.chunk(2)[mesh["dp"].get_local_rank()] for t in batch())
+    sharded = autotp.parallelize(llama(layers=2), (x,), mesh=mesh, sequence_parallel=sequence_parallel)
+    assert sharded.autotp_units == ["model.layers.0", "model.layers.1"]
+    for path in sharded.autotp_units if compiled else ():
+        sharded.get_submodule(path).compile(fullgraph=True)
+    optimizer = adamw(sharded.parameters())
+    for want in losses:
+        loss = token_loss(sharded(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean, group=mesh["dp"].get_group())
+        torch.testing.assert_close(mean.item() / 2, want, **TOL)
+    trained = autotp.full_state_dict(sharded)
+    for name, value in params.items():
+        torch.testing.assert_close(trained[name], torch.from_numpy(value), **TOL, msg=name)

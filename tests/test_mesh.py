@@ -116,6 +116,38 @@ def test_dp2_with_fsdp_units_per_block_trains_like_one_process():
     run_ranks(2, _dp, captures=functools.partial(_trainer_models, ["--tp", "1", "--dp", "2", *TINY]))
 
 
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x):
+        return (x @ self.weight).relu()
+
+
+class _Reader(torch.nn.Module):
+    """Three blocks; ``early``: the root reads the last block's weight before any block runs."""
+
+    def __init__(self, early: bool):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_Block() for _ in range(3))
+        self.early = early
+
+    def forward(self, x):
+        s = self.layers[2].weight.sum() if self.early else 0
+        for layer in self.layers:
+            x = layer(x)
+        return x + s
+
+
+def test_a_block_the_root_reads_early_stays_in_the_root_unit_and_says_so():
+    from autotp.parallel.blocks import block_units
+
+    assert block_units(torch.fx.symbolic_trace(_Reader(False)), "layers") == ["layers.0", "layers.1", "layers.2"]
+    with pytest.warns(UserWarning, match=r"1 of 3 blocks stay in the root unit \(layers\.2\)"):
+        assert block_units(torch.fx.symbolic_trace(_Reader(True)), "layers") == ["layers.0", "layers.1"]
+
+
 # TP 2 x DP 2 x PP 2 (1F1B, the default micro-batch count: one per stage), 2 steps on a global batch of 8
 # (4 sequences per replica, micro-batches of 2)
 EIGHT = ["--tp", "2", "--dp", "2", "--pp", "2", *TINY, "--steps", "2", "--batch", "8"]

@@ -15,6 +15,7 @@ per block instead (one all-reduce per block, issued within that block's backward
 from __future__ import annotations
 
 import operator
+import warnings
 
 import torch
 from torch.fx import Node
@@ -37,6 +38,15 @@ def block_units(gm: torch.fx.GraphModule, path: str) -> list[str]:
     made = [f"{path}.{i}" for i in indices if _cut(gm, fold, i, [n for n in gm.graph.nodes if scope.get(n) == i])]
     gm.graph.lint()
     gm.recompile()
+    left = [f"{path}.{i}" for i in indices if f"{path}.{i}" not in made]
+    if left:
+        warnings.warn(
+            f"autotp: FSDP2 units: {len(left)} of {len(indices)} blocks stay in the root unit ({', '.join(left[:3])}"
+            f"{', ...' if len(left) > 3 else ''}): the root reads their values before they end, or they read another "
+            "block's weights, so their parameters are gathered with the root's for the whole step "
+            "(docs/pipelines.md#fsdp2-per-block)",
+            stacklevel=2,
+        )
     return made
 
 

@@ -4,13 +4,16 @@ autotp against a torchtitan-style hand-written DTensor plan of the same model, s
     python benchmarks/train.py [--layers 8] [--hidden 256] [--seq 128] [--batch 8] [--repeats 10] [--runs 3]
                                [--compile]
 
-The hand-written plan is Megatron's, as torchtitan writes it for LLaMA (without sequence parallelism):
-``parallelize_module`` with q/k/v and gate/up ``ColwiseParallel``, o/down ``RowwiseParallel``, the embedding
-``RowwiseParallel`` and the head ``ColwiseParallel`` gathering the logits; then FSDP2 ``fully_shard`` on every
-block and the root over "dp", with the same explicit prefetch autotp sets (each block prefetches the next one's
-all-gather in the forward, the previous one's in the backward).  autotp: ``autotp.parallelize(model, args,
-mesh=mesh)`` (its plan on "tp", FSDP2 per block and at the root on "dp").  autotp runs twice: with its gloo
-collectives (one-shot small all-reduces, polled waits) and with the plain functional c10d ops DTensor uses.
+The hand-written plan is Megatron's, as torchtitan writes it for LLaMA: ``parallelize_module`` with q/k/v and
+gate/up ``ColwiseParallel``, o/down ``RowwiseParallel``, the embedding ``RowwiseParallel`` and the head
+``ColwiseParallel`` gathering the logits; then FSDP2 ``fully_shard`` on every block and the root over "dp", with
+the same explicit prefetch autotp sets (each block prefetches the next one's all-gather in the forward, the
+previous one's in the backward).  It runs twice: without sequence parallelism, and with it as torchtitan ships
+it (norms ``SequenceParallel``, the residual stream split by tokens).  autotp: ``autotp.parallelize(model, args,
+mesh=mesh)`` (its plan on "tp", FSDP2 per block and at the root on "dp"), its own choice and with
+``sequence_parallel=True``; its own choice runs twice, with its gloo collectives (one-shot small all-reduces,
+polled waits) and with the plain functional c10d ops DTensor uses.  Ratios compare like with like: autotp's
+choice with the plain plan, autotp's sequence parallelism with torchtitan's.
 
 Memory: after a warm-up step (the optimizer state exists), one step under
 ``torch.distributed._tools.mem_tracker.MemTracker`` per runner; the peak of the rank that peaks highest, with
@@ -43,24 +46,50 @@ from machine import describe
 
 from examples.train import build, global_batch, loss_fn, parse
 
+SP, HAND_SP = "autotp, sequence parallel", "hand-written, seq. parallel"
+# (what is compared, autotp's runner, the hand-written one): like with like
+PAIRS = (("", "autotp", "hand-written"), (", plain c10d", "autotp, plain c10d", "hand-written"), (" (SP)", SP, HAND_SP))
 KINDS = ("Parameter", "Gradient", "Optstate", "Activation", "Temp", "Buffer")
 
 
-def hand_written(model: torch.nn.Module, mesh, compiled: bool = False) -> torch.nn.Module:
+def hand_written(
+    model: torch.nn.Module, mesh, compiled: bool = False, sequence_parallel: bool = False
+) -> torch.nn.Module:
     """torchtitan's LLaMA plan on the "tp" dimension, FSDP2 per block and at the root on "dp", with prefetch;
-    ``compiled``: each block compiled before ``fully_shard``, as torchtitan's ``apply_compile``."""
+    ``compiled``: each block compiled before ``fully_shard``, as torchtitan's ``apply_compile``;
+    ``sequence_parallel``: torchtitan's plan as it ships (norms ``SequenceParallel``, the residual stream split by
+    tokens between blocks; transformers' LLaMA reads the sequence length off the embedding's output, so that
+    stays a DTensor, as do the row-parallel outputs added to it)."""
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
 
+    tokens = {"output_layouts": Shard(1), "use_local_output": False} if sequence_parallel else {}
     parallelize_module(
         model,
         mesh["tp"],
         {
-            "model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
-            "lm_head": ColwiseParallel(output_layouts=Replicate()),
+            "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), **tokens),
+            "lm_head": ColwiseParallel(
+                input_layouts=Shard(1) if sequence_parallel else Replicate(), output_layouts=Replicate()
+            ),
+            **({"model.norm": SequenceParallel()} if sequence_parallel else {}),
         },
     )
+    gathered = {
+        "input_layernorm": SequenceParallel(),
+        "self_attn": PrepareModuleInput(
+            input_kwarg_layouts={"hidden_states": Shard(1)}, desired_input_kwarg_layouts={"hidden_states": Replicate()}
+        ),
+        "post_attention_layernorm": SequenceParallel(),
+        "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+    }
     blocks = list(model.model.layers)
     for block in blocks:
         parallelize_module(
@@ -70,10 +99,11 @@ def hand_written(model: torch.nn.Module, mesh, compiled: bool = False) -> torch.
                 "self_attn.q_proj": ColwiseParallel(),
                 "self_attn.k_proj": ColwiseParallel(),
                 "self_attn.v_proj": ColwiseParallel(),
-                "self_attn.o_proj": RowwiseParallel(),
+                "self_attn.o_proj": RowwiseParallel(**tokens),
                 "mlp.gate_proj": ColwiseParallel(),
                 "mlp.up_proj": ColwiseParallel(),
-                "mlp.down_proj": RowwiseParallel(),
+                "mlp.down_proj": RowwiseParallel(**tokens),
+                **(gathered if sequence_parallel else {}),
             },
         )
         if compiled:
@@ -156,11 +186,12 @@ def run(rank: int, world: int, o: argparse.Namespace, repeats: int, compiled: bo
         "autotp": autotp.parallelize(build(o), (x,), mesh=mesh),
         "autotp, plain c10d": plain,
         "hand-written": hand_written(build(o), mesh, compiled),
+        SP: autotp.parallelize(build(o), (x,), mesh=mesh, sequence_parallel=True),
+        HAND_SP: hand_written(build(o), mesh, compiled, sequence_parallel=True),
     }
     if compiled:
-        runners["autotp"], runners["autotp, plain c10d"] = (
-            compiled_units(runners[k]) for k in ("autotp", "autotp, plain c10d")
-        )
+        for name in ("autotp", "autotp, plain c10d", SP):
+            runners[name] = compiled_units(runners[name])
     optimizers = {name: torch.optim.AdamW(m.parameters(), lr=o.lr) for name, m in runners.items()}
     first = {name: _step(m, optimizers[name], x, y)[1] for name, m in runners.items()}
     if any(abs(loss - first["hand-written"]) > 1e-4 * abs(first["hand-written"]) + 1e-5 for loss in first.values()):
@@ -188,6 +219,14 @@ def _estimate(o: argparse.Namespace) -> float:
     gm = prepared_graph(build(o), (global_batch(o, 0)[0][:1],), None, fold=True)
     layout = Candidate(2, 1, 2, microbatch_size=o.batch // 2)
     return price_layout(gm, layout, topology="dgx-h100", global_batch=o.batch, data_parallel="fsdp").memory_bytes
+
+
+def _fresh_fork_server() -> None:
+    """Each run's ranks from a new fork server: compiled, a second run forked from the same one crashed, three
+    times of three (SIGSEGV in the first inductor kernel of the hand-written SP block; 2026-12-07)."""
+    import multiprocessing.forkserver
+
+    multiprocessing.forkserver._forkserver._stop()  # type: ignore[attr-defined]
 
 
 def main(argv=None) -> dict:
@@ -225,8 +264,9 @@ def main(argv=None) -> dict:
         f"TP 2 x DP 2, LLaMA {a.layers} layers hidden {a.hidden} vocab 1024, global batch {a.batch} x {a.seq}, "
         "one AdamW step" + (", compiled per block" if a.compile else "")
     )
-    ratios: dict = {"memory": [], "memory (profiler)": [], "time": [], "time (plain c10d)": []}
+    ratios: dict = {f"{kind}{what}": [] for what, _, _ in PAIRS for kind in ("memory", "memory (profiler)", "time")}
     for k in range(a.runs):
+        _fresh_fork_server()
         results = run_local(4, run, o, a.repeats, a.compile, timeout=900)
         names = list(results[0]["times"])
         step = {n: statistics.median(r["times"][n] for r in results) for n in names}
@@ -234,7 +274,7 @@ def main(argv=None) -> dict:
         for n in names:
             if results[0]["peaks"] is None:
                 print(
-                    f"run {k + 1}: {n:20s} peak {profiled[n] / 2**20:7.2f} MiB (profiler), step "
+                    f"run {k + 1}: {n:28s} peak {profiled[n] / 2**20:7.2f} MiB (profiler), step "
                     f"{step[n] * 1e3:7.1f} ms (median of {a.repeats})"
                 )
                 continue
@@ -242,16 +282,16 @@ def main(argv=None) -> dict:
             top = max(results, key=lambda r, n=n: r["peaks"][n]["Total"])["peaks"][n]
             parts = ", ".join(f"{kind.lower()} {top[kind] / 2**20:.2f}" for kind in KINDS if top[kind])
             print(
-                f"run {k + 1}: {n:20s} peak {peak / 2**20:7.2f} MiB ({parts}; profiler "
+                f"run {k + 1}: {n:28s} peak {peak / 2**20:7.2f} MiB ({parts}; profiler "
                 f"{profiled[n] / 2**20:.2f}), step {step[n] * 1e3:7.1f} ms "
                 f"(median of {a.repeats})"
             )
-        if results[0]["peaks"] is not None:
-            peaks = {n: max(r["peaks"][n]["Total"] for r in results) for n in ("autotp", "hand-written")}
-            ratios["memory"].append(peaks["autotp"] / peaks["hand-written"])
-        ratios["memory (profiler)"].append(profiled["autotp"] / profiled["hand-written"])
-        ratios["time"].append(step["autotp"] / step["hand-written"])
-        ratios["time (plain c10d)"].append(step["autotp, plain c10d"] / step["hand-written"])
+        for what, ours, theirs in PAIRS:
+            if results[0]["peaks"] is not None:
+                peaks = {n: max(r["peaks"][n]["Total"] for r in results) for n in (ours, theirs)}
+                ratios[f"memory{what}"].append(peaks[ours] / peaks[theirs])
+            ratios[f"memory (profiler){what}"].append(profiled[ours] / profiled[theirs])
+            ratios[f"time{what}"].append(step[ours] / step[theirs])
     for what, values in ratios.items():
         if not values:  # memory, when compiled
             continue

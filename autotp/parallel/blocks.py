@@ -54,12 +54,14 @@ def _sums_per_block(gm: torch.fx.GraphModule, fold: Fold) -> None:
     """Each gradient sum over parameters of several blocks becomes one sum per block (and one for the root's)."""
     for node in [n for n in gm.graph.nodes if n.target is sum_group_grads]:
         members, layouts, *rest, _ = node.args
+        if any(m.op != "get_attr" for m in members) or any(u.target is not operator.getitem for u in node.users):
+            continue  # not as rewrite._sum_gradients makes it: left whole (the blocks it reads stay in the root)
         parts: dict = {}
         for k, member in enumerate(members):
             parts.setdefault(fold.block_of_name(member.target), []).append(k)
         if len(parts) < 2:
             continue
-        items = {user.args[1]: user for user in node.users}  # every use is a getitem (rewrite._sum_gradients)
+        items = {user.args[1]: user for user in node.users}
         for ks in parts.values():
             where = " and ".join(f"parameter {members[k].target}" for k in ks[:3]) + (" and more" * (len(ks) > 3))
             with gm.graph.inserting_before(node):

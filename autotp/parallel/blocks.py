@@ -21,6 +21,7 @@ import torch
 from torch.fx import Node
 
 from autotp.passes.fold import Fold, scope_block
+from autotp.passes.rewrite import summed_where
 from autotp.runtime.collectives import sum_group_grads
 
 
@@ -63,11 +64,10 @@ def _sums_per_block(gm: torch.fx.GraphModule, fold: Fold) -> None:
             continue
         items = {user.args[1]: user for user in node.users}
         for ks in parts.values():
-            where = " and ".join(f"parameter {members[k].target}" for k in ks[:3]) + (" and more" * (len(ks) > 3))
+            part_members = [members[k] for k in ks]
             with gm.graph.inserting_before(node):
                 part = gm.graph.call_function(
-                    sum_group_grads,
-                    ([members[k] for k in ks], [layouts[k] for k in ks], *rest, where),
+                    sum_group_grads, (part_members, [layouts[k] for k in ks], *rest, summed_where(part_members))
                 )
             for j, k in enumerate(ks):
                 if k in items:

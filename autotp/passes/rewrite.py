@@ -111,6 +111,11 @@ def _where(node: Node) -> str:
     return f"{node.name} ({node.target}) in {module_path(node) or 'the top-level module'}"
 
 
+def summed_where(members: list) -> str:
+    """The parameters one gradient sum covers, as its error names them (the first three, then a count)."""
+    return " and ".join(_where(m) for m in members[:3]) + (f" and {len(members) - 3} more" if len(members) > 3 else "")
+
+
 def _sum_gradients(graph: torch.fx.Graph, members: list, layouts: list, rank: int, world: int, group: str) -> list:
     """One backward all-reduce sums the gradients of these parameters where ranks hold parts of them: units
     shared by several ranks (vLLM's replicated KV heads; a multi-query projection's weight and bias together),
@@ -121,7 +126,7 @@ def _sum_gradients(graph: torch.fx.Graph, members: list, layouts: list, rank: in
     last = members[0]
     while last.next in members:
         last = last.next
-    where = " and ".join(_where(m) for m in members[:3]) + (f" and {len(members) - 3} more" if len(members) > 3 else "")
+    where = summed_where(members)
     with graph.inserting_after(last):
         summed = graph.call_function(collectives.sum_group_grads, (list(members), layouts, rank, world, group, where))
     items = []

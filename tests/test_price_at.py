@@ -29,7 +29,9 @@ def test_a_small_capture_priced_at_a_run_shape_plans_as_that_shape():
     direct = autotp.plan(model, (), {"input_ids": _ids(16, 2048)}, world_size=2, training=False)
     assert priced.nodes == direct.nodes and priced.params == direct.params
     assert priced.cost["seconds"] == pytest.approx(direct.cost["seconds"], rel=1e-9)
-    assert priced.cost["seconds"] > 2 * small.cost["seconds"]  # the run's tokens are priced, not the example's
+    # the run's tokens are priced, not the example's: its KV cache is theirs (16 x 2048 tokens, not 2 x 8)
+    assert priced.cost["memory"]["kv_cache"] == small.cost["memory"]["kv_cache"] * (16 * 2048) / (2 * 8)
+    assert priced.cost["seconds"] > small.cost["seconds"]
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ off, which is what the flattened products' rewrite matches).  passes/prepared_gr
 
 from __future__ import annotations
 
+from autotp.canonicalize.causal_masks import causal_masks
 from autotp.canonicalize.flattened_products import unflatten_products
 from autotp.canonicalize.flattened_rows import unflatten_rows
 from autotp.canonicalize.group_cuts import cuts_to_gathers
@@ -31,6 +32,7 @@ REWRITES = (
     unflatten_products,  # GPT-2's Conv1D: the product on unflattened tokens
     fuse_repeat_kv,  # repeat_kv: one repeat_interleave
     drop_no_ops,  # asserts, casts to the same dtype, unneeded contiguous, whole slices: gone
+    causal_masks,  # a mask built from sizes alone, proved causal: attention's is_causal
     spell_out_norms,  # a norm inside a sublayer: its statistics
     unflatten_rows,  # rows flattened for a row-wise op: kept apart
     out_of_place,  # an in-place op on a new tensor: its out-of-place twin

@@ -16,6 +16,7 @@ from autotp.cost_models import collective_time, reshard_time
 from autotp.cost_models.compute import dequantize_time, op_time, product_time
 from autotp.cost_models.memory import state_factor
 from autotp.cost_models.topology import Topology
+from autotp.ops.keeps import whole_groups
 from autotp.ops.strategies import input_slots, is_placed
 from autotp.ops.table import flops, is_product, op
 from autotp.passes.kept_tensors import element_bytes, kept, kept_gathered
@@ -266,7 +267,12 @@ def kept_bytes(node: Node, strategy, sizes: Sizes, world: int, grad: set) -> lis
     found = []
     for item in kept(node, strategy, grad):
         share = sizes.experts.held(item.tensor, item.placement, world)
-        found.append(((item.tensor, item.kind, round(share, 9)), element_bytes(item, sizes.numel(item.tensor)) * share))
+        held = element_bytes(item, sizes.numel(item.tensor)) * share
+        if item.kind == "grouped":  # keys or values kept unrepeated where each rank reads whole groups
+            repeats = item.tensor.args[1]
+            heads = int(item.tensor.meta["val"].shape[1])
+            held /= repeats if whole_groups(item.placement, heads, repeats, world) else 1
+        found.append(((item.tensor, item.kind, round(share, 9)), held))
     return found
 
 

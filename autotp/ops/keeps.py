@@ -3,7 +3,11 @@ for the output; kind, or None for the value).  passes/kept_tensors.py prices the
 
 from __future__ import annotations
 
+import torch
 from torch.fx import Node
+from torch.fx.operator_schemas import normalize_function
+
+from autotp.placement import Replicate, Shard
 
 
 def keeps_nothing(node, grad):
@@ -44,9 +48,40 @@ def keeps_normalized(node, grad):
 
 
 def keeps_attention(node, grad):
-    """SDPA's fused kernels keep q, k, v, the mask, the output and the log-sum-exp of each row (fp32)."""
+    """SDPA's fused kernels keep q, k, v, the mask, the output and the log-sum-exp of each row (fp32); keys and
+    values repeated per query head are kept unrepeated where the program passes them so (``grouped``)."""
     mask = sum(isinstance(a, Node) for a in node.args[3:4]) + isinstance(node.kwargs.get("attn_mask"), Node)
-    return [(0, None), (1, None), (2, None), *((3, "additive") for _ in range(mask)), (None, None), (None, "stats")]
+    kv = "grouped" if grouped_kv(node) else None
+    return [(0, None), (1, kv), (2, kv), *((3, "additive") for _ in range(mask)), (None, None), (None, "stats")]
+
+
+def grouped_kv(node: Node) -> int | None:
+    """How many query heads share a KV head where attention without a mask reads its keys and values through
+    one ``repeat_interleave`` of heads each (grouped-query attention): the rank's program passes them unrepeated
+    (``enable_gqa``, ops/local_forms.attention), as transformers does in eager mode; None otherwise."""
+    bound = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True).kwargs
+    if bound["attn_mask"] is not None or bound["enable_gqa"]:
+        return None
+    found = {_heads_repeated(bound["key"]), _heads_repeated(bound["value"])}
+    return found.pop() if len(found) == 1 and None not in found else None
+
+
+def _heads_repeated(kv) -> int | None:
+    if not isinstance(kv, Node) or kv.target != torch.ops.aten.repeat_interleave.self_int or kv.kwargs:
+        return None
+    _, repeats, *at = kv.args
+    return repeats if isinstance(repeats, int) and at and kv.meta["val"].dim() == 4 and at[0] % 4 == 1 else None
+
+
+def whole_groups(placement, heads: int, repeats: int, world: int) -> bool:
+    """Every rank holds whole groups of ``repeats`` query heads in ``placement`` (of ``heads`` along dim 1): its
+    heads then read its own KV heads in order, unrepeated."""
+    if isinstance(placement, Replicate):
+        return True
+    if not isinstance(placement, Shard) or placement.dim != 1 or placement.chunks is not None:
+        return False
+    ranges = [placement.ranges(heads, rank, world) for rank in range(world)]
+    return all(len(r) == 1 and r[0][0] % repeats == 0 and r[0][1] % repeats == 0 for r in ranges)
 
 
 def keeps_index(node, grad):

@@ -228,7 +228,9 @@ def dropout(node: Node, strategy, rank: int, world: int) -> None:
 
 
 def attention(node: Node, strategy, rank: int, world: int) -> None:
-    """Attention with dropout_p: this rank's heads of the mask, drawn as ``dropout`` draws it."""
+    """Keys and values repeated per query head passed unrepeated (``grouped_kv``); with dropout_p, this rank's
+    heads of the mask, drawn as ``dropout`` draws it."""
+    _unrepeat_kv(node)
     bound = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True).kwargs
     if not bound["dropout_p"]:
         return
@@ -247,6 +249,54 @@ def attention(node: Node, strategy, rank: int, world: int) -> None:
         world,
     )
     _to_module(node, module, (bound["query"], bound["key"], bound["value"], bound["attn_mask"]))
+
+
+def _unrepeat_kv(node: Node) -> None:
+    """``attention(q, repeat_interleave(k, n, 1), repeat_interleave(v, n, 1))`` without a mask is
+    ``attention(q, k, v, enable_gqa=True)`` by enable_gqa's definition: the kernels read each KV head for its n
+    query heads without the copies, and keep only k and v for the backward.  A rank's repeat of its heads
+    (kernels.repeat_heads) is one when it starts and ends on whole groups."""
+    bound = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True).kwargs
+    if bound["attn_mask"] is not None or bound["enable_gqa"]:
+        return
+    found = [_heads_unrepeated(bound[name]) for name in ("key", "value")]
+    if None in found or found[0][1] != found[1][1]:
+        return
+    unrepeated = []
+    for source, _, first, count in found:
+        if first is None:
+            unrepeated.append(source)
+            continue
+        with node.graph.inserting_before(node):
+            narrowed = node.graph.call_function(torch.ops.aten.narrow.default, (source, 1, first, count))
+        narrowed.meta = dict(source.meta)  # the full tensor's value, as every node of the program carries
+        unrepeated.append(narrowed)
+    repeats = [bound[name] for name in ("key", "value")]
+    node.args = (bound["query"], *unrepeated)
+    node.kwargs = {k: v for k, v in bound.items() if k not in ("query", "key", "value")} | {"enable_gqa": True}
+    for repeat in dict.fromkeys(repeats):
+        if not repeat.users:
+            node.graph.erase_node(repeat)
+
+
+def _heads_unrepeated(kv) -> tuple | None:
+    """(KV heads, repeats, first, count): ``kv`` is ``source`` repeated per head, of ``source``'s heads
+    [first, first + count) (first None: all); None if it is not."""
+    if not isinstance(kv, Node) or kv.op != "call_function" or kv.kwargs:
+        return None
+    if kv.target == torch.ops.aten.repeat_interleave.self_int and len(kv.args) == 3:
+        source, repeats, at = kv.args
+        return (source, repeats, None, None) if isinstance(repeats, int) and _heads_dim(kv, at) else None
+    if kv.target is kernels.repeat_heads:
+        source, repeats, at, in_start, out_start, out_len = kv.args
+        if _heads_dim(kv, at) and out_start % repeats == 0 and out_len % repeats == 0:
+            return source, repeats, out_start // repeats - in_start, out_len // repeats
+    return None
+
+
+def _heads_dim(kv: Node, at: int) -> bool:
+    """``at`` is attention's heads dim of 4-d ``kv``."""
+    return kv.meta["val"].dim() == 4 and at % 4 == 1
 
 
 def depthwise_groups(node: Node, strategy, rank: int, world: int) -> None:

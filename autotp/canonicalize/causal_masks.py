@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable
+from typing import NamedTuple
 
 import sympy
 import torch
@@ -30,6 +31,13 @@ INDEX = [sympy.Symbol(f"i{d}", integer=True, nonnegative=True) for d in range(8)
 
 class Unknown(Exception):
     """The evaluator cannot say what an element is: the mask stays."""
+
+
+class Result(NamedTuple):
+    """What an op makes, as its rule needs to know before evaluating it."""
+
+    shape: tuple
+    dtype: torch.dtype
 
 
 class Formula:
@@ -108,7 +116,7 @@ def evaluate(node, seen: dict):
     else:
         args = [_arg(a, seen) for a in node.args]
         kwargs = {k: _arg(v, seen) for k, v in node.kwargs.items()}
-        out = Formula(sympy.nan, _shape(value), value.dtype)  # the result's shape and dtype
+        out = Result(_shape(value), value.dtype)
         found = Formula(OPS[node.target](*args, **kwargs, out=out), out.shape, out.dtype)
     seen[node] = found
     return found
@@ -126,7 +134,7 @@ def _shape(value: torch.Tensor) -> tuple:
     return tuple(sympy.sympify(s.node.expr if isinstance(s, torch.SymInt) else s) for s in value.shape)
 
 
-def _element(x, out: Formula):
+def _element(x, out: Result):
     """An operand of an elementwise op, broadcast to the result's shape: a Formula's element, or a scalar."""
     return x.broadcast(out.shape) if isinstance(x, Formula) else x
 

@@ -153,3 +153,27 @@ def test_whole_groups():
     assert whole_groups(Shard(1), 8, 2, 2) and whole_groups(Shard(1), 8, 2, 4)
     assert not whole_groups(Shard(1), 8, 4, 4)  # two query heads a rank, half a group
     assert not whole_groups(Shard(2), 8, 2, 2)
+
+
+@pytest.mark.parametrize(("world", "placement"), [(2, "S(1)"), (4, "S(1)"), (2, "R")])
+def test_the_plan_prices_kv_kept_as_the_rank_keeps_them(world, placement):
+    """K and V kept for the backward, priced: unrepeated (2 KV heads of 4 query heads) where each rank's query heads
+    are whole groups (S(1) at TP 2, or all of them), repeated where it holds half a group (TP 4)."""
+    from transformers import LlamaForCausalLM
+
+    from autotp.cost_models.pricing import Sizes, kept_bytes
+    from autotp.ops.strategies import Strategy, input_slots
+    from autotp.placement import parse
+
+    torch.manual_seed(0)
+    gm = prepared_graph(LlamaForCausalLM(configs.llama()), (torch.randint(0, 96, (2, 8)),))
+    node = _attention(gm)[0]
+    layout = parse(placement)
+    strategy = Strategy(tuple(layout for _ in input_slots(node)), layout)
+    key, sizes = node.args[1], Sizes()  # the example's sizes
+    held = {k[0]: b for k, b in kept_bytes(node, strategy, sizes, world, set(gm.graph.nodes))}
+    share = 1 if placement == "R" else 1 / world
+    repeated = sizes.numel(key) * 4 * share  # fp32
+    unrepeated = sizes.numel(key.args[0]) * 4 * share
+    assert repeated == 2 * unrepeated
+    assert held[key] == (repeated if world == 4 else unrepeated)

@@ -29,14 +29,17 @@ def _unmasked(node: torch.fx.Node) -> bool:
 
 
 class SizedMask(torch.nn.Module):
-    """Attention under a mask built from the sequence length by ``rule(key index, query index)``; ``shift``:
-    the indices read through ``arange(s)[arange(s) - shift]``, which wraps the first ones around to the end."""
+    """Attention under a mask built from the sequence length by ``rule(key index, query index)``, or by
+    ``rule(length)`` with ``triangle``; ``shift``: the indices read through ``arange(s)[arange(s) - shift]``, which
+    wraps the first ones around to the end."""
 
-    def __init__(self, rule, shift: int = 0):
+    def __init__(self, rule, shift: int = 0, triangle: bool = False):
         super().__init__()
-        self.rule, self.shift = rule, shift
+        self.rule, self.shift, self.triangle = rule, shift, triangle
 
     def forward(self, x):
+        if self.triangle:
+            return F.scaled_dot_product_attention(x, x, x, attn_mask=self.rule(x.shape[2]))
         positions = torch.arange(x.shape[2], device=x.device)
         if self.shift:
             positions = positions[positions - self.shift]
@@ -56,10 +59,22 @@ RULES = {  # name: (mask, what attention becomes: causal, unmasked or left maske
 }
 
 
-@pytest.mark.parametrize("name", [*RULES, "causal on indices that wrap around"])
+TRIANGLES = {  # name: (mask of a length, what attention becomes)
+    "ones, lower triangle": (lambda s: torch.ones(s, s, dtype=torch.bool).tril(), "causal"),
+    "not the upper triangle above the diagonal": (lambda s: ~torch.ones(s, s, dtype=torch.bool).triu(1), "causal"),
+    "full of true, lower triangle": (lambda s: torch.full((s, s), True).tril(), "causal"),
+    "lower triangle below the diagonal": (lambda s: torch.ones(s, s, dtype=torch.bool).tril(-1), "masked"),
+    "a band": (lambda s: torch.ones(s, s, dtype=torch.bool).tril().triu(-2), "masked"),
+}
+
+
+@pytest.mark.parametrize("name", [*RULES, "causal on indices that wrap around", *TRIANGLES])
 def test_only_a_mask_proved_causal_or_true_is_dropped(name):
-    rule, becomes = RULES.get(name, (RULES["causal"][0], "masked"))
-    model, x = SizedMask(rule, shift=int("wrap" in name)), torch.randn(2, 3, 6, 4)
+    if name in TRIANGLES:
+        (rule, becomes), triangle = TRIANGLES[name], True
+    else:
+        (rule, becomes), triangle = RULES.get(name, (RULES["causal"][0], "masked")), False
+    model, x = SizedMask(rule, shift=int("wrap" in name), triangle=triangle), torch.randn(2, 3, 6, 4)
     gm = prepared_graph(model, (x,))
     (node,) = _attention(gm)
     assert _causal(node) == (becomes == "causal")

@@ -95,8 +95,16 @@ def _proved(mask: Node) -> str | None:
     if found is sympy.true:
         return "everything"
     query, key = INDEX[value.dim() - 2], INDEX[value.dim() - 1]
-    causal = isinstance(found, sympy.core.relational.Relational) and found.canonical == sympy.Le(key, query).canonical
-    return "causal" if causal else None
+    return "causal" if _at_most_zero(found) == key - query else None
+
+
+def _at_most_zero(found) -> sympy.Basic | None:
+    """An integer comparison as ``d <= 0`` (``a < b``: ``a - b + 1 <= 0``), d expanded; None for anything else."""
+    sides = {sympy.Le: (1, 0), sympy.Lt: (1, 1), sympy.Ge: (-1, 0), sympy.Gt: (-1, 1)}.get(type(found))
+    if sides is None or not (found.lhs - found.rhs).is_integer:
+        return None
+    sign, strict = sides
+    return sympy.expand(sign * (found.lhs - found.rhs) + strict)
 
 
 def evaluate(node, seen: dict):
@@ -265,6 +273,23 @@ def _index(x: Formula, indices, *, out) -> sympy.Basic:
     return x.at([*INDEX[:first], *(picked_at(d) for d in used), *kept_after])
 
 
+def _triangle(upper: bool) -> Callable:
+    """tril / triu: the elements on and below (above) diagonal ``k`` of the last two dims, zeros elsewhere."""
+
+    def rule(x: Formula, k=0, *, out) -> sympy.Basic:
+        row, col = INDEX[len(out.shape) - 2], INDEX[len(out.shape) - 1]
+        kept = sympy.Ge(col - row, k) if upper else sympy.Le(col - row, k)
+        if x.dtype == torch.bool:
+            return sympy.And(x.expr, kept)
+        return sympy.Piecewise((x.expr, kept), (0, True))
+
+    return rule
+
+
+def _full(size, value, *, out, **kwargs):
+    return sympy.sympify(bool(value)) if out.dtype == torch.bool else value
+
+
 def _where(cond, a, b, *, out):
     return sympy.Piecewise((_element(a, out), _element(cond, out)), (_element(b, out), True))
 
@@ -276,6 +301,9 @@ OPS: dict = {
     aten.new_ones.default: lambda x, size, **k: _filled(1)(**k),
     aten.new_zeros.default: lambda x, size, **k: _filled(0)(**k),
     aten.ones.default: lambda size, **k: _filled(1)(**k),
+    aten.full.default: _full,
+    aten.tril.default: _triangle(upper=False),
+    aten.triu.default: _triangle(upper=True),
     aten.zeros.default: lambda size, **k: _filled(0)(**k),
     aten.add.Tensor: _arithmetic(operator.add),
     aten.sub.Tensor: _arithmetic(operator.sub),

@@ -280,7 +280,7 @@ def _unrepeat_kv(node: Node) -> None:
 
 
 def _heads_unrepeated(kv) -> tuple | None:
-    """(KV heads, repeats, first, count): ``kv`` is ``source`` repeated per head, of ``source``'s heads
+    """(source, repeats, first, count): ``kv`` is ``source`` repeated per head, of ``source``'s heads
     [first, first + count) (first None: all); None if it is not."""
     if not isinstance(kv, Node) or kv.op != "call_function" or kv.kwargs:
         return None

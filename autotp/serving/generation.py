@@ -11,6 +11,7 @@ buffers, so the prefill and the one-token step are one graph each (serving/decod
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections import OrderedDict
 
@@ -44,11 +45,17 @@ class _CachedLM(torch.nn.Module):
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=self.cache,
             cache_position=cache_position,
             use_cache=True,
             logits_to_keep=1,
+            **{cache_keyword(self.model): self.cache},
         ).logits
+
+
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The keyword a transformers model takes its KV cache by: ``cache`` since 5.24 (``past_key_values`` is
+    deprecated there, removed in 5.40), ``past_key_values`` in a model written before."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def dtype_of(model: torch.nn.Module) -> torch.dtype:

@@ -26,7 +26,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from autotp.runtime.paged_attention import paged_attention
-from autotp.serving.generation import ResidentShards, dtype_of, kv_heads_and_dim
+from autotp.serving.generation import ResidentShards, cache_keyword, dtype_of, kv_heads_and_dim
 
 PREFIX = "model."  # the step wrapper holds the model as ``model``
 ATTENTION = "autotp_paged"  # transformers' attention implementation while the step program is captured
@@ -161,10 +161,10 @@ class PagedLM(torch.nn.Module):
             return self.model(
                 input_ids=input_ids,
                 position_ids=position_ids,
-                past_key_values=cache,
                 use_cache=True,
                 logits_to_keep=1,
                 autotp_paged=step,
+                **{cache_keyword(self.model): cache},
             ).logits[:, -1]
         finally:
             config._attn_implementation = kept

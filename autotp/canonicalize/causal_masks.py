@@ -25,6 +25,8 @@ import torch
 from torch.fx import Node
 from torch.fx.operator_schemas import normalize_function
 
+from autotp.canonicalize.graph_edits import erase_unused
+
 aten = torch.ops.aten
 INDEX = [sympy.Symbol(f"i{d}", integer=True, nonnegative=True) for d in range(8)]  # a tensor's element indices
 
@@ -75,10 +77,10 @@ def causal_masks(gm: torch.fx.GraphModule) -> None:
         if found is None:
             continue
         node.args = (bound["query"], bound["key"], bound["value"])
-        node.kwargs = {k: v for k, v in bound.items() if k not in ("query", "key", "value", "attn_mask")}
-        node.kwargs = {**node.kwargs, "is_causal": found == "causal"}
+        kept = {k: v for k, v in bound.items() if k not in ("query", "key", "value", "attn_mask")}
+        node.kwargs = {**kept, "is_causal": found == "causal"}
         dropped.append(mask)
-    _erase_unread(gm.graph, dropped)
+    erase_unused(gm.graph, dropped, also=OPS)  # the mask and what only it read
     gm.graph.lint()
     gm.recompile()
 
@@ -342,16 +344,3 @@ OPS: dict = {
     aten.alias.default: _same,
     aten.contiguous.default: _same,
 }
-
-
-def _erase_unread(graph: torch.fx.Graph, masks: list) -> None:
-    """Erase the dropped masks and what only they read, back to the first op the evaluator does not know."""
-    todo, erased = list(masks), set()
-    while todo:
-        node = todo.pop()
-        known = node.op == "call_function" and (node.target in OPS or node.target == aten.sym_size.int)
-        if node in erased or node.users or not known:
-            continue
-        todo += node.all_input_nodes
-        graph.erase_node(node)
-        erased.add(node)

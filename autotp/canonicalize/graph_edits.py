@@ -3,6 +3,8 @@ keeps everything, and where a node or an attribute comes from."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 from torch.fx import Node
 
@@ -34,14 +36,17 @@ def getattr_path(gm: torch.nn.Module, target: str):
     return value
 
 
-def erase_unused(graph: torch.fx.Graph, nodes) -> None:
+def erase_unused(graph: torch.fx.Graph, nodes, also: Collection = ()) -> None:
     """Erase the given nodes that nothing reads any more, and then what only they read, back to the first op that
-    is no pure view or product."""
+    is no pure view or product (nor one of ``also``: ops a rewrite knows to be free of effects)."""
     todo, erased = list(nodes), set()
     while todo:
         node = todo.pop()
         pure = node.op == "call_function" and (
-            may_alias(node.target) or "pure" in op(node.target).tags or node.target == aten.sym_size.int
+            may_alias(node.target)
+            or "pure" in op(node.target).tags
+            or node.target == aten.sym_size.int
+            or node.target in also
         )
         if pure and not node.users and node not in erased:
             todo += node.all_input_nodes

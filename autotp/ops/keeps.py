@@ -62,15 +62,21 @@ def grouped_kv(node: Node) -> int | None:
     bound = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True).kwargs
     if bound["attn_mask"] is not None or bound["enable_gqa"]:
         return None
-    found = {_heads_repeated(bound["key"]), _heads_repeated(bound["value"])}
+    found = {heads_repeated(bound["key"]), heads_repeated(bound["value"])}
     return found.pop() if len(found) == 1 and None not in found else None
 
 
-def _heads_repeated(kv) -> int | None:
+def heads_repeated(kv) -> int | None:
+    """n where ``kv`` is ``repeat_interleave(x, n, 1)`` of attention's 4-d keys or values, else None."""
     if not isinstance(kv, Node) or kv.target != torch.ops.aten.repeat_interleave.self_int or kv.kwargs:
         return None
     _, repeats, *at = kv.args
-    return repeats if isinstance(repeats, int) and at and kv.meta["val"].dim() == 4 and at[0] % 4 == 1 else None
+    return repeats if isinstance(repeats, int) and at and heads_dim(kv, at[0]) else None
+
+
+def heads_dim(kv: Node, at: int) -> bool:
+    """``at`` is attention's heads dim of 4-d ``kv``."""
+    return kv.meta["val"].dim() == 4 and at % 4 == 1
 
 
 def whole_groups(placement, heads: int, repeats: int, world: int) -> bool:

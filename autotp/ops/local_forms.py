@@ -15,6 +15,7 @@ from torch.fx.operator_schemas import normalize_function
 
 from autotp.ops.channel_rules import conv_groups
 from autotp.ops.expert_rules import GROUPED_MM_FALLBACK, is_grouped_mm, offsets
+from autotp.ops.keeps import heads_dim, heads_repeated
 from autotp.ops.layout_rules import block_of, constant_positions, cut_range, gathered, pieces_of
 from autotp.ops.rules import held_heads, separate_pieces
 from autotp.ops.strategies import token_inputs
@@ -282,21 +283,14 @@ def _unrepeat_kv(node: Node) -> None:
 def _heads_unrepeated(kv) -> tuple | None:
     """(source, repeats, first, count): ``kv`` is ``source`` repeated per head, of ``source``'s heads
     [first, first + count) (first None: all); None if it is not."""
-    if not isinstance(kv, Node) or kv.op != "call_function" or kv.kwargs:
-        return None
-    if kv.target == torch.ops.aten.repeat_interleave.self_int and len(kv.args) == 3:
-        source, repeats, at = kv.args
-        return (source, repeats, None, None) if isinstance(repeats, int) and _heads_dim(kv, at) else None
-    if kv.target is kernels.repeat_heads:
+    repeats = heads_repeated(kv)
+    if repeats is not None:
+        return kv.args[0], repeats, None, None
+    if isinstance(kv, Node) and kv.target is kernels.repeat_heads:
         source, repeats, at, in_start, out_start, out_len = kv.args
-        if _heads_dim(kv, at) and out_start % repeats == 0 and out_len % repeats == 0:
+        if heads_dim(kv, at) and out_start % repeats == 0 and out_len % repeats == 0:
             return source, repeats, out_start // repeats - in_start, out_len // repeats
     return None
-
-
-def _heads_dim(kv: Node, at: int) -> bool:
-    """``at`` is attention's heads dim of 4-d ``kv``."""
-    return kv.meta["val"].dim() == 4 and at % 4 == 1
 
 
 def depthwise_groups(node: Node, strategy, rank: int, world: int) -> None:
